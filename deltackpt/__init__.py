@@ -1,5 +1,34 @@
-"""deltackpt: incremental, checksummed, crash-safe checkpoints and weight sync for PyTorch."""
+"""deltackpt: incremental, checksummed, crash-safe checkpoints and weight sync for PyTorch.
+
+>>> import deltackpt
+>>> info = deltackpt.save({"model": model.state_dict(), "step": 100}, "ckpts", "step-100")  # doctest: +SKIP
+>>> state = deltackpt.load("ckpts")                      # the latest committed snapshot  # doctest: +SKIP
+"""
 
 from __future__ import annotations
 
+from deltackpt import errors
+from deltackpt.lifecycle import GcReport, VerifyReport, delete, gc, snapshots, verify
+from deltackpt.loading import load
+from deltackpt.options import LoadOptions, SaveOptions
+from deltackpt.saving import save
+from deltackpt.store import SnapshotInfo, Store, open_store
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "GcReport",
+    "LoadOptions",
+    "SaveOptions",
+    "SnapshotInfo",
+    "Store",
+    "VerifyReport",
+    "delete",
+    "errors",
+    "gc",
+    "load",
+    "open_store",
+    "save",
+    "snapshots",
+    "verify",
+]

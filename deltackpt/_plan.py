@@ -1,0 +1,190 @@
+"""Save planning (no I/O): which byte ranges a state consists of and how they map onto chunks.
+
+A *source* is one contiguous run of bytes to store: a tensor's bytes, or the covering byte range of
+a storage that several tensors view (tied weights). Sources of at least ``small_bytes`` are cut into
+``chunk_bytes`` chunks at fixed offsets, so an unchanged region of a tensor always yields the same
+chunk digests (dedupe, deltas). Smaller sources are packed in tree order into group chunks, so a
+state with thousands of tiny tensors does not become thousands of tiny objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deltackpt._dtypes import dtype_name
+from deltackpt._tree import Leaf, Node, flatten
+
+GROUP_ALIGN = 64  # small tensors start at this alignment inside a group chunk
+
+
+@dataclass
+class Source:
+    key: str  # names the bytes across saves (tensor path, or first path of a shared storage)
+    data: torch.Tensor  # 1-D uint8 contiguous view of the bytes (may alias live memory)
+    itemsize: int  # element size, for byte-grouped encodings
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+@dataclass
+class EntryPlan:
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    parameter: bool
+    requires_grad: bool
+    source: int | None = None  # whole-tensor bytes
+    storage: tuple[int, int, tuple[int, ...]] | None = None  # (storage id, byte offset, stride)
+
+
+@dataclass
+class ChunkSpec:
+    parts: list[tuple[int, int, int]]  # (source, start in source, length), laid out back to back
+    size: int
+    itemsize: int
+    ref_key: str | None  # "<source key>#<chunk index>" for whole-source chunks; None for groups
+    offsets: list[int] = field(default_factory=list)  # where each part starts in the chunk
+
+
+@dataclass
+class SavePlan:
+    tree: Node
+    entries: list[EntryPlan]
+    storage_sources: list[int]  # storage id -> source index
+    sources: list[Source]
+    chunks: list[ChunkSpec]
+    source_slices: list[list[tuple[int, int, int]]]  # per source: (chunk, start in chunk, length)
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(s.nbytes for s in self.sources)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    st = t.untyped_storage()
+    if st.nbytes() == 0:
+        return None
+    return (str(t.device), st.data_ptr())
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [lo, hi) of the storage that ``t`` touches."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    if t.numel() == 0:
+        return lo, lo
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return lo, lo + (last + 1) * size
+
+
+def plan_state(
+    state: Any, chunk_bytes: int, small_bytes: int, allow_pickle: bool = False
+) -> SavePlan:
+    tree, leaves = flatten(state, allow_pickle=allow_pickle)
+    entries: list[EntryPlan] = []
+    sources: list[Source] = []
+    storage_sources: list[int] = []
+
+    by_storage: dict[tuple[str, int], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        k = _storage_key(leaf.tensor)
+        if k is not None:
+            by_storage.setdefault(k, []).append(i)
+    shared: dict[int, tuple[int, int]] = {}  # leaf index -> (storage id, lo of the storage range)
+    for idxs in by_storage.values():
+        if len(idxs) < 2:
+            continue
+        ranges = [_extent(leaves[i].tensor) for i in idxs]
+        lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        t0 = leaves[idxs[0]].tensor
+        region = torch.empty(0, dtype=torch.uint8, device=t0.device).set_(
+            t0.untyped_storage(), lo, (hi - lo,), (1,)
+        )
+        sid = len(storage_sources)
+        storage_sources.append(len(sources))
+        sources.append(Source(leaves[idxs[0]].path, region.detach(), 1))
+        for i in idxs:
+            shared[i] = (sid, lo)
+
+    for i, leaf in enumerate(leaves):
+        entries.append(_entry(leaf, i, shared, sources))
+
+    chunks, slices = layout_chunks(
+        [s.nbytes for s in sources],
+        [s.itemsize for s in sources],
+        [s.key for s in sources],
+        chunk_bytes,
+        small_bytes,
+    )
+    return SavePlan(tree, entries, storage_sources, sources, chunks, slices)
+
+
+def _entry(
+    leaf: Leaf, i: int, shared: dict[int, tuple[int, int]], sources: list[Source]
+) -> EntryPlan:
+    t = leaf.tensor
+    e = EntryPlan(
+        path=leaf.path,
+        dtype=dtype_name(t.dtype, leaf.path),
+        shape=tuple(t.shape),
+        parameter=isinstance(t, torch.nn.Parameter),
+        requires_grad=bool(t.requires_grad),
+    )
+    if i in shared:
+        sid, lo = shared[i]
+        e.storage = (sid, t.storage_offset() * t.element_size() - lo, tuple(t.stride()))
+    else:
+        e.source = len(sources)
+        sources.append(Source(leaf.path, _as_bytes(t), t.element_size()))
+    return e
+
+
+def layout_chunks(
+    sizes: list[int],
+    itemsizes: list[int],
+    keys: list[str],
+    chunk_bytes: int,
+    small_bytes: int,
+) -> tuple[list[ChunkSpec], list[list[tuple[int, int, int]]]]:
+    """Cut sources into chunks. Pure: the same sizes always give the same layout."""
+    chunks: list[ChunkSpec] = []
+    slices: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
+    group: ChunkSpec | None = None
+    for si, n in enumerate(sizes):
+        if n == 0:
+            continue
+        if n >= small_bytes:
+            for ci, start in enumerate(range(0, n, chunk_bytes)):
+                length = min(chunk_bytes, n - start)
+                slices[si].append((len(chunks), 0, length))
+                chunks.append(
+                    ChunkSpec([(si, start, length)], length, itemsizes[si], f"{keys[si]}#{ci}", [0])
+                )
+            continue
+        pos = -(-group.size // GROUP_ALIGN) * GROUP_ALIGN if group else 0
+        if group is None or pos + n > chunk_bytes:
+            group = ChunkSpec([], 0, 1, None)
+            chunks.append(group)
+            pos = 0
+        slices[si].append((len(chunks) - 1, pos, n))
+        group.parts.append((si, 0, n))
+        group.offsets.append(pos)
+        group.size = pos + n
+    return chunks, slices

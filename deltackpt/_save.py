@@ -1,0 +1,244 @@
+"""The save pipeline after planning: hash -> dedupe -> encode -> write -> commit.
+
+Each chunk is one job on a thread pool; a job hashes its bytes (xxh3), skips the chunk if the store
+or this save already holds that digest, otherwise encodes it (codecs probe cheaply and fall back to
+raw) and appends it to its thread's pack. xxhash, zstandard, numpy and os.writev release the GIL,
+so the pool really runs on every core. Packs are fsynced before the manifest is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deltackpt import codecs
+from deltackpt._fsutil import fsync_dir
+from deltackpt._hashing import digest
+from deltackpt._plan import ChunkSpec, SavePlan
+from deltackpt.manifest import ChunkRecord, Manifest, Slice, Stats, StorageView, TensorEntry
+from deltackpt.options import SaveOptions
+from deltackpt.pack import PackWriter
+from deltackpt.store import SnapshotInfo, Store
+
+SourceArray = Callable[[int], np.ndarray]  # source index -> its bytes as a uint8 numpy array
+
+
+@dataclass
+class DeltaRef:
+    """The raw bytes of a chunk as last committed by this process: the base of an xor delta."""
+
+    digest: str
+    data: np.ndarray
+    depth: int  # how many xor links lead from this chunk to a keyframe
+
+
+@dataclass
+class WriteResult:
+    digests: list[str]
+    records: dict[str, ChunkRecord]  # digest -> record, for every chunk the plan references
+    chunks_new: int
+    chunks_reused: int
+    pack_bytes: int
+    refs: dict[str, DeltaRef]  # updated delta references (applied after commit)
+
+
+def chunk_view(
+    spec: ChunkSpec, source_array: SourceArray, scratch: dict[int, np.ndarray], ci: int
+) -> np.ndarray:
+    """The chunk's raw bytes: a view of its source, or small sources gathered into a buffer."""
+    if spec.ref_key is not None:
+        si, start, length = spec.parts[0]
+        return source_array(si)[start : start + length]
+    buf = scratch.get(ci)
+    if buf is None or buf.size != spec.size:
+        buf = np.zeros(spec.size, dtype=np.uint8)
+        scratch[ci] = buf
+    pos_end = 0
+    for (si, start, length), off in zip(spec.parts, spec.offsets, strict=True):
+        if off > pos_end:
+            buf[pos_end:off] = 0  # alignment padding: keep it deterministic
+        buf[off : off + length] = source_array(si)[start : start + length]
+        pos_end = off + length
+    return buf
+
+
+def write_chunks(
+    store: Store,
+    plan: SavePlan,
+    source_array: SourceArray,
+    opts: SaveOptions,
+    pool: ThreadPoolExecutor,
+    index: dict[str, ChunkRecord],
+    refs: dict[str, DeltaRef] | None,
+) -> WriteResult:
+    """Hash, dedupe, encode and append every chunk of ``plan``; fsync the packs."""
+    n = len(plan.chunks)
+    digests = [""] * n
+    new_records: dict[str, ChunkRecord] = {}
+    claimed: set[str] = set()
+    lock = threading.Lock()
+    writers: dict[int, PackWriter] = {}
+    group_bufs: dict[int, np.ndarray] = {}
+    new_refs: dict[str, DeltaRef] = {}
+    policy = opts.encoding
+
+    def writer() -> PackWriter:
+        tid = threading.get_ident()
+        w = writers.get(tid)
+        if w is None:
+            w = PackWriter(store.packs_dir, fsync=opts.fsync)
+            with lock:
+                writers[tid] = w
+        return w
+
+    def job(ci: int) -> None:
+        spec = plan.chunks[ci]
+        view = chunk_view(spec, source_array, group_bufs, ci)
+        d = digest(view)
+        digests[ci] = d
+        ref = refs.get(spec.ref_key) if (refs is not None and spec.ref_key) else None
+        with lock:
+            fresh = d not in index and d not in claimed
+            claimed.add(d)
+        depth = 0
+        if fresh:
+            base = None
+            if (
+                ref is not None
+                and codecs.XOR in policy.codecs
+                and ref.depth + 1 < opts.keyframe_every
+                and ref.data.size == view.size
+                and (ref.digest in index or ref.digest in new_records)
+            ):
+                base = ref.data
+            enc = codecs.encode(view, spec.itemsize, base=base, policy=policy)
+            offset, length = writer().append(enc.payload)
+            rec = ChunkRecord(
+                pack=writer().pack_id,
+                offset=offset,
+                length=length,
+                size=spec.size,
+                codec=enc.codec,
+                itemsize=enc.itemsize,
+                base=ref.digest if enc.codec == codecs.XOR and ref is not None else None,
+            )
+            depth = ref.depth + 1 if rec.base is not None and ref is not None else 0
+            with lock:
+                new_records[d] = rec
+        if refs is not None and spec.ref_key is not None:
+            prior = refs.get(spec.ref_key)
+            if not fresh and prior is not None and prior.digest == d:
+                depth = prior.depth
+            new_refs[spec.ref_key] = DeltaRef(d, view, depth)
+
+    try:
+        for f in [pool.submit(job, ci) for ci in range(n)]:
+            f.result()
+        pack_bytes = sum(pool.map(lambda w: w.finish(), list(writers.values())))
+        if writers and opts.fsync:
+            fsync_dir(store.packs_dir)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+            with contextlib.suppress(OSError):
+                os.unlink(w.path)
+        raise
+
+    records = _closure(set(digests), new_records, index)
+    return WriteResult(
+        digests=digests,
+        records=records,
+        chunks_new=len(new_records),
+        chunks_reused=len(set(digests)) - len(new_records),
+        pack_bytes=pack_bytes,
+        refs=new_refs,
+    )
+
+
+def _closure(
+    needed: set[str], new: dict[str, ChunkRecord], index: dict[str, ChunkRecord]
+) -> dict[str, ChunkRecord]:
+    """Records of ``needed`` plus, transitively, the bases their xor deltas decode against."""
+    out: dict[str, ChunkRecord] = {}
+    todo = list(needed)
+    while todo:
+        d = todo.pop()
+        if d in out:
+            continue
+        rec = new.get(d) or index[d]
+        out[d] = rec
+        if rec.base is not None:
+            todo.append(rec.base)
+    return dict(sorted(out.items()))
+
+
+def build_manifest(
+    name: str,
+    plan: SavePlan,
+    wr: WriteResult,
+    created_ns: int,
+    stats: Stats,
+    metadata: dict[str, Any],
+) -> Manifest:
+    def slices(si: int) -> tuple[Slice, ...]:
+        return tuple(
+            (wr.digests[ci], start, length) for ci, start, length in plan.source_slices[si]
+        )
+
+    tensors = []
+    for e in plan.entries:
+        tensors.append(
+            TensorEntry(
+                path=e.path,
+                dtype=e.dtype,
+                shape=e.shape,
+                data=slices(e.source) if e.source is not None else None,
+                storage=StorageView(*e.storage) if e.storage is not None else None,
+                parameter=e.parameter,
+                requires_grad=e.requires_grad,
+            )
+        )
+    storages = tuple((plan.sources[si].nbytes, slices(si)) for si in plan.storage_sources)
+    return Manifest(
+        name=name,
+        created_ns=created_ns,
+        tree=plan.tree,
+        tensors=tuple(tensors),
+        storages=storages,
+        chunks=wr.records,
+        stats=stats,
+        metadata=metadata,
+    )
+
+
+def commit(
+    store: Store,
+    name: str,
+    plan: SavePlan,
+    wr: WriteResult,
+    opts: SaveOptions,
+    metadata: dict[str, Any],
+    t_start: float,
+    blocked_seconds: float,
+    waited_seconds: float,
+) -> SnapshotInfo:
+    stats = Stats(
+        logical_bytes=plan.logical_bytes,
+        pack_bytes=wr.pack_bytes,
+        chunks_new=wr.chunks_new,
+        chunks_reused=wr.chunks_reused,
+        seconds=time.perf_counter() - t_start,
+        blocked_seconds=blocked_seconds,
+        waited_seconds=waited_seconds,
+    )
+    m = build_manifest(name, plan, wr, time.time_ns(), stats, metadata)
+    size = store.write_manifest(m, overwrite=opts.overwrite)
+    return SnapshotInfo.from_manifest(m, size)

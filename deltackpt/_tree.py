@@ -1,0 +1,201 @@
+"""The state tree: nested containers <-> a JSON-safe tree whose tensor leaves are numbered.
+
+A manifest never holds pickle unless the caller opted in, so loading cannot execute code. Every
+node is plain JSON (``str``, ``int``, ``bool``, ``null``) or an object with one tag key:
+
+=============  ===================================================================
+``dict``       ``[[key_node, value_node], ...]`` in insertion order (keys may be int)
+``odict``      same, for ``OrderedDict``; ``meta`` holds ``state_dict()._metadata``
+``list``       ``[node, ...]``
+``tuple``      ``[node, ...]``
+``tensor``     index into the manifest's tensor list
+``float``      ``float.hex()`` (exact, and nan/inf survive JSON)
+``bytes``      base64
+``size``       ``torch.Size`` as a list of ints
+``dtype``      a torch dtype name; ``device``: a device string
+``pickle``     base64 of ``pickle.dumps`` (only with ``allow_pickle=True``)
+=============  ===================================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltackpt._dtypes import dtype_from_name, dtype_name
+from deltackpt.errors import PickleNotAllowedError, StoreFormatError, UnsupportedValueError
+
+Node = Any  # a JSON value
+
+
+@dataclass
+class Leaf:
+    """A tensor found in the state: its display path and the tensor itself."""
+
+    path: str
+    tensor: torch.Tensor
+
+
+def _key_segment(key: Any) -> str:
+    return key if isinstance(key, str) else repr(key) if not isinstance(key, int) else str(key)
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[Leaf] = []
+        self._paths: set[str] = set()
+
+    def _unique(self, path: str) -> str:
+        if path not in self._paths:
+            self._paths.add(path)
+            return path
+        n = 2
+        while f"{path}#{n}" in self._paths:
+            n += 1
+        self._paths.add(f"{path}#{n}")
+        return f"{path}#{n}"
+
+    def node(self, obj: Any, path: str) -> Node:
+        # Exact type checks: a subclass (namedtuple, defaultdict, a Parameter subclass with
+        # extra attributes) would not come back as itself, so it is refused or pickled.
+        t = type(obj)
+        if isinstance(obj, torch.Tensor):
+            if t not in (torch.Tensor, torch.nn.Parameter) and not _is_plain_tensor(obj):
+                return self._fallback(obj, path)
+            self.leaves.append(Leaf(self._unique(path or "."), obj))
+            return {"tensor": len(self.leaves) - 1}
+        if obj is None or t in (bool, int, str):
+            return obj
+        if t is float:
+            return {"float": obj.hex()}
+        if t is bytes:
+            return {"bytes": base64.b64encode(obj).decode("ascii")}
+        if t is torch.Size:
+            return {"size": list(obj)}
+        if t is torch.dtype:
+            return {"dtype": dtype_name(obj, path)}
+        if t is torch.device:
+            return {"device": str(obj)}
+        if t in (dict, OrderedDict):
+            items = [
+                [
+                    self.key(k, path),
+                    self.node(v, f"{path}/{_key_segment(k)}" if path else _key_segment(k)),
+                ]
+                for k, v in obj.items()
+            ]
+            if t is dict:
+                return {"dict": items}
+            out: dict[str, Node] = {"odict": items}
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None:
+                out["meta"] = self.node(meta, f"{path}/_metadata")
+            return out
+        if t in (list, tuple):
+            seq = [self.node(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
+            return {"list" if t is list else "tuple": seq}
+        return self._fallback(obj, path)
+
+    def key(self, key: Any, path: str) -> Node:
+        if key is None or type(key) in (bool, int, str, float, tuple, bytes):
+            return self.node(key, path)
+        return self._fallback(key, path)
+
+    def _fallback(self, obj: Any, path: str) -> Node:
+        if not self.allow_pickle:
+            raise UnsupportedValueError(
+                f"state key {path or '.'!r} holds a {type(obj).__module__}.{type(obj).__qualname__}; "
+                "deltackpt stores tensors, dicts, lists, tuples, str, int, float, bool, None and "
+                "bytes without pickle. Convert it to one of those (e.g. obj.state_dict()), or "
+                "pass allow_pickle=True to store it pickled (loading it will then need "
+                "allow_pickle=True too)"
+            )
+        return {"pickle": base64.b64encode(pickle.dumps(obj, protocol=4)).decode("ascii")}
+
+
+def _is_plain_tensor(t: torch.Tensor) -> bool:
+    # Subclasses such as DTensor are handled by the distributed layer, not here.
+    return type(t).__torch_function__ is torch.Tensor.__torch_function__
+
+
+def flatten(state: Any, allow_pickle: bool = False) -> tuple[Node, list[Leaf]]:
+    """Return ``(tree, leaves)``: the JSON-safe tree and the tensors in it, in tree order."""
+    f = _Flattener(allow_pickle)
+    tree = f.node(state, "")
+    return tree, f.leaves
+
+
+def unflatten(
+    tree: Node,
+    tensor: Callable[[int], torch.Tensor],
+    allow_pickle: bool = False,
+    path: str = "",
+) -> Any:
+    """Rebuild the state; ``tensor(i)`` returns the i-th tensor of the manifest."""
+    if tree is None or isinstance(tree, (bool, int, str)):
+        return tree
+    if not isinstance(tree, dict) or len(tree) not in (1, 2):
+        raise StoreFormatError(f"manifest tree node at {path or '.'!r} is malformed: {tree!r:.80}")
+    tag = next(k for k in tree if k != "meta")
+    value = tree[tag]
+    sub = lambda v, seg: unflatten(v, tensor, allow_pickle, f"{path}/{seg}" if path else seg)  # noqa: E731
+    if tag == "tensor":
+        return tensor(value)
+    if tag == "float":
+        return float.fromhex(value)
+    if tag == "bytes":
+        return base64.b64decode(value)
+    if tag == "size":
+        return torch.Size(value)
+    if tag == "dtype":
+        return dtype_from_name(value)
+    if tag == "device":
+        return torch.device(value)
+    if tag in ("dict", "odict"):
+        out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()
+        for k_node, v_node in value:
+            k = unflatten(k_node, tensor, allow_pickle, path)
+            out[k] = sub(v_node, _key_segment(k))
+        if "meta" in tree:
+            out._metadata = sub(tree["meta"], "_metadata")  # type: ignore[attr-defined]
+        return out
+    if tag in ("list", "tuple"):
+        seq = [sub(v, str(i)) for i, v in enumerate(value)]
+        return seq if tag == "list" else tuple(seq)
+    if tag == "pickle":
+        if not allow_pickle:
+            raise PickleNotAllowedError(
+                f"state key {path or '.'!r} was saved pickled; unpickling can execute code, so "
+                "load it only from a store you trust, with allow_pickle=True"
+            )
+        return pickle.loads(base64.b64decode(value))
+    raise StoreFormatError(f"manifest tree node at {path or '.'!r} has unknown tag {tag!r}")
+
+
+def tensor_paths(tree: Node, path: str = "") -> dict[int, str]:
+    """Map tensor index -> path without building tensors (used for ``into=`` matching)."""
+    out: dict[int, str] = {}
+
+    def walk(node: Node, p: str) -> None:
+        if not isinstance(node, dict):
+            return
+        if "tensor" in node:
+            out[node["tensor"]] = p or "."
+        for tag in ("dict", "odict"):
+            for k_node, v_node in node.get(tag, ()):
+                k = unflatten(k_node, lambda i: torch.empty(0), False, p)
+                seg = _key_segment(k)
+                walk(v_node, f"{p}/{seg}" if p else seg)
+        for tag in ("list", "tuple"):
+            for i, v in enumerate(node.get(tag, ())):
+                walk(v, f"{p}/{i}" if p else str(i))
+
+    walk(tree, path)
+    return out

@@ -1,0 +1,281 @@
+"""``deltackpt.load``: read a committed snapshot into new tensors or into existing ones."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltackpt._dtypes import dtype_from_name
+from deltackpt._read import ChunkReader, ChunkTargets
+from deltackpt._tree import Node, flatten, tensor_paths, unflatten
+from deltackpt.errors import StateMismatchError
+from deltackpt.manifest import Manifest, Slice, TensorEntry
+from deltackpt.options import LoadOptions
+from deltackpt.pack import PackReaders
+from deltackpt.store import LATEST, Store, open_store
+
+
+def load(
+    store: str | os.PathLike[str] | Store,
+    name: str = LATEST,
+    *,
+    into: Any = None,
+    options: LoadOptions | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Load snapshot ``name`` (default: the latest committed one).
+
+    Without ``into`` it returns the state with new CPU tensors, bit-exact, nesting and tied
+    storages restored. With ``into`` it copies the snapshot into the existing tensors of ``into``
+    (matched by key path, in place, any device) and sets its non-tensor values; with
+    ``strict=True`` (default) the keys, shapes and dtypes must match exactly. Every chunk is
+    checked against its digest unless ``verify=False``.
+
+    >>> state = deltackpt.load("ckpts")                                  # doctest: +SKIP
+    >>> deltackpt.load("ckpts", "step-100", into={"model": model.state_dict()})  # doctest: +SKIP
+    """
+    opts = LoadOptions.from_kwargs(options, kwargs)
+    st = open_store(store, create=False)
+    m = st.manifest(name)
+    if into is None:
+        return _load_new(st, m, opts)
+    _load_into(st, m, into, opts)
+    return into
+
+
+def _slice_jobs(
+    m: Manifest, dests: list[tuple[str, tuple[Slice, ...], np.ndarray]]
+) -> list[ChunkTargets]:
+    jobs: dict[str, ChunkTargets] = {}
+    for path, slices, dst in dests:
+        pos = 0
+        for d, start, length in slices:
+            job = jobs.get(d)
+            if job is None:
+                job = jobs[d] = ChunkTargets(d, where=f"snapshot {m.name!r} key {path!r}")
+            job.targets.append((start, length, dst[pos : pos + length]))
+            pos += length
+    return list(jobs.values())
+
+
+def _run(st: Store, m: Manifest, jobs: list[ChunkTargets], opts: LoadOptions) -> None:
+    with PackReaders(st.packs_dir) as packs:
+        reader = ChunkReader(packs, m.chunks, verify=opts.verify)
+        if opts.threads <= 1 or len(jobs) <= 1:
+            for j in jobs:
+                reader.read(j)
+            return
+        with ThreadPoolExecutor(opts.threads, thread_name_prefix="deltackpt-load") as pool:
+            for f in [pool.submit(reader.read, j) for j in jobs]:
+                f.result()
+
+
+def _u8(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.numpy() if t.numel() else np.empty(0, dtype=np.uint8)
+
+
+def _typed(u8: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    dtype = dtype_from_name(e.dtype)
+    if u8.numel() == 0:
+        return torch.empty(e.shape, dtype=dtype)
+    return u8.view(dtype).reshape(e.shape)
+
+
+def _finish(t: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    if e.parameter:
+        return torch.nn.Parameter(t, requires_grad=e.requires_grad)
+    if e.requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _load_new(st: Store, m: Manifest, opts: LoadOptions) -> Any:
+    dests: list[tuple[str, tuple[Slice, ...], np.ndarray]] = []
+    storages = [_u8(n) for n, _ in m.storages]
+    for (_, data), buf in zip(m.storages, storages, strict=True):
+        dests.append((f"<storage of {len(data)} slices>", data, _np(buf)))
+    whole: list[torch.Tensor | None] = []
+    shard_bufs: list[list[torch.Tensor]] = []
+    for e in m.tensors:
+        if e.data is not None:
+            buf = _u8(e.nbytes)
+            dests.append((e.path, e.data, _np(buf)))
+            whole.append(buf)
+            shard_bufs.append([])
+        elif e.shards is not None:
+            bufs = []
+            for sh in e.shards:
+                b = _u8(sum(n for _, _, n in sh.data))
+                dests.append((e.path, sh.data, _np(b)))
+                bufs.append(b)
+            whole.append(None)
+            shard_bufs.append(bufs)
+        else:
+            whole.append(None)
+            shard_bufs.append([])
+    _run(st, m, _slice_jobs(m, dests), opts)
+
+    tensors: list[torch.Tensor] = []
+    for e, buf, sbufs in zip(m.tensors, whole, shard_bufs, strict=True):
+        dtype = dtype_from_name(e.dtype)
+        if buf is not None:
+            t = _typed(buf, e)
+        elif e.storage is not None:
+            size = torch.empty(0, dtype=dtype).element_size()
+            t = torch.empty(0, dtype=dtype).set_(
+                storages[e.storage.id].untyped_storage(),
+                e.storage.offset // size,
+                e.shape,
+                e.storage.stride,
+            )
+        else:
+            t = torch.empty(e.shape, dtype=dtype)
+            for sh, b in zip(e.shards or (), sbufs, strict=True):
+                piece = _typed(b, TensorEntry(e.path, e.dtype, sh.shape))
+                _region(t, sh.offsets, sh.shape).copy_(piece)
+        tensors.append(_finish(t, e))
+    return unflatten(m.tree, tensors.__getitem__, allow_pickle=opts.allow_pickle)
+
+
+def _region(t: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, shape, strict=True)):
+        t = t.narrow(dim, o, n)
+    return t
+
+
+def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
+    _, leaves = flatten(into, allow_pickle=True)
+    targets = {leaf.path: leaf.tensor for leaf in leaves}
+    saved = {e.path: i for i, e in enumerate(m.tensors)}
+    missing = sorted(set(targets) - set(saved))
+    unexpected = sorted(set(saved) - set(targets))
+    problems = []
+    for path in sorted(set(targets) & set(saved)):
+        e, t = m.tensors[saved[path]], targets[path]
+        if tuple(t.shape) != e.shape or t.dtype != dtype_from_name(e.dtype):
+            problems.append(
+                f"{path!r}: snapshot has {e.dtype}{list(e.shape)}, target has "
+                f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            )
+    if problems or (opts.strict and (missing or unexpected)):
+        parts = []
+        if problems:
+            parts.append("shape/dtype differ for " + "; ".join(problems[:10]))
+        if opts.strict and missing:
+            parts.append(f"keys in the target but not in the snapshot: {missing[:10]}")
+        if opts.strict and unexpected:
+            parts.append(f"keys in the snapshot but not in the target: {unexpected[:10]}")
+        raise StateMismatchError(
+            f"cannot load snapshot {m.name!r} into the given state: "
+            + "; ".join(parts)
+            + ". Fix the target, or pass strict=False to load only the keys both have"
+        )
+
+    # Read every needed tensor into fresh buffers (or straight into CPU targets), then copy_.
+    wanted = [i for p, i in saved.items() if p in targets]
+    sub = Manifest(m.name, m.created_ns, m.tree, m.tensors, m.storages, m.chunks)
+    new = _read_selected(st, sub, wanted, targets, opts)
+    with torch.no_grad():
+        for i, t in new.items():
+            dst = targets[m.tensors[i].path]
+            if t is not dst:
+                dst.copy_(t)
+    _assign_values(m.tree, into, opts)
+
+
+def _read_selected(
+    st: Store, m: Manifest, wanted: list[int], targets: dict[str, torch.Tensor], opts: LoadOptions
+) -> dict[int, torch.Tensor]:
+    dests: list[tuple[str, tuple[Slice, ...], np.ndarray]] = []
+    storage_bufs: dict[int, torch.Tensor] = {}
+    out: dict[int, torch.Tensor] = {}
+    shard_jobs: list[tuple[int, torch.Tensor, list[tuple[Any, torch.Tensor]]]] = []
+    for i in wanted:
+        e = m.tensors[i]
+        dst = targets[e.path]
+        if e.data is not None:
+            if (
+                dst.device.type == "cpu"
+                and dst.is_contiguous()
+                and dst.numel()
+                and not dst.is_conj()
+                and not dst.is_neg()
+            ):
+                u8 = dst.detach().reshape(-1).view(torch.uint8)
+                out[i] = dst  # read in place
+            else:
+                u8 = _u8(e.nbytes)
+                out[i] = _typed(u8, e)
+            dests.append((e.path, e.data, _np(u8)))
+        elif e.storage is not None:
+            sid = e.storage.id
+            if sid not in storage_bufs:
+                n, data = m.storages[sid]
+                storage_bufs[sid] = _u8(n)
+                dests.append((e.path, data, _np(storage_bufs[sid])))
+            dtype = dtype_from_name(e.dtype)
+            size = torch.empty(0, dtype=dtype).element_size()
+            out[i] = torch.empty(0, dtype=dtype).set_(
+                storage_bufs[sid].untyped_storage(),
+                e.storage.offset // size,
+                e.shape,
+                e.storage.stride,
+            )
+        else:
+            pieces = []
+            for sh in e.shards or ():
+                b = _u8(sum(n for _, _, n in sh.data))
+                dests.append((e.path, sh.data, _np(b)))
+                pieces.append((sh, b))
+            full = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            shard_jobs.append((i, full, pieces))
+            out[i] = full
+    _run(st, m, _slice_jobs(m, dests), opts)
+    for _i, full, pieces in shard_jobs:
+        for sh, b in pieces:
+            _region(full, sh.offsets, sh.shape).copy_(
+                _typed(b, TensorEntry("", m.tensors[_i].dtype, sh.shape))
+            )
+    return out
+
+
+def _assign_values(tree: Node, target: Any, opts: LoadOptions) -> None:
+    """Set the snapshot's non-tensor values (step counters, lr, ...) into ``target`` in place."""
+    if not isinstance(tree, dict):
+        return
+    if ("dict" in tree or "odict" in tree) and isinstance(target, dict):
+        for k_node, v_node in tree.get("dict") or tree.get("odict"):
+            k = unflatten(k_node, _no_tensor, opts.allow_pickle)
+            if _has_tensor(v_node):
+                if k in target:
+                    _assign_values(v_node, target[k], opts)
+            else:
+                target[k] = unflatten(v_node, _no_tensor, opts.allow_pickle)
+    elif "list" in tree and isinstance(target, list):
+        for i, v_node in enumerate(tree["list"]):
+            if _has_tensor(v_node):
+                if i < len(target):
+                    _assign_values(v_node, target[i], opts)
+            elif i < len(target):
+                target[i] = unflatten(v_node, _no_tensor, opts.allow_pickle)
+            else:
+                target.append(unflatten(v_node, _no_tensor, opts.allow_pickle))
+    elif "tuple" in tree and isinstance(target, tuple):
+        for v_node, t in zip(tree["tuple"], target, strict=False):
+            _assign_values(v_node, t, opts)
+
+
+def _no_tensor(i: int) -> torch.Tensor:
+    raise AssertionError("unreachable: value subtree has no tensors")
+
+
+def _has_tensor(node: Node) -> bool:
+    return bool(tensor_paths(node)) if isinstance(node, dict) else False
