@@ -229,7 +229,7 @@ def open_store(
     *,
     create: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    small_bytes: int = DEFAULT_SMALL_BYTES,
+    small_bytes: int | None = None,
 ) -> Store:
     """Open the store at ``path``, creating it if missing (unless ``create=False``).
 
@@ -257,6 +257,8 @@ def open_store(
                     f"{str(root)!r} exists, is not empty and is not a deltackpt store; "
                     "use an empty or new directory"
                 )
+            if small_bytes is None:
+                small_bytes = min(DEFAULT_SMALL_BYTES, chunk_bytes // 4)
             _create(root, chunk_bytes, small_bytes)
         cfg = _read_config(cfg_path)
         store = Store(root, cfg)

@@ -1,0 +1,73 @@
+"""A flipped byte is found by verify and refused by load with a typed error naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deltackpt
+from deltackpt.codecs import RAW, EncodePolicy
+from deltackpt.errors import CorruptChunkError
+
+
+def _flip(store_dir, name: str, key: str, delta: int = 17) -> str:
+    st = deltackpt.open_store(store_dir)
+    m = st.manifest(name)
+    entry = next(e for e in m.tensors if e.path == key)
+    digest = entry.all_slices()[0][0]
+    rec = m.chunks[digest]
+    path = st.pack_path(rec.pack)
+    with open(path, "r+b") as f:
+        f.seek(rec.offset + rec.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([(b[0] + 1) % 256]))
+    return digest
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_flipped_byte_is_reported_and_refused(store_dir, codec):
+    policy = EncodePolicy(codecs=(RAW,)) if codec == "raw" else EncodePolicy(force="zstd")
+    state = {"good": torch.arange(1 << 18, dtype=torch.float32), "bad": torch.ones(1 << 18) * 3}
+    deltackpt.save(state, store_dir, "s1", encoding=policy)
+    digest = _flip(store_dir, "s1", "bad")
+
+    report = deltackpt.verify(store_dir)
+    assert not report.ok
+    assert [(p.snapshot, p.key, p.chunk) for p in report.problems] == [("s1", "bad", digest)]
+
+    with pytest.raises(CorruptChunkError) as ei:
+        deltackpt.load(store_dir, "s1")
+    msg = str(ei.value)
+    assert "'s1'" in msg and "'bad'" in msg and digest in msg and "deltackpt verify" in msg
+
+    # verify=False skips the check (raw data loads with the flipped byte, as the user asked).
+    if codec == "raw":
+        out = deltackpt.load(store_dir, "s1", verify=False)
+        assert not torch.equal(out["bad"], state["bad"])
+        assert torch.equal(out["good"], state["good"])
+
+
+def test_missing_and_truncated_pack(store_dir):
+    deltackpt.save(
+        {"w": torch.randn(1 << 18)}, store_dir, "s", encoding=EncodePolicy(codecs=(RAW,))
+    )
+    st = deltackpt.open_store(store_dir)
+    rec = next(iter(st.manifest("s").chunks.values()))
+    path = st.pack_path(rec.pack)
+    with open(path, "r+b") as f:
+        f.truncate(rec.offset + 100)
+    with pytest.raises(CorruptChunkError, match="truncated"):
+        deltackpt.load(store_dir, "s")
+    path.unlink()
+    with pytest.raises(CorruptChunkError, match="missing"):
+        deltackpt.load(store_dir, "s")
+    assert len(deltackpt.verify(store_dir).problems) == 1
+
+
+def test_damaged_manifest_is_a_typed_error(store_dir):
+    deltackpt.save({"w": torch.ones(3)}, store_dir, "s")
+    path = deltackpt.open_store(store_dir).manifest_path("s")
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(deltackpt.errors.StoreFormatError, match="not valid JSON"):
+        deltackpt.load(store_dir, "s")
