@@ -232,9 +232,9 @@ def test_errors_for_names_and_missing_snapshots(store_dir):
     for bad in ["", "latest", "a/b", "../x", ".hidden"]:
         with pytest.raises(deltackpt.errors.InvalidNameError):
             deltackpt.save({}, store_dir, bad)
-    with pytest.raises(deltackpt.errors.SnapshotNotFoundError, match="'nope'.*\\['a'\\]"):
+    with pytest.raises(deltackpt.errors.SnapshotNotFoundError, match=r"'nope'.*\['a'\]"):
         deltackpt.load(store_dir, "nope")
     with pytest.raises(deltackpt.errors.SnapshotNotFoundError, match="no committed snapshot"):
         deltackpt.load(deltackpt.open_store(store_dir.parent / "empty"))
-    with pytest.raises(deltackpt.errors.StoreError, match="STORE.json missing"):
+    with pytest.raises(deltackpt.errors.StoreError, match=r"STORE\.json missing"):
         deltackpt.load(store_dir.parent / "not-a-store")
