@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 from deltackpt import errors
+from deltackpt._async import SaveHandle, async_save
+from deltackpt.checkpointer import Checkpointer
 from deltackpt.lifecycle import GcReport, VerifyReport, delete, gc, snapshots, verify
 from deltackpt.loading import load
 from deltackpt.options import LoadOptions, SaveOptions
@@ -17,12 +19,15 @@ from deltackpt.store import SnapshotInfo, Store, open_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointer",
     "GcReport",
     "LoadOptions",
+    "SaveHandle",
     "SaveOptions",
     "SnapshotInfo",
     "Store",
     "VerifyReport",
+    "async_save",
     "delete",
     "errors",
     "gc",

@@ -8,6 +8,7 @@ variable                   meaning                                          defa
 DELTACKPT_THREADS          worker threads for hashing, encoding and I/O     min(4, cpus)
 DELTACKPT_LOCK_TIMEOUT     seconds to wait for the store lock               600
 DELTACKPT_FSYNC            0 skips fsync (benchmarks of page-cache speed)   1
+DELTACKPT_MEMORY_BUDGET    bytes of staging buffers per store               RAM / 2
 =========================  ==============================================  ================
 """
 
@@ -52,6 +53,16 @@ def default_fsync() -> bool:
     return _env("DELTACKPT_FSYNC", "1") not in ("0", "false", "no")
 
 
+def default_memory_budget() -> int:
+    value = _env("DELTACKPT_MEMORY_BUDGET", "")
+    if value:
+        return int(value)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return 8 << 30
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """How a save runs. Chunk size lives in the store (STORE.json), not here: it must not change
@@ -64,7 +75,10 @@ class SaveOptions:
     fsync: bool = field(default_factory=default_fsync)
     encoding: EncodePolicy = field(default_factory=EncodePolicy)
     keyframe_every: int = 8  # xor deltas: a full chunk at least every K snapshots of a key
-    memory_budget: int = 2 << 30  # async saves: bytes of staging buffers held at once
+    # Bytes of host staging buffers a store may hold (None: half the machine's RAM). xor deltas
+    # need two copies of the state (this save and the bases); one copy for plain async saves;
+    # a state larger than the budget is written from the live tensors and the call blocks.
+    memory_budget: int | None = None
 
     @staticmethod
     def from_kwargs(base: SaveOptions | None, kwargs: dict[str, Any]) -> SaveOptions:

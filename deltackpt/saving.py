@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from deltackpt._fsutil import store_lock
-from deltackpt._plan import plan_state
-from deltackpt._save import commit, write_chunks
-from deltackpt.errors import SnapshotExistsError, StoreError
+from deltackpt._async import saver_for
 from deltackpt.options import SaveOptions
 from deltackpt.store import SnapshotInfo, Store, open_store, validate_name
 
@@ -26,7 +22,9 @@ def save(
 ) -> SnapshotInfo:
     """Save ``state`` as snapshot ``name`` of ``store`` and return its :class:`SnapshotInfo`.
 
-    Only chunks the store does not already hold are written. The call returns after the manifest
+    Only chunks the store does not already hold are written; changed chunks are stored raw,
+    byte-grouped zstd, or xor against this process's previous save of the same key, whichever is
+    smallest (see :class:`deltackpt.codecs.EncodePolicy`). The call returns after the manifest
     is committed (durable). Keyword options are the fields of :class:`SaveOptions`
     (``allow_pickle``, ``overwrite``, ``threads``, ``encoding``, ...). ``metadata`` is a small
     JSON-serialisable dict kept in the manifest (e.g. ``{"step": 100, "loss": 1.9}``).
@@ -39,28 +37,9 @@ def save(
     st = open_store(store)
     validate_name(name)
     meta = _check_metadata(metadata)
-    with store_lock(
-        st.lock_path, exclusive=False, timeout=opts.lock_timeout, what=f"saving {name!r}"
-    ):
-        _check_free(st, name, opts)
-        plan = plan_state(state, st.chunk_bytes, st.small_bytes, allow_pickle=opts.allow_pickle)
-        arrays = [s.data.cpu().numpy() for s in plan.sources]
-        with ThreadPoolExecutor(opts.threads, thread_name_prefix="deltackpt-save") as pool:
-            wr = write_chunks(st, plan, arrays.__getitem__, opts, pool, st.chunk_index(), refs=None)
-        blocked = time.perf_counter() - t0
-        return commit(st, name, plan, wr, opts, meta, t0, blocked, 0.0)
-
-
-def _check_free(st: Store, name: str, opts: SaveOptions) -> None:
-    if not opts.overwrite and st.has(name):
-        raise SnapshotExistsError(
-            f"store {str(st.root)!r} already has a committed snapshot {name!r}; pick a new name "
-            "or pass overwrite=True (the old one stays loadable until the new one commits)"
-        )
-    if not st.packs_dir.is_dir():
-        raise StoreError(
-            f"store {str(st.root)!r} has no packs/ directory; it is damaged or not a store"
-        )
+    saver = saver_for(st)
+    prepared = saver.prepare(state, name, opts, t0, background=False)
+    return saver.run(prepared, name, opts, meta, t0)
 
 
 def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:

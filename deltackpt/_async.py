@@ -1,0 +1,325 @@
+"""Async saves: block only while the state is staged; hash, encode, write and commit behind.
+
+One save per store is in flight at a time. A new save first waits for the previous one
+(back-pressure, reported as ``waited_seconds``) instead of holding a second copy of the state.
+A background failure is kept and raised exactly once: from ``result()``, or, if nobody asked, from
+the next save on that store. A handle dropped unfinished warns; interpreter exit flushes pending
+saves. Background threads never run collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from deltackpt._fsutil import store_lock
+from deltackpt._plan import SavePlan, plan_state
+from deltackpt._save import DeltaRef, commit, write_chunks
+from deltackpt._staging import Arena, Staged, stage, state_nbytes
+from deltackpt.codecs import XOR
+from deltackpt.errors import SaveFailedError, SnapshotExistsError, StoreError
+from deltackpt.options import SaveOptions, default_memory_budget
+from deltackpt.store import SnapshotInfo, Store, open_store, validate_name
+
+
+class SaveHandle:
+    """A save in flight. ``staged`` is done when the state may be mutated again; ``result()``
+    returns the committed :class:`SnapshotInfo` or raises the background failure."""
+
+    def __init__(
+        self, name: str, staged: Future[None], future: Future[SnapshotInfo], saver: Saver
+    ) -> None:
+        self.name = name
+        self.staged = staged
+        self._future = future
+        self._saver = saver
+        self._observed = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SnapshotInfo:
+        self._observed = True
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            self._saver.mark_reported(e)
+            raise
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "staged" if self.staged.done() else "staging"
+        return f"SaveHandle({self.name!r}, {state})"
+
+    def __del__(self) -> None:
+        if not self._observed and not self._future.done():
+            warnings.warn(
+                f"deltackpt save {self.name!r} was dropped before it finished; it still runs, "
+                "but call handle.result() to learn whether it committed",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+
+class Saver:
+    """Per-store state of async saves: the in-flight save, staging arenas, delta references."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-commit")
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+        self._inflight: Future[SnapshotInfo] | None = None
+        self._unreported: BaseException | None = None
+        self._arenas = (Arena(), Arena())
+        self._ref_arena: int | None = None  # which arena holds the delta references
+        _SAVERS.add(self)
+
+    def pool(self, threads: int) -> ThreadPoolExecutor:
+        with self._lock:
+            p = self._pools.get(threads)
+            if p is None:
+                p = self._pools[threads] = ThreadPoolExecutor(
+                    threads, thread_name_prefix="deltackpt-io"
+                )
+            return p
+
+    def mark_reported(self, e: BaseException) -> None:
+        with self._lock:
+            if self._unreported is e:
+                self._unreported = None
+
+    def wait_previous(self) -> float:
+        """Block until the previous save finished; raise its error if nobody has seen it."""
+        t0 = time.perf_counter()
+        with self._lock:
+            prev = self._inflight
+        if prev is not None:
+            with contextlib.suppress(BaseException):
+                prev.result()
+        with self._lock:
+            err, self._unreported = self._unreported, None
+        if err is not None:
+            raise SaveFailedError(
+                f"the previous background save failed and nobody called result(): {err}"
+            ) from err
+        return time.perf_counter() - t0
+
+    def flush(self) -> None:
+        with self._lock:
+            prev = self._inflight
+        if prev is not None:
+            with contextlib.suppress(BaseException):
+                prev.result()
+
+    def prepare(
+        self, state: Any, name: str, opts: SaveOptions, t0: float, background: bool
+    ) -> _Prepared:
+        """The blocking part of every save: wait for the previous one, lock, plan, stage."""
+        st = self.store
+        waited = self.wait_previous()
+        locks = contextlib.ExitStack()
+        locks.enter_context(
+            store_lock(
+                st.lock_path, exclusive=False, timeout=opts.lock_timeout, what=f"saving {name!r}"
+            )
+        )
+        try:
+            if not opts.overwrite and st.has(name):
+                raise SnapshotExistsError(
+                    f"store {str(st.root)!r} already has a committed snapshot {name!r}; pick a "
+                    "new name, or pass overwrite=True (the old one stays loadable until the new "
+                    "one commits)"
+                )
+            if not st.packs_dir.is_dir():
+                raise StoreError(
+                    f"store {str(st.root)!r} has no packs/ directory; it is damaged or not a store"
+                )
+            plan = plan_state(state, st.chunk_bytes, st.small_bytes, allow_pickle=opts.allow_pickle)
+            need = state_nbytes(plan)
+            budget = (
+                opts.memory_budget if opts.memory_budget is not None else default_memory_budget()
+            )
+            xor_on = XOR in opts.encoding.codecs and opts.encoding.force in (None, XOR)
+            arena_idx, use_refs = 0, False
+            if xor_on and 2 * need <= budget:
+                arena_idx, use_refs = (1 if self._ref_arena == 0 else 0), True
+                staged = stage(plan, self._arenas[arena_idx])
+            else:
+                self._drop_refs()
+                if background and need <= budget:
+                    staged = stage(plan, self._arenas[0])
+                else:
+                    # Over budget (or a sync save without deltas): write from the live tensors,
+                    # no copy. The caller blocks until the commit.
+                    staged = Staged([s.data.cpu().numpy() for s in plan.sources], None)
+                    background = False
+        except BaseException:
+            locks.close()
+            raise
+        return _Prepared(
+            plan, staged, arena_idx, use_refs, locks, time.perf_counter() - t0, waited, background
+        )
+
+    def _drop_refs(self) -> None:
+        self.store.delta_refs = {}
+        self._ref_arena = None
+        self._arenas[1].buffers.clear()
+
+    def run(
+        self, p: _Prepared, name: str, opts: SaveOptions, metadata: dict[str, Any], t0: float
+    ) -> SnapshotInfo:
+        """The rest of a save: wait for device copies, hash/encode/write, commit. Any thread."""
+        st = self.store
+        try:
+            p.staged.wait()
+            refs: dict[str, DeltaRef] | None = st.delta_refs if p.use_refs else None
+            wr = write_chunks(
+                st,
+                p.plan,
+                p.staged.arrays.__getitem__,
+                opts,
+                self.pool(opts.threads),
+                st.chunk_index(),
+                refs,
+            )
+            info = commit(st, name, p.plan, wr, opts, metadata, t0, p.blocked, p.waited)
+            if p.use_refs:
+                st.delta_refs = wr.refs
+                self._ref_arena = p.arena_idx
+            return info
+        except BaseException as e:
+            if p.background:
+                with self._lock:
+                    self._unreported = e  # cleared by result(); else raised by the next save
+            raise
+        finally:
+            p.locks.close()
+
+    def start(
+        self,
+        state: Any,
+        name: str,
+        opts: SaveOptions,
+        metadata: dict[str, Any],
+        t0: float,
+        after_commit: Callable[[], None] | None = None,
+    ) -> SaveHandle:
+        p = self.prepare(state, name, opts, t0, background=True)
+        staged_future: Future[None] = Future()
+        future: Future[SnapshotInfo] = Future()
+        if not p.background:  # over the memory budget: saved inline, already committed
+            staged_future.set_result(None)
+            future.set_result(self.run(p, name, opts, metadata, t0))
+            _after(after_commit, name)
+            return SaveHandle(name, staged_future, future, self)
+        if p.staged.event is None:
+            staged_future.set_result(None)
+
+        def background() -> SnapshotInfo:
+            if not staged_future.done():
+                try:
+                    p.staged.wait()
+                    staged_future.set_result(None)
+                except BaseException as e:
+                    staged_future.set_exception(e)
+            info = self.run(p, name, opts, metadata, t0)
+            _after(after_commit, name)
+            return info
+
+        future = self._bg.submit(background)
+        with self._lock:
+            self._inflight = future
+        return SaveHandle(name, staged_future, future, self)
+
+
+def _after(hook: Callable[[], None] | None, name: str) -> None:
+    """Run a post-commit hook (retention); its failure must not turn a committed save into an error."""
+    if hook is None:
+        return
+    try:
+        hook()
+    except Exception as e:
+        warnings.warn(
+            f"post-commit hook after saving {name!r} failed: {e!r}", RuntimeWarning, stacklevel=1
+        )
+
+
+@dataclass
+class _Prepared:
+    plan: SavePlan
+    staged: Staged
+    arena_idx: int
+    use_refs: bool
+    locks: contextlib.ExitStack
+    blocked: float
+    waited: float
+    background: bool
+
+
+_SAVERS: weakref.WeakSet[Saver] = weakref.WeakSet()
+_SAVER_LOCK = threading.Lock()
+
+
+def saver_for(store: Store) -> Saver:
+    with _SAVER_LOCK:
+        s = getattr(store, "_saver", None)
+        if s is None:
+            s = Saver(store)
+            store._saver = s  # type: ignore[attr-defined]
+        return s
+
+
+def _flush_all() -> None:
+    for s in list(_SAVERS):
+        s.flush()
+
+
+# Flush before concurrent.futures stops accepting work at interpreter exit: threading's exit hooks
+# run (in reverse order of registration) before atexit handlers and before pools shut down.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_flush_all)
+else:  # pragma: no cover - other Pythons
+    atexit.register(_flush_all)
+
+
+def async_save(
+    state: Any,
+    store: str | os.PathLike[str] | Store,
+    name: str,
+    *,
+    metadata: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+    after_commit: Callable[[], None] | None = None,
+    **kwargs: Any,
+) -> SaveHandle:
+    """Stage ``state`` into reused host buffers and save it in the background.
+
+    Returns once the state is staged (on CPU; on CUDA once the copies are queued, with
+    ``handle.staged`` done when they land). Training may mutate the state as soon as
+    ``handle.staged`` is done. ``handle.result()`` returns the :class:`SnapshotInfo` once the
+    snapshot is committed, or raises the background failure.
+
+    >>> h = deltackpt.async_save({"model": model.state_dict()}, "ckpts", "step-200")  # doctest: +SKIP
+    >>> ...  # keep training
+    >>> h.result().bytes_written                                                     # doctest: +SKIP
+    """
+    from deltackpt.saving import _check_metadata
+
+    t0 = time.perf_counter()
+    opts = SaveOptions.from_kwargs(options, kwargs)
+    st = open_store(store)
+    validate_name(name)
+    meta = _check_metadata(metadata)
+    return saver_for(st).start(state, name, opts, meta, t0, after_commit)

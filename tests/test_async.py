@@ -1,0 +1,299 @@
+"""Async saves: staging isolates the saved bytes; errors surface once; back-pressure; deltas."""
+
+from __future__ import annotations
+
+import gc as pygc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import deltackpt
+from deltackpt import pack
+from deltackpt.codecs import RAW, XOR, ZSTD, EncodePolicy
+from deltackpt.errors import SaveFailedError
+
+
+def _model_state(seed: int = 0, n: int = 6, numel: int = 300_000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(numel, generator=g) for i in range(n)}
+
+
+def _slow_writes(monkeypatch, gate: threading.Event) -> None:
+    orig = pack.PackWriter.append
+
+    def slow(self, payload):
+        gate.wait(timeout=30)
+        return orig(self, payload)
+
+    monkeypatch.setattr(pack.PackWriter, "append", slow)
+
+
+def test_mutating_state_after_staging_does_not_change_the_snapshot(store_dir, monkeypatch):
+    state = _model_state()
+    expected = {k: v.clone() for k, v in state.items()}
+    gate = threading.Event()
+    _slow_writes(monkeypatch, gate)
+    h = deltackpt.async_save(state, store_dir, "a")
+    assert h.staged.done() and not h.done()
+    for v in state.values():  # training goes on: overwrite and free the live weights
+        v.mul_(-3.0).add_(1.0)
+    state.clear()
+    gate.set()
+    info = h.result(timeout=60)
+    assert info.name == "a" and info.blocked_seconds <= info.seconds
+    out = deltackpt.load(store_dir, "a")
+    for k, v in expected.items():
+        assert torch.equal(out[k], v)
+
+
+def test_staging_buffers_are_reused_across_saves(store_dir):
+    state = _model_state()
+    deltackpt.async_save(state, store_dir, "a", encoding=EncodePolicy(codecs=(RAW, ZSTD))).result()
+    st = deltackpt.open_store(store_dir)
+    arena = st._saver._arenas[0]
+    ptrs = {k: b.data_ptr() for k, b in arena.buffers.items()}
+    state["w0"].add_(1)
+    deltackpt.async_save(state, store_dir, "b", encoding=EncodePolicy(codecs=(RAW, ZSTD))).result()
+    assert {k: b.data_ptr() for k, b in arena.buffers.items()} == ptrs
+
+
+def test_background_failure_is_raised_once_from_result(store_dir, monkeypatch):
+    state = _model_state(n=2)
+    deltackpt.save(state, store_dir, "ok")
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("deltackpt._async.commit", boom)
+    h = deltackpt.async_save(state, store_dir, "bad")
+    with pytest.raises(OSError, match="No space left"):
+        h.result(timeout=60)
+    monkeypatch.undo()
+    deltackpt.async_save(state, store_dir, "next").result(timeout=60)  # not raised again
+    assert [s.name for s in deltackpt.snapshots(store_dir)] == ["ok", "next"]
+
+
+def test_unobserved_background_failure_is_raised_by_the_next_save(store_dir, monkeypatch):
+    state = _model_state(n=2)
+
+    def boom(*a, **k):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr("deltackpt._async.commit", boom)
+    h = deltackpt.async_save(state, store_dir, "bad")
+    while not h.done():
+        time.sleep(0.01)
+    monkeypatch.undo()
+    with pytest.raises(SaveFailedError, match="I/O error"):
+        deltackpt.async_save(state, store_dir, "next")
+    deltackpt.save(state, store_dir, "next")  # raised once only
+    assert [s.name for s in deltackpt.snapshots(store_dir)] == ["next"]
+
+
+def test_a_new_save_waits_for_the_previous_one(store_dir, monkeypatch):
+    state = _model_state(n=2)
+    gate = threading.Event()
+    _slow_writes(monkeypatch, gate)
+    h1 = deltackpt.async_save(state, store_dir, "a")
+    threading.Timer(0.3, gate.set).start()
+    h2 = deltackpt.async_save(state, store_dir, "b")
+    assert h1.done()
+    info = h2.result(timeout=60)
+    assert info.waited_seconds >= 0.2
+    assert [s.name for s in deltackpt.snapshots(store_dir)] == ["a", "b"]
+
+
+def test_dropped_unfinished_handle_warns(store_dir, monkeypatch):
+    gate = threading.Event()
+    _slow_writes(monkeypatch, gate)
+    h = deltackpt.async_save(_model_state(n=1), store_dir, "a")
+    with pytest.warns(ResourceWarning, match="dropped before it finished"):
+        del h
+        pygc.collect()
+    gate.set()
+    deltackpt.open_store(store_dir)._saver.flush()
+    assert [s.name for s in deltackpt.snapshots(store_dir)] == ["a"]
+
+
+def test_over_budget_state_is_saved_inline_without_staging(store_dir):
+    state = _model_state(n=2)
+    h = deltackpt.async_save(state, store_dir, "a", memory_budget=1 << 20)
+    assert h.done()  # blocked until committed: no copy was allowed
+    assert deltackpt.open_store(store_dir)._saver._arenas[0].nbytes() == 0
+    out = deltackpt.load(store_dir, "a")
+    assert torch.equal(out["w1"], state["w1"])
+
+
+def test_interpreter_exit_flushes_pending_saves(tmp_path):
+    store = tmp_path / "s"
+    code = textwrap.dedent(f"""
+        import torch, deltackpt
+        h = deltackpt.async_save({{"w": torch.arange(2_000_000, dtype=torch.float32)}}, {str(store)!r}, "last")
+        h._observed = True
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    out = deltackpt.load(store, "last")
+    assert torch.equal(out["w"], torch.arange(2_000_000, dtype=torch.float32))
+
+
+def _chain_depths(store_dir, name: str) -> dict[str, int]:
+    m = deltackpt.open_store(store_dir).manifest(name)
+
+    def depth(d: str) -> int:
+        base = m.chunks[d].base
+        return 0 if base is None else 1 + depth(base)
+
+    return {d: depth(d) for d in m.chunks}
+
+
+def _adam_like_step(state: dict[str, torch.Tensor], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for v in state.values():
+        v.sub_(4e-3 * torch.randn(v.shape, generator=g).sign() * v.abs())
+
+
+def test_xor_deltas_shrink_saves_and_stay_bit_exact(store_dir):
+    state = {k: v.to(torch.bfloat16) for k, v in _model_state(n=4, numel=1 << 20).items()}
+    full = deltackpt.save(state, store_dir, "s0")
+    snapshots = {"s0": {k: v.clone() for k, v in state.items()}}
+    for i in range(1, 4):
+        _adam_like_step(state, i)
+        info = deltackpt.save(state, store_dir, f"s{i}")
+        snapshots[f"s{i}"] = {k: v.clone() for k, v in state.items()}
+        assert info.bytes_written < 0.5 * full.bytes_written, (
+            i,
+            info.bytes_written,
+            full.bytes_written,
+        )
+    codecs_used = {c.codec for c in deltackpt.open_store(store_dir).manifest("s3").chunks.values()}
+    assert XOR in codecs_used
+    for name, expected in snapshots.items():
+        out = deltackpt.load(store_dir, name)
+        for k, v in expected.items():
+            assert torch.equal(out[k], v), (name, k)
+    assert deltackpt.verify(store_dir).ok
+
+
+def test_delta_chains_are_bounded_by_keyframes(store_dir):
+    state = {k: v.to(torch.bfloat16) for k, v in _model_state(n=2, numel=1 << 20).items()}
+    for i in range(7):
+        _adam_like_step(state, i)
+        deltackpt.save(state, store_dir, f"s{i}", keyframe_every=3)
+        assert max(_chain_depths(store_dir, f"s{i}").values()) <= 2
+    assert max(_chain_depths(store_dir, "s4").values()) >= 1
+
+
+def test_gc_keeps_the_bases_of_delta_chunks_alive(store_dir):
+    state = {k: v.to(torch.bfloat16) for k, v in _model_state(n=2, numel=1 << 20).items()}
+    for i in range(3):
+        _adam_like_step(state, i)
+        deltackpt.save(state, store_dir, f"s{i}")
+    deltackpt.gc(store_dir, keep_last=1)
+    assert [s.name for s in deltackpt.snapshots(store_dir)] == ["s2"]
+    out = deltackpt.load(store_dir, "s2")
+    for k, v in state.items():
+        assert torch.equal(out[k], v)
+    assert deltackpt.verify(store_dir).ok
+
+
+def test_encoding_can_be_forced_or_turned_off(store_dir):
+    state = _model_state(n=1)
+    a = deltackpt.save(state, store_dir, "raw", encoding=EncodePolicy(codecs=(RAW,)))
+    assert {c.codec for c in deltackpt.open_store(store_dir).manifest("raw").chunks.values()} == {
+        RAW
+    }
+    state["w0"].add_(1)
+    deltackpt.save(state, store_dir, "zstd", encoding=EncodePolicy(force=ZSTD))
+    assert {c.codec for c in deltackpt.open_store(store_dir).manifest("zstd").chunks.values()} == {
+        ZSTD
+    }
+    assert a.bytes_written >= a.logical_bytes
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _train(ckpt: deltackpt.Checkpointer, state: dict, start: int, stop: int) -> None:
+    model, opt = state["model"], state["optim"]
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 32, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        ckpt.maybe_save(step, state)
+
+
+def test_checkpointer_resumes_identically_and_keeps_last(store_dir):
+    torch.manual_seed(0)
+    model = Net()
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2), "step": 0}
+    with deltackpt.Checkpointer(store_dir, every=3, keep_last=2) as ckpt:
+        assert ckpt.restore_latest(state) == 0
+        _train(ckpt, state, 0, 10)  # saves after steps 2, 5, 8
+    assert [s.name for s in deltackpt.snapshots(store_dir)] == ["step-00000005", "step-00000008"]
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+
+    # A "restart": fresh objects, resume from step 9, train to 12 in both worlds.
+    torch.manual_seed(1)
+    model2 = Net()
+    state2 = {"model": model2, "optim": torch.optim.AdamW(model2.parameters(), lr=1e-2), "step": -1}
+    ckpt2 = deltackpt.Checkpointer(store_dir, every=3, keep_last=2)
+    start = ckpt2.restore_latest(state2)
+    assert start == 9 and state2["step"] == 8
+    # replay the live run from its step-8 snapshot too, so both continue from the same point
+    state_live = {"model": Net(), "optim": None, "step": None}
+    state_live["optim"] = torch.optim.AdamW(state_live["model"].parameters(), lr=1e-2)
+    deltackpt.Checkpointer(store_dir, every=1000).restore_latest(state_live)
+    for st in (state2, state_live):
+        _train(
+            ckpt2 if st is state2 else deltackpt.Checkpointer(store_dir / "scratch", every=1000),
+            st,
+            9,
+            12,
+        )
+    ckpt2.close()
+    for p, q in zip(state2["model"].parameters(), state_live["model"].parameters(), strict=True):
+        assert torch.equal(p, q)
+    names = [s.name for s in deltackpt.snapshots(store_dir)]
+    assert names == ["step-00000008", "step-00000011"]
+
+
+def test_checkpointer_retention_spares_foreign_snapshots(store_dir):
+    deltackpt.save({"x": torch.ones(2)}, store_dir, "manual")
+    state = {"w": torch.zeros(4)}
+    with deltackpt.Checkpointer(store_dir, every=1, keep_last=1, async_=False) as ckpt:
+        for step in range(3):
+            state["w"].add_(1)
+            ckpt.maybe_save(step, state)
+    assert [s.name for s in deltackpt.snapshots(store_dir)] == ["manual", "step-00000002"]
+    assert torch.equal(deltackpt.load(store_dir)["w"], torch.full((4,), 3.0))
+
+
+@pytest.mark.gpu
+def test_cuda_state_is_staged_into_pinned_buffers(store_dir):
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    h = deltackpt.async_save(state, store_dir, "g")
+    h.staged.result(timeout=60)
+    expected = state["w"].cpu()
+    state["w"].zero_()
+    h.result(timeout=60)
+    assert torch.equal(deltackpt.load(store_dir, "g")["w"], expected)
+    buf = next(
+        iter(deltackpt.open_store(store_dir)._saver._arenas[1].buffers.values()), None
+    ) or next(iter(deltackpt.open_store(store_dir)._saver._arenas[0].buffers.values()))
+    assert buf.is_pinned()
