@@ -40,6 +40,8 @@ class EntryPlan:
     requires_grad: bool
     source: int | None = None  # whole-tensor bytes
     storage: tuple[int, int, tuple[int, ...]] | None = None  # (storage id, byte offset, stride)
+    # sharded tensor (``shape`` is the global shape): (global offsets, local shape, source index)
+    shards: list[tuple[tuple[int, ...], tuple[int, ...], int]] | None = None
 
 
 @dataclass

@@ -23,7 +23,7 @@ from deltackpt import codecs
 from deltackpt._fsutil import fsync_dir
 from deltackpt._hashing import digest
 from deltackpt._plan import ChunkSpec, SavePlan
-from deltackpt.manifest import ChunkRecord, Manifest, Slice, Stats, StorageView, TensorEntry
+from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
 from deltackpt.options import SaveOptions
 from deltackpt.pack import PackWriter
 from deltackpt.store import SnapshotInfo, Store
@@ -201,6 +201,7 @@ def build_manifest(
                 dtype=e.dtype,
                 shape=e.shape,
                 data=slices(e.source) if e.source is not None else None,
+                shards=tuple(Shard(o, sh, slices(si)) for o, sh, si in e.shards) if e.shards is not None else None,
                 storage=StorageView(*e.storage) if e.storage is not None else None,
                 parameter=e.parameter,
                 requires_grad=e.requires_grad,
