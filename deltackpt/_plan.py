@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from deltackpt._dtensor import is_dtensor, local_box, local_tensor
 from deltackpt._dtypes import dtype_name
 from deltackpt._tree import Leaf, Node, flatten
 
@@ -106,6 +107,8 @@ def plan_state(
 
     by_storage: dict[tuple[str, int], list[int]] = {}
     for i, leaf in enumerate(leaves):
+        if is_dtensor(leaf.tensor):
+            continue
         k = _storage_key(leaf.tensor)
         if k is not None:
             by_storage.setdefault(k, []).append(i)
@@ -142,6 +145,18 @@ def _entry(
     leaf: Leaf, i: int, shared: dict[int, tuple[int, int]], sources: list[Source]
 ) -> EntryPlan:
     t = leaf.tensor
+    if is_dtensor(t):
+        offsets, local_shape = local_box(t, leaf.path)
+        local = local_tensor(t)
+        e = EntryPlan(
+            leaf.path, dtype_name(t.dtype, leaf.path), tuple(t.shape), False, bool(t.requires_grad)
+        )
+        e.shards = []
+        if local.numel():
+            e.shards.append((offsets, local_shape, len(sources)))
+            key = f"{leaf.path}@{','.join(map(str, offsets))}"
+            sources.append(Source(key, _as_bytes(local), local.element_size()))
+        return e
     e = EntryPlan(
         path=leaf.path,
         dtype=dtype_name(t.dtype, leaf.path),
@@ -169,6 +184,7 @@ def layout_chunks(
     chunks: list[ChunkSpec] = []
     slices: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
     group: ChunkSpec | None = None
+    group_index = -1
     for si, n in enumerate(sizes):
         if n == 0:
             continue
@@ -183,9 +199,10 @@ def layout_chunks(
         pos = -(-group.size // GROUP_ALIGN) * GROUP_ALIGN if group else 0
         if group is None or pos + n > chunk_bytes:
             group = ChunkSpec([], 0, 1, None)
+            group_index = len(chunks)
             chunks.append(group)
             pos = 0
-        slices[si].append((len(chunks) - 1, pos, n))
+        slices[si].append((group_index, pos, n))
         group.parts.append((si, 0, n))
         group.offsets.append(pos)
         group.size = pos + n

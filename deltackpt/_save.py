@@ -78,15 +78,25 @@ def write_chunks(
     pool: ThreadPoolExecutor,
     index: dict[str, ChunkRecord],
     refs: dict[str, DeltaRef] | None,
+    *,
+    digests: list[str] | None = None,
+    owned: set[int] | None = None,
+    group_bufs: dict[int, np.ndarray] | None = None,
 ) -> WriteResult:
-    """Hash, dedupe, encode and append every chunk of ``plan``; fsync the packs."""
+    """Hash, dedupe, encode and append every chunk of ``plan``; fsync the packs.
+
+    Distributed saves pass the ``digests`` they already exchanged and the chunk indices this rank
+    was ``owned`` (assigned) to write; every other chunk is left to its owner. ``records`` then
+    holds only what this rank wrote: rank 0 builds the closure over all ranks.
+    """
     n = len(plan.chunks)
-    digests = [""] * n
+    pre = digests is not None
+    digests = list(digests) if digests is not None else [""] * n
     new_records: dict[str, ChunkRecord] = {}
     claimed: set[str] = set()
     lock = threading.Lock()
     writers: dict[int, PackWriter] = {}
-    group_bufs: dict[int, np.ndarray] = {}
+    group_bufs = {} if group_bufs is None else group_bufs
     new_refs: dict[str, DeltaRef] = {}
     policy = opts.encoding
 
@@ -102,11 +112,14 @@ def write_chunks(
     def job(ci: int) -> None:
         spec = plan.chunks[ci]
         view = chunk_view(spec, source_array, group_bufs, ci)
-        d = digest(view)
+        d = digests[ci] if pre else digest(view)
         digests[ci] = d
         ref = refs.get(spec.ref_key) if (refs is not None and spec.ref_key) else None
         with lock:
-            fresh = d not in index and d not in claimed
+            if owned is not None:
+                fresh = ci in owned and d not in claimed
+            else:
+                fresh = d not in index and d not in claimed
             claimed.add(d)
         depth = 0
         if fresh:
@@ -152,7 +165,7 @@ def write_chunks(
                 os.unlink(w.path)
         raise
 
-    records = _closure(set(digests), new_records, index)
+    records = closure(set(digests), new_records, index) if owned is None else new_records
     return WriteResult(
         digests=digests,
         records=records,
@@ -163,7 +176,21 @@ def write_chunks(
     )
 
 
-def _closure(
+def hash_chunks(
+    plan: SavePlan,
+    source_array: SourceArray,
+    pool: ThreadPoolExecutor,
+    group_bufs: dict[int, np.ndarray],
+) -> list[str]:
+    """Digest of every chunk of ``plan`` (the first pass of a distributed save)."""
+
+    def one(ci: int) -> str:
+        return digest(chunk_view(plan.chunks[ci], source_array, group_bufs, ci))
+
+    return list(pool.map(one, range(len(plan.chunks))))
+
+
+def closure(
     needed: set[str], new: dict[str, ChunkRecord], index: dict[str, ChunkRecord]
 ) -> dict[str, ChunkRecord]:
     """Records of ``needed`` plus, transitively, the bases their xor deltas decode against."""
@@ -201,7 +228,9 @@ def build_manifest(
                 dtype=e.dtype,
                 shape=e.shape,
                 data=slices(e.source) if e.source is not None else None,
-                shards=tuple(Shard(o, sh, slices(si)) for o, sh, si in e.shards) if e.shards is not None else None,
+                shards=tuple(Shard(o, sh, slices(si)) for o, sh, si in e.shards)
+                if e.shards is not None
+                else None,
                 storage=StorageView(*e.storage) if e.storage is not None else None,
                 parameter=e.parameter,
                 requires_grad=e.requires_grad,

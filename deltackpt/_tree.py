@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from deltackpt._dtensor import is_dtensor
 from deltackpt._dtypes import dtype_from_name, dtype_name
 from deltackpt.errors import PickleNotAllowedError, StoreFormatError, UnsupportedValueError
 
@@ -67,6 +68,9 @@ class _Flattener:
         # extra attributes) would not come back as itself, so it is refused or pickled.
         t = type(obj)
         if isinstance(obj, torch.Tensor):
+            if is_dtensor(obj):  # a shard of a global tensor: planned by the distributed layer
+                self.leaves.append(Leaf(self._unique(path or "."), obj))
+                return {"tensor": len(self.leaves) - 1}
             if t not in (torch.Tensor, torch.nn.Parameter) and not _is_plain_tensor(obj):
                 return self._fallback(obj, path)
             self.leaves.append(Leaf(self._unique(path or "."), obj))

@@ -9,10 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltackpt._dtensor import is_dtensor, local_box, local_tensor
 from deltackpt._dtypes import dtype_from_name
 from deltackpt._read import ChunkReader, ChunkTargets
+from deltackpt._reshard import PieceRead, finish_box_reads, plan_box_reads
 from deltackpt._tree import Node, flatten, tensor_paths, unflatten
-from deltackpt.errors import StateMismatchError
+from deltackpt.errors import DistributedError, StateMismatchError
 from deltackpt.manifest import Manifest, Slice, TensorEntry
 from deltackpt.options import LoadOptions
 from deltackpt.pack import PackReaders
@@ -25,6 +27,7 @@ def load(
     *,
     into: Any = None,
     options: LoadOptions | None = None,
+    process_group: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Load snapshot ``name`` (default: the latest committed one).
@@ -35,16 +38,43 @@ def load(
     ``strict=True`` (default) the keys, shapes and dtypes must match exactly. Every chunk is
     checked against its digest unless ``verify=False``.
 
+    Each rank of a job passes its own ``into`` (DTensors of any placement and mesh, or plain
+    tensors) and reads only the saved pieces overlapping its shards, whatever world size saved
+    them; ``process_group`` makes every rank raise if any rank fails.
+
     >>> state = deltackpt.load("ckpts")                                  # doctest: +SKIP
     >>> deltackpt.load("ckpts", "step-100", into={"model": model.state_dict()})  # doctest: +SKIP
     """
     opts = LoadOptions.from_kwargs(options, kwargs)
+    if process_group is not None:
+        return _agree(process_group, lambda: load(store, name, into=into, options=opts))
     st = open_store(store, create=False)
     m = st.manifest(name)
     if into is None:
         return _load_new(st, m, opts)
     _load_into(st, m, into, opts)
     return into
+
+
+def _agree(pg: Any, fn: Any) -> Any:
+    """Run ``fn`` on every rank; if any rank fails, every rank raises (no rank hangs or goes on
+    with a half-loaded state while its peers stopped)."""
+    import torch.distributed as dist
+
+    try:
+        result, err = fn(), None
+    except Exception as e:
+        result, err = None, e
+    errors: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(errors, f"{type(err).__name__}: {err}" if err else None, group=pg)
+    if err is not None:
+        raise err
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        raise DistributedError(
+            f"load failed on other ranks: {failed[:4]}; this rank's state may be partly loaded"
+        )
+    return result
 
 
 def _slice_jobs(
@@ -103,30 +133,30 @@ def _load_new(st: Store, m: Manifest, opts: LoadOptions) -> Any:
     for (_, data), buf in zip(m.storages, storages, strict=True):
         dests.append((f"<storage of {len(data)} slices>", data, _np(buf)))
     whole: list[torch.Tensor | None] = []
-    shard_bufs: list[list[torch.Tensor]] = []
+    box_reads: list[tuple[list[PieceRead], torch.Tensor]] = []
     for e in m.tensors:
         if e.data is not None:
             buf = _u8(e.nbytes)
             dests.append((e.path, e.data, _np(buf)))
             whole.append(buf)
-            shard_bufs.append([])
         elif e.shards is not None:
-            bufs = []
-            for sh in e.shards:
-                b = _u8(sum(n for _, _, n in sh.data))
-                dests.append((e.path, sh.data, _np(b)))
-                bufs.append(b)
-            whole.append(None)
-            shard_bufs.append(bufs)
+            full = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            reads = plan_box_reads(e, full, ((0,) * len(e.shape), e.shape))
+            dests.extend((e.path, r.slices, r.buf) for r in reads)
+            box_reads.append((reads, full))
+            whole.append(full)
         else:
             whole.append(None)
-            shard_bufs.append([])
     _run(st, m, _slice_jobs(m, dests), opts)
+    for reads, full in box_reads:
+        finish_box_reads(reads, full.dtype)
 
     tensors: list[torch.Tensor] = []
-    for e, buf, sbufs in zip(m.tensors, whole, shard_bufs, strict=True):
+    for e, buf in zip(m.tensors, whole, strict=True):
         dtype = dtype_from_name(e.dtype)
-        if buf is not None:
+        if e.shards is not None and buf is not None:
+            t = buf
+        elif buf is not None:
             t = _typed(buf, e)
         elif e.storage is not None:
             size = torch.empty(0, dtype=dtype).element_size()
@@ -138,17 +168,8 @@ def _load_new(st: Store, m: Manifest, opts: LoadOptions) -> Any:
             )
         else:
             t = torch.empty(e.shape, dtype=dtype)
-            for sh, b in zip(e.shards or (), sbufs, strict=True):
-                piece = _typed(b, TensorEntry(e.path, e.dtype, sh.shape))
-                _region(t, sh.offsets, sh.shape).copy_(piece)
         tensors.append(_finish(t, e))
     return unflatten(m.tree, tensors.__getitem__, allow_pickle=opts.allow_pickle)
-
-
-def _region(t: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    for dim, (o, n) in enumerate(zip(offsets, shape, strict=True)):
-        t = t.narrow(dim, o, n)
-    return t
 
 
 def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
@@ -181,12 +202,18 @@ def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
 
     # Read every needed tensor into fresh buffers (or straight into CPU targets), then copy_.
     wanted = [i for p, i in saved.items() if p in targets]
-    sub = Manifest(m.name, m.created_ns, m.tree, m.tensors, m.storages, m.chunks)
-    new = _read_selected(st, sub, wanted, targets, opts)
+    new = _read_selected(st, m, wanted, targets, opts)
     with torch.no_grad():
         for i, t in new.items():
             dst = targets[m.tensors[i].path]
-            if t is not dst:
+            if t is dst:
+                continue
+            if is_dtensor(dst):  # saved as one shared storage: copy this rank's part
+                offsets, shape = local_box(dst, m.tensors[i].path)
+                for d, (o, n) in enumerate(zip(offsets, shape, strict=True)):
+                    t = t.narrow(d, o, n)
+                local_tensor(dst).copy_(t)
+            else:
                 dst.copy_(t)
     _assign_values(m.tree, into, opts)
 
@@ -197,11 +224,23 @@ def _read_selected(
     dests: list[tuple[str, tuple[Slice, ...], np.ndarray]] = []
     storage_bufs: dict[int, torch.Tensor] = {}
     out: dict[int, torch.Tensor] = {}
-    shard_jobs: list[tuple[int, torch.Tensor, list[tuple[Any, torch.Tensor]]]] = []
+    box_reads: list[tuple[list[PieceRead], torch.dtype]] = []
     for i in wanted:
         e = m.tensors[i]
         dst = targets[e.path]
-        if e.data is not None:
+        if is_dtensor(dst) and e.storage is None:
+            # Each rank reads only the rows of the saved pieces that overlap its own shard.
+            reads = plan_box_reads(e, local_tensor(dst), local_box(dst, e.path))
+            dests.extend((e.path, r.slices, r.buf) for r in reads)
+            box_reads.append((reads, dst.dtype))
+            out[i] = dst
+        elif e.shards is not None:
+            full = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            reads = plan_box_reads(e, full, ((0,) * len(e.shape), e.shape))
+            dests.extend((e.path, r.slices, r.buf) for r in reads)
+            box_reads.append((reads, full.dtype))
+            out[i] = full
+        elif e.data is not None:
             if (
                 dst.device.type == "cpu"
                 and dst.is_contiguous()
@@ -229,21 +268,9 @@ def _read_selected(
                 e.shape,
                 e.storage.stride,
             )
-        else:
-            pieces = []
-            for sh in e.shards or ():
-                b = _u8(sum(n for _, _, n in sh.data))
-                dests.append((e.path, sh.data, _np(b)))
-                pieces.append((sh, b))
-            full = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-            shard_jobs.append((i, full, pieces))
-            out[i] = full
     _run(st, m, _slice_jobs(m, dests), opts)
-    for _i, full, pieces in shard_jobs:
-        for sh, b in pieces:
-            _region(full, sh.offsets, sh.shape).copy_(
-                _typed(b, TensorEntry("", m.tensors[_i].dtype, sh.shape))
-            )
+    for reads, dtype in box_reads:
+        finish_box_reads(reads, dtype)
     return out
 
 

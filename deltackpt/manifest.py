@@ -183,6 +183,7 @@ class Manifest:
     chunks: dict[str, ChunkRecord]
     stats: Stats = field(default_factory=Stats)
     metadata: dict[str, Any] = field(default_factory=dict)
+    dist: dict[str, Any] | None = None  # distributed saves: world size, planning bytes
 
     def referenced_digests(self) -> set[str]:
         """Every chunk this snapshot needs, including the bases of delta chunks."""
@@ -204,6 +205,8 @@ class Manifest:
             "stats": self.stats.to_json(),
             "metadata": self.metadata,
         }
+        if self.dist is not None:
+            doc["dist"] = self.dist
         return (
             json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
             + b"\n"
@@ -238,6 +241,7 @@ class Manifest:
                 chunks={d: ChunkRecord.from_json(r) for d, r in doc["chunks"].items()},
                 stats=Stats.from_json(doc.get("stats", {})),
                 metadata=doc.get("metadata", {}),
+                dist=doc.get("dist"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise StoreFormatError(f"{where} is missing or has a malformed field: {e!r}") from e

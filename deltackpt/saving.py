@@ -18,6 +18,7 @@ def save(
     *,
     metadata: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
+    process_group: Any = None,
     **kwargs: Any,
 ) -> SnapshotInfo:
     """Save ``state`` as snapshot ``name`` of ``store`` and return its :class:`SnapshotInfo`.
@@ -29,6 +30,11 @@ def save(
     (``allow_pickle``, ``overwrite``, ``threads``, ``encoding``, ...). ``metadata`` is a small
     JSON-serialisable dict kept in the manifest (e.g. ``{"step": 100, "loss": 1.9}``).
 
+    With ``process_group`` every rank of the group calls ``save`` with its local state: DTensor
+    shards are stored as pieces of their global tensors, other values are taken as replicated
+    (rank 0's copy, as torch.distributed.checkpoint does), each rank writes its own packs and
+    rank 0 commits one manifest once every rank's data is durable.
+
     >>> info = deltackpt.save({"model": model.state_dict(), "step": 100}, "ckpts", "step-100")  # doctest: +SKIP
     >>> info.bytes_written, info.chunks_reused                                                 # doctest: +SKIP
     """
@@ -37,6 +43,10 @@ def save(
     st = open_store(store)
     validate_name(name)
     meta = _check_metadata(metadata)
+    if process_group is not None:
+        from deltackpt._dist_save import dist_save
+
+        return dist_save(state, st, name, opts, meta, process_group, t0)
     saver = saver_for(st)
     prepared = saver.prepare(state, name, opts, t0, background=False)
     return saver.run(prepared, name, opts, meta, t0)

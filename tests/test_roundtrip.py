@@ -238,3 +238,15 @@ def test_errors_for_names_and_missing_snapshots(store_dir):
         deltackpt.load(deltackpt.open_store(store_dir.parent / "empty"))
     with pytest.raises(deltackpt.errors.StoreError, match=r"STORE\.json missing"):
         deltackpt.load(store_dir.parent / "not-a-store")
+
+
+def test_small_tensors_around_large_ones_share_a_group_chunk(tmp_path):
+    # small, large, small: the second small tensor joins the first one's group chunk
+    store = deltackpt.open_store(tmp_path / "s", chunk_bytes=64 << 10, small_bytes=16 << 10)
+    state = {"s1": torch.arange(10), "big": torch.randn(100_000), "s2": torch.arange(20) * 3}
+    deltackpt.save(state, store, "a")
+    out = deltackpt.load(store, "a")
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k
+    m = store.manifest("a")
+    assert m.tensors[0].data[0][0] == m.tensors[2].data[0][0]  # one group chunk

@@ -1,0 +1,33 @@
+"""DTensor helpers, imported lazily so single-process use never loads torch.distributed.tensor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deltackpt.errors import UnsupportedValueError
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = type(t)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def local_box(dt: Any, key: str = "?") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local shape) of this rank's piece of ``dt``."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in dt.placements):
+        raise UnsupportedValueError(
+            f"DTensor {key!r} has a Partial placement {dt.placements}; its local values are not "
+            "the tensor's values. Call .redistribute(placements=[Replicate()]) or .full_tensor() "
+            "before saving"
+        )
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+
+
+def local_tensor(dt: Any) -> torch.Tensor:
+    return dt.to_local()

@@ -1,0 +1,121 @@
+"""Run test bodies in several processes (gloo on 127.0.0.1), with a hard overall timeout.
+
+    outcomes = spawn([(fn, (0, 3, port)), (fn, (1, 3, port)), (fn, (2, 3, port))], timeout=60)
+    values = [o.unwrap() for o in outcomes]        # re-raises a child's exception
+
+or, for the usual "same function on every rank" case::
+
+    values = run_ranks(fn, 3, port, timeout=60)    # calls fn(rank, 3, port) in 3 processes
+
+Children are started with the ``spawn`` method (fresh interpreters, nothing inherited from
+pytest), run with one torch thread each (the machines have few cores and several ranks share
+them), and send back ``fn``'s return value or their traceback. If the deadline passes, every child
+still running is killed and :class:`TimeoutError` is raised with what each rank reported — a test
+never hangs. A child that dies without reporting (killed, ``os._exit``) gives an outcome with
+``exitcode`` set and no value.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Outcome", "free_port", "run_ranks", "spawn"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Outcome:
+    index: int
+    exitcode: int | None = None
+    reported: bool = False
+    value: Any = None
+    error: str | None = None  # the child's traceback
+
+    def unwrap(self) -> Any:
+        if self.error is not None:
+            raise AssertionError(f"process {self.index} failed:\n{self.error}")
+        if not self.reported:
+            raise AssertionError(f"process {self.index} exited with code {self.exitcode} "
+                                 "without reporting a result")
+        return self.value
+
+
+def _child(index: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        q.put((index, True, fn(*args)))
+    except BaseException:  # report everything, including SystemExit from the body
+        q.put((index, False, traceback.format_exc()))
+
+
+def spawn(targets: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], *,
+          timeout: float = 60.0) -> list[Outcome]:
+    """Run ``fn(*args)`` for each target in its own process; wait at most ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(i, fn, args, q), daemon=True)
+             for i, (fn, args) in enumerate(targets)]
+    outcomes = [Outcome(i) for i in range(len(procs))]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+
+    def drain(block: float) -> None:
+        try:
+            i, ok, payload = q.get(timeout=block)
+        except queue.Empty:
+            return
+        o = outcomes[i]
+        o.reported = True
+        if ok:
+            o.value = payload
+        else:
+            o.error = payload
+
+    try:
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                for p in procs:
+                    p.join(5)
+                report = "\n".join(
+                    f"process {o.index}: " + ("still running (killed)" if not o.reported else
+                                              "failed:\n" + o.error if o.error else "finished")
+                    for o in outcomes)
+                raise TimeoutError(f"multi-process test exceeded {timeout:g} s\n{report}")
+            drain(0.1)
+        end = time.monotonic() + 2.0  # results put just before exit may still be in the pipe
+        while not all(o.reported for o in outcomes) and time.monotonic() < end:
+            drain(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+            outcomes[procs.index(p)].exitcode = p.exitcode
+        q.close()
+    return outcomes
+
+
+def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
+              timeout: float = 60.0) -> list[Any]:
+    """Call ``fn(rank, nprocs, *args)`` in ``nprocs`` processes; return the values by rank."""
+    outcomes = spawn([(fn, (r, nprocs, *args)) for r in range(nprocs)], timeout=timeout)
+    return [o.unwrap() for o in outcomes]
