@@ -122,6 +122,24 @@ class Saver:
             with contextlib.suppress(BaseException):
                 prev.result()
 
+    def submit(self, name: str, job: Callable[[], SnapshotInfo]) -> SaveHandle:
+        """Run ``job`` as this store's in-flight save; its errors are reported like any other."""
+
+        def run() -> SnapshotInfo:
+            try:
+                return job()
+            except BaseException as e:
+                with self._lock:
+                    self._unreported = e
+                raise
+
+        staged: Future[None] = Future()
+        staged.set_result(None)
+        future = self._bg.submit(run)
+        with self._lock:
+            self._inflight = future
+        return SaveHandle(name, staged, future, self)
+
     def prepare(
         self, state: Any, name: str, opts: SaveOptions, t0: float, background: bool
     ) -> _Prepared:
@@ -302,6 +320,7 @@ def async_save(
     metadata: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
     after_commit: Callable[[], None] | None = None,
+    process_group: Any = None,
     **kwargs: Any,
 ) -> SaveHandle:
     """Stage ``state`` into reused host buffers and save it in the background.
@@ -322,4 +341,8 @@ def async_save(
     st = open_store(store)
     validate_name(name)
     meta = _check_metadata(metadata)
+    if process_group is not None:
+        from deltackpt._dist_save import dist_async_save
+
+        return dist_async_save(state, st, name, opts, meta, process_group, t0)
     return saver_for(st).start(state, name, opts, meta, t0, after_commit)

@@ -19,12 +19,14 @@ process group's timeout. Either way nothing is committed and earlier snapshots a
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from deltackpt._async import saver_for
+from deltackpt._async import SaveHandle, saver_for
 from deltackpt._dist_plan import (
     Layout,
     Merged,
@@ -37,6 +39,7 @@ from deltackpt._dist_plan import (
     remember_all,
     resolve,
 )
+from deltackpt._fsutil import write_durable
 from deltackpt._save import closure, hash_chunks, write_chunks
 from deltackpt.errors import DistributedError
 from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
@@ -57,93 +60,216 @@ def _cache(st: Store, pg: Any) -> PlanCache:
     return _CACHES.setdefault((str(st.root), id(pg)), PlanCache())
 
 
+class _DistSave:
+    """One distributed save on one rank; phases in call order (see the module docstring)."""
+
+    def __init__(
+        self, st: Store, name: str, opts: SaveOptions, meta: dict[str, Any], pg: Any, t0: float
+    ) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.st, self.name, self.opts, self.meta, self.pg, self.t0 = st, name, opts, meta, pg, t0
+        self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+        self.cache = _cache(st, pg)
+        self.saver = saver_for(st)
+        self.prepared: Any = None
+        self.plan_bytes = 0
+        self.decision: Any = None
+        self.wr: Any = None
+        self.blocked: float | None = None  # async: seconds the caller was blocked
+        self.epoch = 0
+
+    def plan(self, state: Any, background: bool) -> None:
+        """Phases 1-3 (collectives, caller's thread): plan, stage, hash, exchange, assign."""
+        dist, rank, world = self.dist, self.rank, self.world
+        try:
+            self.prepared = self.saver.prepare(
+                state, self.name, self.opts, self.t0, background=background
+            )
+            self.pool = self.saver.pool(self.opts.threads)
+            self.group_bufs: dict[int, Any] = {}
+            self.arrays = self.prepared.staged.arrays
+            self.digests = hash_chunks(
+                self.prepared.plan, self.arrays.__getitem__, self.pool, self.group_bufs
+            )
+            self.layout = Layout.of(self.prepared.plan)
+            msg = rank_message(rank, self.layout, self.digests, self.cache)
+            local_error: Exception | None = None
+        except Exception as e:
+            msg = RankMsg(rank, "", error=f"{type(e).__name__}: {e}")
+            local_error = e
+        gathered: list[RankMsg] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
+        dist.gather_object(msg, gathered, dst=0, group=self.pg)
+        assignment: list[Any] = [None]
+        scatter_in = None
+        if rank == 0 and gathered is not None:
+            self.plan_bytes = sum(len(pickle.dumps(m)) for m in gathered)
+            self.decision = _decide(self.st, gathered, self.cache)
+            d0 = self.decision[0]
+            scatter_in = d0 if isinstance(d0, list) else [d0] * world
+        dist.scatter_object_list(assignment, scatter_in, src=0, group=self.pg)
+        self.mine = assignment[0]
+        if isinstance(self.mine, str):
+            self.cache.structure = None
+            raise DistributedError(self.mine) from local_error
+
+    def write(self) -> _Written:
+        """Phase 4 (any thread, no collectives): write and fsync the assigned chunks."""
+        p = self.prepared
+        try:
+            p.staged.wait()
+            refs = self.st.delta_refs if p.use_refs else None
+            self.wr = write_chunks(
+                self.st, p.plan, self.arrays.__getitem__, self.opts, self.pool, {}, refs,
+                digests=self.digests, owned=self.mine, group_bufs=self.group_bufs,
+            )  # fmt: skip
+            return _Written(self.wr.records, self.wr.pack_bytes)
+        except Exception as e:
+            return _Written({}, 0, f"rank {self.rank}: {type(e).__name__}: {e}")
+
+    def commit(self, results: list[_Written]) -> SnapshotInfo | str:
+        """Rank 0: build and commit the manifest, or say why not."""
+        return _commit(
+            self.st, self.name, self.prepared, self.decision, results, self.opts, self.meta,
+            self.t0, self.plan_bytes, self.world, self.blocked,
+        )  # fmt: skip
+
+    def settle(self, result: SnapshotInfo | str) -> SnapshotInfo:
+        """Every rank: adopt the outcome (remember the plan, keep delta bases) or raise."""
+        if isinstance(result, str):
+            self.cache.structure = None
+            raise DistributedError(result)
+        remember(self.cache, self.rank, self.layout, self.digests)
+        if self.rank == 0:
+            remember_all(self.cache, self.decision[1], self.decision[2])
+        if self.prepared.use_refs and self.wr is not None:
+            self.st.delta_refs = self.wr.refs
+            self.saver._ref_arena = self.prepared.arena_idx
+        return result
+
+    def finish_collective(self, written: _Written) -> SnapshotInfo:
+        """Phases 5-6 with collectives (synchronous saves)."""
+        dist = self.dist
+        results: list[_Written] | None = [None] * self.world if self.rank == 0 else None  # type: ignore[list-item]
+        dist.gather_object(written, results, dst=0, group=self.pg)
+        outcome: list[Any] = [None]
+        if self.rank == 0 and results is not None:
+            outcome[0] = self.commit(results)
+        dist.broadcast_object_list(outcome, src=0, group=self.pg)
+        return self.settle(outcome[0])
+
+    def finish_files(self, written: _Written, timeout: float) -> SnapshotInfo:
+        """Phases 5-6 through files (background threads never run collectives): each rank
+        writes its records to tmp/, rank 0 waits for all of them, commits, writes the outcome."""
+        d = self.st.tmp_dir / f"{self.name}.{self.epoch}.dist"
+        d.mkdir(parents=True, exist_ok=True)
+        _put(
+            d / f"rank-{self.rank}.json",
+            {
+                "records": {k: r.to_json() for k, r in written.records.items()},
+                "pack_bytes": written.pack_bytes,
+                "error": written.error,
+            },
+        )
+        deadline = time.monotonic() + timeout
+        if self.rank == 0:
+            results = []
+            for r in range(self.world):
+                doc = _wait(
+                    d / f"rank-{r}.json", deadline, f"rank {r} to finish writing {self.name!r}"
+                )
+                if doc is None:
+                    results.append(
+                        _Written({}, 0, f"rank {r} did not report within {timeout:.0f}s (dead?)")
+                    )
+                else:
+                    recs = {k: ChunkRecord.from_json(v) for k, v in doc["records"].items()}
+                    results.append(_Written(recs, doc["pack_bytes"], doc["error"]))
+            outcome = self.commit(results)
+            _put(
+                d / "outcome.json",
+                {"error": outcome} if isinstance(outcome, str) else {"name": outcome.name},
+            )
+            return self.settle(outcome)
+        doc = _wait(d / "outcome.json", deadline, f"rank 0 to commit {self.name!r}")
+        if doc is None:
+            return self.settle(f"rank 0 did not commit {self.name!r} within {timeout:.0f}s (dead?)")
+        if doc.get("error"):
+            return self.settle(doc["error"])
+        return self.settle(self.st.info(doc["name"]))
+
+    def close(self) -> None:
+        if self.prepared is not None:
+            self.prepared.locks.close()
+
+
+def _put(path: Any, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".part")
+    write_durable(tmp, json.dumps(doc).encode())
+    os.replace(tmp, path)
+
+
+def _wait(path: Any, deadline: float, what: str) -> dict[str, Any] | None:
+    delay = 0.005
+    while True:
+        try:
+            return json.loads(path.read_bytes())
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
+def _wrap(ds: _DistSave, e: Exception) -> DistributedError:
+    ds.cache.structure = None
+    return DistributedError(
+        f"distributed save of {ds.name!r} failed on rank {ds.rank} of {ds.world}: {type(e).__name__}: {e}. "
+        "No snapshot was committed; earlier snapshots are intact"
+    )
+
+
 def dist_save(
     state: Any, st: Store, name: str, opts: SaveOptions, meta: dict[str, Any], pg: Any, t0: float
 ) -> SnapshotInfo:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    cache = _cache(st, pg)
-    saver = saver_for(st)
-    prepared = None
-    plan_bytes = 0
+    ds = _DistSave(st, name, opts, meta, pg, t0)
     try:
-        # 1-2: plan, stage, hash; send the plan message
-        try:
-            prepared = saver.prepare(state, name, opts, t0, background=False)
-            pool = saver.pool(opts.threads)
-            group_bufs: dict[int, Any] = {}
-            arrays = prepared.staged.arrays
-            digests = hash_chunks(prepared.plan, arrays.__getitem__, pool, group_bufs)
-            layout = Layout.of(prepared.plan)
-            msg = rank_message(rank, layout, digests, cache)
-        except Exception as e:
-            msg = RankMsg(rank, "", error=f"{type(e).__name__}: {e}")
-            local_error: Exception | None = e
-        else:
-            local_error = None
-        gathered: list[RankMsg] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
-        dist.gather_object(msg, gathered, dst=0, group=pg)
-
-        # 3: rank 0 decides who writes what
-        assignment: list[Any] = [None]
-        if rank == 0:
-            assert gathered is not None
-            plan_bytes = sum(len(pickle.dumps(m)) for m in gathered)
-            decision = _decide(st, gathered, cache)
-            scatter_in = decision[0] if isinstance(decision[0], list) else [decision[0]] * world
-        else:
-            scatter_in = None
-        dist.scatter_object_list(assignment, scatter_in, src=0, group=pg)
-        mine = assignment[0]
-        if isinstance(mine, str):
-            cache.structure = None
-            raise DistributedError(mine) from local_error
-
-        # 4-5: write the assigned chunks, report their records
-        assert prepared is not None
-        try:
-            wr = write_chunks(
-                st, prepared.plan, arrays.__getitem__, opts, pool, {}, st.delta_refs if prepared.use_refs else None,
-                digests=digests, owned=mine, group_bufs=group_bufs,
-            )  # fmt: skip
-            written = _Written(wr.records, wr.pack_bytes)
-        except Exception as e:
-            wr = None
-            written = _Written({}, 0, f"rank {rank}: {type(e).__name__}: {e}")
-        results: list[_Written] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
-        dist.gather_object(written, results, dst=0, group=pg)
-
-        # 6: rank 0 commits; everyone learns the outcome
-        outcome: list[Any] = [None]
-        if rank == 0:
-            assert results is not None
-            outcome[0] = _commit(
-                st, name, prepared, decision, results, opts, meta, t0, plan_bytes, world
-            )
-        dist.broadcast_object_list(outcome, src=0, group=pg)
-        result = outcome[0]
-        if isinstance(result, str):
-            cache.structure = None
-            raise DistributedError(result)
-        remember(cache, rank, layout, digests)
-        if rank == 0:
-            remember_all(cache, decision[1], decision[2])
-        if prepared.use_refs and wr is not None:
-            st.delta_refs = wr.refs
-            saver._ref_arena = prepared.arena_idx
-        return result
+        ds.plan(state, background=False)
+        return ds.finish_collective(ds.write())
     except DistributedError:
         raise
     except Exception as e:  # a collective failed: a peer died or timed out
-        cache.structure = None
-        raise DistributedError(
-            f"distributed save of {name!r} failed on rank {rank} of {world}: {type(e).__name__}: {e}. "
-            "No snapshot was committed; earlier snapshots are intact"
-        ) from e
+        raise _wrap(ds, e) from e
     finally:
-        if prepared is not None:
-            prepared.locks.close()
+        ds.close()
+
+
+def dist_async_save(
+    state: Any, st: Store, name: str, opts: SaveOptions, meta: dict[str, Any], pg: Any, t0: float
+) -> SaveHandle:
+    """Plan with collectives now; write and commit in the background (no collectives there)."""
+    ds = _DistSave(st, name, opts, meta, pg, t0)
+    try:
+        epoch = [time.time_ns()]
+        ds.dist.broadcast_object_list(epoch, src=0, group=pg)  # one tmp dir name for all ranks
+        ds.epoch = epoch[0]
+        ds.plan(state, background=True)
+        ds.blocked = time.perf_counter() - t0
+    except DistributedError:
+        ds.close()
+        raise
+    except Exception as e:
+        ds.close()
+        raise _wrap(ds, e) from e
+
+    def background() -> SnapshotInfo:
+        try:
+            return ds.finish_files(ds.write(), timeout=opts.lock_timeout)
+        finally:
+            ds.close()
+
+    return ds.saver.submit(name, background)
 
 
 def _decide(st: Store, msgs: list[RankMsg], cache: PlanCache) -> tuple[Any, Any, Any, Any]:
@@ -177,6 +303,7 @@ def _commit(
     t0: float,
     plan_bytes: int,
     world: int,
+    blocked: float | None = None,
 ) -> SnapshotInfo | str:
     errors = [w.error for w in results if w.error]
     if errors:
@@ -197,7 +324,7 @@ def _commit(
             chunks_new=len(new),
             chunks_reused=len(merged.needed) - len(new),
             seconds=time.perf_counter() - t0,
-            blocked_seconds=time.perf_counter() - t0,
+            blocked_seconds=time.perf_counter() - t0 if blocked is None else blocked,
             waited_seconds=prepared.waited,
         )
         m = Manifest(m.name, time.time_ns(), m.tree, m.tensors, m.storages, m.chunks, stats, meta,

@@ -65,6 +65,12 @@ def _save_two(rank: int, world: int, port: int, store: str) -> dict:
     info2 = deltackpt.save(
         _dstate(world, 1, placements), store, "s1", process_group=dist.group.WORLD
     )
+    # async: returns after planning and staging; mutating the shards then must not matter
+    live = _dstate(world, 2, placements)
+    h = deltackpt.async_save(live, store, "s2", process_group=dist.group.WORLD)
+    for k in ("a", "b", "r"):
+        live[k].to_local().fill_(-1)
+    info3 = h.result(timeout=60)
     m = deltackpt.open_store(store).manifest("s0-again")
     m0 = deltackpt.open_store(store).manifest("s0")
     dist.destroy_process_group()
@@ -74,6 +80,7 @@ def _save_two(rank: int, world: int, port: int, store: str) -> dict:
             for i in (info0, info1, info2)
         ],
         "plan_bytes": [m0.dist["plan_bytes"], m.dist["plan_bytes"]],
+        "async": (info3.name, info3.blocked_seconds <= info3.seconds),
     }
 
 
@@ -132,8 +139,9 @@ def test_save_on_2_ranks_then_reshard_onto_1_3_4_ranks(tmp_path):
     # the repeated save sends only changes: its planning messages are smaller
     assert out[0]["plan_bytes"][1] < 0.5 * out[0]["plan_bytes"][0]
 
+    assert out[0]["async"] == ("s2", True)
     # one process, no process group: full tensors
-    for name, step in (("s0", 0), ("s1", 1)):
+    for name, step in (("s0", 0), ("s1", 1), ("s2", 2)):
         got = deltackpt.load(store, name)
         for k, v in full_state(step).items():
             assert torch.equal(got[k], v), (name, k)
