@@ -70,8 +70,11 @@ class ChunkReader:
             if actual != d:
                 raise self._corrupt(d, where, f"its bytes hash to {actual}, expected {d}")
 
-    def decode_into(self, d: str, out: np.ndarray, where: str, depth: int = 0) -> None:
-        """Decode chunk ``d`` (following xor bases) into ``out`` (its raw size) and verify it."""
+    def decode_into(
+        self, d: str, out: np.ndarray, where: str, depth: int = 0, base_raw: np.ndarray | None = None
+    ) -> None:
+        """Decode chunk ``d`` into ``out`` (its raw size) and verify it. An xor chunk decodes its
+        base chain first, unless the caller passes the base's verified raw bytes as ``base_raw``."""
         rec = self.records.get(d)
         if rec is None:
             raise self._corrupt(d, where, "the manifest has no location for it")
@@ -84,8 +87,8 @@ class ChunkReader:
                 np.empty(rec.length, dtype=np.uint8) if depth else _scratch("payload", rec.length)
             )
             self._read_payload(d, rec, payload, where)
-            base = None
-            if rec.base is not None:
+            base = base_raw
+            if rec.base is not None and base is None:
                 if depth > 64:
                     raise self._corrupt(
                         d, where, "its xor delta chain is longer than 64 (a cycle?)"
