@@ -79,6 +79,7 @@ class Saver:
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-commit")
         self._pools: dict[int, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
+        self._slot = threading.Lock()  # held from prepare() until the save ends (any thread)
         self._inflight: Future[SnapshotInfo] | None = None
         self._unreported: BaseException | None = None
         self._arenas = (Arena(), Arena())
@@ -100,16 +101,15 @@ class Saver:
                 self._unreported = None
 
     def wait_previous(self) -> float:
-        """Block until the previous save finished; raise its error if nobody has seen it."""
+        """Take the store's save slot: block until the previous save (sync or async, from any
+        thread) finished; raise its error if nobody has seen it. The caller must release the
+        slot (``self._slot.release()``) when its save is done or failed."""
         t0 = time.perf_counter()
-        with self._lock:
-            prev = self._inflight
-        if prev is not None:
-            with contextlib.suppress(BaseException):
-                prev.result()
+        self._slot.acquire()
         with self._lock:
             err, self._unreported = self._unreported, None
         if err is not None:
+            self._slot.release()
             raise SaveFailedError(
                 f"the previous background save failed and nobody called result(): {err}"
             ) from err
@@ -147,12 +147,13 @@ class Saver:
         st = self.store
         waited = self.wait_previous()
         locks = contextlib.ExitStack()
-        locks.enter_context(
-            store_lock(
-                st.lock_path, exclusive=False, timeout=opts.lock_timeout, what=f"saving {name!r}"
-            )
-        )
+        locks.callback(self._slot.release)  # one save per store at a time: arenas are shared
         try:
+            locks.enter_context(
+                store_lock(
+                    st.lock_path, exclusive=False, timeout=opts.lock_timeout, what=f"saving {name!r}"
+                )
+            )
             if not opts.overwrite and st.has(name):
                 raise SnapshotExistsError(
                     f"store {str(st.root)!r} already has a committed snapshot {name!r}; pick a "

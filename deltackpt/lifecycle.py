@@ -23,7 +23,7 @@ from deltackpt.errors import CorruptChunkError, SnapshotNotFoundError
 from deltackpt.manifest import ChunkRecord, Manifest
 from deltackpt.options import default_lock_timeout, default_threads
 from deltackpt.pack import PackReaders, PackWriter
-from deltackpt.store import LATEST, SnapshotInfo, Store, open_store
+from deltackpt.store import LATEST, PACK_ALIGN, SnapshotInfo, Store, open_store
 
 
 def snapshots(store: str | os.PathLike[str] | Store) -> list[SnapshotInfo]:
@@ -88,7 +88,7 @@ def gc(
         manifests = st.manifests()
         if keep_last is not None:
             keep_set = (
-                set(keep) | {m.name for m in manifests[len(manifests) - keep_last :]}
+                set(keep) | {m.name for m in manifests[max(0, len(manifests) - keep_last) :]}
                 if keep_last
                 else set(keep)
             )
@@ -132,7 +132,11 @@ def _collect_packs(
             removed += 1
             freed += size
             continue
-        live_bytes = sum(r.length for r in chunks.values())
+        # What a rewrite would occupy (header, aligned payloads): raw lengths would make a
+        # fully live pack of small chunks look mostly dead and be rewritten on every gc.
+        live_bytes = PACK_ALIGN + sum(
+            -(-r.length // PACK_ALIGN) * PACK_ALIGN for r in chunks.values()
+        )
         if live_bytes < compact_below * size:
             new_size = _compact(st, pack, chunks, manifests)
             compacted += 1
@@ -160,10 +164,11 @@ def _compact(
             moved[d] = replace(rec, pack=w.pack_id, offset=off, length=n)
     new_size = w.finish()
     fsync_dir(st.packs_dir)
-    for m in manifests:
+    for i, m in enumerate(manifests):
         if any(r.pack == pack for r in m.chunks.values()):
             new_chunks = {d: (moved[d] if r.pack == pack else r) for d, r in m.chunks.items()}
-            _rewrite_manifest(st, replace(m, chunks=new_chunks))
+            manifests[i] = replace(m, chunks=new_chunks)  # a later compaction starts from this
+            _rewrite_manifest(st, manifests[i])
     (st.packs_dir / f"{pack}.pack").unlink()
     return new_size
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltackpt._dcp_values import decode_byte_values
 from deltackpt._dtensor import is_dtensor, local_box, local_tensor
 from deltackpt._dtypes import dtype_from_name
 from deltackpt._read import ChunkReader, ChunkTargets
@@ -169,6 +170,7 @@ def _load_new(st: Store, m: Manifest, opts: LoadOptions) -> Any:
         else:
             t = torch.empty(e.shape, dtype=dtype)
         tensors.append(_finish(t, e))
+    decode_byte_values(m, tensors, opts.allow_pickle)  # values DCP stored as torch.save bytes
     return unflatten(m.tree, tensors.__getitem__, allow_pickle=opts.allow_pickle)
 
 

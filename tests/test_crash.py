@@ -1,0 +1,310 @@
+"""Crash safety: SIGKILL a saving process at random moments; inject I/O failures in-process.
+
+Invariants checked after every crash: every listed snapshot loads bit-exactly (verified against
+content recomputed from its name), no partial snapshot is listed, ``verify`` passes, a crashed
+name can be saved again, and gc removes every leftover of the crashed saves.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import deltackpt
+import deltackpt.store
+from deltackpt.errors import SnapshotNotFoundError
+from deltackpt.pack import PackWriter
+from deltackpt.store import PACK_ALIGN
+from tests._workers import Child, assert_same_state, crash_base, crash_name, crash_state
+
+# ~3 s a trial on an idle 2-core machine, 2-3x that when other jobs load it
+CRASH_TRIALS = 16  # at most this many SIGKILLs ...
+CRASH_MIN_TRIALS = 8  # ... and at least this many, even when the machine is slow ...
+CRASH_BUDGET_S = 40.0  # ... and no new trial after this many seconds once the minimum is done
+
+
+# ---------------------------------------------------------------------------- store inspection
+
+
+def pack_sizes(store: Path) -> dict[str, int]:
+    return {p.stem: p.stat().st_size for p in (store / "packs").glob("*.pack")}
+
+
+def referenced(store: Path) -> tuple[set[str], int, int]:
+    """(packs referenced by a committed manifest, their distinct chunk bytes, chunk count)."""
+    st = deltackpt.open_store(store, create=False)
+    locs: dict[tuple[str, int], int] = {}
+    for m in st.manifests():
+        for rec in m.chunks.values():
+            locs[(rec.pack, rec.offset)] = rec.length
+    return {p for p, _ in locs}, sum(locs.values()), len(locs)
+
+
+def leftovers(store: Path) -> list[Path]:
+    """tmp/ entries and snapshot dirs without a manifest."""
+    out = list((store / "tmp").iterdir())
+    out += [d for d in (store / "snapshots").iterdir() if not (d / "MANIFEST.json").exists()]
+    return out
+
+
+def assert_store_clean(store: Path) -> None:
+    """What gc must leave: no leftovers, no unreferenced pack, packs no bigger than their data."""
+    assert leftovers(store) == []
+    sizes = pack_sizes(store)
+    packs, live_bytes, n_chunks = referenced(store)
+    assert set(sizes) == packs, f"unreferenced packs survive gc: {set(sizes) - packs}"
+    slack = PACK_ALIGN * (len(packs) + n_chunks)  # pack headers + per-chunk alignment padding
+    assert live_bytes <= sum(sizes.values()) <= live_bytes + slack
+
+
+# ---------------------------------------------------------------------------- SIGKILL loop
+
+
+def _idx(name: str) -> int:
+    assert name.startswith("s-"), name
+    return int(name[2:])
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_exposes_a_partial_snapshot(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    deltackpt.open_store(store)
+    base = crash_base()
+    rng = random.Random(0xDC)
+    committed: set[int] = set()  # save indexes known to have committed (ever)
+    live: set[int] = set()  # committed and not deleted since
+    checked: set[str] = set()  # snapshots already loaded and compared
+    durations: list[float] = []  # begin -> commit of every save a child reported
+    outcomes = {"before_commit": 0, "committed_unreported": 0, "between_saves": 0}
+    retried = gcs = 0
+    t_start = time.monotonic()
+    children: list[Child] = []
+    spares: deque[Child] = deque()  # started ahead: importing torch takes seconds
+
+    def warm_up(trials_left: int) -> None:
+        while len(spares) < min(2, trials_left):
+            spares.append(Child("crash_saver", str(store)))
+            children.append(spares[-1])
+
+    try:
+        warm_up(CRASH_TRIALS)
+        for trial in range(CRASH_TRIALS):
+            child = spares.popleft()
+            t0 = time.monotonic()
+            child.expect("ready", 120)
+            t1 = time.monotonic()
+            start = max(committed) + 1 if committed else 0
+            if start in crash_attempts(children):
+                retried += 1  # this name was being saved when an earlier child died
+            k = rng.choice([0, 0, 1])  # saves allowed to commit before the aimed one
+            phase = rng.choice(["write", "write", "commit", "any"])
+            child.send(f"go {start} {k + 2}")
+            last = trial + 1 >= CRASH_TRIALS or (
+                trial + 1 >= CRASH_MIN_TRIALS and time.monotonic() - t_start > CRASH_BUDGET_S
+            )
+            if not last:  # the next children warm up while this one saves
+                warm_up(CRASH_TRIALS - trial - 1)
+            est = statistics.median(durations) if durations else 0.8
+            target = start + k
+            if phase == "commit":  # between "manifest about to be published" and return
+                child.expect(f"publish {target}", 120)
+                time.sleep(rng.uniform(0.0, 0.004))
+            else:  # anywhere in planning, hashing, pack writes, fsyncs and commit
+                child.expect(f"begin {target}", 120)
+                time.sleep(rng.uniform(0.0, (0.9 if phase == "write" else 1.2) * est))
+            child.kill()
+            t2 = time.monotonic()
+
+            events = [line.split() for _, line in child.log]
+            begun = [int(e[1]) for e in events if e[0] == "begin"]
+            reported = {int(e[1]) for e in events if e[0] == "commit"}
+            times = {(e[0], int(e[1])): t for t, line in child.log if (e := line.split())[1:]}
+            durations += [times[("commit", i)] - times[("begin", i)] for i in reported]
+            committed |= reported
+            live |= reported
+            in_flight = begun[-1] if begun and begun[-1] not in reported else None
+
+            # exactly the committed snapshots are listed, plus at most the one being saved
+            listed = [s.name for s in deltackpt.snapshots(store)]
+            assert len(listed) == len(set(listed))
+            want = {crash_name(i) for i in live}
+            assert want <= set(listed), f"trial {trial}: committed saves missing"
+            extra = set(listed) - want
+            allowed = {crash_name(in_flight)} if in_flight is not None else set()
+            assert extra <= allowed, f"trial {trial}: unexpected snapshots {extra}"
+            if in_flight is None:
+                outcome = "between_saves"
+            elif extra:  # committed right before the kill, not yet reported
+                outcome = "committed_unreported"
+                committed.add(in_flight)
+                live.add(in_flight)
+            else:
+                outcome = "before_commit"
+                assert not (store / "snapshots" / crash_name(in_flight) / "MANIFEST.json").exists()
+            outcomes[outcome] += 1
+
+            # every listed snapshot loads bit-exactly, and the whole store verifies
+            for name in listed:
+                if name not in checked:
+                    got = deltackpt.load(store, name, verify=True)
+                    assert_same_state(got, crash_state(base, _idx(name)), name)
+                    checked.add(name)
+            if live:  # "latest" is the newest committed save
+                assert deltackpt.load(store, "latest", verify=True)["step"] == max(live)
+            report = deltackpt.verify(store)
+            assert report.ok, report.problems[:3]
+            assert sorted(report.snapshots) == sorted(listed)
+
+            print(  # shown with -s or on failure
+                f"trial {trial}: {phase} after {k} saves, {outcome}; waited {t1 - t0:.1f}s for "
+                f"the child, ran {t2 - t1:.1f}s, checked {time.monotonic() - t2:.1f}s"
+            )
+
+            # bound the work of later trials: keep the 2 newest snapshots, gc now and then
+            for i in sorted(live)[:-2]:
+                deltackpt.delete(store, crash_name(i))
+                live.discard(i)
+            if trial % 4 == 3:  # the next child is only warming up: it holds no lock
+                deltackpt.gc(store, lock_timeout=30)
+                assert_store_clean(store)
+                for i in live:  # compaction may have rewritten their manifests
+                    got = deltackpt.load(store, crash_name(i), verify=True)
+                    assert_same_state(got, crash_state(base, i), crash_name(i))
+                gcs += 1
+            if last:
+                break
+    finally:
+        for c in children:
+            c.kill()
+
+    assert outcomes["before_commit"] >= 1, outcomes  # some kills really hit a save in flight
+    assert committed, "no save ever committed"
+
+    # gc removes exactly the debris of the crashed saves (and the deleted snapshots' packs)
+    packs_before = pack_sizes(store)
+    live_packs, _, _ = referenced(store)
+    dead = set(packs_before) - live_packs
+    debris = leftovers(store)
+    report = deltackpt.gc(store)
+    assert report.deleted == []
+    assert report.packs_removed == len(dead)
+    assert report.leftovers_removed == len(debris)
+    assert report.bytes_freed >= sum(packs_before[p] for p in dead)  # + compaction, if any
+    assert_store_clean(store)
+    assert sorted(s.name for s in deltackpt.snapshots(store)) == sorted(map(crash_name, live))
+    assert deltackpt.verify(store).ok
+    newest = crash_name(max(live))
+    assert_same_state(deltackpt.load(store, newest), crash_state(base, max(live)), newest)
+    print(
+        f"\ncrash trials {trial + 1} in {time.monotonic() - t_start:.0f}s: {outcomes}, "
+        f"crashed names saved again {retried}, snapshots checked {len(checked)}, gcs {gcs}, "
+        f"median save {statistics.median(durations) if durations else 0:.2f}s"
+    )
+    shutil.rmtree(store, ignore_errors=True)  # GBs: do not leave them in pytest's tmp dirs
+
+
+def crash_attempts(children: list[Child]) -> set[int]:
+    """Save indexes that a (dead) child began but did not report committed."""
+    out: set[int] = set()
+    for c in children:
+        ev = [line.split() for _, line in c.log]
+        begun = {int(e[1]) for e in ev if e[0] == "begin"}
+        out |= begun - {int(e[1]) for e in ev if e[0] == "commit"}
+    return out
+
+
+# ---------------------------------------------------------------------------- injected failures
+
+
+def small_state(i: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(i)
+    return {
+        "w": torch.randn(600_000, generator=g),  # 2.4 MB: several chunks
+        "b": torch.randn(100, generator=g),
+        "step": i,
+    }
+
+
+@pytest.fixture
+def small_store(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "store"
+    deltackpt.open_store(path, chunk_bytes=256 << 10, small_bytes=64 << 10)
+    deltackpt.save(small_state(0), path, "s-0")
+    deltackpt.save(small_state(1), path, "s-1")
+    yield path
+
+
+def _eio(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.EIO, "injected I/O error")
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    if where == "pack_append":  # ENOSPC after a few payloads were written
+        real_append = PackWriter.append
+        calls = [0]
+
+        def append(self: PackWriter, payload: memoryview) -> tuple[int, int]:
+            calls[0] += 1
+            if calls[0] > 3:
+                raise OSError(errno.ENOSPC, "injected: no space left")
+            return real_append(self, payload)
+
+        monkeypatch.setattr(PackWriter, "append", append)
+    elif where == "pack_fsync":
+        monkeypatch.setattr(PackWriter, "finish", _eio)
+    elif where == "manifest_write":  # the temp manifest cannot be made durable
+        monkeypatch.setattr(deltackpt.store, "write_durable", _eio)
+    elif where == "publish":  # store.py calls publish by the name it imported
+        monkeypatch.setattr(deltackpt.store, "publish", _eio)
+    elif where == "link":
+        monkeypatch.setattr(os, "link", _eio)
+    else:
+        raise AssertionError(where)
+
+
+@pytest.mark.parametrize(
+    "where", ["pack_append", "pack_fsync", "manifest_write", "publish", "link"]
+)
+def test_failed_save_is_invisible_and_can_be_retried(
+    small_store: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    store = small_store
+    packs_before = set(pack_sizes(store))
+    with monkeypatch.context() as mp:
+        _inject(mp, where)
+        with pytest.raises(OSError, match="injected"):
+            deltackpt.save(small_state(2), store, "s-2")
+
+    # the failed name does not exist, the earlier snapshots are intact
+    assert [s.name for s in deltackpt.snapshots(store)] == ["s-0", "s-1"]
+    assert not deltackpt.open_store(store).has("s-2")
+    with pytest.raises(SnapshotNotFoundError):
+        deltackpt.load(store, "s-2")
+    assert deltackpt.load(store)["step"] == 1
+    for i in (0, 1):
+        assert_same_state(deltackpt.load(store, f"s-{i}", verify=True), small_state(i))
+    assert deltackpt.verify(store).ok
+    if where in ("pack_append", "pack_fsync"):  # the save cleaned its own packs up
+        assert set(pack_sizes(store)) == packs_before
+
+    # a retry with the same name succeeds and loads bit-exactly
+    info = deltackpt.save(small_state(2), store, "s-2")
+    assert info.name == "s-2" and info.chunks_new > 0
+    assert_same_state(deltackpt.load(store, "s-2", verify=True), small_state(2))
+    assert [s.name for s in deltackpt.snapshots(store)] == ["s-0", "s-1", "s-2"]
+
+    # gc sweeps what the failed attempt left behind; everything still loads
+    deltackpt.gc(store)
+    assert_store_clean(store)
+    for i in (0, 1, 2):
+        assert_same_state(deltackpt.load(store, f"s-{i}", verify=True), small_state(i))
