@@ -230,22 +230,45 @@ def verify(
                 users.setdefault(d, []).append((m.name, "<delta base>"))
     problems: list[VerifyProblem] = []
     checked = nbytes = 0
+    # Decode every xor chain once, keyframe first, handing each chunk's raw bytes to its deltas:
+    # decoding each chunk from scratch would redo its whole chain (K times the work).
+    children: dict[str, list[str]] = {}
+    roots = []
+    for d, rec in records.items():
+        if rec.base is not None and rec.base in records:
+            children.setdefault(rec.base, []).append(d)
+        else:
+            roots.append(d)
     with PackReaders(st.packs_dir) as packs:
         reader = ChunkReader(packs, records, verify=True)
 
-        def one(d: str) -> tuple[str, int, str | None]:
-            rec = records[d]
-            try:
-                reader.decode_into(d, np.empty(rec.size, dtype=np.uint8), "verify")
-                return d, rec.size, None
-            except CorruptChunkError as e:
-                return d, rec.size, str(e)
+        def tree(root: str) -> list[tuple[str, int, str | None]]:
+            out: list[tuple[str, int, str | None]] = []
+            stack: list[tuple[str, np.ndarray | None]] = [(root, None)]
+            while stack:
+                d, base_raw = stack.pop()
+                rec = records[d]
+                raw = np.empty(rec.size, dtype=np.uint8)
+                try:
+                    reader.decode_into(d, raw, "verify", base_raw=base_raw)
+                except CorruptChunkError as e:
+                    out.append((d, rec.size, str(e)))
+                    todo = list(children.get(d, ()))
+                    while todo:  # deltas of a corrupt chunk cannot be checked: report them too
+                        c = todo.pop()
+                        out.append((c, records[c].size, f"chunk {c}: its xor base chain is corrupt ({d})"))
+                        todo.extend(children.get(c, ()))
+                    continue
+                out.append((d, rec.size, None))
+                stack.extend((c, raw) for c in children.get(d, ()))
+            return out
 
         with ThreadPoolExecutor(threads or default_threads()) as pool:
-            for d, size, err in pool.map(one, sorted(records)):
-                checked += 1
-                nbytes += size
-                if err is not None:
-                    for snap, key in dict.fromkeys(users[d]):
-                        problems.append(VerifyProblem(snap, key, d, err))
+            for results in pool.map(tree, sorted(roots)):
+                for d, size, err in results:
+                    checked += 1
+                    nbytes += size
+                    if err is not None:
+                        for snap, key in dict.fromkeys(users[d]):
+                            problems.append(VerifyProblem(snap, key, d, err))
     return VerifyReport([m.name for m in ms], checked, nbytes, problems, time.perf_counter() - t0)

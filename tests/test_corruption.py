@@ -71,3 +71,20 @@ def test_damaged_manifest_is_a_typed_error(store_dir):
     path.write_bytes(path.read_bytes()[:-20])
     with pytest.raises(deltackpt.errors.StoreFormatError, match="not valid JSON"):
         deltackpt.load(store_dir, "s")
+
+
+def test_corrupt_keyframe_is_reported_for_every_delta_built_on_it(store_dir):
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1 << 20, generator=g).to(torch.bfloat16)}
+    for i in range(3):
+        deltackpt.save(state, store_dir, f"s{i}")
+        state["w"].sub_(4e-3 * torch.randn(1 << 20, generator=g).sign() * state["w"].abs())
+    st = deltackpt.open_store(store_dir)
+    s2 = st.manifest("s2")
+    assert any(r.codec == "xor" for r in s2.chunks.values())  # s2 really is a delta chain
+    keyframe = _flip(store_dir, "s0", "w")
+    report = deltackpt.verify(store_dir)
+    assert {p.snapshot for p in report.problems} == {"s0", "s1", "s2"}
+    assert any(p.chunk == keyframe for p in report.problems)
+    with pytest.raises(CorruptChunkError):
+        deltackpt.load(store_dir, "s2")
