@@ -68,7 +68,8 @@ class SavePlan:
         return sum(s.nbytes for s in self.sources)
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """1-D uint8 view of ``t``'s bytes in C order (a copy only when it is not contiguous)."""
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
@@ -155,7 +156,7 @@ def _entry(
         if local.numel():
             e.shards.append((offsets, local_shape, len(sources)))
             key = f"{leaf.path}@{','.join(map(str, offsets))}"
-            sources.append(Source(key, _as_bytes(local), local.element_size()))
+            sources.append(Source(key, tensor_bytes(local), local.element_size()))
         return e
     e = EntryPlan(
         path=leaf.path,
@@ -169,7 +170,7 @@ def _entry(
         e.storage = (sid, t.storage_offset() * t.element_size() - lo, tuple(t.stride()))
     else:
         e.source = len(sources)
-        sources.append(Source(leaf.path, _as_bytes(t), t.element_size()))
+        sources.append(Source(leaf.path, tensor_bytes(t), t.element_size()))
     return e
 
 

@@ -23,6 +23,7 @@ from deltackpt import codecs
 from deltackpt._fsutil import fsync_dir
 from deltackpt._hashing import digest
 from deltackpt._plan import ChunkSpec, SavePlan
+from deltackpt.errors import DeltackptError
 from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
 from deltackpt.options import SaveOptions
 from deltackpt.pack import PackWriter
@@ -200,7 +201,12 @@ def closure(
         d = todo.pop()
         if d in out:
             continue
-        rec = new.get(d) or index[d]
+        rec = new.get(d) or index.get(d)
+        if rec is None:
+            raise DeltackptError(
+                f"no record of where chunk {d} lives (no rank or earlier snapshot wrote it); the "
+                "save is inconsistent and was not committed"
+            )
         out[d] = rec
         if rec.base is not None:
             todo.append(rec.base)

@@ -80,7 +80,10 @@ from torch.futures import Future
 from deltackpt._dcp_values import DCP_KEY  # manifest metadata key of the DCP facts (JSON)
 from deltackpt._dtypes import dtype_from_name, dtype_name
 from deltackpt._fsutil import store_lock
+from deltackpt._plan import tensor_bytes
 from deltackpt._read import ChunkReader, ChunkTargets
+from deltackpt._reshard import sub_slices
+from deltackpt._save import closure
 from deltackpt._tree import flatten, unflatten
 from deltackpt.errors import SnapshotExistsError, StoreError, StoreFormatError
 from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, TensorEntry
@@ -129,19 +132,6 @@ class _HeldLock:
             stack.close()
 
 
-def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """1-D uint8 view of ``t``'s bytes in C order (a copy only when it is not contiguous)."""
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.numel() else np.empty(0, dtype=np.uint8)
 
@@ -165,39 +155,6 @@ def _inline_node(raw: bytes) -> Any:
     if leaves or len(json.dumps(node)) > INLINE_MAX_BYTES:
         return _NOT_INLINE
     return node
-
-
-def _sub_slices(slices: Iterable[Slice], start: int, stop: int) -> list[Slice]:
-    """The slices covering bytes [start, stop) of the concatenation of ``slices``."""
-    out: list[Slice] = []
-    pos = 0
-    for d, s, n in slices:
-        a, b = max(start, pos), min(stop, pos + n)
-        if a < b:
-            out.append((d, s + a - pos, b - a))
-        pos += n
-        if pos >= stop:
-            break
-    return out
-
-
-def _closure(needed: Iterable[str], records: dict[str, ChunkRecord]) -> dict[str, ChunkRecord]:
-    out: dict[str, ChunkRecord] = {}
-    todo = list(needed)
-    while todo:
-        d = todo.pop()
-        if d in out:
-            continue
-        rec = records.get(d)
-        if rec is None:
-            raise StoreError(
-                f"DCP save: no rank reported where chunk {d} lives; the save is inconsistent "
-                "and was not committed"
-            )
-        out[d] = rec
-        if rec.base is not None:
-            todo.append(rec.base)
-    return dict(sorted(out.items()))
 
 
 def _json_path(path: Any) -> list[Any] | None:
@@ -417,7 +374,7 @@ class StoreWriter(StorageWriter):
                     f"DCP write item {fqn!r}: resolved tensor has shape {tuple(t.shape)}, the "
                     f"plan says {tuple(td.chunk.sizes)}"
                 )
-            b = _tensor_bytes(t)
+            b = tensor_bytes(t)
             sizes.append(b.numel())
             kinds.append(("src", len(sources)))
             offsets = ",".join(str(o) for o in td.chunk.offsets)
@@ -532,7 +489,7 @@ class StoreWriter(StorageWriter):
             raise StoreError(f"DCP save: ranks wrote items the metadata lacks: {extra[:5]}")
 
         needed = {d for e in tensors for d, _, _ in e.all_slices()}
-        chunks = _closure(needed, records)
+        chunks = closure(set(needed), records, {})
         dcp_info: dict[str, Any] = {
             "format": DCP_INFO_VERSION,
             "version": metadata.version or DEFAULT_DCP_VERSION,
@@ -914,7 +871,7 @@ class StoreReader(StorageReader):
         if lo is None or hi is None:
             lo = hi = 0
         buf = torch.empty((hi - lo) * isz, dtype=torch.uint8)
-        want(e.path, _sub_slices(src.data, lo * isz, hi * isz), _np(buf))
+        want(e.path, list(sub_slices(src.data, lo * isz, hi * isz)), _np(buf))
         return ("piece", src, reqs, (buf, lo, dtype, strides))
 
     def _deliver_piece(
