@@ -60,6 +60,8 @@ class SnapshotInfo:
     blocked_seconds: float = 0.0  # how long the caller was blocked (async saves: staging)
     waited_seconds: float = 0.0  # back-pressure: time spent waiting for the previous save
     metadata: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1  # ranks that wrote the snapshot
+    plan_bytes: int = 0  # distributed saves: bytes of plan messages gathered on rank 0
 
     @staticmethod
     def from_manifest(m: Manifest, manifest_bytes: int) -> SnapshotInfo:
@@ -76,6 +78,8 @@ class SnapshotInfo:
             blocked_seconds=s.blocked_seconds,
             waited_seconds=s.waited_seconds,
             metadata=dict(m.metadata),
+            world_size=int((m.dist or {}).get("world_size", 1)),
+            plan_bytes=int((m.dist or {}).get("plan_bytes", 0)),
         )
 
 

@@ -80,6 +80,7 @@ def _save_two(rank: int, world: int, port: int, store: str) -> dict:
             for i in (info0, info1, info2)
         ],
         "plan_bytes": [m0.dist["plan_bytes"], m.dist["plan_bytes"]],
+        "info_plan_bytes": [info0.plan_bytes, info1.plan_bytes, info0.world_size],
         "async": (info3.name, info3.blocked_seconds <= info3.seconds),
     }
 
@@ -138,6 +139,7 @@ def test_save_on_2_ranks_then_reshard_onto_1_3_4_ranks(tmp_path):
     assert written0 < 1.3 * logical0
     # the repeated save sends only changes: its planning messages are smaller
     assert out[0]["plan_bytes"][1] < 0.5 * out[0]["plan_bytes"][0]
+    assert out[0]["info_plan_bytes"] == [*out[0]["plan_bytes"], 2]
 
     assert out[0]["async"] == ("s2", True)
     # one process, no process group: full tensors
