@@ -121,7 +121,8 @@ class _DistSave:
             p.staged.wait()
             refs = self.st.delta_refs if p.use_refs else None
             self.wr = write_chunks(
-                self.st, p.plan, self.arrays.__getitem__, self.opts, self.pool, {}, refs,
+                # the index only vouches for xor bases here; ``owned`` decides what to write
+                self.st, p.plan, self.arrays.__getitem__, self.opts, self.pool, self.st.chunk_index() if refs else {}, refs,
                 digests=self.digests, owned=self.mine, group_bufs=self.group_bufs,
             )  # fmt: skip
             return _Written(self.wr.records, self.wr.pack_bytes)

@@ -71,6 +71,11 @@ def _save_two(rank: int, world: int, port: int, store: str) -> dict:
     for k in ("a", "b", "r"):
         live[k].to_local().fill_(-1)
     info3 = h.result(timeout=60)
+    # a small update of the same state: stored as xor deltas against the previous save
+    nudged = _dstate(world, 2, placements)
+    nudged["r"].to_local().mul_(1 + 2**-20)
+    deltackpt.save(nudged, store, "s3", process_group=dist.group.WORLD)
+    codecs3 = {c.codec for c in deltackpt.open_store(store).manifest("s3").chunks.values()}
     m = deltackpt.open_store(store).manifest("s0-again")
     m0 = deltackpt.open_store(store).manifest("s0")
     dist.destroy_process_group()
@@ -82,6 +87,7 @@ def _save_two(rank: int, world: int, port: int, store: str) -> dict:
         "plan_bytes": [m0.dist["plan_bytes"], m.dist["plan_bytes"]],
         "info_plan_bytes": [info0.plan_bytes, info1.plan_bytes, info0.world_size],
         "async": (info3.name, info3.blocked_seconds <= info3.seconds),
+        "xor_in_s3": "xor" in codecs3,
     }
 
 
@@ -142,6 +148,7 @@ def test_save_on_2_ranks_then_reshard_onto_1_3_4_ranks(tmp_path):
     assert out[0]["info_plan_bytes"] == [*out[0]["plan_bytes"], 2]
 
     assert out[0]["async"] == ("s2", True)
+    assert out[0]["xor_in_s3"]
     # one process, no process group: full tensors
     for name, step in (("s0", 0), ("s1", 1), ("s2", 2)):
         got = deltackpt.load(store, name)
