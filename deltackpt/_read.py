@@ -71,7 +71,12 @@ class ChunkReader:
                 raise self._corrupt(d, where, f"its bytes hash to {actual}, expected {d}")
 
     def decode_into(
-        self, d: str, out: np.ndarray, where: str, depth: int = 0, base_raw: np.ndarray | None = None
+        self,
+        d: str,
+        out: np.ndarray,
+        where: str,
+        depth: int = 0,
+        base_raw: np.ndarray | None = None,
     ) -> None:
         """Decode chunk ``d`` into ``out`` (its raw size) and verify it. An xor chunk decodes its
         base chain first, unless the caller passes the base's verified raw bytes as ``base_raw``."""
@@ -82,6 +87,8 @@ class ChunkReader:
             raise self._corrupt(d, where, f"manifest size {rec.size} != expected {out.size}")
         if rec.codec == codecs.RAW:
             self._read_payload(d, rec, out, where)
+        elif rec.codec == codecs.XOR and base_raw is None:
+            self._decode_chain(d, rec, out, where)
         else:
             payload = (
                 np.empty(rec.length, dtype=np.uint8) if depth else _scratch("payload", rec.length)
@@ -102,6 +109,34 @@ class ChunkReader:
                     d, where, f"its {rec.codec} payload does not decode ({e})"
                 ) from e
         self._check(d, out, where)
+
+    def _decode_chain(self, d: str, rec: ChunkRecord, out: np.ndarray, where: str) -> None:
+        """Read a delta chain down to its keyframe and decode it in one pass (the digest of the
+        result is checked by the caller; intermediate levels are not materialised)."""
+        chain = [(d, rec)]
+        while chain[-1][1].base is not None:
+            base = chain[-1][1].base
+            brec = self.records.get(base)
+            if brec is None:
+                raise self._corrupt(
+                    d, where, f"its xor base {base} has no location in the manifest"
+                )
+            if len(chain) > 64:
+                raise self._corrupt(d, where, "its xor delta chain is longer than 64 (a cycle?)")
+            chain.append((base, brec))
+        levels = []
+        for cd, crec in reversed(chain):
+            if crec.size != rec.size:
+                raise self._corrupt(
+                    d, where, f"chain member {cd} has size {crec.size}, expected {rec.size}"
+                )
+            payload = np.empty(crec.length, dtype=np.uint8)
+            self._read_payload(cd, crec, payload, where)
+            levels.append((crec.codec, payload, crec.itemsize))
+        try:
+            codecs.decode_chain(levels, rec.size, out)
+        except CodecError as e:
+            raise self._corrupt(d, where, f"its xor chain does not decode ({e})") from e
 
     def read(self, job: ChunkTargets) -> int:
         """Deliver one chunk to its targets; return the raw bytes decoded."""

@@ -395,3 +395,43 @@ def decode(
     delta = _scratch("ungroup", size)
     _ungroup(grouped, itemsize, delta)
     np.bitwise_xor(delta, base_arr, out=dst)
+
+
+def decode_chain(levels: list[tuple[str, Buffer, int]], size: int, out: Buffer) -> None:
+    """Decode a keyframe and the xor deltas built on it (oldest first) into ``out``.
+
+    ``levels[0]`` is ``(RAW or ZSTD, payload, itemsize)``, every later level ``(XOR, payload,
+    itemsize)``. XOR commutes with byte-grouping, so the levels are combined in the grouped
+    domain and un-grouped once, instead of un-grouping and re-XOR-ing at every level.
+    """
+    dst = _u8(out, "out", writable=True)
+    if dst.size != size:
+        raise CodecError(
+            f"out has {dst.size} bytes, expected {size}; pass a buffer of exactly size bytes"
+        )
+    if not levels or levels[0][0] == XOR or any(c != XOR for c, _, _ in levels[1:]):
+        raise CodecError(
+            f"a chain is a raw/zstd keyframe then xor deltas, got {[c for c, _, _ in levels]}"
+        )
+    widths = {k for c, _, k in levels if c != RAW}
+    if len(widths) > 1:  # grouped differently: decode level by level
+        codec, payload, k = levels[0]
+        decode(codec, payload, size, k, dst)
+        for codec, payload, k in levels[1:]:
+            decode(codec, payload, size, k, dst, base=dst)
+        return
+    k = widths.pop() if widths else 1
+    acc = _scratch("chain", size)
+    codec, payload, _ = levels[0]
+    src = _u8(payload, "payload")
+    if codec == RAW:
+        if src.size != size:
+            raise CodecError(
+                f"raw payload has {src.size} bytes, expected {size}; the chunk is corrupt"
+            )
+        _group(src, k, acc)
+    else:
+        np.copyto(acc, _decompress(codec, src, size))
+    for codec, payload, _ in levels[1:]:
+        np.bitwise_xor(acc, _decompress(codec, _u8(payload, "payload"), size), out=acc)
+    _ungroup(acc, k, dst)
