@@ -18,6 +18,7 @@ never hangs. A child that dies without reporting (killed, ``os._exit``) gives an
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -53,7 +54,8 @@ class Outcome:
         return self.value
 
 
-def _child(index: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any) -> None:
+def _child(index: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any,
+           fast_exit: bool) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -61,14 +63,21 @@ def _child(index: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any) ->
         q.put((index, True, fn(*args)))
     except BaseException:  # report everything, including SystemExit from the body
         q.put((index, False, traceback.format_exc()))
+    if fast_exit:  # skip interpreter teardown (seconds with torch and process groups loaded)
+        q.close()
+        q.join_thread()  # the result is in the pipe
+        os._exit(0)
 
 
 def spawn(targets: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], *,
-          timeout: float = 60.0) -> list[Outcome]:
-    """Run ``fn(*args)`` for each target in its own process; wait at most ``timeout`` seconds."""
+          timeout: float = 60.0, fast_exit: bool = False) -> list[Outcome]:
+    """Run ``fn(*args)`` for each target in its own process; wait at most ``timeout`` seconds.
+
+    ``fast_exit``: children leave with ``os._exit`` once their result is sent, skipping
+    interpreter teardown (atexit handlers, unflushed files) — seconds saved per process."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(i, fn, args, q), daemon=True)
+    procs = [ctx.Process(target=_child, args=(i, fn, args, q, fast_exit), daemon=True)
              for i, (fn, args) in enumerate(targets)]
     outcomes = [Outcome(i) for i in range(len(procs))]
     for p in procs:

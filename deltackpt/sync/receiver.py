@@ -1,0 +1,309 @@
+"""Inference side: :class:`WeightReceiver` takes part in a round and hands verified tensors over.
+
+Called on every receiver rank of the transport, once per round the senders push::
+
+    receiver = WeightReceiver(transport)               # apply="on_commit" (default)
+    receiver.pull(model.load_weights)                  # vLLM / SGLang convention
+    receiver.pull(ModuleAdapter(module))               # plain nn.Module
+    receiver.version                                   # last committed version
+
+``load_weights`` receives a list of ``(name, tensor)`` per bucket, in plan order. The tensors are
+views into the receiver's (or the transport's) buffers, valid only during the call: copy them
+(``param.copy_(t)``) — do not keep references.
+
+When is ``load_weights`` called? (``apply=``)
+
+* ``"on_commit"`` (default, transactional): every bucket is verified against its digest as it
+  arrives and kept staged; only after all ranks voted to commit are the staged buckets handed to
+  ``load_weights``. A failed round never touches the model. Memory: one copy of the model's
+  wire bytes (``plan.arena_bytes``), allocated once and reused — in this process for
+  :class:`DistTransport`; for :class:`ShmTransport` the staging is the shared window itself,
+  so no private memory at all.
+* ``"per_bucket"``: each bucket is handed over as soon as it is verified; memory is two bucket
+  buffers. A round that fails midway leaves the model partly updated: ``version`` still names the
+  last committed version, :attr:`WeightReceiver.consistent` becomes False and the next round is
+  a full round that repairs it.
+
+Tensors split over several buckets or sharded over several senders are assembled in buffers kept
+across rounds (their total size), and handed over once their last piece arrived.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from deltackpt._hashing import digest
+from deltackpt.sync import _protocol as proto
+from deltackpt.sync._protocol import RoundStats
+from deltackpt.sync.errors import (
+    DigestMismatchError,
+    RoundAbortedError,
+    SyncError,
+)
+from deltackpt.sync.plan import Bucket, Piece, Plan, build_plan, dtype_from_name
+from deltackpt.sync.sender import DtypeSpec, resolve_dtype
+from deltackpt.sync.transport import Channel, Transport
+
+__all__ = ["LoadWeights", "WeightReceiver"]
+
+#: ``load_weights(weights)``: takes a list of ``(name, tensor)``; return value ignored.
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+
+class _Assembler:
+    """Turns a received bucket into ``(name, tensor)`` pairs: views of whole tensors, assembled
+    tensors once their last piece arrived, cast to the requested dtype."""
+
+    def __init__(self, plan: Plan, dtype: DtypeSpec) -> None:
+        self.plan = plan
+        self.wire = [dtype_from_name(t.dtype) for t in plan.tensors]
+        self.target = [resolve_dtype(dtype, t.name, w) for t, w in zip(plan.tensors, self.wire,
+                                                                       strict=True)]
+        self.full: dict[int, torch.Tensor] = {}  # assembly buffers, kept across rounds
+        self.shard: dict[tuple[int, int], torch.Tensor] = {}  # non-contiguous split boxes
+        self.missing: dict[int, int] = {}  # elements still to come, this round
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+
+    def start_round(self) -> None:
+        self.missing.clear()
+        self.shard.clear()
+
+    def emit(self, bucket: Bucket, view: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        casts: list[int] = []  # positions in out of whole-tensor views that need a cast
+        for p in bucket.pieces:
+            info = self.plan.tensors[p.tensor]
+            src = view[p.bucket_offset:p.bucket_offset + p.nbytes].view(self.wire[p.tensor])
+            if p.whole:
+                if self.target[p.tensor] != self.wire[p.tensor]:
+                    casts.append(len(out))
+                out.append((info.name, src.view(info.shape)))
+                continue
+            full = self.full.get(p.tensor)
+            if full is None:
+                full = self.full[p.tensor] = torch.empty(info.shape, dtype=self.target[p.tensor])
+            self._place(full, p, src)
+            left = self.missing.get(p.tensor, math.prod(info.shape)) - p.count
+            self.missing[p.tensor] = left
+            if left == 0:
+                out.append((info.name, full))
+        if casts:
+            self._cast(bucket, out, casts)
+        return out
+
+    def _place(self, full: torch.Tensor, p: Piece, src: torch.Tensor) -> None:
+        region = full[tuple(slice(o, o + n) for o, n in zip(p.offset, p.local_shape, strict=True))]
+        numel = math.prod(p.local_shape)
+        if p.start == 0 and p.count == numel:
+            region.copy_(src.view(p.local_shape))
+        elif region.is_contiguous():
+            region.reshape(-1)[p.start:p.end].copy_(src)
+        else:  # a split piece of a strided box: collect the box, then copy it in
+            key = (p.tensor, p.owner)
+            box = self.shard.get(key)
+            if box is None:
+                box = self.shard[key] = torch.empty(p.local_shape, dtype=full.dtype)
+            box.view(-1)[p.start:p.end].copy_(src)
+            if p.end == numel:
+                region.copy_(box)
+                del self.shard[key]
+
+    def _cast(self, bucket: Bucket, out: list[tuple[str, torch.Tensor]],
+              casts: list[int]) -> None:
+        """Cast whole-tensor views into one scratch buffer reused by every call."""
+        dtypes = {self.plan.tensors[p.tensor].name: self.target[p.tensor] for p in bucket.pieces}
+        sizes = [-(-out[i][1].numel() * dtypes[out[i][0]].itemsize // 64) * 64 for i in casts]
+        if sum(sizes) > self.scratch.numel():
+            self.scratch = torch.empty(sum(sizes), dtype=torch.uint8)
+        pos = 0
+        for i, size in zip(casts, sizes, strict=True):
+            name, t = out[i]
+            dt = dtypes[name]
+            dst = self.scratch[pos:pos + t.numel() * dt.itemsize].view(dt).view(t.shape)
+            dst.copy_(t)
+            out[i] = (name, dst)
+            pos += size
+
+
+class WeightReceiver:
+    """Receives rounds from the senders of ``transport`` and loads them into a model.
+
+    ``apply`` chooses when ``load_weights`` runs (see the module docstring); ``dtype`` casts
+    floating-point tensors (or ``f(name, dtype) -> dtype | None``) before they are handed over,
+    e.g. fp32 master weights -> ``torch.bfloat16``.
+    """
+
+    def __init__(self, transport: Transport, *,
+                 apply: Literal["on_commit", "per_bucket"] = "on_commit",
+                 dtype: DtypeSpec = None) -> None:
+        if transport.rank in transport.senders:
+            raise SyncError(f"rank {transport.rank} is a sender of this transport; use "
+                            "WeightSender on it")
+        if apply not in ("on_commit", "per_bucket"):
+            raise SyncError(f"apply={apply!r}: choose 'on_commit' or 'per_bucket'")
+        self.transport = transport
+        self.apply = apply
+        self.dtype = dtype
+        self.version: int | None = None
+        self.last_round: RoundStats | None = None
+        #: False while the model may hold a mix of versions (per_bucket mode after a failure).
+        self.consistent = True
+        self._plan: Plan | None = None
+        self._epoch = -1
+        self._channel: Channel | None = None
+        self._asm: _Assembler | None = None
+        self._arena: torch.Tensor | None = None  # on_commit staging, when the channel has none
+        self._need_full = True
+
+    @property
+    def plan(self) -> Plan | None:
+        """The agreed plan (tensor names, dtypes, shapes, bucket layout), once received."""
+        return self._plan
+
+    def pull(self, load_weights: LoadWeights) -> RoundStats:
+        """Take part in one round; call ``load_weights`` with verified tensors; commit.
+
+        Returns when the round is committed (``version`` then names it). Raises
+        :class:`SyncError` (subclasses) when it is not; ``version`` and — with
+        ``apply="on_commit"`` — the model are unchanged then. After :class:`PeerLostError` or
+        :class:`SyncTimeoutError`, reset the transport before the next ``pull``.
+        """
+        t0 = time.perf_counter()
+        t = self.transport
+        b = proto.begin(t, version=None, need_plan=self._plan is None or self._epoch != t.epoch,
+                        need_full=self._need_full, failed=False)
+        self._need_full = True  # until this round commits
+        if b.need_plan:
+            plan = build_plan(proto.exchange_plan(t, None))
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+            if self._plan is None or plan.plan_id != self._plan.plan_id:
+                self._arena = None
+                self._asm = _Assembler(plan, self.dtype)
+            self._plan = plan
+            self._channel = t.open_channel(plan)
+            self._epoch = t.epoch
+        plan, ch, asm = self._plan, self._channel, self._asm
+        if plan is None or ch is None or asm is None:
+            raise SyncError("internal: no plan after the plan exchange")
+        send = None  # None: every tensor (a full round)
+        if not (b.need_full or b.need_plan):
+            send = proto.exchange_changed(t, plan, (), False, b.version)
+        buckets = plan.layout(send)
+        ch.begin_round(buckets)
+        asm.start_round()
+        failure, staged = self._receive(plan, ch, asm, buckets, b.version, load_weights)
+        rejected = proto.vote(t, failure is not None)
+        if rejected:
+            if failure is not None:
+                raise failure
+            raise RoundAbortedError(f"round {b.version} was not committed: rank {rejected - 1} "
+                                    f"rejected it; this receiver keeps version {self.version}")
+        if self.apply == "on_commit":
+            for bk, view in staged:
+                try:
+                    weights = asm.emit(bk, view)
+                    if weights:
+                        load_weights(weights)
+                except Exception as e:
+                    self.consistent = False
+                    raise SyncError(f"round {b.version}: load_weights failed at commit on "
+                                    f"{plan.describe(bk)}: {e}. The model may be partly updated; "
+                                    f"version stays {self.version} and the next round is full"
+                                    ) from e
+        self.version = b.version
+        self.consistent = True
+        self._need_full = False
+        self.last_round = RoundStats(
+            b.version, send is None or len(send) == len(plan.tensors), b.need_plan,
+            len(buckets), len(plan.buckets), sum(bk.nbytes for bk in buckets), plan.total_bytes,
+            time.perf_counter() - t0)
+        return self.last_round
+
+    def _receive(self, plan: Plan, ch: Channel, asm: _Assembler, buckets: Sequence[Bucket],
+                 version: int, load_weights: LoadWeights
+                 ) -> tuple[SyncError | None, list[tuple[Bucket, torch.Tensor]]]:
+        """Receive and verify every bucket; the first failure is kept (the round is drained
+        anyway so all ranks stay in step) and returned for the vote."""
+        t = self.transport
+        offsets: list[int] | None = None
+        if self.apply == "on_commit" and not ch.stable:  # stage the round in our own arena
+            offsets = plan.arena_offsets(buckets)
+            if self._arena is None:
+                self._arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+        failure: SyncError | None = None
+        staged: list[tuple[Bucket, torch.Tensor]] = []
+        prev: tuple[Bucket, str] | None = None
+
+        def consume(bk: Bucket, expected: str) -> SyncError | None:
+            view = ch.wait(bk)
+            if failure is not None:
+                return failure
+            data = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
+            actual = proto.combine(digest(data[p.bucket_offset:p.bucket_offset + p.nbytes])
+                                   for p in bk.pieces)
+            if actual != expected:
+                return DigestMismatchError(
+                    f"round {version}: {plan.describe(bk)} arrived with digest {actual}, the "
+                    f"sender announced {expected}; the round is not committed and this "
+                    f"receiver keeps version {self.version}. Check the transport / memory of "
+                    "both hosts; the next round resends everything")
+            if self.apply == "on_commit":
+                staged.append((bk, view))
+                return None
+            try:
+                weights = asm.emit(bk, view)
+                if weights:
+                    self.consistent = False
+                    load_weights(weights)
+            except Exception as e:  # becomes this rank's vote against the round
+                err = SyncError(f"round {version}: load_weights failed on {plan.describe(bk)}: "
+                                f"{e}")
+                err.__cause__ = e
+                return err
+            return None
+
+        for bk in buckets:
+            status, expected = proto.header(t, bk.owner, bk.index)
+            if status != proto.OK:
+                ch.flush()
+                raise RoundAbortedError(f"round {version}: sender rank {bk.owner} aborted at "
+                                        f"bucket {bk.index} (its error is raised there); "
+                                        f"this receiver keeps version {self.version}")
+            into = None
+            if offsets is not None and self._arena is not None:
+                into = self._arena[offsets[bk.index]:offsets[bk.index] + bk.nbytes]
+            ch.expect(bk, into)
+            if prev is not None:
+                failure = consume(*prev)
+            prev = (bk, expected)
+        if prev is not None:
+            failure = consume(*prev)
+        ch.flush()
+        return failure, staged
+
+    def install(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                load_weights: LoadWeights, *, batch: int = 64) -> None:
+        """Store path hook: load weights obtained elsewhere (e.g. a committed snapshot read with
+        ``deltackpt.load``) and adopt ``version``. The next ``pull`` asks for a full round, since
+        the senders cannot know what was installed."""
+        items = list(named_tensors)
+        for i in range(0, len(items), batch):
+            load_weights(items[i:i + batch])
+        self.version = int(version)
+        self.consistent = True
+        self._need_full = True
+
+    def close(self) -> None:
+        """Release channel and staging buffers (the transport stays open)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._arena = None
+        self._plan = self._asm = None
