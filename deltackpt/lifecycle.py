@@ -2,8 +2,9 @@
 
 gc holds the store lock exclusively, and every save holds it shared from planning to commit, so gc
 never runs while a save could still reference a chunk it would delete: it waits for in-flight saves
-(up to ``lock_timeout``) and saves wait for it. ``delete`` only unlinks a manifest (atomic) and
-needs no lock; the space comes back at the next gc.
+(up to ``lock_timeout``) and saves wait for it. ``delete`` only unlinks a manifest (atomic); it
+holds the lock shared, like a save, so that it waits for a running gc (whose compaction rewrites
+manifests and would bring a snapshot deleted meanwhile back). The space comes back at the next gc.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def delete(store: str | os.PathLike[str] | Store, name: str) -> None:
     st = open_store(store, create=False)
     if name == LATEST:
         raise SnapshotNotFoundError("delete() needs an explicit snapshot name, not 'latest'")
+    with store_lock(
+        st.lock_path, exclusive=False, timeout=default_lock_timeout(), what=f"deleting {name!r}"
+    ):
+        _delete(st, name)
+
+
+def _delete(st: Store, name: str) -> None:
     st.manifest(name)  # raises a clear error when it does not exist
     path = st.manifest_path(name)
     os.unlink(path)
@@ -94,7 +102,7 @@ def gc(
             )
             for m in manifests:
                 if m.name not in keep_set:
-                    delete(st, m.name)
+                    _delete(st, m.name)  # we hold the lock exclusively
                     deleted.append(m.name)
             manifests = st.manifests()
         leftovers = _sweep_leftovers(st)
@@ -139,6 +147,8 @@ def _collect_packs(
         )
         if live_bytes < compact_below * size:
             new_size = _compact(st, pack, chunks, manifests)
+            if new_size is None:  # damaged: left as it is, for verify to report
+                continue
             compacted += 1
             freed += size - new_size
     if removed or compacted:
@@ -148,18 +158,23 @@ def _collect_packs(
 
 def _compact(
     st: Store, pack: str, chunks: dict[str, ChunkRecord], manifests: list[Manifest]
-) -> int:
+) -> int | None:
     """Copy the live chunks of ``pack`` into a new pack, repoint manifests, delete the old pack.
 
     Crash-safe in any order: until a manifest is rewritten it points at the old pack, which is
     deleted only after every manifest has been repointed at the new, already-fsynced pack.
+    Returns the new pack's size, or None (nothing changed) when ``pack`` is shorter than its
+    chunk records say: copying would replace the missing bytes with garbage and delete the rest.
     """
     w = PackWriter(st.packs_dir)
     moved: dict[str, ChunkRecord] = {}
     with PackReaders(st.packs_dir) as packs:
         for d, rec in sorted(chunks.items(), key=lambda kv: kv[1].offset):
             buf = np.empty(rec.length, dtype=np.uint8)
-            packs.read_into(pack, rec.offset, buf)
+            if packs.read_into(pack, rec.offset, buf) != rec.length:
+                w.abort()
+                w.path.unlink()
+                return None
             off, n = w.append(memoryview(buf))
             moved[d] = replace(rec, pack=w.pack_id, offset=off, length=n)
     new_size = w.finish()

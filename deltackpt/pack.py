@@ -55,9 +55,15 @@ class PackWriter:
         self.path = packs_dir / f"{self.pack_id}.pack"
         self._fsync = fsync
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        _write_all(
-            self._fd, [memoryview(PACK_MAGIC), memoryview(_ZEROS)[: PACK_ALIGN - len(PACK_MAGIC)]]
-        )
+        try:
+            _write_all(
+                self._fd,
+                [memoryview(PACK_MAGIC), memoryview(_ZEROS)[: PACK_ALIGN - len(PACK_MAGIC)]],
+            )
+        except BaseException:  # e.g. ENOSPC: the caller never gets a writer to abort
+            os.close(self._fd)
+            os.unlink(self.path)
+            raise
         self.pos = PACK_ALIGN
 
     def append(self, payload: memoryview) -> tuple[int, int]:

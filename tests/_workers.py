@@ -6,8 +6,9 @@ very same tensors from a save index or a seed.
 Commands (each prints one line per event on stdout, flushed, so the parent can follow along):
 
 ``crash_saver STORE``
-    Builds the base tensors, prints ``ready``, then waits for ``go START COUNT`` on stdin and saves
-    snapshots ``crash_state(i)`` as ``s-<i>`` for i = START, START+1, ... (COUNT saves), printing
+    Builds the base tensors, prints ``ready``, then waits for ``go START COUNT ENCODING`` on stdin
+    and saves snapshots ``crash_state(i)`` as ``s-<i>`` for i = START, START+1, ... (COUNT saves;
+    ENCODING ``raw``, or ``default``: zstd/xor deltas against the previous save), printing
     ``begin i`` before each save, ``publish i`` right before its manifest is published and
     ``commit i`` after the save returned. The parent SIGKILLs it at random moments.
 
@@ -51,25 +52,26 @@ def crash_base() -> torch.Tensor:
 
 
 def crash_state(base: torch.Tensor, idx: int) -> dict[str, Any]:
-    """The state saved as snapshot ``s-<idx>``: every byte of every big tensor depends on idx."""
-    out: dict[str, Any] = {"model": {}, "opt": {}}
+    """The state saved as snapshot ``s-<idx>``: every byte of every big tensor depends on idx.
+
+    Small tensors (grouped into shared chunks) sit between big ones, as biases do in a model.
+    """
+    g = torch.Generator().manual_seed(idx)
+    big = {}
     pos = 0
     for key, shape in CRASH_SHAPES.items():
         n = int(torch.Size(shape).numel())
-        group, leaf = key.split(".")
-        out[group][leaf] = (base[pos : pos + n] + idx).view(shape)
+        big[key] = (base[pos : pos + n] + idx).view(shape)
         pos += n
-    # Small tensors share a group chunk. They come last, after every big tensor: a small tensor
-    # that follows a big one which follows another small one is saved with a wrong slice by
-    # deltackpt._plan.layout_chunks (see the report of the crash tests), which is not what these
-    # tests are about.
-    g = torch.Generator().manual_seed(idx)
-    out["small"] = {
-        "bias": torch.randn(1000, generator=g),
-        "lr": torch.rand(3, generator=g, dtype=torch.float64),
+    return {
+        "model": {
+            "w": big["model.w"],
+            "bias": torch.randn(1000, generator=g),
+            "v": big["model.v"],
+        },
+        "opt": {"m": big["opt.m"], "lr": torch.rand(3, generator=g, dtype=torch.float64)},
+        "step": idx,
     }
-    out["step"] = idx
-    return out
 
 
 def crash_name(idx: int) -> str:
@@ -135,12 +137,17 @@ def crash_saver(store: str) -> None:
     line = sys.stdin.readline().split()
     if not line or line[0] != "go":
         return
-    start, count = int(line[1]), int(line[2])
+    start, count, encoding = int(line[1]), int(line[2]), line[3]
+    opts: dict[str, Any] = {}
+    if encoding == "raw":  # every save writes all 240 MB: long pack writes to kill
+        from deltackpt.codecs import RAW, EncodePolicy
+
+        opts["encoding"] = EncodePolicy(codecs=(RAW,))
     for idx in range(start, start + count):
         state = crash_state(base, idx)
         current[0] = idx
         _say("begin", idx)
-        deltackpt.save(state, store, crash_name(idx), metadata={"idx": idx})
+        deltackpt.save(state, store, crash_name(idx), metadata={"idx": idx}, **opts)
         _say("commit", idx)
     _say("done")
 

@@ -12,7 +12,6 @@ import pytest
 
 import deltackpt
 from deltackpt.errors import SnapshotExistsError
-from deltackpt.store import Store
 from tests._workers import Child, assert_same_state, pair_state
 
 SHARED_SEED = 7
@@ -117,27 +116,6 @@ def test_two_processes_race_for_the_same_name(savers: list[Child], tmp_path: Pat
         assert_same_state(deltackpt.load(store, name), pair_state(SHARED_SEED, own), name)
 
 
-def _lined_up(monkeypatch: pytest.MonkeyPatch, parties: int, timeout: float = 3.0) -> list[bool]:
-    """Make each save wait (holding the store lock, after its name check, where it reads the
-    dedupe index) until ``parties`` saves are there, so they overlap. Best effort: a deltackpt
-    that runs one save per store at a time in a process lets the first save go on after
-    ``timeout``. Returns a list that gets True if the saves did line up."""
-    barrier = threading.Barrier(parties)
-    met: list[bool] = []
-    real_index = Store.chunk_index
-
-    def chunk_index(self: Store) -> Any:
-        try:
-            barrier.wait(timeout)
-            met.append(True)
-        except threading.BrokenBarrierError:
-            pass
-        return real_index(self)
-
-    monkeypatch.setattr(Store, "chunk_index", chunk_index)
-    return met
-
-
 def _in_threads(fns: list[Any]) -> list[Any]:
     results: list[Any] = [None] * len(fns)
 
@@ -166,16 +144,14 @@ THREAD_OPTIONS = [
 
 
 @pytest.mark.parametrize("options", THREAD_OPTIONS)
-def test_two_threads_save_different_names_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
-) -> None:
+def test_two_threads_save_different_names_at_once(tmp_path: Path, options: dict[str, Any]) -> None:
     store = tmp_path / "store"
     deltackpt.open_store(store)
     states = [pair_state(SHARED_SEED, i) for i in range(2)]
-    with monkeypatch.context():  # no line-up: the save slot serialises threads of one process
-        results = _in_threads(
-            [lambda i=i: deltackpt.save(states[i], store, f"t{i}", **options) for i in range(2)]
-        )
+    # started together; the save slot serialises them inside deltackpt
+    results = _in_threads(
+        [lambda i=i: deltackpt.save(states[i], store, f"t{i}", **options) for i in range(2)]
+    )
     assert all(isinstance(r, deltackpt.SnapshotInfo) for r in results), results
     assert sorted(names(store)) == ["t0", "t1"]
     for i in range(2):
@@ -185,19 +161,16 @@ def test_two_threads_save_different_names_at_once(
 
 
 @pytest.mark.parametrize("options", THREAD_OPTIONS)
-def test_two_threads_race_for_the_same_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
-) -> None:
+def test_two_threads_race_for_the_same_name(tmp_path: Path, options: dict[str, Any]) -> None:
     store = tmp_path / "store"
     deltackpt.open_store(store)
     states = [pair_state(SHARED_SEED, 20 + i) for i in range(2)]
-    with monkeypatch.context():  # the second save finds the name taken
-        results = _in_threads(
-            [
-                lambda i=i: deltackpt.save(states[i], store, "same", metadata={"i": i}, **options)
-                for i in (0, 1)
-            ]
-        )
+    results = _in_threads(  # whichever comes second finds the name taken
+        [
+            lambda i=i: deltackpt.save(states[i], store, "same", metadata={"i": i}, **options)
+            for i in (0, 1)
+        ]
+    )
     errors = [r for r in results if isinstance(r, BaseException)]
     assert len(errors) == 1 and isinstance(errors[0], SnapshotExistsError), results
     (won,) = [i for i, r in enumerate(results) if isinstance(r, deltackpt.SnapshotInfo)]

@@ -21,16 +21,18 @@ import pytest
 import torch
 
 import deltackpt
+import deltackpt.pack
 import deltackpt.store
 from deltackpt.errors import SnapshotNotFoundError
 from deltackpt.pack import PackWriter
 from deltackpt.store import PACK_ALIGN
 from tests._workers import Child, assert_same_state, crash_base, crash_name, crash_state
 
-# ~3 s a trial on an idle 2-core machine, 2-3x that when other jobs load it
+# A trial takes ~2-3 s on an idle 2-core machine (the children start ahead), 3x that when other
+# jobs load it: the number of trials adapts so the test stays within about a minute.
 CRASH_TRIALS = 16  # at most this many SIGKILLs ...
-CRASH_MIN_TRIALS = 8  # ... and at least this many, even when the machine is slow ...
-CRASH_BUDGET_S = 40.0  # ... and no new trial after this many seconds once the minimum is done
+CRASH_MIN_TRIALS = 6  # ... and at least this many, even when the machine is slow ...
+CRASH_BUDGET_S = 35.0  # ... and no new trial after this many seconds once the minimum is done
 
 
 # ---------------------------------------------------------------------------- store inspection
@@ -79,7 +81,6 @@ def _idx(name: str) -> int:
 def test_sigkill_at_random_moments_never_exposes_a_partial_snapshot(tmp_path: Path) -> None:
     store = tmp_path / "store"
     deltackpt.open_store(store)
-    base = crash_base()
     rng = random.Random(0xDC)
     committed: set[int] = set()  # save indexes known to have committed (ever)
     live: set[int] = set()  # committed and not deleted since
@@ -91,13 +92,20 @@ def test_sigkill_at_random_moments_never_exposes_a_partial_snapshot(tmp_path: Pa
     children: list[Child] = []
     spares: deque[Child] = deque()  # started ahead: importing torch takes seconds
 
-    def warm_up(trials_left: int) -> None:
-        while len(spares) < min(2, trials_left):
+    trial_seconds: list[float] = []
+
+    def warm_up(trial: int) -> None:
+        """Start children for the next trials; two ahead unless the budget is about to end."""
+        per_trial = statistics.mean(trial_seconds) if trial_seconds else 5.0
+        soon_over = time.monotonic() - t_start + 2 * per_trial > CRASH_BUDGET_S
+        depth = 1 if soon_over and trial + 2 >= CRASH_MIN_TRIALS else 2
+        while len(spares) < min(depth, CRASH_TRIALS - trial):
             spares.append(Child("crash_saver", str(store)))
             children.append(spares[-1])
 
     try:
-        warm_up(CRASH_TRIALS)
+        warm_up(0)
+        base = crash_base()  # what the children build too: expected content = base + index
         for trial in range(CRASH_TRIALS):
             child = spares.popleft()
             t0 = time.monotonic()
@@ -108,12 +116,13 @@ def test_sigkill_at_random_moments_never_exposes_a_partial_snapshot(tmp_path: Pa
                 retried += 1  # this name was being saved when an earlier child died
             k = rng.choice([0, 0, 1])  # saves allowed to commit before the aimed one
             phase = rng.choice(["write", "write", "commit", "any"])
-            child.send(f"go {start} {k + 2}")
+            encoding = rng.choice(["raw", "raw", "default"])  # default: xor chains, less I/O
+            child.send(f"go {start} {k + 2} {encoding}")
             last = trial + 1 >= CRASH_TRIALS or (
                 trial + 1 >= CRASH_MIN_TRIALS and time.monotonic() - t_start > CRASH_BUDGET_S
             )
             if not last:  # the next children warm up while this one saves
-                warm_up(CRASH_TRIALS - trial - 1)
+                warm_up(trial + 1)
             est = statistics.median(durations) if durations else 0.8
             target = start + k
             if phase == "commit":  # between "manifest about to be published" and return
@@ -160,14 +169,15 @@ def test_sigkill_at_random_moments_never_exposes_a_partial_snapshot(tmp_path: Pa
                     assert_same_state(got, crash_state(base, _idx(name)), name)
                     checked.add(name)
             if live:  # "latest" is the newest committed save
-                assert deltackpt.load(store, "latest", verify=True)["step"] == max(live)
+                assert deltackpt.open_store(store).resolve("latest") == crash_name(max(live))
             report = deltackpt.verify(store)
             assert report.ok, report.problems[:3]
             assert sorted(report.snapshots) == sorted(listed)
 
             print(  # shown with -s or on failure
-                f"trial {trial}: {phase} after {k} saves, {outcome}; waited {t1 - t0:.1f}s for "
-                f"the child, ran {t2 - t1:.1f}s, checked {time.monotonic() - t2:.1f}s"
+                f"trial {trial}: {phase} after {k} {encoding} saves, {outcome}; waited "
+                f"{t1 - t0:.1f}s for the child, ran {t2 - t1:.1f}s, "
+                f"checked {time.monotonic() - t2:.1f}s"
             )
 
             # bound the work of later trials: keep the 2 newest snapshots, gc now and then
@@ -181,6 +191,7 @@ def test_sigkill_at_random_moments_never_exposes_a_partial_snapshot(tmp_path: Pa
                     got = deltackpt.load(store, crash_name(i), verify=True)
                     assert_same_state(got, crash_state(base, i), crash_name(i))
                 gcs += 1
+            trial_seconds.append(time.monotonic() - t0)
             if last:
                 break
     finally:
@@ -248,8 +259,31 @@ def _eio(*args: object, **kwargs: object) -> None:
     raise OSError(errno.EIO, "injected I/O error")
 
 
+def _enospc(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.ENOSPC, "injected: no space left")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def settle(store: Path, quiet: float = 0.3, timeout: float = 10.0) -> None:
+    """Wait until packs/ and our open files stop changing for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = (sorted(pack_sizes(store).items()), open_fds())
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.02)
+
+
 def _inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    if where == "pack_append":  # ENOSPC after a few payloads were written
+    if where == "pack_create":  # ENOSPC writing a new pack's header
+        monkeypatch.setattr(deltackpt.pack, "_write_all", _enospc)
+    elif where == "pack_append":  # ENOSPC after a few payloads were written
         real_append = PackWriter.append
         calls = [0]
 
@@ -273,17 +307,22 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "where", ["pack_append", "pack_fsync", "manifest_write", "publish", "link"]
+    "where", ["pack_create", "pack_append", "pack_fsync", "manifest_write", "publish", "link"]
 )
 def test_failed_save_is_invisible_and_can_be_retried(
     small_store: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     store = small_store
     packs_before = set(pack_sizes(store))
+    fds_before = open_fds()
     with monkeypatch.context() as mp:
         _inject(mp, where)
         with pytest.raises(OSError, match="injected"):
             deltackpt.save(small_state(2), store, "s-2")
+        settle(store)  # see test_failed_save_stops_writing: its chunk jobs may still run
+    if where == "pack_create":  # no writer ever existed: nothing may stay open or on disk
+        assert open_fds() == fds_before
+        assert set(pack_sizes(store)) == packs_before
 
     # the failed name does not exist, the earlier snapshots are intact
     assert [s.name for s in deltackpt.snapshots(store)] == ["s-0", "s-1"]
@@ -294,8 +333,6 @@ def test_failed_save_is_invisible_and_can_be_retried(
     for i in (0, 1):
         assert_same_state(deltackpt.load(store, f"s-{i}", verify=True), small_state(i))
     assert deltackpt.verify(store).ok
-    if where in ("pack_append", "pack_fsync"):  # the save cleaned its own packs up
-        assert set(pack_sizes(store)) == packs_before
 
     # a retry with the same name succeeds and loads bit-exactly
     info = deltackpt.save(small_state(2), store, "s-2")
@@ -308,3 +345,35 @@ def test_failed_save_is_invisible_and_can_be_retried(
     assert_store_clean(store)
     for i in (0, 1, 2):
         assert_same_state(deltackpt.load(store, f"s-{i}", verify=True), small_state(i))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug in deltackpt/_save.py write_chunks: on the first failed chunk it cleans up and "
+    "raises while the other submitted chunk jobs keep running, writing a new pack and leaking "
+    "its file descriptor after save() returned (and after the store lock was released)",
+)
+def test_failed_save_stops_writing_before_it_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "store"
+    deltackpt.open_store(store, chunk_bytes=64 << 10, small_bytes=16 << 10)
+    real_append = PackWriter.append
+    calls = [0]
+
+    def append(self: PackWriter, payload: memoryview) -> tuple[int, int]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OSError(errno.ENOSPC, "injected: no space left")
+        time.sleep(0.002)
+        return real_append(self, payload)
+
+    monkeypatch.setattr(PackWriter, "append", append)
+    fds_before = open_fds()
+    with pytest.raises(OSError, match="injected"):
+        deltackpt.save({"w": torch.randn(4 << 20)}, store, "s", threads=4)  # 256 chunks
+    at_raise = calls[0]
+    settle(store)
+    assert calls[0] == at_raise, f"{calls[0] - at_raise} payloads written after save() raised"
+    assert pack_sizes(store) == {}
+    assert open_fds() == fds_before

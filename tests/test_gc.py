@@ -21,8 +21,12 @@ CHUNK = 64 << 10  # small chunks: a few MB of state gives dozens of chunks
 
 
 def rand(seed: int, numel: int = 256 << 10) -> torch.Tensor:
-    """1 MiB of float32 by default, deterministic per seed."""
-    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    """1 MiB of float32 by default, deterministic per seed, with random bits: incompressible,
+    so every chunk is stored raw and byte counts below are exact."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**31), 2**31 - 1, (numel,), dtype=torch.int32, generator=g).view(
+        torch.float32
+    )
 
 
 def pack_sizes(store: Path) -> dict[str, int]:
@@ -36,10 +40,6 @@ def packs_bytes(store: Path) -> int:
 def manifest_packs(store: Path, name: str) -> set[str]:
     m = deltackpt.open_store(store, create=False).manifest(name)
     return {r.pack for r in m.chunks.values()}
-
-
-def padded(nbytes: int) -> int:
-    return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
 
 
 def nbytes(*ts: torch.Tensor) -> int:
@@ -343,3 +343,82 @@ def test_save_refuses_or_waits_while_gc_holds_the_store(store: Path) -> None:
     t.join(60)
     assert done.is_set()
     load_equal(store, "s1", state)
+
+
+def test_delete_waits_for_a_running_gc_instead_of_being_undone(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc's compaction rewrites the manifests pointing into the pack it compacts; a snapshot
+    deleted meanwhile must not come back."""
+    a, b = rand(1, 1 << 20), rand(2, 1 << 20)
+    deltackpt.save({"a": a, "b": b}, store, "s1", threads=1)
+    deltackpt.save({"a": a}, store, "s2")  # points into s1's pack
+    deltackpt.save({"c": rand(3)}, store, "s3")
+    deltackpt.delete(store, "s1")  # s1's pack is half dead: gc compacts it, rewriting s2
+
+    in_gc, release = threading.Event(), threading.Event()
+    real_append = PackWriter.append
+
+    def append(self: PackWriter, payload: memoryview) -> tuple[int, int]:
+        if threading.current_thread().name == "gc" and not in_gc.is_set():
+            in_gc.set()
+            assert release.wait(60)
+        return real_append(self, payload)
+
+    monkeypatch.setattr(PackWriter, "append", append)
+    results: dict[str, object] = {}
+
+    def run(key: str, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        try:
+            results[key] = fn(*args)
+        except BaseException as e:
+            results[key] = e
+
+    gc_thread = threading.Thread(target=run, args=("gc", deltackpt.gc, store), name="gc")
+    deleter = threading.Thread(target=run, args=("delete", deltackpt.delete, store, "s2"))
+    gc_thread.start()
+    try:
+        assert in_gc.wait(30), "gc never started compacting"
+        deleter.start()
+        time.sleep(0.3)
+        assert deleter.is_alive(), "delete did not wait for the running gc"
+        assert "s2" in [s.name for s in deltackpt.snapshots(store)]
+    finally:
+        release.set()
+        gc_thread.join(60)
+        if deleter.is_alive() or deleter.ident is not None:
+            deleter.join(60)
+    assert isinstance(results["gc"], deltackpt.GcReport), results
+    assert results["delete"] is None, results
+    assert [s.name for s in deltackpt.snapshots(store)] == ["s3"]
+    deltackpt.gc(store)
+    assert set(pack_sizes(store)) == manifest_packs(store, "s3")
+    assert deltackpt.verify(store).ok
+
+
+def test_gc_does_not_compact_a_truncated_pack(store: Path) -> None:
+    """Compaction copies live chunks; from a pack cut short it would copy garbage in place of the
+    missing bytes and delete what is left. It must leave such a pack alone (verify reports it)."""
+    a, b = rand(1, 1 << 20), rand(2, 1 << 20)
+    deltackpt.save({"b": b, "a": a}, store, "s1", threads=1)  # one pack: b's chunks, then a's
+    deltackpt.save({"a": a}, store, "s2")
+    deltackpt.save({"c": rand(3)}, store, "s3")
+    s3_packs = manifest_packs(store, "s3")
+    (pack,) = manifest_packs(store, "s2")
+    deltackpt.delete(store, "s1")  # b is dead: the pack is half live, gc would compact it
+    path = store / "packs" / f"{pack}.pack"
+    cut = path.stat().st_size - 1000  # the last chunk of "a" loses its tail
+    os.truncate(path, cut)
+    before = deltackpt.verify(store)
+    assert not before.ok and {p.snapshot for p in before.problems} == {"s2"}
+
+    report = deltackpt.gc(store)
+    assert report.packs_compacted == 0
+    assert path.stat().st_size == cut  # untouched, not rewritten nor deleted
+    assert manifest_packs(store, "s2") == {pack}
+    after = deltackpt.verify(store)
+    assert [(p.snapshot, p.chunk) for p in after.problems] == [
+        (p.snapshot, p.chunk) for p in before.problems
+    ]
+    load_equal(store, "s3", {"c": rand(3)})
+    assert set(pack_sizes(store)) == {pack} | s3_packs
