@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,13 +153,19 @@ def write_chunks(
                 depth = prior.depth
             new_refs[spec.ref_key] = DeltaRef(d, view, depth)
 
+    futures = [pool.submit(job, ci) for ci in range(n)]
     try:
-        for f in [pool.submit(job, ci) for ci in range(n)]:
+        for f in futures:
             f.result()
         pack_bytes = sum(pool.map(lambda w: w.finish(), list(writers.values())))
         if writers and opts.fsync:
             fsync_dir(store.packs_dir)
     except BaseException:
+        # Stop the other jobs before cleaning up: queued ones are cancelled, running ones are
+        # waited for, so no job opens or appends to a pack after this save has failed.
+        for f in futures:
+            f.cancel()
+        wait(futures)
         for w in writers.values():
             w.abort()
             with contextlib.suppress(OSError):

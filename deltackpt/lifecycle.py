@@ -271,7 +271,9 @@ def verify(
                     todo = list(children.get(d, ()))
                     while todo:  # deltas of a corrupt chunk cannot be checked: report them too
                         c = todo.pop()
-                        out.append((c, records[c].size, f"chunk {c}: its xor base chain is corrupt ({d})"))
+                        out.append(
+                            (c, records[c].size, f"chunk {c}: its xor base chain is corrupt ({d})")
+                        )
                         todo.extend(children.get(c, ()))
                     continue
                 out.append((d, rec.size, None))
@@ -279,11 +281,25 @@ def verify(
             return out
 
         with ThreadPoolExecutor(threads or default_threads()) as pool:
-            for results in pool.map(tree, sorted(roots)):
-                for d, size, err in results:
-                    checked += 1
-                    nbytes += size
-                    if err is not None:
-                        for snap, key in dict.fromkeys(users[d]):
-                            problems.append(VerifyProblem(snap, key, d, err))
+            walked = list(pool.map(tree, sorted(roots)))
+        seen = {d for results in walked for d, _, _ in results}
+        # A damaged manifest can make bases loop: such chunks hang off no keyframe.
+        walked.append(
+            [
+                (
+                    d,
+                    records[d].size,
+                    f"chunk {d}: its xor base chain never reaches a "
+                    "keyframe (a cycle in the manifest)",
+                )
+                for d in sorted(set(records) - seen)
+            ]
+        )
+    for results in walked:
+        for d, size, err in results:
+            checked += 1
+            nbytes += size
+            if err is not None:
+                for snap, key in dict.fromkeys(users[d]):
+                    problems.append(VerifyProblem(snap, key, d, err))
     return VerifyReport([m.name for m in ms], checked, nbytes, problems, time.perf_counter() - t0)

@@ -217,9 +217,9 @@ class Store:
         tmp = self.tmp_dir / f"{m.name}.{os.getpid()}.{time.monotonic_ns()}.json"
         write_durable(tmp, data)
         d = self.snapshots_dir / m.name
-        if not d.exists():
-            d.mkdir(parents=True, exist_ok=True)
-            fsync_dir(self.snapshots_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        # Always: a crash between an earlier mkdir and its fsync leaves the entry undurable.
+        fsync_dir(self.snapshots_dir)
         publish(tmp, self.manifest_path(m.name), overwrite=overwrite)
         return len(data)
 

@@ -88,3 +88,24 @@ def test_corrupt_keyframe_is_reported_for_every_delta_built_on_it(store_dir):
     assert any(p.chunk == keyframe for p in report.problems)
     with pytest.raises(CorruptChunkError):
         deltackpt.load(store_dir, "s2")
+
+
+def test_a_cycle_of_xor_bases_is_reported_not_skipped(store_dir):
+    import dataclasses
+
+    deltackpt.save(
+        {"a": torch.randn(1 << 18), "b": torch.randn(1 << 18)},
+        store_dir,
+        "s",
+        encoding=EncodePolicy(codecs=(RAW,)),
+    )
+    st = deltackpt.open_store(store_dir)
+    m = st.manifest("s")
+    (da, db) = (m.tensors[0].data[0][0], m.tensors[1].data[0][0])
+    chunks = dict(m.chunks)
+    chunks[da] = dataclasses.replace(chunks[da], codec="xor", base=db)
+    chunks[db] = dataclasses.replace(chunks[db], codec="xor", base=da)
+    st.write_manifest(dataclasses.replace(m, chunks=chunks), overwrite=True)
+    report = deltackpt.verify(store_dir)
+    assert {p.chunk for p in report.problems} == {da, db}
+    assert all("cycle" in p.reason for p in report.problems)

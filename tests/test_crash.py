@@ -347,12 +347,6 @@ def test_failed_save_is_invisible_and_can_be_retried(
         assert_same_state(deltackpt.load(store, f"s-{i}", verify=True), small_state(i))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug in deltackpt/_save.py write_chunks: on the first failed chunk it cleans up and "
-    "raises while the other submitted chunk jobs keep running, writing a new pack and leaking "
-    "its file descriptor after save() returned (and after the store lock was released)",
-)
 def test_failed_save_stops_writing_before_it_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
