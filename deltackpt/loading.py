@@ -15,7 +15,7 @@ from deltackpt._dtypes import dtype_from_name
 from deltackpt._read import ChunkReader, ChunkTargets
 from deltackpt._reshard import PieceRead, finish_box_reads, plan_box_reads
 from deltackpt._tree import Node, flatten, tensor_paths, unflatten
-from deltackpt.errors import DistributedError, StateMismatchError
+from deltackpt.errors import CorruptChunkError, DistributedError, StateMismatchError
 from deltackpt.manifest import Manifest, Slice, TensorEntry
 from deltackpt.options import LoadOptions
 from deltackpt.pack import PackReaders
@@ -51,6 +51,20 @@ def load(
         return _agree(process_group, lambda: load(store, name, into=into, options=opts))
     st = open_store(store, create=False)
     m = st.manifest(name)
+    try:
+        return _load_once(st, m, into, opts)
+    except CorruptChunkError as e:
+        # gc compaction repoints manifests before deleting the old pack: if ours moved while we
+        # read, read the new one once. Real damage fails again with the same error.
+        if not isinstance(e.__cause__, FileNotFoundError) and "is missing" not in str(e):
+            raise
+        fresh = st.manifest(m.name)
+        if fresh is m:
+            raise
+        return _load_once(st, fresh, into, opts)
+
+
+def _load_once(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> Any:
     if into is None:
         return _load_new(st, m, opts)
     _load_into(st, m, into, opts)

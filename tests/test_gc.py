@@ -422,3 +422,28 @@ def test_gc_does_not_compact_a_truncated_pack(store: Path) -> None:
     ]
     load_equal(store, "s3", {"c": rand(3)})
     assert set(pack_sizes(store)) == {pack} | s3_packs
+
+
+def test_load_retries_once_when_gc_moved_its_chunks(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    a, b = torch.randn(1 << 18), torch.randn(1 << 18)
+    deltackpt.save({"a": a, "b": b}, store, "both", threads=1)
+    deltackpt.save({"a": a}, store, "only-a", threads=1)
+    st = deltackpt.open_store(store)
+    stale = st.manifest("only-a")
+    deltackpt.delete(store, "both")
+    deltackpt.gc(store)  # compacts the pack "only-a" points into: the stale manifest's pack is gone
+    assert st.manifest("only-a") is not stale
+    real = deltackpt.store.Store.manifest
+    calls = []
+
+    def stale_first(self, name):  # the manifest as read just before gc compacted
+        calls.append(name)
+        return stale if len(calls) == 1 else real(self, name)
+
+    deltackpt.store.Store.manifest = stale_first
+    try:
+        out = deltackpt.load(store, "only-a")
+    finally:
+        deltackpt.store.Store.manifest = real
+    assert len(calls) == 2 and torch.equal(out["a"], a)
