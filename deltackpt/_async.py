@@ -18,15 +18,18 @@ import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from deltackpt._fsutil import store_lock
 from deltackpt._plan import SavePlan, plan_state
-from deltackpt._save import DeltaRef, commit, write_chunks
-from deltackpt._staging import Arena, Staged, stage, state_nbytes
+from deltackpt._save import closure, commit, hash_chunks, next_refs, write_chunks
+from deltackpt._staging import Arena, Staged, stage, stage_chunks, state_nbytes
 from deltackpt.codecs import XOR
 from deltackpt.errors import SaveFailedError, SnapshotExistsError, StoreError
+from deltackpt.manifest import ChunkRecord
 from deltackpt.options import SaveOptions, default_memory_budget
 from deltackpt.store import SnapshotInfo, Store, open_store, validate_name
 
@@ -83,7 +86,6 @@ class Saver:
         self._inflight: Future[SnapshotInfo] | None = None
         self._unreported: BaseException | None = None
         self._arenas = (Arena(), Arena())
-        self._ref_arena: int | None = None  # which arena holds the delta references
         _SAVERS.add(self)
 
     def pool(self, threads: int) -> ThreadPoolExecutor:
@@ -143,7 +145,10 @@ class Saver:
     def prepare(
         self, state: Any, name: str, opts: SaveOptions, t0: float, background: bool
     ) -> _Prepared:
-        """The blocking part of every save: wait for the previous one, lock, plan, stage."""
+        """The blocking part of every save, first half: wait for the previous save, lock, plan,
+        and hash every chunk straight from the live tensors (on CPU; on CUDA the state is first
+        copied to pinned host buffers and hashed later). Staging follows in :meth:`stage_needed`,
+        once it is known which chunks must be copied."""
         st = self.store
         waited = self.wait_previous()
         locks = contextlib.ExitStack()
@@ -151,7 +156,10 @@ class Saver:
         try:
             locks.enter_context(
                 store_lock(
-                    st.lock_path, exclusive=False, timeout=opts.lock_timeout, what=f"saving {name!r}"
+                    st.lock_path,
+                    exclusive=False,
+                    timeout=opts.lock_timeout,
+                    what=f"saving {name!r}",
                 )
             )
             if not opts.overwrite and st.has(name):
@@ -169,30 +177,60 @@ class Saver:
             budget = (
                 opts.memory_budget if opts.memory_budget is not None else default_memory_budget()
             )
-            xor_on = XOR in opts.encoding.codecs and opts.encoding.force in (None, XOR)
-            arena_idx, use_refs = 0, False
-            if xor_on and 2 * need <= budget:
-                arena_idx, use_refs = (1 if self._ref_arena == 0 else 0), True
-                staged = stage(plan, self._arenas[arena_idx])
-            else:
+            if any(s.data.is_cuda for s in plan.sources):
+                # Device memory cannot be hashed in place: copy it all to pinned buffers (async
+                # on a side stream); hashing and writing happen behind. No xor deltas here.
                 self._drop_refs()
                 if background and need <= budget:
                     staged = stage(plan, self._arenas[0])
                 else:
-                    # Over budget (or a sync save without deltas): write from the live tensors,
-                    # no copy. The caller blocks until the commit.
                     staged = Staged([s.data.cpu().numpy() for s in plan.sources], None)
                     background = False
+                return _Prepared(plan, staged, False, locks, 0.0, waited, background)
+            live = Staged([s.data.numpy() for s in plan.sources], None)
+            group_bufs: dict[int, np.ndarray] = {}
+            digests = hash_chunks(
+                plan, live.arrays.__getitem__, self.pool(opts.threads), group_bufs
+            )
+            xor_on = XOR in opts.encoding.codecs and opts.encoding.force in (None, XOR)
+            use_refs = xor_on and 2 * need <= budget
+            if not use_refs:
+                self._drop_refs()
+            if background and not use_refs and need > budget:
+                background = False  # no room to stage: write from the live tensors, blocking
+            keys = {(src.key, src.nbytes) for src in plan.sources}
+            for arena in self._arenas:
+                arena.retain(keys)
+            p = _Prepared(plan, live, use_refs, locks, 0.0, waited, background)
+            p.digests, p.group_bufs, p.index = digests, group_bufs, st.chunk_index()
+            return p
         except BaseException:
             locks.close()
             raise
-        return _Prepared(
-            plan, staged, arena_idx, use_refs, locks, time.perf_counter() - t0, waited, background
-        )
+
+    def stage_needed(self, p: _Prepared, owned: set[int]) -> None:
+        """The blocking part, second half: copy the chunks whose bytes must outlive this call.
+
+        A background save copies the chunks it will write (``owned``); with xor deltas on, every
+        chunk whose digest changed is copied too, as the base of the next save, into the arena
+        that does not hold its current base. Unchanged chunks are not copied at all."""
+        if p.digests is None:
+            return
+        refs = self.store.delta_refs if p.use_refs else {}
+        todo: dict[int, int] = {}
+        for ci, spec in enumerate(p.plan.chunks):
+            if spec.ref_key is None:
+                continue  # group chunk: the hash pass gathered it into a private buffer
+            prior = refs.get(spec.ref_key)
+            changed = p.use_refs and (prior is None or prior.digest != p.digests[ci])
+            if changed or (p.background and ci in owned):
+                todo[ci] = (1 - prior.arena) if (changed and prior is not None) else 0
+        p.owned = owned
+        p.staged_refs = stage_chunks(p.plan, p.staged.arrays, self._arenas, todo, self.pool(4))
+        p.chunk_data = {ci: view for ci, (view, _) in p.staged_refs.items()}
 
     def _drop_refs(self) -> None:
         self.store.delta_refs = {}
-        self._ref_arena = None
         self._arenas[1].buffers.clear()
 
     def run(
@@ -202,20 +240,25 @@ class Saver:
         st = self.store
         try:
             p.staged.wait()
-            refs: dict[str, DeltaRef] | None = st.delta_refs if p.use_refs else None
+            pool = self.pool(opts.threads)
+            if p.digests is None:  # CUDA: everything staged, hash now
+                wr = write_chunks(
+                    st, p.plan, p.staged.arrays.__getitem__, opts, pool, st.chunk_index(), None
+                )
+                info = commit(st, name, p.plan, wr, opts, metadata, t0, p.blocked, p.waited)
+                return info
+            refs = st.delta_refs if p.use_refs else None
             wr = write_chunks(
-                st,
-                p.plan,
-                p.staged.arrays.__getitem__,
-                opts,
-                self.pool(opts.threads),
-                st.chunk_index(),
-                refs,
-            )
+                st, p.plan, p.staged.arrays.__getitem__, opts, pool, p.index, refs,
+                digests=p.digests, owned=p.owned, group_bufs=p.group_bufs, chunk_data=p.chunk_data,
+            )  # fmt: skip
+            records = closure(set(p.digests), wr.records, p.index)
+            wr = replace(wr, records=records, chunks_reused=len(set(p.digests)) - wr.chunks_new)
             info = commit(st, name, p.plan, wr, opts, metadata, t0, p.blocked, p.waited)
-            if p.use_refs:
-                st.delta_refs = wr.refs
-                self._ref_arena = p.arena_idx
+            if p.use_refs and refs is not None:
+                st.delta_refs = next_refs(
+                    p.plan, p.digests, refs, p.staged_refs, records, opts.keyframe_every
+                )
             return info
         except BaseException as e:
             if p.background:
@@ -224,6 +267,20 @@ class Saver:
             raise
         finally:
             p.locks.close()
+
+    def prepare_all(
+        self, state: Any, name: str, opts: SaveOptions, t0: float, background: bool
+    ) -> _Prepared:
+        """prepare + stage for a single-process save: this process writes every new chunk."""
+        p = self.prepare(state, name, opts, t0, background)
+        try:
+            if p.digests is not None:
+                self.stage_needed(p, first_new(p.digests, p.index))
+        except BaseException:
+            p.locks.close()
+            raise
+        p.blocked = time.perf_counter() - t0
+        return p
 
     def start(
         self,
@@ -234,7 +291,7 @@ class Saver:
         t0: float,
         after_commit: Callable[[], None] | None = None,
     ) -> SaveHandle:
-        p = self.prepare(state, name, opts, t0, background=True)
+        p = self.prepare_all(state, name, opts, t0, background=True)
         staged_future: Future[None] = Future()
         future: Future[SnapshotInfo] = Future()
         if not p.background:  # over the memory budget: saved inline, already committed
@@ -277,13 +334,29 @@ def _after(hook: Callable[[], None] | None, name: str) -> None:
 @dataclass
 class _Prepared:
     plan: SavePlan
-    staged: Staged
-    arena_idx: int
+    staged: Staged  # per source: live bytes (CPU) or staged copies (CUDA)
     use_refs: bool
     locks: contextlib.ExitStack
     blocked: float
     waited: float
     background: bool
+    digests: list[str] | None = None  # None: not hashed yet (CUDA)
+    group_bufs: dict[int, np.ndarray] = field(default_factory=dict)
+    index: dict[str, ChunkRecord] = field(default_factory=dict)
+    owned: set[int] | None = None  # chunk indices this process writes
+    chunk_data: dict[int, np.ndarray] = field(default_factory=dict)  # staged chunk copies
+    staged_refs: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
+
+
+def first_new(digests: list[str], index: dict[str, ChunkRecord]) -> set[int]:
+    """Indices of the chunks to write: the first occurrence of each digest the store lacks."""
+    seen: set[str] = set()
+    out = set()
+    for ci, d in enumerate(digests):
+        if d not in index and d not in seen:
+            seen.add(d)
+            out.add(ci)
+    return out
 
 
 _SAVERS: weakref.WeakSet[Saver] = weakref.WeakSet()

@@ -40,7 +40,7 @@ from deltackpt._dist_plan import (
     resolve,
 )
 from deltackpt._fsutil import write_durable
-from deltackpt._save import closure, hash_chunks, write_chunks
+from deltackpt._save import closure, hash_chunks, next_refs, write_chunks
 from deltackpt.errors import DistributedError
 from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
 from deltackpt.options import SaveOptions
@@ -79,20 +79,24 @@ class _DistSave:
         self.wr: Any = None
         self.blocked: float | None = None  # async: seconds the caller was blocked
         self.epoch = 0
+        self.refs_before: dict[str, Any] = {}
 
     def plan(self, state: Any, background: bool) -> None:
         """Phases 1-3 (collectives, caller's thread): plan, stage, hash, exchange, assign."""
         dist, rank, world = self.dist, self.rank, self.world
         try:
-            self.prepared = self.saver.prepare(
+            self.prepared = p = self.saver.prepare(
                 state, self.name, self.opts, self.t0, background=background
             )
             self.pool = self.saver.pool(self.opts.threads)
-            self.group_bufs: dict[int, Any] = {}
-            self.arrays = self.prepared.staged.arrays
-            self.digests = hash_chunks(
-                self.prepared.plan, self.arrays.__getitem__, self.pool, self.group_bufs
-            )
+            if p.digests is None:  # CUDA: the state was staged to host buffers; hash those
+                p.staged.wait()
+                p.digests = hash_chunks(
+                    p.plan, p.staged.arrays.__getitem__, self.pool, p.group_bufs
+                )
+            self.group_bufs = p.group_bufs
+            self.arrays = p.staged.arrays
+            self.digests = p.digests
             self.layout = Layout.of(self.prepared.plan)
             msg = rank_message(rank, self.layout, self.digests, self.cache)
             local_error: Exception | None = None
@@ -113,6 +117,8 @@ class _DistSave:
         if isinstance(self.mine, str):
             self.cache.structure = None
             raise DistributedError(self.mine) from local_error
+        # still blocking: copy what must outlive this call (assigned chunks, next delta bases)
+        self.saver.stage_needed(self.prepared, self.mine)
 
     def write(self) -> _Written:
         """Phase 4 (any thread, no collectives): write and fsync the assigned chunks."""
@@ -120,10 +126,12 @@ class _DistSave:
         try:
             p.staged.wait()
             refs = self.st.delta_refs if p.use_refs else None
+            self.refs_before = refs or {}
             self.wr = write_chunks(
                 # the index only vouches for xor bases here; ``owned`` decides what to write
-                self.st, p.plan, self.arrays.__getitem__, self.opts, self.pool, self.st.chunk_index() if refs else {}, refs,
+                self.st, p.plan, self.arrays.__getitem__, self.opts, self.pool, p.index, refs,
                 digests=self.digests, owned=self.mine, group_bufs=self.group_bufs,
+                chunk_data=p.chunk_data,
             )  # fmt: skip
             return _Written(self.wr.records, self.wr.pack_bytes)
         except Exception as e:
@@ -144,9 +152,17 @@ class _DistSave:
         remember(self.cache, self.rank, self.layout, self.digests)
         if self.rank == 0:
             remember_all(self.cache, self.decision[1], self.decision[2])
-        if self.prepared.use_refs and self.wr is not None:
-            self.st.delta_refs = self.wr.refs
-            self.saver._ref_arena = self.prepared.arena_idx
+        p = self.prepared
+        if p.use_refs and self.wr is not None:
+            known = {**p.index, **self.wr.records}  # chunks other ranks wrote: depth unknown
+            self.st.delta_refs = next_refs(
+                p.plan,
+                self.digests,
+                self.refs_before,
+                p.staged_refs,
+                known,
+                self.opts.keyframe_every,
+            )
         return result
 
     def finish_collective(self, written: _Written) -> SnapshotInfo:

@@ -39,6 +39,7 @@ class DeltaRef:
     digest: str
     data: np.ndarray
     depth: int  # how many xor links lead from this chunk to a keyframe
+    arena: int = 0  # which staging arena holds ``data`` (the next change goes to the other)
 
 
 @dataclass
@@ -52,13 +53,19 @@ class WriteResult:
 
 
 def chunk_view(
-    spec: ChunkSpec, source_array: SourceArray, scratch: dict[int, np.ndarray], ci: int
+    spec: ChunkSpec,
+    source_array: SourceArray,
+    scratch: dict[int, np.ndarray],
+    ci: int,
+    reuse: bool = False,
 ) -> np.ndarray:
     """The chunk's raw bytes: a view of its source, or small sources gathered into a buffer."""
     if spec.ref_key is not None:
         si, start, length = spec.parts[0]
         return source_array(si)[start : start + length]
     buf = scratch.get(ci)
+    if reuse and buf is not None and buf.size == spec.size:
+        return buf  # gathered by the hash pass: a private copy already
     if buf is None or buf.size != spec.size:
         buf = np.zeros(spec.size, dtype=np.uint8)
         scratch[ci] = buf
@@ -83,6 +90,7 @@ def write_chunks(
     digests: list[str] | None = None,
     owned: set[int] | None = None,
     group_bufs: dict[int, np.ndarray] | None = None,
+    chunk_data: dict[int, np.ndarray] | None = None,
 ) -> WriteResult:
     """Hash, dedupe, encode and append every chunk of ``plan``; fsync the packs.
 
@@ -112,7 +120,12 @@ def write_chunks(
 
     def job(ci: int) -> None:
         spec = plan.chunks[ci]
-        view = chunk_view(spec, source_array, group_bufs, ci)
+        if chunk_data is not None and ci in chunk_data:
+            view = chunk_data[ci]  # staged copy
+        elif pre and owned is not None and ci not in owned:
+            view = None  # digest known and someone else (or the store) has it: no bytes needed
+        else:
+            view = chunk_view(spec, source_array, group_bufs, ci, reuse=pre)
         d = digests[ci] if pre else digest(view)
         digests[ci] = d
         ref = refs.get(spec.ref_key) if (refs is not None and spec.ref_key) else None
@@ -124,6 +137,7 @@ def write_chunks(
             claimed.add(d)
         depth = 0
         if fresh:
+            assert view is not None  # owned chunks always have bytes
             base = None
             if (
                 ref is not None
@@ -147,7 +161,7 @@ def write_chunks(
             depth = ref.depth + 1 if rec.base is not None and ref is not None else 0
             with lock:
                 new_records[d] = rec
-        if refs is not None and spec.ref_key is not None:
+        if refs is not None and spec.ref_key is not None and view is not None:
             prior = refs.get(spec.ref_key)
             if not fresh and prior is not None and prior.digest == d:
                 depth = prior.depth
@@ -181,6 +195,45 @@ def write_chunks(
         pack_bytes=pack_bytes,
         refs=new_refs,
     )
+
+
+def chain_depth(d: str, records: dict[str, ChunkRecord]) -> int | None:
+    """How many xor links lead from chunk ``d`` to its keyframe (None: not known here)."""
+    n = 0
+    while True:
+        rec = records.get(d)
+        if rec is None:
+            return None
+        if rec.base is None:
+            return n
+        d, n = rec.base, n + 1
+
+
+def next_refs(
+    plan: SavePlan,
+    digests: list[str],
+    refs: dict[str, DeltaRef],
+    staged: dict[int, tuple[np.ndarray, int]],
+    records: dict[str, ChunkRecord],
+    keyframe_every: int,
+) -> dict[str, DeltaRef]:
+    """Delta bases for the next save: unchanged chunks keep their base where it is, changed ones
+    point at their staged copy. Chunks whose chain depth is unknown here count as due for a
+    keyframe."""
+    out: dict[str, DeltaRef] = {}
+    for ci, spec in enumerate(plan.chunks):
+        key = spec.ref_key
+        if key is None:
+            continue
+        d = digests[ci]
+        prior = refs.get(key)
+        if prior is not None and prior.digest == d:
+            out[key] = prior
+        elif ci in staged:
+            view, arena = staged[ci]
+            depth = chain_depth(d, records)
+            out[key] = DeltaRef(d, view, keyframe_every if depth is None else depth, arena)
+    return out
 
 
 def hash_chunks(

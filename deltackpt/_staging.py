@@ -11,6 +11,7 @@ stream; ``staged`` completes when the stream's event fires. On CPU staging is sy
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,3 +82,27 @@ def stage(plan: SavePlan, arena: Arena) -> Staged:
 
 def state_nbytes(plan: SavePlan) -> int:
     return sum(s.nbytes for s in plan.sources)
+
+
+def stage_chunks(
+    plan: SavePlan,
+    live: list[np.ndarray],
+    arenas: tuple[Arena, Arena],
+    todo: dict[int, int],
+    pool: ThreadPoolExecutor,
+) -> dict[int, tuple[np.ndarray, int]]:
+    """Copy the chunks in ``todo`` (chunk index -> arena) from the live source bytes into that
+    arena's buffer of their source, at the same offset. Returns chunk -> (staged view, arena)."""
+    jobs = []
+    for ci, which in todo.items():
+        si, start, length = plan.chunks[ci].parts[0]
+        src = plan.sources[si]
+        buf = arenas[which].buffer(src.key, src.nbytes, pin=False).numpy()
+        jobs.append((ci, which, live[si][start : start + length], buf[start : start + length]))
+
+    def copy(job: tuple[int, int, np.ndarray, np.ndarray]) -> None:
+        # torch's copy releases the GIL (numpy's copyto would hold it)
+        torch.from_numpy(job[3]).copy_(torch.from_numpy(job[2]))
+
+    list(pool.map(copy, jobs))
+    return {ci: (dst, which) for ci, which, _, dst in jobs}

@@ -48,7 +48,7 @@ def save(
 
         return dist_save(state, st, name, opts, meta, process_group, t0)
     saver = saver_for(st)
-    prepared = saver.prepare(state, name, opts, t0, background=False)
+    prepared = saver.prepare_all(state, name, opts, t0, background=False)
     return saver.run(prepared, name, opts, meta, t0)
 
 

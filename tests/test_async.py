@@ -297,3 +297,52 @@ def test_cuda_state_is_staged_into_pinned_buffers(store_dir):
         iter(deltackpt.open_store(store_dir)._saver._arenas[1].buffers.values()), None
     ) or next(iter(deltackpt.open_store(store_dir)._saver._arenas[0].buffers.values()))
     assert buf.is_pinned()
+
+
+def test_unchanged_chunks_are_hashed_in_place_not_copied(store_dir, monkeypatch):
+    import deltackpt._async as dasync
+
+    copied: list[int] = []
+    real = dasync.stage_chunks
+
+    def counting(plan, live, arenas, todo, pool):
+        copied.append(len(todo))
+        return real(plan, live, arenas, todo, pool)
+
+    monkeypatch.setattr(dasync, "stage_chunks", counting)
+    store = deltackpt.open_store(store_dir, chunk_bytes=256 << 10)
+    state = {k: v.to(torch.bfloat16) for k, v in _model_state(n=4, numel=1 << 19).items()}
+    n_chunks = 4 * ((1 << 20) // (256 << 10))
+    deltackpt.async_save(state, store, "a").result()
+    assert copied[-1] == n_chunks  # first save: every chunk is new
+    deltackpt.async_save(state, store, "b").result()
+    assert copied[-1] == 0  # nothing changed: nothing copied, only hashed
+    state["w2"][:10] += 1  # one chunk of one tensor
+    deltackpt.async_save(state, store, "c").result()
+    assert copied[-1] == 1
+    out = deltackpt.load(store, "c")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_delta_bases_stay_right_when_chunks_change_irregularly(store_dir):
+    # Each chunk's base lives in one of two arenas; a chunk that changes, rests, changes again
+    # must be staged into the arena that does not hold its current base.
+    store = deltackpt.open_store(store_dir, chunk_bytes=64 << 10)
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(8 * (64 << 10) // 2, generator=g).to(torch.bfloat16)}  # 8 chunks
+    expected = {}
+    n = state["w"].numel() // 8
+    for i in range(9):
+        for c in range(8):
+            if torch.rand((), generator=g) < 0.5:
+                part = state["w"][c * n : (c + 1) * n]
+                part.sub_(4e-2 * torch.randn(n, generator=g).sign() * part.abs())
+        save = deltackpt.async_save if i % 2 else deltackpt.save
+        result = save(state, store, f"s{i}", keyframe_every=3)
+        if i % 2:
+            result.result()
+        expected[f"s{i}"] = state["w"].clone()
+    assert any(r.codec == "xor" for r in store.manifest("s8").chunks.values())
+    for name, w in expected.items():
+        assert torch.equal(deltackpt.load(store, name)["w"], w), name
+    assert deltackpt.verify(store).ok
