@@ -22,10 +22,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from deltackpt._fsutil import store_lock
+from deltackpt._hashing import digest
 from deltackpt._plan import SavePlan, plan_state
-from deltackpt._save import closure, commit, hash_chunks, next_refs, write_chunks
+from deltackpt._save import chunk_view, closure, commit, next_refs, write_chunks
 from deltackpt._staging import Arena, Staged, stage, stage_chunks, state_nbytes
 from deltackpt.codecs import XOR
 from deltackpt.errors import SaveFailedError, SnapshotExistsError, StoreError
@@ -143,7 +145,13 @@ class Saver:
         return SaveHandle(name, staged, future, self)
 
     def prepare(
-        self, state: Any, name: str, opts: SaveOptions, t0: float, background: bool
+        self,
+        state: Any,
+        name: str,
+        opts: SaveOptions,
+        t0: float,
+        background: bool,
+        stage_new: bool = False,
     ) -> _Prepared:
         """The blocking part of every save, first half: wait for the previous save, lock, plan,
         and hash every chunk straight from the live tensors (on CPU; on CUDA the state is first
@@ -188,10 +196,6 @@ class Saver:
                     background = False
                 return _Prepared(plan, staged, False, locks, 0.0, waited, background)
             live = Staged([s.data.numpy() for s in plan.sources], None)
-            group_bufs: dict[int, np.ndarray] = {}
-            digests = hash_chunks(
-                plan, live.arrays.__getitem__, self.pool(opts.threads), group_bufs
-            )
             xor_on = XOR in opts.encoding.codecs and opts.encoding.force in (None, XOR)
             use_refs = xor_on and 2 * need <= budget
             if not use_refs:
@@ -202,32 +206,74 @@ class Saver:
             for arena in self._arenas:
                 arena.retain(keys)
             p = _Prepared(plan, live, use_refs, locks, 0.0, waited, background)
-            p.digests, p.group_bufs, p.index = digests, group_bufs, st.chunk_index()
+            p.index = st.chunk_index()
+            self._hash_and_stage(p, stage_new and background, opts)
             return p
         except BaseException:
             locks.close()
             raise
 
-    def stage_needed(self, p: _Prepared, owned: set[int]) -> None:
-        """The blocking part, second half: copy the chunks whose bytes must outlive this call.
-
-        A background save copies the chunks it will write (``owned``); with xor deltas on, every
-        chunk whose digest changed is copied too, as the base of the next save, into the arena
-        that does not hold its current base. Unchanged chunks are not copied at all."""
-        if p.digests is None:
-            return
+    def _hash_and_stage(self, p: _Prepared, stage_new: bool, opts: SaveOptions) -> None:
+        """Hash every chunk in place and, in the same pass while it is cache-warm, copy the chunks
+        whose bytes must outlive the call: with xor on, those whose digest changed (the next
+        save's bases, into the arena that does not hold the current base); with ``stage_new``,
+        those the store lacks (an async save writes them later). Unchanged chunks are only read."""
+        plan, live, index = p.plan, p.staged.arrays, p.index
         refs = self.store.delta_refs if p.use_refs else {}
-        todo: dict[int, int] = {}
-        for ci, spec in enumerate(p.plan.chunks):
-            if spec.ref_key is None:
-                continue  # group chunk: the hash pass gathered it into a private buffer
+        lock = threading.Lock()
+        claimed: set[str] = set()
+
+        def one(ci: int) -> str:
+            spec = plan.chunks[ci]
+            view = chunk_view(spec, live.__getitem__, p.group_bufs, ci)
+            d = digest(view)
+            new = False
+            if stage_new and d not in index:
+                with lock:
+                    new = d not in claimed
+                    claimed.add(d)
+            if spec.ref_key is None:  # group chunk: gathered into a private buffer already
+                if new:
+                    with self._lock:
+                        p.new_staged.add(ci)
+                return d
             prior = refs.get(spec.ref_key)
-            changed = p.use_refs and (prior is None or prior.digest != p.digests[ci])
-            if changed or (p.background and ci in owned):
-                todo[ci] = (1 - prior.arena) if (changed and prior is not None) else 0
+            changed = p.use_refs and (prior is None or prior.digest != d)
+            if changed or new:
+                arena = (1 - prior.arena) if (changed and prior is not None) else 0
+                self._copy_chunk(p, ci, view, arena, new)
+            return d
+
+        p.digests = list(self.pool(opts.threads).map(one, range(len(plan.chunks))))
+
+    def _copy_chunk(self, p: _Prepared, ci: int, view: np.ndarray, arena: int, new: bool) -> None:
+        si, start, length = p.plan.chunks[ci].parts[0]
+        src = p.plan.sources[si]
+        buf = (
+            self._arenas[arena]
+            .buffer(src.key, src.nbytes, pin=False)
+            .numpy()[start : start + length]
+        )
+        torch.from_numpy(buf).copy_(torch.from_numpy(view))  # releases the GIL
+        with self._lock:
+            p.staged_refs[ci] = (buf, arena)
+            p.chunk_data[ci] = buf
+            if new:
+                p.new_staged.add(ci)
+
+    def stage_needed(self, p: _Prepared, owned: set[int]) -> None:
+        """The blocking part, second half (distributed saves, once rank 0 assigned the chunks):
+        a background save also copies the assigned chunks not copied by the hash pass."""
         p.owned = owned
-        p.staged_refs = stage_chunks(p.plan, p.staged.arrays, self._arenas, todo, self.pool(4))
-        p.chunk_data = {ci: view for ci, (view, _) in p.staged_refs.items()}
+        if p.digests is None or not p.background:
+            return
+        todo = {
+            ci: 0
+            for ci in owned
+            if ci not in p.chunk_data and p.plan.chunks[ci].ref_key is not None
+        }
+        staged = stage_chunks(p.plan, p.staged.arrays, self._arenas, todo, self.pool(4))
+        p.chunk_data.update({ci: view for ci, (view, _) in staged.items()})
 
     def _drop_refs(self) -> None:
         self.store.delta_refs = {}
@@ -272,10 +318,11 @@ class Saver:
         self, state: Any, name: str, opts: SaveOptions, t0: float, background: bool
     ) -> _Prepared:
         """prepare + stage for a single-process save: this process writes every new chunk."""
-        p = self.prepare(state, name, opts, t0, background)
+        p = self.prepare(state, name, opts, t0, background, stage_new=True)
         try:
             if p.digests is not None:
-                self.stage_needed(p, first_new(p.digests, p.index))
+                # the hash pass already copied the new chunks of a background save
+                p.owned = p.new_staged if p.background else first_new(p.digests, p.index)
         except BaseException:
             p.locks.close()
             raise
@@ -346,6 +393,7 @@ class _Prepared:
     owned: set[int] | None = None  # chunk indices this process writes
     chunk_data: dict[int, np.ndarray] = field(default_factory=dict)  # staged chunk copies
     staged_refs: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
+    new_staged: set[int] = field(default_factory=set)  # chunks copied because the store lacks them
 
 
 def first_new(digests: list[str], index: dict[str, ChunkRecord]) -> set[int]:

@@ -11,6 +11,7 @@ stream; ``staged`` completes when the stream's event fires. On CPU staging is sy
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -23,16 +24,18 @@ from deltackpt._plan import SavePlan
 @dataclass
 class Arena:
     buffers: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # chunks of one source race
 
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
 
     def buffer(self, key: str, n: int, pin: bool) -> torch.Tensor:
-        buf = self.buffers.get((key, n))
-        if buf is None or (pin and not buf.is_pinned()):
-            buf = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-            self.buffers[(key, n)] = buf
-        return buf
+        with self.lock:
+            buf = self.buffers.get((key, n))
+            if buf is None or (pin and not buf.is_pinned()):
+                buf = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+                self.buffers[(key, n)] = buf
+            return buf
 
     def retain(self, keys: set[tuple[str, int]]) -> None:
         """Drop buffers of sources the current state no longer has (structure changed)."""

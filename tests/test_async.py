@@ -302,23 +302,30 @@ def test_cuda_state_is_staged_into_pinned_buffers(store_dir):
 def test_unchanged_chunks_are_hashed_in_place_not_copied(store_dir, monkeypatch):
     import deltackpt._async as dasync
 
+    calls: list[int] = []
+    real = dasync.Saver._copy_chunk
+
+    def counting(self, p, ci, view, arena, new):
+        calls.append(ci)
+        return real(self, p, ci, view, arena, new)
+
+    monkeypatch.setattr(dasync.Saver, "_copy_chunk", counting)
     copied: list[int] = []
-    real = dasync.stage_chunks
 
-    def counting(plan, live, arenas, todo, pool):
-        copied.append(len(todo))
-        return real(plan, live, arenas, todo, pool)
+    def save(name: str) -> None:
+        before = len(calls)
+        deltackpt.async_save(state, store, name).result()
+        copied.append(len(calls) - before)
 
-    monkeypatch.setattr(dasync, "stage_chunks", counting)
     store = deltackpt.open_store(store_dir, chunk_bytes=256 << 10)
     state = {k: v.to(torch.bfloat16) for k, v in _model_state(n=4, numel=1 << 19).items()}
     n_chunks = 4 * ((1 << 20) // (256 << 10))
-    deltackpt.async_save(state, store, "a").result()
+    save("a")
     assert copied[-1] == n_chunks  # first save: every chunk is new
-    deltackpt.async_save(state, store, "b").result()
+    save("b")
     assert copied[-1] == 0  # nothing changed: nothing copied, only hashed
     state["w2"][:10] += 1  # one chunk of one tensor
-    deltackpt.async_save(state, store, "c").result()
+    save("c")
     assert copied[-1] == 1
     out = deltackpt.load(store, "c")
     assert all(torch.equal(out[k], v) for k, v in state.items())
