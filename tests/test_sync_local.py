@@ -127,6 +127,9 @@ def test_round_trip_delta_rounds_and_versions(shm_name: str) -> None:
     for s in sinks:
         assert_same(s.state, state)
     assert [r.version for r in receivers] == [1, 1] and sender.version == 1
+    # on_commit hands the split "embed" over as one view of the staged round, not assembled
+    assert receivers[0]._asm is not None and not receivers[0]._asm.full
+    assert receivers[1]._asm is not None and receivers[1]._asm.full  # per_bucket assembles
 
     # LoRA-style: only the adapters change -> only they travel, packed together
     st, r1, r2 = round_(lambda: (state["lora.a"].add_(1), state["lora.b"].mul_(2)))
@@ -194,14 +197,17 @@ def test_corrupted_bucket_is_rejected_and_last_version_kept(shm_name: str) -> No
     kept = {n: t.clone() for n, t in sink.state.items()}
 
     ch = sender._channel
-    real_send = ch.send
+    real_progress = ch.progress  # the shm window streams: receivers read behind the packer
 
-    def corrupt_then_send(bucket: Any, extents: Any = None) -> None:  # a bit flips on the way
-        if bucket.index == 1:
+    flipped: list[int] = []
+
+    def corrupt_then_report(bucket: Any, upto: int) -> None:  # a bit flips after the sender
+        if bucket.index == 1 and upto > 5 and not flipped:    # hashed it, before receivers read
             ch.buffer(bucket)[5] ^= 0xFF
-        real_send(bucket, extents)
+            flipped.append(1)
+        real_progress(bucket, upto)
 
-    ch.send = corrupt_then_send
+    ch.progress = corrupt_then_report
     v2 = {"w": v1["w"] + 1, "x": v1["x"] + 1}
     s_err, r_err = run_threads(lambda: sender.push(v2, 2, full=True),
                                lambda: receiver.pull(sink))
@@ -211,7 +217,7 @@ def test_corrupted_bucket_is_rejected_and_last_version_kept(shm_name: str) -> No
     assert receiver.version == 1 and sender.version == 1
     assert_same(sink.state, kept)  # load_weights never saw round 2
 
-    ch.send = real_send
+    ch.progress = real_progress
     st, _ = run_threads(lambda: sender.push(v2, 3), lambda: receiver.pull(sink))
     assert st.full and receiver.version == 3  # the round after a failure is full
     assert_same(sink.state, v2)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
+import xxhash
 
 from deltackpt._hashing import digest
 from deltackpt.sync import _protocol as proto
@@ -54,6 +55,8 @@ __all__ = ["LoadWeights", "WeightReceiver"]
 #: ``load_weights(weights)``: takes a list of ``(name, tensor)``; return value ignored.
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
+_STEP = 4 << 20  # streaming channels: hash this much at a time behind the packing sender
+
 
 class _Assembler:
     """Turns a received bucket into ``(name, tensor)`` pairs: views of whole tensors, assembled
@@ -68,16 +71,50 @@ class _Assembler:
         self.shard: dict[tuple[int, int], torch.Tensor] = {}  # non-contiguous split boxes
         self.missing: dict[int, int] = {}  # elements still to come, this round
         self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.spans: dict[int, torch.Tensor] = {}  # split tensors staged contiguously, this round
 
     def start_round(self) -> None:
         self.missing.clear()
         self.shard.clear()
+        self.spans.clear()
+
+    def link(self, staged: Sequence[tuple[Bucket, torch.Tensor]]) -> None:
+        """A round is staged whole (on_commit): a tensor of one sender split over consecutive
+        buckets usually lies contiguously in the staging memory (each split piece fills its
+        bucket, and bucket sizes are multiples of ``align``). Such tensors are handed over as one
+        view of the staging, without being assembled (copied) into a buffer."""
+        found: dict[int, list[tuple[Piece, torch.Tensor]]] = {}
+        for bk, view in staged:
+            for p in bk.pieces:
+                if not p.whole and self.plan.tensors[p.tensor].num_parts == 1:
+                    found.setdefault(p.tensor, []).append((p, view))
+        for i, parts in found.items():
+            info = self.plan.tensors[i]
+            size = self.wire[i].itemsize
+            p0, v0 = parts[0]
+            base = v0.data_ptr() + p0.bucket_offset
+            if p0.start != 0 or parts[-1][0].end != math.prod(info.shape) or any(
+                    v.data_ptr() + p.bucket_offset != base + p.start * size
+                    or v.untyped_storage().data_ptr() != v0.untyped_storage().data_ptr()
+                    for p, v in parts):
+                continue
+            span = torch.empty(0, dtype=torch.uint8, device=v0.device).set_(
+                v0.untyped_storage(), v0.storage_offset() + p0.bucket_offset,
+                (math.prod(info.shape) * size,))
+            self.spans[i] = span.view(self.wire[i]).view(info.shape)
 
     def emit(self, bucket: Bucket, view: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         out: list[tuple[str, torch.Tensor]] = []
         casts: list[int] = []  # positions in out of whole-tensor views that need a cast
         for p in bucket.pieces:
             info = self.plan.tensors[p.tensor]
+            span = self.spans.get(p.tensor)
+            if span is not None:  # a contiguous staged span (see link): out with its last piece
+                if p.end == span.numel():
+                    if self.target[p.tensor] != self.wire[p.tensor]:
+                        casts.append(len(out))
+                    out.append((info.name, span))
+                continue
             src = view[p.bucket_offset:p.bucket_offset + p.nbytes].view(self.wire[p.tensor])
             if p.whole:
                 if self.target[p.tensor] != self.wire[p.tensor]:
@@ -128,6 +165,25 @@ class _Assembler:
             dst.copy_(t)
             out[i] = (name, dst)
             pos += size
+
+
+def _follow(ch: Channel, bk: Bucket) -> str | None:
+    """Digest of a bucket hashed as its bytes become readable (``ch.wait_bytes``): behind the
+    packing owner (``streams``) or behind the wire (``partial``). None for non-CPU buffers."""
+    out = []
+    data = None
+    for p in bk.pieces:
+        h = xxhash.xxh3_128()
+        for lo in range(p.bucket_offset, p.bucket_offset + p.nbytes, _STEP):
+            hi = min(lo + _STEP, p.bucket_offset + p.nbytes)
+            view = ch.wait_bytes(bk, hi)
+            if data is None:
+                if view.device.type != "cpu":
+                    return None
+                data = view.numpy()
+            h.update(data[lo:hi])
+        out.append(h.hexdigest())
+    return proto.combine(out)
 
 
 class WeightReceiver:
@@ -206,6 +262,7 @@ class WeightReceiver:
             raise RoundAbortedError(f"round {b.version} was not committed: rank {rejected - 1} "
                                     f"rejected it; this receiver keeps version {self.version}")
         if self.apply == "on_commit":
+            asm.link(staged)
             for bk, view in staged:
                 try:
                     weights = asm.emit(bk, view)
@@ -241,13 +298,17 @@ class WeightReceiver:
         staged: list[tuple[Bucket, torch.Tensor]] = []
         prev: tuple[Bucket, str] | None = None
 
-        def consume(bk: Bucket, expected: str) -> SyncError | None:
-            view = ch.wait(bk)
+        def consume(bk: Bucket, expected: str, actual: str | None = None) -> SyncError | None:
             if failure is not None:
+                ch.wait(bk)
                 return failure
-            data = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
-            actual = proto.combine(digest(data[p.bucket_offset:p.bucket_offset + p.nbytes])
-                                   for p in bk.pieces)
+            if actual is None and ch.partial:
+                actual = _follow(ch, bk)  # hash behind the wire: prefixes as they arrive
+            view = ch.wait(bk)
+            if actual is None:
+                data = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
+                actual = proto.combine(digest(data[p.bucket_offset:p.bucket_offset + p.nbytes])
+                                       for p in bk.pieces)
             if actual != expected:
                 return DigestMismatchError(
                     f"round {version}: {plan.describe(bk)} arrived with digest {actual}, the "
@@ -270,6 +331,9 @@ class WeightReceiver:
             return None
 
         for bk in buckets:
+            early = None  # streaming channel: the digest, computed while the owner packed
+            if ch.streams and failure is None:
+                early = _follow(ch, bk)
             status, expected = proto.header(t, bk.owner, bk.index)
             if status != proto.OK:
                 ch.flush()
@@ -280,6 +344,9 @@ class WeightReceiver:
             if offsets is not None and self._arena is not None:
                 into = self._arena[offsets[bk.index]:offsets[bk.index] + bk.nbytes]
             ch.expect(bk, into)
+            if ch.streams:
+                failure = consume(bk, expected, early)
+                continue
             if prev is not None:
                 failure = consume(*prev)
             prev = (bk, expected)

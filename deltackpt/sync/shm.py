@@ -5,9 +5,10 @@ Two kinds of files under ``/dev/shm`` (memory, not disk), mapped by every rank:
 * ``deltackpt-sync-<name>`` — the **control segment**, fixed size: per-rank cells (pid,
   generation, last finished op), all-reduce cells and two message slots for control broadcasts.
 * ``deltackpt-sync-<name>.w<gen>.<plan>`` — the **window**, one per plan: an arena where each
-  round lays out its buckets (``plan.arena_offsets``) plus a "published in round r" cell per
-  bucket position. The owner packs a bucket straight into the arena and publishes it; receivers
-  verify and load from it in place (no copy). The arena is reused every round, and a round's
+  round lays out its buckets (``plan.arena_offsets``) plus, per bucket position, a "published in
+  round r" cell and a "packed so far" cell. The owner packs a bucket straight into the arena,
+  advancing "packed so far" every few MiB, and publishes it; receivers hash right behind the
+  packer (the digest is ready when the bucket header arrives) and load from it in place. The arena is reused every round, and a round's
   bytes stay intact until every rank has entered the next round, so receivers keep a whole round
   staged until commit at no extra memory. Cost: /dev/shm holds the model's wire bytes once (not
   once per receiver).
@@ -335,16 +336,18 @@ class ShmTransport(Transport):
 
 
 class _ShmWindow(Channel):
-    """One file per plan: a cell per bucket position (the round that published it), then an
+    """One file per plan: cells per bucket position (the round that published it; bytes packed
+    so far and their round), then an
     arena of ``plan.arena_bytes`` where each round lays out its buckets (``plan.arena_offsets``)."""
 
     relays = False
     stable = True
+    streams = True
 
     def __init__(self, t: ShmTransport, plan: Plan) -> None:
         self.t = t
         self.plan = plan
-        cells = -(-plan.max_buckets * 8 // _PAGE) * _PAGE
+        cells = -(-plan.max_buckets * 3 * 8 // _PAGE) * _PAGE
         size = cells + -(-plan.arena_bytes // _PAGE) * _PAGE
         self.path = f"{t.path}.w{t._gen}.{plan.plan_id[:16]}"
         if t.rank == t.leader:
@@ -368,7 +371,12 @@ class _ShmWindow(Channel):
             self.mm = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
-        self.cells = np.frombuffer(self.mm, np.int64, plan.max_buckets, 0)
+        n = plan.max_buckets
+        self.cells = np.frombuffer(self.mm, np.int64, n, 0)
+        # packing progress per bucket position: bytes packed so far, and the round they belong
+        # to (bytes are stored first, so a reader that sees this round sees this round's bytes)
+        self.prog_bytes = np.frombuffer(self.mm, np.int64, n, n * 8)
+        self.prog_round = np.frombuffer(self.mm, np.int64, n, 2 * n * 8)
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8)[cells:]
         self.round = 0
         self.offsets: list[int] = []
@@ -387,6 +395,18 @@ class _ShmWindow(Channel):
     def send(self, bucket: Bucket, extents: dict[int, torch.Tensor] | None = None) -> None:
         self.cells[bucket.index] = self.round
 
+    def progress(self, bucket: Bucket, upto: int) -> None:
+        i = bucket.index
+        self.prog_bytes[i] = upto
+        self.prog_round[i] = self.round
+
+    def wait_bytes(self, bucket: Bucket, upto: int) -> torch.Tensor:
+        i, r = bucket.index, self.round
+        self.t._guard("wait", lambda: self.t._poll(
+            lambda: self.prog_round[i] == r and self.prog_bytes[i] >= upto,
+            f"waiting for bucket {i} from rank {bucket.owner}", (bucket.owner,)))
+        return self._view(bucket)
+
     def expect(self, bucket: Bucket, into: torch.Tensor | None) -> None:
         pass
 
@@ -398,7 +418,7 @@ class _ShmWindow(Channel):
         return self._view(bucket)
 
     def close(self) -> None:
-        del self.cells, self.data
+        del self.cells, self.data, self.prog_bytes, self.prog_round
         with contextlib.suppress(BufferError):
             self.mm.close()
         if self.t.rank == self.t.leader:

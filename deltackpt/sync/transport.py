@@ -79,6 +79,12 @@ class Channel(ABC):
     #: ``send`` accepts ``extents``: segments (``plan.segments``) to send from the caller's own
     #: tensors instead of the buffer — a large piece goes out without being copied.
     zero_copy: bool = False
+    #: The owner reports packing progress (``progress``) and receivers can read a bucket's
+    #: first bytes before it is published (``wait_bytes``), to verify it while it is packed.
+    streams: bool = False
+    #: After ``expect``, ``wait_bytes`` returns as soon as a prefix of the bucket arrived (the
+    #: receiver verifies a bucket while its last bytes are still on the wire).
+    partial: bool = False
 
     def begin_round(self, buckets: Sequence[Bucket]) -> None:  # noqa: B027 - optional hook
         """Called by every rank at the start of each round with the buckets it will carry."""
@@ -94,6 +100,15 @@ class Channel(ABC):
 
     @abstractmethod
     def wait(self, bucket: Bucket) -> torch.Tensor: ...
+
+    def progress(self, bucket: Bucket, upto: int) -> None:  # noqa: B027 - optional hook
+        """Owner side (``streams``): ``buf[:upto]`` of the bucket is final for this round."""
+
+    def wait_bytes(self, bucket: Bucket, upto: int) -> torch.Tensor:
+        """Receiver side (``streams``): wait until the owner reported at least ``upto`` bytes
+        of the bucket packed, return the bucket's view (bytes past ``upto`` may still change;
+        the digest in the bucket header is what they are checked against)."""
+        raise NotImplementedError
 
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Owner side: block until every ``send`` completed."""
@@ -286,6 +301,7 @@ class _DistChannel(Channel):
     relays = True
     stable = False
     zero_copy = True
+    partial = True
 
     def __init__(self, transport: DistTransport, plan: Plan) -> None:
         self.t = transport
@@ -296,7 +312,8 @@ class _DistChannel(Channel):
         self._send_work: list[list[dist.Work]] = [[], []]
         self._recv_work: list[list[dist.Work]] = [[], []]
         self._nsend = self._nrecv = 0
-        self._pending: dict[int, tuple[list[dist.Work], torch.Tensor]] = {}
+        # bucket index -> (works, buffer, segment ends, [segments known to have arrived])
+        self._pending: dict[int, tuple[list[dist.Work], torch.Tensor, list[int], list[int]]] = {}
 
     def begin_round(self, buckets: Sequence[Bucket]) -> None:
         need = max((b.nbytes for b in buckets), default=0)
@@ -318,9 +335,12 @@ class _DistChannel(Channel):
         works.clear()
 
     def _post(self, bucket: Bucket, buf: torch.Tensor,
-              extents: dict[int, torch.Tensor] | None = None) -> list[dist.Work]:
+              extents: dict[int, torch.Tensor] | None = None,
+              ends: list[int] | None = None) -> list[dist.Work]:
         works = []
         for lo, hi, _ in segments(bucket, self.direct_bytes):
+            if ends is not None:
+                ends.append(hi)
             data = extents.get(lo) if extents else None
             target = buf[lo:hi] if data is None else data
             works.append(self.t._guard("broadcast", lambda x=target: dist.broadcast(
@@ -338,18 +358,28 @@ class _DistChannel(Channel):
         self._send_work[k] = self._post(bucket, self._send_ring[k], extents)
 
     def expect(self, bucket: Bucket, into: torch.Tensor | None) -> None:
+        ends: list[int] = []
         if into is None or into.device != self.t.device:
             k = self._nrecv % 2
             self._nrecv += 1
             self._wait(self._recv_work[k])  # the view of bucket-2 is released by now
             into = self._ring(self._recv_ring)[k][:bucket.nbytes]
-            works = self._recv_work[k] = self._post(bucket, into)
+            works = self._recv_work[k] = self._post(bucket, into, ends=ends)
         else:
-            works = self._post(bucket, into)
-        self._pending[bucket.index] = (works, into)
+            works = self._post(bucket, into, ends=ends)
+        self._pending[bucket.index] = (works, into, ends, [0])
+
+    def wait_bytes(self, bucket: Bucket, upto: int) -> torch.Tensor:
+        works, into, ends, done = self._pending[bucket.index]
+        k = done[0]
+        while k < len(works) and (k == 0 or ends[k - 1] < upto):  # segments in bucket order
+            self.t._guard("broadcast", works[k].wait)
+            k += 1
+        done[0] = k
+        return into
 
     def wait(self, bucket: Bucket) -> torch.Tensor:
-        works, into = self._pending.pop(bucket.index)
+        works, into, _, _ = self._pending.pop(bucket.index)
         for w in works:
             self.t._guard("broadcast", w.wait)
         return into
@@ -357,7 +387,7 @@ class _DistChannel(Channel):
     def flush(self) -> None:
         for works in (*self._send_work, *self._recv_work):
             self._wait(works)
-        for works, _ in self._pending.values():
+        for works, *_ in self._pending.values():
             self._wait(works)
         self._pending.clear()
 
