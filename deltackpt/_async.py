@@ -33,7 +33,7 @@ from deltackpt.codecs import XOR
 from deltackpt.errors import SaveFailedError, SnapshotExistsError, StoreError
 from deltackpt.manifest import ChunkRecord
 from deltackpt.options import SaveOptions, default_memory_budget
-from deltackpt.store import SnapshotInfo, Store, open_store, validate_name
+from deltackpt.store import SnapshotInfo, Store
 
 
 class SaveHandle:
@@ -456,13 +456,9 @@ def async_save(
     >>> ...  # keep training
     >>> h.result().bytes_written                                                     # doctest: +SKIP
     """
-    from deltackpt.saving import _check_metadata
+    from deltackpt.saving import begin
 
-    t0 = time.perf_counter()
-    opts = SaveOptions.from_kwargs(options, kwargs)
-    st = open_store(store)
-    validate_name(name)
-    meta = _check_metadata(metadata)
+    t0, opts, st, meta = begin(store, name, metadata, options, kwargs)
     if process_group is not None:
         from deltackpt._dist_save import dist_async_save
 

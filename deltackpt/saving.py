@@ -38,11 +38,7 @@ def save(
     >>> info = deltackpt.save({"model": model.state_dict(), "step": 100}, "ckpts", "step-100")  # doctest: +SKIP
     >>> info.bytes_written, info.chunks_reused                                                 # doctest: +SKIP
     """
-    t0 = time.perf_counter()
-    opts = SaveOptions.from_kwargs(options, kwargs)
-    st = open_store(store)
-    validate_name(name)
-    meta = _check_metadata(metadata)
+    t0, opts, st, meta = begin(store, name, metadata, options, kwargs)
     if process_group is not None:
         from deltackpt._dist_save import dist_save
 
@@ -50,6 +46,22 @@ def save(
     saver = saver_for(st)
     prepared = saver.prepare_all(state, name, opts, t0, background=False)
     return saver.run(prepared, name, opts, meta, t0)
+
+
+def begin(
+    store: str | os.PathLike[str] | Store,
+    name: str,
+    metadata: dict[str, Any] | None,
+    options: SaveOptions | None,
+    kwargs: dict[str, Any],
+) -> tuple[float, SaveOptions, Store, dict[str, Any]]:
+    """Validate a save's arguments (shared by save and async_save): start time, options, store,
+    metadata."""
+    t0 = time.perf_counter()
+    opts = SaveOptions.from_kwargs(options, kwargs)
+    st = open_store(store)
+    validate_name(name)
+    return t0, opts, st, _check_metadata(metadata)
 
 
 def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
