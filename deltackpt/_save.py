@@ -49,7 +49,6 @@ class WriteResult:
     chunks_new: int
     chunks_reused: int
     pack_bytes: int
-    refs: dict[str, DeltaRef]  # updated delta references (applied after commit)
 
 
 def chunk_view(
@@ -106,7 +105,6 @@ def write_chunks(
     lock = threading.Lock()
     writers: dict[int, PackWriter] = {}
     group_bufs = {} if group_bufs is None else group_bufs
-    new_refs: dict[str, DeltaRef] = {}
     policy = opts.encoding
 
     def writer() -> PackWriter:
@@ -135,7 +133,6 @@ def write_chunks(
             else:
                 fresh = d not in index and d not in claimed
             claimed.add(d)
-        depth = 0
         if fresh:
             assert view is not None  # owned chunks always have bytes
             base = None
@@ -158,14 +155,8 @@ def write_chunks(
                 itemsize=enc.itemsize,
                 base=ref.digest if enc.codec == codecs.XOR and ref is not None else None,
             )
-            depth = ref.depth + 1 if rec.base is not None and ref is not None else 0
             with lock:
                 new_records[d] = rec
-        if refs is not None and spec.ref_key is not None and view is not None:
-            prior = refs.get(spec.ref_key)
-            if not fresh and prior is not None and prior.digest == d:
-                depth = prior.depth
-            new_refs[spec.ref_key] = DeltaRef(d, view, depth)
 
     futures = [pool.submit(job, ci) for ci in range(n)]
     try:
@@ -193,7 +184,6 @@ def write_chunks(
         chunks_new=len(new_records),
         chunks_reused=len(set(digests)) - len(new_records),
         pack_bytes=pack_bytes,
-        refs=new_refs,
     )
 
 
