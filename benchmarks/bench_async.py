@@ -895,7 +895,7 @@ def main() -> None:
                     help="deltackpt saves (default 2 x keyframe_every: the last ends a full chain)")
     ap.add_argument("--restore-reps", type=int, default=1)
     ap.add_argument("--every", type=int, default=10)
-    ap.add_argument("--loop-rounds", type=int, default=2)
+    ap.add_argument("--loop-rounds", type=int, default=4)
     ap.add_argument("--loop-periods", type=int, default=2, help="save periods per segment")
     ap.add_argument("--loop-warmup", type=int, default=5)
     ap.add_argument("--loop-batch", type=int, default=64)
