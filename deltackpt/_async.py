@@ -275,6 +275,18 @@ class Saver:
         staged = stage_chunks(p.plan, p.staged.arrays, self._arenas, todo, self.pool(4))
         p.chunk_data.update({ci: view for ci, (view, _) in staged.items()})
 
+    def _prefault(self, p: _Prepared) -> None:
+        """Allocate and touch the staging buffers the next save may copy into, now (behind an
+        async save, or once at the end of the first sync save) rather than page-faulting them
+        inside the next save's blocking call: fresh pages cost ~1-3 GB/s here, touched ones 5-10."""
+        arenas = self._arenas if p.use_refs else self._arenas[:1]
+        if not (p.use_refs or p.background):
+            return
+        for arena in arenas:
+            for src in p.plan.sources:
+                if src.nbytes and (src.key, src.nbytes) not in arena.buffers:
+                    arena.buffer(src.key, src.nbytes, pin=False).zero_()
+
     def _drop_refs(self) -> None:
         self.store.delta_refs = {}
         self._arenas[1].buffers.clear()
@@ -305,6 +317,7 @@ class Saver:
                 st.delta_refs = next_refs(
                     p.plan, p.digests, refs, p.staged_refs, records, opts.keyframe_every
                 )
+            self._prefault(p)
             return info
         except BaseException as e:
             if p.background:
