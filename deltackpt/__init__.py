@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from deltackpt import errors
 from deltackpt._async import SaveHandle, async_save
+from deltackpt._rng import capture as get_rng_state
+from deltackpt._rng import restore as set_rng_state
 from deltackpt.checkpointer import Checkpointer
 from deltackpt.lifecycle import GcReport, VerifyReport, delete, gc, snapshots, verify
 from deltackpt.loading import load
@@ -31,9 +33,11 @@ __all__ = [
     "delete",
     "errors",
     "gc",
+    "get_rng_state",
     "load",
     "open_store",
     "save",
+    "set_rng_state",
     "snapshots",
     "verify",
 ]

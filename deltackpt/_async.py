@@ -30,10 +30,10 @@ from deltackpt._plan import SavePlan, plan_state
 from deltackpt._save import chunk_view, closure, commit, next_refs, write_chunks
 from deltackpt._staging import Arena, Staged, stage, stage_chunks, state_nbytes
 from deltackpt.codecs import XOR
-from deltackpt.errors import SaveFailedError, SnapshotExistsError, StoreError
+from deltackpt.errors import DeltackptError, SaveFailedError, SnapshotExistsError, StoreError
 from deltackpt.manifest import ChunkRecord
 from deltackpt.options import SaveOptions, default_memory_budget
-from deltackpt.store import SnapshotInfo, Store
+from deltackpt.store import SnapshotInfo, Store, store_io_error
 
 
 class SaveHandle:
@@ -209,8 +209,15 @@ class Saver:
             p.index = st.chunk_index()
             self._hash_and_stage(p, stage_new and background, opts)
             return p
-        except BaseException:
+        except BaseException as e:
             locks.close()
+            if isinstance(e, OSError) and not isinstance(e, DeltackptError):
+                raise store_io_error(
+                    e,
+                    f"preparing to save {name!r} in store {str(st.root)!r} failed: {e}. Nothing "
+                    "was written; committed snapshots are intact. Check permissions and the "
+                    "disk, then save again",
+                ) from e
             raise
 
     def _hash_and_stage(self, p: _Prepared, stage_new: bool, opts: SaveOptions) -> None:
@@ -301,14 +308,16 @@ class Saver:
             pool = self.pool(opts.threads)
             if p.digests is None:  # CUDA: everything staged, hash now
                 wr = write_chunks(
-                    st, p.plan, p.staged.arrays.__getitem__, opts, pool, st.chunk_index(), None
-                )
+                    st, p.plan, p.staged.arrays.__getitem__, opts, pool, st.chunk_index(), None,
+                    name=name,
+                )  # fmt: skip
                 info = commit(st, name, p.plan, wr, opts, metadata, t0, p.blocked, p.waited)
                 return info
             refs = st.delta_refs if p.use_refs else None
             wr = write_chunks(
                 st, p.plan, p.staged.arrays.__getitem__, opts, pool, p.index, refs,
                 digests=p.digests, owned=p.owned, group_bufs=p.group_bufs, chunk_data=p.chunk_data,
+                name=name,
             )  # fmt: skip
             records = closure(set(p.digests), wr.records, p.index)
             wr = replace(wr, records=records, chunks_reused=len(set(p.digests)) - wr.chunks_new)
@@ -320,10 +329,13 @@ class Saver:
             self._prefault(p)
             return info
         except BaseException as e:
+            err = _typed_io_error(e, st, name)
             if p.background:
                 with self._lock:
-                    self._unreported = e  # cleared by result(); else raised by the next save
-            raise
+                    self._unreported = err  # cleared by result(); else raised by the next save
+            if err is e:
+                raise
+            raise err from e
         finally:
             p.locks.close()
 
@@ -377,6 +389,18 @@ class Saver:
         with self._lock:
             self._inflight = future
         return SaveHandle(name, staged_future, future, self)
+
+
+def _typed_io_error(e: BaseException, st: Store, name: str) -> BaseException:
+    """A bare OSError from the write/commit phase (pack and manifest writes wrap their own) as a
+    StoreIOError that keeps the errno and says what is intact; anything else unchanged."""
+    if not isinstance(e, OSError) or isinstance(e, DeltackptError):
+        return e
+    return store_io_error(
+        e,
+        f"saving {name!r} to store {str(st.root)!r} failed: {e}. Committed snapshots are intact; "
+        f"{name!r} was not committed, and the next `deltackpt gc` deletes anything it left",
+    )
 
 
 def _after(hook: Callable[[], None] | None, name: str) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from deltackpt import codecs
 from deltackpt._hashing import digest
-from deltackpt.errors import CodecError, CorruptChunkError
+from deltackpt.errors import CodecError, CorruptChunkError, UnsafePathError
 from deltackpt.manifest import ChunkRecord
 from deltackpt.pack import PackReaders
 
@@ -61,6 +61,10 @@ class ChunkReader:
             n = self.packs.read_into(rec.pack, rec.offset, out)
         except FileNotFoundError:
             raise self._corrupt(d, where, f"its pack file {rec.pack}.pack is missing") from None
+        except UnsafePathError as e:
+            raise self._corrupt(d, where, str(e)) from e
+        except OSError as e:  # EIO, EISDIR, ...: this chunk is unreadable, the rest may be fine
+            raise self._corrupt(d, where, f"its pack cannot be read ({e})") from e
         if n != out.size:
             raise self._corrupt(d, where, f"pack is truncated: read {n} of {out.size} bytes")
 

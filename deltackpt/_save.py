@@ -8,7 +8,7 @@ so the pool really runs on every core. Packs are fsynced before the manifest is 
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import threading
 import time
@@ -23,11 +23,11 @@ from deltackpt import codecs
 from deltackpt._fsutil import fsync_dir
 from deltackpt._hashing import digest
 from deltackpt._plan import ChunkSpec, SavePlan
-from deltackpt.errors import DeltackptError
+from deltackpt.errors import DeltackptError, StoreIOError
 from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
 from deltackpt.options import SaveOptions
 from deltackpt.pack import PackWriter
-from deltackpt.store import SnapshotInfo, Store
+from deltackpt.store import SnapshotInfo, Store, store_io_error
 
 SourceArray = Callable[[int], np.ndarray]  # source index -> its bytes as a uint8 numpy array
 
@@ -49,6 +49,7 @@ class WriteResult:
     chunks_new: int
     chunks_reused: int
     pack_bytes: int
+    packs: tuple[str, ...] = ()  # ids of the packs this save wrote (removed if it fails)
 
 
 def chunk_view(
@@ -90,12 +91,15 @@ def write_chunks(
     owned: set[int] | None = None,
     group_bufs: dict[int, np.ndarray] | None = None,
     chunk_data: dict[int, np.ndarray] | None = None,
+    name: str | None = None,
 ) -> WriteResult:
     """Hash, dedupe, encode and append every chunk of ``plan``; fsync the packs.
 
     Distributed saves pass the ``digests`` they already exchanged and the chunk indices this rank
     was ``owned`` (assigned) to write; every other chunk is left to its owner. ``records`` then
-    holds only what this rank wrote: rank 0 builds the closure over all ranks.
+    holds only what this rank wrote: rank 0 builds the closure over all ranks. An OSError while
+    writing (disk full, I/O error) removes this call's packs and raises StoreIOError; ``name``
+    (the snapshot) only makes its message clearer.
     """
     n = len(plan.chunks)
     pre = digests is not None
@@ -165,16 +169,35 @@ def write_chunks(
         pack_bytes = sum(pool.map(lambda w: w.finish(), list(writers.values())))
         if writers and opts.fsync:
             fsync_dir(store.packs_dir)
-    except BaseException:
+    except BaseException as e:
         # Stop the other jobs before cleaning up: queued ones are cancelled, running ones are
         # waited for, so no job opens or appends to a pack after this save has failed.
         for f in futures:
             f.cancel()
         wait(futures)
+        left = 0
         for w in writers.values():
             w.abort()
-            with contextlib.suppress(OSError):
+            try:
                 os.unlink(w.path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left += 1
+        if isinstance(e, OSError) and not isinstance(e, DeltackptError):
+            # ENOSPC, EIO, EACCES...: typed, errno kept, and saying what is still intact
+            leftover = (
+                f"; {left} could not be removed and the next `deltackpt gc` deletes them"
+                if left
+                else ""
+            )
+            raise store_io_error(
+                e,
+                f"writing pack data{f' of snapshot {name!r}' if name else ''} to store "
+                f"{str(store.root)!r} failed: {e}. Committed snapshots are intact; this save "
+                f"committed nothing and its partial pack files were removed{leftover}. Free "
+                "space (e.g. `deltackpt gc --keep-last N`) or fix the disk, then save again",
+            ) from e
         raise
 
     records = closure(set(digests), new_records, index) if owned is None else new_records
@@ -184,6 +207,7 @@ def write_chunks(
         chunks_new=len(new_records),
         chunks_reused=len(set(digests)) - len(new_records),
         pack_bytes=pack_bytes,
+        packs=tuple(w.pack_id for w in writers.values()),
     )
 
 
@@ -325,5 +349,66 @@ def commit(
         waited_seconds=waited_seconds,
     )
     m = build_manifest(name, plan, wr, time.time_ns(), stats, metadata)
-    size = store.write_manifest(m, overwrite=opts.overwrite)
+    try:
+        size = store.write_manifest(m, overwrite=opts.overwrite)
+    except OSError as e:
+        if isinstance(e, DeltackptError):  # SnapshotExistsError: typed already
+            raise
+        raise commit_io_error(store, m, wr.packs, e) from e
     return SnapshotInfo.from_manifest(m, size)
+
+
+def _published(store: Store, m: Manifest) -> bool | None:
+    """After a failed commit: is ``m`` the visible manifest of its name? None: cannot tell."""
+    path = store.manifest_path(m.name)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        doc = json.loads(raw)
+        return bool(doc["name"] == m.name and doc["created_ns"] == m.created_ns)
+    except (ValueError, KeyError, TypeError):
+        return None  # half-visible or damaged: leave the packs to gc
+
+
+def commit_io_error(store: Store, m: Manifest, packs: tuple[str, ...], e: OSError) -> StoreIOError:
+    """The error for an OSError while committing ``m``, after removing this save's packs when it
+    certainly did not commit (nothing else can reference them: dedupe only trusts committed
+    manifests, and gc is excluded by the shared lock the save holds)."""
+    where = f"store {str(store.root)!r}"
+    published = _published(store, m)
+    if published is False:
+        left = 0
+        for pack in packs:
+            try:
+                os.unlink(store.pack_path(pack))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left += 1
+        swept = (
+            f"; {left} of its pack files could not be removed and the next `deltackpt gc` "
+            "deletes them"
+            if left
+            else " and its pack files were removed"
+        )
+        state = (
+            f"Committed snapshots are intact; {m.name!r} was not committed (nothing visible)"
+            f"{swept}. Free space or fix the disk, then save again"
+        )
+    elif published:
+        state = (
+            f"The manifest of {m.name!r} was published but may not be durable (a crash could "
+            "lose it); earlier snapshots are intact. Save again under a new name (or with "
+            "overwrite=True) once the disk is fixed"
+        )
+    else:
+        state = (
+            f"It could not be checked whether {m.name!r} was committed (check with `deltackpt "
+            "ls`); earlier snapshots are intact, and if it was not, the next `deltackpt gc` "
+            "deletes its pack data"
+        )
+    return store_io_error(e, f"committing snapshot {m.name!r} to {where} failed: {e}. {state}")

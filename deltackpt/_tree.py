@@ -13,6 +13,7 @@ node is plain JSON (``str``, ``int``, ``bool``, ``null``) or an object with one 
 ``bytes``      base64
 ``size``       ``torch.Size`` as a list of ints
 ``dtype``      a torch dtype name; ``device``: a device string
+``rng``        a generator's state as JSON: ``{"type": "torch.Generator" | ...}`` (_rng)
 ``pickle``     base64 of ``pickle.dumps`` (only with ``allow_pickle=True``)
 =============  ===================================================================
 """
@@ -28,11 +29,16 @@ from typing import Any
 
 import torch
 
+from deltackpt import _rng
 from deltackpt._dtensor import is_dtensor
 from deltackpt._dtypes import dtype_from_name, dtype_name
 from deltackpt.errors import PickleNotAllowedError, StoreFormatError, UnsupportedValueError
 
 Node = Any  # a JSON value
+# Deepest container nesting a save accepts. Must not exceed what a load accepts
+# (deltackpt._validate.MAX_TREE_DEPTH), or a save would commit a snapshot no load can read; both
+# stay far below Python's recursion limit (flattening recurses ~2 frames per level).
+MAX_DEPTH = 100
 
 
 @dataclass
@@ -48,10 +54,12 @@ def _key_segment(key: Any) -> str:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, check_tensors: bool = True) -> None:
         self.allow_pickle = allow_pickle
+        self.check_tensors = check_tensors  # False for load targets: meta is a mismatch there
         self.leaves: list[Leaf] = []
         self._paths: set[str] = set()
+        self._active: set[int] = set()  # ids of the containers on the current path
 
     def _unique(self, path: str) -> str:
         if path not in self._paths:
@@ -71,6 +79,8 @@ class _Flattener:
             if is_dtensor(obj):  # a shard of a global tensor: planned by the distributed layer
                 self.leaves.append(Leaf(self._unique(path or "."), obj))
                 return {"tensor": len(self.leaves) - 1}
+            if self.check_tensors:
+                self._check_tensor(obj, path)
             if t not in (torch.Tensor, torch.nn.Parameter) and not _is_plain_tensor(obj):
                 return self._fallback(obj, path)
             self.leaves.append(Leaf(self._unique(path or "."), obj))
@@ -87,6 +97,18 @@ class _Flattener:
             return {"dtype": dtype_name(obj, path)}
         if t is torch.device:
             return {"device": str(obj)}
+        if _rng.is_generator(obj):  # torch / numpy / random generators: their state, no pickle
+            rng = _rng.to_node(obj, path, self.allow_pickle)
+            return {"rng": rng} if rng is not None else self._fallback(obj, path)
+        if t in (dict, OrderedDict, list, tuple):
+            self._enter(obj, path)  # refuses cycles and runaway nesting
+            try:
+                return self._container(obj, t, path)
+            finally:
+                self._active.discard(id(obj))
+        return self._fallback(obj, path)
+
+    def _container(self, obj: Any, t: type, path: str) -> Node:
         if t in (dict, OrderedDict):
             items = [
                 [
@@ -102,10 +124,61 @@ class _Flattener:
             if meta is not None:
                 out["meta"] = self.node(meta, f"{path}/_metadata")
             return out
-        if t in (list, tuple):
-            seq = [self.node(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
-            return {"list" if t is list else "tuple": seq}
-        return self._fallback(obj, path)
+        seq = [self.node(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
+        return {"list" if t is list else "tuple": seq}
+
+    def _enter(self, obj: Any, path: str) -> None:
+        """Push a container on the current path. A container inside itself would recurse
+        forever; a very deep one would hit Python's recursion limit here or on load."""
+        if id(obj) in self._active:
+            raise UnsupportedValueError(
+                f"state key {path or '.'!r} holds a {type(obj).__name__} that contains itself "
+                "(a self-referencing container, a cycle); a state must be a tree. Remove the "
+                "back-reference (store the shared part once, or a key that names it)"
+            )
+        if len(self._active) >= MAX_DEPTH:
+            shown = path if len(path) <= 200 else path[:200] + "..."
+            raise UnsupportedValueError(
+                f"state key {shown or '.'!r} is nested more than {MAX_DEPTH} containers "
+                "deep; deltackpt stores at most that many levels (a state_dict has a handful). "
+                "Flatten the structure (e.g. join keys into one string) before saving"
+            )
+        self._active.add(id(obj))
+
+    def _check_tensor(self, obj: torch.Tensor, path: str) -> None:
+        """Refuse tensors whose bytes are not one strided block of real data: their raw bytes
+        cannot be saved (sparse, nested, quantized), or there are none (meta)."""
+        where = f"state key {path or '.'!r}"
+        if obj.is_nested:
+            raise UnsupportedValueError(
+                f"{where} holds a nested tensor (layout {obj.layout}); deltackpt stores dense "
+                "strided tensors. Save its components instead, e.g. list(t.unbind())"
+            )
+        if obj.layout != torch.strided:
+            fix = (
+                "t.to_dense()"
+                if obj.layout == torch._mkldnn  # type: ignore[attr-defined]
+                else "t.to_dense(), or its indices and values as separate tensors "
+                "(t.indices()/t.values() for COO, t.crow_indices()/t.col_indices()/t.values() "
+                "for CSR)"
+            )
+            raise UnsupportedValueError(
+                f"{where} holds a tensor with layout {obj.layout} (sparse or opaque); "
+                f"deltackpt stores dense strided tensors, expected layout torch.strided. "
+                f"Convert it first: {fix}"
+            )
+        if obj.is_meta:
+            raise UnsupportedValueError(
+                f"{where} holds a meta tensor (shape {list(obj.shape)}, no data); there are no "
+                "bytes to save. Materialise it first (e.g. module.to_empty(device='cpu') and "
+                "initialise or load the weights), or leave it out of the state"
+            )
+        if obj.is_quantized:
+            raise UnsupportedValueError(
+                f"{where} holds a quantized tensor ({obj.dtype}); deltackpt stores plain dtypes. "
+                "Save t.dequantize(), or t.int_repr() with t.q_scale()/t.q_zero_point() as "
+                "separate values"
+            )
 
     def key(self, key: Any, path: str) -> Node:
         if key is None or type(key) in (bool, int, str, float, tuple, bytes):
@@ -129,9 +202,11 @@ def _is_plain_tensor(t: torch.Tensor) -> bool:
     return type(t).__torch_function__ is torch.Tensor.__torch_function__
 
 
-def flatten(state: Any, allow_pickle: bool = False) -> tuple[Node, list[Leaf]]:
+def flatten(
+    state: Any, allow_pickle: bool = False, check_tensors: bool = True
+) -> tuple[Node, list[Leaf]]:
     """Return ``(tree, leaves)``: the JSON-safe tree and the tensors in it, in tree order."""
-    f = _Flattener(allow_pickle)
+    f = _Flattener(allow_pickle, check_tensors)
     tree = f.node(state, "")
     return tree, f.leaves
 
@@ -162,6 +237,8 @@ def unflatten(
         return dtype_from_name(value)
     if tag == "device":
         return torch.device(value)
+    if tag == "rng":  # validated field by field before a generator is built (deltackpt._rng)
+        return _rng.from_node(value, path)
     if tag in ("dict", "odict"):
         out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()
         for k_node, v_node in value:

@@ -5,21 +5,38 @@ with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, schedulers
 the convention of ``torch.distributed.checkpoint``. Stateful objects are saved through
 ``state_dict()`` and restored through ``load_state_dict()``, so a fresh optimizer whose state is
 still empty resumes correctly.
+
+Ownership: every snapshot a Checkpointer writes carries ``metadata["deltackpt.checkpointer"] =
+{"name_format": ..., "step": ...}``. Retention deletes, and ``restore_latest`` restores, only
+snapshots with that marker whose name is the checkpointer's name for that step; a snapshot
+someone else saved (``deltackpt.save(..., "best", metadata={"step": 7})``) is never touched,
+whatever its metadata says about steps.
 """
 
 from __future__ import annotations
 
+import operator
 import os
+import warnings
 from typing import Any
 
 import torch
 
+from deltackpt import _rng
 from deltackpt._async import SaveHandle, async_save
-from deltackpt.errors import SnapshotNotFoundError
-from deltackpt.lifecycle import gc
+from deltackpt._fsutil import store_lock
+from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
+from deltackpt.lifecycle import _delete, gc
 from deltackpt.loading import load
+from deltackpt.manifest import Manifest
+from deltackpt.options import default_lock_timeout
 from deltackpt.saving import save
-from deltackpt.store import Store, open_store
+from deltackpt.store import Store, open_store, validate_name
+
+# Reserved names. OWNER_KEY (in snapshot metadata) is how a Checkpointer recognises what it wrote;
+# RNG_KEY (in the saved state) holds deltackpt.get_rng_state(). A user's state may not use RNG_KEY.
+OWNER_KEY = "deltackpt.checkpointer"
+RNG_KEY = "deltackpt.rng"
 
 
 def _stateful(obj: Any) -> bool:
@@ -60,9 +77,23 @@ class Checkpointer:
     ...     train_step(); ckpt.maybe_save(step, state)
     >>> ckpt.close()                                                       # doctest: +SKIP
 
-    Snapshots are named ``name_format.format(step=step)`` and carry ``{"step": step}`` in their
-    metadata. Retention (``keep_last``, plus every ``keep_every``-th step) runs after each commit
-    in the background; gc holds the store lock, so it never deletes what an in-flight save needs.
+    Snapshots are named ``name_format.format(step=step)``. Their metadata holds ``"step"`` (for
+    ``deltackpt ls``) and the reserved key ``"deltackpt.checkpointer"``:
+    ``{"name_format": name_format, "step": step}``, the explicit record that this checkpointer
+    wrote them. Retention (``keep_last``, plus every ``keep_every``-th step) runs after each
+    commit, in the background for async saves, and deletes only snapshots carrying that record
+    whose name is ``name_format``'s name for their step: snapshots saved any other way (a
+    ``"best"`` saved with ``metadata={"step": 7}``, another checkpointer's ``name_format``) are
+    never deleted. It holds the store lock while it decides and deletes, so a save in flight is
+    never lost either. ``save`` refuses (``SnapshotExistsError``) to overwrite a snapshot of its
+    name that it did not write.
+
+    ``rng`` (default on) saves the random state of torch (CPU and, once initialised, CUDA),
+    numpy's global generator and Python's ``random`` with every snapshot, under the reserved
+    state key ``"deltackpt.rng"`` (see ``deltackpt.get_rng_state``), and ``restore_latest``
+    puts it back, so dropout masks and other random draws resume exactly as an uninterrupted run
+    would make them. With a ``process_group`` in ``save_options`` it is off by default: each rank
+    has its own generators, and a distributed save keeps only rank 0's values.
     """
 
     def __init__(
@@ -74,35 +105,148 @@ class Checkpointer:
         *,
         keep_every: int | None = None,
         name_format: str = "step-{step:08d}",
+        rng: bool | None = None,
         **save_options: Any,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        _positive("every", every, "every=100 (save after steps 99, 199, ...)")
+        if keep_last is not None:
+            _positive("keep_last", keep_last, "keep_last=3, or None to keep every snapshot")
+        if keep_every is not None:
+            _positive("keep_every", keep_every, "keep_every=1000, or None")
+        self.name_format = name_format
+        self._check_name_format()
+        distributed = save_options.get("process_group") is not None
+        if rng is None:
+            rng = not distributed
+            if distributed:
+                warnings.warn(
+                    "Checkpointer with a process_group does not save RNG state (each rank has its "
+                    "own generators; a distributed save keeps rank 0's values), so random draws "
+                    "after a resume differ from an uninterrupted run. Pass rng=False to silence "
+                    "this",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        elif not isinstance(rng, bool):
+            raise InvalidArgumentError(
+                f"Checkpointer(rng={rng!r}) is invalid: expected True, False or None (default)"
+            )
+        elif rng and distributed:
+            raise InvalidArgumentError(
+                "Checkpointer(rng=True) cannot be combined with a process_group: each rank has "
+                "its own generators and a distributed save keeps only rank 0's values. Pass "
+                "rng=False (and reseed per rank after a resume)"
+            )
         self.store = open_store(store)
         self.every = every
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_ = async_
-        self.name_format = name_format
+        self.rng = rng
         self.save_options = save_options
         self._pending: SaveHandle | None = None
         self.infos: list[Any] = []  # SnapshotInfo of every committed save, in order
 
+    def _check_name_format(self) -> None:
+        fix = "Use a format with a {step} field, e.g. name_format='step-{step:08d}'"
+        try:
+            names = {self.name_format.format(step=s) for s in (0, 1)}
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise InvalidArgumentError(
+                f"Checkpointer(name_format={self.name_format!r}) cannot format a step ({e!r}). "
+                f"{fix}"
+            ) from None
+        if len(names) != 2:
+            raise InvalidArgumentError(
+                f"Checkpointer(name_format={self.name_format!r}) gives every step the same name, "
+                f"so each save would replace the last. {fix}"
+            )
+        for n in names:
+            validate_name(n)
+
     def name(self, step: int) -> str:
         return self.name_format.format(step=step)
 
+    # ------------------------------------------------------------------------ ownership
+
+    def _owned_step(self, m: Manifest) -> int | None:
+        """The step of ``m`` if this checkpointer (its ``name_format``) wrote it, else None.
+
+        Ownership is the explicit marker, and the name must be the one ``name_format`` gives that
+        step: a marker copied onto another snapshot does not make it deletable."""
+        meta = m.metadata if isinstance(m.metadata, dict) else {}
+        mark = meta.get(OWNER_KEY)
+        if not isinstance(mark, dict) or mark.get("name_format") != self.name_format:
+            return None
+        step = mark.get("step")
+        if type(step) is not int or step < 0 or m.name != self.name(step):
+            return None
+        return step
+
+    def _legacy_step(self, m: Manifest) -> int | None:
+        """Snapshots from deltackpt versions before the marker: ``{"step": N}`` and this naming.
+        Only ever restored (when nothing marked exists), never deleted."""
+        meta = m.metadata if isinstance(m.metadata, dict) else {}
+        step = meta.get("step")
+        if OWNER_KEY in meta or type(step) is not int or step < 0 or m.name != self.name(step):
+            return None
+        return step
+
+    def _latest_own(self) -> tuple[Manifest, int] | None:
+        manifests = self.store.manifests()
+        for pick in (self._owned_step, self._legacy_step):
+            found = [(m, s) for m in manifests if (s := pick(m)) is not None]
+            if found:
+                return found[-1]  # manifests() is oldest first (by commit time)
+        return None
+
+    def _check_state(self, state: Any, what: str) -> None:
+        if not isinstance(state, dict):
+            raise InvalidArgumentError(
+                f"Checkpointer.{what}(state=...) needs a dict of names to values or stateful "
+                f"objects, got {type(state).__name__}"
+            )
+        if RNG_KEY in state:
+            raise InvalidArgumentError(
+                f"Checkpointer.{what}: the state has a key {RNG_KEY!r}, which the Checkpointer "
+                "reserves for the RNG state it saves. Rename that key (or, to handle RNG "
+                "yourself, pass Checkpointer(..., rng=False) and use another key)"
+            )
+
+    # ------------------------------------------------------------------------ restore
+
     def restore_latest(self, state: dict[str, Any]) -> int:
-        """Load the latest snapshot into ``state``; return the step to resume from (0 if none)."""
-        try:
-            info = self.store.info("latest")
-        except SnapshotNotFoundError:
+        """Load the newest snapshot this checkpointer wrote into ``state`` and restore the RNG
+        state saved with it; return the step to resume from (0 if there is none).
+
+        "Newest" is by commit time among the snapshots carrying this checkpointer's marker (same
+        ``name_format``): a snapshot saved later by other code (``save(..., "best")``) is not
+        restored. Snapshots of older deltackpt versions (``{"step": N}`` metadata and this
+        naming, no marker) are restored when no marked one exists. RNG state is put back last;
+        anything drawn between this call and the next training step shifts the random stream.
+        """
+        self._check_state(state, "restore_latest")
+        found = self._latest_own()
+        if found is None:
             return 0
-        loaded = load(self.store, info.name)
+        m, step = found
+        loaded = load(self.store, m.name)
+        rng_state = loaded.pop(RNG_KEY, None) if isinstance(loaded, dict) else None
+        # Validate the RNG state before anything changes; apply it after everything else.
+        apply_rng = _rng.prepare(rng_state, RNG_KEY) if self.rng and rng_state is not None else None
         restore_into(state, loaded)
-        step = info.metadata.get("step")
-        return int(step) + 1 if step is not None else 0
+        if apply_rng is not None:
+            apply_rng()
+        elif self.rng:
+            warnings.warn(
+                f"snapshot {m.name!r} holds no RNG state (saved with rng=False or by an older "
+                "deltackpt), so random draws after this resume differ from an uninterrupted run",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return step + 1
+
+    # ------------------------------------------------------------------------ save
 
     def maybe_save(
         self, step: int, state: dict[str, Any], *, force: bool = False
@@ -113,25 +257,51 @@ class Checkpointer:
         return self.save(step, state)
 
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
+        try:
+            index = operator.index(step)  # numpy ints too; metadata needs a plain int
+        except TypeError:
+            index = -1
+        if index < 0:
+            raise InvalidArgumentError(
+                f"Checkpointer.save(step={step!r}) is invalid: expected an int >= 0 (the "
+                "training step)"
+            )
+        step = index
         self._collect()
+        self._check_state(state, "save")
+        name = self.name(step)
+        self._refuse_foreign(name)
         sd = to_saveable(state)
-        meta = {"step": step}
+        if self.rng:  # captured now, with the state: the draws of step `step` are done
+            sd[RNG_KEY] = _rng.capture()
+        meta = {"step": step, OWNER_KEY: {"name_format": self.name_format, "step": step}}
         opts = dict(overwrite=True, **self.save_options)
         if self.async_:
             h = async_save(
-                sd,
-                self.store,
-                self.name(step),
-                metadata=meta,
-                after_commit=self._apply_retention,
-                **opts,
+                sd, self.store, name, metadata=meta, after_commit=self._apply_retention, **opts
             )
             h._observed = True  # the checkpointer reports its errors from the next call
             self._pending = h
             return h
-        self.infos.append(save(sd, self.store, self.name(step), metadata=meta, **opts))
+        self.infos.append(save(sd, self.store, name, metadata=meta, **opts))
         self._apply_retention()
         return None
+
+    def _refuse_foreign(self, name: str) -> None:
+        """Saves overwrite (a resumed run may redo a step), but only snapshots of their own."""
+        if not self.store.has(name):
+            return
+        try:
+            m = self.store.manifest(name)
+        except SnapshotNotFoundError:  # deleted meanwhile
+            return
+        if self._owned_step(m) is None:
+            raise SnapshotExistsError(
+                f"store {str(self.store.root)!r} has a snapshot {name!r} that this Checkpointer "
+                f"did not write (no {OWNER_KEY!r} marker for name_format "
+                f"{self.name_format!r}); it refuses to overwrite it. Rename or delete that "
+                "snapshot, or use another name_format"
+            )
 
     def _collect(self) -> None:
         """Finish the previous async save and raise its error, once."""
@@ -140,17 +310,27 @@ class Checkpointer:
             self.infos.append(h.result())
 
     def _apply_retention(self) -> None:
-        """Keep the newest ``keep_last`` snapshots of this checkpointer's naming (from this run and
-        earlier ones), every ``keep_every``-th step, and anything it did not write."""
+        """Delete this checkpointer's snapshots beyond the newest ``keep_last`` (and not on a
+        ``keep_every`` step), from this run and earlier ones; nothing else.
+
+        Deciding and deleting happen under the exclusive store lock: a save holds it shared from
+        planning to commit, so a snapshot another writer commits meanwhile is either seen (and
+        judged by its marker) or not yet there, never deleted unseen."""
         if self.keep_last is None:
             return
-        ours = [m for m in self.store.manifests() if "step" in m.metadata]
-        keep = {m.name for m in self.store.manifests() if "step" not in m.metadata}
-        keep |= {m.name for m in ours[-self.keep_last :]}
-        if self.keep_every:
-            keep |= {m.name for m in ours if (int(m.metadata["step"]) + 1) % self.keep_every == 0}
-        if len(keep) < len(ours) + len(keep - {m.name for m in ours}):
-            gc(self.store, keep=sorted(keep), keep_last=0, compact_below=0.0)
+        timeout = self.save_options.get("lock_timeout")
+        timeout = default_lock_timeout() if timeout is None else timeout
+        st = self.store
+        with store_lock(st.lock_path, exclusive=True, timeout=timeout, what="retention"):
+            ours = [(m.name, s) for m in st.manifests() if (s := self._owned_step(m)) is not None]
+            keep = {n for n, _ in ours[-self.keep_last :]}
+            if self.keep_every:
+                keep |= {n for n, s in ours if (s + 1) % self.keep_every == 0}
+            doomed = [n for n, _ in ours if n not in keep]
+            for n in doomed:
+                _delete(st, n)
+        if doomed:  # reclaim their space; deletes no snapshot (keep_last=None)
+            gc(st, keep_last=None, compact_below=0.0, lock_timeout=timeout)
 
     def wait(self) -> None:
         """Block until the pending save is committed (and raise its error, once)."""
@@ -164,3 +344,10 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _positive(name: str, value: Any, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(
+            f"Checkpointer({name}={value!r}) is invalid: expected an int >= 1. Pass e.g. {example}"
+        )

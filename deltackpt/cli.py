@@ -21,8 +21,8 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import sys
+import warnings
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -37,7 +37,7 @@ from rich.table import Table
 import deltackpt
 from deltackpt._dtypes import dtype_from_name
 from deltackpt._tree import _key_segment, unflatten
-from deltackpt.errors import DeltackptError
+from deltackpt.errors import DamagedSnapshotWarning, DeltackptError
 from deltackpt.manifest import Manifest, Slice, TensorEntry
 from deltackpt.store import PACK_ALIGN, Store
 
@@ -182,7 +182,16 @@ class _Bytes:
 
 
 def cmd_ls(args: argparse.Namespace, out: Console) -> int:
-    infos = deltackpt.snapshots(_open(args.store))
+    st = _open(args.store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DamagedSnapshotWarning)  # listed below instead
+        infos = deltackpt.snapshots(st)
+    damaged = st.damaged()
+    for d in damaged:
+        _console(stderr=True).print(
+            f"[yellow]damaged:[/] {escape(d.name)}: {escape(' '.join(d.reason.split()))}",
+            soft_wrap=True,
+        )
     if not infos:
         out.print(f"{escape(args.store)}: no committed snapshots")
         return 0
@@ -251,9 +260,6 @@ def cmd_show(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-_REASON = re.compile(r"is corrupt: (.*?)(?:\. Run `deltackpt verify`.*)?$", re.S)
-
-
 def cmd_verify(args: argparse.Namespace, out: Console) -> int:
     report = deltackpt.verify(_open(args.store), args.names or None)
     gbps = report.bytes_checked / report.seconds / 1e9 if report.seconds > 0 else 0.0
@@ -262,25 +268,31 @@ def cmd_verify(args: argparse.Namespace, out: Console) -> int:
         f"{report.chunks_checked} chunks, {human_bytes(report.bytes_checked)} in "
         f"{report.seconds:.2f} s ({gbps:.2f} GB/s)"
     )
+    if report.undigested:
+        names = ", ".join(report.undigested[:5]) + (" …" if len(report.undigested) > 5 else "")
+        out.print(
+            f"[yellow]note:[/] {len(report.undigested)} snapshot(s) written by an older "
+            f"deltackpt have no manifest digest (damage to their manifests cannot be detected): "
+            f"{escape(names)}"
+        )
     if report.ok:
         out.print(f"[green]OK[/] {what}")
         return 0
     t = Table(title=f"{len(report.problems)} problem(s)", title_justify="left")
-    t.add_column("snapshot", overflow="fold")
-    t.add_column("key", overflow="fold")
+    t.add_column("snapshots", overflow="fold")
+    t.add_column("keys", overflow="fold")
     t.add_column("chunk", overflow="fold")
     t.add_column("reason", overflow="fold")
     for p in report.problems:
-        match = _REASON.search(p.reason)
+        keys = ", ".join(p.keys[:3]) + (f" (+{len(p.keys) - 3})" if len(p.keys) > 3 else "")
         t.add_row(
-            escape(p.snapshot),
-            escape(p.key),
-            p.chunk,
-            escape(match.group(1) if match else p.reason),
+            escape(", ".join(p.snapshots)),
+            escape(keys),
+            p.chunk or "-",
+            escape(" ".join(p.reason.split())),
         )
     out.print(t)
-    damaged = len({p.snapshot for p in report.problems})
-    out.print(f"[red]FAILED[/] {damaged} damaged snapshot(s); checked {what}")
+    out.print(f"[red]FAILED[/] {len(report.damaged)} damaged snapshot(s); checked {what}")
     return 1
 
 
@@ -390,7 +402,7 @@ def cmd_du(args: argparse.Namespace, out: Console) -> int:
             human_bytes(shared),
             human_bytes(ref - shared),
         )
-    packs = list(st.packs_dir.glob("*.pack")) if st.packs_dir.exists() else []
+    packs = _pack_files(st)
     physical = sum(_size(p) for p in packs)
     live = sum(stored.values())
     t.add_section()
@@ -405,9 +417,21 @@ def cmd_du(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def _pack_files(st: Store) -> list[Path]:
+    """Pack files of the store: regular files only (a symlink is never followed)."""
+    try:
+        return [
+            Path(e.path)
+            for e in os.scandir(st.packs_dir)
+            if e.name.endswith(".pack") and e.is_file(follow_symlinks=False)
+        ]
+    except FileNotFoundError:
+        return []
+
+
 def _size(p: Path) -> int:
     try:
-        return p.stat().st_size
+        return p.lstat().st_size
     except FileNotFoundError:  # removed by a concurrent gc
         return 0
 
@@ -415,78 +439,35 @@ def _size(p: Path) -> int:
 def cmd_gc(args: argparse.Namespace, out: Console) -> int:
     st = _open(args.store)
     keep = [n for group in args.keep or [] for n in group]
-    have = set(st.names())
-    for n in keep:
-        if n not in have:
-            _console(stderr=True).print(
-                f"[yellow]warning:[/] --keep {escape(n)!r}: no such snapshot", highlight=False
-            )
-    if args.dry_run:
-        return _gc_dry_run(st, args.keep_last, keep, out)
-    r = deltackpt.gc(st, keep_last=args.keep_last, keep=keep)
-    t = Table(title="gc", title_justify="left", show_header=False)
+    busy = args.dry_run and _save_in_flight(st)
+    r = deltackpt.gc(st, keep_last=args.keep_last, keep=keep, dry_run=args.dry_run)
+    verb = "to delete" if r.dry_run else "deleted"
+    title = "gc --dry-run (nothing deleted)" if r.dry_run else "gc"
+    t = Table(title=title, title_justify="left", show_header=False)
     t.add_column("what")
     t.add_column("value", overflow="fold")
     t.add_row(
-        "snapshots deleted",
+        f"snapshots {verb}",
         f"{len(r.deleted)}" + (f": {', '.join(r.deleted)}" if r.deleted else ""),
     )
-    t.add_row("packs removed", str(r.packs_removed))
-    t.add_row("packs compacted", str(r.packs_compacted))
-    t.add_row("bytes freed", human_bytes(r.bytes_freed))
-    t.add_row("leftovers removed", str(r.leftovers_removed))
-    t.add_row("seconds", f"{r.seconds:.3f}")
+    t.add_row("packs to remove" if r.dry_run else "packs removed", str(r.packs_removed))
+    t.add_row("packs to compact" if r.dry_run else "packs compacted", str(r.packs_compacted))
+    t.add_row("bytes to free (about)" if r.dry_run else "bytes freed", human_bytes(r.bytes_freed))
+    t.add_row("leftovers to remove" if r.dry_run else "leftovers removed", str(r.leftovers_removed))
+    if not r.dry_run:
+        t.add_row("seconds", f"{r.seconds:.3f}")
     out.print(t)
-    return 0
-
-
-def _gc_dry_run(st: Store, keep_last: int | None, keep: list[str], out: Console) -> int:
-    """What gc would do, computed without writing anything (same rules as deltackpt.gc)."""
-    busy = _save_in_flight(st)
-    manifests = st.manifests()
-    doomed: list[str] = []
-    if keep_last is not None:
-        keep_set = set(keep) | ({m.name for m in manifests[-keep_last:]} if keep_last else set())
-        doomed = [m.name for m in manifests if m.name not in keep_set]
-    live: dict[str, dict[str, int]] = {}
-    for m in manifests:
-        if m.name in doomed:
-            continue
-        for d, r in m.chunks.items():
-            live.setdefault(r.pack, {})[d] = r.length
-    remove = compact = 0
-    freed = 0
-    for p in sorted(st.packs_dir.glob("*.pack")):
-        size = _size(p)
-        chunks = live.get(p.stem)
-        if not chunks:
-            remove += 1
-            freed += size
-        else:
-            # what a rewrite would occupy: header plus aligned payloads (as deltackpt.gc)
-            new = PACK_ALIGN + sum(-(-n // PACK_ALIGN) * PACK_ALIGN for n in chunks.values())
-            if new < 0.75 * size:
-                compact += 1
-                freed += size - new
-    leftovers = len(list(st.tmp_dir.iterdir())) if st.tmp_dir.exists() else 0
-    if st.snapshots_dir.exists():
-        leftovers += sum(
-            1
-            for d in st.snapshots_dir.iterdir()
-            if d.is_dir() and not (d / "MANIFEST.json").exists()
+    if r.damaged:
+        out.print(
+            f"[yellow]note:[/] {len(r.damaged)} damaged snapshot(s) ({escape(', '.join(r.damaged[:5]))}): "
+            "no pack data was collected, since they may need any of it. Run `deltackpt verify`, "
+            "then delete or repair them"
         )
-    t = Table(title="gc --dry-run (nothing deleted)", title_justify="left", show_header=False)
-    t.add_column("what")
-    t.add_column("value", overflow="fold")
-    t.add_row(
-        "snapshots to delete", f"{len(doomed)}" + (f": {', '.join(doomed)}" if doomed else "")
-    )
-    t.add_row("snapshots kept", str(len(manifests) - len(doomed)))
-    t.add_row("packs to remove", str(remove))
-    t.add_row("packs to compact", str(compact))
-    t.add_row("bytes to free (about)", human_bytes(freed))
-    t.add_row("leftovers to remove", str(leftovers))
-    out.print(t)
+    if r.refused:
+        out.print(
+            f"[yellow]note:[/] left alone (not written by deltackpt): "
+            f"{escape(', '.join(r.refused[:10]))}"
+        )
     if busy:
         out.print(
             "[yellow]note:[/] a save is in flight: its new packs and temp files count as garbage "

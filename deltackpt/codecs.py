@@ -33,7 +33,7 @@ from typing import TypeAlias
 import numpy as np
 import zstandard
 
-from deltackpt.errors import CodecError
+from deltackpt.errors import CodecError, InvalidArgumentError
 
 RAW = "raw"
 ZSTD = "zstd"
@@ -70,6 +70,7 @@ class EncodePolicy:
     zstd_min_gain: float = 0.5
 
     def __post_init__(self) -> None:
+        self._check_types()
         unknown = [c for c in self.codecs if c not in CODECS]
         if not self.codecs or unknown:
             raise CodecError(
@@ -84,8 +85,40 @@ class EncodePolicy:
             raise CodecError(f"EncodePolicy.level={self.level!r}: zstd levels are integers <= 22")
         if not self.min_gain > 0:
             raise CodecError(f"EncodePolicy.min_gain={self.min_gain!r} must be > 0 (e.g. 0.9)")
+        if not self.zstd_min_gain > 0:
+            raise CodecError(
+                f"EncodePolicy.zstd_min_gain={self.zstd_min_gain!r} must be > 0 (e.g. 0.5)"
+            )
         if self.probe_bytes < 0:
             raise CodecError(f"EncodePolicy.probe_bytes={self.probe_bytes!r} must be >= 0")
+
+    def _check_types(self) -> None:
+        """Wrong types raise InvalidArgumentError (a TypeError too); a bare string for
+        ``codecs`` would otherwise be read as its letters."""
+
+        def bad(name: str, expected: str, example: str) -> InvalidArgumentError:
+            value = getattr(self, name)
+            return InvalidArgumentError(
+                f"EncodePolicy.{name}={value!r} is invalid: expected {expected}, got "
+                f"{type(value).__name__}. Pass e.g. EncodePolicy({name}={example})"
+            )
+
+        if not isinstance(self.codecs, (tuple, list)) or not all(
+            isinstance(c, str) for c in self.codecs
+        ):
+            raise bad("codecs", f"a tuple of codec names from {CODECS!r}", "(RAW, ZSTD)")
+        if isinstance(self.codecs, list):  # frozen: normalise so the policy stays hashable
+            object.__setattr__(self, "codecs", tuple(self.codecs))
+        if self.force is not None and not isinstance(self.force, str):
+            raise bad("force", f"None or one of {CODECS!r}", "ZSTD")
+        if not isinstance(self.level, int) or isinstance(self.level, bool):
+            raise bad("level", "an int zstd level <= 22", "3")
+        for name in ("min_gain", "zstd_min_gain"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise bad(name, "a number > 0 (encoded size / raw size to beat)", "0.9")
+        if not isinstance(self.probe_bytes, int) or isinstance(self.probe_bytes, bool):
+            raise bad("probe_bytes", "an int number of bytes >= 0", "64 << 10")
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,40 @@ class StoreFormatError(StoreError, ValueError):
     """STORE.json or a manifest does not follow the format this version reads."""
 
 
+class ManifestError(StoreFormatError):
+    """A snapshot's manifest is damaged or malformed: bad JSON, a wrong digest, or a field that
+    fails validation (an index out of range, slices that do not add up, an unknown dtype...).
+    ``snapshot`` and ``field`` name what was wrong when known."""
+
+    def __init__(self, message: str, *, snapshot: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.snapshot = snapshot
+        self.field = field
+
+
+class UnsafePathError(StoreFormatError):
+    """A path built from stored data would leave the store, or goes through a symlink the store
+    did not create. deltackpt refuses it instead of following it."""
+
+
+class UnsupportedURLError(StoreError, ValueError):
+    """The store location is a URL whose scheme this deltackpt cannot open."""
+
+
+class StoreIOError(StoreError, OSError):
+    """An operating-system error (disk full, permission denied, I/O error) while using a store.
+
+    ``errno`` is kept from the cause, and the message says what is still intact (committed
+    snapshots are never touched by a failed save)."""
+
+
 class StoreLockedError(StoreError, TimeoutError):
     """The store lock could not be taken in time (a gc or a save holds it)."""
+
+
+class InvalidArgumentError(DeltackptError, ValueError, TypeError):
+    """An argument or option has a wrong type or value. Derives from both ``ValueError`` and
+    ``TypeError`` so either ``except`` clause catches it."""
 
 
 class InvalidNameError(DeltackptError, ValueError):
@@ -70,3 +102,11 @@ class DistributedError(DeltackptError, RuntimeError):
 
 class SyncError(DeltackptError, RuntimeError):
     """A weight-sync round failed; the receiver keeps its last committed version."""
+
+
+class InsufficientMemoryError(DeltackptError, MemoryError):
+    """A load would need more memory than this machine has; nothing was allocated."""
+
+
+class DamagedSnapshotWarning(UserWarning):
+    """Listing a store skipped committed snapshots whose manifests are damaged or unsafe."""

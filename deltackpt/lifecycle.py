@@ -12,36 +12,57 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from deltackpt._fsutil import fsync_dir, store_lock
 from deltackpt._read import ChunkReader
-from deltackpt.errors import CorruptChunkError, SnapshotNotFoundError
-from deltackpt.manifest import ChunkRecord, Manifest
+from deltackpt.errors import (
+    CorruptChunkError,
+    DamagedSnapshotWarning,
+    InvalidArgumentError,
+    ManifestError,
+    SnapshotNotFoundError,
+    StoreIOError,
+    UnsafePathError,
+)
+from deltackpt.manifest import PACK_ID_RE, ChunkRecord, Manifest
 from deltackpt.options import default_lock_timeout, default_threads
 from deltackpt.pack import PackReaders, PackWriter
-from deltackpt.store import LATEST, PACK_ALIGN, SnapshotInfo, Store, open_store
+from deltackpt.store import LATEST, PACK_ALIGN, SnapshotInfo, Store, check_dir, open_store
 
 
 def snapshots(store: str | os.PathLike[str] | Store) -> list[SnapshotInfo]:
     """Committed snapshots of ``store``, oldest first.
 
+    A snapshot whose manifest is damaged or unsafe is skipped with a
+    :class:`~deltackpt.errors.DamagedSnapshotWarning` naming it; ``deltackpt verify`` reports it.
+
     >>> [s.name for s in deltackpt.snapshots("ckpts")]   # doctest: +SKIP
     """
     st = open_store(store, create=False)
-    out = []
-    for m in st.manifests():
-        with contextlib.suppress(FileNotFoundError):
-            out.append(SnapshotInfo.from_manifest(m, st.manifest_path(m.name).stat().st_size))
-    return out
+    good, bad = st.scan()
+    if bad:
+        warnings.warn(
+            f"store {str(st.root)!r}: skipped {len(bad)} damaged snapshot(s): "
+            + "; ".join(f"{d.name}: {d.reason}" for d in bad[:3])
+            + ". Run `deltackpt verify` for the details",
+            DamagedSnapshotWarning,
+            stacklevel=2,
+        )
+    return [SnapshotInfo.from_manifest(m, st.manifest_size(m.name)) for m in good]
 
 
 def delete(store: str | os.PathLike[str] | Store, name: str) -> None:
-    """Un-commit snapshot ``name`` (atomically); its unshared bytes are freed by the next gc."""
+    """Un-commit snapshot ``name`` (atomically); its unshared bytes are freed by the next gc.
+
+    A damaged snapshot can be deleted too: its manifest is not read."""
     st = open_store(store, create=False)
     if name == LATEST:
         raise SnapshotNotFoundError("delete() needs an explicit snapshot name, not 'latest'")
@@ -52,11 +73,9 @@ def delete(store: str | os.PathLike[str] | Store, name: str) -> None:
 
 
 def _delete(st: Store, name: str) -> None:
-    st.manifest(name)  # raises a clear error when it does not exist
-    path = st.manifest_path(name)
-    os.unlink(path)
-    fsync_dir(path.parent)
-    shutil.rmtree(path.parent, ignore_errors=True)
+    if not st.has(name):
+        st.manifest(name)  # raises SnapshotNotFoundError naming what the store has
+    st.remove_snapshot(name)
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,87 @@ class GcReport:
     bytes_freed: int = 0
     leftovers_removed: int = 0  # tmp files and dirs of crashed saves
     seconds: float = 0.0
+    # snapshots whose manifests could not be read: while there are any, no pack is collected
+    # (their chunks are unknown), so nothing they might need is ever deleted
+    damaged: list[str] = field(default_factory=list)
+    # entries gc left alone because they are not what a save writes (symlinks, odd names)
+    refused: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+
+@dataclass
+class _GcPlan:
+    doomed: list[str]
+    manifests: list[Manifest]  # the ones that stay
+    damaged: list[str]
+    refused: list[str]
+    leftovers: list[tuple[str, str]]  # (directory: "tmp" or "snapshots", entry name)
+    remove: list[tuple[str, int]]  # (pack id, size)
+    compact: list[tuple[str, int, int]]  # (pack id, size, size after the rewrite)
+    live: dict[str, dict[str, ChunkRecord]]  # pack -> digest -> record
+
+
+def _check_gc_args(
+    keep_last: Any, keep: Any, compact_below: Any, lock_timeout: Any, dry_run: Any
+) -> None:
+    """gc's argument checks, before it touches the store (a bad value must delete nothing)."""
+
+    def real(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not nan
+
+    if keep_last is not None and (
+        not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0
+    ):
+        raise InvalidArgumentError(
+            f"gc(keep_last={keep_last!r}) is invalid: expected None or an int >= 0, got "
+            f"{type(keep_last).__name__} {keep_last!r}. Pass e.g. keep_last=3 (0 deletes every "
+            "snapshot not in keep; None deletes none and only collects garbage)"
+        )
+    if isinstance(keep, (str, bytes)):
+        raise InvalidArgumentError(
+            f"gc(keep={keep!r}) is a single string; expected a list of snapshot names (a string "
+            f"would be read letter by letter). Pass keep=[{keep!r}]"
+        )
+    if keep is not None and (
+        not isinstance(keep, (list, tuple, set, frozenset))
+        or not all(isinstance(n, str) for n in keep)
+    ):
+        raise InvalidArgumentError(
+            f"gc(keep={keep!r:.80}) is invalid: expected a list, tuple or set of snapshot names "
+            f"(str), got {type(keep).__name__}. Pass e.g. keep=['best', 'step-100']"
+        )
+    if not real(compact_below) or not 0 <= compact_below <= 1:
+        raise InvalidArgumentError(
+            f"gc(compact_below={compact_below!r}) is invalid: expected a number in [0, 1] (the "
+            "live fraction below which a pack is rewritten), got "
+            f"{type(compact_below).__name__} {compact_below!r}. Pass e.g. compact_below=0.75, "
+            "or 0 to never compact"
+        )
+    if lock_timeout is not None and (not real(lock_timeout) or lock_timeout < 0):
+        raise InvalidArgumentError(
+            f"gc(lock_timeout={lock_timeout!r}) is invalid: expected None or a number of "
+            f"seconds >= 0, got {type(lock_timeout).__name__} {lock_timeout!r}. Pass e.g. "
+            "lock_timeout=600, or 0 to fail at once when a save is in flight"
+        )
+    if not isinstance(dry_run, bool):
+        raise InvalidArgumentError(
+            f"gc(dry_run={dry_run!r}) is invalid: expected True or False, got "
+            f"{type(dry_run).__name__}"
+        )
+
+
+def _check_keep_exists(st: Store, keep: Any) -> None:
+    """A name in ``keep`` the store lacks is most likely a typo: refuse to run rather than
+    delete the snapshot the caller meant to keep."""
+    missing = sorted(n for n in (keep or ()) if not st.has(n))  # has() refuses invalid names
+    if missing:
+        have = st.names()
+        raise SnapshotNotFoundError(
+            f"gc(keep={missing!r}): store {str(st.root)!r} has no committed snapshot named "
+            f"{', '.join(repr(n) for n in missing)}; it has "
+            f"{have[-5:] if have else 'none'}{' (last 5)' if len(have) > 5 else ''}. gc deleted "
+            "nothing: fix the name (see `deltackpt ls`) or drop it from keep"
+        )
 
 
 def gc(
@@ -76,6 +176,7 @@ def gc(
     *,
     compact_below: float = 0.75,
     lock_timeout: float | None = None,
+    dry_run: bool = False,
 ) -> GcReport:
     """Apply retention, then delete pack data no committed snapshot references.
 
@@ -84,61 +185,127 @@ def gc(
     ``compact_below`` of its size is rewritten with only its live chunks (the manifests that point
     into it are rewritten atomically), so the space of dead chunks really comes back.
 
+    gc only ever removes what a save writes: symlinks and foreign entries in the store are left
+    alone and listed in ``GcReport.refused``; while any manifest is damaged no pack is removed
+    (``GcReport.damaged``). ``dry_run=True`` reports what gc would do and changes nothing (it
+    takes no lock, so a save in flight shows its new packs as garbage).
+
+    Arguments are checked before anything is deleted: ``keep_last`` is None or an int >= 0,
+    ``keep`` a list/tuple/set of snapshot names (a bare string is refused: ``keep=["s1"]``),
+    ``compact_below`` in [0, 1], ``lock_timeout`` >= 0 (InvalidArgumentError). A name in ``keep``
+    that the store does not have raises SnapshotNotFoundError and deletes nothing: a typo there
+    must not delete the snapshot that was meant to be kept.
+
     >>> deltackpt.gc("ckpts", keep_last=3)        # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    _check_gc_args(keep_last, keep, compact_below, lock_timeout, dry_run)
     st = open_store(store, create=False)
-    if keep_last is not None and keep_last < 0:
-        raise ValueError(f"keep_last must be >= 0 or None, got {keep_last}")
+    _check_keep_exists(st, keep)
+    if dry_run:
+        plan = _plan_gc(st, keep_last, keep, compact_below)
+        return _report(plan, t0, dry_run=True)
     timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
     with store_lock(st.lock_path, exclusive=True, timeout=timeout, what="gc"):
-        deleted: list[str] = []
-        manifests = st.manifests()
-        if keep_last is not None:
-            keep_set = (
-                set(keep) | {m.name for m in manifests[max(0, len(manifests) - keep_last) :]}
-                if keep_last
-                else set(keep)
-            )
-            for m in manifests:
-                if m.name not in keep_set:
-                    _delete(st, m.name)  # we hold the lock exclusively
-                    deleted.append(m.name)
-            manifests = st.manifests()
-        leftovers = _sweep_leftovers(st)
-        removed, compacted, freed = _collect_packs(st, manifests, compact_below)
-    return GcReport(deleted, removed, compacted, freed, leftovers, time.perf_counter() - t0)
+        plan = _plan_gc(st, keep_last, keep, compact_below)
+        for name in plan.doomed:
+            _delete(st, name)  # we hold the lock exclusively
+        _sweep_leftovers(st, plan.leftovers)
+        compacted: list[tuple[str, int, int]] = []
+        for pack, size, _ in plan.compact:
+            new_size = _compact(st, pack, plan.live[pack], plan.manifests)
+            if new_size is not None:  # None: damaged, left as it is for verify to report
+                compacted.append((pack, size, new_size))
+        for pack, _ in plan.remove:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(st.pack_path(pack))
+        if plan.remove or compacted:
+            fsync_dir(st.packs_dir)
+        plan.compact = compacted
+    return _report(plan, t0, dry_run=False)
 
 
-def _sweep_leftovers(st: Store) -> int:
-    n = 0
-    for p in list(st.tmp_dir.iterdir()) if st.tmp_dir.exists() else []:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-            n += 1
-    for d in list(st.snapshots_dir.iterdir()) if st.snapshots_dir.exists() else []:
-        if d.is_dir() and not (d / "MANIFEST.json").exists():
-            shutil.rmtree(d, ignore_errors=True)
-            n += 1
-    return n
+def _report(plan: _GcPlan, t0: float, dry_run: bool) -> GcReport:
+    freed = sum(n for _, n in plan.remove) + sum(a - b for _, a, b in plan.compact)
+    return GcReport(
+        deleted=plan.doomed,
+        packs_removed=len(plan.remove),
+        packs_compacted=len(plan.compact),
+        bytes_freed=freed,
+        leftovers_removed=len(plan.leftovers),
+        seconds=time.perf_counter() - t0,
+        damaged=plan.damaged,
+        refused=plan.refused,
+        dry_run=dry_run,
+    )
 
 
-def _collect_packs(
-    st: Store, manifests: list[Manifest], compact_below: float
-) -> tuple[int, int, int]:
-    live: dict[str, dict[str, ChunkRecord]] = {}  # pack -> digest -> record
+def _plan_gc(st: Store, keep_last: int | None, keep: Any, compact_below: float) -> _GcPlan:
+    """What gc does, decided without changing anything (shared by gc and its dry run)."""
+    manifests, damaged = st.scan()
+    refused = [f"snapshots/{d.name}" for d in damaged if "symlink" in d.reason]
+    doomed: list[str] = []
+    if keep_last is not None:
+        newest = (
+            {m.name for m in manifests[max(0, len(manifests) - keep_last) :]}
+            if keep_last
+            else set()
+        )
+        keep_set = set(keep) | newest
+        doomed = [m.name for m in manifests if m.name not in keep_set]
+        manifests = [m for m in manifests if m.name not in doomed]
+    leftovers: list[tuple[str, str]] = []
+    for sub in ("tmp", "snapshots"):
+        d = st.root / sub
+        try:
+            check_dir(d)
+            entries = list(os.scandir(d))
+        except FileNotFoundError:
+            continue
+        except UnsafePathError:
+            refused.append(sub)
+            continue
+        for e in entries:
+            if sub == "tmp":
+                leftovers.append((sub, e.name))  # ours entirely; links are unlinked, not followed
+            elif e.is_symlink():
+                if f"snapshots/{e.name}" not in refused:
+                    refused.append(f"snapshots/{e.name}")
+            elif e.is_dir(follow_symlinks=False) and not os.path.lexists(
+                os.path.join(e.path, "MANIFEST.json")
+            ):
+                leftovers.append((sub, e.name))
+    live: dict[str, dict[str, ChunkRecord]] = {}
     for m in manifests:
-        for d, rec in m.chunks.items():
-            live.setdefault(rec.pack, {})[d] = rec
-    removed = compacted = freed = 0
-    for path in sorted(st.packs_dir.glob("*.pack")):
-        pack = path.stem
-        size = path.stat().st_size
+        for dg, rec in m.chunks.items():
+            live.setdefault(rec.pack, {})[dg] = rec
+    remove: list[tuple[str, int]] = []
+    compact: list[tuple[str, int, int]] = []
+    try:
+        check_dir(st.packs_dir)
+        packs = sorted(os.scandir(st.packs_dir), key=lambda e: e.name)
+    except FileNotFoundError:
+        packs = []
+    except UnsafePathError:
+        refused.append("packs")
+        packs = []
+    for e in packs:
+        pack = e.name.removesuffix(".pack")
+        if not e.name.endswith(".pack") or not PACK_ID_RE.match(pack) or e.is_symlink():
+            refused.append(f"packs/{e.name}")
+            continue
+        if not e.is_file(follow_symlinks=False):
+            refused.append(f"packs/{e.name}")
+            continue
+        try:
+            size = e.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+        if damaged:
+            continue  # a damaged manifest may need any pack: collect nothing
         chunks = live.get(pack)
         if not chunks:
-            path.unlink()
-            removed += 1
-            freed += size
+            remove.append((pack, size))
             continue
         # What a rewrite would occupy (header, aligned payloads): raw lengths would make a
         # fully live pack of small chunks look mostly dead and be rewritten on every gc.
@@ -146,14 +313,45 @@ def _collect_packs(
             -(-r.length // PACK_ALIGN) * PACK_ALIGN for r in chunks.values()
         )
         if live_bytes < compact_below * size:
-            new_size = _compact(st, pack, chunks, manifests)
-            if new_size is None:  # damaged: left as it is, for verify to report
-                continue
-            compacted += 1
-            freed += size - new_size
-    if removed or compacted:
-        fsync_dir(st.packs_dir)
-    return removed, compacted, freed
+            compact.append((pack, size, live_bytes))
+    return _GcPlan(
+        doomed, manifests, [d.name for d in damaged], refused, leftovers, remove, compact, live
+    )
+
+
+def _sweep_leftovers(st: Store, leftovers: list[tuple[str, str]]) -> None:
+    """Remove crashed saves' files, relative to directory descriptors, never following links."""
+    for sub in ("tmp", "snapshots"):
+        names = [n for s_, n in leftovers if s_ == sub]
+        if not names:
+            continue
+        dfd = os.open(st.root / sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISDIR(os.lstat(name, dir_fd=dfd).st_mode):
+                        if sub == "snapshots" and _has_manifest(dfd, name):
+                            continue  # committed since the plan was made
+                        shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)
+                    else:
+                        os.unlink(name, dir_fd=dfd)  # a file or a link: the entry itself
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def _has_manifest(dfd: int, name: str) -> bool:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError:
+        return False
+    try:
+        os.lstat("MANIFEST.json", dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _compact(
@@ -194,23 +392,36 @@ def _rewrite_manifest(st: Store, m: Manifest) -> None:
 
 @dataclass(frozen=True)
 class VerifyProblem:
-    snapshot: str
-    key: str
+    """One damaged thing, reported once, with every snapshot (and tensor key) it affects.
+
+    ``chunk`` is the damaged chunk's digest, or ``""`` when the snapshot's manifest itself is
+    damaged (then ``keys`` is ``("<manifest>",)``)."""
+
     chunk: str
     reason: str
+    snapshots: tuple[str, ...]
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class VerifyReport:
-    snapshots: list[str]
+    snapshots: list[str]  # the snapshots whose chunks were checked (readable manifests)
     chunks_checked: int
     bytes_checked: int
     problems: list[VerifyProblem]
     seconds: float
+    # readable snapshots written before manifests had a digest (format version 1): their
+    # manifests are validated but damage to them cannot be detected
+    undigested: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def damaged(self) -> list[str]:
+        """Every snapshot some problem affects, sorted."""
+        return sorted({s for p in self.problems for s in p.snapshots})
 
     def __bool__(self) -> bool:
         return self.ok
@@ -222,84 +433,99 @@ def verify(
     *,
     threads: int | None = None,
 ) -> VerifyReport:
-    """Re-read and re-hash every chunk of every (or the named) snapshot. Never raises on damage:
-    the report lists each problem with the snapshot, tensor key and chunk.
+    """Re-read and re-hash every chunk of every (or the named) snapshot, and check every
+    manifest. Never raises on damage: the report lists each problem once, with the snapshots and
+    tensor keys it affects. (An unknown name in ``names`` is a mistake, not damage, and raises
+    :class:`SnapshotNotFoundError`.)
 
     >>> report = deltackpt.verify("ckpts"); report.ok     # doctest: +SKIP
     """
     t0 = time.perf_counter()
     st = open_store(store, create=False)
-    ms = [st.manifest(n) for n in names] if names else st.manifests()
-    users: dict[str, list[tuple[str, str]]] = {}  # digest -> [(snapshot, key)]
-    records: dict[str, ChunkRecord] = {}
+    problems: list[VerifyProblem] = []
+    if names:
+        ms = []
+        for n in names:
+            try:
+                ms.append(st.manifest(n))
+            except (ManifestError, UnsafePathError, StoreIOError) as e:
+                problems.append(VerifyProblem("", str(e), (n,), ("<manifest>",)))
+    else:
+        ms, damaged = st.scan()
+        problems += [VerifyProblem("", d.reason, (d.name,), ("<manifest>",)) for d in damaged]
+    # A node is a chunk *at a place*: (digest, record). Manifests normally agree on where a
+    # chunk lives; when two do not (a hostile manifest, or one gc has not repointed yet), each
+    # place is checked and blamed on its own snapshots.
+    Node = tuple[str, ChunkRecord]
+    users: dict[Node, list[tuple[str, str]]] = {}  # node -> [(snapshot, key)]
     for m in ms:
         for e in m.tensors:
             for d, _, _ in e.all_slices():
-                users.setdefault(d, []).append((m.name, e.path))
+                users.setdefault((d, m.chunks[d]), []).append((m.name, e.path))
         for _, data in m.storages:
             for d, _, _ in data:
-                users.setdefault(d, []).append((m.name, "<shared storage>"))
+                users.setdefault((d, m.chunks[d]), []).append((m.name, "<shared storage>"))
         for d, r in m.chunks.items():
-            records[d] = r
-            if not any(snap == m.name for snap, _ in users.get(d, ())):
-                users.setdefault(d, []).append((m.name, "<delta base>"))
-    problems: list[VerifyProblem] = []
-    checked = nbytes = 0
+            if not any(snap == m.name for snap, _ in users.get((d, r), ())):
+                users.setdefault((d, r), []).append((m.name, "<delta base>"))
     # Decode every xor chain once, keyframe first, handing each chunk's raw bytes to its deltas:
     # decoding each chunk from scratch would redo its whole chain (K times the work).
-    children: dict[str, list[str]] = {}
-    roots = []
-    for d, rec in records.items():
-        if rec.base is not None and rec.base in records:
-            children.setdefault(rec.base, []).append(d)
-        else:
-            roots.append(d)
+    children: dict[Node, set[Node]] = {}
+    roots: set[Node] = set()
+    for m in ms:
+        for d, r in m.chunks.items():
+            if r.base is None:
+                roots.add((d, r))
+            else:  # validated: the base is in the same manifest
+                children.setdefault((r.base, m.chunks[r.base]), set()).add((d, r))
     with PackReaders(st.packs_dir) as packs:
-        reader = ChunkReader(packs, records, verify=True)
 
-        def tree(root: str) -> list[tuple[str, int, str | None]]:
-            out: list[tuple[str, int, str | None]] = []
-            stack: list[tuple[str, np.ndarray | None]] = [(root, None)]
+        def walk(root: Node) -> list[tuple[Node, str | None]]:
+            out: list[tuple[Node, str | None]] = []
+            stack: list[tuple[Node, np.ndarray | None]] = [(root, None)]
             while stack:
-                d, base_raw = stack.pop()
-                rec = records[d]
+                node, base_raw = stack.pop()
+                d, rec = node
                 raw = np.empty(rec.size, dtype=np.uint8)
                 try:
-                    reader.decode_into(d, raw, "verify", base_raw=base_raw)
+                    ChunkReader(packs, {d: rec}, verify=True).decode_into(
+                        d, raw, "verify", base_raw=base_raw
+                    )
                 except CorruptChunkError as e:
-                    out.append((d, rec.size, str(e)))
-                    todo = list(children.get(d, ()))
+                    out.append((node, str(e)))
+                    todo = list(children.get(node, ()))
                     while todo:  # deltas of a corrupt chunk cannot be checked: report them too
                         c = todo.pop()
-                        out.append(
-                            (c, records[c].size, f"chunk {c}: its xor base chain is corrupt ({d})")
-                        )
+                        out.append((c, f"chunk {c[0]}: its xor base chain is corrupt ({d})"))
                         todo.extend(children.get(c, ()))
                     continue
-                out.append((d, rec.size, None))
-                stack.extend((c, raw) for c in children.get(d, ()))
+                out.append((node, None))
+                stack.extend((c, raw) for c in children.get(node, ()))
             return out
 
+        order = sorted(roots, key=lambda n: (n[0], n[1].pack, n[1].offset))
         with ThreadPoolExecutor(threads or default_threads()) as pool:
-            walked = list(pool.map(tree, sorted(roots)))
-        seen = {d for results in walked for d, _, _ in results}
-        # A damaged manifest can make bases loop: such chunks hang off no keyframe.
-        walked.append(
-            [
-                (
-                    d,
-                    records[d].size,
-                    f"chunk {d}: its xor base chain never reaches a "
-                    "keyframe (a cycle in the manifest)",
-                )
-                for d in sorted(set(records) - seen)
-            ]
-        )
+            walked = list(pool.map(walk, order))
+    checked = nbytes = 0
     for results in walked:
-        for d, size, err in results:
+        for node, err in results:
             checked += 1
-            nbytes += size
+            nbytes += node[1].size
             if err is not None:
-                for snap, key in dict.fromkeys(users[d]):
-                    problems.append(VerifyProblem(snap, key, d, err))
-    return VerifyReport([m.name for m in ms], checked, nbytes, problems, time.perf_counter() - t0)
+                who = list(dict.fromkeys(users[node]))
+                problems.append(
+                    VerifyProblem(
+                        node[0],
+                        err,
+                        tuple(sorted({snap for snap, _ in who})),
+                        tuple(dict.fromkeys(key for _, key in who)),
+                    )
+                )
+    return VerifyReport(
+        [m.name for m in ms],
+        checked,
+        nbytes,
+        problems,
+        time.perf_counter() - t0,
+        [m.name for m in ms if not m.has_digest],
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,8 +15,13 @@ from deltackpt._dtensor import is_dtensor, local_box, local_tensor
 from deltackpt._dtypes import dtype_from_name
 from deltackpt._read import ChunkReader, ChunkTargets
 from deltackpt._reshard import PieceRead, finish_box_reads, plan_box_reads
-from deltackpt._tree import Node, flatten, tensor_paths, unflatten
-from deltackpt.errors import CorruptChunkError, DistributedError, StateMismatchError
+from deltackpt._tree import Node, _key_segment, flatten, tensor_paths, unflatten
+from deltackpt.errors import (
+    CorruptChunkError,
+    DistributedError,
+    InsufficientMemoryError,
+    StateMismatchError,
+)
 from deltackpt.manifest import Manifest, Slice, TensorEntry
 from deltackpt.options import LoadOptions
 from deltackpt.pack import PackReaders
@@ -142,7 +148,33 @@ def _finish(t: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     return t
 
 
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+def _check_memory(m: Manifest) -> None:
+    """Refuse, before allocating, a load that needs more memory than the machine has (the
+    manifest's sizes are validated, but a valid manifest may still describe huge tensors)."""
+    need = sum(n for n, _ in m.storages)
+    for e in m.tensors:
+        if e.data is not None:
+            need += e.nbytes
+        elif e.shards is not None:
+            need += math.prod(e.shape) * dtype_from_name(e.dtype).itemsize
+    have = _physical_memory()
+    if need > have:
+        raise InsufficientMemoryError(
+            f"snapshot {m.name!r} holds {need} bytes of tensors, more than this machine's "
+            f"{have} bytes of memory; load parts of it with into= (in place, strict=False), "
+            "or on a larger machine"
+        )
+
+
 def _load_new(st: Store, m: Manifest, opts: LoadOptions) -> Any:
+    _check_memory(m)
     dests: list[tuple[str, tuple[Slice, ...], np.ndarray]] = []
     storages = [_u8(n) for n, _ in m.storages]
     for (_, data), buf in zip(m.storages, storages, strict=True):
@@ -189,7 +221,7 @@ def _load_new(st: Store, m: Manifest, opts: LoadOptions) -> Any:
 
 
 def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
-    _, leaves = flatten(into, allow_pickle=True)
+    _, leaves = flatten(into, allow_pickle=True, check_tensors=False)
     targets = {leaf.path: leaf.tensor for leaf in leaves}
     saved = {e.path: i for i, e in enumerate(m.tensors)}
     missing = sorted(set(targets) - set(saved))
@@ -202,10 +234,27 @@ def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
                 f"{path!r}: snapshot has {e.dtype}{list(e.shape)}, target has "
                 f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
             )
+        elif t.is_meta or (is_dtensor(t) and local_tensor(t).is_meta):
+            problems.append(
+                f"{path!r}: the target is a meta tensor, which has no memory to load into "
+                "(materialise it first, e.g. module.to_empty(device='cpu'))"
+            )
+    # A key both sides have, with a tensor on one side and a plain value on the other, is a
+    # mismatch even with strict=False: skipping it would leave the target silently unfilled.
+    values = _value_paths(m.tree)
+    for path in missing:
+        if path in values:
+            problems.append(f"{path!r}: snapshot holds {values[path]}, target holds a tensor")
+    target_values = _target_value_paths(into)
+    for path in unexpected:
+        if path in target_values:
+            problems.append(
+                f"{path!r}: snapshot holds a tensor, target holds {target_values[path]}"
+            )
     if problems or (opts.strict and (missing or unexpected)):
         parts = []
         if problems:
-            parts.append("shape/dtype differ for " + "; ".join(problems[:10]))
+            parts.append("shape/dtype/kind differ for " + "; ".join(problems[:10]))
         if opts.strict and missing:
             parts.append(f"keys in the target but not in the snapshot: {missing[:10]}")
         if opts.strict and unexpected:
@@ -314,6 +363,45 @@ def _assign_values(tree: Node, target: Any, opts: LoadOptions) -> None:
     elif "tuple" in tree and isinstance(target, tuple):
         for v_node, t in zip(tree["tuple"], target, strict=False):
             _assign_values(v_node, t, opts)
+
+
+def _value_paths(tree: Node, path: str = "") -> dict[str, str]:
+    """Key path -> kind of every non-tensor leaf of a (validated) manifest tree."""
+    out: dict[str, str] = {}
+    stack = [(tree, path)]
+    while stack:
+        node, p = stack.pop()
+        if not isinstance(node, dict):
+            out[p or "."] = f"the value {node!r:.40}"
+            continue
+        for tag in ("dict", "odict"):
+            for k_node, v_node in node.get(tag, ()):
+                seg = _key_segment(unflatten(k_node, _no_tensor, False, p))
+                stack.append((v_node, f"{p}/{seg}" if p else seg))
+        for tag in ("list", "tuple"):
+            for i, v in enumerate(node.get(tag, ())):
+                stack.append((v, f"{p}/{i}" if p else str(i)))
+        if not ({"tensor", "dict", "odict", "list", "tuple"} & set(node)):
+            out[p or "."] = f"a {next(iter(node))} value"
+    return out
+
+
+def _target_value_paths(obj: Any, path: str = "", depth: int = 0) -> dict[str, str]:
+    """Key path -> type name of every non-tensor, non-container value in a load target."""
+    if isinstance(obj, torch.Tensor):
+        return {}
+    if isinstance(obj, dict):
+        out: dict[str, str] = {}
+        for k, v in obj.items():
+            seg = _key_segment(k)
+            out.update(_target_value_paths(v, f"{path}/{seg}" if path else seg, depth + 1))
+        return out
+    if isinstance(obj, (list, tuple)) and depth < 100:
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_target_value_paths(v, f"{path}/{i}" if path else str(i), depth + 1))
+        return out
+    return {path or ".": f"a {type(obj).__name__}"}
 
 
 def _no_tensor(i: int) -> torch.Tensor:

@@ -3,19 +3,31 @@
 The JSON form is specified in ``docs/format.md`` and ``deltackpt/schema/manifest.schema.json``.
 Serialisation is deterministic (sorted keys, no spaces) because tests pin its bytes and because two
 saves of the same state must produce the same manifest up to names and times.
+
+A manifest on disk is untrusted input. Parsing here is strict about types (an int field must be a
+JSON integer, never a string or a bool) and version 2 manifests carry ``digest``, the xxh3-128 of
+the canonical bytes of the document without that field, checked on every read: it detects damage
+(a flipped digit in a shape or slice), not attacks. Bounds, references and coverage are checked
+by :mod:`deltackpt._validate` before anything is allocated.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from deltackpt._hashing import DIGEST_NAME
-from deltackpt.errors import StoreFormatError
+from deltackpt.errors import ManifestError, StoreFormatError
 
 MANIFEST_FORMAT = "deltackpt.manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: adds "digest"; version 1 manifests (no digest) are still read
+READ_VERSIONS = (1, 2)
+DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
+PACK_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a pack file name is "<id>.pack" in packs/
 
 Slice = tuple[str, int, int]  # (chunk digest, start in the chunk's raw bytes, length)
 
@@ -47,15 +59,26 @@ class ChunkRecord:
         return d
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> ChunkRecord:
+    def from_json(d: Any, where: str = "chunk") -> ChunkRecord:
+        _obj(d, where, {"pack", "offset", "length", "size", "codec", "itemsize", "base"})
+        pack = _str(d.get("pack"), f"{where}.pack")
+        if not PACK_ID_RE.match(pack):
+            raise ManifestError(
+                f"{where}.pack is {pack[:80]!r}: a pack id is 1-64 characters of letters, digits, "
+                "'_' and '-' (no path separators); the manifest is damaged or hostile",
+                field=f"{where}.pack",
+            )
+        base = d.get("base")
+        if base is not None:
+            _digest(base, f"{where}.base")
         return ChunkRecord(
-            pack=d["pack"],
-            offset=int(d["offset"]),
-            length=int(d["length"]),
-            size=int(d["size"]),
-            codec=d.get("codec", "raw"),
-            itemsize=int(d.get("itemsize", 1)),
-            base=d.get("base"),
+            pack=pack,
+            offset=_int(d.get("offset"), f"{where}.offset"),
+            length=_int(d.get("length"), f"{where}.length"),
+            size=_int(d.get("size"), f"{where}.size"),
+            codec=_str(d.get("codec", "raw"), f"{where}.codec"),
+            itemsize=_int(d.get("itemsize", 1), f"{where}.itemsize", lo=1, hi=64),
+            base=base,
         )
 
 
@@ -75,8 +98,13 @@ class Shard:
         }
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> Shard:
-        return Shard(tuple(d["offsets"]), tuple(d["shape"]), _slices(d["data"]))
+    def from_json(d: Any, where: str = "shard") -> Shard:
+        _obj(d, where, {"offsets", "shape", "data"})
+        return Shard(
+            _ints(d.get("offsets"), f"{where}.offsets"),
+            _ints(d.get("shape"), f"{where}.shape"),
+            _slices(d.get("data"), f"{where}.data"),
+        )
 
 
 @dataclass(frozen=True)
@@ -131,19 +159,40 @@ class TensorEntry:
         return d
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> TensorEntry:
-        st = d.get("storage")
+    def from_json(d: Any, where: str = "tensor") -> TensorEntry:
+        _obj(
+            d,
+            where,
+            {"path", "dtype", "shape", "data", "shards", "storage", "parameter", "requires_grad"},
+        )
+        present = [k for k in ("data", "shards", "storage") if k in d]
+        if len(present) != 1:
+            raise ManifestError(
+                f"{where} must have exactly one of data/shards/storage, has {present}",
+                field=where,
+            )
+        storage = None
+        if "storage" in d:
+            st = d["storage"]
+            _obj(st, f"{where}.storage", {"id", "offset", "stride"})
+            storage = StorageView(
+                _int(st.get("id"), f"{where}.storage.id"),
+                _int(st.get("offset"), f"{where}.storage.offset"),
+                _ints(st.get("stride"), f"{where}.storage.stride"),
+            )
+        shards = None
+        if "shards" in d:
+            raw = _list(d["shards"], f"{where}.shards")
+            shards = tuple(Shard.from_json(s, f"{where}.shards[{i}]") for i, s in enumerate(raw))
         return TensorEntry(
-            path=d["path"],
-            dtype=d["dtype"],
-            shape=tuple(d["shape"]),
-            data=_slices(d["data"]) if "data" in d else None,
-            shards=tuple(Shard.from_json(s) for s in d["shards"]) if "shards" in d else None,
-            storage=StorageView(int(st["id"]), int(st["offset"]), tuple(st["stride"]))
-            if st
-            else None,
-            parameter=bool(d.get("parameter", False)),
-            requires_grad=bool(d.get("requires_grad", False)),
+            path=_str(d.get("path"), f"{where}.path"),
+            dtype=_str(d.get("dtype"), f"{where}.dtype"),
+            shape=_ints(d.get("shape"), f"{where}.shape"),
+            data=_slices(d["data"], f"{where}.data") if "data" in d else None,
+            shards=shards,
+            storage=storage,
+            parameter=_bool(d.get("parameter", False), f"{where}.parameter"),
+            requires_grad=_bool(d.get("requires_grad", False), f"{where}.requires_grad"),
         )
 
 
@@ -169,8 +218,20 @@ class Stats:
         }
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> Stats:
-        return Stats(**{k: d[k] for k in Stats.__dataclass_fields__ if k in d})
+    def from_json(d: Any, where: str = "stats") -> Stats:
+        _obj(d, where, None)
+        out: dict[str, Any] = {}
+        for k, f in Stats.__dataclass_fields__.items():
+            if k not in d:
+                continue
+            v = d[k]
+            if f.type == "int":
+                out[k] = _int(v, f"{where}.{k}")
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = float(v)
+            else:
+                raise ManifestError(f"{where}.{k} must be a number, got {v!r:.40}", field=k)
+        return Stats(**out)
 
 
 @dataclass(frozen=True)
@@ -184,6 +245,8 @@ class Manifest:
     stats: Stats = field(default_factory=Stats)
     metadata: dict[str, Any] = field(default_factory=dict)
     dist: dict[str, Any] | None = None  # distributed saves: world size, planning bytes
+    # False for a version 1 manifest read from disk (written before manifests had a digest)
+    has_digest: bool = True
 
     def referenced_digests(self) -> set[str]:
         """Every chunk this snapshot needs, including the bases of delta chunks."""
@@ -207,45 +270,166 @@ class Manifest:
         }
         if self.dist is not None:
             doc["dist"] = self.dist
-        return (
-            json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-            + b"\n"
-        )
+        doc["digest"] = document_digest(doc)
+        return _canonical(doc) + b"\n"
 
     @staticmethod
     def from_json_bytes(raw: bytes, where: str = "manifest") -> Manifest:
+        """Parse and integrity-check a manifest; raise :class:`ManifestError` naming the field.
+
+        Only the form is checked here (types, digest); references and bounds are checked by
+        :func:`deltackpt._validate.validate_manifest`, which needs the store's chunk size."""
         try:
-            doc = json.loads(raw)
-        except ValueError as e:
-            raise StoreFormatError(f"{where} is not valid JSON ({e}); the file is damaged") from e
+            doc = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:
+            raise ManifestError(f"{where} is not valid JSON ({e}); the file is damaged") from e
         if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+            found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise ManifestError(f"{where} is not a deltackpt manifest (format={found!r:.60})")
+        version = doc.get("version")
+        if type(version) is not int or version not in READ_VERSIONS:
             raise StoreFormatError(
-                f"{where} is not a deltackpt manifest (format={doc.get('format') if isinstance(doc, dict) else None!r})"
-            )
-        if doc.get("version") != MANIFEST_VERSION:
-            raise StoreFormatError(
-                f"{where} has manifest version {doc.get('version')!r}; this deltackpt reads "
-                f"version {MANIFEST_VERSION}. Upgrade deltackpt to read it"
+                f"{where} has manifest version {version!r:.40}; this deltackpt reads versions "
+                f"{list(READ_VERSIONS)}. Upgrade deltackpt to read it"
             )
         if doc.get("hash") != DIGEST_NAME:
-            raise StoreFormatError(
-                f"{where} uses hash {doc.get('hash')!r}; expected {DIGEST_NAME!r}"
+            raise ManifestError(
+                f"{where} uses hash {doc.get('hash')!r:.40}; expected {DIGEST_NAME!r}"
             )
-        try:
-            return Manifest(
-                name=doc["name"],
-                created_ns=int(doc["created_ns"]),
-                tree=doc["tree"],
-                tensors=tuple(TensorEntry.from_json(t) for t in doc["tensors"]),
-                storages=tuple((int(s["nbytes"]), _slices(s["data"])) for s in doc["storages"]),
-                chunks={d: ChunkRecord.from_json(r) for d, r in doc["chunks"].items()},
-                stats=Stats.from_json(doc.get("stats", {})),
-                metadata=doc.get("metadata", {}),
-                dist=doc.get("dist"),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise StoreFormatError(f"{where} is missing or has a malformed field: {e!r}") from e
+        has_digest = version >= 2
+        if has_digest:
+            stored = doc.pop("digest", None)
+            try:
+                actual = document_digest(doc)
+            except RecursionError:
+                raise ManifestError(f"{where} nests too deep to be a manifest") from None
+            if stored != actual:
+                raise ManifestError(
+                    f"{where} does not match its digest (stored {stored!r:.40}, computed "
+                    f"{actual}): the file was damaged after it was written. Delete the snapshot "
+                    "or restore the file from a copy",
+                    field="digest",
+                )
+        _obj(
+            doc,
+            where,
+            {"format", "version", "hash", "name", "created_ns", "tree", "tensors", "storages",
+             "chunks", "stats", "metadata", "dist"},
+        )  # fmt: skip
+        tensors = _list(doc.get("tensors"), "tensors")
+        storages = _list(doc.get("storages"), "storages")
+        chunks = doc.get("chunks")
+        _obj(chunks, "chunks", None)
+        for i, s_ in enumerate(storages):
+            _obj(s_, f"storages[{i}]", {"nbytes", "data"})
+        metadata = doc.get("metadata", {})
+        _obj(metadata, "metadata", None)
+        dist = doc.get("dist")
+        if dist is not None:
+            _obj(dist, "dist", None)
+            for k in ("world_size", "plan_bytes"):
+                if k in dist:
+                    _int(dist[k], f"dist.{k}")
+        return Manifest(
+            name=_str(doc.get("name"), "name"),
+            created_ns=_int(doc.get("created_ns"), "created_ns"),
+            tree=doc.get("tree"),
+            tensors=tuple(TensorEntry.from_json(t, f"tensors[{i}]") for i, t in enumerate(tensors)),
+            storages=tuple(
+                (
+                    _int(s_.get("nbytes"), f"storages[{i}].nbytes"),
+                    _slices(s_.get("data"), f"storages[{i}].data"),
+                )
+                for i, s_ in enumerate(storages)
+            ),
+            chunks={
+                _digest(d, "chunks key"): ChunkRecord.from_json(r, f"chunks[{d}]")
+                for d, r in chunks.items()
+            },
+            stats=Stats.from_json(doc.get("stats", {})),
+            metadata=metadata,
+            dist=dist,
+            has_digest=has_digest,
+        )
 
 
-def _slices(raw: list[list[Any]]) -> tuple[Slice, ...]:
-    return tuple((str(d), int(s), int(n)) for d, s, n in raw)
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def document_digest(doc: dict[str, Any]) -> str:
+    """xxh3-128 of the canonical bytes of ``doc`` without its ``digest`` field."""
+    return xxhash.xxh3_128_hexdigest(_canonical({k: v for k, v in doc.items() if k != "digest"}))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # json.loads would accept NaN/Infinity otherwise
+
+
+# Strict readers for untrusted JSON: the right type or a ManifestError naming the field.
+_MAX_INT = (1 << 63) - 1
+
+
+def _bad(field: str, want: str, v: Any) -> ManifestError:
+    return ManifestError(
+        f"manifest field {field} must be {want}, got {v!r:.60}; the manifest is damaged",
+        field=field,
+    )
+
+
+def _obj(v: Any, field: str, keys: set[str] | None) -> None:
+    if not isinstance(v, dict):
+        raise _bad(field, "an object", v)
+    if keys is not None and not keys.issuperset(v):
+        raise _bad(field, f"an object with keys from {sorted(keys)}", sorted(set(v) - keys))
+
+
+def _list(v: Any, field: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise _bad(field, "a list", v)
+    return v
+
+
+def _int(v: Any, field: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise _bad(field, f"an integer in [{lo}, {hi}]", v)
+    return v
+
+
+def _ints(v: Any, field: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > 64:
+        raise _bad(field, "a list of at most 64 integers", v)
+    return tuple(_int(x, f"{field}[{i}]") for i, x in enumerate(v))
+
+
+def _str(v: Any, field: str) -> str:
+    if not isinstance(v, str):
+        raise _bad(field, "a string", v)
+    return v
+
+
+def _bool(v: Any, field: str) -> bool:
+    if not isinstance(v, bool):
+        raise _bad(field, "true or false", v)
+    return v
+
+
+def _digest(v: Any, field: str) -> str:
+    if not isinstance(v, str) or not DIGEST_RE.match(v):
+        raise _bad(field, "a digest (32 lowercase hex digits)", v)
+    return v
+
+
+def _slices(raw: Any, field: str) -> tuple[Slice, ...]:
+    out = []
+    for i, sl in enumerate(_list(raw, field)):
+        if not isinstance(sl, list) or len(sl) != 3:
+            raise _bad(f"{field}[{i}]", "[digest, start, length]", sl)
+        out.append(
+            (
+                _digest(sl[0], f"{field}[{i}][0]"),
+                _int(sl[1], f"{field}[{i}][1]"),
+                _int(sl[2], f"{field}[{i}][2]"),
+            )
+        )
+    return tuple(out)

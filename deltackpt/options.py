@@ -10,19 +10,27 @@ DELTACKPT_LOCK_TIMEOUT     seconds to wait for the store lock               600
 DELTACKPT_FSYNC            0 skips fsync (benchmarks of page-cache speed)   1
 DELTACKPT_MEMORY_BUDGET    bytes of staging buffers per store               RAM / 2
 =========================  ==============================================  ================
+
+Every field is validated when an options object is built (``save(..., threads=0)`` raises
+:class:`~deltackpt.errors.InvalidArgumentError` before anything is touched), and a malformed
+environment variable raises the same error naming the variable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from deltackpt.codecs import EncodePolicy
+from deltackpt.errors import InvalidArgumentError
 
 _OVERRIDES: dict[str, str] = {}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def _env(name: str, default: str) -> str:
@@ -41,32 +49,100 @@ def overrides(**values: Any) -> Iterator[None]:
         _OVERRIDES.update(old)
 
 
+def _bad_env(name: str, raw: str, expected: str, example: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"environment variable {name}={raw!r} is invalid: expected {expected}. Set it to e.g. "
+        f"{name}={example}, or unset it for the default"
+    )
+
+
+def _env_int(name: str, default: str, minimum: int, example: str) -> int:
+    raw = _env(name, default)
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise _bad_env(name, raw, f"an integer >= {minimum}", example) from None
+    if value < minimum:
+        raise _bad_env(name, raw, f"an integer >= {minimum}", example)
+    return value
+
+
 def default_threads() -> int:
-    return max(1, int(_env("DELTACKPT_THREADS", str(min(4, os.cpu_count() or 1)))))
+    return _env_int("DELTACKPT_THREADS", str(min(4, os.cpu_count() or 1)), 1, "4")
 
 
 def default_lock_timeout() -> float:
-    return float(_env("DELTACKPT_LOCK_TIMEOUT", "600"))
+    raw = _env("DELTACKPT_LOCK_TIMEOUT", "600")
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # also refuses nan
+        raise _bad_env("DELTACKPT_LOCK_TIMEOUT", raw, "a number of seconds >= 0", "600")
+    return value
 
 
 def default_fsync() -> bool:
-    return _env("DELTACKPT_FSYNC", "1") not in ("0", "false", "no")
+    raw = _env("DELTACKPT_FSYNC", "1")
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise _bad_env("DELTACKPT_FSYNC", raw, f"one of {_TRUE + _FALSE}", "1")
+    return value in _TRUE
 
 
 def default_memory_budget() -> int:
-    value = _env("DELTACKPT_MEMORY_BUDGET", "")
-    if value:
-        return int(value)
+    if _env("DELTACKPT_MEMORY_BUDGET", ""):
+        return _env_int("DELTACKPT_MEMORY_BUDGET", "", 0, str(8 << 30))
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (ValueError, OSError):
         return 8 << 30
 
 
+# ----------------------------------------------------------------------------- validation
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but threads=True is a mistake, not a thread count
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad(owner: str, name: str, value: Any, expected: str, fix: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"option {name}={value!r} ({owner}.{name}) is invalid: expected {expected}, got "
+        f"{type(value).__name__} {value!r}. {fix}"
+    )
+
+
+def _check_bool(owner: str, obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, bool):
+        raise _bad(owner, name, value, "True or False", f"Pass {name}=True or {name}=False")
+
+
+def _check_threads(owner: str, value: Any) -> None:
+    if not _is_int(value) or value < 1:
+        raise _bad(
+            owner,
+            "threads",
+            value,
+            "an int >= 1",
+            "Pass e.g. threads=4, or leave it out for the default (min(4, cpus), env "
+            "DELTACKPT_THREADS)",
+        )
+
+
+_ENCODING_HINT = (
+    "Build an EncodePolicy: `from deltackpt.codecs import EncodePolicy, RAW, ZSTD, XOR`, then "
+    "encoding=EncodePolicy(codecs=(RAW, ZSTD)) allows zstd, EncodePolicy(force=ZSTD) always uses "
+    "it, EncodePolicy(codecs=(RAW,)) turns encoding off; leave it out for the default"
+)
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """How a save runs. Chunk size lives in the store (STORE.json), not here: it must not change
-    between saves or dedupe would stop matching."""
+    between saves or dedupe would stop matching. Every field is validated on construction."""
 
     allow_pickle: bool = False
     overwrite: bool = False
@@ -82,9 +158,48 @@ class SaveOptions:
     # a state larger than the budget is written from the live tensors and the call blocks.
     memory_budget: int | None = None
 
+    def __post_init__(self) -> None:
+        owner = "SaveOptions"
+        for name in ("allow_pickle", "overwrite", "fsync"):
+            _check_bool(owner, self, name)
+        _check_threads(owner, self.threads)
+        t = self.lock_timeout
+        # inf is allowed (wait forever); nan and negatives would make the deadline meaningless
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t >= 0:
+            raise _bad(
+                owner,
+                "lock_timeout",
+                t,
+                "a number of seconds >= 0",
+                "Pass e.g. lock_timeout=600 (env DELTACKPT_LOCK_TIMEOUT), or 0 to fail at once "
+                "when the store is locked",
+            )
+        if not isinstance(self.encoding, EncodePolicy):
+            raise _bad(
+                owner, "encoding", self.encoding, "a deltackpt.codecs.EncodePolicy", _ENCODING_HINT
+            )
+        if not _is_int(self.keyframe_every) or self.keyframe_every < 1:
+            raise _bad(
+                owner,
+                "keyframe_every",
+                self.keyframe_every,
+                "an int >= 1",
+                "Pass e.g. keyframe_every=4 (1 writes every changed chunk in full, no xor chains)",
+            )
+        mb = self.memory_budget
+        if mb is not None and (not _is_int(mb) or mb < 0):
+            raise _bad(
+                owner,
+                "memory_budget",
+                mb,
+                "None or an int number of bytes >= 0",
+                "Pass e.g. memory_budget=8 << 30, 0 to never stage (saves block), or None for "
+                "half the RAM (env DELTACKPT_MEMORY_BUDGET)",
+            )
+
     @staticmethod
     def from_kwargs(base: SaveOptions | None, kwargs: dict[str, Any]) -> SaveOptions:
-        return _apply(base or SaveOptions(), kwargs, "save")
+        return _apply(base, SaveOptions, kwargs, "save")
 
 
 @dataclass(frozen=True)
@@ -94,14 +209,30 @@ class LoadOptions:
     allow_pickle: bool = False
     threads: int = field(default_factory=default_threads)
 
+    def __post_init__(self) -> None:
+        for name in ("verify", "strict", "allow_pickle"):
+            _check_bool("LoadOptions", self, name)
+        _check_threads("LoadOptions", self.threads)
+
     @staticmethod
     def from_kwargs(base: LoadOptions | None, kwargs: dict[str, Any]) -> LoadOptions:
-        return _apply(base or LoadOptions(), kwargs, "load")
+        return _apply(base, LoadOptions, kwargs, "load")
 
 
-def _apply(base: Any, kwargs: dict[str, Any], what: str) -> Any:
-    known = {f.name for f in fields(base)}
+def _apply(base: Any, cls: type, kwargs: dict[str, Any], what: str) -> Any:
+    if base is not None and not isinstance(base, cls):
+        raise InvalidArgumentError(
+            f"{what}(options={base!r}) is invalid: expected None or a {cls.__name__}, got "
+            f"{type(base).__name__}. Pass options={cls.__name__}(...) or the fields as keyword "
+            f"arguments, e.g. {what}(..., threads=2)"
+        )
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise TypeError(f"{what}() got unknown option(s) {unknown}; known options: {sorted(known)}")
+        raise InvalidArgumentError(
+            f"{what}() got unknown option(s) {unknown}; known options: {sorted(known)}. Check "
+            "the spelling"
+        )
+    if base is None:
+        return cls(**kwargs)
     return replace(base, **kwargs) if kwargs else base

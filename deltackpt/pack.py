@@ -9,13 +9,17 @@ the save that wrote them; gc deletes or rewrites whole packs.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 import uuid
 from pathlib import Path
 
 import numpy as np
 
+from deltackpt.errors import UnsafePathError
+from deltackpt.manifest import PACK_ID_RE
 from deltackpt.store import PACK_ALIGN, PACK_MAGIC
 
 _ZEROS = bytes(PACK_ALIGN)
@@ -89,10 +93,15 @@ class PackWriter:
 
 
 class PackReaders:
-    """Open pack file descriptors shared by a load's reader threads (pread is thread-safe)."""
+    """Open pack file descriptors shared by a load's reader threads (pread is thread-safe).
+
+    Pack ids come from manifests, which are untrusted: an id must match the pack-id pattern (no
+    separators, so the path stays in ``packs/``), ``packs/`` itself must be a real directory, and
+    packs are opened relative to it with O_NOFOLLOW, so a pack that is a symlink is refused."""
 
     def __init__(self, packs_dir: Path) -> None:
         self._dir = packs_dir
+        self._dir_fd = -1
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -100,7 +109,24 @@ class PackReaders:
         with self._lock:
             fd = self._fds.get(pack)
             if fd is None:
-                fd = os.open(self._dir / f"{pack}.pack", os.O_RDONLY)
+                if not PACK_ID_RE.match(pack):
+                    raise UnsafePathError(
+                        f"pack id {pack[:80]!r} is not a pack id; refusing to build a path from it"
+                    )
+                if self._dir_fd < 0:
+                    self._dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    fd = os.open(f"{pack}.pack", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir_fd)
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise UnsafePathError(
+                            f"{self._dir / pack}.pack is a symlink; deltackpt never follows "
+                            "links inside a store"
+                        ) from None
+                    raise
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise UnsafePathError(f"{self._dir / pack}.pack is not a regular file")
                 self._fds[pack] = fd
             return fd
 
@@ -121,6 +147,9 @@ class PackReaders:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1
 
     def __enter__(self) -> PackReaders:
         return self

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from deltackpt._async import saver_for
+from deltackpt.errors import InvalidArgumentError
 from deltackpt.options import SaveOptions
 from deltackpt.store import SnapshotInfo, Store, open_store, validate_name
 
@@ -65,15 +66,56 @@ def begin(
 
 
 def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
-    import json
-
+    """``metadata`` must be a dict of JSON values that come back as they went in: str keys at
+    every level (json would silently turn ``{1: x}`` into ``{"1": x}``), finite floats, no
+    cycles and no other objects."""
+    fix = (
+        "Pass a small dict of JSON values, e.g. metadata={'step': 100, 'loss': 1.9}; put tensors "
+        "and objects in the state instead"
+    )
     if metadata is None:
         return {}
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"metadata must be JSON-serialisable (str keys; str/int/float/bool/None/lists/dicts, "
-            f"finite floats): {e}. Put tensors and objects in the state instead"
-        ) from e
+    if not isinstance(metadata, dict):
+        raise InvalidArgumentError(
+            f"metadata={metadata!r:.80} is invalid: expected a dict, got "
+            f"{type(metadata).__name__}. {fix}"
+        )
+    active: set[int] = set()  # containers on the current path: a repeat is a cycle
+
+    def walk(v: Any, where: str) -> None:
+        if v is None or isinstance(v, (str, bool, int)):
+            return
+        if isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                raise InvalidArgumentError(
+                    f"{where}={v!r} is invalid: JSON has no nan/inf, expected a finite float. "
+                    f"Store it as a string (e.g. str(x)) or leave it out. {fix}"
+                )
+            return
+        if not isinstance(v, (dict, list, tuple)):
+            raise InvalidArgumentError(
+                f"{where} is a {type(v).__module__}.{type(v).__qualname__} ({v!r:.60}); "
+                f"metadata must be JSON-serialisable (str keys; str/int/float/bool/None/lists/"
+                f"dicts, finite floats). Convert it (e.g. int(x), float(x), x.item()). {fix}"
+            )
+        if id(v) in active or len(active) > 100:
+            raise InvalidArgumentError(
+                f"{where} is nested too deep or refers to itself (a cycle); metadata must be "
+                f"a tree of JSON values. {fix}"
+            )
+        active.add(id(v))
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    raise InvalidArgumentError(
+                        f"{where} has key {k!r} of type {type(k).__name__}; metadata keys must "
+                        f"be str (JSON would turn it into {str(k)!r}). {fix}"
+                    )
+                walk(item, f"{where}[{k!r}]")
+        else:
+            for i, item in enumerate(v):
+                walk(item, f"{where}[{i}]")
+        active.discard(id(v))
+
+    walk(metadata, "metadata")
     return dict(metadata)

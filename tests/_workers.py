@@ -20,6 +20,13 @@ Commands (each prints one line per event on stdout, flushed, so the parent can f
     the store lock, after the existence check, until the other saver of that round got there too
     (marker files in ``rdv_dir``), so both saves really overlap. EOF or ``quit`` exits.
 
+``trainer``
+    Prints ``ready``, then for each stdin line ``run STORE STEPS`` trains a tiny model with
+    dropout (inputs from torch's, numpy's and Python's global RNGs) through a ``Checkpointer``
+    that saves after every step, resuming from STORE's latest snapshot: prints ``start N``, then
+    ``loss I HEX`` (``float.hex`` of the loss) for each step and ``done``. Every run seeds all
+    three RNGs first, so a run on a fresh store is the uninterrupted reference. EOF exits.
+
 A few hooks (``deltackpt.store.publish``, ``Store.chunk_index``) are wrapped to report progress
 or to line two saves up; they only print or wait, never change what a save does.
 """
@@ -200,6 +207,48 @@ def saver() -> None:
         _say(json.dumps(out))
 
 
+def train_with_dropout(store: str, steps: int, say: Callable[..., None] = _say) -> None:
+    """One ``trainer`` run (see the module docstring); also called in-process by tests."""
+    import random
+
+    import numpy as np
+
+    import deltackpt
+
+    torch.manual_seed(1234)  # a fresh run's draws; a resume overwrites them from the snapshot
+    np.random.seed(1234)
+    random.seed(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optim": opt}
+    with deltackpt.Checkpointer(store, every=1, keep_last=3) as ckpt:
+        start = ckpt.restore_latest(state)
+        say("start", start)
+        for step in range(start, steps):
+            x = torch.randn(16, 8)
+            target = torch.from_numpy(np.random.standard_normal((16, 1)).astype(np.float32))
+            scale = random.random() + 0.5
+            loss = (model(x) - target).pow(2).mean() * scale
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            say("loss", step, loss.item().hex())
+            ckpt.save(step, state)
+    say("done")
+
+
+def trainer() -> None:
+    torch.set_num_threads(1)  # steadier on a loaded machine; every run in the test does the same
+    _say("ready")
+    for raw in sys.stdin:
+        parts = raw.split()
+        if not parts or parts[0] != "run":
+            break
+        train_with_dropout(parts[1], int(parts[2]))
+
+
 # ---------------------------------------------------------------------------- parent side
 
 
@@ -291,4 +340,4 @@ class Child:
 
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    {"crash_saver": crash_saver, "saver": saver}[cmd](*args)
+    {"crash_saver": crash_saver, "saver": saver, "trainer": trainer}[cmd](*args)

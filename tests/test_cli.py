@@ -143,9 +143,13 @@ def test_gc_keep_last(capsys, store):
 
 
 def test_gc_keep_named(capsys, store):
+    names = [s.name for s in deltackpt.snapshots(store)]
+    # a --keep name that matches nothing is most likely a typo: an error, and nothing deleted
     code, _, err = run(capsys, "gc", store, "--keep-last", "0", "--keep", "a", "nope")
+    assert code == 2 and "nope" in err and "deleted nothing" in err
+    assert [s.name for s in deltackpt.snapshots(store)] == names
+    code, _, err = run(capsys, "gc", store, "--keep-last", "0", "--keep", "a")
     assert code == 0
-    assert "nope" in err  # warned about a --keep name that matches nothing
     assert [s.name for s in deltackpt.snapshots(store)] == ["a"]
 
 

@@ -34,7 +34,9 @@ def test_flipped_byte_is_reported_and_refused(store_dir, codec):
 
     report = deltackpt.verify(store_dir)
     assert not report.ok
-    assert [(p.snapshot, p.key, p.chunk) for p in report.problems] == [("s1", "bad", digest)]
+    assert [(p.snapshots, p.keys, p.chunk) for p in report.problems] == [
+        (("s1",), ("bad",), digest)
+    ]
 
     with pytest.raises(CorruptChunkError) as ei:
         deltackpt.load(store_dir, "s1")
@@ -69,8 +71,9 @@ def test_damaged_manifest_is_a_typed_error(store_dir):
     deltackpt.save({"w": torch.ones(3)}, store_dir, "s")
     path = deltackpt.open_store(store_dir).manifest_path("s")
     path.write_bytes(path.read_bytes()[:-20])
-    with pytest.raises(deltackpt.errors.StoreFormatError, match="not valid JSON"):
+    with pytest.raises(deltackpt.errors.ManifestError, match="not valid JSON"):
         deltackpt.load(store_dir, "s")
+    assert isinstance(deltackpt.errors.ManifestError("x"), deltackpt.errors.StoreFormatError)
 
 
 def test_corrupt_keyframe_is_reported_for_every_delta_built_on_it(store_dir):
@@ -84,13 +87,17 @@ def test_corrupt_keyframe_is_reported_for_every_delta_built_on_it(store_dir):
     assert any(r.codec == "xor" for r in s2.chunks.values())  # s2 really is a delta chain
     keyframe = _flip(store_dir, "s0", "w")
     report = deltackpt.verify(store_dir)
-    assert {p.snapshot for p in report.problems} == {"s0", "s1", "s2"}
-    assert any(p.chunk == keyframe for p in report.problems)
+    assert report.damaged == ["s0", "s1", "s2"]
+    # the damaged keyframe is one problem naming every snapshot that holds it
+    (kf,) = [p for p in report.problems if p.chunk == keyframe]
+    assert kf.snapshots == ("s0", "s1", "s2") and kf.keys[0] == "w"
+    assert len({p.chunk for p in report.problems}) == len(report.problems)
     with pytest.raises(CorruptChunkError):
         deltackpt.load(store_dir, "s2")
 
 
 def test_a_cycle_of_xor_bases_is_reported_not_skipped(store_dir):
+    """A manifest whose xor bases loop is refused when read, and verify reports it once."""
     import dataclasses
 
     deltackpt.save(
@@ -107,5 +114,7 @@ def test_a_cycle_of_xor_bases_is_reported_not_skipped(store_dir):
     chunks[db] = dataclasses.replace(chunks[db], codec="xor", base=da)
     st.write_manifest(dataclasses.replace(m, chunks=chunks), overwrite=True)
     report = deltackpt.verify(store_dir)
-    assert {p.chunk for p in report.problems} == {da, db}
-    assert all("cycle" in p.reason for p in report.problems)
+    assert [(p.snapshots, p.keys) for p in report.problems] == [(("s",), ("<manifest>",))]
+    assert "cycle" in report.problems[0].reason
+    with pytest.raises(deltackpt.errors.ManifestError, match="cycle"):
+        deltackpt.load(store_dir, "s")

@@ -15,7 +15,8 @@ import deltackpt
 from deltackpt import pack
 from deltackpt.codecs import RAW, EncodePolicy
 
-GOLDEN = Path(__file__).parent / "golden" / "v1"
+GOLDEN_V1 = Path(__file__).parent / "golden" / "v1"  # written before manifests had a digest
+GOLDEN = Path(__file__).parent / "golden" / "v2"
 SCHEMA = json.loads(
     (Path(deltackpt.__file__).parent / "schema" / "manifest.schema.json").read_text()
 )
@@ -48,12 +49,14 @@ def save_golden(store_dir: Path, monkeypatch) -> deltackpt.SnapshotInfo:
 def _stable(doc: dict) -> dict:
     doc = dict(doc)
     doc["stats"] = {k: v for k, v in doc["stats"].items() if "seconds" not in k}
+    doc.pop("digest", None)  # covers the timings dropped above
     return doc
 
 
-def test_golden_store_loads(tmp_path):
+@pytest.mark.parametrize("golden", [GOLDEN_V1, GOLDEN], ids=["v1", "v2"])
+def test_golden_store_loads(tmp_path, golden):
     copy = tmp_path / "golden"
-    shutil.copytree(GOLDEN, copy)
+    shutil.copytree(golden, copy)
     out = deltackpt.load(copy, "golden")
     expected = golden_state()
     assert torch.equal(out["model"]["weight"], expected["model"]["weight"])
@@ -62,7 +65,32 @@ def test_golden_store_loads(tmp_path):
     assert torch.equal(out["big"], expected["big"])
     assert out["tied"][0].data_ptr() == out["tied"][1].data_ptr()
     assert out["values"] == expected["values"]
-    assert deltackpt.verify(copy).ok
+    report = deltackpt.verify(copy)
+    assert report.ok
+    # verify names the snapshots whose manifests predate the digest
+    assert report.undigested == (["golden"] if golden == GOLDEN_V1 else [])
+
+
+def test_manifest_digest_covers_the_canonical_document(tmp_path):
+    from deltackpt.manifest import document_digest
+
+    raw = (GOLDEN / "snapshots/golden/MANIFEST.json").read_bytes()
+    doc = json.loads(raw)
+    assert doc["version"] == 2 and doc["digest"] == document_digest(doc)
+    # a flipped digit in a shape, a slice or a float value is damage, found on read
+    copy = tmp_path / "g"
+    shutil.copytree(GOLDEN, copy)
+    path = copy / "snapshots/golden/MANIFEST.json"
+    for old, new in [
+        (b'"shape":[3,4]', b'"shape":[4,3]'),
+        (b'"0x1.0000000000000p-2"', b'"0x1.0000000000000p-1"'),
+    ]:
+        assert old in raw, old
+        path.write_bytes(raw.replace(old, new, 1))
+        with pytest.raises(deltackpt.errors.ManifestError, match="digest"):
+            deltackpt.load(copy, "golden")
+        report = deltackpt.verify(copy)
+        assert [(p.snapshots, p.keys) for p in report.problems] == [(("golden",), ("<manifest>",))]
 
 
 def test_save_reproduces_golden_bytes(tmp_path, monkeypatch):
