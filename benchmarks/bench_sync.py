@@ -14,8 +14,16 @@ For each transport and receiver count, in the same processes:
   tensors into its model (load_weights copies into preallocated tensors);
 * delta round — the same after changing ``--delta-frac`` of the parameters (the last layers).
 
+Receiver modes (``--apply``): ``on_commit``, ``per_bucket``, and the same with ``:trusted``
+(e.g. ``on_commit:trusted``) — the behaviour before shared-memory windows were treated as
+untrusted input: the receiver verifies and loads the window in place instead of copying each
+bucket into private memory first (``WeightReceiver._trust_shared``, unsafe, for this comparison
+only; it changes nothing on gloo, whose buffers are already private). ``staging MB`` is the
+private memory a receiver holds for staging/copying buckets (not counting the model).
+
 Times are wall clock between two barriers on the gloo group that every process joins, the best
-of ``--repeats``. Run: ``python benchmarks/bench_sync.py`` (about 2-4 minutes, ~7 GB RAM).
+of ``--repeats``. Run: ``python benchmarks/bench_sync.py`` (about 2-4 minutes, ~7 GB RAM plus
+~1 GB per receiver for its private staging copy).
 """
 
 from __future__ import annotations
@@ -183,7 +191,10 @@ def run(rank: int, world: int, cfg: dict[str, Any], port: int, name: str) -> dic
     out["modes"] = {}
     for mode in cfg["apply"]:
         stats: list[Any] = []
-        receiver = None if sender else sync.WeightReceiver(transport, apply=mode)
+        apply, _, trust = mode.partition(":")
+        receiver = None if sender else sync.WeightReceiver(transport, apply=apply)
+        if receiver is not None and trust == "trusted":
+            receiver._trust_shared = True  # the pre-fix receiver, to measure what the fix costs
 
         def one(full: bool, receiver: Any = receiver, stats: list[Any] = stats) -> None:
             nonlocal version
@@ -205,6 +216,10 @@ def run(rank: int, world: int, cfg: dict[str, Any], port: int, name: str) -> dic
         for t in state.values():
             h.update(t.view(torch.uint8).numpy())
         res["state_digest"] = h.hexdigest()
+        if receiver is not None:
+            res["staging_bytes"] = sum(b.numel() for b in (receiver._arena, receiver._bounce)
+                                       if b is not None)
+            receiver.close()  # the next mode starts with its own plan and staging
         out["modes"][mode] = res
     transport.close()
     dist.barrier()
@@ -241,6 +256,8 @@ def bench(cfg: dict[str, Any], receivers: int) -> dict[str, Any]:
     if errors or len(results) < world:
         raise SystemExit(f"benchmark failed: {errors or 'timeout / crashed process'}")
     out = results[0]
+    for m, v in out["modes"].items():
+        v["staging_bytes"] = results[1]["modes"][m]["staging_bytes"]
     out["receivers_ok"] = all(results[r]["modes"][m]["state_digest"] == v["state_digest"]
                               for r in range(1, world) for m, v in out["modes"].items())
     return out
@@ -254,7 +271,8 @@ def main() -> None:
     ap.add_argument("--transports", default="gloo,shm")
     ap.add_argument("--receivers", default="1,2")
     ap.add_argument("--apply", default="on_commit,per_bucket",
-                    help="receiver modes to measure, comma-separated")
+                    help="receiver modes to measure, comma-separated; MODE:trusted measures the "
+                    "pre-fix in-place shm receiver")
     ap.add_argument("--delta-frac", type=float, default=0.10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600)
@@ -277,8 +295,9 @@ def main() -> None:
           f"buckets); delta rounds change {first['delta_params_frac']:.1%} of the parameters; "
           f"best of {args.repeats}\n")
     print("| transport | receivers | apply | ceiling s (GB/s) | full round s (GB/s) "
-          "| full vs ceiling | first round s | delta round s | delta / full | delta bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| full vs ceiling | first round s | delta round s | delta / full | delta bytes "
+          "| staging MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         gb = r["bytes"] / GB
         for mode, m in r["modes"].items():
@@ -287,7 +306,8 @@ def main() -> None:
                   f"({gb / m['full_round_s']:.2f}) | {r['ceiling_s'] / m['full_round_s']:.0%} "
                   f"| {m['first_round_s']:.2f} | {m['delta_round_s']:.3f} "
                   f"| {m['delta_round_s'] / m['full_round_s']:.1%} "
-                  f"| {m['delta_bytes'] / m['full_bytes']:.1%} |")
+                  f"| {m['delta_bytes'] / m['full_bytes']:.1%} "
+                  f"| {m['staging_bytes'] / 1e6:.0f} |")
     if not all(r["receivers_ok"] for r in rows):
         raise SystemExit("a receiver ended with different weights")
     if args.json:

@@ -15,14 +15,23 @@ When is ``load_weights`` called? (``apply=``)
 
 * ``"on_commit"`` (default, transactional): every bucket is verified against its digest as it
   arrives and kept staged; only after all ranks voted to commit are the staged buckets handed to
-  ``load_weights``. A failed round never touches the model. Memory: one copy of the model's
-  wire bytes (``plan.arena_bytes``), allocated once and reused — in this process for
-  :class:`DistTransport`; for :class:`ShmTransport` the staging is the shared window itself,
-  so no private memory at all.
-* ``"per_bucket"``: each bucket is handed over as soon as it is verified; memory is two bucket
-  buffers. A round that fails midway leaves the model partly updated: ``version`` still names the
+  ``load_weights``. A failed round never touches the model. Memory: one private copy of the
+  model's wire bytes (``plan.arena_bytes``) in this process, allocated at the first round of a
+  plan and reused. :class:`DistTransport` receives the buckets straight into it.
+  :class:`ShmTransport` copies each bucket out of the shared window into it, hashing the copy
+  chunk by chunk right behind the packing sender: the window is writable by any process that
+  maps it, so it cannot be the staging — bytes changed there after verification would reach
+  ``load_weights``. (So /dev/shm holds the wire bytes once, and every receiver once more.)
+* ``"per_bucket"``: each bucket is handed over as soon as it is verified. Memory: the two
+  receive buffers of :class:`DistTransport`; for :class:`ShmTransport` one private buffer of the
+  round's largest bucket, which each bucket is copied into (and verified in) before it is handed
+  over. A round that fails midway leaves the model partly updated: ``version`` still names the
   last committed version, :attr:`WeightReceiver.consistent` becomes False and the next round is
   a full round that repairs it.
+
+Either way ``load_weights`` only ever sees bytes in this process's own memory that were hashed
+there and matched the sender's digest; what happens to the channel's buffers afterwards cannot
+change them.
 
 Tensors split over several buckets or sharded over several senders are assembled in buffers kept
 across rounds (their total size), and handed over once their last piece arrived.
@@ -31,10 +40,12 @@ across rounds (their total size), and handed over once their last piece arrived.
 from __future__ import annotations
 
 import math
+import mmap
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import xxhash
 
@@ -56,6 +67,10 @@ __all__ = ["LoadWeights", "WeightReceiver"]
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 _STEP = 4 << 20  # streaming channels: hash this much at a time behind the packing sender
+# copy-out granularity: the chunk is hashed right after its copy, from cache. np.copyto of
+# chunks under ~512 KiB ran 2-4x slower on the 2-core dev box; 1 MiB copies + hashes ~1 GB in
+# 0.16-0.18 s there (hashing alone: ~0.1 s)
+_CHUNK = 1 << 20
 
 
 class _Assembler:
@@ -186,6 +201,50 @@ def _follow(ch: Channel, bk: Bucket) -> str | None:
     return proto.combine(out)
 
 
+def _copy_verify(bk: Bucket, dst: torch.Tensor, ready: Callable[[int], torch.Tensor]) -> str:
+    """Copy a bucket's pieces from the channel's view into ``dst`` (this process's memory) and
+    return the digest of the copy: each chunk is hashed from ``dst`` right after it was copied,
+    so the digest covers exactly the bytes that will be handed over, whatever the view holds
+    later. ``ready(upto)`` returns the view once its first ``upto`` bytes are readable."""
+    out = dst.numpy()
+    src: np.ndarray | None = None
+    digests = []
+    for p in bk.pieces:
+        h = xxhash.xxh3_128()
+        end = p.bucket_offset + p.nbytes
+        for lo in range(p.bucket_offset, end, _STEP):
+            hi = min(lo + _STEP, end)
+            view = ready(hi)
+            if view.device.type != "cpu":  # e.g. a device ring buffer: one transfer per step
+                dst[lo:hi].copy_(view[lo:hi])
+                h.update(out[lo:hi])
+                continue
+            if src is None:
+                src = view.numpy()
+            for c in range(lo, hi, _CHUNK):
+                e = min(c + _CHUNK, hi)
+                np.copyto(out[c:e], src[c:e])
+                h.update(out[c:e])
+        digests.append(h.hexdigest())
+    return proto.combine(digests)
+
+
+def _private(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of this process's memory, faulted in up front (MAP_POPULATE where there is
+    one) rather than page by page inside the first round's copy loop, which runs right behind
+    the sender: 1 GB populated in ~0.5 s vs ~0.75 s of faults on the dev VM in isolation (both
+    several times slower on memory the VM never touched before)."""
+    flags = getattr(mmap, "MAP_POPULATE", 0)
+    if not flags or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+    return torch.frombuffer(mem, dtype=torch.uint8)  # keeps `mem` alive as long as it is used
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.data_ptr() == b.data_ptr()
+
+
 class WeightReceiver:
     """Receives rounds from the senders of ``transport`` and loads them into a model.
 
@@ -213,8 +272,15 @@ class WeightReceiver:
         self._epoch = -1
         self._channel: Channel | None = None
         self._asm: _Assembler | None = None
-        self._arena: torch.Tensor | None = None  # on_commit staging, when the channel has none
+        self._arena: torch.Tensor | None = None  # on_commit staging (plan.arena_bytes)
+        self._bounce: torch.Tensor | None = None  # per_bucket copy of one shared-window bucket
         self._need_full = True
+
+    #: Benchmarks only (``bench_sync.py --apply on_commit:trusted``): the behaviour before
+    #: shared windows were treated as untrusted — stage and verify in the window itself, no
+    #: private copy. Never set it elsewhere: bytes written to the window after verification
+    #: reach ``load_weights``.
+    _trust_shared = False
 
     @property
     def plan(self) -> Plan | None:
@@ -240,7 +306,7 @@ class WeightReceiver:
                 self._channel.close()
                 self._channel = None
             if self._plan is None or plan.plan_id != self._plan.plan_id:
-                self._arena = None
+                self._arena = self._bounce = None
                 self._asm = _Assembler(plan, self.dtype)
             self._plan = plan
             self._channel = t.open_channel(plan)
@@ -283,28 +349,53 @@ class WeightReceiver:
             time.perf_counter() - t0)
         return self.last_round
 
+    def _staging(self, plan: Plan, ch: Channel, buckets: Sequence[Bucket], shared: bool
+                 ) -> Callable[[Bucket], torch.Tensor | None]:
+        """Where each bucket is kept from its verification until ``load_weights``: a slice of
+        this process's memory, or None to keep the channel's own buffer (private to this process
+        and, for on_commit, ``stable``)."""
+        if self.apply == "on_commit" and (shared or not ch.stable):
+            if self._arena is None:
+                self._arena = _private(plan.arena_bytes)
+            arena, offsets = self._arena, plan.arena_offsets(buckets)
+            return lambda bk: arena[offsets[bk.index]:offsets[bk.index] + bk.nbytes]
+        if shared:  # per_bucket: a bucket is handed over before the next one is copied out
+            need = max((bk.nbytes for bk in buckets), default=0)
+            if self._bounce is None or self._bounce.numel() < need:  # grows once, then reused
+                self._bounce = _private(max(need, plan.capacity))
+            bounce = self._bounce
+            return lambda bk: bounce[:bk.nbytes]
+        return lambda bk: None
+
     def _receive(self, plan: Plan, ch: Channel, asm: _Assembler, buckets: Sequence[Bucket],
                  version: int, load_weights: LoadWeights
                  ) -> tuple[SyncError | None, list[tuple[Bucket, torch.Tensor]]]:
         """Receive and verify every bucket; the first failure is kept (the round is drained
         anyway so all ranks stay in step) and returned for the vote."""
         t = self.transport
-        offsets: list[int] | None = None
-        if self.apply == "on_commit" and not ch.stable:  # stage the round in our own arena
-            offsets = plan.arena_offsets(buckets)
-            if self._arena is None:
-                self._arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+        shared = ch.shared and not self._trust_shared
+        private = self._staging(plan, ch, buckets, shared)
         failure: SyncError | None = None
         staged: list[tuple[Bucket, torch.Tensor]] = []
         prev: tuple[Bucket, str] | None = None
 
-        def consume(bk: Bucket, expected: str, actual: str | None = None) -> SyncError | None:
+        def consume(bk: Bucket, expected: str, early: str | None = None) -> SyncError | None:
+            """``early``: digest computed before the header arrived — of the private copy for a
+            shared channel, of the channel's buffer otherwise."""
             if failure is not None:
                 ch.wait(bk)
                 return failure
-            if actual is None and ch.partial:
+            dst = private(bk)
+            actual = early
+            if actual is None and ch.partial and not shared:
                 actual = _follow(ch, bk)  # hash behind the wire: prefixes as they arrive
             view = ch.wait(bk)
+            if dst is not None and not (shared and early is not None) and not _same(view, dst):
+                # not in our memory yet (a shared view; a channel that ignored `into` and will
+                # reuse its buffer): what is verified and handed over is our copy
+                actual = _copy_verify(bk, dst, lambda _upto: view)
+            if dst is not None:
+                view = dst
             if actual is None:
                 data = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
                 actual = proto.combine(digest(data[p.bucket_offset:p.bucket_offset + p.nbytes])
@@ -314,7 +405,8 @@ class WeightReceiver:
                     f"round {version}: {plan.describe(bk)} arrived with digest {actual}, the "
                     f"sender announced {expected}; the round is not committed and this "
                     f"receiver keeps version {self.version}. Check the transport / memory of "
-                    "both hosts; the next round resends everything")
+                    "both hosts (for shared memory: no other process may write the window); "
+                    "the next round resends everything")
             if self.apply == "on_commit":
                 staged.append((bk, view))
                 return None
@@ -333,17 +425,18 @@ class WeightReceiver:
         for bk in buckets:
             early = None  # streaming channel: the digest, computed while the owner packed
             if ch.streams and failure is None:
-                early = _follow(ch, bk)
+                dst = private(bk)
+                if shared and dst is not None:  # copy out right behind the packer, hash the copy
+                    early = _copy_verify(bk, dst, lambda upto, bk=bk: ch.wait_bytes(bk, upto))
+                else:
+                    early = _follow(ch, bk)
             status, expected = proto.header(t, bk.owner, bk.index)
             if status != proto.OK:
                 ch.flush()
                 raise RoundAbortedError(f"round {version}: sender rank {bk.owner} aborted at "
                                         f"bucket {bk.index} (its error is raised there); "
                                         f"this receiver keeps version {self.version}")
-            into = None
-            if offsets is not None and self._arena is not None:
-                into = self._arena[offsets[bk.index]:offsets[bk.index] + bk.nbytes]
-            ch.expect(bk, into)
+            ch.expect(bk, None if shared else private(bk))
             if ch.streams:
                 failure = consume(bk, expected, early)
                 continue
@@ -372,5 +465,5 @@ class WeightReceiver:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-        self._arena = None
+        self._arena = self._bounce = None
         self._plan = self._asm = None

@@ -12,7 +12,10 @@ it). No rank gathers the model; receivers assemble full tensors from the shards.
 Pipelining: bucket i+1 is packed (copied into a reused flat buffer and hashed in cache-sized
 chunks) while bucket i is on the wire — the channel's ``send`` is asynchronous and its buffers
 come in a ring of at least two. With :class:`DistTransport`, large pieces of plain CPU tensors
-are not copied at all: they are hashed and broadcast straight from the tensor. Packing runs in
+are not copied at all: they are hashed and broadcast straight from the tensor. Digests are
+always taken from this process's memory (the source, or a private cast of it), never read back
+from a channel buffer that other processes can write (``Channel.shared``), so they name the
+bytes the trainer meant to send and receivers reject anything else. Packing runs in
 the calling thread: async collectives give the overlap, no collective is issued from a
 background thread, and errors surface where the caller can see them.
 """
@@ -287,7 +290,7 @@ class WeightSender:
                 try:
                     extents = self._pack(plan, bk, buf, pieces, ch.zero_copy,
                                          (lambda n, bk=bk: ch.progress(bk, n))
-                                         if ch.streams else None)
+                                         if ch.streams else None, ch.shared)
                     d = proto.combine(pieces[(p.tensor, p.start)] for p in bk.pieces)
                 except Exception as e:
                     if ch.streams:  # release receivers waiting for bytes that will not come
@@ -321,12 +324,18 @@ class WeightSender:
 
     def _pack(self, plan: Plan, bk: Bucket, buf: torch.Tensor,
               pieces: dict[tuple[int, int], str], zero_copy: bool,
-              progress: Callable[[int], None] | None = None) -> dict[int, torch.Tensor]:
+              progress: Callable[[int], None] | None = None,
+              shared: bool = False) -> dict[int, torch.Tensor]:
         """Copy the bucket's pieces into ``buf`` and digest the ones not in ``pieces`` yet, chunk
         by chunk right after copying, while the chunk is still in cache. With ``zero_copy``,
         large pieces of plain CPU tensors are not copied: they are returned as extents (keyed by
         bucket offset) for the channel to send from the source. ``progress(n)`` is told every
-        few MiB that ``buf[:n]`` is final (streaming channels verify while we pack)."""
+        few MiB that ``buf[:n]`` is final (streaming channels verify while we pack).
+
+        The digest is taken from this process's memory (the source chunk, or a private cast of
+        it), never read back from ``buf``: with a ``shared`` buffer another process may write
+        it between our copy and our hash, and the digest must name the bytes we meant to send so
+        that receivers reject anything else."""
         dst = buf.numpy() if buf.device.type == "cpu" else None
         extents: dict[int, torch.Tensor] = {}
         for p in bk.pieces:
@@ -346,11 +355,13 @@ class WeightSender:
                 out = dst[p.bucket_offset:end]
                 for c in range(0, p.nbytes, _CHUNK):
                     np.copyto(out[c:c + _CHUNK], src[c:c + _CHUNK])
-                    if h is not None:
-                        h.update(out[c:c + _CHUNK])
+                    if h is not None:  # the source chunk: just read, still in cache
+                        h.update(src[c:c + _CHUNK])
                     if progress is not None and (c + _CHUNK) % _PROGRESS == 0:
                         progress(p.bucket_offset + min(c + _CHUNK, p.nbytes))
-            else:
+            elif shared:
+                self._pack_cast(local, p, wire, buf, h)
+            else:  # a private buffer (ours alone): cast straight into it, hash it there
                 region = buf[p.bucket_offset:end]
                 if p.nbytes:
                     region.view(wire).copy_(local.reshape(-1)[p.start:p.end])
@@ -361,6 +372,21 @@ class WeightSender:
             if progress is not None:
                 progress(end)
         return extents
+
+    @staticmethod
+    def _pack_cast(local: torch.Tensor, p: Piece, wire: torch.dtype, buf: torch.Tensor,
+                   h: xxhash.xxh3_128 | None) -> None:
+        """A piece that needs a cast or a gather, into a shared ``buf``: cast each chunk into
+        private memory, hash it there, then copy it into ``buf`` (one extra cache-sized copy)."""
+        flat = local.reshape(-1)
+        step = max(1, _CHUNK // wire.itemsize)
+        for start in range(p.start, p.end, step):
+            stop = min(start + step, p.end)
+            chunk = flat[start:stop].to(device="cpu", dtype=wire).contiguous().view(torch.uint8)
+            if h is not None:
+                h.update(chunk.numpy())
+            lo = p.bucket_offset + (start - p.start) * wire.itemsize
+            buf[lo:lo + chunk.numel()].copy_(chunk)
 
     def _hash_piece(self, plan: Plan, p: Piece) -> str:
         """Digest of a piece's wire bytes, computed from the source without packing it."""

@@ -7,11 +7,18 @@ Two kinds of files under ``/dev/shm`` (memory, not disk), mapped by every rank:
 * ``deltackpt-sync-<name>.w<gen>.<plan>`` — the **window**, one per plan: an arena where each
   round lays out its buckets (``plan.arena_offsets``) plus, per bucket position, a "published in
   round r" cell and a "packed so far" cell. The owner packs a bucket straight into the arena,
-  advancing "packed so far" every few MiB, and publishes it; receivers hash right behind the
-  packer (the digest is ready when the bucket header arrives) and load from it in place. The arena is reused every round, and a round's
-  bytes stay intact until every rank has entered the next round, so receivers keep a whole round
-  staged until commit at no extra memory. Cost: /dev/shm holds the model's wire bytes once (not
-  once per receiver).
+  advancing "packed so far" every few MiB, and publishes it; receivers copy it out right behind
+  the packer into their own memory and hash the copy (the digest is ready when the bucket header
+  arrives). The arena is reused every round.
+
+The window is ``shared`` (see :class:`Channel`): any process that can open the file can write
+it, at any time, so its bytes are untrusted input. The sender hashes what it packs from its own
+tensors, never from the window; a receiver verifies and hands to ``load_weights`` only its
+private copy, so a write to the window after the copy (a buggy process, a sender that starts the
+next round early) is either caught by the digest or cannot reach the model. Cost: /dev/shm holds
+the model's wire bytes once; each receiver holds a private copy of a round (``on_commit``) or of
+one bucket (``per_bucket``), and copying out is one memcpy of the round per receiver, overlapped
+with the packing.
 
 Synchronisation is lock-free polling of cells that each rank writes only for itself, tagged with
 the generation and the op sequence number (every rank performs the same collectives in the same
@@ -343,6 +350,7 @@ class _ShmWindow(Channel):
     relays = False
     stable = True
     streams = True
+    shared = True  # any process that can open the file can write the arena
 
     def __init__(self, t: ShmTransport, plan: Plan) -> None:
         self.t = t

@@ -72,10 +72,16 @@ class Channel(ABC):
     round begins, otherwise until the second next ``expect``. A rank that is neither owner nor
     receiver of a bucket calls ``expect``/``wait`` only if ``relays`` (e.g. a gloo broadcast
     needs every rank of the group).
+
+    With ``shared`` the views (``wait``, ``wait_bytes``, ``buffer``) are memory that other
+    processes can write at any time (a shared-memory window): their bytes are untrusted input.
+    A receiver copies a bucket out into private memory and verifies and hands over only that
+    copy; a sender hashes the bytes it packs from its own memory, never from the view.
     """
 
     relays: bool = False
     stable: bool = False
+    shared: bool = False
     #: ``send`` accepts ``extents``: segments (``plan.segments``) to send from the caller's own
     #: tensors instead of the buffer — a large piece goes out without being copied.
     zero_copy: bool = False
