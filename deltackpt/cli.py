@@ -117,6 +117,8 @@ def _no_tensor(i: int) -> Any:
 def _display(node: Any) -> str:
     if isinstance(node, dict) and "pickle" in node:
         return "<pickled>"
+    if isinstance(node, dict) and isinstance(node.get("rng"), dict):
+        return f"<{node['rng'].get('type', 'rng')} state>"  # not the object's repr (an address)
     try:
         return _short(unflatten(node, _no_tensor, False))
     except DeltackptError:

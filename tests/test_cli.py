@@ -201,3 +201,13 @@ def test_demo_refuses_non_empty_dir(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     code, _, err = run(capsys, "demo", "--dir", tmp_path, "--steps", "1")
     assert code == 2 and "empty" in err
+
+
+def test_show_and_diff_name_generator_states_not_addresses(capsys, tmp_path):
+    path = tmp_path / "g"
+    deltackpt.save({"g": torch.Generator().manual_seed(1)}, path, "a")
+    deltackpt.save({"g": torch.Generator().manual_seed(2)}, path, "b")
+    code, out, _ = run(capsys, "show", path, "a")
+    assert code == 0 and "g=<torch.Generator state>" in out and "0x" not in out
+    code, out, _ = run(capsys, "diff", path, "a", "b")
+    assert code == 0 and "1 non-tensor value(s) differ" in out
