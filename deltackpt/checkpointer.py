@@ -27,7 +27,7 @@ from deltackpt._async import SaveHandle, async_save
 from deltackpt._fsutil import store_lock
 from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
 from deltackpt.lifecycle import _delete, gc
-from deltackpt.loading import load
+from deltackpt.loading import load_reusing
 from deltackpt.manifest import Manifest
 from deltackpt.options import default_lock_timeout
 from deltackpt.saving import save
@@ -230,7 +230,10 @@ class Checkpointer:
         if found is None:
             return 0
         m, step = found
-        loaded = load(self.store, m.name)
+        # In place: the live modules' and optimizers' tensors are read into directly and come
+        # back as themselves, so load_state_dict below copies nothing and no second copy of the
+        # state is ever held.
+        loaded = load_reusing(self.store, m.name, to_saveable(state))
         rng_state = loaded.pop(RNG_KEY, None) if isinstance(loaded, dict) else None
         # Validate the RNG state before anything changes; apply it after everything else.
         apply_rng = _rng.prepare(rng_state, RNG_KEY) if self.rng and rng_state is not None else None

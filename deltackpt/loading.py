@@ -56,9 +56,58 @@ def load(
     if process_group is not None:
         return _agree(process_group, lambda: load(store, name, into=into, options=opts))
     st = open_store(store, create=False)
-    m = st.manifest(name)
+    return _retrying(st, st.manifest(name), lambda m: _load_once(st, m, into, opts))
+
+
+def load_reusing(
+    store: str | os.PathLike[str] | Store,
+    name: str,
+    reuse: Any,
+    *,
+    options: LoadOptions | None = None,
+) -> Any:
+    """Load snapshot ``name`` as :func:`load` does without ``into``, but read every tensor that
+    ``reuse`` holds at the same key path, with the same shape and dtype, *in place* and return
+    that very tensor in the result; only the others are allocated.
+
+    Used by ``Checkpointer.restore_latest``: the state dicts of live modules and optimizers are
+    the ``reuse`` tree, so a resume needs no second copy of the state (peak memory = the state
+    plus reader buffers, plus whatever the live objects do not hold yet, such as the moments of
+    a fresh optimizer)."""
+    opts = options or LoadOptions()
+    st = open_store(store, create=False)
+    _, leaves = flatten(reuse, allow_pickle=True, check_tensors=False)
+    targets = {leaf.path: leaf.tensor for leaf in leaves}
+
+    def once(m: Manifest) -> Any:
+        wanted = [
+            i
+            for i, e in enumerate(m.tensors)
+            if e.storage is None and _reusable(targets.get(e.path), e)
+        ]
+        with torch.no_grad():
+            for i, t in _read_selected(st, m, wanted, targets, opts).items():
+                dst = targets[m.tensors[i].path]
+                if t is not dst:
+                    dst.copy_(t)
+        return _load_new(st, m, opts, {i: targets[m.tensors[i].path] for i in wanted})
+
+    return _retrying(st, st.manifest(name), once)
+
+
+def _reusable(t: Any, e: TensorEntry) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and not is_dtensor(t)
+        and not t.is_meta
+        and tuple(t.shape) == e.shape
+        and t.dtype == dtype_from_name(e.dtype)
+    )
+
+
+def _retrying(st: Store, m: Manifest, fn: Any) -> Any:
     try:
-        return _load_once(st, m, into, opts)
+        return fn(m)
     except CorruptChunkError as e:
         # gc compaction repoints manifests before deleting the old pack: if ours moved while we
         # read, read the new one once. Real damage fails again with the same error.
@@ -67,7 +116,7 @@ def load(
         fresh = st.manifest(m.name)
         if fresh is m:
             raise
-        return _load_once(st, fresh, into, opts)
+        return fn(fresh)
 
 
 def _load_once(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> Any:
@@ -155,11 +204,13 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-def _check_memory(m: Manifest) -> None:
+def _check_memory(m: Manifest, provided: dict[int, torch.Tensor]) -> None:
     """Refuse, before allocating, a load that needs more memory than the machine has (the
     manifest's sizes are validated, but a valid manifest may still describe huge tensors)."""
     need = sum(n for n, _ in m.storages)
-    for e in m.tensors:
+    for i, e in enumerate(m.tensors):
+        if i in provided:
+            continue
         if e.data is not None:
             need += e.nbytes
         elif e.shards is not None:
@@ -173,16 +224,23 @@ def _check_memory(m: Manifest) -> None:
         )
 
 
-def _load_new(st: Store, m: Manifest, opts: LoadOptions) -> Any:
-    _check_memory(m)
+def _load_new(
+    st: Store, m: Manifest, opts: LoadOptions, provided: dict[int, torch.Tensor] | None = None
+) -> Any:
+    """The snapshot as new CPU tensors; tensors in ``provided`` (by index, already filled) are
+    used as they are instead of being read."""
+    provided = provided or {}
+    _check_memory(m, provided)
     dests: list[tuple[str, tuple[Slice, ...], np.ndarray]] = []
     storages = [_u8(n) for n, _ in m.storages]
     for (_, data), buf in zip(m.storages, storages, strict=True):
         dests.append((f"<storage of {len(data)} slices>", data, _np(buf)))
     whole: list[torch.Tensor | None] = []
     box_reads: list[tuple[list[PieceRead], torch.Tensor]] = []
-    for e in m.tensors:
-        if e.data is not None:
+    for i, e in enumerate(m.tensors):
+        if i in provided:
+            whole.append(None)
+        elif e.data is not None:
             buf = _u8(e.nbytes)
             dests.append((e.path, e.data, _np(buf)))
             whole.append(buf)
@@ -199,8 +257,11 @@ def _load_new(st: Store, m: Manifest, opts: LoadOptions) -> Any:
         finish_box_reads(reads, full.dtype)
 
     tensors: list[torch.Tensor] = []
-    for e, buf in zip(m.tensors, whole, strict=True):
+    for i, (e, buf) in enumerate(zip(m.tensors, whole, strict=True)):
         dtype = dtype_from_name(e.dtype)
+        if i in provided:
+            tensors.append(provided[i])  # already filled in place: the caller's own tensor
+            continue
         if e.shards is not None and buf is not None:
             t = buf
         elif buf is not None:

@@ -551,3 +551,40 @@ def test_readme_recipe_resumes_bit_identically_with_dropout(
     _run_recipe(no_rng, tmp_path / "norng", monkeypatch, 8)
     other = _run_recipe(no_rng, tmp_path / "norng", monkeypatch, None)
     assert any(not torch.equal(other[k], full[k]) for k in full)
+
+
+def test_restore_latest_reads_into_the_live_tensors(tmp_path):
+    """No second copy of the state: parameters and optimizer moments are read in place and keep
+    their storage; only what the live objects lack (a fresh optimizer's moments) is allocated."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    ckpt = deltackpt.Checkpointer(tmp_path / "s", every=1, async_=False)
+    ckpt.save(0, {"model": model, "optim": opt})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_m = opt.state[model.weight]["exp_avg"].clone()
+
+    # same objects, scribbled: restored in place
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7)
+        opt.state[model.weight]["exp_avg"].fill_(7)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    moment = opt.state[model.weight]["exp_avg"]
+    assert ckpt.restore_latest({"model": model, "optim": opt}) == 1
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert opt.state[model.weight]["exp_avg"] is moment
+    assert torch.equal(moment, saved_m)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+
+    # a fresh optimizer has no moments yet: they are allocated, and equal
+    model2 = torch.nn.Linear(64, 32)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    ptr = model2.weight.data_ptr()
+    ckpt.restore_latest({"model": model2, "optim": opt2})
+    assert model2.weight.data_ptr() == ptr and torch.equal(model2.weight, saved["weight"])
+    assert torch.equal(opt2.state[model2.weight]["exp_avg"], saved_m)
+    ckpt.close()
