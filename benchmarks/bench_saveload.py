@@ -489,15 +489,25 @@ class DeltackptNoGroupSystem(DeltackptSystem):
 
 
 class DeltackptRawSystem(DeltackptSystem):
-    """deltackpt with compression off (every chunk stored raw): isolates the codec cost."""
+    """deltackpt with ``encoding="fast-restore"`` (every chunk stored raw): isolates the codec
+    cost."""
 
     name = "deltackpt-raw"
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
-        from deltackpt.codecs import RAW, EncodePolicy
+        self.options = {"encoding": "fast-restore"}
 
-        self.options = {"encoding": EncodePolicy(codecs=(RAW,))}
+
+class DeltackptSmallestSystem(DeltackptSystem):
+    """deltackpt with ``encoding="smallest"``: any chunk an encoding shrinks by 10% is encoded
+    (the default before issue 9)."""
+
+    name = "deltackpt-smallest"
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.options = {"encoding": "smallest"}
 
 
 SYSTEMS = {
@@ -509,6 +519,7 @@ SYSTEMS = {
         DeltackptSystem,
         DeltackptNoGroupSystem,
         DeltackptRawSystem,
+        DeltackptSmallestSystem,
     )
 }
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from deltackpt.codecs import EncodePolicy
+from deltackpt.codecs import ENCODINGS, EncodePolicy
 from deltackpt.errors import InvalidArgumentError
 
 _OVERRIDES: dict[str, str] = {}
@@ -133,7 +133,7 @@ def _check_threads(owner: str, value: Any) -> None:
 
 
 _ENCODING_HINT = (
-    "Build an EncodePolicy: `from deltackpt.codecs import EncodePolicy, RAW, ZSTD, XOR`, then "
+    f'Pass one of {sorted(ENCODINGS)} ("auto" is the default), or build an EncodePolicy: `from deltackpt.codecs import EncodePolicy, RAW, ZSTD, XOR`, then '
     "encoding=EncodePolicy(codecs=(RAW, ZSTD)) allows zstd, EncodePolicy(force=ZSTD) always uses "
     "it, EncodePolicy(codecs=(RAW,)) turns encoding off; leave it out for the default"
 )
@@ -149,7 +149,9 @@ class SaveOptions:
     threads: int = field(default_factory=default_threads)
     lock_timeout: float = field(default_factory=default_lock_timeout)
     fsync: bool = field(default_factory=default_fsync)
-    encoding: EncodePolicy = field(default_factory=EncodePolicy)
+    # "auto" | "fast-restore" | "smallest" (deltackpt.codecs.ENCODINGS) or an EncodePolicy;
+    # a name is replaced by its policy on construction
+    encoding: EncodePolicy = field(default_factory=lambda: ENCODINGS["auto"])
     # xor deltas: a full chunk at least every K saves of a key, so a restore decodes at most K
     # payloads per chunk (measured: restore time grows ~linearly with the chain depth)
     keyframe_every: int = 4
@@ -174,9 +176,15 @@ class SaveOptions:
                 "Pass e.g. lock_timeout=600 (env DELTACKPT_LOCK_TIMEOUT), or 0 to fail at once "
                 "when the store is locked",
             )
+        if isinstance(self.encoding, str) and self.encoding in ENCODINGS:
+            object.__setattr__(self, "encoding", ENCODINGS[self.encoding])
         if not isinstance(self.encoding, EncodePolicy):
             raise _bad(
-                owner, "encoding", self.encoding, "a deltackpt.codecs.EncodePolicy", _ENCODING_HINT
+                owner,
+                "encoding",
+                self.encoding,
+                f"one of {sorted(ENCODINGS)} or a deltackpt.codecs.EncodePolicy",
+                _ENCODING_HINT,
             )
         if not _is_int(self.keyframe_every) or self.keyframe_every < 1:
             raise _bad(
