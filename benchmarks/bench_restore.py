@@ -1,6 +1,6 @@
 """Resume cost: Checkpointer.restore_latest (in place) vs load + load_state_dict vs torch.load.
 
-    python benchmarks/bench_restore.py [--layers 16] [--width 2048]
+    python benchmarks/bench_restore.py [--layers 16] [--width 2048] [--keep-last 3] [--steps 10]
 
 Each variant runs in its own fresh process (so peak RSS is its own) against the same saved
 state: fp32 MLP weights + AdamW moments after one step. Reported per variant: wall time of the
@@ -11,6 +11,10 @@ restore and peak RSS growth during it (sampled every ms), relative to the state'
   ``restore_latest`` did before issue 9 and what a plain-loop user does;
 * ``torch.load``: ``torch.load(mmap=False)`` then ``load_state_dict`` (the peer);
 * ``torch.load mmap``: ``torch.load(mmap=True)`` then ``load_state_dict``.
+
+Then a retention run: ``Checkpointer(keep_last=K)`` over N dense AdamW steps, fp32 and bf16,
+``encoding="auto"`` and ``"smallest"``: the most disk the store held after any save (packs and
+manifests) as a multiple of the state, the bytes each save wrote, and the resume time.
 """
 
 from __future__ import annotations
@@ -95,11 +99,55 @@ class _RssSampler:
         return self.peak - self.base
 
 
+def retention(layers: int, width: int, keep: int, steps: int, root: Path) -> list[str]:
+    """Checkpointer(keep_last=keep) over ``steps`` dense AdamW steps, fp32 and bf16: disk held
+    (packs + manifests) after every save against ``keep`` x the state, and bytes written."""
+    import deltackpt
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for encoding in ("auto", "smallest"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(
+                dtype
+            )
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            store = root / f"ret-{dtype}-{encoding}"
+            ck = deltackpt.Checkpointer(
+                store, every=1, keep_last=keep, async_=False, encoding=encoding
+            )
+            worst = 0.0
+            written = []
+            for step in range(steps):
+                model(torch.randn(8, width, dtype=dtype)).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                ck.maybe_save(step, {"model": model, "optim": opt})
+                info = ck.infos[-1]
+                disk = sum(
+                    f.stat().st_size for f in store.rglob("*") if f.suffix in (".pack", ".json")
+                )
+                worst = max(worst, disk / info.logical_bytes)
+                written.append(info.bytes_written / info.logical_bytes)
+            ck.close()
+            t0 = time.perf_counter()
+            deltackpt.Checkpointer(store, every=1).restore_latest({"model": model, "optim": opt})
+            resume = time.perf_counter() - t0
+            rows.append(
+                f"| {str(dtype).removeprefix('torch.')} | {encoding} | {keep} | {worst:.2f} | "
+                f"{sum(written[1:]) / max(1, len(written) - 1):.0%} | {resume:.3f} |"
+            )
+            shutil.rmtree(store, ignore_errors=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--keep-last", type=int, default=3, help="retention run: keep_last")
+    ap.add_argument("--steps", type=int, default=10, help="retention run: training steps")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -145,6 +193,15 @@ def main() -> int:
                 f"| {variant} | {s:.3f} | {s / ref:.2f}x | {mb:.0f} | {mb / state_mb:.2f} | "
                 f"{'yes' if ok else 'NO'} |"
             )
+        print(
+            f"\nCheckpointer(keep_last={args.keep_last}) over {args.steps} AdamW steps (lr 1e-5): "
+            "most disk held after any save, as a multiple of the state; mean bytes written per "
+            "save after the first; resume (restore_latest) seconds\n"
+        )
+        print("| dtype | encoding | keep_last | max disk / state | written per save | resume s |")
+        print("|---|---|---|---|---|---|")
+        for row in retention(args.layers, args.width, args.keep_last, args.steps, root):
+            print(row)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
