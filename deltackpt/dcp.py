@@ -50,7 +50,6 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +80,7 @@ from deltackpt._dcp_values import DCP_KEY  # manifest metadata key of the DCP fa
 from deltackpt._dtypes import dtype_from_name, dtype_name
 from deltackpt._fsutil import store_lock
 from deltackpt._plan import tensor_bytes
-from deltackpt._read import ChunkReader, ChunkTargets
+from deltackpt._read import ChunkTargets, run_jobs
 from deltackpt._reshard import sub_slices
 from deltackpt._save import closure
 from deltackpt._tree import flatten, unflatten
@@ -840,17 +839,15 @@ class StoreReader(StorageReader):
 
     def _fetch(self, packs: PackReaders, jobs: list[ChunkTargets]) -> None:
         assert self.manifest is not None
-        reader = ChunkReader(packs, self.manifest.chunks, verify=self.options.verify)
-        threads = self.options.threads
-        if threads <= 1 or len(jobs) <= 1:
-            for j in jobs:
-                reader.read(j)
-            return
-        with ThreadPoolExecutor(
-            min(threads, len(jobs)), thread_name_prefix="deltackpt-dcp"
-        ) as pool:
-            for f in [pool.submit(reader.read, j) for j in jobs]:
-                f.result()
+        # The load engine: coalesced scatter reads into the destinations, decode on the pool.
+        run_jobs(
+            packs,
+            self.manifest.chunks,
+            jobs,
+            self.options.verify,
+            self.options.threads,
+            "deltackpt-dcp",
+        )
 
     def _plan_piece(self, src: _Piece, reqs: list[ReadItem], want: Any) -> tuple[Any, ...]:
         """Read the element span [lo, hi) of the saved block that the requests touch."""

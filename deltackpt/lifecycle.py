@@ -23,6 +23,7 @@ import numpy as np
 
 from deltackpt._fsutil import fsync_dir, store_lock
 from deltackpt._read import ChunkReader
+from deltackpt._read import _scratch as scratch
 from deltackpt.errors import (
     CorruptChunkError,
     DamagedSnapshotWarning,
@@ -486,7 +487,10 @@ def verify(
             while stack:
                 node, base_raw = stack.pop()
                 d, rec = node
-                raw = np.empty(rec.size, dtype=np.uint8)
+                # A chunk no delta builds on is only hashed: a per-thread scratch buffer, reused
+                # (fresh memory per chunk costs page faults on every chunk of the store).
+                kids = children.get(node)
+                raw = np.empty(rec.size, dtype=np.uint8) if kids else scratch("verify", rec.size)
                 try:
                     ChunkReader(packs, {d: rec}, verify=True).decode_into(
                         d, raw, "verify", base_raw=base_raw

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 from deltackpt._dcp_values import decode_byte_values
 from deltackpt._dtensor import is_dtensor, local_box, local_tensor
 from deltackpt._dtypes import dtype_from_name
-from deltackpt._read import ChunkReader, ChunkTargets
+from deltackpt._read import ChunkTargets, advise_huge, fresh_u8, run_jobs
 from deltackpt._reshard import PieceRead, finish_box_reads, plan_box_reads
 from deltackpt._tree import Node, _key_segment, flatten, tensor_paths, unflatten
 from deltackpt.errors import (
@@ -164,18 +163,11 @@ def _slice_jobs(
 
 def _run(st: Store, m: Manifest, jobs: list[ChunkTargets], opts: LoadOptions) -> None:
     with PackReaders(st.packs_dir) as packs:
-        reader = ChunkReader(packs, m.chunks, verify=opts.verify)
-        if opts.threads <= 1 or len(jobs) <= 1:
-            for j in jobs:
-                reader.read(j)
-            return
-        with ThreadPoolExecutor(opts.threads, thread_name_prefix="deltackpt-load") as pool:
-            for f in [pool.submit(reader.read, j) for j in jobs]:
-                f.result()
+        run_jobs(packs, m.chunks, jobs, opts.verify, opts.threads, "deltackpt-load")
 
 
 def _u8(n: int) -> torch.Tensor:
-    return torch.empty(n, dtype=torch.uint8)
+    return fresh_u8(n)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -245,7 +237,7 @@ def _load_new(
             dests.append((e.path, e.data, _np(buf)))
             whole.append(buf)
         elif e.shards is not None:
-            full = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            full = advise_huge(torch.empty(e.shape, dtype=dtype_from_name(e.dtype)))
             reads = plan_box_reads(e, full, ((0,) * len(e.shape), e.shape))
             dests.extend((e.path, r.slices, r.buf) for r in reads)
             box_reads.append((reads, full))
@@ -351,6 +343,11 @@ def _read_selected(
     storage_bufs: dict[int, torch.Tensor] = {}
     out: dict[int, torch.Tensor] = {}
     box_reads: list[tuple[list[PieceRead], torch.dtype]] = []
+    storage_users: dict[int, list[int]] = {}
+    for i in wanted:
+        sv = m.tensors[i].storage
+        if sv is not None:
+            storage_users.setdefault(sv.id, []).append(i)
     for i in wanted:
         e = m.tensors[i]
         dst = targets[e.path]
@@ -361,7 +358,7 @@ def _read_selected(
             box_reads.append((reads, dst.dtype))
             out[i] = dst
         elif e.shards is not None:
-            full = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            full = advise_huge(torch.empty(e.shape, dtype=dtype_from_name(e.dtype)))
             reads = plan_box_reads(e, full, ((0,) * len(e.shape), e.shape))
             dests.extend((e.path, r.slices, r.buf) for r in reads)
             box_reads.append((reads, full.dtype))
@@ -384,20 +381,97 @@ def _read_selected(
             sid = e.storage.id
             if sid not in storage_bufs:
                 n, data = m.storages[sid]
-                storage_bufs[sid] = _u8(n)
+                # A CPU target covering the whole saved storage (a tied embedding loaded into
+                # the same model) takes the bytes in place: no fresh buffer, no copy_ after.
+                home = _storage_home(m, sid, storage_users.get(sid, []), targets)
+                storage_bufs[sid] = (
+                    _u8(n) if home is None else home.detach().reshape(-1).view(torch.uint8)
+                )
                 dests.append((e.path, data, _np(storage_bufs[sid])))
             dtype = dtype_from_name(e.dtype)
             size = torch.empty(0, dtype=dtype).element_size()
-            out[i] = torch.empty(0, dtype=dtype).set_(
-                storage_bufs[sid].untyped_storage(),
-                e.storage.offset // size,
+            buf = storage_bufs[sid]
+            view = torch.empty(0, dtype=dtype).set_(
+                buf.untyped_storage(),
+                (buf.storage_offset() + e.storage.offset) // size,
                 e.shape,
                 e.storage.stride,
             )
+            out[i] = dst if _same_memory(view, dst) else view
     _run(st, m, _slice_jobs(m, dests), opts)
     for reads, dtype in box_reads:
         finish_box_reads(reads, dtype)
     return out
+
+
+def _plain_cpu(t: torch.Tensor) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and not is_dtensor(t)
+        and t.device.type == "cpu"
+        and not t.is_meta
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def _covers_storage(t: torch.Tensor, e: TensorEntry, nbytes: int) -> bool:
+    """``t`` (the target of a tensor saved as a view of a shared storage) can receive the whole
+    storage's bytes: a contiguous CPU tensor exactly as large, and the saved view is the whole
+    storage in C order (so ``t`` equals the view once the bytes are in)."""
+    assert e.storage is not None
+    return (
+        _plain_cpu(t)
+        and t.is_contiguous()
+        and t.numel() * t.element_size() == nbytes
+        and nbytes > 0
+        # views of every dtype must start on an element boundary of the bytes read in place
+        and t.storage_offset() * t.element_size() % 16 == 0
+        and e.storage.offset == 0
+        and tuple(e.storage.stride) == tuple(torch.empty(e.shape, device="meta").stride())
+    )
+
+
+def _storage_home(
+    m: Manifest, sid: int, users: list[int], targets: dict[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """A target that can receive the whole shared storage ``sid`` in place, or None. Refused
+    when another target of the storage overlaps it other than as the very view the snapshot
+    describes: reading in place would then change the bytes that target is copied from."""
+    n = m.storages[sid][0]
+    for k in users:
+        home = targets[m.tensors[k].path]
+        if not _covers_storage(home, m.tensors[k], n):
+            continue
+        base = home.untyped_storage().data_ptr()
+        ok = True
+        for j in users:
+            t, sv = targets[m.tensors[j].path], m.tensors[j].storage
+            assert sv is not None
+            if is_dtensor(t) or t.device.type != "cpu" or t.untyped_storage().data_ptr() != base:
+                continue  # separate memory: copied into after the read
+            if not (
+                t.data_ptr() == home.data_ptr() + sv.offset
+                and tuple(t.shape) == m.tensors[j].shape
+                and tuple(t.stride()) == tuple(sv.stride)
+            ):
+                ok = False
+                break
+        if ok:
+            return home
+    return None
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` is exactly the tensor view ``a`` (same bytes, shape, strides, dtype): copying ``a``
+    into it would be a no-op."""
+    return (
+        _plain_cpu(b)
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
 
 
 def _assign_values(tree: Node, target: Any, opts: LoadOptions) -> None:

@@ -23,6 +23,7 @@ from deltackpt.manifest import PACK_ID_RE
 from deltackpt.store import PACK_ALIGN, PACK_MAGIC
 
 _ZEROS = bytes(PACK_ALIGN)
+_IOV_MAX = 1024  # iovecs per preadv: IOV_MAX on Linux and macOS
 
 
 def new_pack_id() -> str:
@@ -140,6 +141,29 @@ class PackReaders:
             if n == 0:
                 break
             done += n
+        return done
+
+    def readv_into(self, pack: str, offset: int, bufs: list[memoryview]) -> int:
+        """Fill ``bufs`` (byte memoryviews) in order from ``pack`` at ``offset``, one ``preadv``
+        per ``_IOV_MAX`` buffers (and more after a short read); return bytes read (less than
+        their total only at end of file)."""
+        fd = self.fd(pack)
+        done = 0
+        i = 0
+        while i < len(bufs):
+            batch = bufs[i : i + _IOV_MAX]
+            want = sum(len(b) for b in batch)
+            n = os.preadv(fd, batch, offset + done) if want else 0
+            done += n
+            if n == want:
+                i += len(batch)
+                continue
+            if n == 0:
+                break
+            # Short read (a signal, a huge request): go on from the first unfilled byte.
+            rest = _advance(batch, n)
+            bufs = rest + bufs[i + len(batch) :]
+            i = 0
         return done
 
     def close(self) -> None:
