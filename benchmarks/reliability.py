@@ -31,8 +31,9 @@ CATEGORIES: list[tuple[str, str, list[str]]] = [
     ),
     (
         "damaged chunks",
-        "flipped bytes (raw/zstd), truncated and missing packs, corrupt keyframes under deltas",
-        ["tests/test_corruption.py"],
+        "flipped bytes (raw/zstd), truncated and missing packs, corrupt keyframes under deltas, "
+        "corrupt and truncated chunks inside merged reads",
+        ["tests/test_corruption.py", "tests/test_readpath.py"],
     ),
     (
         "hostile stores",
@@ -50,7 +51,8 @@ CATEGORIES: list[tuple[str, str, list[str]]] = [
     (
         "retention and resume",
         "Checkpointer deletes only its own snapshots; RNG state round-trips without pickle; "
-        "SIGKILL + resume with dropout is bit-identical",
+        "SIGKILL + resume with dropout is bit-identical; keep_last=K never holds more than K "
+        "states on disk; in-place restore",
         ["tests/test_checkpointer.py"],
     ),
     (
