@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from deltackpt._fsutil import fsync_dir, publish, write_durable
+from deltackpt._fsutil import fsync_dir, open_dir, publish, write_durable
 from deltackpt._hashing import DIGEST_NAME
 from deltackpt._validate import validate_manifest
 from deltackpt.errors import (
@@ -109,10 +109,7 @@ MAX_MANIFEST_BYTES = 1 << 31  # a larger MANIFEST.json is refused before it is r
 
 def check_dir(path: Path) -> None:
     """Refuse a store sub-directory (``snapshots/``, ``packs/``, ``tmp/``) that is a symlink."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise
+    st = os.lstat(path)  # FileNotFoundError passes through: callers treat it as "empty"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError(
             f"{path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}; "
@@ -120,16 +117,19 @@ def check_dir(path: Path) -> None:
         )
 
 
-def _read_manifest_file(snapshots: Path, name: str) -> tuple[bytes, tuple[int, int, int]]:
+def _read_manifest_file(
+    snapshots: Path, name: str, known: tuple[int, int, int] | None
+) -> tuple[bytes | None, tuple[int, int, int]]:
     """Bytes of ``snapshots/<name>/MANIFEST.json`` and its (inode, mtime, size), opened without
-    following symlinks at any level. Raises FileNotFoundError when there is none."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW
+    following symlinks at any level; the bytes are None when the key equals ``known`` (the
+    caller's cached copy is current: every save and every ``latest`` scans all manifests, so a
+    hit must not read them). Raises FileNotFoundError when there is none."""
     fds: list[int] = []
     try:
         try:
-            fds.append(os.open(snapshots, flags | os.O_DIRECTORY))
-            fds.append(os.open(name, flags | os.O_DIRECTORY, dir_fd=fds[-1]))
-            fds.append(os.open("MANIFEST.json", flags, dir_fd=fds[-1]))
+            fds.append(open_dir(snapshots))
+            fds.append(open_dir(name, dir_fd=fds[-1]))
+            fds.append(os.open("MANIFEST.json", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fds[-1]))
         except OSError as e:
             # O_NOFOLLOW on a link gives ELOOP, or ENOTDIR together with O_DIRECTORY
             if e.errno in (errno.ELOOP, errno.ENOTDIR) and not _is_link(snapshots, name):
@@ -154,13 +154,16 @@ def _read_manifest_file(snapshots: Path, name: str) -> tuple[bytes, tuple[int, i
                 f"{MAX_MANIFEST_BYTES} a manifest may have",
                 snapshot=name,
             )
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key == known:
+            return None, key
         chunks = []
         while True:
             b = os.read(fd, 1 << 20)
             if not b:
                 break
             chunks.append(b)
-        return b"".join(chunks), (st.st_ino, st.st_mtime_ns, st.st_size)
+        return b"".join(chunks), key
     finally:
         for fd in fds:
             os.close(fd)
@@ -273,13 +276,14 @@ class Store:
         return good, bad
 
     def has(self, name: str) -> bool:
-        """Whether ``snapshots/<name>/MANIFEST.json`` exists (readable or not; links refused)."""
+        """Whether ``snapshots/<name>/MANIFEST.json`` exists (readable or not: reading it is
+        where links are refused)."""
         validate_name(name)
         try:
-            st = os.lstat(self.manifest_path(name))
+            os.lstat(self.manifest_path(name))
         except (FileNotFoundError, NotADirectoryError):
             return False
-        return bool(st)
+        return True
 
     def resolve(self, name: str) -> str:
         if name == LATEST:
@@ -333,13 +337,14 @@ class Store:
 
         Opened relative to directory descriptors with O_NOFOLLOW at every level, so a symlink
         (or one swapped in while we read) is refused, never followed."""
-        try:
-            raw, key = _read_manifest_file(self.snapshots_dir, name)
-        except FileNotFoundError:
-            return None
         with self._cache_lock:
             hit = self._cache.get(name)
-        if hit is not None and hit[0] == key:
+        try:
+            raw, key = _read_manifest_file(self.snapshots_dir, name, hit[0] if hit else None)
+        except FileNotFoundError:
+            return None
+        if raw is None:
+            assert hit is not None  # only returned for the key we passed
             return hit[1]
         where = f"snapshot {name!r} ({self.manifest_path(name)})"
         try:
@@ -376,11 +381,10 @@ class Store:
         :class:`UnsafePathError` and nothing outside the store is touched."""
         validate_name(name)
         check_dir(self.snapshots_dir)
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-        snap_fd = os.open(self.snapshots_dir, flags)
+        snap_fd = open_dir(self.snapshots_dir)
         try:
             try:
-                fd = os.open(name, flags, dir_fd=snap_fd)
+                fd = open_dir(name, dir_fd=snap_fd)
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise UnsafePathError(
