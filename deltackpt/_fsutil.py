@@ -30,6 +30,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_dir(path: str | Path, dir_fd: int | None = None) -> int:
+    """Open a directory of the store without following a symlink (ELOOP or ENOTDIR if it is
+    one), relative to ``dir_fd`` when given: paths from stored data never leave the store."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+
+
 def write_durable(path: Path, data: bytes) -> None:
     """Write ``data`` to a new file ``path`` and fsync it (not its directory)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from deltackpt._fsutil import fsync_dir, store_lock
+from deltackpt._fsutil import fsync_dir, open_dir, store_lock
 from deltackpt._read import ChunkReader
 from deltackpt._read import _scratch as scratch
 from deltackpt.errors import (
@@ -326,7 +326,7 @@ def _sweep_leftovers(st: Store, leftovers: list[tuple[str, str]]) -> None:
         names = [n for s_, n in leftovers if s_ == sub]
         if not names:
             continue
-        dfd = os.open(st.root / sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        dfd = open_dir(st.root / sub)
         try:
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
@@ -343,7 +343,7 @@ def _sweep_leftovers(st: Store, leftovers: list[tuple[str, str]]) -> None:
 
 def _has_manifest(dfd: int, name: str) -> bool:
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+        fd = open_dir(name, dir_fd=dfd)
     except OSError:
         return False
     try:

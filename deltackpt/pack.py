@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from deltackpt._fsutil import open_dir
 from deltackpt.errors import UnsafePathError
 from deltackpt.manifest import PACK_ID_RE
 from deltackpt.store import PACK_ALIGN, PACK_MAGIC
@@ -115,7 +116,7 @@ class PackReaders:
                         f"pack id {pack[:80]!r} is not a pack id; refusing to build a path from it"
                     )
                 if self._dir_fd < 0:
-                    self._dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                    self._dir_fd = open_dir(self._dir)
                 try:
                     fd = os.open(f"{pack}.pack", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir_fd)
                 except OSError as e:
