@@ -23,7 +23,7 @@ from __future__ import annotations
 import base64
 import pickle
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,12 @@ import torch
 from deltackpt import _rng
 from deltackpt._dtensor import is_dtensor
 from deltackpt._dtypes import dtype_from_name, dtype_name
-from deltackpt.errors import PickleNotAllowedError, StoreFormatError, UnsupportedValueError
+from deltackpt.errors import (
+    DeltackptError,
+    PickleNotAllowedError,
+    StoreFormatError,
+    UnsupportedValueError,
+)
 
 Node = Any  # a JSON value
 # Deepest container nesting a save accepts. Must not exceed what a load accepts
@@ -280,3 +285,35 @@ def tensor_paths(tree: Node, path: str = "") -> dict[int, str]:
 
     walk(tree, path)
     return out
+
+
+def value_leaves(tree: Node, path: str = "") -> Iterator[tuple[str, Node]]:
+    """(path, node) of every non-tensor leaf of a manifest tree; the node is its JSON form.
+
+    Paths are built like tensor key paths (``load(into=)`` matches on them). An odict's
+    ``meta`` (``state_dict()._metadata``) is bookkeeping, not a value, and is skipped.
+    """
+    if not isinstance(tree, dict):
+        yield (path or "."), tree
+        return
+    if "tensor" in tree:
+        return
+    for tag in ("dict", "odict"):
+        if tag in tree:
+            for k_node, v_node in tree[tag]:
+                try:
+                    seg = _key_segment(unflatten(k_node, _no_tensor, False))
+                except DeltackptError:
+                    seg = "<pickled key>"
+                yield from value_leaves(v_node, f"{path}/{seg}" if path else seg)
+            return
+    for tag in ("list", "tuple"):
+        if tag in tree:
+            for i, v_node in enumerate(tree[tag]):
+                yield from value_leaves(v_node, f"{path}/{i}" if path else str(i))
+            return
+    yield (path or "."), tree  # float, bytes, size, dtype, device, rng, pickle
+
+
+def _no_tensor(i: int) -> torch.Tensor:
+    raise AssertionError("unreachable: a value subtree holds no tensor")

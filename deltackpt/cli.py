@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from rich.table import Table
 
 import deltackpt
 from deltackpt._dtypes import dtype_from_name
-from deltackpt._tree import _key_segment, unflatten
+from deltackpt._tree import unflatten, value_leaves
 from deltackpt.errors import DamagedSnapshotWarning, DeltackptError
 from deltackpt.manifest import Manifest, Slice, TensorEntry
 from deltackpt.store import PACK_ALIGN, Store
@@ -80,34 +79,6 @@ def _open(path: str) -> Store:
 def _short(value: Any, limit: int = 60) -> str:
     s = repr(value)
     return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
-def _values(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, node) of every non-tensor leaf of a manifest tree; the node is its JSON form.
-
-    Paths are built like tensor key paths. ``state_dict()._metadata`` (the "meta" of an odict)
-    is bookkeeping, not a value, and is skipped.
-    """
-    if not isinstance(tree, dict):
-        yield (path or "."), tree
-        return
-    if "tensor" in tree:
-        return
-    for tag in ("dict", "odict"):
-        if tag in tree:
-            for k_node, v_node in tree[tag]:
-                try:
-                    seg = _key_segment(unflatten(k_node, _no_tensor, False))
-                except DeltackptError:
-                    seg = "<pickled key>"
-                yield from _values(v_node, f"{path}/{seg}" if path else seg)
-            return
-    for tag in ("list", "tuple"):
-        if tag in tree:
-            for i, v_node in enumerate(tree[tag]):
-                yield from _values(v_node, f"{path}/{i}" if path else str(i))
-            return
-    yield (path or "."), tree  # float, bytes, size, dtype, device, pickle
 
 
 def _no_tensor(i: int) -> Any:
@@ -252,7 +223,7 @@ def cmd_show(args: argparse.Namespace, out: Console) -> int:
                 chunks += f" ({len(e.shards)} shards)"
         t.add_row(escape(e.path), e.dtype, _shape(e.shape), human_bytes(_entry_bytes(e)), chunks)
     out.print(t)
-    values = sorted(_values(m.tree), key=lambda pv: pv[0].count("/"))  # top-level ones first
+    values = sorted(value_leaves(m.tree), key=lambda pv: pv[0].count("/"))  # top-level ones first
     if values:
         shown = ", ".join(f"{escape(p)}={escape(_display(v))}" for p, v in values[:8])
         more = f", … {len(values) - 8} more" if len(values) > 8 else ""
@@ -351,7 +322,7 @@ def cmd_diff(args: argparse.Namespace, out: Console) -> int:
                 f"[{style[status]}]{status}[/]", escape(path), dtype, shape, human_bytes(n), note
             )
         out.print(t)
-    va, vb = dict(_values(a.tree)), dict(_values(b.tree))
+    va, vb = dict(value_leaves(a.tree)), dict(value_leaves(b.tree))
     vrows = []
     for p, node in vb.items():
         if p not in va:

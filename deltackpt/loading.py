@@ -14,7 +14,7 @@ from deltackpt._dtensor import is_dtensor, local_box, local_tensor
 from deltackpt._dtypes import dtype_from_name
 from deltackpt._read import ChunkTargets, advise_huge, fresh_u8, run_jobs
 from deltackpt._reshard import PieceRead, finish_box_reads, plan_box_reads
-from deltackpt._tree import Node, _key_segment, flatten, tensor_paths, unflatten
+from deltackpt._tree import Node, _key_segment, flatten, tensor_paths, unflatten, value_leaves
 from deltackpt.errors import (
     CorruptChunkError,
     DistributedError,
@@ -294,7 +294,10 @@ def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
             )
     # A key both sides have, with a tensor on one side and a plain value on the other, is a
     # mismatch even with strict=False: skipping it would leave the target silently unfilled.
-    values = _value_paths(m.tree)
+    values = {
+        p: f"the value {n!r:.40}" if not isinstance(n, dict) else f"a {next(iter(n))} value"
+        for p, n in value_leaves(m.tree)
+    }
     for path in missing:
         if path in values:
             problems.append(f"{path!r}: snapshot holds {values[path]}, target holds a tensor")
@@ -498,27 +501,6 @@ def _assign_values(tree: Node, target: Any, opts: LoadOptions) -> None:
     elif "tuple" in tree and isinstance(target, tuple):
         for v_node, t in zip(tree["tuple"], target, strict=False):
             _assign_values(v_node, t, opts)
-
-
-def _value_paths(tree: Node, path: str = "") -> dict[str, str]:
-    """Key path -> kind of every non-tensor leaf of a (validated) manifest tree."""
-    out: dict[str, str] = {}
-    stack = [(tree, path)]
-    while stack:
-        node, p = stack.pop()
-        if not isinstance(node, dict):
-            out[p or "."] = f"the value {node!r:.40}"
-            continue
-        for tag in ("dict", "odict"):
-            for k_node, v_node in node.get(tag, ()):
-                seg = _key_segment(unflatten(k_node, _no_tensor, False, p))
-                stack.append((v_node, f"{p}/{seg}" if p else seg))
-        for tag in ("list", "tuple"):
-            for i, v in enumerate(node.get(tag, ())):
-                stack.append((v, f"{p}/{i}" if p else str(i)))
-        if not ({"tensor", "dict", "odict", "list", "tuple"} & set(node)):
-            out[p or "."] = f"a {next(iter(node))} value"
-    return out
 
 
 def _target_value_paths(obj: Any, path: str = "", depth: int = 0) -> dict[str, str]:
