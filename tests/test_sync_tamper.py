@@ -118,18 +118,25 @@ def first_round(
     return sink
 
 
+def synced_pair(
+    shm_name: str, apply: str = "on_commit"
+) -> tuple[Any, sync.WeightSender, sync.WeightReceiver, Strict, dict[str, torch.Tensor]]:
+    """A sender and a receiver over shm after one clean round: (the receiver's transport,
+    sender, receiver, its sink, a copy of the weights it committed)."""
+    t0, t1 = transports(shm_name, 2)
+    sender = sync.WeightSender(t0, bucket_bytes=16 << 10)
+    receiver = sync.WeightReceiver(t1, apply=apply)  # type: ignore[arg-type]
+    sink = first_round(sender, receiver, model(0))
+    return t1, sender, receiver, sink, {n: t.clone() for n, t in sink.state.items()}
+
+
 def test_window_changed_after_the_vote_never_reaches_load_weights(
     shm_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """on_commit: the round is verified and voted; then every byte of the window flips before
     the receiver hands the staged buckets over (a sender starting the next round early, or any
     other process writing the window)."""
-    t0, t1 = transports(shm_name, 2)
-    sender = sync.WeightSender(t0, bucket_bytes=16 << 10)
-    receiver = sync.WeightReceiver(t1)
-    v1 = model(0)
-    sink = first_round(sender, receiver, v1)
-    kept = {n: t.clone() for n, t in sink.state.items()}
+    t1, sender, receiver, sink, kept = synced_pair(shm_name)
     window = Window(receiver)
     real_vote = proto.vote
 
@@ -153,11 +160,7 @@ def test_bucket_changed_after_its_header_never_reaches_load_weights(
 ) -> None:
     """Each bucket flips in the window right after its header (with the digest the receiver
     already checked the bucket against) reached the receiver."""
-    t0, t1 = transports(shm_name, 2)
-    sender = sync.WeightSender(t0, bucket_bytes=16 << 10)
-    receiver = sync.WeightReceiver(t1, apply=apply)  # type: ignore[arg-type]
-    sink = first_round(sender, receiver, model(0))
-    kept = {n: t.clone() for n, t in sink.state.items()}
+    t1, sender, receiver, sink, kept = synced_pair(shm_name, apply)
     window = Window(receiver)
     real_header = proto.header
 
@@ -205,12 +208,7 @@ def test_window_changed_while_the_sender_packs_is_detected(
 ) -> None:
     """The sender's digest names the bytes it meant to send (its tensors), not whatever the window
     holds after its copy: a write that lands between the copy and the hash is caught."""
-    t0, t1 = transports(shm_name, 2)
-    sender = sync.WeightSender(t0, bucket_bytes=16 << 10)
-    receiver = sync.WeightReceiver(t1)
-    v1 = model(0)
-    sink = first_round(sender, receiver, v1)
-    kept = {n: t.clone() for n, t in sink.state.items()}
+    _, sender, receiver, sink, kept = synced_pair(shm_name)
     fake = _FlipAfterCopy()
     monkeypatch.setattr(sender_mod, "np", fake)
     sink.want = v2 = model(1)
