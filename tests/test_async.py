@@ -159,11 +159,11 @@ def _adam_like_step(state: dict[str, torch.Tensor], seed: int) -> None:
 
 def test_xor_deltas_shrink_saves_and_stay_bit_exact(store_dir):
     state = {k: v.to(torch.bfloat16) for k, v in _model_state(n=4, numel=1 << 20).items()}
-    full = deltackpt.save(state, store_dir, "s0")
+    full = deltackpt.save(state, store_dir, "s0", encoding="smallest")
     snapshots = {"s0": {k: v.clone() for k, v in state.items()}}
     for i in range(1, 4):
         _adam_like_step(state, i)
-        info = deltackpt.save(state, store_dir, f"s{i}")
+        info = deltackpt.save(state, store_dir, f"s{i}", encoding="smallest")
         snapshots[f"s{i}"] = {k: v.clone() for k, v in state.items()}
         assert info.bytes_written < 0.5 * full.bytes_written, (
             i,
@@ -183,7 +183,7 @@ def test_delta_chains_are_bounded_by_keyframes(store_dir):
     state = {k: v.to(torch.bfloat16) for k, v in _model_state(n=2, numel=1 << 20).items()}
     for i in range(7):
         _adam_like_step(state, i)
-        deltackpt.save(state, store_dir, f"s{i}", keyframe_every=3)
+        deltackpt.save(state, store_dir, f"s{i}", keyframe_every=3, encoding="smallest")
         assert max(_chain_depths(store_dir, f"s{i}").values()) <= 2
     assert max(_chain_depths(store_dir, "s4").values()) >= 1
 
@@ -345,7 +345,7 @@ def test_delta_bases_stay_right_when_chunks_change_irregularly(store_dir):
                 part = state["w"][c * n : (c + 1) * n]
                 part.sub_(4e-2 * torch.randn(n, generator=g).sign() * part.abs())
         save = deltackpt.async_save if i % 2 else deltackpt.save
-        result = save(state, store, f"s{i}", keyframe_every=3)
+        result = save(state, store, f"s{i}", keyframe_every=3, encoding="smallest")
         if i % 2:
             result.result()
         expected[f"s{i}"] = state["w"].clone()

@@ -624,7 +624,9 @@ def test_retention_bound_still_uses_deltas_where_they_pay(tmp_path):
     are still stored as deltas (chains of 4, each delta at most a quarter of a chunk)."""
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(1 << 21, generator=g).to(torch.bfloat16)}
-    ckpt = deltackpt.Checkpointer(tmp_path / "s", every=1, keep_last=3, async_=False, rng=False)
+    ckpt = deltackpt.Checkpointer(
+        tmp_path / "s", every=1, keep_last=3, async_=False, rng=False, encoding="smallest"
+    )
     for step in range(8):
         ckpt.maybe_save(step, state)
         state["w"].sub_(2e-3 * torch.randn(1 << 21, generator=g).sign() * state["w"].abs())

@@ -67,14 +67,18 @@ def _save_two(rank: int, world: int, port: int, store: str) -> dict:
     )
     # async: returns after planning and staging; mutating the shards then must not matter
     live = _dstate(world, 2, placements)
-    h = deltackpt.async_save(live, store, "s2", process_group=dist.group.WORLD)
+    h = deltackpt.async_save(
+        live, store, "s2", process_group=dist.group.WORLD, encoding="smallest"
+    )
     for k in ("a", "b", "r"):
         live[k].to_local().fill_(-1)
     info3 = h.result(timeout=60)
     # a small update of the same state: stored as xor deltas against the previous save
+    # (encoding="smallest" here and for s2, whose chunks are the bases: the default stores
+    # changed chunks raw on a local disk and keeps no delta bases)
     nudged = _dstate(world, 2, placements)
     nudged["r"].to_local().mul_(1 + 2**-20)
-    deltackpt.save(nudged, store, "s3", process_group=dist.group.WORLD)
+    deltackpt.save(nudged, store, "s3", process_group=dist.group.WORLD, encoding="smallest")
     codecs3 = {c.codec for c in deltackpt.open_store(store).manifest("s3").chunks.values()}
     m = deltackpt.open_store(store).manifest("s0-again")
     m0 = deltackpt.open_store(store).manifest("s0")
