@@ -4,8 +4,8 @@ No processes and no data: for N ranks holding the Qwen2-0.5B-shaped state sharde
 tied lm_head as a second key, as ``model.state_dict()`` has it), build exactly what each system's
 ranks would exchange and what rank 0 computes, using the systems' own code:
 
-* deltackpt: per rank a :class:`deltackpt._dist_plan.Layout` built like ``plan_state`` builds it
-  for DTensor shards (``EntryPlan`` with ``shards``, chunks from ``deltackpt._plan.layout_chunks``
+* deltackpt: per rank a :class:`deltackpt.dist.save_plan.Layout` built like ``plan_state`` builds it
+  for DTensor shards (``EntryPlan`` with ``shards``, chunks from ``deltackpt.saving.plan.layout_chunks``
   with the store defaults 4 MiB / 1 MiB), synthetic digests (random 32-hex, as xxh3-128). Each
   save: ``rank_message`` per rank (gathered), rank 0 ``resolve`` + ``merge`` + ``assign``
   (+ ``remember_all``), the scattered assignments, the gathered records of the chunks each rank
@@ -39,7 +39,9 @@ import torch
 MiB = 1 << 20
 
 
-def _local_box(shape: tuple[int, ...], n: int, r: int, cache: dict[Any, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _local_box(
+    shape: tuple[int, ...], n: int, r: int, cache: dict[Any, Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offsets) of rank r's Shard(0) piece: DTensor's own computation."""
     key = (shape, n, r)
     hit = cache.get(key)
@@ -52,7 +54,9 @@ def _local_box(shape: tuple[int, ...], n: int, r: int, cache: dict[Any, Any]) ->
     return hit
 
 
-def state_keys(shapes: list[tuple[str, tuple[int, ...]]], tied: bool) -> list[tuple[str, tuple[int, ...]]]:
+def state_keys(
+    shapes: list[tuple[str, tuple[int, ...]]], tied: bool
+) -> list[tuple[str, tuple[int, ...]]]:
     out = list(shapes)
     if tied:
         out.append(("lm_head.weight", dict(shapes)["model.embed_tokens.weight"]))
@@ -62,11 +66,17 @@ def state_keys(shapes: list[tuple[str, tuple[int, ...]]], tied: bool) -> list[tu
 # --------------------------------------------------------------------------- deltackpt
 
 
-def dk_layout(keys: list[tuple[str, tuple[int, ...]]], n: int, r: int, chunk_bytes: int,
-              small_bytes: int, cache: dict[Any, Any]) -> tuple[Any, list[int]]:
+def dk_layout(
+    keys: list[tuple[str, tuple[int, ...]]],
+    n: int,
+    r: int,
+    chunk_bytes: int,
+    small_bytes: int,
+    cache: dict[Any, Any],
+) -> tuple[Any, list[int]]:
     """Rank r's Layout as plan_state would build it for its bf16 DTensor shards; (layout, chunk sizes)."""
-    from deltackpt._dist_plan import Layout
-    from deltackpt._plan import EntryPlan, layout_chunks
+    from deltackpt.dist.save_plan import Layout
+    from deltackpt.saving.plan import EntryPlan, layout_chunks
 
     entries = []
     sizes: list[int] = []
@@ -74,7 +84,9 @@ def dk_layout(keys: list[tuple[str, tuple[int, ...]]], n: int, r: int, chunk_byt
     for path, shape in keys:
         lshape, off = _local_box(shape, n, r, cache)
         # fresh tuples per entry, as plan_state makes them (pickle memoizes shared objects)
-        e = EntryPlan(path, str(torch.bfloat16).removeprefix("torch."), tuple(list(shape)), False, False)
+        e = EntryPlan(
+            path, str(torch.bfloat16).removeprefix("torch."), tuple(list(shape)), False, False
+        )
         e.shards = []
         numel = math.prod(lshape)
         if numel:
@@ -108,15 +120,26 @@ def _unshare(md: Any) -> Any:
     out = dataclasses.replace(md)
     out.state_dict_metadata = {_new(k): v for k, v in md.state_dict_metadata.items()}
     if md.planner_data:
-        out.planner_data = {_new(k): (k2,) for k, k2 in zip(md.planner_data, out.state_dict_metadata, strict=True)}
-    out.storage_data = {MetadataIndex(_new(i.fqn), torch.Size(list(i.offset)), i.index): v
-                        for i, v in md.storage_data.items()}
+        out.planner_data = {
+            _new(k): (k2,) for k, k2 in zip(md.planner_data, out.state_dict_metadata, strict=True)
+        }
+    out.storage_data = {
+        MetadataIndex(_new(i.fqn), torch.Size(list(i.offset)), i.index): v
+        for i, v in md.storage_data.items()
+    }
     return out
 
 
-def sim_deltackpt(keys: list[tuple[str, tuple[int, ...]]], n: int, fracs: list[float],
-                  chunk_bytes: int = 4 * MiB, small_bytes: int = 1 * MiB, seed: int = 0) -> list[dict[str, Any]]:
-    from deltackpt._dist_plan import (
+def sim_deltackpt(
+    keys: list[tuple[str, tuple[int, ...]]],
+    n: int,
+    fracs: list[float],
+    chunk_bytes: int = 4 * MiB,
+    small_bytes: int = 1 * MiB,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    from deltackpt.dist.save import _Written, build_dist_manifest
+    from deltackpt.dist.save_plan import (
         PlanCache,
         assign,
         merge,
@@ -125,12 +148,11 @@ def sim_deltackpt(keys: list[tuple[str, tuple[int, ...]]], n: int, fracs: list[f
         remember_all,
         resolve,
     )
-    from deltackpt._dist_save import _Written, build_dist_manifest
-    from deltackpt._save import closure
-    from deltackpt._tree import flatten
-    from deltackpt.manifest import ChunkRecord, Manifest, Stats
-    from deltackpt.pack import new_pack_id
-    from deltackpt.store import SnapshotInfo
+    from deltackpt.format.manifest import ChunkRecord, Manifest, Stats
+    from deltackpt.format.tree import flatten
+    from deltackpt.saving.write import closure
+    from deltackpt.store.packs import new_pack_id
+    from deltackpt.store.store import SnapshotInfo
 
     rng = random.Random(seed)
     box_cache: dict[Any, Any] = {}
@@ -180,9 +202,20 @@ def sim_deltackpt(keys: list[tuple[str, tuple[int, ...]]], n: int, fracs: list[f
             written.append(_Written(recs, off))
         gather_rec = sum(_pk(w) for w in written)
         t1 = time.perf_counter()
-        m = build_dist_manifest(f"s{step}", plan0, resolved, merged, closure(merged.needed, new, index))
-        m = Manifest(m.name, time.time_ns(), m.tree, m.tensors, m.storages, m.chunks,
-                     Stats(chunks_new=len(new)), {}, dist={"world_size": n, "plan_bytes": gather_plan})
+        m = build_dist_manifest(
+            f"s{step}", plan0, resolved, merged, closure(merged.needed, new, index)
+        )
+        m = Manifest(
+            m.name,
+            time.time_ns(),
+            m.tree,
+            m.tensors,
+            m.storages,
+            m.chunks,
+            Stats(chunks_new=len(new)),
+            {},
+            dist={"world_size": n, "plan_bytes": gather_plan},
+        )
         manifest = m.to_json_bytes()
         t_manifest = time.perf_counter() - t1
         outcome = _pk(SnapshotInfo.from_manifest(m, len(manifest))) * (n - 1)
@@ -192,15 +225,24 @@ def sim_deltackpt(keys: list[tuple[str, tuple[int, ...]]], n: int, fracs: list[f
         remember_all(caches[0], msgs, resolved)
         t_remember = time.perf_counter() - t2
         index.update(new)
-        rows.append({
-            "N": n, "save": "#1 full" if frac is None else f"{frac:.0%} changed",
-            "chunks": total_chunks, "changed": total_chunks if frac is None else changed,
-            "new_chunks": len(new), "gather_plan": gather_plan, "scatter_assign": scatter,
-            "gather_records": gather_rec, "bcast_outcome": outcome,
-            "exchanged": gather_plan + scatter + gather_rec + outcome,
-            "manifest": len(manifest), "t_rank_msg_ms": t_msg * 1e3,
-            "t_rank0_ms": (t_decide + t_remember) * 1e3, "t_manifest_ms": t_manifest * 1e3,
-        })
+        rows.append(
+            {
+                "N": n,
+                "save": "#1 full" if frac is None else f"{frac:.0%} changed",
+                "chunks": total_chunks,
+                "changed": total_chunks if frac is None else changed,
+                "new_chunks": len(new),
+                "gather_plan": gather_plan,
+                "scatter_assign": scatter,
+                "gather_records": gather_rec,
+                "bcast_outcome": outcome,
+                "exchanged": gather_plan + scatter + gather_rec + outcome,
+                "manifest": len(manifest),
+                "t_rank_msg_ms": t_msg * 1e3,
+                "t_rank0_ms": (t_decide + t_remember) * 1e3,
+                "t_manifest_ms": t_manifest * 1e3,
+            }
+        )
     return rows
 
 
@@ -227,11 +269,19 @@ def dcp_local_plans(keys: list[tuple[str, tuple[int, ...]]], n: int) -> list[Any
         items = []
         for fqn, shape in keys:
             lshape, off = _local_box(shape, n, r, box_cache)
-            items.append(WriteItem(
-                index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(lshape)),
-                    properties=TensorProperties(dtype=torch.bfloat16), size=torch.Size(shape))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, torch.Size(off)),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(
+                            offsets=torch.Size(off), sizes=torch.Size(lshape)
+                        ),
+                        properties=TensorProperties(dtype=torch.bfloat16),
+                        size=torch.Size(shape),
+                    ),
+                )
+            )
         plans.append(SavePlan(items, planner_data=mappings))
     return plans
 
@@ -239,8 +289,13 @@ def dcp_local_plans(keys: list[tuple[str, tuple[int, ...]]], n: int) -> list[Any
 def _reset_dcp_caches() -> None:
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    for attr in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
-                 "_cached_metadata", "_cached_final_save_plan"):
+    for attr in (
+        "_cached_save_plan",
+        "_cached_all_plans",
+        "_cached_global_plan",
+        "_cached_metadata",
+        "_cached_final_save_plan",
+    ):
         d = getattr(SavePlanner, attr, None)
         if isinstance(d, dict):
             d.clear()
@@ -269,8 +324,12 @@ def sim_dcp(keys: list[tuple[str, tuple[int, ...]]], n: int) -> list[dict[str, A
         t0 = time.perf_counter()
         delta, metadata = planner.create_global_plan(local)
         t_global = time.perf_counter() - t0
-        delta = [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
-                 if p.storage_data is None else p for i, p in enumerate(delta)]
+        delta = [
+            dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
+            if p.storage_data is None
+            else p
+            for i, p in enumerate(delta)
+        ]
         scatter = sum(_pk(p) for p in delta)
         final = planner.global_plan  # what finish_plan writes on every rank (cached or not)
         results = []
@@ -279,8 +338,13 @@ def sim_dcp(keys: list[tuple[str, tuple[int, ...]]], n: int) -> list[dict[str, A
             fname = f"__{r}_0.distcp"  # one file per rank, its name shared by its items
             for item in plan.items:
                 size = math.prod(item.tensor_data.chunk.sizes) * 2  # bf16
-                wrs.append(WriteResult(index=item.index, size_in_bytes=size,
-                                       storage_data=_StorageInfo(fname, off, size)))
+                wrs.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=size,
+                        storage_data=_StorageInfo(fname, off, size),
+                    )
+                )
                 off += size
             results.append(wrs)
         gather_results = sum(_pk(w) for w in results)
@@ -293,13 +357,20 @@ def sim_dcp(keys: list[tuple[str, tuple[int, ...]]], n: int) -> list[dict[str, A
         md.storage_meta = StorageMeta(checkpoint_id="/ckpt/step-000100", save_id="x" * 36)
         md_bytes = _pk(_unshare(md))
         t_finish = time.perf_counter() - t1
-        rows.append({
-            "N": n, "save": "#2+ with caching" if s else "#1 (and #2+ no caching)",
-            "items": sum(len(p.items) for p in full_local),
-            "gather_plan": gather_plan, "scatter_plan": scatter, "gather_results": gather_results,
-            "bcast_metadata": md_bytes * (n - 1), "metadata_file": md_bytes,
-            "exchanged": gather_plan + scatter + gather_results + md_bytes * (n - 1),
-            "t_global_ms": t_global * 1e3, "t_finish_ms": t_finish * 1e3,
-        })
+        rows.append(
+            {
+                "N": n,
+                "save": "#2+ with caching" if s else "#1 (and #2+ no caching)",
+                "items": sum(len(p.items) for p in full_local),
+                "gather_plan": gather_plan,
+                "scatter_plan": scatter,
+                "gather_results": gather_results,
+                "bcast_metadata": md_bytes * (n - 1),
+                "metadata_file": md_bytes,
+                "exchanged": gather_plan + scatter + gather_results + md_bytes * (n - 1),
+                "t_global_ms": t_global * 1e3,
+                "t_finish_ms": t_finish * 1e3,
+            }
+        )
     _reset_dcp_caches()
     return rows

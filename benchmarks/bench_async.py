@@ -154,8 +154,11 @@ class Master:
         the DRAM traffic is that of distinct buffers without a second copy of a 6 GB state).
         Taken right before every save, so each save has a reference measured under the same
         background load."""
-        src = [t.detach().reshape(-1).view(torch.uint8)
-               for t in state_tensors(self.state(kind)) if t.numel()]
+        src = [
+            t.detach().reshape(-1).view(torch.uint8)
+            for t in state_tensors(self.state(kind))
+            if t.numel()
+        ]
         n = min(sum(s.numel() for s in src), max(1 << 30, max(s.numel() for s in src)))
         if self.wc_buf is None or self.wc_buf.numel() != n:
             self.wc_buf = None
@@ -230,8 +233,16 @@ def run_torch_save(master: Master, kind: str, root: Path, n: int) -> list[Rec]:
         C.fsync_file(path)
         C.fsync_dir(root)
         t2 = time.perf_counter()
-        recs.append(Rec(i=i, warm=warm, blocking=t2 - t0, total=t2 - t0, nofsync=t1 - t0,
-                        bytes=C.du_bytes(path)))
+        recs.append(
+            Rec(
+                i=i,
+                warm=warm,
+                blocking=t2 - t0,
+                total=t2 - t0,
+                nofsync=t1 - t0,
+                bytes=C.du_bytes(path),
+            )
+        )
         if prev is not None:
             prev.unlink()
         prev = path
@@ -268,13 +279,23 @@ def run_dcp(master: Master, kind: str, root: Path, n: int, cached: bool) -> list
             t_staged = time.perf_counter()
             upload.result()
             t2 = time.perf_counter()
-            recs.append(Rec(i=i, warm=warm, blocking=t1 - t0, staged=t_staged - t0, total=t2 - t0,
-                            bytes=C.du_bytes(d)))
+            recs.append(
+                Rec(
+                    i=i,
+                    warm=warm,
+                    blocking=t1 - t0,
+                    staged=t_staged - t0,
+                    total=t2 - t0,
+                    bytes=C.du_bytes(d),
+                )
+            )
             if prev is not None:
                 rmtree(prev)
             prev = d
-            log(f"  dcp{'(cached stager)' if cached else ''} #{i}: blocking {t1 - t0:.2f}s "
-                f"total {t2 - t0:.2f}s")
+            log(
+                f"  dcp{'(cached stager)' if cached else ''} #{i}: blocking {t1 - t0:.2f}s "
+                f"total {t2 - t0:.2f}s"
+            )
     finally:
         if stager is not None:
             stager.close()
@@ -301,13 +322,23 @@ def run_tsnap(master: Master, kind: str, root: Path, n: int) -> list[Rec]:
         t2 = time.perf_counter()
         fsync_tree(d)
         t3 = time.perf_counter()
-        recs.append(Rec(i=i, warm=warm, blocking=t1 - t0, total=t2 - t0, total_fsync=t3 - t0,
-                        bytes=C.du_bytes(d)))
+        recs.append(
+            Rec(
+                i=i,
+                warm=warm,
+                blocking=t1 - t0,
+                total=t2 - t0,
+                total_fsync=t3 - t0,
+                bytes=C.du_bytes(d),
+            )
+        )
         if prev is not None:
             rmtree(prev)
         prev = d
-        log(f"  torchsnapshot #{i}: blocking {t1 - t0:.2f}s total {t2 - t0:.2f}s "
-            f"(+fsync {t3 - t0:.2f}s)")
+        log(
+            f"  torchsnapshot #{i}: blocking {t1 - t0:.2f}s total {t2 - t0:.2f}s "
+            f"(+fsync {t3 - t0:.2f}s)"
+        )
     return recs
 
 
@@ -397,23 +428,39 @@ def run_deltackpt(master: Master, kind: str, root: Path, n: int) -> tuple[list[R
         cats = bytes_by_category(st, name, set(names))
         depth = chain_depths(st, name)
         names.append(name)
-        recs.append(Rec(i=i, warm=warm, blocking=t1 - t0, total=t2 - t0, bytes=info.bytes_written,
-                        logical=info.logical_bytes, lib_blocked=info.blocked_seconds,
-                        lib_seconds=info.seconds, staged_done_at_return=staged_done,
-                        chunks_new=info.chunks_new, chunks_reused=info.chunks_reused,
-                        codec_bytes=mix, max_depth=max(depth), depth_bytes=dict(depth),
-                        by_category=cats))
-        log(f"  deltackpt #{i}: blocking {t1 - t0:.2f}s total {t2 - t0:.2f}s "
+        recs.append(
+            Rec(
+                i=i,
+                warm=warm,
+                blocking=t1 - t0,
+                total=t2 - t0,
+                bytes=info.bytes_written,
+                logical=info.logical_bytes,
+                lib_blocked=info.blocked_seconds,
+                lib_seconds=info.seconds,
+                staged_done_at_return=staged_done,
+                chunks_new=info.chunks_new,
+                chunks_reused=info.chunks_reused,
+                codec_bytes=mix,
+                max_depth=max(depth),
+                depth_bytes=dict(depth),
+                by_category=cats,
+            )
+        )
+        log(
+            f"  deltackpt #{i}: blocking {t1 - t0:.2f}s total {t2 - t0:.2f}s "
             f"bytes {info.bytes_written / info.logical_bytes:.1%} of logical, codecs {mix}, "
-            f"max chain depth {max(depth)}")
+            f"max chain depth {max(depth)}"
+        )
     return recs, st
 
 
 # =========================================================================== restore
 
 
-def restore(st: Any, kind: str, master: Master, names: dict[str, str], cold_reps: int,
-            warm_reps: int) -> list[dict[str, Any]]:
+def restore(
+    st: Any, kind: str, master: Master, names: dict[str, str], cold_reps: int, warm_reps: int
+) -> list[dict[str, Any]]:
     out = []
     target = master.state(kind)
     nbytes = state_bytes(target)
@@ -433,9 +480,17 @@ def restore(st: Any, kind: str, master: Master, names: dict[str, str], cold_reps
                 secs.append(time.perf_counter() - t0)
                 log(f"  restore {label} {mode}: {secs[-1]:.2f}s")
             if reps:
-                out.append({"snapshot": label, "name": name, "mode": mode if ok else "warm(!)",
-                            "seconds": secs, "bytes": nbytes, "max_depth": max(depth),
-                            "depth_bytes": dict(depth)})
+                out.append(
+                    {
+                        "snapshot": label,
+                        "name": name,
+                        "mode": mode if ok else "warm(!)",
+                        "seconds": secs,
+                        "bytes": nbytes,
+                        "max_depth": max(depth),
+                        "depth_bytes": dict(depth),
+                    }
+                )
     return out
 
 
@@ -450,23 +505,36 @@ def bench_kind(kind: str, master: Master, args: argparse.Namespace, work: Path) 
     i0 = len(master.step_seconds)
     state = master.state(kind)
     nbytes = state_bytes(state)
-    log(f"   state {nbytes / 1e9:.3f} GB, rss {rss() / 1e9:.1f} GB, "
-        f"avail {mem_available() / 1e9:.1f} GB")
-    res: dict[str, Any] = {"kind": kind, "scale": scale, "params": master.numel,
-                           "state_bytes": nbytes, "warm_copy": [], "systems": {}}
+    log(
+        f"   state {nbytes / 1e9:.3f} GB, rss {rss() / 1e9:.1f} GB, "
+        f"avail {mem_available() / 1e9:.1f} GB"
+    )
+    res: dict[str, Any] = {
+        "kind": kind,
+        "scale": scale,
+        "params": master.numel,
+        "state_bytes": nbytes,
+        "warm_copy": [],
+        "systems": {},
+    }
     n = args.saves
     systems: list[tuple[str, Callable[[], list[Rec]]]] = [
         ("torch.save (sync, +fsync)", lambda: run_torch_save(master, kind, work / "torch", n)),
-        ("dcp.async_save (default stager)",
-         lambda: run_dcp(master, kind, work / "dcp", n, cached=False)),
-        ("dcp.async_save (reused DefaultStager)",
-         lambda: run_dcp(master, kind, work / "dcpc", n, cached=True)),
+        (
+            "dcp.async_save (default stager)",
+            lambda: run_dcp(master, kind, work / "dcp", n, cached=False),
+        ),
+        (
+            "dcp.async_save (reused DefaultStager)",
+            lambda: run_dcp(master, kind, work / "dcpc", n, cached=True),
+        ),
     ]
     try:
         import torchsnapshot  # noqa: F401
 
-        systems.append(("torchsnapshot async_take",
-                        lambda: run_tsnap(master, kind, work / "tsnap", n)))
+        systems.append(
+            ("torchsnapshot async_take", lambda: run_tsnap(master, kind, work / "tsnap", n))
+        )
         res["torchsnapshot"] = "0.1.0 (pip install --no-deps torchsnapshot + its non-torch deps)"
     except Exception as e:
         res["torchsnapshot"] = f"skipped: import failed: {e!r}"
@@ -481,12 +549,16 @@ def bench_kind(kind: str, master: Master, args: argparse.Namespace, work: Path) 
     need = 2 * nbytes + 1.5e9  # two staging arenas (xor deltas on) + slack
     deadline = time.perf_counter() + args.mem_wait
     while mem_available() < need and time.perf_counter() < deadline:
-        log(f"   waiting for memory before deltackpt: need {need / 1e9:.1f} GB, "
-            f"have {mem_available() / 1e9:.1f} GB")
+        log(
+            f"   waiting for memory before deltackpt: need {need / 1e9:.1f} GB, "
+            f"have {mem_available() / 1e9:.1f} GB"
+        )
         time.sleep(10)
     res["mem_available_at_deltackpt"] = mem_available()
-    log(f"-- deltackpt (needs {2 * nbytes / 1e9:.1f} GB of staging; "
-        f"avail {mem_available() / 1e9:.1f} GB)")
+    log(
+        f"-- deltackpt (needs {2 * nbytes / 1e9:.1f} GB of staging; "
+        f"avail {mem_available() / 1e9:.1f} GB)"
+    )
     recs, st = run_deltackpt(master, kind, work / "deltackpt", args.chain)
     res["systems"]["deltackpt.async_save"] = recs
     res["keyframe_every"] = deltackpt.SaveOptions().keyframe_every
@@ -494,8 +566,10 @@ def bench_kind(kind: str, master: Master, args: argparse.Namespace, work: Path) 
     master.wc_buf = None
 
     log("-- restore")
-    names = {"keyframe (save #0)": "step-0", f"chain end (save #{args.chain - 1})":
-             f"step-{args.chain - 1}"}
+    names = {
+        "keyframe (save #0)": "step-0",
+        f"chain end (save #{args.chain - 1})": f"step-{args.chain - 1}",
+    }
     keep = None
     if kind == "bf16":  # check bit-exactness of the chain end against the live state
         keep = {k: v.clone() for k, v in master.state(kind).items()}
@@ -525,8 +599,12 @@ class MLP(torch.nn.Module):
     def __init__(self, d: int = 1024, hidden: int = 4096, blocks: int = 3) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, hidden),
-                                torch.nn.GELU(), torch.nn.Linear(hidden, d))
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(d),
+                torch.nn.Linear(d, hidden),
+                torch.nn.GELU(),
+                torch.nn.Linear(hidden, d),
+            )
             for _ in range(blocks)
         )
         self.head = torch.nn.Linear(d, d)
@@ -555,8 +633,7 @@ class LoopRunner:
         if mode == "deltackpt":
             self.ckpt = deltackpt.Checkpointer(self.root, every=self.every, async_=True)
         elif mode == "deltackpt-1t":  # background encoding on one thread, leaving a core
-            self.ckpt = deltackpt.Checkpointer(self.root, every=self.every, async_=True,
-                                               threads=1)
+            self.ckpt = deltackpt.Checkpointer(self.root, every=self.every, async_=True, threads=1)
         elif mode == "dcp":
             self.root.mkdir(parents=True)
         self.state = {"model": self.model, "optim": self.opt}
@@ -617,15 +694,27 @@ class LoopRunner:
         nparams = sum(p.numel() for p in self.model.parameters())
         save_t = [t for t, s in zip(self.times, self.is_save, strict=True) if s]
         other = [t for t, s in zip(self.times, self.is_save, strict=True) if not s]
-        out = {"mode": self.mode, "params": nparams, "state_bytes": nparams * 4 * 3,
-               "times": self.times, "is_save": self.is_save, "segments": self.segments,
-               "save_step_mean": sum(save_t) / len(save_t) if save_t else None,
-               "other_step_mean": sum(other) / len(other) if other else None,
-               "saves": len(save_t)}
+        out = {
+            "mode": self.mode,
+            "params": nparams,
+            "state_bytes": nparams * 4 * 3,
+            "times": self.times,
+            "is_save": self.is_save,
+            "segments": self.segments,
+            "save_step_mean": sum(save_t) / len(save_t) if save_t else None,
+            "other_step_mean": sum(other) / len(other) if other else None,
+            "saves": len(save_t),
+        }
         if self.ckpt is not None:
             out["deltackpt_infos"] = [
-                {"bytes": i.bytes_written, "blocked": i.blocked_seconds,
-                 "waited": i.waited_seconds, "seconds": i.seconds} for i in self.ckpt.infos]
+                {
+                    "bytes": i.bytes_written,
+                    "blocked": i.blocked_seconds,
+                    "waited": i.waited_seconds,
+                    "seconds": i.seconds,
+                }
+                for i in self.ckpt.infos
+            ]
             self.ckpt.close()
         rmtree(self.root)
         return out
@@ -661,20 +750,33 @@ def report_kind(r: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     nb = r["state_bytes"]
     wc = C.median(r["warm_copy"])
     targets: dict[str, Any] = {}
-    lines = [f"### {r['kind']} state: {nb / 1e9:.3f} GB ({r['params'] / 1e6:.1f}M params, "
-             f"scale {r['scale']})", "",
-             f"Warm copy of the state into a touched buffer (the state's size, capped at 1 GiB and "
-             f"wrapping around), timed right before every save "
-             f"({len(r['warm_copy'])} saves): median **{wc:.3f} s = {nb / wc / 1e9:.2f} GB/s** "
-             f"(min {min(r['warm_copy']):.3f}, max {max(r['warm_copy']):.3f}: background load). "
-             "'x warm copy' = median over the steady saves of (blocking / the copy timed just "
-             "before that save); the target is judged on it. "
-             f"AdamW step (fused, {len(r['step_seconds'])} steps in this part): median "
-             f"{C.median(r['step_seconds']):.2f} s.", ""]
-    hdr = ["system", "saves", "first: blocking s", "steady: blocking s (median)",
-           "x warm copy: paired / of medians",
-           "blocking GB/s", "steady: total s", "total GB/s", "bytes/save (steady)",
-           "% of state", "blocking ≤1.5x copy"]
+    lines = [
+        f"### {r['kind']} state: {nb / 1e9:.3f} GB ({r['params'] / 1e6:.1f}M params, "
+        f"scale {r['scale']})",
+        "",
+        f"Warm copy of the state into a touched buffer (the state's size, capped at 1 GiB and "
+        f"wrapping around), timed right before every save "
+        f"({len(r['warm_copy'])} saves): median **{wc:.3f} s = {nb / wc / 1e9:.2f} GB/s** "
+        f"(min {min(r['warm_copy']):.3f}, max {max(r['warm_copy']):.3f}: background load). "
+        "'x warm copy' = median over the steady saves of (blocking / the copy timed just "
+        "before that save); the target is judged on it. "
+        f"AdamW step (fused, {len(r['step_seconds'])} steps in this part): median "
+        f"{C.median(r['step_seconds']):.2f} s.",
+        "",
+    ]
+    hdr = [
+        "system",
+        "saves",
+        "first: blocking s",
+        "steady: blocking s (median)",
+        "x warm copy: paired / of medians",
+        "blocking GB/s",
+        "steady: total s",
+        "total GB/s",
+        "bytes/save (steady)",
+        "% of state",
+        "blocking ≤1.5x copy",
+    ]
     rows = []
     full_bytes = nb
     for label, recs in r["systems"].items():
@@ -696,15 +798,27 @@ def report_kind(r: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             extra = f" (+fsync {C.median([x['total_fsync'] for x in steady]):.3f})"
         if "staged" in first and any(abs(x["staged"] - x["blocking"]) > 1e-3 for x in recs):
             extra += f" (staged {C.median([x['staged'] for x in steady]):.3f})"
-        rows.append([label, len(recs), first_s, f"{b:.3f}", f"{ratio:.2f} / {b / wc:.2f}",
-                     f"{nb / b / 1e9:.2f}",
-                     f"{tot:.3f}{extra}", f"{nb / tot / 1e9:.2f}", C.fmt_bytes(by),
-                     f"{by / full_bytes:.1%}", ok(met)])
+        rows.append(
+            [
+                label,
+                len(recs),
+                first_s,
+                f"{b:.3f}",
+                f"{ratio:.2f} / {b / wc:.2f}",
+                f"{nb / b / 1e9:.2f}",
+                f"{tot:.3f}{extra}",
+                f"{nb / tot / 1e9:.2f}",
+                C.fmt_bytes(by),
+                f"{by / full_bytes:.1%}",
+                ok(met),
+            ]
+        )
     lines.append(C.md_table(hdr, rows))
     lines.append("")
 
     d = r["systems"]["deltackpt.async_save"]
     lim = 0.25 if r["kind"] == "bf16" else 0.70
+
     def is_key(x: dict[str, Any]) -> bool:  # most of its bytes start a new chain
         d0 = {int(k): v for k, v in x["depth_bytes"].items()}.get(0, 0)
         return d0 >= 0.5 * nb
@@ -713,22 +827,42 @@ def report_kind(r: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     kf = r.get("keyframe_every", deltackpt.SaveOptions().keyframe_every)
     cycle = d[-kf:]
     amort = sum(x["bytes"] for x in cycle) / len(cycle) / nb
-    hdr2 = ["save", "blocking s", "warm copy s (just before)", "total s", "bytes written",
-            "% of state", "payload by codec", "max xor depth"]
+    hdr2 = [
+        "save",
+        "blocking s",
+        "warm copy s (just before)",
+        "total s",
+        "bytes written",
+        "% of state",
+        "payload by codec",
+        "max xor depth",
+    ]
     rows2 = []
     for x in d:
         mix = ", ".join(f"{k} {C.fmt_bytes(v)}" for k, v in sorted(x["codec_bytes"].items()))
-        rows2.append([f"#{x['i']}" + (" (keyframe)" if is_key(x) else ""),
-                      f"{x['blocking']:.3f}",
-                      f"{x['warm']:.3f}", f"{x['total']:.3f}", C.fmt_bytes(x["bytes"]), f"{x['bytes'] / nb:.1%}",
-                      mix, x["max_depth"]])
+        rows2.append(
+            [
+                f"#{x['i']}" + (" (keyframe)" if is_key(x) else ""),
+                f"{x['blocking']:.3f}",
+                f"{x['warm']:.3f}",
+                f"{x['total']:.3f}",
+                C.fmt_bytes(x["bytes"]),
+                f"{x['bytes'] / nb:.1%}",
+                mix,
+                x["max_depth"],
+            ]
+        )
     med_frac = C.median([x["bytes"] / nb for x in inc]) if inc else float("nan")
     max_frac = max((x["bytes"] / nb for x in inc), default=float("nan"))
     met = max_frac <= lim
-    targets[f"{r['kind']}: incremental bytes ≤ {lim:.0%} of a full save (max of the xor "
-            "saves)"] = (met, max_frac)
-    targets[f"{r['kind']}: bytes per save amortized over a keyframe cycle (info; "
-            f"≤ {lim:.0%}?)"] = (None, amort)
+    targets[f"{r['kind']}: incremental bytes ≤ {lim:.0%} of a full save (max of the xor saves)"] = (
+        met,
+        max_frac,
+    )
+    targets[f"{r['kind']}: bytes per save amortized over a keyframe cycle (info; ≤ {lim:.0%}?)"] = (
+        None,
+        amort,
+    )
     e2e = C.median([x["total"] for x in inc if x["i"] >= 2] or [x["total"] for x in inc])
     cats: dict[str, list[int]] = {}
     for x in inc:
@@ -736,19 +870,31 @@ def report_kind(r: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             v = cats.setdefault(k, [0, 0])
             v[0] += raw
             v[1] += pay
-    cat_line = "; ".join(f"{k}: {pay / raw:.1%} of its bytes" for k, (raw, pay) in
-                         sorted(cats.items()) if raw)
-    lines += [f"deltackpt saves, each after one AdamW step (xor-delta saves: median "
-              f"{med_frac:.1%}, max {max_frac:.1%} of the state; target ≤ {lim:.0%} "
-              f"{ok(met)}. Amortized over the last keyframe cycle (#{cycle[0]['i']}-"
-              f"#{cycle[-1]['i']}, keyframe_every={kf}): {amort:.1%} of the state per save. "
-              f"End-to-end time of a delta save, median: {e2e:.3f} s = "
-              f"{nb / e2e / 1e9:.2f} GB/s of state):", "", C.md_table(hdr2, rows2), "",
-              "Incremental (xor) saves, payload written per part of the state: "
-              f"{cat_line}.", ""]
+    cat_line = "; ".join(
+        f"{k}: {pay / raw:.1%} of its bytes" for k, (raw, pay) in sorted(cats.items()) if raw
+    )
+    lines += [
+        f"deltackpt saves, each after one AdamW step (xor-delta saves: median "
+        f"{med_frac:.1%}, max {max_frac:.1%} of the state; target ≤ {lim:.0%} "
+        f"{ok(met)}. Amortized over the last keyframe cycle (#{cycle[0]['i']}-"
+        f"#{cycle[-1]['i']}, keyframe_every={kf}): {amort:.1%} of the state per save. "
+        f"End-to-end time of a delta save, median: {e2e:.3f} s = "
+        f"{nb / e2e / 1e9:.2f} GB/s of state):",
+        "",
+        C.md_table(hdr2, rows2),
+        "",
+        f"Incremental (xor) saves, payload written per part of the state: {cat_line}.",
+        "",
+    ]
 
-    hdr3 = ["restore (deltackpt.load into the live state)", "mode", "s (median)", "GB/s",
-            "x keyframe", "chain depth of its bytes"]
+    hdr3 = [
+        "restore (deltackpt.load into the live state)",
+        "mode",
+        "s (median)",
+        "GB/s",
+        "x keyframe",
+        "chain depth of its bytes",
+    ]
     rows3 = []
     base: dict[str, float] = {}
     for x in r["restore"]:
@@ -757,18 +903,34 @@ def report_kind(r: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             base[x["mode"]] = s
     for x in r["restore"]:
         s = C.median(x["seconds"])
-        depth = ", ".join(f"d{k}: {v / x['bytes']:.0%}" for k, v in sorted(x["depth_bytes"].items()))
+        depth = ", ".join(
+            f"d{k}: {v / x['bytes']:.0%}" for k, v in sorted(x["depth_bytes"].items())
+        )
         rel = s / base[x["mode"]] if x["mode"] in base else float("nan")
-        rows3.append([x["snapshot"], x["mode"], f"{s:.3f}", f"{x['bytes'] / s / 1e9:.2f}",
-                      f"{rel:.2f}", depth])
+        rows3.append(
+            [
+                x["snapshot"],
+                x["mode"],
+                f"{s:.3f}",
+                f"{x['bytes'] / s / 1e9:.2f}",
+                f"{rel:.2f}",
+                depth,
+            ]
+        )
     lines += [C.md_table(hdr3, rows3), ""]
     if "restore_chain_end_bit_exact" in r:
-        lines += [f"Chain-end restore bit-exact vs the live bf16 state: "
-                  f"{r['restore_chain_end_bit_exact']}. Store size after {len(d)} saves: "
-                  f"{C.fmt_bytes(r['store_bytes'])}.", ""]
+        lines += [
+            f"Chain-end restore bit-exact vs the live bf16 state: "
+            f"{r['restore_chain_end_bit_exact']}. Store size after {len(d)} saves: "
+            f"{C.fmt_bytes(r['store_bytes'])}.",
+            "",
+        ]
     else:
-        lines += [f"Every restored chunk is verified against its xxh3 digest (verify=True). "
-                  f"Store size after {len(d)} saves: {C.fmt_bytes(r['store_bytes'])}.", ""]
+        lines += [
+            f"Every restored chunk is verified against its xxh3 digest (verify=True). "
+            f"Store size after {len(d)} saves: {C.fmt_bytes(r['store_bytes'])}.",
+            "",
+        ]
     return "\n".join(lines), targets
 
 
@@ -781,20 +943,29 @@ def report_loop(loops: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
     def per_step(x: dict[str, Any], with_drain: bool) -> list[float]:
         return [(t + (d if with_drain else 0.0)) / seg for t, d in x["segments"]]
 
-    hdr = ["condition", "mean s/step (steps only)", "mean s/step (+ drain)",
-           "slowdown steps only: pooled / median of rounds",
-           "slowdown + drain: pooled / median of rounds", "median step s", "save steps: mean s",
-           "other steps: mean s", "saves"]
+    hdr = [
+        "condition",
+        "mean s/step (steps only)",
+        "mean s/step (+ drain)",
+        "slowdown steps only: pooled / median of rounds",
+        "slowdown + drain: pooled / median of rounds",
+        "median step s",
+        "save steps: mean s",
+        "other steps: mean s",
+        "saves",
+    ]
     rows = []
     targets = {}
     b0 = per_step(base, False)
     for x in loops:
         a0, a1 = per_step(x, False), per_step(x, True)
         m0, m1 = sum(a0) / nseg, sum(a1) / nseg
-        name = {"none": "no checkpointing",
-                "deltackpt": f"deltackpt.Checkpointer(async_=True, every={args.every})",
-                "deltackpt-1t": "same, threads=1 (SaveOptions)",
-                "dcp": f"dcp.async_save every {args.every} (default stager)"}[x["mode"]]
+        name = {
+            "none": "no checkpointing",
+            "deltackpt": f"deltackpt.Checkpointer(async_=True, every={args.every})",
+            "deltackpt-1t": "same, threads=1 (SaveOptions)",
+            "dcp": f"dcp.async_save every {args.every} (default stager)",
+        }[x["mode"]]
         if x["mode"] == "none":
             s0 = s1 = "-"
         else:
@@ -804,43 +975,74 @@ def report_loop(loops: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
             s0 = f"{p0:+.1%} / {C.median(r0):+.1%}"
             s1 = f"{p1:+.1%} / {C.median(r1):+.1%}"
             targets[f"loop: {x['mode']} slowdown (steps only .. + drain, pooled)"] = (
-                None, (p0, p1))
-        rows.append([name, f"{m0:.4f}", f"{m1:.4f}", s0, s1, f"{C.median(x['times']):.4f}",
-                     f3(x["save_step_mean"]), f3(x["other_step_mean"]), x["saves"]])
+                None,
+                (p0, p1),
+            )
+        rows.append(
+            [
+                name,
+                f"{m0:.4f}",
+                f"{m1:.4f}",
+                s0,
+                s1,
+                f"{C.median(x['times']):.4f}",
+                f3(x["save_step_mean"]),
+                f3(x["other_step_mean"]),
+                x["saves"],
+            ]
+        )
     p = loops[0]
     rounds = "; ".join(
         f"round {i}: " + ", ".join(f"{x['mode']} {per_step(x, False)[i]:.3f}" for x in loops)
-        for i in range(nseg))
-    text = [f"### Training-step slowdown ({p['params'] / 1e6:.1f}M-param MLP, AdamW, batch "
-            f"{args.loop_batch}, state {p['state_bytes'] / 1e6:.0f} MB incl. AdamW)", "",
-            f"{args.loop_rounds} rounds; in each, every condition trains {seg} steps "
-            f"({args.loop_periods} save periods of {args.every} steps; rotating order), then "
-            "waits for its pending save (drain). 'steps only' ignores that wait (lower bound of "
-            "the cost), '+ drain' charges all of it (upper bound: in a continuous run part of it "
-            "would overlap the next steps). 2 cores shared by torch's intra-op threads, "
-            "the savers' threads and other agents' jobs.", "",
-            C.md_table(hdr, rows), "", f"Per-round s/step (steps only): {rounds}.", ""]
+        for i in range(nseg)
+    )
+    text = [
+        f"### Training-step slowdown ({p['params'] / 1e6:.1f}M-param MLP, AdamW, batch "
+        f"{args.loop_batch}, state {p['state_bytes'] / 1e6:.0f} MB incl. AdamW)",
+        "",
+        f"{args.loop_rounds} rounds; in each, every condition trains {seg} steps "
+        f"({args.loop_periods} save periods of {args.every} steps; rotating order), then "
+        "waits for its pending save (drain). 'steps only' ignores that wait (lower bound of "
+        "the cost), '+ drain' charges all of it (upper bound: in a continuous run part of it "
+        "would overlap the next steps). 2 cores shared by torch's intra-op threads, "
+        "the savers' threads and other agents' jobs.",
+        "",
+        C.md_table(hdr, rows),
+        "",
+        f"Per-round s/step (steps only): {rounds}.",
+        "",
+    ]
     return "\n".join(text), targets
 
 
 # =========================================================================== main
 
 
-def write_report(results: dict[str, Any], notes: list[str], args: argparse.Namespace, cmd: str,
-                 info: dict[str, Any], final: bool) -> None:
+def write_report(
+    results: dict[str, Any],
+    notes: list[str],
+    args: argparse.Namespace,
+    cmd: str,
+    info: dict[str, Any],
+    final: bool,
+) -> None:
     """Write the markdown + JSON (also after each part, so a killed run keeps what it measured)."""
     if "total_seconds" not in results or not final:
         results["total_seconds"] = time.perf_counter() - T_START
     results["notes"] = notes
     total = results["total_seconds"]
-    parts = ["## Async saves (`benchmarks/bench_async.py`)", "",
-             f"Command: `{cmd}` (total {total / 60:.1f} min{'' if final else ', PARTIAL'})  ",
-             f"Machine: {info['cpus']} cpus, {info['mem_total']}, torch {info['torch']} "
-             f"({info['torch_threads']} threads), git {info['git_rev']}"
-             f"{' (dirty)' if info['git_dirty'] else ''}, load avg at start "
-             f"{info['loadavg_start'][0]:.1f}, end {os.getloadavg()[0]:.1f}; {info['date']}; "
-             f"deltackpt from {Path(deltackpt.__file__).parent}. "
-             "Shared, noisy machine: compare ratios within this run.", ""]
+    parts = [
+        "## Async saves (`benchmarks/bench_async.py`)",
+        "",
+        f"Command: `{cmd}` (total {total / 60:.1f} min{'' if final else ', PARTIAL'})  ",
+        f"Machine: {info['cpus']} cpus, {info['mem_total']}, torch {info['torch']} "
+        f"({info['torch_threads']} threads), git {info['git_rev']}"
+        f"{' (dirty)' if info['git_dirty'] else ''}, load avg at start "
+        f"{info['loadavg_start'][0]:.1f}, end {os.getloadavg()[0]:.1f}; {info['date']}; "
+        f"deltackpt from {Path(deltackpt.__file__).parent}. "
+        "Shared, noisy machine: compare ratios within this run.",
+        "",
+    ]
     parts += [f"- {n}" for n in notes]
     all_targets: dict[str, Any] = {}
     for r in results["kinds"]:
@@ -851,11 +1053,28 @@ def write_report(results: dict[str, Any], notes: list[str], args: argparse.Names
         txt, t = report_loop(results["loops"], args)
         parts += [txt]
         all_targets.update(t)
-    parts += ["### Targets", "", C.md_table(
-        ["target", "value", "met"],
-        [[k, (f"{v[0]:+.1%} .. {v[1]:+.1%}" if "slowdown" in k else f"{v:.1%}" if "bytes" in k
-              else f"{v:.3f}x"),
-          "-" if m is None else ok(m)] for k, (m, v) in all_targets.items()]), ""]
+    parts += [
+        "### Targets",
+        "",
+        C.md_table(
+            ["target", "value", "met"],
+            [
+                [
+                    k,
+                    (
+                        f"{v[0]:+.1%} .. {v[1]:+.1%}"
+                        if "slowdown" in k
+                        else f"{v:.1%}"
+                        if "bytes" in k
+                        else f"{v:.3f}x"
+                    ),
+                    "-" if m is None else ok(m),
+                ]
+                for k, (m, v) in all_targets.items()
+            ],
+        ),
+        "",
+    ]
     tsnap = [r.get("torchsnapshot") for r in results["kinds"]]
     if tsnap:
         parts += [f"torchsnapshot: {tsnap[0]}; it does not fsync (its total+fsync adds one)."]
@@ -883,16 +1102,30 @@ def init_pg() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", default="1.0",
-                    help="shrink layers/vocab: a float, or 'small' (= 0.05) for a debug run")
+    ap.add_argument(
+        "--scale",
+        default="1.0",
+        help="shrink layers/vocab: a float, or 'small' (= 0.05) for a debug run",
+    )
     ap.add_argument("--which", choices=("bf16", "train", "both"), default="both")
-    ap.add_argument("--train-scale", type=float,
-                    help="scale of the train state only (default: --scale); its deltackpt run "
-                    "holds ~3x the state (live + two staging arenas): 17.8 GB at scale 1")
-    ap.add_argument("--saves", type=int, default=3,
-                    help="saves per baseline system (1 warm-up + N-1 after a step each)")
-    ap.add_argument("--chain", type=int, default=2 * deltackpt.SaveOptions().keyframe_every,
-                    help="deltackpt saves (default 2 x keyframe_every: the last ends a full chain)")
+    ap.add_argument(
+        "--train-scale",
+        type=float,
+        help="scale of the train state only (default: --scale); its deltackpt run "
+        "holds ~3x the state (live + two staging arenas): 17.8 GB at scale 1",
+    )
+    ap.add_argument(
+        "--saves",
+        type=int,
+        default=3,
+        help="saves per baseline system (1 warm-up + N-1 after a step each)",
+    )
+    ap.add_argument(
+        "--chain",
+        type=int,
+        default=2 * deltackpt.SaveOptions().keyframe_every,
+        help="deltackpt saves (default 2 x keyframe_every: the last ends a full chain)",
+    )
     ap.add_argument("--restore-reps", type=int, default=1)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--loop-rounds", type=int, default=4)
@@ -901,11 +1134,18 @@ def main() -> None:
     ap.add_argument("--loop-batch", type=int, default=64)
     ap.add_argument("--loop-blocks", type=int, default=3)
     ap.add_argument("--skip-loop", action="store_true")
-    ap.add_argument("--mem-wait", type=float, default=240,
-                    help="seconds to wait for free RAM before shrinking the train state")
+    ap.add_argument(
+        "--mem-wait",
+        type=float,
+        default=240,
+        help="seconds to wait for free RAM before shrinking the train state",
+    )
     ap.add_argument("--out", default=str(C.OUT_DIR / "async.md"))
-    ap.add_argument("--report-from", metavar="JSON",
-                    help="only re-render the markdown from a saved results JSON")
+    ap.add_argument(
+        "--report-from",
+        metavar="JSON",
+        help="only re-render the markdown from a saved results JSON",
+    )
     ap.add_argument("--total-seconds", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.report_from:
@@ -916,8 +1156,9 @@ def main() -> None:
         args.loop_periods = saved.get("args", {}).get("loop_periods", args.loop_periods)
         args.loop_rounds = saved.get("args", {}).get("loop_rounds", args.loop_rounds)
         args.loop_batch = saved.get("args", {}).get("loop_batch", args.loop_batch)
-        write_report(saved, saved.get("notes", []), args, saved["cmd"], saved["machine"],
-                     final=True)
+        write_report(
+            saved, saved.get("notes", []), args, saved["cmd"], saved["machine"], final=True
+        )
         return
     scale = 0.05 if args.scale == "small" else float(args.scale)
     if os.environ.get("DELTACKPT_FSYNC", "1") in ("0", "false", "no"):
@@ -928,8 +1169,13 @@ def main() -> None:
     rmtree(work)
     work.mkdir(parents=True)
     init_pg()
-    results: dict[str, Any] = {"cmd": cmd, "machine": info, "kinds": [], "loops": [],
-                               "args": vars(args)}
+    results: dict[str, Any] = {
+        "cmd": cmd,
+        "machine": info,
+        "kinds": [],
+        "loops": [],
+        "args": vars(args),
+    }
     notes = []
     kinds = ["bf16", "train"] if args.which == "both" else [args.which]
     master: Master | None = None
@@ -939,6 +1185,7 @@ def main() -> None:
             if kind == "train":
                 if args.train_scale is not None:
                     sc = args.train_scale
+
                 # state + deltackpt's two arenas + gradient pool + slack must fit in free RAM
                 # (other jobs share this machine: wait a while for memory before shrinking)
                 def need(s: float) -> float:
@@ -951,22 +1198,28 @@ def main() -> None:
 
                 deadline = time.perf_counter() + args.mem_wait
                 while need(sc) > avail() and time.perf_counter() < deadline:
-                    log(f"   waiting for memory: need {need(sc) / 1e9:.1f} GB, "
-                        f"have {avail() / 1e9:.1f} GB")
+                    log(
+                        f"   waiting for memory: need {need(sc) / 1e9:.1f} GB, "
+                        f"have {avail() / 1e9:.1f} GB"
+                    )
                     time.sleep(10)
                 have = avail()
                 wanted = sc
                 while sc > 0.05 and need(sc) > have:
                     sc = round(sc * 0.9, 3)
                 if sc != wanted:
-                    notes.append(f"train state shrunk to scale {sc} (MemAvailable + own "
-                                 f"{have / 1e9:.1f} GB < {need(wanted) / 1e9:.1f} GB needed for "
-                                 f"state + 2 staging copies at scale {wanted})")
+                    notes.append(
+                        f"train state shrunk to scale {sc} (MemAvailable + own "
+                        f"{have / 1e9:.1f} GB < {need(wanted) / 1e9:.1f} GB needed for "
+                        f"state + 2 staging copies at scale {wanted})"
+                    )
                     log(notes[-1])
                 if sc != scale:
-                    notes.append(f"train state at scale {sc} (bf16 at {scale}): at scale 1 "
-                                 "deltackpt holds 3x the 5.9 GB state (live + two staging "
-                                 "arenas, 17.8 GB), which a shared 24 GB machine may not have")
+                    notes.append(
+                        f"train state at scale {sc} (bf16 at {scale}): at scale 1 "
+                        "deltackpt holds 3x the 5.9 GB state (live + two staging "
+                        "arenas, 17.8 GB), which a shared 24 GB machine may not have"
+                    )
             if master is None or master.scale != sc:
                 master = None
                 gc.collect()

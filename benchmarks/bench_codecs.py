@@ -1,4 +1,4 @@
-"""Micro-benchmark of deltackpt.codecs on synthetic weights.
+"""Micro-benchmark of deltackpt.format.codecs on synthetic weights.
 
 For bf16 and fp32 weights (torch.randn) and the same weights after a simulated AdamW step
 (``w - lr * sign(randn)``, the shape of an Adam update at its steady state), encodes the new
@@ -25,7 +25,7 @@ import torch
 
 # Run from a checkout without installing: make the repo root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deltackpt.codecs import RAW, XOR, ZSTD, Encoded, EncodePolicy, decode, encode
+from deltackpt.format.codecs import RAW, XOR, ZSTD, Encoded, EncodePolicy, decode, encode
 
 POLICIES: dict[str, EncodePolicy] = {
     "raw": EncodePolicy(force=RAW),

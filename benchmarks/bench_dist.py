@@ -91,8 +91,12 @@ class _Rank:
         warnings.filterwarnings("ignore")
         torch.set_num_threads(cfg["torch_threads"])
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=cfg["pg_timeout"]),
+        )
         self.torch, self.dist = torch, dist
         self.pg = dist.group.WORLD
         self.rank, self.world, self.cfg = rank, world, cfg
@@ -112,8 +116,10 @@ class _Rank:
         rules as the simulation. Re-pickling costs ~1 ms per save (objects are <= ~150 kB)."""
         dist, me = self.dist, self
         self.coll: Counter = Counter()
-        orig = {n: getattr(dist, n) for n in
-                ("gather_object", "scatter_object_list", "broadcast_object_list")}
+        orig = {
+            n: getattr(dist, n)
+            for n in ("gather_object", "scatter_object_list", "broadcast_object_list")
+        }
 
         def size(objs: Any) -> int:
             return sum(len(pickle.dumps(o)) for o in objs)
@@ -194,14 +200,18 @@ class _Rank:
         with open("/proc/self/statm") as f:
             return self.max_over_ranks(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9)
 
-    def rec(self, system: str, op: str, secs: list[float], nbytes: int | None = None,
-            **extra: Any) -> None:
+    def rec(
+        self, system: str, op: str, secs: list[float], nbytes: int | None = None, **extra: Any
+    ) -> None:
         extra["max_rank_rss_gb"] = round(self.rss_gb(), 2)
         if self.rank == 0:
             self.rows.append({"system": system, "op": op, "secs": secs, "bytes": nbytes, **extra})
-            log(f"  {system:9s} {op:48s} " + " ".join(f"{s:.2f}" for s in secs)
+            log(
+                f"  {system:9s} {op:48s} "
+                + " ".join(f"{s:.2f}" for s in secs)
                 + (f"  bytes {nbytes / 1e6:.1f} MB" if nbytes is not None else "")
-                + (f"  {extra}" if extra else ""))
+                + (f"  {extra}" if extra else "")
+            )
 
     # ----------------------------------------------------------------- the state
 
@@ -223,8 +233,14 @@ class _Rank:
             else:
                 m = torch.empty(lshape).normal_(0, 0.02, generator=g)
             b = m.to(torch.bfloat16)
-            dt = DTensor.from_local(b, self.mesh, [Shard(0)], run_check=False,
-                                    shape=torch.Size(shape), stride=_contig_stride(shape))
+            dt = DTensor.from_local(
+                b,
+                self.mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=_contig_stride(shape),
+            )
             assert dt.to_local().data_ptr() == b.data_ptr()
             self.masters[name], self.bf16[name], self.state[name] = m, b, dt
         if self.cfg["tied"]:
@@ -235,8 +251,10 @@ class _Rank:
         self.steps = 0
         self.barrier()
         if self.rank == 0:
-            log(f"state built in {time.perf_counter() - t0:.1f}s: {len(self.state)} keys, "
-                f"{self.unique_global_bytes / 1e9:.3f} GB bf16 (global, tied counted once)")
+            log(
+                f"state built in {time.perf_counter() - t0:.1f}s: {len(self.state)} keys, "
+                f"{self.unique_global_bytes / 1e9:.3f} GB bf16 (global, tied counted once)"
+            )
 
     def step(self) -> None:
         P = self.pool.numel()
@@ -261,9 +279,14 @@ class _Rank:
         for name, shape in self.shapes:
             pl = [Shard(0)] if not resharded else [Shard(1) if len(shape) == 2 else Replicate()]
             lshape, _ = compute_local_shape_and_global_offset(shape, self.mesh, pl)
-            out[name] = DTensor.from_local(torch.zeros(lshape, dtype=torch.bfloat16), self.mesh,
-                                           pl, run_check=False, shape=torch.Size(shape),
-                                           stride=_contig_stride(shape))
+            out[name] = DTensor.from_local(
+                torch.zeros(lshape, dtype=torch.bfloat16),
+                self.mesh,
+                pl,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=_contig_stride(shape),
+            )
         if self.cfg["tied"]:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         return out
@@ -308,8 +331,9 @@ class _Rank:
 
         before = self.du(path)
         self.coll.clear()
-        secs, info = self.timed(lambda: deltackpt.save(self.state, path, name,
-                                                        process_group=self.pg))
+        secs, info = self.timed(
+            lambda: deltackpt.save(self.state, path, name, process_group=self.pg)
+        )
         out.append(secs)
         coll = self.coll_sum()
         if self.rank == 0:
@@ -353,8 +377,11 @@ class _Rank:
         store = path
         self.store = store
         self.rec("deltackpt", "save full (fresh store)", full, med(fx.get("bytes", [0])), **_x(fx))
-        self.load_both("deltackpt", lambda tgt: deltackpt.load(
-            store, "s0", into=tgt, process_group=self.pg), "snapshot s0: the full save (keyframe)")
+        self.load_both(
+            "deltackpt",
+            lambda tgt: deltackpt.load(store, "s0", into=tgt, process_group=self.pg),
+            "snapshot s0: the full save (keyframe)",
+        )
         un: list[float] = []
         ux: dict[str, Any] = {}
         for i in range(reps):
@@ -365,8 +392,9 @@ class _Rank:
         for i in range(reps):
             self.step()
             self.dk_save(store, f"i{i}", "incremental", inc, ix)
-        self.rec("deltackpt", "save incremental (after step)", inc, med(ix.get("bytes", [0])),
-                 **_x(ix))
+        self.rec(
+            "deltackpt", "save incremental (after step)", inc, med(ix.get("bytes", [0])), **_x(ix)
+        )
         # async, after a step each (same store: staging arenas already allocated)
         blk, tot, ax = [], [], {}
         for i in range(reps):
@@ -388,18 +416,21 @@ class _Rank:
                 m = deltackpt.open_store(store).manifest(f"a{i}")
                 old = self.prev_chunks.get(str(store), set())
                 ax.setdefault("codecs_new", []).append(
-                    dict(Counter(r.codec for d, r in m.chunks.items() if d not in old)))
+                    dict(Counter(r.codec for d, r in m.chunks.items() if d not in old))
+                )
                 self.prev_chunks[str(store)] = old | set(m.chunks)
-        self.rec("deltackpt", "async_save after step: blocking", blk, med(ax.get("bytes", [0])),
-                 **_x(ax))
+        self.rec(
+            "deltackpt", "async_save after step: blocking", blk, med(ax.get("bytes", [0])), **_x(ax)
+        )
         self.rec("deltackpt", "async_save after step: total (result())", tot)
         # the saved layout, to check the simulation's inputs
-        from deltackpt._dist_plan import Layout
-        from deltackpt._plan import plan_state
+        from deltackpt.dist.save_plan import Layout
+        from deltackpt.saving.plan import plan_state
 
         st = deltackpt.open_store(store)
         self.checks[f"dk_layout_key_rank{self.rank}"] = Layout.of(
-            plan_state(self.state, st.chunk_bytes, st.small_bytes)).key()
+            plan_state(self.state, st.chunk_bytes, st.small_bytes)
+        ).key()
         # every rank rebuilds the store's chunk index (all manifests) at every save
         ci = []
         for _ in range(3):
@@ -407,14 +438,18 @@ class _Rank:
             idx = st.chunk_index()
             ci.append(round((time.perf_counter() - t0) * 1e3, 1))
         self.checks[f"chunk_index_ms_rank{self.rank}"] = {
-            "ms": ci, "snapshots": len(st.names()),
-            "records": len(idx)}
+            "ms": ci,
+            "snapshots": len(st.names()),
+            "records": len(idx),
+        }
         self.release_store(store)
         name = f"a{reps - 1}"
         depth = _chain_depth(st, name) if self.rank == 0 else None
-        self.load_both("deltackpt", lambda tgt: deltackpt.load(
-            store, name, into=tgt, process_group=self.pg),
-            f"snapshot {name}: last of {2 * reps} incremental saves (xor chains, max depth {depth})")
+        self.load_both(
+            "deltackpt",
+            lambda tgt: deltackpt.load(store, name, into=tgt, process_group=self.pg),
+            f"snapshot {name}: last of {2 * reps} incremental saves (xor chains, max depth {depth})",
+        )
         self.rm(store)
 
     # ----------------------------------------------------------------- DCP
@@ -437,30 +472,41 @@ class _Rank:
                 t0 = time.perf_counter()
                 out = super().create_global_plan(all_plans)
                 stats.setdefault("global_plan_ms", []).append(
-                    round((time.perf_counter() - t0) * 1e3, 1))
+                    round((time.perf_counter() - t0) * 1e3, 1)
+                )
                 stats.setdefault("gathered_plan_bytes", []).append(
-                    sum(len(pickle.dumps(p)) for p in all_plans))
+                    sum(len(pickle.dumps(p)) for p in all_plans)
+                )
                 stats.setdefault("scattered_plan_bytes", []).append(
-                    sum(len(pickle.dumps(p)) for p in out[0]))
+                    sum(len(pickle.dumps(p)) for p in out[0])
+                )
                 return out
 
         class RecWriter(FileSystemWriter):
             def finish(self, metadata, results):  # type: ignore[no-untyped-def]
                 stats.setdefault("gathered_results_bytes", []).append(
-                    sum(len(pickle.dumps(r)) for r in results))
+                    sum(len(pickle.dumps(r)) for r in results)
+                )
                 super().finish(metadata, results)
                 stats.setdefault("metadata_bytes", []).append(
-                    os.path.getsize(os.path.join(self.path, ".metadata")))
+                    os.path.getsize(os.path.join(self.path, ".metadata"))
+                )
 
         def save(path: Path, caching: bool) -> Any:
-            return dcp.save(self.state, storage_writer=RecWriter(str(path)),
-                            planner=RecPlanner(enable_plan_caching=caching), process_group=self.pg)
+            return dcp.save(
+                self.state,
+                storage_writer=RecWriter(str(path)),
+                planner=RecPlanner(enable_plan_caching=caching),
+                process_group=self.pg,
+            )
 
         log("DCP") if rank == 0 else None
         reps = self.cfg["reps"]
-        for label, do_step, caching in (("save full (fresh dir)", False, False),
-                                        ("save after step (rewrites all)", True, False),
-                                        ("save after step, plan caching", True, True)):
+        for label, do_step, caching in (
+            ("save full (fresh dir)", False, False),
+            ("save after step (rewrites all)", True, False),
+            ("save after step, plan caching", True, True),
+        ):
             secs, sizes = [], []
             stats.clear()
             for i in range(reps):
@@ -476,17 +522,33 @@ class _Rank:
                 if label == "save full (fresh dir)" and i == reps - 1:
                     self.dcp_path = path
                     # load right away, while the state equals what was saved
-                    self.rec("DCP", label, secs, med(sizes), bytes_each=sizes,
-                             **{k: v for k, v in stats.items() if rank == 0 or k == "local_plan_bytes"})
+                    self.rec(
+                        "DCP",
+                        label,
+                        secs,
+                        med(sizes),
+                        bytes_each=sizes,
+                        **{k: v for k, v in stats.items() if rank == 0 or k == "local_plan_bytes"},
+                    )
                     self.checks[f"dcp_local_plan_bytes_rank{rank}"] = stats["local_plan_bytes"]
-                    self.load_both("DCP", lambda tgt, p=path: dcp.load(
-                        tgt, storage_reader=FileSystemReader(str(p)), process_group=self.pg))
+                    self.load_both(
+                        "DCP",
+                        lambda tgt, p=path: dcp.load(
+                            tgt, storage_reader=FileSystemReader(str(p)), process_group=self.pg
+                        ),
+                    )
                 else:
                     self.rm(path)
             trim()
             if label != "save full (fresh dir)":
-                self.rec("DCP", label, secs, med(sizes), bytes_each=sizes,
-                         **{k: v for k, v in stats.items() if k != "local_plan_bytes"})
+                self.rec(
+                    "DCP",
+                    label,
+                    secs,
+                    med(sizes),
+                    bytes_each=sizes,
+                    **{k: v for k, v in stats.items() if k != "local_plan_bytes"},
+                )
         self.rm(self.dcp_path)
         blk, tot, sizes = [], [], []
         for i in range(reps):
@@ -496,8 +558,9 @@ class _Rank:
             gc.collect()
             self.barrier()
             t0 = time.perf_counter()
-            fut = dcp.async_save(self.state, storage_writer=FileSystemWriter(str(path)),
-                                 process_group=self.pg)
+            fut = dcp.async_save(
+                self.state, storage_writer=FileSystemWriter(str(path)), process_group=self.pg
+            )
             t1 = time.perf_counter()
             fut.result()
             t2 = time.perf_counter()
@@ -521,11 +584,17 @@ class _Rank:
                 s, _ = self.timed(lambda t=tgt: load(t))
                 secs.append(s)
                 ok = self.verify(tgt) and ok
-            what = "resharded to 2-D Shard(1) / 1-D Replicate" if resharded else \
-                "same layout Shard(0)"
+            what = (
+                "resharded to 2-D Shard(1) / 1-D Replicate" if resharded else "same layout Shard(0)"
+            )
             mode = "cold" if self.cfg["cold"] else "warm"
-            self.rec(system, f"load {what} ({mode}){' - ' + variant if variant else ''}", secs,
-                     None, bit_exact=ok)
+            self.rec(
+                system,
+                f"load {what} ({mode}){' - ' + variant if variant else ''}",
+                secs,
+                None,
+                bit_exact=ok,
+            )
             del tgt
             trim()
 
@@ -538,8 +607,13 @@ class _Rank:
         keys = [None] * self.world
         self.dist.all_gather_object(keys, self.checks, group=self.pg)
         self.dist.destroy_process_group()
-        return {"rows": self.rows, "checks": keys, "unique_global_bytes": self.unique_global_bytes,
-                "keys": len(self.state), "steps": self.steps}
+        return {
+            "rows": self.rows,
+            "checks": keys,
+            "unique_global_bytes": self.unique_global_bytes,
+            "keys": len(self.state),
+            "steps": self.steps,
+        }
 
 
 def _chain_depth(st: Any, name: str) -> int:
@@ -566,7 +640,9 @@ def trim() -> None:
 
 
 def _x(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if k != "bytes"} | ({"bytes_each": d["bytes"]} if "bytes" in d else {})
+    return {k: v for k, v in d.items() if k != "bytes"} | (
+        {"bytes_each": d["bytes"]} if "bytes" in d else {}
+    )
 
 
 def _contig_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -600,15 +676,20 @@ def run_real(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     t_wait = time.monotonic() + cfg["mem_wait"]
     while mem_available() < need:
         if time.monotonic() > t_wait:
-            raise RuntimeError(f"MemAvailable {mem_available() / 1e9:.1f} GB < {need / 1e9:.1f} GB "
-                               "needed by the ranks; not starting (other jobs use the memory)")
-        log(f"waiting for memory: {mem_available() / 1e9:.1f} GB available, {need / 1e9:.1f} needed")
+            raise RuntimeError(
+                f"MemAvailable {mem_available() / 1e9:.1f} GB < {need / 1e9:.1f} GB "
+                "needed by the ranks; not starting (other jobs use the memory)"
+            )
+        log(
+            f"waiting for memory: {mem_available() / 1e9:.1f} GB available, {need / 1e9:.1f} needed"
+        )
         time.sleep(10)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, cfg, q), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, cfg, q), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -619,17 +700,23 @@ def run_real(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"real run exceeded {timeout:g}s; errors so far: {errors}")
             if mem_available() < cfg["mem_floor"]:
-                raise MemoryError(f"MemAvailable fell to {mem_available() / 1e9:.2f} GB; stopped the "
-                                  "ranks to protect the other jobs on this machine")
+                raise MemoryError(
+                    f"MemAvailable fell to {mem_available() / 1e9:.2f} GB; stopped the "
+                    "ranks to protect the other jobs on this machine"
+                )
             try:
                 r, ok, payload = q.get(timeout=0.5)
             except queue.Empty:
-                if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs) and \
-                        not q.qsize():
+                if (
+                    any(not p.is_alive() and p.exitcode not in (0, None) for p in procs)
+                    and not q.qsize()
+                ):
                     dead = [(i, p.exitcode) for i, p in enumerate(procs) if not p.is_alive()]
                     time.sleep(2)
                     if q.empty():
-                        raise RuntimeError(f"rank(s) died without reporting: {dead}; {errors}") from None
+                        raise RuntimeError(
+                            f"rank(s) died without reporting: {dead}; {errors}"
+                        ) from None
                 continue
             (results if ok else errors)[r] = payload
             if not ok:
@@ -667,15 +754,19 @@ def sim_check(scale: float, world: int, tied: bool) -> dict[str, Any]:
     """The simulation's per-rank inputs at the real run's scale, to compare with the real run."""
     import _dist_sim as S
 
-    from deltackpt.store import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_BYTES
+    from deltackpt.store.store import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_BYTES
 
     keys = S.state_keys(C.qwen2_shapes(scale), tied)
     cache: dict[Any, Any] = {}
-    return {"layout_keys": [S.dk_layout(keys, world, r, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_BYTES,
-                                        cache)[0].key() for r in range(world)],
-            "dcp_plan_bytes": [len(pickle.dumps(p)) for p in S.dcp_local_plans(keys, world)],
-            "dk_rows": S.sim_deltackpt(keys, world, [0.0, 1.0]),
-            "dcp_rows": S.sim_dcp(keys, world)}
+    return {
+        "layout_keys": [
+            S.dk_layout(keys, world, r, DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_BYTES, cache)[0].key()
+            for r in range(world)
+        ],
+        "dcp_plan_bytes": [len(pickle.dumps(p)) for p in S.dcp_local_plans(keys, world)],
+        "dk_rows": S.sim_deltackpt(keys, world, [0.0, 1.0]),
+        "dcp_rows": S.sim_dcp(keys, world),
+    }
 
 
 # =========================================================================== report
@@ -699,8 +790,10 @@ def real_tables(res: dict[str, Any]) -> str:
     for r in rows:
         if r["op"].startswith("load"):
             pairs[r["op"]] = r["op"].split(" - ")[0]
-    out = ["| system | operation | runs (s) | median s | GB/s | bytes added (du) | deltackpt/DCP time | deltackpt/DCP bytes | notes |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| system | operation | runs (s) | median s | GB/s | bytes added (du) | deltackpt/DCP time | deltackpt/DCP bytes | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         m = med(r["secs"])
         ratio_t = ratio_b = ""
@@ -723,12 +816,16 @@ def real_tables(res: dict[str, Any]) -> str:
         if "lib_blocked" in r:
             notes.append(f"lib blocked_seconds {r['lib_blocked']}")
         if "global_plan_ms" in r:
-            notes.append(f"global plan ms {r['global_plan_ms']}; gathered plans "
-                         f"{r.get('gathered_plan_bytes')} B; results {r.get('gathered_results_bytes')} B; "
-                         f".metadata {r.get('metadata_bytes')} B")
-        out.append(f"| {r['system']} | {r['op']} | {' '.join(f'{s:.2f}' for s in r['secs'])} | "
-                   f"{m:.2f} | {gb / m:.2f} | {fb(r.get('bytes'))} | {ratio_t} | {ratio_b} | "
-                   f"{'; '.join(notes)} |")
+            notes.append(
+                f"global plan ms {r['global_plan_ms']}; gathered plans "
+                f"{r.get('gathered_plan_bytes')} B; results {r.get('gathered_results_bytes')} B; "
+                f".metadata {r.get('metadata_bytes')} B"
+            )
+        out.append(
+            f"| {r['system']} | {r['op']} | {' '.join(f'{s:.2f}' for s in r['secs'])} | "
+            f"{m:.2f} | {gb / m:.2f} | {fb(r.get('bytes'))} | {ratio_t} | {ratio_b} | "
+            f"{'; '.join(notes)} |"
+        )
     return "\n".join(out)
 
 
@@ -745,27 +842,34 @@ def coll_table(real: dict[str, Any], sc: dict[str, Any]) -> str:
         ("DCP", "save after step (rewrites all)", dc.get("#1 (and #2+ no caching)")),
         ("DCP", "save after step, plan caching", dc.get("#2+ with caching")),
     ]
-    out = ["| system | save | measured per save: gather / scatter / broadcast x(N-1) = total | simulated total (same N) |",
-           "|---|---|---|---|"]
+    out = [
+        "| system | save | measured per save: gather / scatter / broadcast x(N-1) = total | simulated total (same N) |",
+        "|---|---|---|---|",
+    ]
     for system, op, simrow in spec:
         r = by.get((system, op))
         if r is None or not r.get("coll"):
             continue
-        meas = "; ".join(f"{c['gather']} / {c['scatter']} / {c['broadcast']} = **{c['total']}**"
-                         for c in r["coll"])
+        meas = "; ".join(
+            f"{c['gather']} / {c['scatter']} / {c['broadcast']} = **{c['total']}**"
+            for c in r["coll"]
+        )
         out.append(f"| {system} | {op} | {meas} | {simrow['exchanged'] if simrow else '-'} |")
     return "\n".join(out)
 
 
 def sim_tables(sim: dict[str, Any]) -> str:
     dcp = {(r["N"], r["save"]): r for r in sim["dcp"]}
-    lines = ["#### Bytes exchanged per save (all collectives: gather plans, scatter plans/assignments, "
-             "gather write results, broadcast outcome x (N-1))", "",
-             "| N | save | chunks changed | deltackpt exchanged | DCP exchanged, no caching | "
-             "DCP exchanged, plan caching | deltackpt / DCP (caching) | DCP caching without its "
-             "Metadata broadcast | deltackpt / that | deltackpt plan gather | "
-             "DCP plan gather (caching) | deltackpt manifest | DCP .metadata |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "#### Bytes exchanged per save (all collectives: gather plans, scatter plans/assignments, "
+        "gather write results, broadcast outcome x (N-1))",
+        "",
+        "| N | save | chunks changed | deltackpt exchanged | DCP exchanged, no caching | "
+        "DCP exchanged, plan caching | deltackpt / DCP (caching) | DCP caching without its "
+        "Metadata broadcast | deltackpt / that | deltackpt plan gather | "
+        "DCP plan gather (caching) | deltackpt manifest | DCP .metadata |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sim["dk"]:
         n = r["N"]
         d1 = dcp[(n, "#1 (and #2+ no caching)")]
@@ -776,28 +880,44 @@ def sim_tables(sim: dict[str, Any]) -> str:
             f"{fb(dc['exchanged'] - dc['bcast_metadata'])} | "
             f"{r['exchanged'] / (dc['exchanged'] - dc['bcast_metadata']):.2g} | "
             f"{fb(r['gather_plan'])} | {fb(dc['gather_plan'])} | {fb(r['manifest'])} | "
-            f"{fb(d1['metadata_file'])} |")
-    lines += ["", "#### deltackpt per-save breakdown and rank-0 time", "",
-              "| N | save | new chunks | gather plan msgs | scatter assignments | gather records | "
-              "broadcast outcome x(N-1) | rank_message per rank (ms) | rank 0 resolve+merge+assign+remember (ms) | "
-              "rank 0 manifest build+JSON (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+            f"{fb(d1['metadata_file'])} |"
+        )
+    lines += [
+        "",
+        "#### deltackpt per-save breakdown and rank-0 time",
+        "",
+        "| N | save | new chunks | gather plan msgs | scatter assignments | gather records | "
+        "broadcast outcome x(N-1) | rank_message per rank (ms) | rank 0 resolve+merge+assign+remember (ms) | "
+        "rank 0 manifest build+JSON (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sim["dk"]:
-        lines.append(f"| {r['N']} | {r['save']} | {r['new_chunks']} | {fb(r['gather_plan'])} | "
-                     f"{fb(r['scatter_assign'])} | {fb(r['gather_records'])} | {fb(r['bcast_outcome'])} | "
-                     f"{r['t_rank_msg_ms']:.2f} | {r['t_rank0_ms']:.0f} | {r['t_manifest_ms']:.0f} |")
-    lines += ["", "#### DCP per-save breakdown and rank-0 time (DefaultSavePlanner + FileSystemWriter)", "",
-              "| N | save | write items | gather local plans | scatter global plans | gather WriteResults | "
-              "broadcast Metadata x(N-1) | .metadata | create_global_plan (ms) | finish: storage_data + pickle (ms) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['N']} | {r['save']} | {r['new_chunks']} | {fb(r['gather_plan'])} | "
+            f"{fb(r['scatter_assign'])} | {fb(r['gather_records'])} | {fb(r['bcast_outcome'])} | "
+            f"{r['t_rank_msg_ms']:.2f} | {r['t_rank0_ms']:.0f} | {r['t_manifest_ms']:.0f} |"
+        )
+    lines += [
+        "",
+        "#### DCP per-save breakdown and rank-0 time (DefaultSavePlanner + FileSystemWriter)",
+        "",
+        "| N | save | write items | gather local plans | scatter global plans | gather WriteResults | "
+        "broadcast Metadata x(N-1) | .metadata | create_global_plan (ms) | finish: storage_data + pickle (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sim["dcp"]:
-        lines.append(f"| {r['N']} | {r['save']} | {r['items']} | {fb(r['gather_plan'])} | "
-                     f"{fb(r['scatter_plan'])} | {fb(r['gather_results'])} | {fb(r['bcast_metadata'])} | "
-                     f"{fb(r['metadata_file'])} | {r['t_global_ms']:.0f} | {r['t_finish_ms']:.0f} |")
+        lines.append(
+            f"| {r['N']} | {r['save']} | {r['items']} | {fb(r['gather_plan'])} | "
+            f"{fb(r['scatter_plan'])} | {fb(r['gather_results'])} | {fb(r['bcast_metadata'])} | "
+            f"{fb(r['metadata_file'])} | {r['t_global_ms']:.0f} | {r['t_finish_ms']:.0f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--scale", type=float, default=1.0, help="shrink layers/vocab (real run only)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
@@ -808,9 +928,13 @@ def main() -> None:
     ap.add_argument("--fracs", default="0,0.01,0.1,1")
     ap.add_argument("--skip-real", action="store_true")
     ap.add_argument("--skip-sim", action="store_true")
-    ap.add_argument("--mem-need-gb", type=float, default=7.0,
-                    help="MemAvailable to wait for before spawning the ranks: 0.8 + this x scale GB "
-                         "(2 ranks peak at ~3.2 GB RSS each at scale 1)")
+    ap.add_argument(
+        "--mem-need-gb",
+        type=float,
+        default=7.0,
+        help="MemAvailable to wait for before spawning the ranks: 0.8 + this x scale GB "
+        "(2 ranks peak at ~3.2 GB RSS each at scale 1)",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="hard limit for the real run (s)")
     ap.add_argument("--workdir", default=str(C.OUT_DIR / f"dist-work-{os.getpid()}"))
     ap.add_argument("--out", default=str(C.OUT_DIR / "dist.md"))
@@ -821,78 +945,115 @@ def main() -> None:
     log(f"{cmd}  {info}")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    cfg = {"scale": args.scale, "reps": args.reps, "world": args.world, "cold": args.cold,
-           "tied": not args.no_tie, "dcp_first": args.dcp_first, "workdir": str(work),
-           "torch_threads": 1, "pg_timeout": max(120.0, args.timeout),
-           "mem_need": int((0.8 + args.mem_need_gb * args.scale) * 1e9),
-           "mem_floor": int(0.7e9), "mem_wait": 300}
+    cfg = {
+        "scale": args.scale,
+        "reps": args.reps,
+        "world": args.world,
+        "cold": args.cold,
+        "tied": not args.no_tie,
+        "dcp_first": args.dcp_first,
+        "workdir": str(work),
+        "torch_threads": 1,
+        "pg_timeout": max(120.0, args.timeout),
+        "mem_need": int((0.8 + args.mem_need_gb * args.scale) * 1e9),
+        "mem_floor": int(0.7e9),
+        "mem_wait": 300,
+    }
     real = sim = None
     if not args.skip_sim:  # first: it needs little memory, the real run needs ~6.5 GB
-        sim = run_sim([int(x) for x in args.sim_ranks.split(",") if x],
-                      [float(x) for x in args.fracs.split(",") if x], not args.no_tie)
+        sim = run_sim(
+            [int(x) for x in args.sim_ranks.split(",") if x],
+            [float(x) for x in args.fracs.split(",") if x],
+            not args.no_tie,
+        )
     try:
         if not args.skip_real:
             real = run_real(cfg, args.timeout)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    md = [f"# bench_dist: deltackpt vs DCP, distributed ({info['date']})", "",
-          f"Command: `{cmd}` (default run ~6-9 min here). Quick debug: "
-          "`python benchmarks/bench_dist.py --scale 0.05 --reps 2 --sim-ranks 2,16`; simulation only: "
-          "`python benchmarks/bench_dist.py --skip-real`.", "",
-          f"Machine: {info['cpus']} cpus, {info['mem_total']}, torch {info['torch']}, python "
-          f"{info['python']}, git {info['git_rev']}{' (dirty)' if info['git_dirty'] else ''}, "
-          f"load average at start {tuple(round(x, 2) for x in info['loadavg_start'])}; "
-          f"load average at end {tuple(round(x, 2) for x in os.getloadavg())}. Shared, noisy machine: "
-          "compare ratios within this run.", ""]
+    md = [
+        f"# bench_dist: deltackpt vs DCP, distributed ({info['date']})",
+        "",
+        f"Command: `{cmd}` (default run ~6-9 min here). Quick debug: "
+        "`python benchmarks/bench_dist.py --scale 0.05 --reps 2 --sim-ranks 2,16`; simulation only: "
+        "`python benchmarks/bench_dist.py --skip-real`.",
+        "",
+        f"Machine: {info['cpus']} cpus, {info['mem_total']}, torch {info['torch']}, python "
+        f"{info['python']}, git {info['git_rev']}{' (dirty)' if info['git_dirty'] else ''}, "
+        f"load average at start {tuple(round(x, 2) for x in info['loadavg_start'])}; "
+        f"load average at end {tuple(round(x, 2) for x in os.getloadavg())}. Shared, noisy machine: "
+        "compare ratios within this run.",
+        "",
+    ]
     if real is not None:
-        md += [f"## 1. Real run: {args.world} ranks (gloo, 127.0.0.1), Qwen2-0.5B-shaped bf16 DTensors "
-               f"Shard(0), scale {args.scale}", "",
-               f"State: {real['keys']} keys ({'lm_head tied: the same DTensor under two keys' if cfg['tied'] else 'no lm_head'}), "
-               f"{real['unique_global_bytes'] / 1e9:.3f} GB global (tied counted once; GB/s uses this). "
-               "Times: max over ranks after a barrier; 'runs' lists each repetition. 'Step' = one "
-               "AdamW step at lr 1e-5 in Adam's first-step form w -= 1e-5*sign(g) on the fp32 master, "
-               "then copied into the bf16 weights. deltackpt's unchanged and incremental saves are "
-               "compared with DCP's save after a step (DCP rewrites everything). Loads "
-               f"{'cold (drop_caches before each)' if cfg['cold'] else 'warm (page cache)'}; "
-               "torch threads 1 per rank, deltackpt threads default, DCP FileSystemWriter defaults.", "",
-               real_tables(real), ""]
+        md += [
+            f"## 1. Real run: {args.world} ranks (gloo, 127.0.0.1), Qwen2-0.5B-shaped bf16 DTensors "
+            f"Shard(0), scale {args.scale}",
+            "",
+            f"State: {real['keys']} keys ({'lm_head tied: the same DTensor under two keys' if cfg['tied'] else 'no lm_head'}), "
+            f"{real['unique_global_bytes'] / 1e9:.3f} GB global (tied counted once; GB/s uses this). "
+            "Times: max over ranks after a barrier; 'runs' lists each repetition. 'Step' = one "
+            "AdamW step at lr 1e-5 in Adam's first-step form w -= 1e-5*sign(g) on the fp32 master, "
+            "then copied into the bf16 weights. deltackpt's unchanged and incremental saves are "
+            "compared with DCP's save after a step (DCP rewrites everything). Loads "
+            f"{'cold (drop_caches before each)' if cfg['cold'] else 'warm (page cache)'}; "
+            "torch threads 1 per rank, deltackpt threads default, DCP FileSystemWriter defaults.",
+            "",
+            real_tables(real),
+            "",
+        ]
         chk = real["checks"]
         sc = sim_check(args.scale, args.world, cfg["tied"])
         w = range(args.world)
         same = [chk[r].get(f"dk_layout_key_rank{r}") == sc["layout_keys"][r] for r in w]
         dk_full = next((r for r in real["rows"] if r["op"] == "save full (fresh store)"), {})
-        md += [f"Simulation check (same scale, N={args.world}): deltackpt `Layout.key()` of each real "
-               f"rank's plan equals the simulated layout: {same}; deltackpt plan bytes of a full "
-               f"save real {dk_full.get('plan_bytes')} vs simulated {sc['dk_rows'][0]['gather_plan']}; "
-               f"DCP local plan bytes real (per save) "
-               f"{[chk[r].get(f'dcp_local_plan_bytes_rank{r}') for r in w]} vs simulated "
-               f"{sc['dcp_plan_bytes']}; DCP .metadata real "
-               f"{next((r.get('metadata_bytes') for r in real['rows'] if r.get('metadata_bytes')), '-')}"
-               f" vs simulated {sc['dcp_rows'][0]['metadata_file']}.", "",
-               "Object-collective bytes per save measured in the real run (pickled sizes counted by "
-               "wrapping torch.distributed.gather_object / scatter_object_list / "
-               "broadcast_object_list; same counting rules as the simulation; the incremental row is "
-               "compared with the simulation's 100%-changed save, as every chunk changes):", "",
-               coll_table(real, sc), "",
-               f"`Store.chunk_index()` (called by every rank at every distributed save since "
-               f"0da86df, to vouch for xor bases), timed on the store after all deltackpt saves: "
-               f"{[chk[r].get(f'chunk_index_ms_rank{r}') for r in w]}.", ""]
+        md += [
+            f"Simulation check (same scale, N={args.world}): deltackpt `Layout.key()` of each real "
+            f"rank's plan equals the simulated layout: {same}; deltackpt plan bytes of a full "
+            f"save real {dk_full.get('plan_bytes')} vs simulated {sc['dk_rows'][0]['gather_plan']}; "
+            f"DCP local plan bytes real (per save) "
+            f"{[chk[r].get(f'dcp_local_plan_bytes_rank{r}') for r in w]} vs simulated "
+            f"{sc['dcp_plan_bytes']}; DCP .metadata real "
+            f"{next((r.get('metadata_bytes') for r in real['rows'] if r.get('metadata_bytes')), '-')}"
+            f" vs simulated {sc['dcp_rows'][0]['metadata_file']}.",
+            "",
+            "Object-collective bytes per save measured in the real run (pickled sizes counted by "
+            "wrapping torch.distributed.gather_object / scatter_object_list / "
+            "broadcast_object_list; same counting rules as the simulation; the incremental row is "
+            "compared with the simulation's 100%-changed save, as every chunk changes):",
+            "",
+            coll_table(real, sc),
+            "",
+            f"`Store.chunk_index()` (called by every rank at every distributed save since "
+            f"0da86df, to vouch for xor bases), timed on the store after all deltackpt saves: "
+            f"{[chk[r].get(f'chunk_index_ms_rank{r}') for r in w]}.",
+            "",
+        ]
     if sim is not None:
-        md += ["## 2. Planning at simulated scale (no processes; the 0.5B state Shard(0) over N ranks)", "",
-               "Each system's own planning code on synthetic inputs (benchmarks/_dist_sim.py). deltackpt: "
-               "save #1 full, then saves with 0%, 1%, 10%, 100% of all chunks given new digests (each "
-               "after the previous). DCP's plans do not depend on the data: #1 is also what every save "
-               "without plan caching costs; '#2+ with caching' is every later save with "
-               "`enable_plan_caching=True` (local plans sent as `SavePlan([], usable=False)`), whatever "
-               "changed. Bytes = pickled size of what each collective carries; a broadcast counts N-1 "
-               "times. Times are single runs on a shared 2-core machine (rank 0's Python work only; no "
-               "network).", "", sim_tables(sim), ""]
+        md += [
+            "## 2. Planning at simulated scale (no processes; the 0.5B state Shard(0) over N ranks)",
+            "",
+            "Each system's own planning code on synthetic inputs (benchmarks/_dist_sim.py). deltackpt: "
+            "save #1 full, then saves with 0%, 1%, 10%, 100% of all chunks given new digests (each "
+            "after the previous). DCP's plans do not depend on the data: #1 is also what every save "
+            "without plan caching costs; '#2+ with caching' is every later save with "
+            "`enable_plan_caching=True` (local plans sent as `SavePlan([], usable=False)`), whatever "
+            "changed. Bytes = pickled size of what each collective carries; a broadcast counts N-1 "
+            "times. Times are single runs on a shared 2-core machine (rank 0's Python work only; no "
+            "network).",
+            "",
+            sim_tables(sim),
+            "",
+        ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(md) + "\n")
-    (out.with_suffix(".json")).write_text(json.dumps({"cmd": cmd, "info": info, "cfg": cfg,
-                                                      "real": real, "sim": sim}, indent=1, default=str))
+    (out.with_suffix(".json")).write_text(
+        json.dumps(
+            {"cmd": cmd, "info": info, "cfg": cfg, "real": real, "sim": sim}, indent=1, default=str
+        )
+    )
     print("\n".join(md))
     log(f"wrote {out}")
 

@@ -412,13 +412,13 @@ class DeltackptSystem(System):
         self.known: set[str] = set()
 
     def _replace(self, new: Path) -> None:
-        import deltackpt.store
+        import deltackpt.store.store
 
         old = self.latest
         super()._replace(new)
         if old is not None and old != new:
             # Let the dropped store's Store object (and its staging buffers) be freed.
-            deltackpt.store._STORES.pop(old.absolute(), None)
+            deltackpt.store.store._STORES.pop(old.absolute(), None)
 
     def save(self, state: Any, fresh: bool) -> dict[str, Any]:
         import deltackpt
@@ -462,9 +462,9 @@ class DeltackptSystem(System):
     @staticmethod
     def _forget() -> None:
         # A restore usually runs in a fresh process: do not reuse the in-process manifest cache.
-        import deltackpt.store
+        import deltackpt.store.store
 
-        deltackpt.store._STORES.clear()
+        deltackpt.store.store._STORES.clear()
 
     def load_new(self, template: Any) -> Any:
         import deltackpt
@@ -1003,9 +1003,9 @@ def main() -> None:
         rows = run_saves(bs, systems, args.reps, log)
         bs.drop_grads()
         rss_after_saves = rss_bytes()
-        import deltackpt.store
+        import deltackpt.store.store
 
-        deltackpt.store._STORES.clear()  # free deltackpt's staging arenas before loading
+        deltackpt.store.store._STORES.clear()  # free deltackpt's staging arenas before loading
         gc.collect()
         log(
             f"RSS after saves {rss_after_saves / C.GB:.2f} GB, after dropping deltackpt stores "

@@ -78,8 +78,14 @@ def qwen2_shapes(params: float) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _count(hidden: int, inter: int, head: int, kv: int, layers: int, vocab: int) -> int:
-    per_layer = (2 * hidden + hidden * hidden + hidden + 2 * (kv * head * hidden + kv * head)
-                 + hidden * hidden + 3 * inter * hidden)
+    per_layer = (
+        2 * hidden
+        + hidden * hidden
+        + hidden
+        + 2 * (kv * head * hidden + kv * head)
+        + hidden * hidden
+        + 3 * inter * hidden
+    )
     return vocab * hidden + layers * per_layer + hidden
 
 
@@ -127,8 +133,9 @@ def run(rank: int, world: int, cfg: dict[str, Any], port: int, name: str) -> dic
     kind, repeats = cfg["transport"], cfg["repeats"]
 
     # ---- ceiling -----------------------------------------------------------------------
-    flat = torch.ones(total, dtype=torch.uint8) if rank == 0 else torch.zeros(total,
-                                                                              dtype=torch.uint8)
+    flat = (
+        torch.ones(total, dtype=torch.uint8) if rank == 0 else torch.zeros(total, dtype=torch.uint8)
+    )
     if kind == "gloo":
         ceil = min(timed(dist, lambda: dist.broadcast(flat, 0)) for _ in range(repeats))
     else:
@@ -165,8 +172,7 @@ def run(rank: int, world: int, cfg: dict[str, Any], port: int, name: str) -> dic
     if kind == "gloo":
         transport = sync.DistTransport(group=None, senders=[0])
     else:
-        transport = sync.ShmTransport(name, rank=rank, world_size=world, senders=[0],
-                                      timeout=600)
+        transport = sync.ShmTransport(name, rank=rank, world_size=world, senders=[0], timeout=600)
     changed: list[str] = []
     acc = 0
     for n, s in reversed(shapes):  # the last layers, ~delta_frac of the parameters
@@ -175,8 +181,9 @@ def run(rank: int, world: int, cfg: dict[str, Any], port: int, name: str) -> dic
         changed.append(n)
         acc += math.prod(s)
     out["delta_params_frac"] = acc / nparams
-    sender = sync.WeightSender(transport, bucket_bytes=cfg["bucket_mb"] << 20) if rank == 0 \
-        else None
+    sender = (
+        sync.WeightSender(transport, bucket_bytes=cfg["bucket_mb"] << 20) if rank == 0 else None
+    )
     version = 0
 
     def load(ws: list[tuple[str, Any]]) -> None:  # what an nn.Module adapter does
@@ -199,8 +206,11 @@ def run(rank: int, world: int, cfg: dict[str, Any], port: int, name: str) -> dic
         def one(full: bool, receiver: Any = receiver, stats: list[Any] = stats) -> None:
             nonlocal version
             version += 1
-            stats.append(sender.push(state, version, full=full) if sender is not None
-                         else receiver.pull(load))
+            stats.append(
+                sender.push(state, version, full=full)
+                if sender is not None
+                else receiver.pull(load)
+            )
 
         res: dict[str, Any] = {"first_round_s": timed(dist, lambda: one(True))}
         res["full_round_s"] = min(timed(dist, lambda: one(True)) for _ in range(repeats))
@@ -217,8 +227,9 @@ def run(rank: int, world: int, cfg: dict[str, Any], port: int, name: str) -> dic
             h.update(t.view(torch.uint8).numpy())
         res["state_digest"] = h.hexdigest()
         if receiver is not None:
-            res["staging_bytes"] = sum(b.numel() for b in (receiver._arena, receiver._bounce)
-                                       if b is not None)
+            res["staging_bytes"] = sum(
+                b.numel() for b in (receiver._arena, receiver._bounce) if b is not None
+            )
             receiver.close()  # the next mode starts with its own plan and staging
         out["modes"][mode] = res
     transport.close()
@@ -232,8 +243,7 @@ def bench(cfg: dict[str, Any], receivers: int) -> dict[str, Any]:
     world = 1 + receivers
     name = uuid.uuid4().hex[:10]
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, cfg, port, name, q))
-             for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, cfg, port, name, q)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -258,8 +268,11 @@ def bench(cfg: dict[str, Any], receivers: int) -> dict[str, Any]:
     out = results[0]
     for m, v in out["modes"].items():
         v["staging_bytes"] = results[1]["modes"][m]["staging_bytes"]
-    out["receivers_ok"] = all(results[r]["modes"][m]["state_digest"] == v["state_digest"]
-                              for r in range(1, world) for m, v in out["modes"].items())
+    out["receivers_ok"] = all(
+        results[r]["modes"][m]["state_digest"] == v["state_digest"]
+        for r in range(1, world)
+        for m, v in out["modes"].items()
+    )
     return out
 
 
@@ -270,9 +283,12 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--transports", default="gloo,shm")
     ap.add_argument("--receivers", default="1,2")
-    ap.add_argument("--apply", default="on_commit,per_bucket",
-                    help="receiver modes to measure, comma-separated; MODE:trusted measures the "
-                    "pre-fix in-place shm receiver")
+    ap.add_argument(
+        "--apply",
+        default="on_commit,per_bucket",
+        help="receiver modes to measure, comma-separated; MODE:trusted measures the "
+        "pre-fix in-place shm receiver",
+    )
     ap.add_argument("--delta-frac", type=float, default=0.10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600)
@@ -281,33 +297,46 @@ def main() -> None:
     rows = []
     for kind in args.transports.split(","):
         for n in map(int, args.receivers.split(",")):
-            cfg = {"params": args.params, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
-                   "transport": kind, "apply": args.apply.split(","), "delta_frac": args.delta_frac,
-                   "repeats": args.repeats, "timeout": args.timeout}
+            cfg = {
+                "params": args.params,
+                "dtype": args.dtype,
+                "bucket_mb": args.bucket_mb,
+                "transport": kind,
+                "apply": args.apply.split(","),
+                "delta_frac": args.delta_frac,
+                "repeats": args.repeats,
+                "timeout": args.timeout,
+            }
             r = bench(cfg, n)
             r.update(transport=kind, receivers=n)
             rows.append(r)
             print(f"# done {kind} x{n}: {json.dumps(r)}", file=sys.stderr, flush=True)
     first = rows[0]
     mode0 = next(iter(first["modes"].values()))
-    print(f"\nstate: {first['params'] / 1e6:.0f}M params, {args.dtype}, "
-          f"{first['bytes'] / GB:.2f} GB; bucket {args.bucket_mb} MiB ({mode0['buckets']} "
-          f"buckets); delta rounds change {first['delta_params_frac']:.1%} of the parameters; "
-          f"best of {args.repeats}\n")
-    print("| transport | receivers | apply | ceiling s (GB/s) | full round s (GB/s) "
-          "| full vs ceiling | first round s | delta round s | delta / full | delta bytes "
-          "| staging MB |")
+    print(
+        f"\nstate: {first['params'] / 1e6:.0f}M params, {args.dtype}, "
+        f"{first['bytes'] / GB:.2f} GB; bucket {args.bucket_mb} MiB ({mode0['buckets']} "
+        f"buckets); delta rounds change {first['delta_params_frac']:.1%} of the parameters; "
+        f"best of {args.repeats}\n"
+    )
+    print(
+        "| transport | receivers | apply | ceiling s (GB/s) | full round s (GB/s) "
+        "| full vs ceiling | first round s | delta round s | delta / full | delta bytes "
+        "| staging MB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         gb = r["bytes"] / GB
         for mode, m in r["modes"].items():
-            print(f"| {r['transport']} | {r['receivers']} | {mode} | {r['ceiling_s']:.2f} "
-                  f"({gb / r['ceiling_s']:.2f}) | {m['full_round_s']:.2f} "
-                  f"({gb / m['full_round_s']:.2f}) | {r['ceiling_s'] / m['full_round_s']:.0%} "
-                  f"| {m['first_round_s']:.2f} | {m['delta_round_s']:.3f} "
-                  f"| {m['delta_round_s'] / m['full_round_s']:.1%} "
-                  f"| {m['delta_bytes'] / m['full_bytes']:.1%} "
-                  f"| {m['staging_bytes'] / 1e6:.0f} |")
+            print(
+                f"| {r['transport']} | {r['receivers']} | {mode} | {r['ceiling_s']:.2f} "
+                f"({gb / r['ceiling_s']:.2f}) | {m['full_round_s']:.2f} "
+                f"({gb / m['full_round_s']:.2f}) | {r['ceiling_s'] / m['full_round_s']:.0%} "
+                f"| {m['first_round_s']:.2f} | {m['delta_round_s']:.3f} "
+                f"| {m['delta_round_s'] / m['full_round_s']:.1%} "
+                f"| {m['delta_bytes'] / m['full_bytes']:.1%} "
+                f"| {m['staging_bytes'] / 1e6:.0f} |"
+            )
     if not all(r["receivers_ok"] for r in rows):
         raise SystemExit("a receiver ended with different weights")
     if args.json:

@@ -8,15 +8,15 @@
 from __future__ import annotations
 
 from deltackpt import errors
-from deltackpt._async import SaveHandle, async_save
-from deltackpt._rng import capture as get_rng_state
-from deltackpt._rng import restore as set_rng_state
+from deltackpt.api import save
 from deltackpt.checkpointer import Checkpointer
-from deltackpt.lifecycle import GcReport, VerifyReport, delete, gc, snapshots, verify
-from deltackpt.loading import load
+from deltackpt.loading.assemble import load
 from deltackpt.options import LoadOptions, SaveOptions
-from deltackpt.saving import save
-from deltackpt.store import SnapshotInfo, Store, open_store
+from deltackpt.rng import capture as get_rng_state
+from deltackpt.rng import restore as set_rng_state
+from deltackpt.saving.engine import SaveHandle, async_save
+from deltackpt.store.lifecycle import GcReport, VerifyReport, delete, gc, snapshots, verify
+from deltackpt.store.store import SnapshotInfo, Store, open_store
 
 __version__ = "0.1.0"
 

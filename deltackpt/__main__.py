@@ -1,5 +1,5 @@
 """``python -m deltackpt``: the same command line as ``deltackpt``."""
 
-from deltackpt.cli import main
+from deltackpt.cli.main import main
 
 raise SystemExit(main())

@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from deltackpt import _rng
-from deltackpt._async import SaveHandle, async_save
-from deltackpt._fsutil import store_lock
-from deltackpt.codecs import XOR
+from deltackpt import rng as _rng
+from deltackpt.api import save
 from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
-from deltackpt.lifecycle import _delete, gc
-from deltackpt.loading import load_reusing
-from deltackpt.manifest import Manifest
+from deltackpt.format.codecs import XOR
+from deltackpt.format.manifest import Manifest
+from deltackpt.loading.assemble import load_reusing
 from deltackpt.options import SaveOptions, default_lock_timeout
-from deltackpt.saving import save
-from deltackpt.store import Store, open_store, validate_name
+from deltackpt.saving.engine import SaveHandle, async_save
+from deltackpt.store.durable import store_lock
+from deltackpt.store.lifecycle import _delete, gc
+from deltackpt.store.store import Store, open_store, validate_name
 
 # Reserved names. OWNER_KEY (in snapshot metadata) is how a Checkpointer recognises what it wrote;
 # RNG_KEY (in the saved state) holds deltackpt.get_rng_state(). A user's state may not use RNG_KEY.

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from deltackpt.codecs import ENCODINGS, EncodePolicy
 from deltackpt.errors import InvalidArgumentError
+from deltackpt.format.codecs import ENCODINGS, EncodePolicy
 
 _OVERRIDES: dict[str, str] = {}
 _TRUE = ("1", "true", "yes", "on")
@@ -149,7 +149,7 @@ class SaveOptions:
     threads: int = field(default_factory=default_threads)
     lock_timeout: float = field(default_factory=default_lock_timeout)
     fsync: bool = field(default_factory=default_fsync)
-    # "auto" | "fast-restore" | "smallest" (deltackpt.codecs.ENCODINGS) or an EncodePolicy;
+    # "auto" | "fast-restore" | "smallest" (deltackpt.format.codecs.ENCODINGS) or an EncodePolicy;
     # a name is replaced by its policy on construction
     encoding: EncodePolicy = field(default_factory=lambda: ENCODINGS["auto"])
     # xor deltas: a full chunk at least every K saves of a key, so a restore decodes at most K

@@ -49,13 +49,15 @@ class Outcome:
         if self.error is not None:
             raise AssertionError(f"process {self.index} failed:\n{self.error}")
         if not self.reported:
-            raise AssertionError(f"process {self.index} exited with code {self.exitcode} "
-                                 "without reporting a result")
+            raise AssertionError(
+                f"process {self.index} exited with code {self.exitcode} without reporting a result"
+            )
         return self.value
 
 
-def _child(index: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any,
-           fast_exit: bool) -> None:
+def _child(
+    index: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any, fast_exit: bool
+) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -69,16 +71,22 @@ def _child(index: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any,
         os._exit(0)
 
 
-def spawn(targets: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], *,
-          timeout: float = 60.0, fast_exit: bool = False) -> list[Outcome]:
+def spawn(
+    targets: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]],
+    *,
+    timeout: float = 60.0,
+    fast_exit: bool = False,
+) -> list[Outcome]:
     """Run ``fn(*args)`` for each target in its own process; wait at most ``timeout`` seconds.
 
     ``fast_exit``: children leave with ``os._exit`` once their result is sent, skipping
     interpreter teardown (atexit handlers, unflushed files) — seconds saved per process."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(i, fn, args, q, fast_exit), daemon=True)
-             for i, (fn, args) in enumerate(targets)]
+    procs = [
+        ctx.Process(target=_child, args=(i, fn, args, q, fast_exit), daemon=True)
+        for i, (fn, args) in enumerate(targets)
+    ]
     outcomes = [Outcome(i) for i in range(len(procs))]
     for p in procs:
         p.start()
@@ -105,9 +113,16 @@ def spawn(targets: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], *,
                 for p in procs:
                     p.join(5)
                 report = "\n".join(
-                    f"process {o.index}: " + ("still running (killed)" if not o.reported else
-                                              "failed:\n" + o.error if o.error else "finished")
-                    for o in outcomes)
+                    f"process {o.index}: "
+                    + (
+                        "still running (killed)"
+                        if not o.reported
+                        else "failed:\n" + o.error
+                        if o.error
+                        else "finished"
+                    )
+                    for o in outcomes
+                )
                 raise TimeoutError(f"multi-process test exceeded {timeout:g} s\n{report}")
             drain(0.1)
         end = time.monotonic() + 2.0  # results put just before exit may still be in the pipe
@@ -123,8 +138,7 @@ def spawn(targets: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], *,
     return outcomes
 
 
-def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
-              timeout: float = 60.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 60.0) -> list[Any]:
     """Call ``fn(rank, nprocs, *args)`` in ``nprocs`` processes; return the values by rank."""
     outcomes = spawn([(fn, (r, nprocs, *args)) for r in range(nprocs)], timeout=timeout)
     return [o.unwrap() for o in outcomes]

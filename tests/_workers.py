@@ -27,7 +27,7 @@ Commands (each prints one line per event on stdout, flushed, so the parent can f
     ``loss I HEX`` (``float.hex`` of the loss) for each step and ``done``. Every run seeds all
     three RNGs first, so a run on a fresh store is the uninterrupted reference. EOF exits.
 
-A few hooks (``deltackpt.store.publish``, ``Store.chunk_index``) are wrapped to report progress
+A few hooks (``deltackpt.store.store.publish``, ``Store.chunk_index``) are wrapped to report progress
 or to line two saves up; they only print or wait, never change what a save does.
 """
 
@@ -128,18 +128,18 @@ def _say(*parts: object) -> None:
 
 def crash_saver(store: str) -> None:
     import deltackpt
-    import deltackpt.store
+    import deltackpt.store.store
 
     base = crash_base()
     current = [-1]
-    real_publish = deltackpt.store.publish
+    real_publish = deltackpt.store.store.publish
 
     def publish(tmp: Path, final: Path, overwrite: bool = False) -> None:
         if final.name == "MANIFEST.json":
             _say("publish", current[0])
         real_publish(tmp, final, overwrite=overwrite)
 
-    deltackpt.store.publish = publish  # store.py calls it by this name
+    deltackpt.store.store.publish = publish  # store.py calls it by this name
     _say("ready")
     line = sys.stdin.readline().split()
     if not line or line[0] != "go":
@@ -147,7 +147,7 @@ def crash_saver(store: str) -> None:
     start, count, encoding = int(line[1]), int(line[2]), line[3]
     opts: dict[str, Any] = {}
     if encoding == "raw":  # every save writes all 240 MB: long pack writes to kill
-        from deltackpt.codecs import RAW, EncodePolicy
+        from deltackpt.format.codecs import RAW, EncodePolicy
 
         opts["encoding"] = EncodePolicy(codecs=(RAW,))
     for idx in range(start, start + count):
@@ -175,7 +175,7 @@ def saver() -> None:
 
     import deltackpt
     from deltackpt.errors import SnapshotExistsError
-    from deltackpt.store import Store
+    from deltackpt.store.store import Store
 
     real_index = Store.chunk_index
     req: dict[str, Any] = {}

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt import pack
-from deltackpt.codecs import RAW, XOR, ZSTD, EncodePolicy
 from deltackpt.errors import SaveFailedError
+from deltackpt.format.codecs import RAW, XOR, ZSTD, EncodePolicy
+from deltackpt.store import packs as pack
 
 
 def _model_state(seed: int = 0, n: int = 6, numel: int = 300_000) -> dict[str, torch.Tensor]:
@@ -69,7 +69,7 @@ def test_background_failure_is_raised_once_from_result(store_dir, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("deltackpt._async.commit", boom)
+    monkeypatch.setattr("deltackpt.saving.engine.commit", boom)
     h = deltackpt.async_save(state, store_dir, "bad")
     with pytest.raises(OSError, match="No space left"):
         h.result(timeout=60)
@@ -84,7 +84,7 @@ def test_unobserved_background_failure_is_raised_by_the_next_save(store_dir, mon
     def boom(*a, **k):
         raise OSError(5, "I/O error")
 
-    monkeypatch.setattr("deltackpt._async.commit", boom)
+    monkeypatch.setattr("deltackpt.saving.engine.commit", boom)
     h = deltackpt.async_save(state, store_dir, "bad")
     while not h.done():
         time.sleep(0.01)
@@ -300,7 +300,7 @@ def test_cuda_state_is_staged_into_pinned_buffers(store_dir):
 
 
 def test_unchanged_chunks_are_hashed_in_place_not_copied(store_dir, monkeypatch):
-    import deltackpt._async as dasync
+    import deltackpt.saving.engine as dasync
 
     calls: list[int] = []
     real = dasync.Saver._copy_chunk

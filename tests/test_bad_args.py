@@ -22,8 +22,7 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt import cli
-from deltackpt.codecs import EncodePolicy
+from deltackpt.cli import main as cli
 from deltackpt.errors import (
     InvalidArgumentError,
     InvalidNameError,
@@ -33,6 +32,7 @@ from deltackpt.errors import (
     UnsupportedURLError,
     UnsupportedValueError,
 )
+from deltackpt.format.codecs import EncodePolicy
 from deltackpt.options import LoadOptions, overrides
 
 SMALL = {"w": torch.arange(16, dtype=torch.float32), "step": 1}
@@ -377,12 +377,12 @@ def _unwrap(x: Any, n: int) -> Any:
 
 def test_save_depth_limit_is_within_the_load_limit() -> None:
     """A save must never commit a tree that the load-side validation refuses."""
-    from deltackpt import _tree
+    from deltackpt.format import tree as _tree
 
     try:
-        from deltackpt._validate import MAX_TREE_DEPTH
+        from deltackpt.format.validate import MAX_TREE_DEPTH
     except ImportError:  # pragma: no cover - load-side validation not present
-        pytest.skip("deltackpt._validate has no MAX_TREE_DEPTH")
+        pytest.skip("deltackpt.format.validate has no MAX_TREE_DEPTH")
     assert _tree.MAX_DEPTH <= MAX_TREE_DEPTH
 
 
@@ -490,7 +490,7 @@ def test_manifest_publish_eio_is_typed_and_leaves_nothing(
         raise OSError(errno.EIO, "injected I/O error")
 
     before = _pack_ids(store)
-    monkeypatch.setattr(deltackpt.store, "publish", eio)
+    monkeypatch.setattr(deltackpt.store.store, "publish", eio)
     big = {"w": torch.randn(1 << 18)}
     for save in (
         lambda: deltackpt.save(big, store, "bad"),

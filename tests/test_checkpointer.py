@@ -26,8 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt import _rng
-from deltackpt._tree import flatten, unflatten
+from deltackpt import rng as _rng
 from deltackpt.checkpointer import OWNER_KEY, RNG_KEY
 from deltackpt.errors import (
     InvalidArgumentError,
@@ -36,6 +35,7 @@ from deltackpt.errors import (
     StoreFormatError,
     UnsupportedValueError,
 )
+from deltackpt.format.tree import flatten, unflatten
 from deltackpt.options import overrides
 from tests._workers import Child, assert_same_state
 

@@ -12,8 +12,8 @@ import torch
 from rich.console import Console
 
 import deltackpt
-import deltackpt.demo
-from deltackpt.cli import human_bytes, main
+import deltackpt.cli.demo
+from deltackpt.cli.main import human_bytes, main
 
 
 def _state(step: int, bias_shift: float = 0.0, extra: bool = False) -> dict:
@@ -184,7 +184,9 @@ def test_python_dash_m(store):
 
 def test_demo_is_bit_exact(tmp_path):
     buf = io.StringIO()
-    result = deltackpt.demo.run(directory=tmp_path, steps=6, console=Console(file=buf, width=120))
+    result = deltackpt.cli.demo.run(
+        directory=tmp_path, steps=6, console=Console(file=buf, width=120)
+    )
     out = buf.getvalue()
     assert result["bit_exact"], result["mismatches"]
     assert result["next_step_identical"]

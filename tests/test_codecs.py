@@ -1,4 +1,4 @@
-"""Tests for deltackpt.codecs: bit-exact round trips, codec choice, errors, thread safety."""
+"""Tests for deltackpt.format.codecs: bit-exact round trips, codec choice, errors, thread safety."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from deltackpt.codecs import RAW, XOR, ZSTD, Encoded, EncodePolicy, decode, encode
 from deltackpt.errors import CodecError
+from deltackpt.format.codecs import RAW, XOR, ZSTD, Encoded, EncodePolicy, decode, encode
 
 # The pre-0.5 rule: plain zstd whenever it saves 10%. Tests of zstd on dense floats use it.
 LOOSE = EncodePolicy(zstd_min_gain=0.9)

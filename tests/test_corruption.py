@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt.codecs import RAW, EncodePolicy
 from deltackpt.errors import CorruptChunkError
+from deltackpt.format.codecs import RAW, EncodePolicy
 
 
 def _flip(store_dir, name: str, key: str, delta: int = 17) -> str:

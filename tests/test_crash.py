@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import deltackpt
-import deltackpt.pack
-import deltackpt.store
+import deltackpt.store.packs
+import deltackpt.store.store
 from deltackpt.errors import SnapshotNotFoundError
-from deltackpt.pack import PackWriter
-from deltackpt.store import PACK_ALIGN
+from deltackpt.store.packs import PackWriter
+from deltackpt.store.store import PACK_ALIGN
 from tests._workers import Child, assert_same_state, crash_base, crash_name, crash_state
 
 # A trial takes ~2-3 s on an idle 2-core machine (the children start ahead), 3x that when other
@@ -282,7 +282,7 @@ def settle(store: Path, quiet: float = 0.3, timeout: float = 10.0) -> None:
 
 def _inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     if where == "pack_create":  # ENOSPC writing a new pack's header
-        monkeypatch.setattr(deltackpt.pack, "_write_all", _enospc)
+        monkeypatch.setattr(deltackpt.store.packs, "_write_all", _enospc)
     elif where == "pack_append":  # ENOSPC after a few payloads were written
         real_append = PackWriter.append
         calls = [0]
@@ -297,9 +297,9 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     elif where == "pack_fsync":
         monkeypatch.setattr(PackWriter, "finish", _eio)
     elif where == "manifest_write":  # the temp manifest cannot be made durable
-        monkeypatch.setattr(deltackpt.store, "write_durable", _eio)
+        monkeypatch.setattr(deltackpt.store.store, "write_durable", _eio)
     elif where == "publish":  # store.py calls publish by the name it imported
-        monkeypatch.setattr(deltackpt.store, "publish", _eio)
+        monkeypatch.setattr(deltackpt.store.store, "publish", _eio)
     elif where == "link":
         monkeypatch.setattr(os, "link", _eio)
     else:

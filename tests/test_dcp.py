@@ -15,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import deltackpt
-from deltackpt._dcp_values import decode_byte_values
-from deltackpt.codecs import EncodePolicy
 from deltackpt.dcp import StoreReader, StoreWriter
 from deltackpt.errors import PickleNotAllowedError, StoreLockedError
+from deltackpt.format.codecs import EncodePolicy
+from deltackpt.format.dcp_values import decode_byte_values
 from tests._dist import free_port, run_ranks
 
 # DCP warns on every call without a process group ("assuming the intent is to save in a single
@@ -49,7 +49,9 @@ def _assert_same(a, b, path="") -> None:
         assert isinstance(b, torch.Tensor), path
         assert a.dtype == b.dtype and a.shape == b.shape, path
         if a.numel():  # compare bytes: bit-exact, NaN payloads and -0.0 included
-            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
+                path
+            )
     elif isinstance(a, dict):
         assert set(a) == set(b), (path, set(a) ^ set(b))
         for k in a:
@@ -80,7 +82,12 @@ def _flat(sd: dict, prefix: str = "") -> dict:
 def test_save_load_model_and_optimizer_single_process(tmp_path):
     store = tmp_path / "s"
     model, opt = _train_state(0)
-    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 7, "tup": (1, 2.5, "x")}
+    state = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "step": 7,
+        "tup": (1, 2.5, "x"),
+    }
     w = StoreWriter(store, "dcp-1", metadata={"step": 7})
     dcp.save(state, storage_writer=w)
     assert w.info is not None and w.info.name == "dcp-1" and w.info.chunks_new > 0
@@ -104,7 +111,9 @@ def test_save_load_model_and_optimizer_single_process(tmp_path):
     m = deltackpt.open_store(store).manifest("dcp-1")
     assert m.metadata["dcp"]["bytes"] == [] and m.metadata["step"] == 7
     jsonschema = pytest.importorskip("jsonschema")
-    schema = json.loads((Path(deltackpt.__file__).parent / "schema/manifest.schema.json").read_text())
+    schema = json.loads(
+        (Path(deltackpt.__file__).parent / "format/schema/manifest.schema.json").read_text()
+    )
     jsonschema.validate(json.loads((store / "snapshots/dcp-1/MANIFEST.json").read_bytes()), schema)
 
     assert deltackpt.verify(store).ok
@@ -325,7 +334,11 @@ def _dcp_ranks(rank: int, world: int, port: int, store: str) -> dict:
     dcp.save(state, storage_writer=w)
     w2 = StoreWriter(store, "d1")
     dcp.save(state, storage_writer=w2)  # unchanged: only the manifest
-    infos = [(i.chunks_new, i.chunks_reused, i.bytes_written) for i in (w.info, w2.info)] if rank == 0 else None
+    infos = (
+        [(i.chunks_new, i.chunks_reused, i.bytes_written) for i in (w.info, w2.info)]
+        if rank == 0
+        else None
+    )
 
     zeros = {k: torch.zeros_like(v) for k, v in full.items()}
     target = {k: distribute_tensor(zeros[k], mesh, [Shard(1)]) for k in ("a", "b", "big", "tiny")}
@@ -359,8 +372,12 @@ def test_two_ranks_dtensor_shard0_saved_loaded_as_shard1_and_on_one_process(tmp_
     assert entries["plain"].data is not None  # replicated: written once, as a whole tensor
     assert m.metadata["dcp"]["world_size"] == 2
     jsonschema = pytest.importorskip("jsonschema")
-    schema = json.loads((Path(deltackpt.__file__).parent / "schema/manifest.schema.json").read_text())
-    jsonschema.validate(json.loads(deltackpt.open_store(store).manifest_path("d0").read_bytes()), schema)
+    schema = json.loads(
+        (Path(deltackpt.__file__).parent / "format/schema/manifest.schema.json").read_text()
+    )
+    jsonschema.validate(
+        json.loads(deltackpt.open_store(store).manifest_path("d0").read_bytes()), schema
+    )
 
     got = deltackpt.load(store, "d0")  # one process, no process group: full tensors
     for k, v in full.items():

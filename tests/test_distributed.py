@@ -67,9 +67,7 @@ def _save_two(rank: int, world: int, port: int, store: str) -> dict:
     )
     # async: returns after planning and staging; mutating the shards then must not matter
     live = _dstate(world, 2, placements)
-    h = deltackpt.async_save(
-        live, store, "s2", process_group=dist.group.WORLD, encoding="smallest"
-    )
+    h = deltackpt.async_save(live, store, "s2", process_group=dist.group.WORLD, encoding="smallest")
     for k in ("a", "b", "r"):
         live[k].to_local().fill_(-1)
     info3 = h.result(timeout=60)
@@ -175,7 +173,7 @@ def _die_mid_save(rank: int, world: int, port: int, store: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
-    from deltackpt import pack
+    from deltackpt.store import packs as pack
 
     _init(rank, world, port, timeout=15)
     placements = {"a": Shard(0), "b": Shard(0), "r": Shard(0)}

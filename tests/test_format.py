@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt import pack
-from deltackpt.codecs import RAW, EncodePolicy
+from deltackpt.format.codecs import RAW, EncodePolicy
+from deltackpt.store import packs as pack
 
 GOLDEN_V1 = Path(__file__).parent / "golden" / "v1"  # written before manifests had a digest
 GOLDEN = Path(__file__).parent / "golden" / "v2"
 SCHEMA = json.loads(
-    (Path(deltackpt.__file__).parent / "schema" / "manifest.schema.json").read_text()
+    (Path(deltackpt.__file__).parent / "format" / "schema" / "manifest.schema.json").read_text()
 )
 
 
@@ -39,7 +39,7 @@ def golden_state() -> dict:
 def save_golden(store_dir: Path, monkeypatch) -> deltackpt.SnapshotInfo:
     ids = iter(f"pack{i:016d}" for i in range(100))
     monkeypatch.setattr(pack, "new_pack_id", lambda: next(ids))
-    monkeypatch.setattr("deltackpt._save.time.time_ns", lambda: 1_700_000_000_000_000_000)
+    monkeypatch.setattr("deltackpt.saving.write.time.time_ns", lambda: 1_700_000_000_000_000_000)
     store = deltackpt.open_store(store_dir, chunk_bytes=8192, small_bytes=4096)
     return deltackpt.save(
         golden_state(), store, "golden", threads=1, encoding=EncodePolicy(codecs=(RAW,))
@@ -72,7 +72,7 @@ def test_golden_store_loads(tmp_path, golden):
 
 
 def test_manifest_digest_covers_the_canonical_document(tmp_path):
-    from deltackpt.manifest import document_digest
+    from deltackpt.format.manifest import document_digest
 
     raw = (GOLDEN / "snapshots/golden/MANIFEST.json").read_bytes()
     doc = json.loads(raw)

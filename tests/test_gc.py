@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt._fsutil import store_lock
 from deltackpt.errors import SnapshotNotFoundError, StoreError, StoreLockedError
-from deltackpt.pack import PackWriter
-from deltackpt.store import PACK_ALIGN
+from deltackpt.store.durable import store_lock
+from deltackpt.store.packs import PackWriter
+from deltackpt.store.store import PACK_ALIGN
 from tests._workers import assert_same_state
 
 CHUNK = 64 << 10  # small chunks: a few MB of state gives dozens of chunks
@@ -438,16 +438,16 @@ def test_load_retries_once_when_gc_moved_its_chunks(tmp_path: Path) -> None:
     deltackpt.delete(store, "both")
     deltackpt.gc(store)  # compacts the pack "only-a" points into: the stale manifest's pack is gone
     assert st.manifest("only-a") is not stale
-    real = deltackpt.store.Store.manifest
+    real = deltackpt.store.store.Store.manifest
     calls = []
 
     def stale_first(self, name):  # the manifest as read just before gc compacted
         calls.append(name)
         return stale if len(calls) == 1 else real(self, name)
 
-    deltackpt.store.Store.manifest = stale_first
+    deltackpt.store.store.Store.manifest = stale_first
     try:
         out = deltackpt.load(store, "only-a")
     finally:
-        deltackpt.store.Store.manifest = real
+        deltackpt.store.store.Store.manifest = real
     assert len(calls) == 2 and torch.equal(out["a"], a)

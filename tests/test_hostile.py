@@ -23,9 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt import loading
-from deltackpt._reshard import sub_slices
-from deltackpt.cli import main as cli
+from deltackpt.cli.main import main as cli
 from deltackpt.errors import (
     CorruptChunkError,
     DamagedSnapshotWarning,
@@ -36,7 +34,9 @@ from deltackpt.errors import (
     StateMismatchError,
     UnsafePathError,
 )
-from deltackpt.manifest import document_digest
+from deltackpt.format.manifest import document_digest
+from deltackpt.loading import assemble as loading
+from deltackpt.loading.reshard import sub_slices
 from tests._audit import confined
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import deltackpt
-from deltackpt.codecs import RAW, EncodePolicy
+from deltackpt.format.codecs import RAW, EncodePolicy
 
 RAW_ONLY = EncodePolicy(codecs=(RAW,))
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt._hashing import digest
-from deltackpt._read import ChunkReader, ChunkTargets, _layout, plan_runs, run_jobs
-from deltackpt.codecs import RAW, EncodePolicy
 from deltackpt.errors import CorruptChunkError
-from deltackpt.manifest import ChunkRecord
-from deltackpt.pack import PackReaders
+from deltackpt.format.codecs import RAW, EncodePolicy
+from deltackpt.format.hashing import digest
+from deltackpt.format.manifest import ChunkRecord
+from deltackpt.store.chunks import ChunkReader, ChunkTargets, _layout, plan_runs, run_jobs
+from deltackpt.store.packs import PackReaders
 
 RAW_ONLY = EncodePolicy(codecs=(RAW,))
 
@@ -102,7 +102,7 @@ def test_corrupt_chunk_inside_a_coalesced_read_names_its_key(tmp_path: Path, key
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x40]))
-    deltackpt.store._STORES.clear()
+    deltackpt.store.store._STORES.clear()
     for threads in (1, 4):
         with pytest.raises(CorruptChunkError) as ei:
             deltackpt.load(tmp_path / "s", threads=threads)
@@ -125,7 +125,7 @@ def test_truncated_pack_blames_the_first_chunk_cut(tmp_path: Path) -> None:
     cut = rec.offset + rec.length // 2
     os.truncate(store.pack_path(rec.pack), cut)
     first_cut = next(dd for off, dd in pack_recs if off + m.chunks[dd].size > cut)
-    deltackpt.store._STORES.clear()
+    deltackpt.store.store._STORES.clear()
     with pytest.raises(CorruptChunkError, match="truncated") as ei:
         deltackpt.load(tmp_path / "s", threads=1)
     assert first_cut in str(ei.value)

@@ -48,10 +48,13 @@ def run_threads(*fns: Callable[[], Any], timeout: float = 30.0) -> list[Any]:
     return out
 
 
-def transports(name: str, world: int, senders: tuple[int, ...] = (0,),
-               timeout: float = TIMEOUT) -> list[sync.ShmTransport]:
-    return [sync.ShmTransport(name, rank=r, world_size=world, senders=senders, timeout=timeout)
-            for r in range(world)]
+def transports(
+    name: str, world: int, senders: tuple[int, ...] = (0,), timeout: float = TIMEOUT
+) -> list[sync.ShmTransport]:
+    return [
+        sync.ShmTransport(name, rank=r, world_size=world, senders=senders, timeout=timeout)
+        for r in range(world)
+    ]
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -91,8 +94,9 @@ class Collect:
         return {n for c in self.calls for n in c}
 
 
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                cast: torch.dtype | None = None) -> None:
+def assert_same(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], cast: torch.dtype | None = None
+) -> None:
     assert set(got) == set(want)
     for n, t in want.items():
         w = t.to(cast) if cast is not None and t.is_floating_point() else t
@@ -112,9 +116,10 @@ def test_round_trip_delta_rounds_and_versions(shm_name: str) -> None:
             mutate()
         for s in sinks:
             s.calls.clear()
-        res = run_threads(lambda: sender.push(state, version=len(results) + 1, **kw),
-                          *[lambda r=r, s=s: r.pull(s) for r, s in zip(receivers, sinks,
-                                                                       strict=True)])
+        res = run_threads(
+            lambda: sender.push(state, version=len(results) + 1, **kw),
+            *[lambda r=r, s=s: r.pull(s) for r, s in zip(receivers, sinks, strict=True)],
+        )
         for r in res:
             if isinstance(r, BaseException):
                 raise r
@@ -157,8 +162,11 @@ def test_round_trip_delta_rounds_and_versions(shm_name: str) -> None:
 
 def test_plan_changes_when_tensors_change(shm_name: str) -> None:
     t0, t1 = transports(shm_name, 2)
-    sender, receiver, sink = sync.WeightSender(t0, bucket_bytes=4096), sync.WeightReceiver(t1), \
-        Collect()
+    sender, receiver, sink = (
+        sync.WeightSender(t0, bucket_bytes=4096),
+        sync.WeightReceiver(t1),
+        Collect(),
+    )
     state = {"a": torch.ones(10)}
     run_threads(lambda: sender.push(state, 1), lambda: receiver.pull(sink))
     state = {"a": torch.ones(10), "b": torch.zeros(3, dtype=torch.int8)}
@@ -173,16 +181,19 @@ def test_casts_on_either_side(shm_name: str) -> None:
     # the sender casts fp32 -> bf16 on the wire (half the bytes); receiver 2 asks for fp16
     sender = sync.WeightSender(t0, bucket_bytes=16 << 10, dtype=torch.bfloat16)
     r_bf16 = sync.WeightReceiver(t1)
-    r_fp16 = sync.WeightReceiver(t2, apply="per_bucket",
-                                 dtype=lambda name, dt: torch.float16
-                                 if dt.is_floating_point and name != "d" else None)
+    r_fp16 = sync.WeightReceiver(
+        t2,
+        apply="per_bucket",
+        dtype=lambda name, dt: torch.float16 if dt.is_floating_point and name != "d" else None,
+    )
     a, b = Collect(), Collect()
     state = model()
     run_threads(lambda: sender.push(state, 1), lambda: r_bf16.pull(a), lambda: r_fp16.pull(b))
     wire = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in state.items()}
     assert_same(a.state, wire)
-    want = {n: t.to(torch.float16) if t.is_floating_point() and n != "d" else t
-            for n, t in wire.items()}
+    want = {
+        n: t.to(torch.float16) if t.is_floating_point() and n != "d" else t for n, t in wire.items()
+    }
     assert_same(b.state, want)
     planned = {t.name: t.dtype for t in r_bf16.plan.tensors}
     assert planned["embed"] == "bfloat16" and planned["i"] == "int32"  # half the wire bytes
@@ -202,15 +213,14 @@ def test_corrupted_bucket_is_rejected_and_last_version_kept(shm_name: str) -> No
     flipped: list[int] = []
 
     def corrupt_then_report(bucket: Any, upto: int) -> None:  # a bit flips after the sender
-        if bucket.index == 1 and upto > 5 and not flipped:    # hashed it, before receivers read
+        if bucket.index == 1 and upto > 5 and not flipped:  # hashed it, before receivers read
             ch.buffer(bucket)[5] ^= 0xFF
             flipped.append(1)
         real_progress(bucket, upto)
 
     ch.progress = corrupt_then_report
     v2 = {"w": v1["w"] + 1, "x": v1["x"] + 1}
-    s_err, r_err = run_threads(lambda: sender.push(v2, 2, full=True),
-                               lambda: receiver.pull(sink))
+    s_err, r_err = run_threads(lambda: sender.push(v2, 2, full=True), lambda: receiver.pull(sink))
     assert isinstance(r_err, sync.DigestMismatchError) and "round 2" in str(r_err)
     assert "bucket 1" in str(r_err)
     assert isinstance(s_err, sync.RoundAbortedError) and "rank 1 rejected" in str(s_err)
@@ -226,12 +236,12 @@ def test_corrupted_bucket_is_rejected_and_last_version_kept(shm_name: str) -> No
 def test_bad_sender_input_aborts_every_rank(shm_name: str) -> None:
     t0, t1 = transports(shm_name, 2)
     sender, receiver, sink = sync.WeightSender(t0), sync.WeightReceiver(t1), Collect()
-    s_err, r_err = run_threads(lambda: sender.push([("w", [1.0, 2.0])], 1),
-                               lambda: receiver.pull(sink))
+    s_err, r_err = run_threads(
+        lambda: sender.push([("w", [1.0, 2.0])], 1), lambda: receiver.pull(sink)
+    )
     assert isinstance(s_err, sync.SyncError) and "(name: str, tensor)" in str(s_err)
     assert isinstance(r_err, sync.RoundAbortedError) and "sender rank 0" in str(r_err)
-    st, _ = run_threads(lambda: sender.push({"w": torch.ones(2)}, 1),
-                        lambda: receiver.pull(sink))
+    st, _ = run_threads(lambda: sender.push({"w": torch.ones(2)}, 1), lambda: receiver.pull(sink))
     assert receiver.version == 1 and st.full
 
 
@@ -239,8 +249,9 @@ def test_senders_must_agree_on_version(shm_name: str) -> None:
     t0, t1, t2 = transports(shm_name, 3, senders=(0, 1))
     s0, s1, rec = sync.WeightSender(t0), sync.WeightSender(t1), sync.WeightReceiver(t2)
     state = {"w": torch.ones(4)}
-    errs = run_threads(lambda: s0.push(state, 5), lambda: s1.push(state, 6),
-                       lambda: rec.pull(Collect()))
+    errs = run_threads(
+        lambda: s0.push(state, 5), lambda: s1.push(state, 6), lambda: rec.pull(Collect())
+    )
     assert all(isinstance(e, sync.SyncError) and "different versions" in str(e) for e in errs)
     sink = Collect()
     run_threads(lambda: s0.push(state, 6), lambda: s1.push(state, 6), lambda: rec.pull(sink))
@@ -318,14 +329,22 @@ class Tiny(torch.nn.Module):
 def test_module_adapter_copies_in_place_and_reports_coverage() -> None:
     m = Tiny()
     params_before = {n: p for n, p in m.named_parameters()}
-    adapter = sync.ModuleAdapter(m, name_map={"model.embed_tokens.weight": "embed.weight",
-                                              "rotary.inv_freq": None})
+    adapter = sync.ModuleAdapter(
+        m, name_map={"model.embed_tokens.weight": "embed.weight", "rotary.inv_freq": None}
+    )
     w = torch.randn(5, 4)
-    adapter([("model.embed_tokens.weight", w), ("proj.weight", torch.ones(4, 4)),
-             ("rotary.inv_freq", torch.ones(2)), ("extra", torch.ones(1))])
+    adapter(
+        [
+            ("model.embed_tokens.weight", w),
+            ("proj.weight", torch.ones(4, 4)),
+            ("rotary.inv_freq", torch.ones(2)),
+            ("extra", torch.ones(1)),
+        ]
+    )
     assert torch.equal(m.embed.weight, w) and m.head.weight is m.embed.weight
-    assert m.proj.weight.dtype == torch.bfloat16 and torch.equal(m.proj.weight,
-                                                                  torch.ones(4, 4).bfloat16())
+    assert m.proj.weight.dtype == torch.bfloat16 and torch.equal(
+        m.proj.weight, torch.ones(4, 4).bfloat16()
+    )
     assert all(p is params_before[n] for n, p in m.named_parameters())  # in place
     assert not m.embed.weight.requires_grad or m.embed.weight.grad is None
     cov = adapter.coverage()

@@ -59,11 +59,17 @@ CHANGED = {2: {"layers.1.mlp.weight"}, 3: set(), 4: {"embed.weight", "tiny.7"}}
 def shard_state(state: dict[str, torch.Tensor], mesh: Any) -> list[tuple[str, torch.Tensor]]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    placements = {"embed.weight": Shard(0), "layers.0.attn.weight": Shard(1),
-                  "layers.0.attn.bias": Replicate(), "layers.1.mlp.weight": Shard(0),
-                  "layers.1.odd": Shard(0)}
-    return [(n, distribute_tensor(t, mesh, [placements[n]]) if n in placements else t)
-            for n, t in state.items()]
+    placements = {
+        "embed.weight": Shard(0),
+        "layers.0.attn.weight": Shard(1),
+        "layers.0.attn.bias": Replicate(),
+        "layers.1.mlp.weight": Shard(0),
+        "layers.1.odd": Shard(0),
+    }
+    return [
+        (n, distribute_tensor(t, mesh, [placements[n]]) if n in placements else t)
+        for n, t in state.items()
+    ]
 
 
 def build_module(state: dict[str, torch.Tensor], float_dtype: torch.dtype | None) -> Any:
@@ -84,8 +90,9 @@ def build_module(state: dict[str, torch.Tensor], float_dtype: torch.dtype | None
     return root
 
 
-def mismatches(module: Any, state: dict[str, torch.Tensor], prefix: str = "",
-               cast: torch.dtype | None = None) -> list[str]:
+def mismatches(
+    module: Any, state: dict[str, torch.Tensor], prefix: str = "", cast: torch.dtype | None = None
+) -> list[str]:
     sd = module.state_dict()
     bad = []
     for n, t in state.items():
@@ -101,8 +108,9 @@ def expected_delta(plan: Any, changed: set[str]) -> tuple[int, int]:
     return len(layout), sum(b.nbytes for b in layout)
 
 
-def make_transport(kind: str, rank: int, port: int, name: str, senders: list[int],
-                   world: int) -> Any:
+def make_transport(
+    kind: str, rank: int, port: int, name: str, senders: list[int], world: int
+) -> Any:
     from deltackpt import sync
 
     if kind == "gloo":
@@ -160,8 +168,11 @@ def _rounds(rank: int, transport: Any, mesh: Any) -> dict[str, Any]:
         names: list[str] = []
         dtypes: set[torch.dtype] = set()
 
-        def load(ws: list[tuple[str, torch.Tensor]], names: list[str] = names,
-                 dtypes: set[torch.dtype] = dtypes) -> None:
+        def load(
+            ws: list[tuple[str, torch.Tensor]],
+            names: list[str] = names,
+            dtypes: set[torch.dtype] = dtypes,
+        ) -> None:
             names.extend(n for n, _ in ws)
             dtypes.update(t.dtype for _, t in ws)
             adapter(ws)
@@ -169,13 +180,18 @@ def _rounds(rank: int, transport: Any, mesh: Any) -> dict[str, Any]:
         adapter.reset()
         st = receiver.pull(load)
         cov = adapter.coverage()
-        out["rounds"].append({
-            "stats": st, "version": receiver.version, "names": sorted(names),
-            "dtypes": sorted(map(str, dtypes)),
-            "bad": mismatches(module, make_state(v), prefix, cast),
-            "expected": expected_delta(receiver.plan, CHANGED[v]) if v in CHANGED else None,
-            "missing": cov.missing, "unexpected": cov.unexpected,
-        })
+        out["rounds"].append(
+            {
+                "stats": st,
+                "version": receiver.version,
+                "names": sorted(names),
+                "dtypes": sorted(map(str, dtypes)),
+                "bad": mismatches(module, make_state(v), prefix, cast),
+                "expected": expected_delta(receiver.plan, CHANGED[v]) if v in CHANGED else None,
+                "missing": cov.missing,
+                "unexpected": cov.unexpected,
+            }
+        )
     return out
 
 
@@ -183,8 +199,9 @@ def test_sharded_trainers_to_two_receivers() -> None:
     """2 trainer ranks holding DTensor shards -> 2 receivers, over gloo and over shm."""
     name, port = f"t-{uuid.uuid4().hex[:10]}", free_port()
     try:
-        outcomes = spawn([(_sharded_rank, (r, port, name)) for r in range(WORLD)],
-                         timeout=150, fast_exit=True)
+        outcomes = spawn(
+            [(_sharded_rank, (r, port, name)) for r in range(WORLD)], timeout=150, fast_exit=True
+        )
     finally:
         from deltackpt.sync import ShmTransport
 
@@ -202,7 +219,8 @@ def check_sharded_rounds(kind: str, res: list[dict[str, Any]]) -> None:
     assert s0[2].buckets_sent == 0 and s0[2].bytes_sent == 0
     # the other sender reports the same rounds, timing aside
     assert [replace(st, seconds=0) for st in res[1]["rounds"]] == [
-        replace(st, seconds=0) for st in s0]
+        replace(st, seconds=0) for st in s0
+    ]
     for rank in (2, 3):
         rounds = res[rank]["rounds"]
         for v, r in enumerate(rounds, start=1):
@@ -278,8 +296,9 @@ def _replacement_sender(kind: str, port2: int, name: str, marks: str) -> dict[st
     return {"stats": st}
 
 
-def _kill_receiver(rank: int, kind: str, port: int, port2: int, name: str,
-                   marks: str) -> dict[str, Any]:
+def _kill_receiver(
+    rank: int, kind: str, port: int, port2: int, name: str, marks: str
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from deltackpt import sync
@@ -323,12 +342,16 @@ def test_sender_killed_mid_round(kind: str, tmp_path: Path) -> None:
     name = f"k-{uuid.uuid4().hex[:10]}"
     port, port2 = free_port(), free_port()
     try:
-        outcomes = spawn([
-            (_kill_sender, (kind, port, name)),
-            (_kill_receiver, (1, kind, port, port2, name, str(tmp_path))),
-            (_kill_receiver, (2, kind, port, port2, name, str(tmp_path))),
-            (_replacement_sender, (kind, port2, name, str(tmp_path))),
-        ], timeout=120, fast_exit=True)
+        outcomes = spawn(
+            [
+                (_kill_sender, (kind, port, name)),
+                (_kill_receiver, (1, kind, port, port2, name, str(tmp_path))),
+                (_kill_receiver, (2, kind, port, port2, name, str(tmp_path))),
+                (_replacement_sender, (kind, port2, name, str(tmp_path))),
+            ],
+            timeout=120,
+            fast_exit=True,
+        )
     finally:
         from deltackpt.sync import ShmTransport
 

@@ -14,13 +14,19 @@ def full(name: str, shape: tuple[int, ...], dtype: str = "float32") -> ShardEntr
     return ShardEntry(name, dtype, shape, (0,) * len(shape), shape)
 
 
-def box(name: str, shape: tuple[int, ...], offset: tuple[int, ...], local: tuple[int, ...],
-        dtype: str = "float32") -> ShardEntry:
+def box(
+    name: str,
+    shape: tuple[int, ...],
+    offset: tuple[int, ...],
+    local: tuple[int, ...],
+    dtype: str = "float32",
+) -> ShardEntry:
     return ShardEntry(name, dtype, shape, offset, local)
 
 
-def manifest(entries: list[ShardEntry], rank: int = 0, bucket_bytes: int = 4096,
-             align: int = 256) -> SenderManifest:
+def manifest(
+    entries: list[ShardEntry], rank: int = 0, bucket_bytes: int = 4096, align: int = 256
+) -> SenderManifest:
     return SenderManifest(rank, bucket_bytes, align, tuple(entries))
 
 
@@ -44,8 +50,14 @@ def check_layout(plan: Plan) -> None:
 
 
 def test_plan_is_deterministic_aligned_and_covers_everything() -> None:
-    m = manifest([full("a", (10, 10)), full("b", (3,), "float16"), full("c", (700,)),
-                  full("d", (10, 10), "int64")])
+    m = manifest(
+        [
+            full("a", (10, 10)),
+            full("b", (3,), "float16"),
+            full("c", (700,)),
+            full("d", (10, 10), "int64"),
+        ]
+    )
     p1, p2 = build_plan([m]), build_plan([m])
     assert p1 == p2 and p1.plan_id == p2.plan_id
     check_layout(p1)
@@ -63,15 +75,25 @@ def test_plan_changes_id_when_the_manifest_changes() -> None:
 
 
 def test_tensor_larger_than_a_bucket_is_split_into_rows_of_its_own() -> None:
-    plan = build_plan([manifest([full("small", (4,)), full("big", (3500,)),
-                                 full("after", (4,))], bucket_bytes=4096)])
+    plan = build_plan(
+        [
+            manifest(
+                [full("small", (4,)), full("big", (3500,)), full("after", (4,))], bucket_bytes=4096
+            )
+        ]
+    )
     check_layout(plan)
     big = [p for b in plan.buckets for p in b.pieces if plan.tensors[p.tensor].name == "big"]
-    assert [(p.start, p.count) for p in big] == [(0, 1024), (1024, 1024), (2048, 1024),
-                                                 (3072, 428)]
+    assert [(p.start, p.count) for p in big] == [(0, 1024), (1024, 1024), (2048, 1024), (3072, 428)]
     assert not any(p.whole for p in big)
     assert [[plan.tensors[p.tensor].name for p in b.pieces] for b in plan.buckets] == [
-        ["small"], ["big"], ["big"], ["big"], ["big"], ["after"]]
+        ["small"],
+        ["big"],
+        ["big"],
+        ["big"],
+        ["big"],
+        ["after"],
+    ]
 
 
 def test_subset_layout_packs_only_the_selected_tensors() -> None:
@@ -82,7 +104,11 @@ def test_subset_layout_packs_only_the_selected_tensors() -> None:
     delta = plan.layout(lora)
     assert len(delta) == 1 < len(plan.buckets)  # the four adapters share one bucket
     assert [plan.tensors[p.tensor].name for p in delta[0].pieces] == [
-        "lora0", "lora1", "lora2", "lora3"]
+        "lora0",
+        "lora1",
+        "lora2",
+        "lora3",
+    ]
     assert all(p.whole for p in delta[0].pieces)
     assert plan.layout(None) == plan.buckets == plan.layout(range(len(plan.tensors)))
     assert plan.layout([]) == ()
@@ -98,10 +124,14 @@ def test_many_tiny_tensors_share_buckets() -> None:
 
 
 def test_shards_of_two_senders_form_rows_and_replicas_are_sent_once() -> None:
-    m0 = manifest([box("w", (8, 6), (0, 0), (4, 6)), full("bias", (6,)),
-                   box("col", (4, 8), (0, 0), (4, 4))], rank=0)
-    m1 = manifest([box("w", (8, 6), (4, 0), (4, 6)), full("bias", (6,)),
-                   box("col", (4, 8), (0, 4), (4, 4))], rank=1)
+    m0 = manifest(
+        [box("w", (8, 6), (0, 0), (4, 6)), full("bias", (6,)), box("col", (4, 8), (0, 0), (4, 4))],
+        rank=0,
+    )
+    m1 = manifest(
+        [box("w", (8, 6), (4, 0), (4, 6)), full("bias", (6,)), box("col", (4, 8), (0, 4), (4, 4))],
+        rank=1,
+    )
     plan = build_plan([m1, m0])  # order of arrival does not matter
     assert plan == build_plan([m0, m1])
     check_layout(plan)
@@ -129,29 +159,41 @@ def test_empty_and_scalar_tensors() -> None:
     assert [(p.nbytes, p.whole) for p in pieces] == [(0, True), (4, True)]
 
 
-@pytest.mark.parametrize(("manifests", "match"), [
-    ([manifest([box("w", (8,), (0,), (4,))])], r"'w' \[8\]: the senders' shards cover 4 of 8"),
-    ([manifest([box("w", (8,), (0,), (6,))], 0), manifest([box("w", (8,), (4,), (4,))], 1)],
-     "overlaps"),
-    ([manifest([full("w", (8,))], 0), manifest([full("w", (8,), "float16")], 1)],
-     "sender rank 0 has float32"),
-    ([manifest([full("w", (8,))], 0), manifest([full("w", (8,))], 1, bucket_bytes=8192)],
-     "bucket_bytes"),
-    ([manifest([full("w", (8,)), full("w", (8,))])], "twice"),
-    ([manifest([box("w", (8,), (6,), (4,))])], "does not fit"),
-    ([manifest([full("w", (8,), "float99")])], "unknown dtype"),
-    ([manifest([full("w", (8,))], align=100)], "power of two"),
-])
-def test_plan_errors_name_the_tensor_and_the_fix(manifests: list[SenderManifest],
-                                                 match: str) -> None:
+@pytest.mark.parametrize(
+    ("manifests", "match"),
+    [
+        ([manifest([box("w", (8,), (0,), (4,))])], r"'w' \[8\]: the senders' shards cover 4 of 8"),
+        (
+            [manifest([box("w", (8,), (0,), (6,))], 0), manifest([box("w", (8,), (4,), (4,))], 1)],
+            "overlaps",
+        ),
+        (
+            [manifest([full("w", (8,))], 0), manifest([full("w", (8,), "float16")], 1)],
+            "sender rank 0 has float32",
+        ),
+        (
+            [manifest([full("w", (8,))], 0), manifest([full("w", (8,))], 1, bucket_bytes=8192)],
+            "bucket_bytes",
+        ),
+        ([manifest([full("w", (8,)), full("w", (8,))])], "twice"),
+        ([manifest([box("w", (8,), (6,), (4,))])], "does not fit"),
+        ([manifest([full("w", (8,), "float99")])], "unknown dtype"),
+        ([manifest([full("w", (8,))], align=100)], "power of two"),
+    ],
+)
+def test_plan_errors_name_the_tensor_and_the_fix(
+    manifests: list[SenderManifest], match: str
+) -> None:
     with pytest.raises(PlanError, match=match):
         build_plan(manifests)
 
 
 def test_manifest_json_is_canonical() -> None:
     m = manifest([box("w", (8, 2), (4, 0), (4, 2)), full("b", (), "bfloat16")], rank=1)
-    golden = (b'{"align":256,"bucket_bytes":4096,"format":1,"rank":1,"tensors":'
-              b'[["w","float32",[8,2],[4,0],[4,2]],["b","bfloat16",[],[],[]]]}')
+    golden = (
+        b'{"align":256,"bucket_bytes":4096,"format":1,"rank":1,"tensors":'
+        b'[["w","float32",[8,2],[4,0],[4,2]],["b","bfloat16",[],[],[]]]}'
+    )
     assert m.to_json() == golden
     assert SenderManifest.from_json(golden) == m
     with pytest.raises(PlanError, match="format"):
@@ -161,10 +203,25 @@ def test_manifest_json_is_canonical() -> None:
 
 
 def test_segments_send_large_pieces_alone_and_runs_of_small_ones_together() -> None:
-    plan = build_plan([manifest([full("a", (4,)), full("b", (8,)), full("big", (600,)),
-                                 full("c", (2,)), full("e", (0,))], bucket_bytes=4096)])
+    plan = build_plan(
+        [
+            manifest(
+                [
+                    full("a", (4,)),
+                    full("b", (8,)),
+                    full("big", (600,)),
+                    full("c", (2,)),
+                    full("e", (0,)),
+                ],
+                bucket_bytes=4096,
+            )
+        ]
+    )
     assert plan.direct_bytes == 256  # min(1 MiB, bucket_bytes / 16), at least align
     (bucket,) = plan.buckets
     segs = segments(bucket, plan.direct_bytes)
     assert [(lo, hi, p and plan.tensors[p.tensor].name) for lo, hi, p in segs] == [
-        (0, 256 + 32, None), (512, 512 + 2400, "big"), (3072, 3072 + 8, None)]
+        (0, 256 + 32, None),
+        (512, 512 + 2400, "big"),
+        (3072, 3072 + 8, None),
+    ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltackpt._hashing import digest
+from deltackpt.format.hashing import digest
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.plan import Plan, SenderManifest
 from deltackpt.sync.transport import Transport, broadcast_bytes
@@ -61,26 +61,46 @@ class Begin:
     need_full: bool
 
 
-def begin(t: Transport, *, version: int | None, need_plan: bool, need_full: bool,
-          failed: bool) -> Begin:
-    v = torch.tensor([PROTO, -PROTO, _I64_MIN, _I64_MIN, int(need_plan), int(need_full),
-                      t.rank + 1 if failed else 0, 0], dtype=torch.int64)
+def begin(
+    t: Transport, *, version: int | None, need_plan: bool, need_full: bool, failed: bool
+) -> Begin:
+    v = torch.tensor(
+        [
+            PROTO,
+            -PROTO,
+            _I64_MIN,
+            _I64_MIN,
+            int(need_plan),
+            int(need_full),
+            t.rank + 1 if failed else 0,
+            0,
+        ],
+        dtype=torch.int64,
+    )
     if version is not None:
         v[2], v[3] = version, -version
     t.all_reduce_max(v)
     p = v.tolist()
     if p[0] != PROTO or -p[1] != PROTO:
-        raise PlanError(f"ranks speak sync protocol versions {-p[1]}..{p[0]}, this rank speaks "
-                        f"{PROTO}; run the same deltackpt on every rank")
+        raise PlanError(
+            f"ranks speak sync protocol versions {-p[1]}..{p[0]}, this rank speaks "
+            f"{PROTO}; run the same deltackpt on every rank"
+        )
     if p[6]:
-        raise RoundAbortedError(f"sender rank {p[6] - 1} failed before the round started (its own "
-                                "error is raised there); nothing was sent or committed")
+        raise RoundAbortedError(
+            f"sender rank {p[6] - 1} failed before the round started (its own "
+            "error is raised there); nothing was sent or committed"
+        )
     if p[2] == _I64_MIN:
-        raise SyncError("no sender took part in the round (only receivers called begin); every "
-                        "rank listed in senders must call push()")
+        raise SyncError(
+            "no sender took part in the round (only receivers called begin); every "
+            "rank listed in senders must call push()"
+        )
     if p[2] != -p[3]:
-        raise SyncError(f"senders pushed different versions in one round (min {-p[3]}, max "
-                        f"{p[2]}); every sender rank must call push() with the same version")
+        raise SyncError(
+            f"senders pushed different versions in one round (min {-p[3]}, max "
+            f"{p[2]}); every sender rank must call push() with the same version"
+        )
     return Begin(p[2], bool(p[4]), bool(p[5]))
 
 
@@ -95,8 +115,9 @@ def exchange_plan(t: Transport, manifest: bytes | None) -> list[SenderManifest]:
     return out
 
 
-def exchange_changed(t: Transport, plan: Plan, changed: Iterable[int], failed: bool,
-                     version: int) -> list[int]:
+def exchange_changed(
+    t: Transport, plan: Plan, changed: Iterable[int], failed: bool, version: int
+) -> list[int]:
     """Combine every sender's changed tensors; returns the indices of all of them."""
     n = len(plan.tensors)
     v = torch.zeros(n + 1, dtype=torch.int64)
@@ -106,8 +127,10 @@ def exchange_changed(t: Transport, plan: Plan, changed: Iterable[int], failed: b
     t.all_reduce_max(v)
     flags = v.numpy()
     if flags[n]:
-        raise RoundAbortedError(f"round {version}: sender rank {int(flags[n]) - 1} failed while "
-                                "hashing its tensors (its own error is raised there)")
+        raise RoundAbortedError(
+            f"round {version}: sender rank {int(flags[n]) - 1} failed while "
+            "hashing its tensors (its own error is raised there)"
+        )
     return [int(i) for i in np.flatnonzero(flags[:n])]
 
 
@@ -122,23 +145,28 @@ def combine(piece_digests: Iterable[str]) -> str:
 
 def _digest_to_i64(hexdigest: str) -> tuple[int, int]:
     raw = bytes.fromhex(hexdigest)
-    return (int.from_bytes(raw[:8], "big", signed=True),
-            int.from_bytes(raw[8:], "big", signed=True))
+    return (
+        int.from_bytes(raw[:8], "big", signed=True),
+        int.from_bytes(raw[8:], "big", signed=True),
+    )
 
 
 def _i64_to_digest(hi: int, lo: int) -> str:
     return (hi.to_bytes(8, "big", signed=True) + lo.to_bytes(8, "big", signed=True)).hex()
 
 
-def header(t: Transport, src: int, index: int, status: int = OK,
-           digest: str | None = None) -> tuple[int, str]:
+def header(
+    t: Transport, src: int, index: int, status: int = OK, digest: str | None = None
+) -> tuple[int, str]:
     hi, lo = _digest_to_i64(digest) if digest else (0, 0)
     v = torch.tensor([status, index, hi, lo], dtype=torch.int64)
     t.broadcast(v, src)
     st, idx, hi, lo = v.tolist()
     if idx != index:
-        raise SyncError(f"protocol out of step: expected the header of bucket {index}, got "
-                        f"{idx} from rank {src}; the ranks disagree about the plan")
+        raise SyncError(
+            f"protocol out of step: expected the header of bucket {index}, got "
+            f"{idx} from rank {src}; the ranks disagree about the plan"
+        )
     return st, _i64_to_digest(hi, lo)
 
 

@@ -52,14 +52,20 @@ class ModuleAdapter:
         assert adapter.coverage().complete
     """
 
-    def __init__(self, module: torch.nn.Module, *,
-                 name_map: Mapping[str, str | None] | Callable[[str], str | None] | None = None,
-                 strict: bool = False, buffers: bool = True) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        name_map: Mapping[str, str | None] | Callable[[str], str | None] | None = None,
+        strict: bool = False,
+        buffers: bool = True,
+    ) -> None:
         self.module = module
         self.name_map = name_map
         self.strict = strict
         self._targets: dict[str, torch.Tensor] = dict(
-            module.named_parameters(remove_duplicate=False))
+            module.named_parameters(remove_duplicate=False)
+        )
         if buffers:
             self._targets.update(module.named_buffers(remove_duplicate=False))
         self._aliases: dict[int, list[str]] = {}
@@ -90,15 +96,19 @@ class ModuleAdapter:
                 dst = self._targets.get(key)
                 if dst is None:
                     if self.strict:
-                        raise SyncError(f"sync sent {name!r} (module key {key!r}) but the module "
-                                        f"has no such parameter or buffer; add it to name_map "
-                                        "(None to drop it) or pass strict=False")
+                        raise SyncError(
+                            f"sync sent {name!r} (module key {key!r}) but the module "
+                            f"has no such parameter or buffer; add it to name_map "
+                            "(None to drop it) or pass strict=False"
+                        )
                     self._unexpected.append(name)
                     continue
                 if dst.shape != tensor.shape:
-                    raise SyncError(f"sync sent {name!r} with shape {list(tensor.shape)} but "
-                                    f"module key {key!r} has shape {list(dst.shape)}; fix "
-                                    "name_map or the model definition")
+                    raise SyncError(
+                        f"sync sent {name!r} with shape {list(tensor.shape)} but "
+                        f"module key {key!r} has shape {list(dst.shape)}; fix "
+                        "name_map or the model definition"
+                    )
                 dst.copy_(tensor)
                 self._loaded.update(self._aliases[id(dst)])
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltackpt._hashing import digest
+from deltackpt.format.hashing import digest
 from deltackpt.sync.errors import PlanError
 
 __all__ = [
@@ -59,8 +59,10 @@ def dtype_from_name(name: str) -> torch.dtype:
     """Inverse of :func:`dtype_name`; raises :class:`PlanError` for an unknown name."""
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
-        raise PlanError(f"unknown dtype {name!r} in a sync plan; sender and receiver must run "
-                        "torch versions that both know it")
+        raise PlanError(
+            f"unknown dtype {name!r} in a sync plan; sender and receiver must run "
+            "torch versions that both know it"
+        )
     return value
 
 
@@ -104,8 +106,10 @@ class SenderManifest:
             "rank": self.rank,
             "bucket_bytes": self.bucket_bytes,
             "align": self.align,
-            "tensors": [[e.name, e.dtype, list(e.shape), list(e.offset), list(e.local_shape)]
-                        for e in self.entries],
+            "tensors": [
+                [e.name, e.dtype, list(e.shape), list(e.offset), list(e.local_shape)]
+                for e in self.entries
+            ],
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -114,18 +118,23 @@ class SenderManifest:
         try:
             doc = json.loads(data)
             if doc.get("format") != MANIFEST_FORMAT:
-                raise PlanError(f"sync manifest format {doc.get('format')!r}, this version reads "
-                                f"{MANIFEST_FORMAT}; run the same deltackpt on every rank")
+                raise PlanError(
+                    f"sync manifest format {doc.get('format')!r}, this version reads "
+                    f"{MANIFEST_FORMAT}; run the same deltackpt on every rank"
+                )
             entries = tuple(
-                ShardEntry(str(n), str(d), tuple(map(int, s)), tuple(map(int, o)),
-                           tuple(map(int, ls)))
-                for n, d, s, o, ls in doc["tensors"])
+                ShardEntry(
+                    str(n), str(d), tuple(map(int, s)), tuple(map(int, o)), tuple(map(int, ls))
+                )
+                for n, d, s, o, ls in doc["tensors"]
+            )
             return cls(int(doc["rank"]), int(doc["bucket_bytes"]), int(doc["align"]), entries)
         except (ValueError, KeyError, TypeError) as e:
             if isinstance(e, PlanError):
                 raise
-            raise PlanError(f"malformed sync manifest ({e}); every rank must run the same "
-                            "deltackpt version") from e
+            raise PlanError(
+                f"malformed sync manifest ({e}); every rank must run the same deltackpt version"
+            ) from e
 
 
 @dataclass(frozen=True)
@@ -217,16 +226,20 @@ class Plan:
         object.__setattr__(self, "total_bytes", sum(b.nbytes for b in self.buckets))
         # any layout of any subset fits: every piece costs at most its bytes plus one alignment
         # gap, every bucket at most one more gap where it starts (see arena_offsets)
-        object.__setattr__(self, "arena_bytes", sum(p.nbytes for p in pieces)
-                           + 2 * self.align * max(len(pieces), 1))
+        object.__setattr__(
+            self,
+            "arena_bytes",
+            sum(p.nbytes for p in pieces) + 2 * self.align * max(len(pieces), 1),
+        )
         object.__setattr__(self, "max_buckets", max(len(pieces), 1))
 
     def layout(self, tensors: Iterable[int] | None = None) -> tuple[Bucket, ...]:
         """Buckets of a round that sends only ``tensors`` (indices); ``None``: all of them."""
         if tensors is None:
             return self.buckets
-        return _layout(self.tensors, self.parts, sorted(set(tensors)), self.bucket_bytes,
-                       self.align)
+        return _layout(
+            self.tensors, self.parts, sorted(set(tensors)), self.bucket_bytes, self.align
+        )
 
     @property
     def direct_bytes(self) -> int:
@@ -251,8 +264,10 @@ class Plan:
         """Human-readable bucket summary for error messages."""
         names = [self.tensors[p.tensor].name for p in bucket.pieces]
         more = f" and {len(names) - limit} more" if len(names) > limit else ""
-        return (f"bucket {bucket.index} (owner rank {bucket.owner}, {bucket.nbytes} bytes: "
-                f"{', '.join(names[:limit])}{more})")
+        return (
+            f"bucket {bucket.index} (owner rank {bucket.owner}, {bucket.nbytes} bytes: "
+            f"{', '.join(names[:limit])}{more})"
+        )
 
 
 def segments(bucket: Bucket, direct_bytes: int) -> list[tuple[int, int, Piece | None]]:
@@ -278,9 +293,10 @@ def segments(bucket: Bucket, direct_bytes: int) -> list[tuple[int, int, Piece | 
 
 
 def _overlap(a: Part, b: Part) -> bool:
-    return all(ao < bo + bl and bo < ao + al
-               for ao, al, bo, bl in zip(a.offset, a.local_shape, b.offset, b.local_shape,
-                                                 strict=True))
+    return all(
+        ao < bo + bl and bo < ao + al
+        for ao, al, bo, bl in zip(a.offset, a.local_shape, b.offset, b.local_shape, strict=True)
+    )
 
 
 def _collect(manifests: Sequence[SenderManifest]) -> tuple[list[TensorInfo], list[list[Part]]]:
@@ -291,15 +307,23 @@ def _collect(manifests: Sequence[SenderManifest]) -> tuple[list[TensorInfo], lis
         seen: set[str] = set()
         for e in m.entries:
             if e.name in seen:
-                raise PlanError(f"sender rank {m.rank} lists tensor {e.name!r} twice; names "
-                                "must be unique")
+                raise PlanError(
+                    f"sender rank {m.rank} lists tensor {e.name!r} twice; names must be unique"
+                )
             seen.add(e.name)
             _itemsize(e.dtype)
-            if len(e.offset) != len(e.shape) or len(e.local_shape) != len(e.shape) or any(
+            if (
+                len(e.offset) != len(e.shape)
+                or len(e.local_shape) != len(e.shape)
+                or any(
                     o < 0 or ls < 0 or o + ls > s
-                    for o, ls, s in zip(e.offset, e.local_shape, e.shape, strict=False)):
-                raise PlanError(f"tensor {e.name!r} on sender rank {m.rank}: box offset "
-                                f"{e.offset} size {e.local_shape} does not fit in shape {e.shape}")
+                    for o, ls, s in zip(e.offset, e.local_shape, e.shape, strict=False)
+                )
+            ):
+                raise PlanError(
+                    f"tensor {e.name!r} on sender rank {m.rank}: box offset "
+                    f"{e.offset} size {e.local_shape} does not fit in shape {e.shape}"
+                )
             idx = order.get(e.name)
             if idx is None:
                 idx = order[e.name] = len(meta)
@@ -307,28 +331,35 @@ def _collect(manifests: Sequence[SenderManifest]) -> tuple[list[TensorInfo], lis
                 parts.append([])
             name, dt, shape, first = meta[idx]
             if (dt, shape) != (e.dtype, e.shape):
-                raise PlanError(f"tensor {name!r}: sender rank {first} has {dt}{list(shape)} but "
-                                f"sender rank {m.rank} has {e.dtype}{list(e.shape)}; every sender "
-                                "must describe the same global dtype and shape")
+                raise PlanError(
+                    f"tensor {name!r}: sender rank {first} has {dt}{list(shape)} but "
+                    f"sender rank {m.rank} has {e.dtype}{list(e.shape)}; every sender "
+                    "must describe the same global dtype and shape"
+                )
             part = Part(m.rank, e.offset, e.local_shape)
-            if part.numel == 0 or any(p.offset == part.offset and p.local_shape == part.local_shape
-                                      for p in parts[idx]):
+            if part.numel == 0 or any(
+                p.offset == part.offset and p.local_shape == part.local_shape for p in parts[idx]
+            ):
                 continue  # empty shard, or a replica of a box a lower rank already sends
             for p in parts[idx]:
                 if _overlap(p, part):
-                    raise PlanError(f"tensor {name!r}: the box at {part.offset} size "
-                                    f"{part.local_shape} on rank {part.owner} overlaps the box at "
-                                    f"{p.offset} size {p.local_shape} on rank {p.owner}; shards "
-                                    "must be disjoint or identical (replicas)")
+                    raise PlanError(
+                        f"tensor {name!r}: the box at {part.offset} size "
+                        f"{part.local_shape} on rank {part.owner} overlaps the box at "
+                        f"{p.offset} size {p.local_shape} on rank {p.owner}; shards "
+                        "must be disjoint or identical (replicas)"
+                    )
             parts[idx].append(part)
     tensors = []
     for idx, (name, dt, shape, first) in enumerate(meta):
         numel = math.prod(shape)
         covered = sum(p.numel for p in parts[idx])
         if covered != numel:
-            raise PlanError(f"tensor {name!r} {list(shape)}: the senders' shards cover {covered} "
-                            f"of {numel} elements; every element must be held by some sender "
-                            "(Partial placements must be reduced before push)")
+            raise PlanError(
+                f"tensor {name!r} {list(shape)}: the senders' shards cover {covered} "
+                f"of {numel} elements; every element must be held by some sender "
+                "(Partial placements must be reduced before push)"
+            )
         if numel == 0:  # one zero-byte piece so the receiver still gets the tensor
             parts[idx].append(Part(first, tuple(0 for _ in shape), shape))
         tensors.append(TensorInfo(idx, name, dt, shape, len(parts[idx])))
@@ -347,10 +378,12 @@ def build_plan(manifests: Iterable[SenderManifest]) -> Plan:
     bucket_bytes, align = ms[0].bucket_bytes, ms[0].align
     for m in ms:
         if (m.bucket_bytes, m.align) != (bucket_bytes, align):
-            raise PlanError(f"sender rank {m.rank} uses bucket_bytes={m.bucket_bytes} "
-                            f"align={m.align} but rank {ms[0].rank} uses "
-                            f"bucket_bytes={bucket_bytes} align={align}; pass the same values "
-                            "to every WeightSender")
+            raise PlanError(
+                f"sender rank {m.rank} uses bucket_bytes={m.bucket_bytes} "
+                f"align={m.align} but rank {ms[0].rank} uses "
+                f"bucket_bytes={bucket_bytes} align={align}; pass the same values "
+                "to every WeightSender"
+            )
     if align < 16 or align & (align - 1):
         raise PlanError(f"align={align}: must be a power of two >= 16")
     if bucket_bytes < align:
@@ -359,12 +392,18 @@ def build_plan(manifests: Iterable[SenderManifest]) -> Plan:
     frozen = tuple(tuple(p) for p in parts)
     buckets = _layout(tensors, frozen, range(len(tensors)), bucket_bytes, align)
     plan_id = digest(b"\n".join(m.to_json() for m in ms))
-    return Plan(plan_id, bucket_bytes, align, tuple(m.rank for m in ms), tuple(tensors), frozen,
-                buckets)
+    return Plan(
+        plan_id, bucket_bytes, align, tuple(m.rank for m in ms), tuple(tensors), frozen, buckets
+    )
 
 
-def _layout(tensors: Sequence[TensorInfo], parts: Sequence[Sequence[Part]],
-            selected: Iterable[int], bucket_bytes: int, align: int) -> tuple[Bucket, ...]:
+def _layout(
+    tensors: Sequence[TensorInfo],
+    parts: Sequence[Sequence[Part]],
+    selected: Iterable[int],
+    bucket_bytes: int,
+    align: int,
+) -> tuple[Bucket, ...]:
     Row = dict[int, list[tuple[int, Part, int, int]]]  # owner -> (tensor, part, start, count)
     rows: list[Row] = []
     cur: Row = {}
@@ -383,11 +422,14 @@ def _layout(tensors: Sequence[TensorInfo], parts: Sequence[Sequence[Part]],
                     start = k * per
                     if start < p.numel:
                         row.setdefault(p.owner, []).append(
-                            (idx, p, start, min(per, p.numel - start)))
+                            (idx, p, start, min(per, p.numel - start))
+                        )
                 rows.append(row)
             continue
-        if cur and any(_align_up(used.get(p.owner, 0), align) + p.numel * size > bucket_bytes
-                       for p in parts[idx]):
+        if cur and any(
+            _align_up(used.get(p.owner, 0), align) + p.numel * size > bucket_bytes
+            for p in parts[idx]
+        ):
             rows.append(cur)
             cur, used = {}, {}
         for p in parts[idx]:
@@ -406,8 +448,9 @@ def _layout(tensors: Sequence[TensorInfo], parts: Sequence[Sequence[Part]],
                 off = _align_up(off, align)
                 nbytes = count * t.itemsize
                 whole = t.num_parts == 1 and count == math.prod(t.shape)
-                pieces.append(Piece(idx, owner, p.offset, p.local_shape, start, count, off,
-                                    nbytes, whole))
+                pieces.append(
+                    Piece(idx, owner, p.offset, p.local_shape, start, count, off, nbytes, whole)
+                )
                 off += nbytes
             buckets.append(Bucket(len(buckets), r, owner, off, tuple(pieces)))
     return tuple(buckets)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import xxhash
 
-from deltackpt._hashing import digest
+from deltackpt.format.hashing import digest
 from deltackpt.sync import _protocol as proto
 from deltackpt.sync._protocol import RoundStats
 from deltackpt.sync.errors import (
@@ -80,8 +80,9 @@ class _Assembler:
     def __init__(self, plan: Plan, dtype: DtypeSpec) -> None:
         self.plan = plan
         self.wire = [dtype_from_name(t.dtype) for t in plan.tensors]
-        self.target = [resolve_dtype(dtype, t.name, w) for t, w in zip(plan.tensors, self.wire,
-                                                                       strict=True)]
+        self.target = [
+            resolve_dtype(dtype, t.name, w) for t, w in zip(plan.tensors, self.wire, strict=True)
+        ]
         self.full: dict[int, torch.Tensor] = {}  # assembly buffers, kept across rounds
         self.shard: dict[tuple[int, int], torch.Tensor] = {}  # non-contiguous split boxes
         self.missing: dict[int, int] = {}  # elements still to come, this round
@@ -108,14 +109,21 @@ class _Assembler:
             size = self.wire[i].itemsize
             p0, v0 = parts[0]
             base = v0.data_ptr() + p0.bucket_offset
-            if p0.start != 0 or parts[-1][0].end != math.prod(info.shape) or any(
+            if (
+                p0.start != 0
+                or parts[-1][0].end != math.prod(info.shape)
+                or any(
                     v.data_ptr() + p.bucket_offset != base + p.start * size
                     or v.untyped_storage().data_ptr() != v0.untyped_storage().data_ptr()
-                    for p, v in parts):
+                    for p, v in parts
+                )
+            ):
                 continue
             span = torch.empty(0, dtype=torch.uint8, device=v0.device).set_(
-                v0.untyped_storage(), v0.storage_offset() + p0.bucket_offset,
-                (math.prod(info.shape) * size,))
+                v0.untyped_storage(),
+                v0.storage_offset() + p0.bucket_offset,
+                (math.prod(info.shape) * size,),
+            )
             self.spans[i] = span.view(self.wire[i]).view(info.shape)
 
     def emit(self, bucket: Bucket, view: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -130,7 +138,7 @@ class _Assembler:
                         casts.append(len(out))
                     out.append((info.name, span))
                 continue
-            src = view[p.bucket_offset:p.bucket_offset + p.nbytes].view(self.wire[p.tensor])
+            src = view[p.bucket_offset : p.bucket_offset + p.nbytes].view(self.wire[p.tensor])
             if p.whole:
                 if self.target[p.tensor] != self.wire[p.tensor]:
                     casts.append(len(out))
@@ -154,19 +162,18 @@ class _Assembler:
         if p.start == 0 and p.count == numel:
             region.copy_(src.view(p.local_shape))
         elif region.is_contiguous():
-            region.reshape(-1)[p.start:p.end].copy_(src)
+            region.reshape(-1)[p.start : p.end].copy_(src)
         else:  # a split piece of a strided box: collect the box, then copy it in
             key = (p.tensor, p.owner)
             box = self.shard.get(key)
             if box is None:
                 box = self.shard[key] = torch.empty(p.local_shape, dtype=full.dtype)
-            box.view(-1)[p.start:p.end].copy_(src)
+            box.view(-1)[p.start : p.end].copy_(src)
             if p.end == numel:
                 region.copy_(box)
                 del self.shard[key]
 
-    def _cast(self, bucket: Bucket, out: list[tuple[str, torch.Tensor]],
-              casts: list[int]) -> None:
+    def _cast(self, bucket: Bucket, out: list[tuple[str, torch.Tensor]], casts: list[int]) -> None:
         """Cast whole-tensor views into one scratch buffer reused by every call."""
         dtypes = {self.plan.tensors[p.tensor].name: self.target[p.tensor] for p in bucket.pieces}
         sizes = [-(-out[i][1].numel() * dtypes[out[i][0]].itemsize // 64) * 64 for i in casts]
@@ -176,7 +183,7 @@ class _Assembler:
         for i, size in zip(casts, sizes, strict=True):
             name, t = out[i]
             dt = dtypes[name]
-            dst = self.scratch[pos:pos + t.numel() * dt.itemsize].view(dt).view(t.shape)
+            dst = self.scratch[pos : pos + t.numel() * dt.itemsize].view(dt).view(t.shape)
             dst.copy_(t)
             out[i] = (name, dst)
             pos += size
@@ -253,12 +260,17 @@ class WeightReceiver:
     e.g. fp32 master weights -> ``torch.bfloat16``.
     """
 
-    def __init__(self, transport: Transport, *,
-                 apply: Literal["on_commit", "per_bucket"] = "on_commit",
-                 dtype: DtypeSpec = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        apply: Literal["on_commit", "per_bucket"] = "on_commit",
+        dtype: DtypeSpec = None,
+    ) -> None:
         if transport.rank in transport.senders:
-            raise SyncError(f"rank {transport.rank} is a sender of this transport; use "
-                            "WeightSender on it")
+            raise SyncError(
+                f"rank {transport.rank} is a sender of this transport; use WeightSender on it"
+            )
         if apply not in ("on_commit", "per_bucket"):
             raise SyncError(f"apply={apply!r}: choose 'on_commit' or 'per_bucket'")
         self.transport = transport
@@ -297,8 +309,13 @@ class WeightReceiver:
         """
         t0 = time.perf_counter()
         t = self.transport
-        b = proto.begin(t, version=None, need_plan=self._plan is None or self._epoch != t.epoch,
-                        need_full=self._need_full, failed=False)
+        b = proto.begin(
+            t,
+            version=None,
+            need_plan=self._plan is None or self._epoch != t.epoch,
+            need_full=self._need_full,
+            failed=False,
+        )
         self._need_full = True  # until this round commits
         if b.need_plan:
             plan = build_plan(proto.exchange_plan(t, None))
@@ -325,8 +342,10 @@ class WeightReceiver:
         if rejected:
             if failure is not None:
                 raise failure
-            raise RoundAbortedError(f"round {b.version} was not committed: rank {rejected - 1} "
-                                    f"rejected it; this receiver keeps version {self.version}")
+            raise RoundAbortedError(
+                f"round {b.version} was not committed: rank {rejected - 1} "
+                f"rejected it; this receiver keeps version {self.version}"
+            )
         if self.apply == "on_commit":
             asm.link(staged)
             for bk, view in staged:
@@ -336,21 +355,29 @@ class WeightReceiver:
                         load_weights(weights)
                 except Exception as e:
                     self.consistent = False
-                    raise SyncError(f"round {b.version}: load_weights failed at commit on "
-                                    f"{plan.describe(bk)}: {e}. The model may be partly updated; "
-                                    f"version stays {self.version} and the next round is full"
-                                    ) from e
+                    raise SyncError(
+                        f"round {b.version}: load_weights failed at commit on "
+                        f"{plan.describe(bk)}: {e}. The model may be partly updated; "
+                        f"version stays {self.version} and the next round is full"
+                    ) from e
         self.version = b.version
         self.consistent = True
         self._need_full = False
         self.last_round = RoundStats(
-            b.version, send is None or len(send) == len(plan.tensors), b.need_plan,
-            len(buckets), len(plan.buckets), sum(bk.nbytes for bk in buckets), plan.total_bytes,
-            time.perf_counter() - t0)
+            b.version,
+            send is None or len(send) == len(plan.tensors),
+            b.need_plan,
+            len(buckets),
+            len(plan.buckets),
+            sum(bk.nbytes for bk in buckets),
+            plan.total_bytes,
+            time.perf_counter() - t0,
+        )
         return self.last_round
 
-    def _staging(self, plan: Plan, ch: Channel, buckets: Sequence[Bucket], shared: bool
-                 ) -> Callable[[Bucket], torch.Tensor | None]:
+    def _staging(
+        self, plan: Plan, ch: Channel, buckets: Sequence[Bucket], shared: bool
+    ) -> Callable[[Bucket], torch.Tensor | None]:
         """Where each bucket is kept from its verification until ``load_weights``: a slice of
         this process's memory, or None to keep the channel's own buffer (private to this process
         and, for on_commit, ``stable``)."""
@@ -358,18 +385,24 @@ class WeightReceiver:
             if self._arena is None:
                 self._arena = _private(plan.arena_bytes)
             arena, offsets = self._arena, plan.arena_offsets(buckets)
-            return lambda bk: arena[offsets[bk.index]:offsets[bk.index] + bk.nbytes]
+            return lambda bk: arena[offsets[bk.index] : offsets[bk.index] + bk.nbytes]
         if shared:  # per_bucket: a bucket is handed over before the next one is copied out
             need = max((bk.nbytes for bk in buckets), default=0)
             if self._bounce is None or self._bounce.numel() < need:  # grows once, then reused
                 self._bounce = _private(max(need, plan.capacity))
             bounce = self._bounce
-            return lambda bk: bounce[:bk.nbytes]
+            return lambda bk: bounce[: bk.nbytes]
         return lambda bk: None
 
-    def _receive(self, plan: Plan, ch: Channel, asm: _Assembler, buckets: Sequence[Bucket],
-                 version: int, load_weights: LoadWeights
-                 ) -> tuple[SyncError | None, list[tuple[Bucket, torch.Tensor]]]:
+    def _receive(
+        self,
+        plan: Plan,
+        ch: Channel,
+        asm: _Assembler,
+        buckets: Sequence[Bucket],
+        version: int,
+        load_weights: LoadWeights,
+    ) -> tuple[SyncError | None, list[tuple[Bucket, torch.Tensor]]]:
         """Receive and verify every bucket; the first failure is kept (the round is drained
         anyway so all ranks stay in step) and returned for the vote."""
         t = self.transport
@@ -398,15 +431,17 @@ class WeightReceiver:
                 view = dst
             if actual is None:
                 data = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
-                actual = proto.combine(digest(data[p.bucket_offset:p.bucket_offset + p.nbytes])
-                                       for p in bk.pieces)
+                actual = proto.combine(
+                    digest(data[p.bucket_offset : p.bucket_offset + p.nbytes]) for p in bk.pieces
+                )
             if actual != expected:
                 return DigestMismatchError(
                     f"round {version}: {plan.describe(bk)} arrived with digest {actual}, the "
                     f"sender announced {expected}; the round is not committed and this "
                     f"receiver keeps version {self.version}. Check the transport / memory of "
                     "both hosts (for shared memory: no other process may write the window); "
-                    "the next round resends everything")
+                    "the next round resends everything"
+                )
             if self.apply == "on_commit":
                 staged.append((bk, view))
                 return None
@@ -416,8 +451,7 @@ class WeightReceiver:
                     self.consistent = False
                     load_weights(weights)
             except Exception as e:  # becomes this rank's vote against the round
-                err = SyncError(f"round {version}: load_weights failed on {plan.describe(bk)}: "
-                                f"{e}")
+                err = SyncError(f"round {version}: load_weights failed on {plan.describe(bk)}: {e}")
                 err.__cause__ = e
                 return err
             return None
@@ -433,9 +467,11 @@ class WeightReceiver:
             status, expected = proto.header(t, bk.owner, bk.index)
             if status != proto.OK:
                 ch.flush()
-                raise RoundAbortedError(f"round {version}: sender rank {bk.owner} aborted at "
-                                        f"bucket {bk.index} (its error is raised there); "
-                                        f"this receiver keeps version {self.version}")
+                raise RoundAbortedError(
+                    f"round {version}: sender rank {bk.owner} aborted at "
+                    f"bucket {bk.index} (its error is raised there); "
+                    f"this receiver keeps version {self.version}"
+                )
             ch.expect(bk, None if shared else private(bk))
             if ch.streams:
                 failure = consume(bk, expected, early)
@@ -448,14 +484,20 @@ class WeightReceiver:
         ch.flush()
         return failure, staged
 
-    def install(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                load_weights: LoadWeights, *, batch: int = 64) -> None:
+    def install(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        load_weights: LoadWeights,
+        *,
+        batch: int = 64,
+    ) -> None:
         """Store path hook: load weights obtained elsewhere (e.g. a committed snapshot read with
         ``deltackpt.load``) and adopt ``version``. The next ``pull`` asks for a full round, since
         the senders cannot know what was installed."""
         items = list(named_tensors)
         for i in range(0, len(items), batch):
-            load_weights(items[i:i + batch])
+            load_weights(items[i : i + batch])
         self.version = int(version)
         self.consistent = True
         self._need_full = True

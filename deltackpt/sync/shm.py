@@ -100,8 +100,16 @@ class ShmTransport(Transport):
     :meth:`unlink` removes them.
     """
 
-    def __init__(self, name: str, *, rank: int, world_size: int, senders: Sequence[int] = (0,),
-                 timeout: float = 60.0, control_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        rank: int,
+        world_size: int,
+        senders: Sequence[int] = (0,),
+        timeout: float = 60.0,
+        control_bytes: int = 1 << 20,
+    ) -> None:
         super().__init__()
         if not name or "/" in name:
             raise SyncError(f"ShmTransport name {name!r}: use a non-empty name without '/'")
@@ -159,22 +167,26 @@ class ShmTransport(Transport):
         pids = np.frombuffer(os.pread(fd, old_world * 32, 64), dtype=np.int64)[::4]
         live = [int(p) for p in pids if _alive(int(p)) and int(p) != os.getpid()]
         if live:
-            raise SyncError(f"shared-memory segment {self.path} is in use by pids {live} with "
-                            f"world_size={old_world}, control_bytes={int(hdr[3])} (this rank "
-                            f"asked for world_size={self.world_size}, control_bytes="
-                            f"{self.max_message}); use another name or stop those processes")
+            raise SyncError(
+                f"shared-memory segment {self.path} is in use by pids {live} with "
+                f"world_size={old_world}, control_bytes={int(hdr[3])} (this rank "
+                f"asked for world_size={self.world_size}, control_bytes="
+                f"{self.max_message}); use another name or stop those processes"
+            )
 
     def _views(self) -> None:
         ranks_off, red_off, msg_off, _ = self._sizes()
         w = self.world_size
         self._ranks = np.frombuffer(self._mm, np.int64, w * 4, ranks_off).reshape(w, 4)
-        self._red = np.frombuffer(self._mm, np.int64, w * 2 * _RCELL, red_off).reshape(
-            w, 2, _RCELL)
+        self._red = np.frombuffer(self._mm, np.int64, w * 2 * _RCELL, red_off).reshape(w, 2, _RCELL)
         slot = _MHEAD * 8 + self.max_message
-        self._mhead = [np.frombuffer(self._mm, np.int64, _MHEAD, msg_off + k * slot)
-                       for k in range(2)]
-        self._mdata = [np.frombuffer(self._mm, np.uint8, self.max_message,
-                                     msg_off + k * slot + _MHEAD * 8) for k in range(2)]
+        self._mhead = [
+            np.frombuffer(self._mm, np.int64, _MHEAD, msg_off + k * slot) for k in range(2)
+        ]
+        self._mdata = [
+            np.frombuffer(self._mm, np.uint8, self.max_message, msg_off + k * slot + _MHEAD * 8)
+            for k in range(2)
+        ]
 
     # ---- generations ----------------------------------------------------------------------
 
@@ -187,9 +199,12 @@ class ShmTransport(Transport):
             return
         me[0] = os.getpid()
         lead = self._ranks[self.leader]
-        self._poll(lambda: int(lead[1]) > self._last_gen and _alive(int(lead[0])),
-                   f"waiting for sender rank {self.leader} to start generation "
-                   f"> {self._last_gen}", (), joining=True)
+        self._poll(
+            lambda: int(lead[1]) > self._last_gen and _alive(int(lead[0])),
+            f"waiting for sender rank {self.leader} to start generation > {self._last_gen}",
+            (),
+            joining=True,
+        )
         self._adopt(int(self._ranks[self.leader, 1]))
 
     def _adopt(self, gen: int) -> None:
@@ -208,8 +223,9 @@ class ShmTransport(Transport):
 
     # ---- waiting --------------------------------------------------------------------------
 
-    def _poll(self, ready: Callable[[], bool], what: str, peers: Iterable[int], *,
-              joining: bool = False) -> None:
+    def _poll(
+        self, ready: Callable[[], bool], what: str, peers: Iterable[int], *, joining: bool = False
+    ) -> None:
         if ready():
             return
         peers = tuple(peers)
@@ -231,18 +247,23 @@ class ShmTransport(Transport):
                 raise SyncTimeoutError(
                     f"rank {self.rank}: {what}: no answer within {self.timeout:g} s (shm "
                     f"transport {self.name!r}, generation {self._gen}); the peer is hung or "
-                    "gone. Call transport.reset() on the surviving ranks and restart the others")
+                    "gone. Call transport.reset() on the surviving ranks and restart the others"
+                )
 
     def _check_peers(self, peers: Iterable[int], what: str) -> None:
         for r in peers:
             pid, gen = int(self._ranks[r, 0]), int(self._ranks[r, 1])
             if gen > self._gen:
-                raise PeerLostError(f"rank {self.rank}: {what}: rank {r} moved on to generation "
-                                    f"{gen} (it reset or was replaced) while this rank is in "
-                                    f"{self._gen}; call transport.reset()")
+                raise PeerLostError(
+                    f"rank {self.rank}: {what}: rank {r} moved on to generation "
+                    f"{gen} (it reset or was replaced) while this rank is in "
+                    f"{self._gen}; call transport.reset()"
+                )
             if gen == self._gen and not _alive(pid):
-                raise PeerLostError(f"rank {self.rank}: {what}: rank {r} (pid {pid}) died; call "
-                                    "transport.reset() here and restart it")
+                raise PeerLostError(
+                    f"rank {self.rank}: {what}: rank {r} (pid {pid}) died; call "
+                    "transport.reset() here and restart it"
+                )
 
     def _others(self) -> list[int]:
         return [r for r in range(self.world_size) if r != self.rank]
@@ -265,8 +286,9 @@ class ShmTransport(Transport):
         data = tensor.reshape(-1).view(torch.uint8).numpy()
         n = data.size
         if n > self.max_message:
-            raise SyncError(f"control message of {n} bytes exceeds control_bytes="
-                            f"{self.max_message}")
+            raise SyncError(
+                f"control message of {n} bytes exceeds control_bytes={self.max_message}"
+            )
         seq = self._next_seq()
         k = seq % 2
         head, body = self._mhead[k], self._mdata[k]
@@ -275,15 +297,20 @@ class ShmTransport(Transport):
             others = self._others()
             # everyone finished the previous op: its all-reduce cells and the message slot of
             # op seq-2 may be overwritten once we publish (see the module docstring)
-            self._poll(lambda: all(self._ranks[r, 1] == gen and self._ranks[r, 2] >= seq - 1
-                                   for r in others),
-                       f"broadcast {seq}: waiting for ranks to finish op {seq - 1}", others)
+            self._poll(
+                lambda: all(
+                    self._ranks[r, 1] == gen and self._ranks[r, 2] >= seq - 1 for r in others
+                ),
+                f"broadcast {seq}: waiting for ranks to finish op {seq - 1}",
+                others,
+            )
             body[:n] = data
             head[2], head[3] = src, n
             head[4] = _check(np.array([gen, seq, src, n], np.int64), body[:n])
             head[1] = seq
             head[0] = gen
         else:
+
             def ready() -> bool:
                 if head[0] != gen or head[1] != seq or head[2] != src or head[3] != n:
                     return False
@@ -298,7 +325,7 @@ class ShmTransport(Transport):
             raise SyncError(f"all_reduce_max needs int64, got {tensor.dtype}")
         flat = tensor.reshape(-1)
         for off in range(0, max(flat.numel(), 1), _RMAX):
-            part = flat[off:off + _RMAX]
+            part = flat[off : off + _RMAX]
             self._guard("all_reduce", lambda p=part: self._reduce(p))
 
     def _reduce(self, part: torch.Tensor) -> None:
@@ -308,20 +335,24 @@ class ShmTransport(Transport):
         k = seq % 2
         gen = self._gen
         cell = self._red[self.rank, k]
-        cell[4:4 + n] = vals
+        cell[4 : 4 + n] = vals
         cell[2] = n
-        cell[3] = _check(np.array([gen, seq, n], np.int64), cell[4:4 + n])
+        cell[3] = _check(np.array([gen, seq, n], np.int64), cell[4 : 4 + n])
         cell[1] = seq
         cell[0] = gen
 
         def ready(r: int) -> bool:
             c = self._red[r, k]
-            return bool(c[0] == gen and c[1] == seq and c[2] == n
-                        and c[3] == _check(np.array([gen, seq, n], np.int64), c[4:4 + n]))
+            return bool(
+                c[0] == gen
+                and c[1] == seq
+                and c[2] == n
+                and c[3] == _check(np.array([gen, seq, n], np.int64), c[4 : 4 + n])
+            )
 
         for r in self._others():
             self._poll(lambda r=r: ready(r), f"all_reduce {seq}: waiting for rank {r}", (r,))
-        np.maximum.reduce(self._red[:, k, 4:4 + n], axis=0, out=vals)
+        np.maximum.reduce(self._red[:, k, 4 : 4 + n], axis=0, out=vals)
         self._done(seq)
 
     # ---- bulk -----------------------------------------------------------------------------
@@ -372,8 +403,10 @@ class _ShmWindow(Channel):
         try:
             fd = os.open(self.path, os.O_RDWR)
         except FileNotFoundError as e:
-            raise PeerLostError(f"rank {t.rank}: shm window {self.path} vanished; the leader "
-                                "moved on. Call transport.reset()") from e
+            raise PeerLostError(
+                f"rank {t.rank}: shm window {self.path} vanished; the leader "
+                "moved on. Call transport.reset()"
+            ) from e
         try:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.mm = mmap.mmap(fd, size, flags=flags)
@@ -395,7 +428,7 @@ class _ShmWindow(Channel):
 
     def _view(self, bucket: Bucket) -> torch.Tensor:
         off = self.offsets[bucket.index]
-        return self.data[off:off + bucket.nbytes]
+        return self.data[off : off + bucket.nbytes]
 
     def buffer(self, bucket: Bucket) -> torch.Tensor:
         return self._view(bucket)
@@ -410,9 +443,14 @@ class _ShmWindow(Channel):
 
     def wait_bytes(self, bucket: Bucket, upto: int) -> torch.Tensor:
         i, r = bucket.index, self.round
-        self.t._guard("wait", lambda: self.t._poll(
-            lambda: self.prog_round[i] == r and self.prog_bytes[i] >= upto,
-            f"waiting for bucket {i} from rank {bucket.owner}", (bucket.owner,)))
+        self.t._guard(
+            "wait",
+            lambda: self.t._poll(
+                lambda: self.prog_round[i] == r and self.prog_bytes[i] >= upto,
+                f"waiting for bucket {i} from rank {bucket.owner}",
+                (bucket.owner,),
+            ),
+        )
         return self._view(bucket)
 
     def expect(self, bucket: Bucket, into: torch.Tensor | None) -> None:
@@ -420,9 +458,14 @@ class _ShmWindow(Channel):
 
     def wait(self, bucket: Bucket) -> torch.Tensor:
         r = self.round
-        self.t._guard("wait", lambda: self.t._poll(
-            lambda: self.cells[bucket.index] == r,
-            f"waiting for bucket {bucket.index} from rank {bucket.owner}", (bucket.owner,)))
+        self.t._guard(
+            "wait",
+            lambda: self.t._poll(
+                lambda: self.cells[bucket.index] == r,
+                f"waiting for bucket {bucket.index} from rank {bucket.owner}",
+                (bucket.owner,),
+            ),
+        )
         return self._view(bucket)
 
     def close(self) -> None:

@@ -151,16 +151,20 @@ class Transport(ABC):
     def _check_senders(self, senders: Sequence[int]) -> tuple[int, ...]:
         out = tuple(sorted({int(s) for s in senders}))
         if not out or out[0] < 0 or out[-1] >= self.world_size or len(out) == self.world_size:
-            raise SyncError(f"senders={list(senders)} for world_size={self.world_size}: need at "
-                            "least one sender and one receiver rank, all in range")
+            raise SyncError(
+                f"senders={list(senders)} for world_size={self.world_size}: need at "
+                "least one sender and one receiver rank, all in range"
+            )
         return out
 
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
         """Run a transport operation; turn failures into PeerLost/SyncTimeout and mark broken."""
         if self._broken is not None:
-            raise PeerLostError(f"transport on rank {self.rank} is broken since an earlier "
-                                f"failure ({self._broken}); call transport.reset() first "
-                                "(for DistTransport after init_group() re-created the group)")
+            raise PeerLostError(
+                f"transport on rank {self.rank} is broken since an earlier "
+                f"failure ({self._broken}); call transport.reset() first "
+                "(for DistTransport after init_group() re-created the group)"
+            )
         try:
             return fn()
         except SyncError as e:
@@ -175,10 +179,14 @@ class Transport(ABC):
     def _translate(self, what: str, e: BaseException) -> SyncError:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "timed out" in msg.lower() or "timeout" in msg.lower():
-            return SyncTimeoutError(f"rank {self.rank}: {what} timed out ({msg}); a peer is hung "
-                                    "or dead. Re-create the group and call transport.reset()")
-        return PeerLostError(f"rank {self.rank}: {what} failed ({msg}); a peer rank probably "
-                             "died. Re-create the group and call transport.reset()")
+            return SyncTimeoutError(
+                f"rank {self.rank}: {what} timed out ({msg}); a peer is hung "
+                "or dead. Re-create the group and call transport.reset()"
+            )
+        return PeerLostError(
+            f"rank {self.rank}: {what} failed ({msg}); a peer rank probably "
+            "died. Re-create the group and call transport.reset()"
+        )
 
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -211,16 +219,23 @@ def broadcast_bytes(transport: Transport, data: bytes | None, src: int) -> bytes
     for off in range(0, total, step):
         size = min(step, total - off)
         if data is not None:
-            chunk = torch.frombuffer(bytearray(data[off:off + size]), dtype=torch.uint8)
+            chunk = torch.frombuffer(bytearray(data[off : off + size]), dtype=torch.uint8)
         else:
             chunk = torch.empty(size, dtype=torch.uint8)
         transport.broadcast(chunk, src)
-        out[off:off + size] = chunk.numpy().tobytes()
+        out[off : off + size] = chunk.numpy().tobytes()
     return bytes(out)
 
 
-def init_group(master_addr: str, master_port: int, rank: int, world_size: int, *,
-               timeout: float = 60.0, backend: str | None = None) -> dist.ProcessGroup:
+def init_group(
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    *,
+    timeout: float = 60.0,
+    backend: str | None = None,
+) -> dist.ProcessGroup:
     """Create the default torch.distributed group that trainer and inference ranks share.
 
     Every rank of the sync job calls it with the same address, port and ``world_size``; rank 0
@@ -236,8 +251,9 @@ def init_group(master_addr: str, master_port: int, rank: int, world_size: int, *
         with contextlib.suppress(Exception):  # a broken group may fail to tear down
             dist.destroy_process_group()
     td = timedelta(seconds=timeout)
-    store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=(rank == 0),
-                          timeout=td)
+    store = dist.TCPStore(
+        master_addr, int(master_port), world_size, is_master=(rank == 0), timeout=td
+    )
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
     return dist.group.WORLD  # type: ignore[return-value]
@@ -255,8 +271,13 @@ class DistTransport(Transport):
     replacement ranks construct a new ``DistTransport``.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, senders: Sequence[int] = (0,),
-                 *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        senders: Sequence[int] = (0,),
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__()
         self._default = group is None
         self.device = torch.device(device)
@@ -265,8 +286,10 @@ class DistTransport(Transport):
 
     def _bind(self, group: dist.ProcessGroup | None) -> None:
         if not dist.is_initialized():
-            raise SyncError("DistTransport needs an initialised torch.distributed group; call "
-                            "deltackpt.sync.init_group(...) or dist.init_process_group first")
+            raise SyncError(
+                "DistTransport needs an initialised torch.distributed group; call "
+                "deltackpt.sync.init_group(...) or dist.init_process_group first"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -275,8 +298,10 @@ class DistTransport(Transport):
     def reset(self, group: dist.ProcessGroup | None = None) -> None:
         """Re-bind to ``group`` (default: the current default group) after a failure."""
         if group is None and not self._default:
-            raise SyncError("this DistTransport was built on an explicit group; pass the new "
-                            "group: transport.reset(new_group)")
+            raise SyncError(
+                "this DistTransport was built on an explicit group; pass the new "
+                "group: transport.reset(new_group)"
+            )
         self._bind(group)
         super().reset()
 
@@ -290,8 +315,9 @@ class DistTransport(Transport):
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         t = tensor if tensor.device == self.device else tensor.to(self.device)
-        self._guard("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX,
-                                                          group=self.group))
+        self._guard(
+            "all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        )
         if t is not tensor:
             tensor.copy_(t)
 
@@ -331,8 +357,10 @@ class _DistChannel(Channel):
 
     def _ring(self, ring: list[torch.Tensor]) -> list[torch.Tensor]:
         if not ring:
-            ring.extend(torch.empty(self.capacity, dtype=torch.uint8, device=self.t.device)
-                        for _ in range(2))
+            ring.extend(
+                torch.empty(self.capacity, dtype=torch.uint8, device=self.t.device)
+                for _ in range(2)
+            )
         return ring
 
     def _wait(self, works: list[dist.Work]) -> None:
@@ -340,23 +368,33 @@ class _DistChannel(Channel):
             self.t._guard("broadcast", w.wait)
         works.clear()
 
-    def _post(self, bucket: Bucket, buf: torch.Tensor,
-              extents: dict[int, torch.Tensor] | None = None,
-              ends: list[int] | None = None) -> list[dist.Work]:
+    def _post(
+        self,
+        bucket: Bucket,
+        buf: torch.Tensor,
+        extents: dict[int, torch.Tensor] | None = None,
+        ends: list[int] | None = None,
+    ) -> list[dist.Work]:
         works = []
         for lo, hi, _ in segments(bucket, self.direct_bytes):
             if ends is not None:
                 ends.append(hi)
             data = extents.get(lo) if extents else None
             target = buf[lo:hi] if data is None else data
-            works.append(self.t._guard("broadcast", lambda x=target: dist.broadcast(
-                x, group=self.t.group, group_src=bucket.owner, async_op=True)))
+            works.append(
+                self.t._guard(
+                    "broadcast",
+                    lambda x=target: dist.broadcast(
+                        x, group=self.t.group, group_src=bucket.owner, async_op=True
+                    ),
+                )
+            )
         return works
 
     def buffer(self, bucket: Bucket) -> torch.Tensor:
         k = self._nsend % 2
         self._wait(self._send_work[k])
-        return self._ring(self._send_ring)[k][:bucket.nbytes]
+        return self._ring(self._send_ring)[k][: bucket.nbytes]
 
     def send(self, bucket: Bucket, extents: dict[int, torch.Tensor] | None = None) -> None:
         k = self._nsend % 2
@@ -369,7 +407,7 @@ class _DistChannel(Channel):
             k = self._nrecv % 2
             self._nrecv += 1
             self._wait(self._recv_work[k])  # the view of bucket-2 is released by now
-            into = self._ring(self._recv_ring)[k][:bucket.nbytes]
+            into = self._ring(self._recv_ring)[k][: bucket.nbytes]
             works = self._recv_work[k] = self._post(bucket, into, ends=ends)
         else:
             works = self._post(bucket, into, ends=ends)

@@ -1,6 +1,6 @@
 """Manifest records (no I/O): what one committed snapshot holds and where its bytes live.
 
-The JSON form is specified in ``docs/format.md`` and ``deltackpt/schema/manifest.schema.json``.
+The JSON form is specified in ``docs/format.md`` and ``deltackpt/format/schema/manifest.schema.json``.
 Serialisation is deterministic (sorted keys, no spaces) because tests pin its bytes and because two
 saves of the same state must produce the same manifest up to names and times.
 
@@ -8,7 +8,7 @@ A manifest on disk is untrusted input. Parsing here is strict about types (an in
 JSON integer, never a string or a bool) and version 2 manifests carry ``digest``, the xxh3-128 of
 the canonical bytes of the document without that field, checked on every read: it detects damage
 (a flipped digit in a shape or slice), not attacks. Bounds, references and coverage are checked
-by :mod:`deltackpt._validate` before anything is allocated.
+by :mod:`deltackpt.format.validate` before anything is allocated.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import xxhash
 
-from deltackpt._hashing import DIGEST_NAME
 from deltackpt.errors import ManifestError, StoreFormatError
+from deltackpt.format.hashing import DIGEST_NAME
 
 MANIFEST_FORMAT = "deltackpt.manifest"
 MANIFEST_VERSION = 2  # 2: adds "digest"; version 1 manifests (no digest) are still read
@@ -278,7 +278,7 @@ class Manifest:
         """Parse and integrity-check a manifest; raise :class:`ManifestError` naming the field.
 
         Only the form is checked here (types, digest); references and bounds are checked by
-        :func:`deltackpt._validate.validate_manifest`, which needs the store's chunk size."""
+        :func:`deltackpt.format.validate.validate_manifest`, which needs the store's chunk size."""
         try:
             doc = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, RecursionError) as e:

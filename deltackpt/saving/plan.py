@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from deltackpt._dtensor import is_dtensor, local_box, local_tensor
-from deltackpt._dtypes import dtype_name
-from deltackpt._tree import Leaf, Node, flatten
+from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
+from deltackpt.format.dtypes import dtype_name
+from deltackpt.format.tree import Leaf, Node, flatten
 
 GROUP_ALIGN = 64  # small tensors start at this alignment inside a group chunk
 

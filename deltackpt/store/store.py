@@ -30,9 +30,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from deltackpt._fsutil import fsync_dir, open_dir, publish, write_durable
-from deltackpt._hashing import DIGEST_NAME
-from deltackpt._validate import validate_manifest
 from deltackpt.errors import (
     DamagedSnapshotWarning,
     DeltackptError,
@@ -46,7 +43,10 @@ from deltackpt.errors import (
     UnsafePathError,
     UnsupportedURLError,
 )
-from deltackpt.manifest import ChunkRecord, Manifest
+from deltackpt.format.hashing import DIGEST_NAME
+from deltackpt.format.manifest import ChunkRecord, Manifest
+from deltackpt.format.validate import validate_manifest
+from deltackpt.store.durable import fsync_dir, open_dir, publish, write_durable
 
 STORE_FORMAT = "deltackpt.store"
 STORE_VERSION = 1
@@ -196,7 +196,7 @@ class Store:
         self._cache: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
         self._cache_lock = threading.Lock()
         # Raw bytes of the chunks this process saved last, per tensor key: the bases of xor
-        # deltas (see deltackpt._save). Lives with the Store so repeated saves share it.
+        # deltas (see deltackpt.saving.write). Lives with the Store so repeated saves share it.
         self.delta_refs: dict[str, Any] = {}
 
     def __repr__(self) -> str:

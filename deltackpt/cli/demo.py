@@ -149,7 +149,7 @@ def compare(
 
 
 def _human(n: float) -> str:
-    from deltackpt.cli import human_bytes
+    from deltackpt.cli.main import human_bytes
 
     return human_bytes(n)
 

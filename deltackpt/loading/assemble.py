@@ -9,22 +9,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt._dcp_values import decode_byte_values
-from deltackpt._dtensor import is_dtensor, local_box, local_tensor
-from deltackpt._dtypes import dtype_from_name
-from deltackpt._read import ChunkTargets, advise_huge, fresh_u8, run_jobs
-from deltackpt._reshard import PieceRead, finish_box_reads, plan_box_reads
-from deltackpt._tree import Node, _key_segment, flatten, tensor_paths, unflatten, value_leaves
 from deltackpt.errors import (
     CorruptChunkError,
     DistributedError,
     InsufficientMemoryError,
     StateMismatchError,
 )
-from deltackpt.manifest import Manifest, Slice, TensorEntry
+from deltackpt.format.dcp_values import decode_byte_values
+from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
+from deltackpt.format.dtypes import dtype_from_name
+from deltackpt.format.manifest import Manifest, Slice, TensorEntry
+from deltackpt.format.tree import Node, _key_segment, flatten, tensor_paths, unflatten, value_leaves
+from deltackpt.loading.reshard import PieceRead, finish_box_reads, plan_box_reads
 from deltackpt.options import LoadOptions
-from deltackpt.pack import PackReaders
-from deltackpt.store import LATEST, Store, open_store
+from deltackpt.store.chunks import ChunkTargets, advise_huge, fresh_u8, run_jobs
+from deltackpt.store.packs import PackReaders
+from deltackpt.store.store import LATEST, Store, open_store
 
 
 def load(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from deltackpt.errors import PickleNotAllowedError
-from deltackpt.manifest import Manifest
+from deltackpt.format.manifest import Manifest
 
 DCP_KEY = "dcp"
 

@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt._fsutil import store_lock
-from deltackpt._hashing import digest
-from deltackpt._plan import SavePlan, plan_state
-from deltackpt._save import chunk_view, closure, commit, next_refs, write_chunks
-from deltackpt._staging import Arena, Staged, stage, stage_chunks, state_nbytes
-from deltackpt.codecs import XOR
 from deltackpt.errors import DeltackptError, SaveFailedError, SnapshotExistsError, StoreError
-from deltackpt.manifest import ChunkRecord
+from deltackpt.format.codecs import XOR
+from deltackpt.format.hashing import digest
+from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import SaveOptions, default_memory_budget
-from deltackpt.store import SnapshotInfo, Store, store_io_error
+from deltackpt.saving.plan import SavePlan, plan_state
+from deltackpt.saving.stage import Arena, Staged, stage, stage_chunks, state_nbytes
+from deltackpt.saving.write import chunk_view, closure, commit, next_refs, write_chunks
+from deltackpt.store.durable import store_lock
+from deltackpt.store.store import SnapshotInfo, Store, store_io_error
 
 
 class SaveHandle:
@@ -493,11 +493,11 @@ def async_save(
     >>> ...  # keep training
     >>> h.result().bytes_written                                                     # doctest: +SKIP
     """
-    from deltackpt.saving import begin
+    from deltackpt.api import begin
 
     t0, opts, st, meta = begin(store, name, metadata, options, kwargs)
     if process_group is not None:
-        from deltackpt._dist_save import dist_async_save
+        from deltackpt.dist.save import dist_async_save
 
         return dist_async_save(state, st, name, opts, meta, process_group, t0)
     return saver_for(st).start(state, name, opts, meta, t0, after_commit)

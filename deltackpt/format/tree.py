@@ -29,19 +29,19 @@ from typing import Any
 
 import torch
 
-from deltackpt import _rng
-from deltackpt._dtensor import is_dtensor
-from deltackpt._dtypes import dtype_from_name, dtype_name
+from deltackpt import rng as _rng
 from deltackpt.errors import (
     DeltackptError,
     PickleNotAllowedError,
     StoreFormatError,
     UnsupportedValueError,
 )
+from deltackpt.format.dtensor import is_dtensor
+from deltackpt.format.dtypes import dtype_from_name, dtype_name
 
 Node = Any  # a JSON value
 # Deepest container nesting a save accepts. Must not exceed what a load accepts
-# (deltackpt._validate.MAX_TREE_DEPTH), or a save would commit a snapshot no load can read; both
+# (deltackpt.format.validate.MAX_TREE_DEPTH), or a save would commit a snapshot no load can read; both
 # stay far below Python's recursion limit (flattening recurses ~2 frames per level).
 MAX_DEPTH = 100
 
@@ -242,7 +242,7 @@ def unflatten(
         return dtype_from_name(value)
     if tag == "device":
         return torch.device(value)
-    if tag == "rng":  # validated field by field before a generator is built (deltackpt._rng)
+    if tag == "rng":  # validated field by field before a generator is built (deltackpt.rng)
         return _rng.from_node(value, path)
     if tag in ("dict", "odict"):
         out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()

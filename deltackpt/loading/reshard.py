@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltackpt._dtypes import dtype_from_name
-from deltackpt.manifest import Shard, Slice, TensorEntry
+from deltackpt.format.dtypes import dtype_from_name
+from deltackpt.format.manifest import Shard, Slice, TensorEntry
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the global tensor
 

@@ -76,19 +76,19 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from deltackpt._dcp_values import DCP_KEY  # manifest metadata key of the DCP facts (JSON)
-from deltackpt._dtypes import dtype_from_name, dtype_name
-from deltackpt._fsutil import store_lock
-from deltackpt._plan import tensor_bytes
-from deltackpt._read import ChunkTargets, run_jobs
-from deltackpt._reshard import sub_slices
-from deltackpt._save import closure
-from deltackpt._tree import flatten, unflatten
 from deltackpt.errors import SnapshotExistsError, StoreError, StoreFormatError
-from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, TensorEntry
+from deltackpt.format.dcp_values import DCP_KEY  # manifest metadata key of the DCP facts (JSON)
+from deltackpt.format.dtypes import dtype_from_name, dtype_name
+from deltackpt.format.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, TensorEntry
+from deltackpt.format.tree import flatten, unflatten
+from deltackpt.loading.reshard import sub_slices
 from deltackpt.options import LoadOptions, SaveOptions
-from deltackpt.pack import PackReaders
-from deltackpt.store import LATEST, SnapshotInfo, Store, open_store, validate_name
+from deltackpt.saving.plan import tensor_bytes
+from deltackpt.saving.write import closure
+from deltackpt.store.chunks import ChunkTargets, run_jobs
+from deltackpt.store.durable import store_lock
+from deltackpt.store.packs import PackReaders
+from deltackpt.store.store import LATEST, SnapshotInfo, Store, open_store, validate_name
 
 __all__ = ["StoreReader", "StoreWriter"]
 
@@ -198,7 +198,7 @@ class StoreWriter(StorageWriter):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        from deltackpt.saving import _check_metadata
+        from deltackpt.api import _check_metadata
 
         self.store = open_store(store)
         if name is not None:
@@ -330,10 +330,10 @@ class StoreWriter(StorageWriter):
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        from deltackpt._async import saver_for
-        from deltackpt._plan import SavePlan as DkPlan
-        from deltackpt._plan import Source, layout_chunks
-        from deltackpt._save import write_chunks
+        from deltackpt.saving.engine import saver_for
+        from deltackpt.saving.plan import SavePlan as DkPlan
+        from deltackpt.saving.plan import Source, layout_chunks
+        from deltackpt.saving.write import write_chunks
 
         st, opts = self.store, self.options
         sources: list[Source] = []

@@ -16,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from deltackpt._plan import EntryPlan, SavePlan
+from deltackpt.saving.plan import EntryPlan, SavePlan
 from deltackpt.errors import DistributedError
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from deltackpt._fsutil import open_dir
 from deltackpt.errors import UnsafePathError
-from deltackpt.manifest import PACK_ID_RE
-from deltackpt.store import PACK_ALIGN, PACK_MAGIC
+from deltackpt.format.manifest import PACK_ID_RE
+from deltackpt.store.durable import open_dir
+from deltackpt.store.store import PACK_ALIGN, PACK_MAGIC
 
 _ZEROS = bytes(PACK_ALIGN)
 _IOV_MAX = 1024  # iovecs per preadv: IOV_MAX on Linux and macOS

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import xxhash
 
-from deltackpt import codecs
-from deltackpt._hashing import digest
 from deltackpt.errors import CodecError, CorruptChunkError, UnsafePathError
-from deltackpt.manifest import ChunkRecord
-from deltackpt.pack import PackReaders
-from deltackpt.store import PACK_ALIGN
+from deltackpt.format import codecs
+from deltackpt.format.hashing import digest
+from deltackpt.format.manifest import ChunkRecord
+from deltackpt.store.packs import PackReaders
+from deltackpt.store.store import PACK_ALIGN
 
 _local = threading.local()
 

@@ -6,10 +6,10 @@ import os
 import time
 from typing import Any
 
-from deltackpt._async import saver_for
 from deltackpt.errors import InvalidArgumentError
 from deltackpt.options import SaveOptions
-from deltackpt.store import SnapshotInfo, Store, open_store, validate_name
+from deltackpt.saving.engine import saver_for
+from deltackpt.store.store import SnapshotInfo, Store, open_store, validate_name
 
 
 def save(
@@ -26,7 +26,7 @@ def save(
 
     Only chunks the store does not already hold are written; changed chunks are stored raw,
     byte-grouped zstd, or xor against this process's previous save of the same key, whichever is
-    smallest (see :class:`deltackpt.codecs.EncodePolicy`). The call returns after the manifest
+    smallest (see :class:`deltackpt.format.codecs.EncodePolicy`). The call returns after the manifest
     is committed (durable). Keyword options are the fields of :class:`SaveOptions`
     (``allow_pickle``, ``overwrite``, ``threads``, ``encoding``, ...). ``metadata`` is a small
     JSON-serialisable dict kept in the manifest (e.g. ``{"step": 100, "loss": 1.9}``).
@@ -41,7 +41,7 @@ def save(
     """
     t0, opts, st, meta = begin(store, name, metadata, options, kwargs)
     if process_group is not None:
-        from deltackpt._dist_save import dist_save
+        from deltackpt.dist.save import dist_save
 
         return dist_save(state, st, name, opts, meta, process_group, t0)
     saver = saver_for(st)

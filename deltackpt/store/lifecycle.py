@@ -21,9 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from deltackpt._fsutil import fsync_dir, open_dir, store_lock
-from deltackpt._read import ChunkReader
-from deltackpt._read import _scratch as scratch
 from deltackpt.errors import (
     CorruptChunkError,
     DamagedSnapshotWarning,
@@ -33,10 +30,13 @@ from deltackpt.errors import (
     StoreIOError,
     UnsafePathError,
 )
-from deltackpt.manifest import PACK_ID_RE, ChunkRecord, Manifest
+from deltackpt.format.manifest import PACK_ID_RE, ChunkRecord, Manifest
 from deltackpt.options import default_lock_timeout, default_threads
-from deltackpt.pack import PackReaders, PackWriter
-from deltackpt.store import LATEST, PACK_ALIGN, SnapshotInfo, Store, check_dir, open_store
+from deltackpt.store.chunks import ChunkReader
+from deltackpt.store.chunks import _scratch as scratch
+from deltackpt.store.durable import fsync_dir, open_dir, store_lock
+from deltackpt.store.packs import PackReaders, PackWriter
+from deltackpt.store.store import LATEST, PACK_ALIGN, SnapshotInfo, Store, check_dir, open_store
 
 
 def snapshots(store: str | os.PathLike[str] | Store) -> list[SnapshotInfo]:

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from deltackpt._async import SaveHandle, saver_for
-from deltackpt._dist_plan import (
+from deltackpt.saving.engine import SaveHandle, saver_for
+from deltackpt.dist.save_plan import (
     Layout,
     Merged,
     PlanCache,
@@ -39,12 +39,12 @@ from deltackpt._dist_plan import (
     remember_all,
     resolve,
 )
-from deltackpt._fsutil import write_durable
-from deltackpt._save import closure, hash_chunks, next_refs, write_chunks
+from deltackpt.store.durable import write_durable
+from deltackpt.saving.write import closure, hash_chunks, next_refs, write_chunks
 from deltackpt.errors import DistributedError
-from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
+from deltackpt.format.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
 from deltackpt.options import SaveOptions
-from deltackpt.store import SnapshotInfo, Store
+from deltackpt.store.store import SnapshotInfo, Store
 
 _CACHES: dict[tuple[str, int], PlanCache] = {}
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deltackpt._plan import SavePlan
+from deltackpt.saving.plan import SavePlan
 
 
 @dataclass

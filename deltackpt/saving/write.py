@@ -19,15 +19,23 @@ from typing import Any
 
 import numpy as np
 
-from deltackpt import codecs
-from deltackpt._fsutil import fsync_dir
-from deltackpt._hashing import digest
-from deltackpt._plan import ChunkSpec, SavePlan
 from deltackpt.errors import DeltackptError, StoreIOError
-from deltackpt.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
+from deltackpt.format import codecs
+from deltackpt.format.hashing import digest
+from deltackpt.format.manifest import (
+    ChunkRecord,
+    Manifest,
+    Shard,
+    Slice,
+    Stats,
+    StorageView,
+    TensorEntry,
+)
 from deltackpt.options import SaveOptions
-from deltackpt.pack import PackWriter
-from deltackpt.store import SnapshotInfo, Store, store_io_error
+from deltackpt.saving.plan import ChunkSpec, SavePlan
+from deltackpt.store.durable import fsync_dir
+from deltackpt.store.packs import PackWriter
+from deltackpt.store.store import SnapshotInfo, Store, store_io_error
 
 SourceArray = Callable[[int], np.ndarray]  # source index -> its bytes as a uint8 numpy array
 

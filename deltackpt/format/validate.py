@@ -1,6 +1,6 @@
 """Validation of untrusted manifests: every reference, bound and count, before anything is read.
 
-A store on disk is input, like a downloaded file. :func:`deltackpt.manifest.Manifest.from_json_bytes`
+A store on disk is input, like a downloaded file. :func:`deltackpt.format.manifest.Manifest.from_json_bytes`
 checks the form (types, digest); this module checks what the form cannot: that every slice names
 a chunk of the manifest and stays inside it, that a tensor's slices add up to exactly
 ``prod(shape) x itemsize`` bytes (else a load would hand out uninitialised memory), that shards
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from deltackpt import codecs
-from deltackpt._dtypes import dtype_from_name
 from deltackpt.errors import DeltackptError, ManifestError
-from deltackpt.manifest import ChunkRecord, Manifest, Slice
+from deltackpt.format import codecs
+from deltackpt.format.dtypes import dtype_from_name
+from deltackpt.format.manifest import ChunkRecord, Manifest, Slice
 
 MAX_TREE_DEPTH = 100  # containers inside containers; state dicts are ~5-10 deep
 MAX_CHAIN = 64  # xor deltas on one keyframe; writers keep it at keyframe_every (4)

@@ -34,11 +34,11 @@ from rich.markup import escape
 from rich.table import Table
 
 import deltackpt
-from deltackpt._dtypes import dtype_from_name
-from deltackpt._tree import unflatten, value_leaves
 from deltackpt.errors import DamagedSnapshotWarning, DeltackptError
-from deltackpt.manifest import Manifest, Slice, TensorEntry
-from deltackpt.store import PACK_ALIGN, Store
+from deltackpt.format.dtypes import dtype_from_name
+from deltackpt.format.manifest import Manifest, Slice, TensorEntry
+from deltackpt.format.tree import unflatten, value_leaves
+from deltackpt.store.store import PACK_ALIGN, Store
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -128,7 +128,7 @@ class _Bytes:
     """Reads tensor bytes of manifests of one store (for diffs of tensors in grouped chunks)."""
 
     def __init__(self, st: Store) -> None:
-        from deltackpt.pack import PackReaders
+        from deltackpt.store.packs import PackReaders
 
         self._packs = PackReaders(st.packs_dir)
         self._cache: dict[str, np.ndarray] = {}
@@ -137,7 +137,7 @@ class _Bytes:
         self._packs.close()
 
     def read(self, m: Manifest, e: TensorEntry) -> bytes:
-        from deltackpt._read import ChunkReader
+        from deltackpt.store.chunks import ChunkReader
 
         reader = ChunkReader(self._packs, m.chunks, verify=True)
         out = []
@@ -465,7 +465,7 @@ def _save_in_flight(st: Store) -> bool:
 
 
 def cmd_demo(args: argparse.Namespace, out: Console) -> int:
-    from deltackpt import demo
+    from deltackpt.cli import demo
 
     result = demo.run(directory=args.dir, steps=args.steps, console=out, keep=args.keep)
     return 0 if result["bit_exact"] and result["next_step_identical"] and result["verify_ok"] else 1

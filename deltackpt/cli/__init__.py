@@ -1,0 +1,1 @@
+"""The ``deltackpt`` command line (``main.py``) and the built-in demo (``demo.py``)."""
