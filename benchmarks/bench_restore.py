@@ -32,6 +32,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C
+
 VARIANTS = ("deltackpt in place", "deltackpt copy", "torch.load", "torch.load mmap")
 
 
@@ -73,16 +77,11 @@ def child(variant: str, layers: int, width: int, root: Path) -> dict[str, float]
     return {"seconds": seconds, "peak_mb": peak / 1e6, "ok": ok}
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class _RssSampler:
     """Highest resident set size above the starting one, sampled every millisecond."""
 
     def __init__(self) -> None:
-        self.base = _rss()
+        self.base = C.rss()
         self.peak = self.base
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -90,12 +89,12 @@ class _RssSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, C.rss())
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, C.rss())
         return self.peak - self.base
 
 

@@ -34,7 +34,6 @@ import math
 import mmap
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import uuid
@@ -44,55 +43,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's deltackpt
 
-GB = 1e9
-
-
-def qwen2_shapes(params: float) -> list[tuple[str, tuple[int, ...]]]:
-    hidden, inter, heads, kv_heads, layers, vocab = 896, 4864, 14, 2, 24, 151936
-    head = hidden // heads
-    full = _count(hidden, inter, head, kv_heads, layers, vocab)
-    scale = params / full
-    layers = max(1, round(layers * scale))
-    vocab = max(1024, int(vocab * scale))
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.q_proj.bias", (hidden,)),
-            (p + "self_attn.k_proj.weight", (kv_heads * head, hidden)),
-            (p + "self_attn.k_proj.bias", (kv_heads * head,)),
-            (p + "self_attn.v_proj.weight", (kv_heads * head, hidden)),
-            (p + "self_attn.v_proj.bias", (kv_heads * head,)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-        ]
-    shapes.append(("model.norm.weight", (hidden,)))
-    return shapes
-
-
-def _count(hidden: int, inter: int, head: int, kv: int, layers: int, vocab: int) -> int:
-    per_layer = (
-        2 * hidden
-        + hidden * hidden
-        + hidden
-        + 2 * (kv * head * hidden + kv * head)
-        + hidden * hidden
-        + 3 * inter * hidden
-    )
-    return vocab * hidden + layers * per_layer + hidden
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+import _common as C
 
 
 def timed(dist: Any, fn: Any) -> float:
@@ -121,7 +75,7 @@ def run(rank: int, world: int, cfg: dict[str, Any], port: int, name: str) -> dic
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
     sync.init_group("127.0.0.1", port, rank, world, timeout=600)
-    shapes = qwen2_shapes(cfg["params"])
+    shapes = C.qwen2_shapes(C.qwen2_scale(cfg["params"]))
     if rank == 0:
         g = torch.Generator().manual_seed(0)
         state = {n: torch.randn(s, generator=g, dtype=torch.float32).to(dtype) for n, s in shapes}
@@ -242,7 +196,7 @@ def bench(cfg: dict[str, Any], receivers: int) -> dict[str, Any]:
     q = ctx.Queue()
     world = 1 + receivers
     name = uuid.uuid4().hex[:10]
-    port = free_port()
+    port = C.free_port()
     procs = [ctx.Process(target=worker, args=(r, world, cfg, port, name, q)) for r in range(world)]
     for p in procs:
         p.start()
@@ -315,7 +269,7 @@ def main() -> None:
     mode0 = next(iter(first["modes"].values()))
     print(
         f"\nstate: {first['params'] / 1e6:.0f}M params, {args.dtype}, "
-        f"{first['bytes'] / GB:.2f} GB; bucket {args.bucket_mb} MiB ({mode0['buckets']} "
+        f"{first['bytes'] / C.GB:.2f} GB; bucket {args.bucket_mb} MiB ({mode0['buckets']} "
         f"buckets); delta rounds change {first['delta_params_frac']:.1%} of the parameters; "
         f"best of {args.repeats}\n"
     )
@@ -326,7 +280,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        gb = r["bytes"] / GB
+        gb = r["bytes"] / C.GB
         for mode, m in r["modes"].items():
             print(
                 f"| {r['transport']} | {r['receivers']} | {mode} | {r['ceiling_s']:.2f} "

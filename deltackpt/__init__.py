@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 from deltackpt import errors
-from deltackpt.api import save
+from deltackpt.api import async_save, save
 from deltackpt.checkpointer import Checkpointer
 from deltackpt.loading.assemble import load
 from deltackpt.options import LoadOptions, SaveOptions
 from deltackpt.rng import capture as get_rng_state
 from deltackpt.rng import restore as set_rng_state
-from deltackpt.saving.engine import SaveHandle, async_save
+from deltackpt.saving.engine import SaveHandle
 from deltackpt.store.lifecycle import GcReport, VerifyReport, delete, gc, snapshots, verify
 from deltackpt.store.store import SnapshotInfo, Store, open_store
 

@@ -1,14 +1,22 @@
-"""``deltackpt.save``: plan the state, write its new chunks, commit one manifest."""
+"""The public save functions: ``deltackpt.save`` and ``deltackpt.async_save``.
+
+Both check their arguments here, before anything is touched, then run the one save sequence of
+``deltackpt/dist/save.py`` through the store's :class:`~deltackpt.saving.engine.StoreSaver`: in a
+world of one without ``process_group``, over the group's ranks with one.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
+from deltackpt.dist.collectives import Group
+from deltackpt.dist.save import run_save, start_save
 from deltackpt.errors import InvalidArgumentError
 from deltackpt.options import SaveOptions
-from deltackpt.saving.engine import saver_for
+from deltackpt.saving.engine import SaveHandle, SaveRequest, saver_for
 from deltackpt.store.store import SnapshotInfo, Store, open_store, validate_name
 
 
@@ -39,14 +47,35 @@ def save(
     >>> info = deltackpt.save({"model": model.state_dict(), "step": 100}, "ckpts", "step-100")  # doctest: +SKIP
     >>> info.bytes_written, info.chunks_reused                                                 # doctest: +SKIP
     """
-    t0, opts, st, meta = begin(store, name, metadata, options, kwargs)
-    if process_group is not None:
-        from deltackpt.dist.save import dist_save
+    req = begin(store, name, metadata, options, kwargs)
+    return run_save(state, saver_for(req.store), Group(process_group), req)
 
-        return dist_save(state, st, name, opts, meta, process_group, t0)
-    saver = saver_for(st)
-    prepared = saver.prepare_all(state, name, opts, t0, background=False)
-    return saver.run(prepared, name, opts, meta, t0)
+
+def async_save(
+    state: Any,
+    store: str | os.PathLike[str] | Store,
+    name: str,
+    *,
+    metadata: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+    after_commit: Callable[[], None] | None = None,
+    process_group: Any = None,
+    **kwargs: Any,
+) -> SaveHandle:
+    """Stage ``state`` into reused host buffers and save it in the background.
+
+    Returns once the state is staged (on CPU; on CUDA once the copies are queued, with
+    ``handle.staged`` done when they land). Training may mutate the state as soon as
+    ``handle.staged`` is done. ``handle.result()`` returns the :class:`SnapshotInfo` once the
+    snapshot is committed, or raises the background failure. ``after_commit`` runs (on every
+    rank) after a successful commit; its failure only warns.
+
+    >>> h = deltackpt.async_save({"model": model.state_dict()}, "ckpts", "step-200")  # doctest: +SKIP
+    >>> ...  # keep training
+    >>> h.result().bytes_written                                                     # doctest: +SKIP
+    """
+    req = begin(store, name, metadata, options, kwargs)
+    return start_save(state, saver_for(req.store), Group(process_group), req, after_commit)
 
 
 def begin(
@@ -55,17 +84,16 @@ def begin(
     metadata: dict[str, Any] | None,
     options: SaveOptions | None,
     kwargs: dict[str, Any],
-) -> tuple[float, SaveOptions, Store, dict[str, Any]]:
-    """Validate a save's arguments (shared by save and async_save): start time, options, store,
-    metadata."""
+) -> SaveRequest:
+    """Validate a save's arguments (shared by save and async_save)."""
     t0 = time.perf_counter()
     opts = SaveOptions.from_kwargs(options, kwargs)
     st = open_store(store)
     validate_name(name)
-    return t0, opts, st, _check_metadata(metadata)
+    return SaveRequest(st, name, opts, check_metadata(metadata), t0)
 
 
-def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+def check_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     """``metadata`` must be a dict of JSON values that come back as they went in: str keys at
     every level (json would silently turn ``{1: x}`` into ``{"1": x}``), finite floats, no
     cycles and no other objects."""
@@ -119,3 +147,6 @@ def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
 
     walk(metadata, "metadata")
     return dict(metadata)
+
+
+_check_metadata = check_metadata  # the DCP writer's name for it, until it switches

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from deltackpt import rng as _rng
-from deltackpt.api import save
+from deltackpt.api import async_save, save
 from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
 from deltackpt.format.codecs import XOR
 from deltackpt.format.manifest import Manifest
 from deltackpt.loading.assemble import load_reusing
 from deltackpt.options import SaveOptions, default_lock_timeout
-from deltackpt.saving.engine import SaveHandle, async_save
+from deltackpt.saving.engine import SaveHandle
 from deltackpt.store.durable import store_lock
 from deltackpt.store.lifecycle import _delete, gc
 from deltackpt.store.store import Store, open_store, validate_name
@@ -352,7 +352,7 @@ class Checkpointer:
             h = async_save(
                 sd, self.store, name, metadata=meta, after_commit=self._apply_retention, **opts
             )
-            h._observed = True  # the checkpointer reports its errors from the next call
+            h.detach()  # the checkpointer reports its errors from the next call
             self._pending = h
             return h
         self.infos.append(save(sd, self.store, name, metadata=meta, **opts))

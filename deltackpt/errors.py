@@ -8,6 +8,9 @@ would reach for (``ValueError``, ``KeyError``, ``TypeError``, ``TimeoutError``),
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 
 class DeltackptError(Exception):
     """Base class of every error deltackpt raises on purpose."""
@@ -96,8 +99,44 @@ class SaveFailedError(DeltackptError, RuntimeError):
     """A save (often a background one) failed; the cause is chained."""
 
 
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank failed one step of a collective save: plain data, so it crosses ranks
+    (pickled by a collective, or as JSON through the store's ``tmp/``) without the exception."""
+
+    rank: int
+    step: str  # the save step that failed: "plan", "write", "commit"
+    error: str  # the exception's type name, e.g. "StoreIOError"
+    message: str
+
+    @staticmethod
+    def of(rank: int, step: str, e: BaseException) -> RankFailure:
+        return RankFailure(rank, step, type(e).__name__, str(e))
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.error}: {self.message}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "error": self.error, "message": self.message}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> RankFailure:
+        return RankFailure(int(d["rank"]), str(d["step"]), str(d["error"]), str(d["message"]))
+
+
 class DistributedError(DeltackptError, RuntimeError):
-    """A peer rank failed or timed out during a collective save, load or sync."""
+    """A peer rank failed or timed out during a collective save, load or sync.
+
+    A collective save raises the same error on every rank; ``failures`` lists each failing
+    rank's :class:`RankFailure` (rank, step, error type, message), empty when no rank could say
+    (a collective itself failed: a peer died or timed out)."""
+
+    def __init__(self, message: str, failures: tuple[RankFailure, ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.failures))
 
 
 class SyncError(DeltackptError, RuntimeError):

@@ -23,7 +23,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from deltackpt.errors import InvalidArgumentError
 from deltackpt.format.codecs import ENCODINGS, EncodePolicy
@@ -227,7 +227,10 @@ class LoadOptions:
         return _apply(base, LoadOptions, kwargs, "load")
 
 
-def _apply(base: Any, cls: type, kwargs: dict[str, Any], what: str) -> Any:
+_Options = TypeVar("_Options", SaveOptions, LoadOptions)
+
+
+def _apply(base: object, cls: type[_Options], kwargs: dict[str, Any], what: str) -> _Options:
     if base is not None and not isinstance(base, cls):
         raise InvalidArgumentError(
             f"{what}(options={base!r}) is invalid: expected None or a {cls.__name__}, got "
@@ -241,6 +244,6 @@ def _apply(base: Any, cls: type, kwargs: dict[str, Any], what: str) -> Any:
             f"{what}() got unknown option(s) {unknown}; known options: {sorted(known)}. Check "
             "the spelling"
         )
-    if base is None:
+    if not isinstance(base, cls):  # None
         return cls(**kwargs)
     return replace(base, **kwargs) if kwargs else base

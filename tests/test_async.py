@@ -15,6 +15,8 @@ import torch
 import deltackpt
 from deltackpt.errors import SaveFailedError
 from deltackpt.format.codecs import RAW, XOR, ZSTD, EncodePolicy
+from deltackpt.saving.engine import saver_for
+from deltackpt.saving.hooks import hooks
 from deltackpt.store import packs as pack
 
 
@@ -55,40 +57,38 @@ def test_staging_buffers_are_reused_across_saves(store_dir):
     state = _model_state()
     deltackpt.async_save(state, store_dir, "a", encoding=EncodePolicy(codecs=(RAW, ZSTD))).result()
     st = deltackpt.open_store(store_dir)
-    arena = st._saver._arenas[0]
+    arena = saver_for(st).arenas[0]
     ptrs = {k: b.data_ptr() for k, b in arena.buffers.items()}
     state["w0"].add_(1)
     deltackpt.async_save(state, store_dir, "b", encoding=EncodePolicy(codecs=(RAW, ZSTD))).result()
     assert {k: b.data_ptr() for k, b in arena.buffers.items()} == ptrs
 
 
-def test_background_failure_is_raised_once_from_result(store_dir, monkeypatch):
+def test_background_failure_is_raised_once_from_result(store_dir):
     state = _model_state(n=2)
     deltackpt.save(state, store_dir, "ok")
 
-    def boom(*a, **k):
+    def boom(name: str) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("deltackpt.saving.engine.commit", boom)
-    h = deltackpt.async_save(state, store_dir, "bad")
-    with pytest.raises(OSError, match="No space left"):
-        h.result(timeout=60)
-    monkeypatch.undo()
+    with hooks.override(before_commit=boom):
+        h = deltackpt.async_save(state, store_dir, "bad")
+        with pytest.raises(OSError, match="No space left"):
+            h.result(timeout=60)
     deltackpt.async_save(state, store_dir, "next").result(timeout=60)  # not raised again
     assert [s.name for s in deltackpt.snapshots(store_dir)] == ["ok", "next"]
 
 
-def test_unobserved_background_failure_is_raised_by_the_next_save(store_dir, monkeypatch):
+def test_unobserved_background_failure_is_raised_by_the_next_save(store_dir):
     state = _model_state(n=2)
 
-    def boom(*a, **k):
+    def boom(name: str) -> None:
         raise OSError(5, "I/O error")
 
-    monkeypatch.setattr("deltackpt.saving.engine.commit", boom)
-    h = deltackpt.async_save(state, store_dir, "bad")
-    while not h.done():
-        time.sleep(0.01)
-    monkeypatch.undo()
+    with hooks.override(before_commit=boom):
+        h = deltackpt.async_save(state, store_dir, "bad")
+        while not h.done():
+            time.sleep(0.01)
     with pytest.raises(SaveFailedError, match="I/O error"):
         deltackpt.async_save(state, store_dir, "next")
     deltackpt.save(state, store_dir, "next")  # raised once only
@@ -116,15 +116,29 @@ def test_dropped_unfinished_handle_warns(store_dir, monkeypatch):
         del h
         pygc.collect()
     gate.set()
-    deltackpt.open_store(store_dir)._saver.flush()
+    saver_for(deltackpt.open_store(store_dir)).flush()
     assert [s.name for s in deltackpt.snapshots(store_dir)] == ["a"]
+
+
+def test_closing_the_store_saver_frees_its_state_and_the_next_save_starts_afresh(store_dir):
+    state = _model_state(n=2)
+    st = deltackpt.open_store(store_dir)
+    h = deltackpt.async_save(state, st, "a", encoding="smallest")
+    saver = saver_for(st)
+    saver.close()  # waits for "a" first
+    assert h.done() and h.result().name == "a"
+    assert saver.arenas[0].nbytes() == saver.arenas[1].nbytes() == 0
+    assert not saver.delta_bases
+    assert saver_for(st) is not saver
+    deltackpt.save(state, st, "b")
+    assert [s.name for s in deltackpt.snapshots(st)] == ["a", "b"]
 
 
 def test_over_budget_state_is_saved_inline_without_staging(store_dir):
     state = _model_state(n=2)
     h = deltackpt.async_save(state, store_dir, "a", memory_budget=1 << 20)
     assert h.done()  # blocked until committed: no copy was allowed
-    assert deltackpt.open_store(store_dir)._saver._arenas[0].nbytes() == 0
+    assert saver_for(deltackpt.open_store(store_dir)).arenas[0].nbytes() == 0
     out = deltackpt.load(store_dir, "a")
     assert torch.equal(out["w1"], state["w1"])
 
@@ -134,7 +148,7 @@ def test_interpreter_exit_flushes_pending_saves(tmp_path):
     code = textwrap.dedent(f"""
         import torch, deltackpt
         h = deltackpt.async_save({{"w": torch.arange(2_000_000, dtype=torch.float32)}}, {str(store)!r}, "last")
-        h._observed = True
+        h.detach()
     """)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     out = deltackpt.load(store, "last")
@@ -293,28 +307,19 @@ def test_cuda_state_is_staged_into_pinned_buffers(store_dir):
     state["w"].zero_()
     h.result(timeout=60)
     assert torch.equal(deltackpt.load(store_dir, "g")["w"], expected)
-    buf = next(
-        iter(deltackpt.open_store(store_dir)._saver._arenas[1].buffers.values()), None
-    ) or next(iter(deltackpt.open_store(store_dir)._saver._arenas[0].buffers.values()))
+    arenas = saver_for(deltackpt.open_store(store_dir)).arenas
+    buf = next(iter(arenas[1].buffers.values()), None) or next(iter(arenas[0].buffers.values()))
     assert buf.is_pinned()
 
 
-def test_unchanged_chunks_are_hashed_in_place_not_copied(store_dir, monkeypatch):
-    import deltackpt.saving.engine as dasync
-
+def test_unchanged_chunks_are_hashed_in_place_not_copied(store_dir):
     calls: list[int] = []
-    real = dasync.Saver._copy_chunk
-
-    def counting(self, p, ci, view, arena, new):
-        calls.append(ci)
-        return real(self, p, ci, view, arena, new)
-
-    monkeypatch.setattr(dasync.Saver, "_copy_chunk", counting)
     copied: list[int] = []
 
     def save(name: str) -> None:
         before = len(calls)
-        deltackpt.async_save(state, store, name).result()
+        with hooks.override(on_stage_copy=calls.append):
+            deltackpt.async_save(state, store, name).result()
         copied.append(len(calls) - before)
 
     store = deltackpt.open_store(store_dir, chunk_bytes=256 << 10)

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
-from rich.console import Console
 
 import deltackpt
 import deltackpt.cli.demo
-from deltackpt.cli.main import human_bytes, main
+from deltackpt.cli.format import human_bytes, make_console
+from deltackpt.cli.main import main
 
 
 def _state(step: int, bias_shift: float = 0.0, extra: bool = False) -> dict:
@@ -184,9 +186,7 @@ def test_python_dash_m(store):
 
 def test_demo_is_bit_exact(tmp_path):
     buf = io.StringIO()
-    result = deltackpt.cli.demo.run(
-        directory=tmp_path, steps=6, console=Console(file=buf, width=120)
-    )
+    result = deltackpt.cli.demo.run(directory=tmp_path, steps=6, console=make_console(file=buf))
     out = buf.getvalue()
     assert result["bit_exact"], result["mismatches"]
     assert result["next_step_identical"]
@@ -213,3 +213,71 @@ def test_show_and_diff_name_generator_states_not_addresses(capsys, tmp_path):
     assert code == 0 and "g=<torch.Generator state>" in out and "0x" not in out
     code, out, _ = run(capsys, "diff", path, "a", "b")
     assert code == 0 and "1 non-tensor value(s) differ" in out
+
+
+# rich is optional (the "cli" extra): the library never imports it, and the CLI prints the same
+# information as plain text without it.
+_WITHOUT_RICH = textwrap.dedent(
+    """
+    import io, json, sys
+    from contextlib import redirect_stderr, redirect_stdout
+    sys.modules["rich"] = None  # any import of rich now fails
+    import deltackpt
+    assert "rich" not in sys.modules or sys.modules["rich"] is None
+    from deltackpt.cli.main import main
+    runs = []
+    for argv in json.loads(sys.argv[1]):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            code = main(argv)
+        runs.append([code, out.getvalue(), err.getvalue()])
+    print(json.dumps(runs))
+    """
+)
+
+
+def _run_without_rich(*argvs: list) -> list:
+    argv = json.dumps([[str(a) for a in args] for args in argvs])
+    r = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_RICH, argv], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_import_deltackpt_does_not_import_rich_or_safetensors():
+    code = "import sys, deltackpt, deltackpt.dcp; print(sorted({'rich', 'safetensors'} & set(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_cli_without_rich_prints_plain_tables(store, tmp_path):
+    _flip_byte_of(store, "b", "model/extra")
+    ls, show, diff, du, verify, gc, err = _run_without_rich(
+        ["ls", store],
+        ["show", store, "a"],
+        ["diff", store, "a", "a"],
+        ["du", store],
+        ["verify", store, "b"],
+        ["gc", store, "--keep-last", "1", "--dry-run"],
+        ["show", store, "no-such-snapshot"],
+    )
+    assert ls[0] == 0 and "2 snapshots" in ls[1] and re.search(r"^a\s+│", ls[1], re.M)
+    assert show[0] == 0 and re.search(r"model/w\s+│ float32 │ \[256, 256\]", show[1])
+    assert '"note": "first"' in show[1] and "step=1" in show[1] and "[bold]" not in show[1]
+    assert diff[0] == 0 and "0 changed (0 B), 0 added, 0 removed, 2 unchanged" in diff[1]
+    assert du[0] == 0 and re.search(r"dedupe ratio [0-9.]+x", du[1])
+    assert verify[0] == 1 and "model/extra" in verify[1] and "FAILED" in verify[1]
+    assert gc[0] == 0 and re.search(r"snapshots to delete\s*│ 1: a$", gc[1], re.M)
+    assert err[0] == 2 and err[2].startswith("error: ") and "no-such-snapshot" in err[2]
+    assert "[/]" not in "".join(x[1] + x[2] for x in (ls, show, diff, du, verify, gc, err))
+
+
+def test_gc_dry_run_notes_a_save_in_flight(capsys, store):
+    code, out, _ = run(capsys, "gc", store, "--dry-run")
+    assert code == 0 and "a save is in flight" not in out
+    st = deltackpt.open_store(store, create=False)
+    with st.lock(exclusive=False, timeout=5, what="a test save"):  # what a save holds
+        code, out, _ = run(capsys, "gc", store, "--dry-run")
+    assert code == 0 and "a save is in flight" in out

@@ -279,7 +279,7 @@ def test_lock_name_checks_pickling_and_corruption(tmp_path):
 
     dcp.save(state, storage_writer=StoreWriter(store, "x"))
     with pytest.raises(CheckpointException, match="already has a committed snapshot"):
-        dcp.save(state, storage_writer=StoreWriter(store, "x"))
+        dcp.save(state, storage_writer=StoreWriter(store, "x", overwrite=False))
     state2 = {"w": state["w"] * 2}
     dcp.save(state2, storage_writer=StoreWriter(store, "x", overwrite=True))
     # the name may come from checkpoint_id; the writer survives pickling (process-based async)

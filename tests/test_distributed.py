@@ -208,6 +208,92 @@ def test_a_rank_dying_mid_save_fails_the_others_in_bounded_time(tmp_path):
     assert torch.equal(got["a"], full_state(0)["a"])
 
 
+def test_a_world_of_one_runs_the_same_collectives_without_a_process_group():
+    from deltackpt.dist.collectives import Failed, Group
+    from deltackpt.errors import RankFailure
+
+    g = Group()
+    assert (g.rank, g.world, g.coordinator, g.distributed) == (0, 1, True, False)
+    assert g.gather("plan") == ["plan"]
+    assert g.scatter([{1, 2}]) == {1, 2}
+    assert g.broadcast("outcome") == "outcome"
+    cause = OSError(28, "No space left on device")
+    failure = Failed((RankFailure.of(0, "write", cause),))
+    with pytest.raises(OSError) as raised:  # the original exception, not a DistributedError
+        g.raise_failed("distributed save of 'x'", failure, cause, "")
+    assert raised.value is cause
+
+
+def _failing_saves(rank: int, world: int, port: int, store: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    from deltackpt.errors import DistributedError
+    from deltackpt.saving.hooks import hooks
+
+    def seen(e: DistributedError) -> tuple:
+        cause = type(e.__cause__).__name__ if e.__cause__ is not None else None
+        return str(e), [(f.rank, f.step, f.error) for f in e.failures], cause
+
+    _init(rank, world, port)
+    pg = dist.group.WORLD
+    placements = {"a": Shard(0), "b": Shard(0), "r": Replicate()}
+    out: dict = {}
+    # step 1 fails on rank 1 only: its state holds a value deltackpt refuses without pickle
+    state = _dstate(world, 0, placements)
+    if rank == 1:
+        state["meta"] = {"bad": object()}
+    try:
+        deltackpt.save(state, store, "bad-plan", process_group=pg)
+    except DistributedError as e:
+        out["plan"] = seen(e)
+
+    # step 6 fails on rank 0 (the only rank that publishes): no space for the manifest
+    def no_space(name: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    with hooks.override(before_commit=no_space):
+        try:
+            deltackpt.save(_dstate(world, 0, placements), store, "bad-commit", process_group=pg)
+        except DistributedError as e:
+            out["commit"] = seen(e)
+    # an async save that may not stage (memory budget) runs steps 4-6 before it returns, so
+    # mutating the state afterwards cannot reach the snapshot; after_commit runs on every rank
+    calls: list[int] = []
+    live = _dstate(world, 1, placements)
+    h = deltackpt.async_save(
+        live, store, "inline", process_group=pg, memory_budget=1,
+        after_commit=lambda: calls.append(rank),
+    )  # fmt: skip
+    out["inline_done"] = h.done()
+    for k in ("a", "b", "r"):
+        live[k].to_local().fill_(-1)
+    out["inline"] = h.result(timeout=60).name
+    out["after_commit"] = calls
+    deltackpt.save(_dstate(world, 2, placements), store, "good", process_group=pg)
+    dist.destroy_process_group()
+    return out
+
+
+def test_every_rank_raises_the_same_typed_failures(tmp_path):
+    store = str(tmp_path / "s")
+    r0, r1 = run_ranks(_failing_saves, 2, free_port(), store, timeout=120)
+    assert r0["plan"][0] == r1["plan"][0]  # the same message on every rank
+    assert r0["plan"][1] == r1["plan"][1] == [(1, "plan", "UnsupportedValueError")]
+    assert (r0["plan"][2], r1["plan"][2]) == (None, "UnsupportedValueError")  # chained locally
+    assert "Nothing was committed" in r0["plan"][0]
+    assert r0["commit"][0] == r1["commit"][0]
+    assert r0["commit"][1] == r1["commit"][1] == [(0, "commit", "StoreIOError")]
+    assert "No space left" in r0["commit"][0]
+    assert r0["inline_done"] and r1["inline_done"]
+    assert (r0["after_commit"], r1["after_commit"]) == ([0], [1])
+    assert [s.name for s in deltackpt.snapshots(store)] == ["inline", "good"]
+    got = deltackpt.load(store, "inline")
+    for k, v in full_state(1).items():
+        assert torch.equal(got[k], v), k
+    assert deltackpt.verify(store).ok
+
+
 class MLP(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

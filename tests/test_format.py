@@ -13,10 +13,13 @@ import torch
 
 import deltackpt
 from deltackpt.format.codecs import RAW, EncodePolicy
+from deltackpt.saving.hooks import hooks
 from deltackpt.store import packs as pack
 
 GOLDEN_V1 = Path(__file__).parent / "golden" / "v1"  # written before manifests had a digest
 GOLDEN = Path(__file__).parent / "golden" / "v2"
+GOLDEN_DIST = Path(__file__).parent / "golden" / "v2-dist"  # 2 gloo ranks, snapshots d0 and d1
+GOLDEN_NS = 1_700_000_000_000_000_000
 SCHEMA = json.loads(
     (Path(deltackpt.__file__).parent / "format" / "schema" / "manifest.schema.json").read_text()
 )
@@ -39,7 +42,7 @@ def golden_state() -> dict:
 def save_golden(store_dir: Path, monkeypatch) -> deltackpt.SnapshotInfo:
     ids = iter(f"pack{i:016d}" for i in range(100))
     monkeypatch.setattr(pack, "new_pack_id", lambda: next(ids))
-    monkeypatch.setattr("deltackpt.saving.write.time.time_ns", lambda: 1_700_000_000_000_000_000)
+    monkeypatch.setattr(hooks, "clock", lambda: GOLDEN_NS)
     store = deltackpt.open_store(store_dir, chunk_bytes=8192, small_bytes=4096)
     return deltackpt.save(
         golden_state(), store, "golden", threads=1, encoding=EncodePolicy(codecs=(RAW,))
@@ -101,6 +104,76 @@ def test_save_reproduces_golden_bytes(tmp_path, monkeypatch):
     for p in sorted((GOLDEN / "packs").iterdir()):
         assert (tmp_path / "s/packs" / p.name).read_bytes() == p.read_bytes(), p.name
     assert (tmp_path / "s/STORE.json").read_bytes() == (GOLDEN / "STORE.json").read_bytes()
+
+
+def dist_golden_state(world: int, step: int) -> dict:
+    """Per rank: row- and column-sharded DTensors, a replicated tensor of several chunks, tied
+    views and plain values; ``step`` 1 changes some of the chunks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    rows = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 8
+    cols = (torch.arange(30, dtype=torch.float32).reshape(3, 10) / 4).to(torch.bfloat16)
+    rep = torch.arange(5000, dtype=torch.int32)
+    if step:
+        rows = rows + 1
+        rep = rep.clone()
+        rep[:10] = -1
+    emb = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    return {
+        "rows": distribute_tensor(rows, mesh, [Shard(0)]),
+        "cols": distribute_tensor(cols, mesh, [Shard(1)]),
+        "replicated": rep,
+        "tied": [emb, emb],
+        "values": {"step": step, "s": "x"},
+    }
+
+
+def _save_dist_golden(rank: int, world: int, port: int, store: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    ids = iter(f"rank{rank}pack{i:011d}" for i in range(100))
+    pack.new_pack_id = lambda: next(ids)  # this child process only
+    hooks.clock = lambda: GOLDEN_NS
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )  # fmt: skip
+    if rank == 0:
+        deltackpt.open_store(store, chunk_bytes=8192, small_bytes=4096)
+    dist.barrier()
+    for step in (0, 1):
+        deltackpt.save(
+            dist_golden_state(world, step), store, f"d{step}", process_group=dist.group.WORLD,
+            threads=1, encoding=EncodePolicy(codecs=(RAW,)), metadata={"step": step},
+        )  # fmt: skip
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_distributed_save_reproduces_golden_bytes(tmp_path):
+    """The distributed path: every rank's packs and rank 0's manifests, byte for byte (the
+    manifests but for their timings), including ``dist.plan_bytes`` (the second save sends only
+    changed digests)."""
+    from tests._dist import free_port, run_ranks
+
+    store = tmp_path / "s"
+    run_ranks(_save_dist_golden, 2, free_port(), str(store), timeout=120)
+    for name in ("d0", "d1"):
+        new = json.loads((store / f"snapshots/{name}/MANIFEST.json").read_bytes())
+        old = json.loads((GOLDEN_DIST / f"snapshots/{name}/MANIFEST.json").read_bytes())
+        assert _stable(new) == _stable(old), name
+    assert sorted(p.name for p in (store / "packs").iterdir()) == sorted(
+        p.name for p in (GOLDEN_DIST / "packs").iterdir()
+    )
+    for p in sorted((GOLDEN_DIST / "packs").iterdir()):
+        assert (store / "packs" / p.name).read_bytes() == p.read_bytes(), p.name
+    out = deltackpt.load(store, "d1")
+    assert torch.equal(out["rows"], torch.arange(24, dtype=torch.float32).reshape(6, 4) / 8 + 1)
+    assert out["tied"][0].data_ptr() == out["tied"][1].data_ptr()
 
 
 def test_manifest_is_deterministic_and_sorted(tmp_path, monkeypatch):

@@ -247,19 +247,19 @@ KILL_WORLD = 3  # sender rank 0, receivers 1 and 2
 
 def _die_mid_round(sender: Any) -> None:
     """Make the next round's eighth bucket kill the process, as a crash would."""
-    from deltackpt.sync import sender as sender_mod
+    from deltackpt.sync import packing
 
-    pack = sender_mod.WeightSender._pack
+    pack = packing.Packer.pack
     count = [0]
 
     def dying_pack(self: Any, *args: Any) -> Any:
         count[0] += 1
         if count[0] == 8:
-            self._channel.flush()  # buckets 0-6 are delivered: the crash is mid-round for sure
+            sender._channel.flush()  # buckets 0-6 are delivered: the crash is mid-round for sure
             os._exit(17)
         return pack(self, *args)
 
-    sender_mod.WeightSender._pack = dying_pack  # type: ignore[method-assign]
+    packing.Packer.pack = dying_pack  # type: ignore[method-assign]
 
 
 def _kill_sender(kind: str, port: int, name: str) -> None:

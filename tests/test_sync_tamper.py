@@ -27,7 +27,7 @@ import torch
 
 from deltackpt import sync
 from deltackpt.sync import _protocol as proto
-from deltackpt.sync import sender as sender_mod
+from deltackpt.sync import packing as packing_mod
 from deltackpt.sync.transport import Channel
 from tests._dist import spawn
 from tests.test_sync_local import Collect, assert_same, model, run_threads, transports
@@ -186,7 +186,7 @@ def test_bucket_changed_after_its_header_never_reaches_load_weights(
 
 
 class _FlipAfterCopy:
-    """Stands in for numpy in the sender module: every ``copyto`` into the shared window is
+    """Stands in for numpy in the sender's packing module: every ``copyto`` into the shared window is
     followed by a write of another process into the bytes just copied, before the sender hashes
     them."""
 
@@ -210,7 +210,7 @@ def test_window_changed_while_the_sender_packs_is_detected(
     holds after its copy: a write that lands between the copy and the hash is caught."""
     _, sender, receiver, sink, kept = synced_pair(shm_name)
     fake = _FlipAfterCopy()
-    monkeypatch.setattr(sender_mod, "np", fake)
+    monkeypatch.setattr(packing_mod, "np", fake)
     sink.want = v2 = model(1)
     s_res, res = run_threads(lambda: sender.push(v2, 2, full=True), lambda: receiver.pull(sink))
     assert fake.flips > 0

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 import deltackpt
+from deltackpt.cli.format import Console, default_console, new_table
+from deltackpt.cli.format import human_bytes as _human
+from deltackpt.cli.snapshots import pack_files
 from deltackpt.errors import StoreError
 
 VOCAB = 2048
@@ -44,6 +45,8 @@ SMALL_BYTES = 64 << 10
 
 class TinyGPT(nn.Module):
     """Token + position embedding, pre-norm transformer blocks with a causal mask, tied LM head."""
+
+    mask: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,12 +151,6 @@ def compare(
     return bad
 
 
-def _human(n: float) -> str:
-    from deltackpt.cli.main import human_bytes
-
-    return human_bytes(n)
-
-
 def run(
     directory: str | Path | None = None,
     steps: int = 30,
@@ -168,10 +165,10 @@ def run(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    console = console or Console()
+    console = console or default_console()
     t_start = time.perf_counter()
     temp = directory is None
-    root = Path(tempfile.mkdtemp(prefix="deltackpt-demo-")) if temp else Path(directory)
+    root = Path(tempfile.mkdtemp(prefix="deltackpt-demo-") if directory is None else directory)
     if not temp and root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise StoreError(
             f"demo needs a new or empty directory, and {str(root)!r} is not one; pass another "
@@ -212,7 +209,7 @@ def _run(root: Path, steps: int, console: Console) -> dict[str, Any]:
     )
     console.print(f"Store: {root} (chunk size {_human(CHUNK_BYTES)} for this small model)")
 
-    table = Table(title="one checkpoint per step", title_justify="left")
+    table = new_table("one checkpoint per step")
     for col in ("step", "loss", "save s", "written", "% of full", "chunks new/reused"):
         table.add_column(col, justify="right")
     saves: list[dict[str, Any]] = []
@@ -268,7 +265,7 @@ def _run(root: Path, steps: int, console: Console) -> dict[str, Any]:
     torch.manual_seed(SEED + 1)
     model2, opt2 = build()
     materialize_optimizer_state(opt2)
-    target = {
+    target: dict[str, Any] = {
         "model": model2.state_dict(),
         "optim": opt2.state_dict(),
         "step": 0,
@@ -312,7 +309,7 @@ def _run(root: Path, steps: int, console: Console) -> dict[str, Any]:
     )
     infos = deltackpt.snapshots(store)
     logical_total = sum(s.logical_bytes for s in infos)
-    physical = sum(p.stat().st_size for p in store.packs_dir.glob("*.pack"))
+    physical = sum(p.size for p in pack_files(store))
     ratio = logical_total / physical if physical else 0.0
     console.print(
         f"dedupe: {len(infos)} snapshots hold {_human(logical_total)} of tensors; packs on disk "

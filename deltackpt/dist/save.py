@@ -1,381 +1,361 @@
-"""Distributed save over torch.distributed: every rank writes its own packs, rank 0 commits.
+"""THE save sequence, for one process (a world of one) or every rank of a process group.
 
-Call order (every rank calls :func:`dist_save`; collectives on ``process_group``):
+``deltackpt.save`` and ``deltackpt.async_save`` run these steps, with or without
+``process_group`` (as DCP's ``_save_state_dict`` does through ``_DistWrapper``). Without one the
+process is rank 0 of a world of one: the collectives return at once (dist/collectives.py) and a
+failure raises the original exception. With one, every rank calls with its local state (DTensor
+shards, replicated values), and if any rank fails every rank raises the same
+:class:`~deltackpt.errors.DistributedError` naming the failing ranks.
 
-1. every rank: wait for its previous save, take the store lock (shared), plan and stage its local
-   state (DTensor shards and replicated values), hash its chunks;
-2. ``gather_object`` → rank 0: each rank's plan message (full, or only changed digests);
-3. rank 0 merges the plans, checks the store index and assigns every new chunk to one holder;
-   ``scatter_object_list`` → each rank its assignment (or an abort naming the failed rank);
-4. every rank writes and fsyncs its assigned chunks into its own pack files;
-5. ``gather_object`` → rank 0: the records of the written chunks (or the rank's error);
-6. rank 0 builds the manifest and commits it only if every rank succeeded;
-   ``broadcast_object_list``: the outcome, so every rank returns the same SnapshotInfo or raises.
+1. plan (every rank, caller's thread; saving/engine.py, saving/plan.py): wait for the store's
+   previous save, take the store lock (shared), check the name and the store
+   (saving/commit.py), plan the state into chunks;
+2. stage (every rank, caller's thread; saving/stage.py): hash every chunk in place, copying
+   what must outlive the call (delta bases; in a world of one, an async save's new chunks);
+3. agree (collective; dist/save_plan.py): ``gather`` -> rank 0 each rank's plan message (full,
+   or only the changed digests); rank 0 merges the plans, checks the store's index and assigns
+   every new chunk to one holder; ``scatter`` -> each rank its chunks, or every rank the
+   failures. An async save then copies its assigned chunks: the caller is unblocked here;
+4. write (every rank, any thread, no collectives; saving/write.py): encode, append and fsync
+   the assigned chunks into this rank's own pack files;
+5. gather (collective; for async saves over a group, files under the store's tmp/, since
+   background threads never run collectives) -> rank 0: each rank's written chunks, or its
+   failure;
+6. commit (rank 0; saving/commit.py): build the manifest and publish it only if every rank
+   succeeded; ``broadcast`` the outcome, so every rank returns the same SnapshotInfo or raises.
+   Each rank then keeps its next delta bases and plan cache (saving/engine.py).
 
-A rank that fails locally still takes part in the next collective with its error, so the others
-raise :class:`DistributedError` at once; a rank that dies makes the collectives fail after the
-process group's timeout. Either way nothing is committed and earlier snapshots are untouched.
+A rank that fails a step still takes part in the next collective with its failure, so the
+others raise at once; a rank that dies makes the collectives fail after the process group's
+timeout. Either way nothing is committed and earlier snapshots are untouched.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
 import time
-from dataclasses import dataclass
-from typing import Any
+import warnings
+from collections import ChainMap
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
-from deltackpt.saving.engine import SaveHandle, saver_for
+from deltackpt.dist.collectives import Failed, FileRendezvous, Group
 from deltackpt.dist.save_plan import (
+    GlobalPlan,
     Layout,
-    Merged,
     PlanCache,
     RankMsg,
-    assign,
     merge,
+    plan_globally,
     rank_message,
     remember,
     remember_all,
-    resolve,
+    snapshot_parts,
 )
-from deltackpt.store.durable import write_durable
-from deltackpt.saving.write import closure, hash_chunks, next_refs, write_chunks
-from deltackpt.errors import DistributedError
-from deltackpt.format.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, StorageView, TensorEntry
-from deltackpt.options import SaveOptions
-from deltackpt.store.store import SnapshotInfo, Store
-
-_CACHES: dict[tuple[str, int], PlanCache] = {}
+from deltackpt.errors import DeltackptError, DistributedError, RankFailure
+from deltackpt.format.manifest import ChunkRecord
+from deltackpt.saving.commit import Timing, commit
+from deltackpt.saving.engine import Prepared, SaveHandle, SaveRequest, StoreSaver
+from deltackpt.saving.stage import DeltaRef
+from deltackpt.saving.write import WriteResult, hash_chunks, write_chunks
+from deltackpt.store.store import SnapshotInfo, Store, store_io_error
 
 
 @dataclass
-class _Written:
-    records: dict[str, ChunkRecord]
-    pack_bytes: int
-    error: str | None = None
+class Written:
+    """Step 5's message: the chunks one rank wrote (step 4), or why it could not."""
+
+    records: dict[str, ChunkRecord] = field(default_factory=dict)
+    pack_bytes: int = 0
+    error: RankFailure | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "records": {k: r.to_json() for k, r in self.records.items()},
+            "pack_bytes": self.pack_bytes,
+            "error": None if self.error is None else self.error.to_json(),
+        }
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> Written:
+        err = doc.get("error")
+        return Written(
+            {k: ChunkRecord.from_json(v) for k, v in doc["records"].items()},
+            int(doc["pack_bytes"]),
+            None if err is None else RankFailure.from_json(err),
+        )
 
 
-def _cache(st: Store, pg: Any) -> PlanCache:
-    return _CACHES.setdefault((str(st.root), id(pg)), PlanCache())
+class SaveRun:
+    """One save on one rank: the steps of the module docstring, in order."""
 
-
-class _DistSave:
-    """One distributed save on one rank; phases in call order (see the module docstring)."""
-
-    def __init__(
-        self, st: Store, name: str, opts: SaveOptions, meta: dict[str, Any], pg: Any, t0: float
-    ) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.st, self.name, self.opts, self.meta, self.pg, self.t0 = st, name, opts, meta, pg, t0
-        self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
-        self.cache = _cache(st, pg)
-        self.saver = saver_for(st)
-        self.prepared: Any = None
+    def __init__(self, saver: StoreSaver, group: Group, req: SaveRequest) -> None:
+        self.saver, self.group, self.req, self.st = saver, group, req, req.store
+        self.cache = saver.group_cache(group.key, PlanCache) if group.distributed else None
+        self.p: Prepared | None = None
+        self.layout: Layout | None = None
+        self.mine: set[int] | None = None  # chunks this rank writes; None: all the store lacks
+        self.plan: GlobalPlan | None = None  # rank 0's decision
         self.plan_bytes = 0
-        self.decision: Any = None
-        self.wr: Any = None
-        self.blocked: float | None = None  # async: seconds the caller was blocked
-        self.epoch = 0
-        self.refs_before: dict[str, Any] = {}
+        self.wr: WriteResult | None = None
+        self.bases_before: Mapping[str, DeltaRef] = {}
+        self.cause: BaseException | None = None  # this rank's own failure, if any
 
-    def plan(self, state: Any, background: bool) -> None:
-        """Phases 1-3 (collectives, caller's thread): plan, stage, hash, exchange, assign."""
-        dist, rank, world = self.dist, self.rank, self.world
+    # ------------------------------------------------------------ steps 1-3 (caller's thread)
+
+    def prepare(self, state: Any, background: bool) -> None:
+        """Steps 1-3; when this returns the caller may mutate ``state`` (async saves)."""
+        g, req = self.group, self.req
+        msg: RankMsg | None = None
         try:
-            self.prepared = p = self.saver.prepare(
-                state, self.name, self.opts, self.t0, background=background
-            )
-            self.pool = self.saver.pool(self.opts.threads)
-            if p.digests is None:  # CUDA: the state was staged to host buffers; hash those
+            self.p = p = self.saver.prepare(state, req, background, stage_new=not g.distributed)
+            if p.digests is None and g.distributed:  # CUDA: the plans must carry digests
                 p.staged.wait()
-                p.digests = hash_chunks(
-                    p.plan, p.staged.arrays.__getitem__, self.pool, p.group_bufs
-                )
-            self.group_bufs = p.group_bufs
-            self.arrays = p.staged.arrays
-            self.digests = p.digests
-            self.layout = Layout.of(self.prepared.plan)
-            msg = rank_message(rank, self.layout, self.digests, self.cache)
-            local_error: Exception | None = None
+                pool = self.saver.pool(req.options.threads)
+                p.digests = hash_chunks(p.plan, p.staged.arrays.__getitem__, pool, p.group_bufs)
+            if p.digests is not None:
+                self.layout = Layout.of(p.plan)
+                msg = rank_message(g.rank, self.layout, p.digests, self.cache)
         except Exception as e:
-            msg = RankMsg(rank, "", error=f"{type(e).__name__}: {e}")
-            local_error = e
-        gathered: list[RankMsg] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
-        dist.gather_object(msg, gathered, dst=0, group=self.pg)
-        assignment: list[Any] = [None]
-        scatter_in = None
-        if rank == 0 and gathered is not None:
-            self.plan_bytes = sum(len(pickle.dumps(m)) for m in gathered)
-            self.decision = _decide(self.st, gathered, self.cache)
-            d0 = self.decision[0]
-            scatter_in = d0 if isinstance(d0, list) else [d0] * world
-        dist.scatter_object_list(assignment, scatter_in, src=0, group=self.pg)
-        self.mine = assignment[0]
-        if isinstance(self.mine, str):
-            self.cache.structure = None
-            raise DistributedError(self.mine) from local_error
-        # still blocking: copy what must outlive this call (assigned chunks, next delta bases)
-        self.saver.stage_needed(self.prepared, self.mine)
+            self.cause = e
+            msg = RankMsg(g.rank, "", error=RankFailure.of(g.rank, "plan", e))
+        # A world of one on CUDA has nothing to agree on: step 4 hashes the staged copies and
+        # writes every chunk the store lacks. Every other rank takes part, failed or not.
+        if g.distributed or self.p is None or self.p.digests is not None:
+            gathered = g.gather(msg)
+            mine = g.scatter(self._decide(gathered) if gathered is not None else None)
+            if isinstance(mine, Failed):
+                self._fail(mine)
+            assert self.p is not None
+            self.mine = mine
+            self.saver.stage_owned(self.p, mine)
+        assert self.p is not None
+        self.p.blocked = time.perf_counter() - req.start
 
-    def write(self) -> _Written:
-        """Phase 4 (any thread, no collectives): write and fsync the assigned chunks."""
-        p = self.prepared
+    def _decide(self, msgs: list[RankMsg]) -> list[set[int] | Failed]:
+        """Rank 0, step 3: every rank's chunks to write, or the failures for every rank."""
+        g, p = self.group, self.p
+        errors = tuple(m.error for m in msgs if m.error is not None)
+        if errors or p is None:
+            return [Failed(errors)] * g.world
+        try:
+            index = p.index if p.index is not None else self.st.chunk_index()
+            self.plan = plan_globally(msgs, self.cache, index, {g.rank: p.copies.new})
+            if g.distributed:
+                self.plan_bytes = sum(len(pickle.dumps(m)) for m in msgs)
+        except Exception as e:
+            self.cause = e
+            return [Failed((RankFailure.of(g.rank, "plan", e),))] * g.world
+        return list(self.plan.owned)
+
+    # ------------------------------------------------------------ step 4 (any thread)
+
+    def write(self) -> Written:
+        p, req, opts = self.p, self.req, self.req.options
+        assert p is not None
         try:
             p.staged.wait()
-            refs = self.st.delta_refs if p.use_refs else None
-            self.refs_before = refs or {}
-            self.wr = write_chunks(
-                # the index only vouches for xor bases here; ``owned`` decides what to write
-                self.st, p.plan, self.arrays.__getitem__, self.opts, self.pool, p.index, refs,
-                digests=self.digests, owned=self.mine, group_bufs=self.group_bufs,
-                chunk_data=p.chunk_data,
-            )  # fmt: skip
-            return _Written(self.wr.records, self.wr.pack_bytes)
-        except Exception as e:
-            return _Written({}, 0, f"rank {self.rank}: {type(e).__name__}: {e}")
-
-    def commit(self, results: list[_Written]) -> SnapshotInfo | str:
-        """Rank 0: build and commit the manifest, or say why not."""
-        return _commit(
-            self.st, self.name, self.prepared, self.decision, results, self.opts, self.meta,
-            self.t0, self.plan_bytes, self.world, self.blocked,
-        )  # fmt: skip
-
-    def settle(self, result: SnapshotInfo | str) -> SnapshotInfo:
-        """Every rank: adopt the outcome (remember the plan, keep delta bases) or raise."""
-        if isinstance(result, str):
-            self.cache.structure = None
-            raise DistributedError(result)
-        remember(self.cache, self.rank, self.layout, self.digests)
-        if self.rank == 0:
-            remember_all(self.cache, self.decision[1], self.decision[2])
-        p = self.prepared
-        if p.use_refs and self.wr is not None:
-            known = {**p.index, **self.wr.records}  # chunks other ranks wrote: depth unknown
-            self.st.delta_refs = next_refs(
-                p.plan,
-                self.digests,
-                self.refs_before,
-                p.staged_refs,
-                known,
-                self.opts.keyframe_every,
-            )
-        return result
-
-    def finish_collective(self, written: _Written) -> SnapshotInfo:
-        """Phases 5-6 with collectives (synchronous saves)."""
-        dist = self.dist
-        results: list[_Written] | None = [None] * self.world if self.rank == 0 else None  # type: ignore[list-item]
-        dist.gather_object(written, results, dst=0, group=self.pg)
-        outcome: list[Any] = [None]
-        if self.rank == 0 and results is not None:
-            outcome[0] = self.commit(results)
-        dist.broadcast_object_list(outcome, src=0, group=self.pg)
-        return self.settle(outcome[0])
-
-    def finish_files(self, written: _Written, timeout: float) -> SnapshotInfo:
-        """Phases 5-6 through files (background threads never run collectives): each rank
-        writes its records to tmp/, rank 0 waits for all of them, commits, writes the outcome."""
-        d = self.st.tmp_dir / f"{self.name}.{self.epoch}.dist"
-        d.mkdir(parents=True, exist_ok=True)
-        _put(
-            d / f"rank-{self.rank}.json",
-            {
-                "records": {k: r.to_json() for k, r in written.records.items()},
-                "pack_bytes": written.pack_bytes,
-                "error": written.error,
-            },
-        )
-        deadline = time.monotonic() + timeout
-        if self.rank == 0:
-            results = []
-            for r in range(self.world):
-                doc = _wait(
-                    d / f"rank-{r}.json", deadline, f"rank {r} to finish writing {self.name!r}"
+            pool = self.saver.pool(opts.threads)
+            arrays = p.staged.arrays.__getitem__
+            if self.mine is None:  # a world of one on CUDA: hash and dedupe here, in one pass
+                index = self.st.chunk_index()
+                self.wr = write_chunks(
+                    self.st, p.plan, arrays, opts, pool, index, None, name=req.name
                 )
-                if doc is None:
-                    results.append(
-                        _Written({}, 0, f"rank {r} did not report within {timeout:.0f}s (dead?)")
-                    )
-                else:
-                    recs = {k: ChunkRecord.from_json(v) for k, v in doc["records"].items()}
-                    results.append(_Written(recs, doc["pack_bytes"], doc["error"]))
-            outcome = self.commit(results)
-            _put(
-                d / "outcome.json",
-                {"error": outcome} if isinstance(outcome, str) else {"name": outcome.name},
-            )
-            return self.settle(outcome)
-        doc = _wait(d / "outcome.json", deadline, f"rank 0 to commit {self.name!r}")
+                p.digests, p.index = self.wr.digests, index
+            else:
+                bases = self.saver.delta_bases if p.use_refs else None
+                self.bases_before = bases or {}
+                self.wr = write_chunks(
+                    # the index only vouches for xor bases here; ``owned`` decides what to write
+                    self.st, p.plan, arrays, opts, pool, p.index or {}, bases, digests=p.digests,
+                    owned=self.mine, group_bufs=p.group_bufs, chunk_data=p.copies.data,
+                    name=req.name,
+                )  # fmt: skip
+            return Written(dict(self.wr.written), self.wr.pack_bytes)
+        except Exception as e:
+            self.cause = _typed_io_error(e, self.st, req.name)
+            return Written(error=RankFailure.of(self.group.rank, "write", self.cause))
+
+    # ------------------------------------------------------------ steps 5-6
+
+    def finish(self, written: Written, files: FileRendezvous | None = None) -> SnapshotInfo:
+        """Steps 5-6 through collectives (caller's thread) or ``files`` (background threads)."""
+        g = self.group
+        if files is None:
+            results = g.gather(written)
+            outcome = self._commit(results) if results is not None else None
+            return self._settle(g.broadcast(outcome))
+        timeout = f"within {files.timeout:.0f}s (dead?)"
+        docs = files.gather(written.to_json())
+        if docs is not None:  # rank 0
+            results = [
+                Written.from_json(d)
+                if d is not None
+                else Written(error=RankFailure(r, "write", "TimeoutError", f"no report {timeout}"))
+                for r, d in enumerate(docs)
+            ]
+            outcome = self._commit(results)
+            files.broadcast(
+                {"name": outcome.name} if isinstance(outcome, SnapshotInfo) else
+                {"failures": outcome.to_json()}
+            )  # fmt: skip
+            return self._settle(outcome)
+        doc = files.broadcast(None)
         if doc is None:
-            return self.settle(f"rank 0 did not commit {self.name!r} within {timeout:.0f}s (dead?)")
-        if doc.get("error"):
-            return self.settle(doc["error"])
-        return self.settle(self.st.info(doc["name"]))
+            lost = RankFailure(0, "commit", "TimeoutError", f"no commit of the snapshot {timeout}")
+            return self._settle(Failed((lost,)))
+        if "failures" in doc:
+            return self._settle(Failed.from_json(doc["failures"]))
+        return self._settle(self.st.info(doc["name"]))
+
+    def _commit(self, results: list[Written]) -> SnapshotInfo | Failed:
+        """Rank 0, step 6: publish the manifest if every rank wrote its chunks."""
+        errors = tuple(w.error for w in results if w.error is not None)
+        if errors:
+            return Failed(errors)
+        p, req, g = self.p, self.req, self.group
+        assert p is not None and p.digests is not None
+        try:
+            gp = self.plan
+            if gp is None:  # a world of one on CUDA: merged only now that its chunks are hashed
+                resolved = [(Layout.of(p.plan), p.digests)]
+                gp = GlobalPlan([], resolved, merge(resolved), [], p.index or {})
+            written: dict[str, ChunkRecord] = {}
+            for w in results:
+                written.update(w.records)
+            parts = snapshot_parts(
+                req.name, p.plan, gp.resolved, gp.merged, written,
+                sum(w.pack_bytes for w in results), req.metadata,
+                {"world_size": g.world, "plan_bytes": self.plan_bytes} if g.distributed else None,
+            )  # fmt: skip
+            timing = Timing(req.start, p.blocked, p.waited)
+            packs = self.wr.packs if self.wr is not None else ()
+            return commit(
+                self.st, parts, gp.index, timing, overwrite=req.options.overwrite, packs=packs
+            )
+        except Exception as e:
+            self.cause = e
+            return Failed((RankFailure.of(g.rank, "commit", e),))
+
+    def _settle(self, outcome: SnapshotInfo | Failed) -> SnapshotInfo:
+        """Every rank, after step 6: raise the failure, or keep what the next save builds on."""
+        if isinstance(outcome, Failed):
+            self._fail(outcome)
+        p = self.p
+        assert p is not None and p.digests is not None
+        if self.cache is not None and self.layout is not None:
+            remember(self.cache, self.layout, p.digests)
+            if self.plan is not None:
+                remember_all(self.cache, self.plan.msgs, self.plan.resolved)
+        if self.wr is not None:  # chunks other ranks wrote are unknown here: depth unknown
+            known = ChainMap(self.wr.written, p.index or {})
+            self.saver.keep_delta_bases(
+                p, self.bases_before, known, self.req.options.keyframe_every
+            )
+        if not self.group.distributed:  # a rank of N copies only its assigned chunks
+            self.saver.prefault(p)
+        return outcome
+
+    # ------------------------------------------------------------ failures, cleanup
+
+    def _fail(self, failure: Failed) -> NoReturn:
+        if self.cache is not None:
+            self.cache.structure = None  # the next save sends full plans
+        committing = any(f.step == "commit" for f in failure.failures)
+        after = "" if committing else "Nothing was committed; earlier snapshots are intact"
+        self.group.raise_failed(
+            f"distributed save of {self.req.name!r}", failure, self.cause, after
+        )
+
+    def lost(self, e: Exception) -> DistributedError:
+        """The error for a collective that failed (a peer died or timed out)."""
+        if self.cache is not None:
+            self.cache.structure = None
+        g = self.group
+        return DistributedError(
+            f"distributed save of {self.req.name!r} failed on rank {g.rank} of {g.world}: "
+            f"{type(e).__name__}: {e}. No snapshot was committed; earlier snapshots are intact"
+        )
 
     def close(self) -> None:
-        if self.prepared is not None:
-            self.prepared.locks.close()
+        if self.p is not None:
+            self.p.locks.close()
 
 
-def _put(path: Any, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".part")
-    write_durable(tmp, json.dumps(doc).encode())
-    os.replace(tmp, path)
-
-
-def _wait(path: Any, deadline: float, what: str) -> dict[str, Any] | None:
-    delay = 0.005
-    while True:
-        try:
-            return json.loads(path.read_bytes())
-        except FileNotFoundError:
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
-
-def _wrap(ds: _DistSave, e: Exception) -> DistributedError:
-    ds.cache.structure = None
-    return DistributedError(
-        f"distributed save of {ds.name!r} failed on rank {ds.rank} of {ds.world}: {type(e).__name__}: {e}. "
-        "No snapshot was committed; earlier snapshots are intact"
-    )
-
-
-def dist_save(
-    state: Any, st: Store, name: str, opts: SaveOptions, meta: dict[str, Any], pg: Any, t0: float
-) -> SnapshotInfo:
-    ds = _DistSave(st, name, opts, meta, pg, t0)
+def run_save(state: Any, saver: StoreSaver, group: Group, req: SaveRequest) -> SnapshotInfo:
+    """Steps 1-6 in the caller's thread; returns once the snapshot is committed."""
+    run = SaveRun(saver, group, req)
     try:
-        ds.plan(state, background=False)
-        return ds.finish_collective(ds.write())
-    except DistributedError:
-        raise
-    except Exception as e:  # a collective failed: a peer died or timed out
-        raise _wrap(ds, e) from e
+        run.prepare(state, background=False)
+        return run.finish(run.write())
+    except Exception as e:
+        if isinstance(e, DistributedError) or not group.distributed:
+            raise
+        raise run.lost(e) from e
     finally:
-        ds.close()
+        run.close()
 
 
-def dist_async_save(
-    state: Any, st: Store, name: str, opts: SaveOptions, meta: dict[str, Any], pg: Any, t0: float
+def start_save(
+    state: Any,
+    saver: StoreSaver,
+    group: Group,
+    req: SaveRequest,
+    after_commit: Callable[[], None] | None = None,
 ) -> SaveHandle:
-    """Plan with collectives now; write and commit in the background (no collectives there)."""
-    ds = _DistSave(st, name, opts, meta, pg, t0)
+    """Steps 1-3 now; steps 4-6 on the store's background thread, or now if this rank could not
+    stage what it must write (memory budget). ``after_commit`` runs after a successful commit."""
+    run = SaveRun(saver, group, req)
     try:
-        epoch = [time.time_ns()]
-        ds.dist.broadcast_object_list(epoch, src=0, group=pg)  # one tmp dir name for all ranks
-        ds.epoch = epoch[0]
-        ds.plan(state, background=True)
-        ds.blocked = time.perf_counter() - t0
-    except DistributedError:
-        ds.close()
+        epoch = group.broadcast(time.time_ns())  # one tmp/ name for every rank's files
+        run.prepare(state, background=True)
+    except BaseException as e:
+        run.close()
+        if isinstance(e, Exception) and group.distributed and not isinstance(e, DistributedError):
+            raise run.lost(e) from e
         raise
-    except Exception as e:
-        ds.close()
-        raise _wrap(ds, e) from e
+    files = None
+    if group.distributed:
+        where = req.store.tmp_dir / f"{req.name}.{epoch}.dist"
+        files = FileRendezvous(where, group, req.options.lock_timeout)
 
-    def background() -> SnapshotInfo:
+    def rest() -> SnapshotInfo:
         try:
-            return ds.finish_files(ds.write(), timeout=opts.lock_timeout)
+            info = run.finish(run.write(), files)
         finally:
-            ds.close()
+            run.close()
+        _after(after_commit, req.name)
+        return info
 
-    return ds.saver.submit(name, background)
+    assert run.p is not None
+    if not run.p.background:  # nothing could be staged: write from the live tensors, now
+        return saver.completed(req.name, rest())
+    return saver.submit(req.name, rest, run.p.staged)
 
 
-def _decide(st: Store, msgs: list[RankMsg], cache: PlanCache) -> tuple[Any, Any, Any, Any]:
-    """Rank 0: per-rank assignments (or an abort message), plus what the commit needs."""
-    errors = [m.error for m in msgs if m.error]
-    if errors:
-        return (
-            f"distributed save aborted before writing: {'; '.join(f'rank {m.rank}: {m.error}' for m in msgs if m.error)}",
-            msgs,
-            None,
-            None,
-        )
+def _typed_io_error(e: Exception, st: Store, name: str) -> Exception:
+    """A bare OSError from the write step (pack writes wrap their own) as a StoreIOError that
+    keeps the errno and says what is intact (chained to ``e``); anything else unchanged."""
+    if not isinstance(e, OSError) or isinstance(e, DeltackptError):
+        return e
+    err = store_io_error(
+        e,
+        f"saving {name!r} to store {str(st.root)!r} failed: {e}. Committed snapshots are intact; "
+        f"{name!r} was not committed, and the next `deltackpt gc` deletes anything it left",
+    )
+    err.__cause__, err.__suppress_context__ = e, True  # as `raise err from e` would
+    return err
+
+
+def _after(hook: Callable[[], None] | None, name: str) -> None:
+    """Run a post-commit hook (retention); its failure must not turn a committed save into an error."""
+    if hook is None:
+        return
     try:
-        resolved = resolve(msgs, cache)
-        merged = merge(resolved)
-        index = st.chunk_index()
-        owned = assign(resolved, merged.needed, set(index))
-    except DistributedError as e:
-        return (f"distributed save aborted: {e}", msgs, None, None)
-    return (owned, msgs, resolved, (merged, index))
-
-
-def _commit(
-    st: Store,
-    name: str,
-    prepared: Any,
-    decision: tuple[Any, Any, Any, Any],
-    results: list[_Written],
-    opts: SaveOptions,
-    meta: dict[str, Any],
-    t0: float,
-    plan_bytes: int,
-    world: int,
-    blocked: float | None = None,
-) -> SnapshotInfo | str:
-    errors = [w.error for w in results if w.error]
-    if errors:
-        return "distributed save failed while writing, nothing committed: " + "; ".join(errors)
-    if isinstance(decision[0], str):
-        return decision[0]
-    try:
-        _, _, resolved, (merged, index) = decision
-        new: dict[str, ChunkRecord] = {}
-        for w in results:
-            new.update(w.records)
-        m = build_dist_manifest(
-            name, prepared.plan, resolved, merged, closure(merged.needed, new, index)
-        )
-        stats = Stats(
-            logical_bytes=sum(e.nbytes for e in m.tensors) + sum(n for n, _ in m.storages),
-            pack_bytes=sum(w.pack_bytes for w in results),
-            chunks_new=len(new),
-            chunks_reused=len(merged.needed) - len(new),
-            seconds=time.perf_counter() - t0,
-            blocked_seconds=time.perf_counter() - t0 if blocked is None else blocked,
-            waited_seconds=prepared.waited,
-        )
-        m = Manifest(m.name, time.time_ns(), m.tree, m.tensors, m.storages, m.chunks, stats, meta,
-                     dist={"world_size": world, "plan_bytes": plan_bytes})  # fmt: skip
-        size = st.write_manifest(m, overwrite=opts.overwrite)
-        return SnapshotInfo.from_manifest(m, size)
+        hook()
     except Exception as e:
-        return f"rank 0 could not commit {name!r}: {type(e).__name__}: {e}"
-
-
-def build_dist_manifest(
-    name: str,
-    plan0: Any,
-    resolved: list[tuple[Layout, list[str]]],
-    merged: Merged,
-    records: dict[str, ChunkRecord],
-) -> Manifest:
-    def slices(rank: int, source: int) -> tuple[Slice, ...]:
-        layout, digests = resolved[rank]
-        return tuple((digests[ci], s, n) for ci, s, n in layout.source_slices[source])
-
-    tensors = []
-    for e, piece in zip(plan0.entries, merged.pieces, strict=True):
-        kw: dict[str, Any] = {}
-        if piece[0] == "shards":
-            kw["shards"] = tuple(Shard(o, sh, slices(r, si)) for o, sh, r, si in piece[1])
-        elif piece[0] == "storage":
-            kw["storage"] = StorageView(*e.storage)
-        else:
-            kw["data"] = slices(0, e.source) if e.source is not None else ()
-        tensors.append(
-            TensorEntry(
-                e.path, e.dtype, e.shape, parameter=e.parameter, requires_grad=e.requires_grad, **kw
-            )
+        warnings.warn(
+            f"post-commit hook after saving {name!r} failed: {e!r}", RuntimeWarning, stacklevel=1
         )
-    storages = tuple((resolved[0][0].nbytes[si], slices(0, si)) for si in plan0.storage_sources)
-    return Manifest(name, 0, plan0.tree, tuple(tensors), storages, records)

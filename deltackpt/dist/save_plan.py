@@ -1,23 +1,34 @@
-"""Distributed save planning (pure, no I/O, no collectives): what ranks send and what rank 0 decides.
+"""Save step 3, agree (pure: no I/O, no collectives): what each rank sends, what rank 0 decides.
 
-Each rank sends a :class:`RankMsg`. The first time (or when the rank's structure, i.e. keys,
-shapes, shard boxes and chunk layout, changed) it carries the rank's whole layout and digests;
-afterwards only the digests that changed since the last committed save. Planning bytes therefore
-scale with what changed, not with tensors x ranks. Rank 0 keeps every rank's last layout in a
-:class:`PlanCache`, merges them into one manifest layout and assigns every new digest to exactly
-one rank that holds it (chosen by the digest, so replicated data is spread over its holders).
+Every save runs it, a world of one included (deltackpt/dist/save.py runs the collectives).
+
+* Every rank builds a :class:`RankMsg` (:func:`rank_message`). The first time (or when the
+  rank's structure, i.e. keys, shapes, shard boxes and chunk layout, changed) it carries the
+  rank's whole layout and digests; afterwards only the digests that changed since the last
+  committed save, so planning bytes scale with what changed, not with tensors x ranks.
+* Rank 0 (:func:`plan_globally`) rebuilds every rank's plan from the messages and its
+  :class:`PlanCache`, merges them into one manifest layout and assigns every new digest to
+  exactly one rank that holds it (chosen by the digest, so replicated data is spread over its
+  holders; a chunk the rank already staged is preferred). At commit, :func:`snapshot_parts`
+  turns the merged plans and the ranks' written chunks into the plain inputs of the manifest
+  builder (saving/commit.py).
+
+A world of one keeps no cache (it sends nothing) and merges its own plan like any other.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
+from deltackpt.errors import DistributedError, RankFailure
+from deltackpt.format.manifest import ChunkRecord, Shard, Slice, StorageView, TensorEntry
+from deltackpt.saving.commit import SnapshotParts
 from deltackpt.saving.plan import EntryPlan, SavePlan
-from deltackpt.errors import DistributedError
 
 
 @dataclass
@@ -52,7 +63,7 @@ class RankMsg:
     layout: Layout | None = None  # sent when the structure is new
     digests: list[str] | None = None  # all digests, with layout
     changed: dict[int, str] | None = None  # chunk index -> digest, when the structure is known
-    error: str | None = None
+    error: RankFailure | None = None  # the rank could not plan: why (nothing else is set)
 
 
 @dataclass
@@ -65,7 +76,11 @@ class PlanCache:
     ranks: dict[int, tuple[str, Layout, list[str]]] = field(default_factory=dict)
 
 
-def rank_message(rank: int, layout: Layout, digests: list[str], cache: PlanCache) -> RankMsg:
+def rank_message(rank: int, layout: Layout, digests: list[str], cache: PlanCache | None) -> RankMsg:
+    """This rank's plan: only the changed digests if ``cache`` knows its structure, else full
+    (always full without a cache: a world of one sends nothing anyway)."""
+    if cache is None:
+        return RankMsg(rank, "", layout=layout, digests=list(digests))
     key = layout.key()
     if cache.structure == key and len(cache.digests) == len(digests):
         changed = {
@@ -75,14 +90,14 @@ def rank_message(rank: int, layout: Layout, digests: list[str], cache: PlanCache
     return RankMsg(rank, key, layout=layout, digests=list(digests))
 
 
-def resolve(msgs: list[RankMsg], cache: PlanCache) -> list[tuple[Layout, list[str]]]:
+def resolve(msgs: list[RankMsg], cache: PlanCache | None) -> list[tuple[Layout, list[str]]]:
     """Rank 0: every rank's (layout, digests) from full or delta messages and the cache."""
     out = []
     for m in msgs:
         if m.layout is not None and m.digests is not None:
             out.append((m.layout, m.digests))
             continue
-        prev = cache.ranks.get(m.rank)
+        prev = cache.ranks.get(m.rank) if cache is not None else None
         if prev is None or prev[0] != m.structure:
             raise DistributedError(
                 f"rank {m.rank} sent only changes against a save that rank 0 does not remember "
@@ -96,7 +111,7 @@ def resolve(msgs: list[RankMsg], cache: PlanCache) -> list[tuple[Layout, list[st
     return out
 
 
-def remember(cache: PlanCache, rank: int, layout: Layout, digests: list[str]) -> None:
+def remember(cache: PlanCache, layout: Layout, digests: list[str]) -> None:
     cache.structure = layout.key()
     cache.digests = list(digests)
 
@@ -108,12 +123,23 @@ def remember_all(
         cache.ranks[m.rank] = (m.structure, layout, digests)
 
 
+@dataclass(frozen=True)
+class ShardPiece:
+    """One box of a sharded tensor, as ``rank``'s source ``source`` holds it."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    rank: int
+    source: int
+
+
 @dataclass
 class Merged:
-    """Rank 0's merged view: per tensor entry, which rank's source supplies each piece."""
+    """Rank 0's merged view: per entry of rank 0, the boxes of a sharded tensor from every rank
+    (each box once, by offsets), or None where rank 0's own entry is used (whole tensors and
+    shared-storage views; replicated by convention). ``needed``: every digest referenced."""
 
-    # per entry of rank 0: ("data"|"storage", rank, source) or ("shards", [(offsets, shape, rank, source)])
-    pieces: list[Any]
+    shards: list[tuple[ShardPiece, ...] | None]
     needed: set[str]
 
 
@@ -132,7 +158,7 @@ def merge(resolved: list[tuple[Layout, list[str]]]) -> Merged:
                 f"only on rank {r} {sorted(b - a)[:5]}. Every rank must pass the same keys with "
                 "the same global shapes and dtypes"
             )
-    pieces: list[Any] = []
+    shards: list[tuple[ShardPiece, ...] | None] = []
     needed: set[str] = set()
 
     def use(rank: int, source: int) -> None:
@@ -141,43 +167,112 @@ def merge(resolved: list[tuple[Layout, list[str]]]) -> Merged:
 
     for i, e in enumerate(base.entries):
         if e.shards is not None:
-            seen: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...], int, int]] = {}
+            seen: dict[tuple[int, ...], ShardPiece] = {}
             for r, (layout, _) in enumerate(resolved):
                 for offsets, shape, si in layout.entries[i].shards or ():
                     if offsets not in seen:
-                        seen[offsets] = (offsets, shape, r, si)
+                        seen[offsets] = ShardPiece(offsets, shape, r, si)
                         use(r, si)
-            pieces.append(("shards", [seen[k] for k in sorted(seen)]))
-        elif e.storage is not None:
-            pieces.append(("storage", 0, e.storage[0]))
-        else:
-            pieces.append(("data", 0, e.source))
-            if e.source is not None:
-                use(0, e.source)
+            shards.append(tuple(seen[k] for k in sorted(seen)))
+            continue
+        shards.append(None)
+        if e.storage is None and e.source is not None:
+            use(0, e.source)
     for sid in range(len(base.storage_sources)):
         use(0, base.storage_sources[sid])
-    return Merged(pieces, needed)
+    return Merged(shards, needed)
 
 
 def assign(
-    resolved: list[tuple[Layout, list[str]]], needed: set[str], stored: set[str]
+    resolved: list[tuple[Layout, list[str]]],
+    needed: set[str],
+    stored: Container[str],
+    prefer: Mapping[int, set[int]] | None = None,
 ) -> list[set[int]]:
     """For every needed digest the store lacks, pick one rank holding it; return per-rank chunk
-    indices to write. The pick hashes the digest, spreading replicated data over its holders."""
+    indices to write. The pick hashes the digest, spreading replicated data over its holders.
+    A rank holding a digest in several chunks offers the first, or the one it already staged
+    (``prefer``: rank -> chunk indices), so nothing is copied twice."""
     holders: dict[str, list[tuple[int, int]]] = {}
     for r, (_, digests) in enumerate(resolved):
-        seen: set[str] = set()
+        staged = prefer.get(r, set()) if prefer else set()
+        mine: dict[str, int] = {}
         for ci, d in enumerate(digests):
-            if d in needed and d not in stored and d not in seen:
-                seen.add(d)
-                holders.setdefault(d, []).append((r, ci))
+            if d not in needed or d in stored:
+                continue
+            if d not in mine or (ci in staged and mine[d] not in staged):
+                mine[d] = ci
+        for d, ci in mine.items():
+            holders.setdefault(d, []).append((r, ci))
     out: list[set[int]] = [set() for _ in resolved]
     for d, hs in holders.items():
         r, ci = hs[int(d[:8], 16) % len(hs)]
         out[r].add(ci)
-    missing = needed - stored - set(holders)
+    missing = {d for d in needed if d not in stored and d not in holders}
     if missing:
         raise DistributedError(
             f"no rank holds {len(missing)} chunk(s) the manifest needs; a rank's plan is inconsistent"
         )
     return out
+
+
+@dataclass
+class GlobalPlan:
+    """Rank 0's decision for one save: who writes what, and what the manifest is made of."""
+
+    msgs: list[RankMsg]
+    resolved: list[tuple[Layout, list[str]]]
+    merged: Merged
+    owned: list[set[int]]  # per rank: the chunk indices it writes
+    index: Mapping[str, ChunkRecord]  # the store's committed chunks this decision deduped against
+
+
+def plan_globally(
+    msgs: list[RankMsg],
+    cache: PlanCache | None,
+    index: Mapping[str, ChunkRecord],
+    prefer: Mapping[int, set[int]] | None = None,
+) -> GlobalPlan:
+    """Rank 0: resolve, merge and assign the ranks' plans (raises DistributedError if they
+    do not fit together)."""
+    resolved = resolve(msgs, cache)
+    merged = merge(resolved)
+    return GlobalPlan(msgs, resolved, merged, assign(resolved, merged.needed, index, prefer), index)
+
+
+def snapshot_parts(
+    name: str,
+    plan0: SavePlan,
+    resolved: list[tuple[Layout, list[str]]],
+    merged: Merged,
+    written: Mapping[str, ChunkRecord],
+    pack_bytes: int,
+    metadata: dict[str, Any],
+    dist: dict[str, Any] | None,
+) -> SnapshotParts:
+    """The manifest builder's inputs from the merged plans: rank 0's tree and entries (``plan0``,
+    its plan of this save), each slice naming the digest of the rank that supplies it."""
+
+    def slices(rank: int, source: int) -> tuple[Slice, ...]:
+        layout, digests = resolved[rank]
+        return tuple((digests[ci], s, n) for ci, s, n in layout.source_slices[source])
+
+    tensors = []
+    for e, boxes in zip(plan0.entries, merged.shards, strict=True):
+        kw: dict[str, Any] = {}
+        if boxes is not None:
+            kw["shards"] = tuple(Shard(b.offsets, b.shape, slices(b.rank, b.source)) for b in boxes)
+        elif e.storage is not None:
+            kw["storage"] = StorageView(*e.storage)
+        else:
+            kw["data"] = slices(0, e.source) if e.source is not None else ()
+        tensors.append(
+            TensorEntry(
+                e.path, e.dtype, e.shape, parameter=e.parameter, requires_grad=e.requires_grad, **kw
+            )
+        )
+    base = resolved[0][0]
+    storages = tuple((base.nbytes[si], slices(0, si)) for si in plan0.storage_sources)
+    return SnapshotParts(
+        name, plan0.tree, tuple(tensors), storages, written, pack_bytes, metadata, dist
+    )

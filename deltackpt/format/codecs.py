@@ -17,7 +17,9 @@ the manifest; the decoded size is the chunk size, also in the manifest):
 Grouping puts the exponent/sign bytes of floats next to each other, where they compress well
 (the ZipNN idea); XOR against the previous snapshot turns a small optimizer step into mostly-zero
 high bytes. Choice: a cheap probe compresses a ~64 KiB sample (spread slices) per candidate, so
-incompressible chunks are stored raw at a few percent of the cost of compressing them.
+incompressible chunks are stored raw at a few percent of the cost of compressing them. Which
+codecs may be picked, and what gain each must reach, is an :class:`EncodePolicy`
+(:mod:`deltackpt.format.policy`, re-exported here with the codec names and ``ENCODINGS``).
 
 Thread safety: :func:`encode` and :func:`decode` may run concurrently from many threads. zstd
 contexts and scratch buffers are per thread (``threading.local``); zstandard and numpy release
@@ -33,92 +35,37 @@ from typing import TypeAlias
 import numpy as np
 import zstandard
 
-from deltackpt.errors import CodecError, InvalidArgumentError
+from deltackpt.errors import CodecError
+from deltackpt.format.policy import (
+    CODECS,
+    DEFAULT_POLICY,
+    ENCODINGS,
+    RAW,
+    XOR,
+    ZSTD,
+    EncodePolicy,
+)
 
-RAW = "raw"
-ZSTD = "zstd"
-XOR = "xor"
-CODECS: tuple[str, ...] = (RAW, ZSTD, XOR)
+__all__ = [  # the policy names stay importable from here, where encode() takes them
+    "CODECS",
+    "DEFAULT_POLICY",
+    "ENCODINGS",
+    "RAW",
+    "XOR",
+    "ZSTD",
+    "Buffer",
+    "EncodePolicy",
+    "Encoded",
+    "decode",
+    "decode_chain",
+    "encode",
+]
 
 # Anything exposing a C-contiguous buffer: memoryview, bytes, bytearray, np.ndarray, mmap, ...
 Buffer: TypeAlias = "memoryview | bytes | bytearray | np.ndarray"
 
 _PROBE_SLICES = 4  # spread slices per probe sample: catches chunks whose halves differ
 _SCRATCH_KEEP = 64 << 20  # larger scratch is allocated per call, not kept alive per thread
-
-
-@dataclass(frozen=True)
-class EncodePolicy:
-    """How :func:`encode` chooses an encoding.
-
-    ``codecs`` lists the allowed codecs; ``(RAW,)`` turns encoding off. If ``RAW`` is not listed,
-    the best allowed encoding is used even when it does not meet ``min_gain``.
-    ``force`` always uses that codec, ignoring ``codecs`` and ``min_gain`` (``XOR`` falls back to
-    ``ZSTD`` when no usable base is given). ``probe_bytes=0`` disables the probe (every candidate
-    is compressed in full).
-    """
-
-    codecs: tuple[str, ...] = (RAW, ZSTD, XOR)
-    force: str | None = None
-    level: int = 1
-    min_gain: float = 0.9
-    probe_bytes: int = 64 << 10
-    # Plain zstd must do better than this to be used: dense float weights only reach 0.68-0.84
-    # byte-grouped, and on a few cores compressing them costs more time than writing the saved
-    # bytes, and every later load pays a decode (measured: full save 0.37x torch.save, loads
-    # 10-20x slower than raw). xor deltas keep ``min_gain``: they are sparse and cheap to code.
-    zstd_min_gain: float = 0.5
-
-    def __post_init__(self) -> None:
-        self._check_types()
-        unknown = [c for c in self.codecs if c not in CODECS]
-        if not self.codecs or unknown:
-            raise CodecError(
-                f"EncodePolicy.codecs={self.codecs!r} is invalid (unknown: {unknown!r}); "
-                f"pass a non-empty tuple drawn from {CODECS!r}"
-            )
-        if self.force is not None and self.force not in CODECS:
-            raise CodecError(
-                f"EncodePolicy.force={self.force!r} is not a known codec; use None or one of {CODECS!r}"
-            )
-        if not isinstance(self.level, int) or not -(1 << 17) <= self.level <= 22:
-            raise CodecError(f"EncodePolicy.level={self.level!r}: zstd levels are integers <= 22")
-        if not self.min_gain > 0:
-            raise CodecError(f"EncodePolicy.min_gain={self.min_gain!r} must be > 0 (e.g. 0.9)")
-        if not self.zstd_min_gain > 0:
-            raise CodecError(
-                f"EncodePolicy.zstd_min_gain={self.zstd_min_gain!r} must be > 0 (e.g. 0.5)"
-            )
-        if self.probe_bytes < 0:
-            raise CodecError(f"EncodePolicy.probe_bytes={self.probe_bytes!r} must be >= 0")
-
-    def _check_types(self) -> None:
-        """Wrong types raise InvalidArgumentError (a TypeError too); a bare string for
-        ``codecs`` would otherwise be read as its letters."""
-
-        def bad(name: str, expected: str, example: str) -> InvalidArgumentError:
-            value = getattr(self, name)
-            return InvalidArgumentError(
-                f"EncodePolicy.{name}={value!r} is invalid: expected {expected}, got "
-                f"{type(value).__name__}. Pass e.g. EncodePolicy({name}={example})"
-            )
-
-        if not isinstance(self.codecs, (tuple, list)) or not all(
-            isinstance(c, str) for c in self.codecs
-        ):
-            raise bad("codecs", f"a tuple of codec names from {CODECS!r}", "(RAW, ZSTD)")
-        if isinstance(self.codecs, list):  # frozen: normalise so the policy stays hashable
-            object.__setattr__(self, "codecs", tuple(self.codecs))
-        if self.force is not None and not isinstance(self.force, str):
-            raise bad("force", f"None or one of {CODECS!r}", "ZSTD")
-        if not isinstance(self.level, int) or isinstance(self.level, bool):
-            raise bad("level", "an int zstd level <= 22", "3")
-        for name in ("min_gain", "zstd_min_gain"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise bad(name, "a number > 0 (encoded size / raw size to beat)", "0.9")
-        if not isinstance(self.probe_bytes, int) or isinstance(self.probe_bytes, bool):
-            raise bad("probe_bytes", "an int number of bytes >= 0", "64 << 10")
 
 
 @dataclass(frozen=True)
@@ -129,22 +76,6 @@ class Encoded:
     payload: memoryview
     itemsize: int
 
-
-DEFAULT_POLICY = EncodePolicy()
-
-#: The named choices of ``save(..., encoding=...)``; what each costs is measured in the README.
-#: ``auto`` (the default) never writes xor deltas on a local disk: measured here, a bf16 delta
-#: (14% of the bytes) took 2.2x a raw save to encode and 10x a raw load to decode at the end of
-#: its chain, and under ``keep_last=3`` held 2.78x the state on disk against raw's 3x: it cost
-#: more time than it saved bytes. Unchanged chunks are still deduplicated (free), and zstd is
-#: used only where it at least halves a chunk (zeros, masks, small ints). No delta bases are
-#: kept in memory. ``fast-restore`` never encodes (loads at read speed); ``smallest`` takes any
-#: 10% saving, xor deltas included (bf16 after a step: ~14% of the bytes; slow to restore).
-ENCODINGS: dict[str, EncodePolicy] = {
-    "auto": EncodePolicy(codecs=(RAW, ZSTD), zstd_min_gain=0.5),
-    "fast-restore": EncodePolicy(codecs=(RAW,)),
-    "smallest": EncodePolicy(min_gain=0.9, zstd_min_gain=0.9),
-}
 
 # --------------------------------------------------------------------------- per-thread state
 

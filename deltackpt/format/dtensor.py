@@ -1,7 +1,13 @@
-"""DTensor helpers, imported lazily so single-process use never loads torch.distributed.tensor."""
+"""DTensor helpers for saves and weight sync, without importing torch.distributed.tensor.
+
+No DTensor can exist before ``torch.distributed.tensor`` was imported, so :func:`is_dtensor`
+looks the class up in ``sys.modules`` instead of importing it: single-process use never loads
+the distributed packages.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -10,8 +16,8 @@ from deltackpt.errors import UnsupportedValueError
 
 
 def is_dtensor(t: Any) -> bool:
-    cls = type(t)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def local_box(dt: Any, key: str = "?") -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -248,10 +248,6 @@ class Manifest:
     # False for a version 1 manifest read from disk (written before manifests had a digest)
     has_digest: bool = True
 
-    def referenced_digests(self) -> set[str]:
-        """Every chunk this snapshot needs, including the bases of delta chunks."""
-        return set(self.chunks)
-
     def to_json_bytes(self) -> bytes:
         doc = {
             "format": MANIFEST_FORMAT,

@@ -13,7 +13,7 @@ node is plain JSON (``str``, ``int``, ``bool``, ``null``) or an object with one 
 ``bytes``      base64
 ``size``       ``torch.Size`` as a list of ints
 ``dtype``      a torch dtype name; ``device``: a device string
-``rng``        a generator's state as JSON: ``{"type": "torch.Generator" | ...}`` (_rng)
+``rng``        a generator's state as JSON: ``{"type": "torch.Generator" | ...}`` (rng_state)
 ``pickle``     base64 of ``pickle.dumps`` (only with ``allow_pickle=True``)
 =============  ===================================================================
 """
@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from deltackpt import rng as _rng
 from deltackpt.errors import (
     DeltackptError,
     PickleNotAllowedError,
     StoreFormatError,
     UnsupportedValueError,
 )
+from deltackpt.format import rng_state
 from deltackpt.format.dtensor import is_dtensor
 from deltackpt.format.dtypes import dtype_from_name, dtype_name
 
@@ -102,8 +102,8 @@ class _Flattener:
             return {"dtype": dtype_name(obj, path)}
         if t is torch.device:
             return {"device": str(obj)}
-        if _rng.is_generator(obj):  # torch / numpy / random generators: their state, no pickle
-            rng = _rng.to_node(obj, path, self.allow_pickle)
+        if rng_state.is_generator(obj):  # torch / numpy / random generators: their state, no pickle
+            rng = rng_state.to_node(obj, path, self.allow_pickle)
             return {"rng": rng} if rng is not None else self._fallback(obj, path)
         if t in (dict, OrderedDict, list, tuple):
             self._enter(obj, path)  # refuses cycles and runaway nesting
@@ -242,8 +242,8 @@ def unflatten(
         return dtype_from_name(value)
     if tag == "device":
         return torch.device(value)
-    if tag == "rng":  # validated field by field before a generator is built (deltackpt.rng)
-        return _rng.from_node(value, path)
+    if tag == "rng":  # validated field by field before a generator is built (format.rng_state)
+        return rng_state.from_node(value, path)
     if tag in ("dict", "odict"):
         out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()
         for k_node, v_node in value:

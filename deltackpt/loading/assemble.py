@@ -1,12 +1,21 @@
-"""``deltackpt.load``: read a committed snapshot into new tensors or into existing ones."""
+"""Load step 3: assemble. ``deltackpt.load`` reads a committed snapshot into new tensors, or into
+the tensors of ``into=`` (strict checks first), and sets its non-tensor values.
+
+Which bytes each entry needs is :mod:`deltackpt.loading.plan` (step 1), reading, decoding and
+verifying them is :mod:`deltackpt.store.chunks` (step 2). This module decides what is read where
+(new buffers, the caller's tensors in place, a tied storage's home), copies what could not be read
+in place, restores ``Parameter``/``requires_grad``, the values DCP stored as bytes and the tree.
+A snapshot whose pack gc compaction removed while we read is read again once, from its
+repointed manifest.
+"""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from deltackpt.errors import (
@@ -18,11 +27,10 @@ from deltackpt.errors import (
 from deltackpt.format.dcp_values import decode_byte_values
 from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.format.dtypes import dtype_from_name
-from deltackpt.format.manifest import Manifest, Slice, TensorEntry
+from deltackpt.format.manifest import Manifest, TensorEntry
 from deltackpt.format.tree import Node, _key_segment, flatten, tensor_paths, unflatten, value_leaves
-from deltackpt.loading.reshard import PieceRead, finish_box_reads, plan_box_reads
+from deltackpt.loading.plan import Reads, plain_cpu, read_entry
 from deltackpt.options import LoadOptions
-from deltackpt.store.chunks import ChunkTargets, advise_huge, fresh_u8, run_jobs
 from deltackpt.store.packs import PackReaders
 from deltackpt.store.store import LATEST, Store, open_store
 
@@ -85,7 +93,7 @@ def load_reusing(
             if e.storage is None and _reusable(targets.get(e.path), e)
         ]
         with torch.no_grad():
-            for i, t in _read_selected(st, m, wanted, targets, opts).items():
+            for i, t in _read_entries(st, m, opts, wanted, targets).items():
                 dst = targets[m.tensors[i].path]
                 if t is not dst:
                     dst.copy_(t)
@@ -104,18 +112,28 @@ def _reusable(t: Any, e: TensorEntry) -> bool:
     )
 
 
-def _retrying(st: Store, m: Manifest, fn: Any) -> Any:
+def _retrying(st: Store, m: Manifest, fn: Callable[[Manifest], Any]) -> Any:
     try:
         return fn(m)
     except CorruptChunkError as e:
         # gc compaction repoints manifests before deleting the old pack: if ours moved while we
         # read, read the new one once. Real damage fails again with the same error.
-        if not isinstance(e.__cause__, FileNotFoundError) and "is missing" not in str(e):
+        if not _pack_missing(e):
             raise
         fresh = st.manifest(m.name)
         if fresh is m:
             raise
         return fn(fresh)
+
+
+def _pack_missing(e: CorruptChunkError) -> bool:
+    """Whether ``e`` says a pack file is gone (what a concurrent compaction leaves), not that
+    bytes are damaged. Read from the typed ``missing_pack`` flag; until the store's chunk reader
+    sets it, from the cause and the message, as before."""
+    missing = getattr(e, "missing_pack", None)
+    if missing is not None:
+        return bool(missing)
+    return isinstance(e.__cause__, FileNotFoundError) or "is missing" in str(e)
 
 
 def _load_once(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> Any:
@@ -125,7 +143,7 @@ def _load_once(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> Any:
     return into
 
 
-def _agree(pg: Any, fn: Any) -> Any:
+def _agree(pg: Any, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on every rank; if any rank fails, every rank raises (no rank hangs or goes on
     with a half-loaded state while its peers stopped)."""
     import torch.distributed as dist
@@ -144,49 +162,6 @@ def _agree(pg: Any, fn: Any) -> Any:
             f"load failed on other ranks: {failed[:4]}; this rank's state may be partly loaded"
         )
     return result
-
-
-def _slice_jobs(
-    m: Manifest, dests: list[tuple[str, tuple[Slice, ...], np.ndarray]]
-) -> list[ChunkTargets]:
-    jobs: dict[str, ChunkTargets] = {}
-    for path, slices, dst in dests:
-        pos = 0
-        for d, start, length in slices:
-            job = jobs.get(d)
-            if job is None:
-                job = jobs[d] = ChunkTargets(d, where=f"snapshot {m.name!r} key {path!r}")
-            job.targets.append((start, length, dst[pos : pos + length]))
-            pos += length
-    return list(jobs.values())
-
-
-def _run(st: Store, m: Manifest, jobs: list[ChunkTargets], opts: LoadOptions) -> None:
-    with PackReaders(st.packs_dir) as packs:
-        run_jobs(packs, m.chunks, jobs, opts.verify, opts.threads, "deltackpt-load")
-
-
-def _u8(n: int) -> torch.Tensor:
-    return fresh_u8(n)
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.numpy() if t.numel() else np.empty(0, dtype=np.uint8)
-
-
-def _typed(u8: torch.Tensor, e: TensorEntry) -> torch.Tensor:
-    dtype = dtype_from_name(e.dtype)
-    if u8.numel() == 0:
-        return torch.empty(e.shape, dtype=dtype)
-    return u8.view(dtype).reshape(e.shape)
-
-
-def _finish(t: torch.Tensor, e: TensorEntry) -> torch.Tensor:
-    if e.parameter:
-        return torch.nn.Parameter(t, requires_grad=e.requires_grad)
-    if e.requires_grad:
-        t.requires_grad_(True)
-    return t
 
 
 def _physical_memory() -> int:
@@ -216,6 +191,31 @@ def _check_memory(m: Manifest, provided: dict[int, torch.Tensor]) -> None:
         )
 
 
+def _read_entries(
+    st: Store,
+    m: Manifest,
+    opts: LoadOptions,
+    wanted: list[int],
+    targets: dict[str, torch.Tensor] | None = None,
+) -> dict[int, torch.Tensor]:
+    """One read pass over the entries ``wanted`` (indices into ``m.tensors``): new tensors, or
+    with ``targets`` (by key path) the tensors to read in place where they can be (see
+    :func:`~deltackpt.loading.plan.read_entry`; the caller copies the others in)."""
+    r = Reads(m)
+    if targets is None:  # every shared storage becomes one new buffer its views share
+        for sid, (_, data) in enumerate(m.storages):
+            r.storage(sid, f"<storage of {len(data)} slices>")
+    else:
+        r.homes = _storage_homes(m, wanted, targets)
+    out = {
+        i: read_entry(r, m.tensors[i], None if targets is None else targets[m.tensors[i].path])
+        for i in wanted
+    }
+    with PackReaders(st.packs_dir) as packs:
+        r.run(packs, opts.verify, opts.threads, "deltackpt-load")
+    return out
+
+
 def _load_new(
     st: Store, m: Manifest, opts: LoadOptions, provided: dict[int, torch.Tensor] | None = None
 ) -> Any:
@@ -223,60 +223,51 @@ def _load_new(
     used as they are instead of being read."""
     provided = provided or {}
     _check_memory(m, provided)
-    dests: list[tuple[str, tuple[Slice, ...], np.ndarray]] = []
-    storages = [_u8(n) for n, _ in m.storages]
-    for (_, data), buf in zip(m.storages, storages, strict=True):
-        dests.append((f"<storage of {len(data)} slices>", data, _np(buf)))
-    whole: list[torch.Tensor | None] = []
-    box_reads: list[tuple[list[PieceRead], torch.Tensor]] = []
-    for i, e in enumerate(m.tensors):
-        if i in provided:
-            whole.append(None)
-        elif e.data is not None:
-            buf = _u8(e.nbytes)
-            dests.append((e.path, e.data, _np(buf)))
-            whole.append(buf)
-        elif e.shards is not None:
-            full = advise_huge(torch.empty(e.shape, dtype=dtype_from_name(e.dtype)))
-            reads = plan_box_reads(e, full, ((0,) * len(e.shape), e.shape))
-            dests.extend((e.path, r.slices, r.buf) for r in reads)
-            box_reads.append((reads, full))
-            whole.append(full)
-        else:
-            whole.append(None)
-    _run(st, m, _slice_jobs(m, dests), opts)
-    for reads, full in box_reads:
-        finish_box_reads(reads, full.dtype)
-
-    tensors: list[torch.Tensor] = []
-    for i, (e, buf) in enumerate(zip(m.tensors, whole, strict=True)):
-        dtype = dtype_from_name(e.dtype)
-        if i in provided:
-            tensors.append(provided[i])  # already filled in place: the caller's own tensor
-            continue
-        if e.shards is not None and buf is not None:
-            t = buf
-        elif buf is not None:
-            t = _typed(buf, e)
-        elif e.storage is not None:
-            size = torch.empty(0, dtype=dtype).element_size()
-            t = torch.empty(0, dtype=dtype).set_(
-                storages[e.storage.id].untyped_storage(),
-                e.storage.offset // size,
-                e.shape,
-                e.storage.stride,
-            )
-        else:
-            t = torch.empty(e.shape, dtype=dtype)
-        tensors.append(_finish(t, e))
+    new = _read_entries(st, m, opts, [i for i in range(len(m.tensors)) if i not in provided])
+    tensors = [
+        provided[i] if i in provided else _finish(new[i], e)  # provided: the caller's own
+        for i, e in enumerate(m.tensors)
+    ]
     decode_byte_values(m, tensors, opts.allow_pickle)  # values DCP stored as torch.save bytes
     return unflatten(m.tree, tensors.__getitem__, allow_pickle=opts.allow_pickle)
+
+
+def _finish(t: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    if e.parameter:
+        return torch.nn.Parameter(t, requires_grad=e.requires_grad)
+    if e.requires_grad:
+        t.requires_grad_(True)
+    return t
 
 
 def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
     _, leaves = flatten(into, allow_pickle=True, check_tensors=False)
     targets = {leaf.path: leaf.tensor for leaf in leaves}
     saved = {e.path: i for i, e in enumerate(m.tensors)}
+    _check_into(m, into, targets, saved, opts)
+
+    # Read every needed tensor into fresh buffers (or straight into CPU targets), then copy_.
+    wanted = [i for p, i in saved.items() if p in targets]
+    new = _read_entries(st, m, opts, wanted, targets)
+    with torch.no_grad():
+        for i, t in new.items():
+            dst = targets[m.tensors[i].path]
+            if t is dst:
+                continue
+            if is_dtensor(dst):  # saved as one shared storage: copy this rank's part
+                offsets, shape = local_box(dst, m.tensors[i].path)
+                for d, (o, n) in enumerate(zip(offsets, shape, strict=True)):
+                    t = t.narrow(d, o, n)
+                local_tensor(dst).copy_(t)
+            else:
+                dst.copy_(t)
+    _assign_values(m.tree, into, opts)
+
+
+def _check_into(
+    m: Manifest, into: Any, targets: dict[str, Any], saved: dict[str, int], opts: LoadOptions
+) -> None:
+    """Raise :class:`StateMismatchError` listing what differs between ``into`` and ``m``."""
     missing = sorted(set(targets) - set(saved))
     unexpected = sorted(set(saved) - set(targets))
     problems = []
@@ -321,101 +312,23 @@ def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
             + ". Fix the target, or pass strict=False to load only the keys both have"
         )
 
-    # Read every needed tensor into fresh buffers (or straight into CPU targets), then copy_.
-    wanted = [i for p, i in saved.items() if p in targets]
-    new = _read_selected(st, m, wanted, targets, opts)
-    with torch.no_grad():
-        for i, t in new.items():
-            dst = targets[m.tensors[i].path]
-            if t is dst:
-                continue
-            if is_dtensor(dst):  # saved as one shared storage: copy this rank's part
-                offsets, shape = local_box(dst, m.tensors[i].path)
-                for d, (o, n) in enumerate(zip(offsets, shape, strict=True)):
-                    t = t.narrow(d, o, n)
-                local_tensor(dst).copy_(t)
-            else:
-                dst.copy_(t)
-    _assign_values(m.tree, into, opts)
 
-
-def _read_selected(
-    st: Store, m: Manifest, wanted: list[int], targets: dict[str, torch.Tensor], opts: LoadOptions
+def _storage_homes(
+    m: Manifest, wanted: list[int], targets: dict[str, torch.Tensor]
 ) -> dict[int, torch.Tensor]:
-    dests: list[tuple[str, tuple[Slice, ...], np.ndarray]] = []
-    storage_bufs: dict[int, torch.Tensor] = {}
-    out: dict[int, torch.Tensor] = {}
-    box_reads: list[tuple[list[PieceRead], torch.dtype]] = []
-    storage_users: dict[int, list[int]] = {}
+    """Per shared storage the ``wanted`` entries view, a target that can receive all of its
+    bytes in place (a tied embedding loaded into the same model): no fresh buffer, no copy_."""
+    users: dict[int, list[int]] = {}
     for i in wanted:
         sv = m.tensors[i].storage
         if sv is not None:
-            storage_users.setdefault(sv.id, []).append(i)
-    for i in wanted:
-        e = m.tensors[i]
-        dst = targets[e.path]
-        if is_dtensor(dst) and e.storage is None:
-            # Each rank reads only the rows of the saved pieces that overlap its own shard.
-            reads = plan_box_reads(e, local_tensor(dst), local_box(dst, e.path))
-            dests.extend((e.path, r.slices, r.buf) for r in reads)
-            box_reads.append((reads, dst.dtype))
-            out[i] = dst
-        elif e.shards is not None:
-            full = advise_huge(torch.empty(e.shape, dtype=dtype_from_name(e.dtype)))
-            reads = plan_box_reads(e, full, ((0,) * len(e.shape), e.shape))
-            dests.extend((e.path, r.slices, r.buf) for r in reads)
-            box_reads.append((reads, full.dtype))
-            out[i] = full
-        elif e.data is not None:
-            if (
-                dst.device.type == "cpu"
-                and dst.is_contiguous()
-                and dst.numel()
-                and not dst.is_conj()
-                and not dst.is_neg()
-            ):
-                u8 = dst.detach().reshape(-1).view(torch.uint8)
-                out[i] = dst  # read in place
-            else:
-                u8 = _u8(e.nbytes)
-                out[i] = _typed(u8, e)
-            dests.append((e.path, e.data, _np(u8)))
-        elif e.storage is not None:
-            sid = e.storage.id
-            if sid not in storage_bufs:
-                n, data = m.storages[sid]
-                # A CPU target covering the whole saved storage (a tied embedding loaded into
-                # the same model) takes the bytes in place: no fresh buffer, no copy_ after.
-                home = _storage_home(m, sid, storage_users.get(sid, []), targets)
-                storage_bufs[sid] = (
-                    _u8(n) if home is None else home.detach().reshape(-1).view(torch.uint8)
-                )
-                dests.append((e.path, data, _np(storage_bufs[sid])))
-            dtype = dtype_from_name(e.dtype)
-            size = torch.empty(0, dtype=dtype).element_size()
-            buf = storage_bufs[sid]
-            view = torch.empty(0, dtype=dtype).set_(
-                buf.untyped_storage(),
-                (buf.storage_offset() + e.storage.offset) // size,
-                e.shape,
-                e.storage.stride,
-            )
-            out[i] = dst if _same_memory(view, dst) else view
-    _run(st, m, _slice_jobs(m, dests), opts)
-    for reads, dtype in box_reads:
-        finish_box_reads(reads, dtype)
-    return out
-
-
-def _plain_cpu(t: torch.Tensor) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and not is_dtensor(t)
-        and t.device.type == "cpu"
-        and not t.is_meta
-        and not t.is_conj()
-        and not t.is_neg()
-    )
+            users.setdefault(sv.id, []).append(i)
+    homes = {}
+    for sid, us in users.items():
+        home = _storage_home(m, sid, us, targets)
+        if home is not None:
+            homes[sid] = home
+    return homes
 
 
 def _covers_storage(t: torch.Tensor, e: TensorEntry, nbytes: int) -> bool:
@@ -424,7 +337,7 @@ def _covers_storage(t: torch.Tensor, e: TensorEntry, nbytes: int) -> bool:
     storage in C order (so ``t`` equals the view once the bytes are in)."""
     assert e.storage is not None
     return (
-        _plain_cpu(t)
+        plain_cpu(t)
         and t.is_contiguous()
         and t.numel() * t.element_size() == nbytes
         and nbytes > 0
@@ -463,18 +376,6 @@ def _storage_home(
         if ok:
             return home
     return None
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``b`` is exactly the tensor view ``a`` (same bytes, shape, strides, dtype): copying ``a``
-    into it would be a no-op."""
-    return (
-        _plain_cpu(b)
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.data_ptr() == b.data_ptr()
-    )
 
 
 def _assign_values(tree: Node, target: Any, opts: LoadOptions) -> None:

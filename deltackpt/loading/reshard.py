@@ -1,4 +1,5 @@
-"""Resharding reads: fill any box of a global tensor from the saved shards that overlap it.
+"""Load step 1, for saved shards: fill any box of a global tensor from the saved pieces that
+overlap it (used by :mod:`deltackpt.loading.plan`).
 
 A saved shard is the C-order bytes of a sub-block of the global tensor. For a target box, each
 overlapping shard contributes the rows (along dim 0 of the shard) that the box touches: one

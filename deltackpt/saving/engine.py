@@ -1,39 +1,102 @@
-"""Async saves: block only while the state is staged; hash, encode, write and commit behind.
+"""The per-store save engine: :class:`StoreSaver`, and :class:`SaveHandle` for a save in flight.
 
-One save per store is in flight at a time. A new save first waits for the previous one
-(back-pressure, reported as ``waited_seconds``) instead of holding a second copy of the state.
-A background failure is kept and raised exactly once: from ``result()``, or, if nobody asked, from
-the next save on that store. A handle dropped unfinished warns; interpreter exit flushes pending
-saves. Background threads never run collectives.
+Every save of a store (sync or async, one process or a process group, and the DCP writer's
+thread pool) goes through that store's StoreSaver. On every rank, in the caller's thread, it runs
+steps 1-2 of the save sequence (``deltackpt/dist/save.py`` numbers all six): take the store's
+save slot and lock, check, plan (saving/plan.py), hash in place and stage (saving/stage.py). Its
+background thread runs steps 4-6 of async saves.
+
+Per-store state lives here and nowhere else (not on :class:`~deltackpt.store.store.Store`):
+
+* the save slot: one save per store at a time, held from step 1 until the save ends (any
+  thread). A new save first waits for the previous one (back-pressure, reported as
+  ``waited_seconds``) instead of holding a second copy of the state;
+* the background thread (``deltackpt-commit``) and the I/O thread pools (``deltackpt-io``);
+* two staging arenas and the delta bases: the bytes of the last committed save that the next
+  one may xor against (saving/stage.py);
+* per process group, the plan cache of distributed saves (dist/save_plan.py);
+* a background failure nobody has seen yet.
+
+Lifetime: :func:`saver_for` creates a store's StoreSaver on its first save and keeps it in the
+one registry below (``_SAVERS``) for the life of the process, as ``open_store`` keeps the Store
+itself, until :meth:`StoreSaver.close` (waits for the save in flight, frees the arenas and delta
+bases; the next save starts afresh). A failed save releases the slot and leaves the delta bases of
+the last committed save intact (its own copies went to the arena that does not hold them); a
+failed distributed save also forgets its group's plan cache, so the next one sends full plans. A
+background failure is kept and raised exactly once: from ``result()``, or, if nobody asked, from
+the next save of that store. A handle dropped unfinished warns, unless detached.
+
+Interpreter exit waits for pending saves (:func:`_flush_all`). It must run before
+``concurrent.futures`` stops its pools (a pending save still submits I/O jobs), and only
+``threading._register_atexit`` runs that early: an ``atexit`` or ``weakref.finalize`` hook runs
+after the pools refuse new work ("cannot schedule new futures after interpreter shutdown").
+Background threads never run collectives.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import threading
 import time
 import warnings
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import numpy as np
-import torch
 
-from deltackpt.errors import DeltackptError, SaveFailedError, SnapshotExistsError, StoreError
+from deltackpt.errors import DeltackptError, SaveFailedError
 from deltackpt.format.codecs import XOR
-from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import SaveOptions, default_memory_budget
+from deltackpt.saving.commit import check_can_save
 from deltackpt.saving.plan import SavePlan, plan_state
-from deltackpt.saving.stage import Arena, Staged, stage, stage_chunks, state_nbytes
-from deltackpt.saving.write import chunk_view, closure, commit, next_refs, write_chunks
+from deltackpt.saving.stage import (
+    Arena,
+    DeltaRef,
+    Staged,
+    StagedChunks,
+    hash_and_stage,
+    next_refs,
+    prefault,
+    stage,
+    stage_chunks,
+    state_nbytes,
+)
 from deltackpt.store.durable import store_lock
 from deltackpt.store.store import SnapshotInfo, Store, store_io_error
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """A save call whose arguments ``deltackpt.api`` has checked."""
+
+    store: Store
+    name: str
+    options: SaveOptions
+    metadata: dict[str, Any]
+    start: float  # time.perf_counter() when the call began
+
+
+@dataclass
+class Prepared:
+    """One save on this rank after steps 1-2: its plan, hashes and staged copies."""
+
+    plan: SavePlan
+    staged: Staged  # per source: live bytes (CPU) or staged copies (CUDA)
+    use_refs: bool  # xor against (and keep) delta bases
+    locks: contextlib.ExitStack  # the save slot and the store lock, released when the save ends
+    waited: float
+    background: bool  # an async save that could stage what it needs
+    digests: list[str] | None = None  # None: not hashed yet (CUDA)
+    index: dict[str, ChunkRecord] | None = None  # the store's chunks at step 1 (None on CUDA)
+    group_bufs: dict[int, np.ndarray] = field(default_factory=dict)
+    copies: StagedChunks = field(default_factory=StagedChunks)
+    blocked: float = 0.0  # seconds the caller was blocked (set when step 3 ends)
 
 
 class SaveHandle:
@@ -41,7 +104,7 @@ class SaveHandle:
     returns the committed :class:`SnapshotInfo` or raises the background failure."""
 
     def __init__(
-        self, name: str, staged: Future[None], future: Future[SnapshotInfo], saver: Saver
+        self, name: str, staged: Future[None], future: Future[SnapshotInfo], saver: StoreSaver
     ) -> None:
         self.name = name
         self.staged = staged
@@ -62,6 +125,12 @@ class SaveHandle:
             self._saver.mark_reported(e)
             raise
 
+    def detach(self) -> None:
+        """Do not warn if this handle is dropped unfinished: the caller learns the outcome
+        another way (the :class:`~deltackpt.Checkpointer` does, from its next call). The save
+        still runs; an unseen failure is raised by the next save of the store."""
+        self._observed = True
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "staged" if self.staged.done() else "staging"
         return f"SaveHandle({self.name!r}, {state})"
@@ -76,8 +145,8 @@ class SaveHandle:
             )
 
 
-class Saver:
-    """Per-store state of async saves: the in-flight save, staging arenas, delta references."""
+class StoreSaver:
+    """Everything saves of one store keep in memory (see the module docstring)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -88,7 +157,18 @@ class Saver:
         self._inflight: Future[SnapshotInfo] | None = None
         self._unreported: BaseException | None = None
         self._arenas = (Arena(), Arena())
-        _SAVERS.add(self)
+        self._delta_refs: dict[str, DeltaRef] = {}
+        self._group_caches: dict[int, object] = {}
+
+    @property
+    def arenas(self) -> tuple[Arena, Arena]:
+        """The staging arenas: [0] takes async copies; [0] and [1] alternate as delta bases."""
+        return self._arenas
+
+    @property
+    def delta_bases(self) -> Mapping[str, DeltaRef]:
+        """Per chunk key: its bytes as last committed by this process (xor bases)."""
+        return self._delta_refs
 
     def pool(self, threads: int) -> ThreadPoolExecutor:
         with self._lock:
@@ -99,15 +179,20 @@ class Saver:
                 )
             return p
 
-    def mark_reported(self, e: BaseException) -> None:
+    def group_cache(self, key: int, new: Callable[[], T]) -> T:
+        """This store's cache for process group ``key`` (dist/save_plan.py's PlanCache)."""
         with self._lock:
-            if self._unreported is e:
-                self._unreported = None
+            cache = self._group_caches.get(key)
+            if cache is None:
+                cache = self._group_caches[key] = new()
+            return cast(T, cache)
+
+    # ---------------------------------------------------------------- the slot, back-pressure
 
     def wait_previous(self) -> float:
         """Take the store's save slot: block until the previous save (sync or async, from any
-        thread) finished; raise its error if nobody has seen it. The caller must release the
-        slot (``self._slot.release()``) when its save is done or failed."""
+        thread) finished; raise its error if nobody has seen it. The slot is released by the
+        save's ``locks`` (see :meth:`prepare`)."""
         t0 = time.perf_counter()
         self._slot.acquire()
         with self._lock:
@@ -119,67 +204,52 @@ class Saver:
             ) from err
         return time.perf_counter() - t0
 
+    def mark_reported(self, e: BaseException) -> None:
+        with self._lock:
+            if self._unreported is e:
+                self._unreported = None
+
     def flush(self) -> None:
+        """Wait for the save in flight, if any (its outcome stays with its handle)."""
         with self._lock:
             prev = self._inflight
         if prev is not None:
             with contextlib.suppress(BaseException):
                 prev.result()
 
-    def submit(self, name: str, job: Callable[[], SnapshotInfo]) -> SaveHandle:
-        """Run ``job`` as this store's in-flight save; its errors are reported like any other."""
+    def close(self) -> None:
+        """Wait for the save in flight, free the arenas, delta bases and plan caches, stop the
+        threads and leave the registry: the store's next save gets a new StoreSaver. Call it
+        between saves (not from an ``after_commit`` hook, which runs on the saver's thread)."""
+        self.flush()
+        with self._slot:
+            with _SAVERS_LOCK:
+                if _SAVERS.get(id(self.store)) is self:
+                    del _SAVERS[id(self.store)]
+            self.drop_delta_bases()
+            self._arenas[0].buffers.clear()
+            self._group_caches.clear()
+        self._bg.shutdown(wait=False)
+        for p in self._pools.values():
+            p.shutdown(wait=False)
 
-        def run() -> SnapshotInfo:
-            try:
-                return job()
-            except BaseException as e:
-                with self._lock:
-                    self._unreported = e
-                raise
+    # ---------------------------------------------------------------- steps 1-2
 
-        staged: Future[None] = Future()
-        staged.set_result(None)
-        future = self._bg.submit(run)
-        with self._lock:
-            self._inflight = future
-        return SaveHandle(name, staged, future, self)
-
-    def prepare(
-        self,
-        state: Any,
-        name: str,
-        opts: SaveOptions,
-        t0: float,
-        background: bool,
-        stage_new: bool = False,
-    ) -> _Prepared:
-        """The blocking part of every save, first half: wait for the previous save, lock, plan,
-        and hash every chunk straight from the live tensors (on CPU; on CUDA the state is first
-        copied to pinned host buffers and hashed later). Staging follows in :meth:`stage_needed`,
-        once it is known which chunks must be copied."""
-        st = self.store
+    def prepare(self, state: Any, req: SaveRequest, background: bool, stage_new: bool) -> Prepared:
+        """Steps 1-2 of every save: wait for the previous save, lock, check, plan, and hash every
+        chunk straight from the live tensors (on CPU; on CUDA the state is first copied to pinned
+        host buffers and hashed later). ``stage_new`` (a world of one) copies the chunks the store
+        lacks in the same pass; a rank of N copies its assigned ones in :meth:`stage_owned`."""
+        st, opts = self.store, req.options
         waited = self.wait_previous()
         locks = contextlib.ExitStack()
         locks.callback(self._slot.release)  # one save per store at a time: arenas are shared
         try:
+            what = f"saving {req.name!r}"
             locks.enter_context(
-                store_lock(
-                    st.lock_path,
-                    exclusive=False,
-                    timeout=opts.lock_timeout,
-                    what=f"saving {name!r}",
-                )
+                store_lock(st.lock_path, exclusive=False, timeout=opts.lock_timeout, what=what)
             )
-            if not opts.overwrite and st.has(name):
-                raise SnapshotExistsError(
-                    f"store {str(st.root)!r} already has a committed snapshot {name!r}; pick a "
-                    "new name, or pass overwrite=True (the old one stays loadable until the new "
-                    "one commits)"
-                )
-            if not st.packs_dir.is_dir():
-                raise StoreError(
-                    f"store {str(st.root)!r} has no packs/ directory; it is damaged or not a store"
-                )
+            check_can_save(st, req.name, overwrite=opts.overwrite)
             plan = plan_state(state, st.chunk_bytes, st.small_bytes, allow_pickle=opts.allow_pickle)
             need = state_nbytes(plan)
             budget = (
@@ -188,316 +258,141 @@ class Saver:
             if any(s.data.is_cuda for s in plan.sources):
                 # Device memory cannot be hashed in place: copy it all to pinned buffers (async
                 # on a side stream); hashing and writing happen behind. No xor deltas here.
-                self._drop_refs()
+                self.drop_delta_bases()
                 if background and need <= budget:
                     staged = stage(plan, self._arenas[0])
                 else:
                     staged = Staged([s.data.cpu().numpy() for s in plan.sources], None)
                     background = False
-                return _Prepared(plan, staged, False, locks, 0.0, waited, background)
+                return Prepared(plan, staged, False, locks, waited, background)
             live = Staged([s.data.numpy() for s in plan.sources], None)
             xor_on = XOR in opts.encoding.codecs and opts.encoding.force in (None, XOR)
             use_refs = xor_on and 2 * need <= budget
             if not use_refs:
-                self._drop_refs()
+                self.drop_delta_bases()
             if background and not use_refs and need > budget:
                 background = False  # no room to stage: write from the live tensors, blocking
             keys = {(src.key, src.nbytes) for src in plan.sources}
             for arena in self._arenas:
                 arena.retain(keys)
-            p = _Prepared(plan, live, use_refs, locks, 0.0, waited, background)
-            p.index = st.chunk_index()
-            self._hash_and_stage(p, stage_new and background, opts)
+            index = st.chunk_index()
+            p = Prepared(plan, live, use_refs, locks, waited, background, index=index)
+            p.digests, p.copies = hash_and_stage(
+                plan, live.arrays, index, self._delta_refs if use_refs else None,
+                stage_new and background, self._arenas, self.pool(opts.threads), p.group_bufs,
+            )  # fmt: skip
             return p
         except BaseException as e:
             locks.close()
             if isinstance(e, OSError) and not isinstance(e, DeltackptError):
                 raise store_io_error(
                     e,
-                    f"preparing to save {name!r} in store {str(st.root)!r} failed: {e}. Nothing "
-                    "was written; committed snapshots are intact. Check permissions and the "
-                    "disk, then save again",
+                    f"preparing to save {req.name!r} in store {str(st.root)!r} failed: {e}. "
+                    "Nothing was written; committed snapshots are intact. Check permissions and "
+                    "the disk, then save again",
                 ) from e
             raise
 
-    def _hash_and_stage(self, p: _Prepared, stage_new: bool, opts: SaveOptions) -> None:
-        """Hash every chunk in place and, in the same pass while it is cache-warm, copy the chunks
-        whose bytes must outlive the call: with xor on, those whose digest changed (the next
-        save's bases, into the arena that does not hold the current base); with ``stage_new``,
-        those the store lacks (an async save writes them later). Unchanged chunks are only read."""
-        plan, live, index = p.plan, p.staged.arrays, p.index
-        refs = self.store.delta_refs if p.use_refs else {}
-        lock = threading.Lock()
-        claimed: set[str] = set()
-
-        def one(ci: int) -> str:
-            spec = plan.chunks[ci]
-            view = chunk_view(spec, live.__getitem__, p.group_bufs, ci)
-            d = digest(view)
-            new = False
-            if stage_new and d not in index:
-                with lock:
-                    new = d not in claimed
-                    claimed.add(d)
-            if spec.ref_key is None:  # group chunk: gathered into a private buffer already
-                if new:
-                    with self._lock:
-                        p.new_staged.add(ci)
-                return d
-            prior = refs.get(spec.ref_key)
-            changed = p.use_refs and (prior is None or prior.digest != d)
-            if changed or new:
-                arena = (1 - prior.arena) if (changed and prior is not None) else 0
-                self._copy_chunk(p, ci, view, arena, new)
-            return d
-
-        p.digests = list(self.pool(opts.threads).map(one, range(len(plan.chunks))))
-
-    def _copy_chunk(self, p: _Prepared, ci: int, view: np.ndarray, arena: int, new: bool) -> None:
-        si, start, length = p.plan.chunks[ci].parts[0]
-        src = p.plan.sources[si]
-        buf = (
-            self._arenas[arena]
-            .buffer(src.key, src.nbytes, pin=False)
-            .numpy()[start : start + length]
-        )
-        torch.from_numpy(buf).copy_(torch.from_numpy(view))  # releases the GIL
-        with self._lock:
-            p.staged_refs[ci] = (buf, arena)
-            p.chunk_data[ci] = buf
-            if new:
-                p.new_staged.add(ci)
-
-    def stage_needed(self, p: _Prepared, owned: set[int]) -> None:
-        """The blocking part, second half (distributed saves, once rank 0 assigned the chunks):
-        a background save also copies the assigned chunks not copied by the hash pass."""
-        p.owned = owned
+    def stage_owned(self, p: Prepared, owned: set[int]) -> None:
+        """End of step 3 (async saves): copy the chunks this rank must write that the hash pass
+        did not copy, so the caller may mutate its state once this returns."""
         if p.digests is None or not p.background:
             return
         todo = {
             ci: 0
             for ci in owned
-            if ci not in p.chunk_data and p.plan.chunks[ci].ref_key is not None
+            if ci not in p.copies.data and p.plan.chunks[ci].ref_key is not None
         }
         staged = stage_chunks(p.plan, p.staged.arrays, self._arenas, todo, self.pool(4))
-        p.chunk_data.update({ci: view for ci, (view, _) in staged.items()})
+        p.copies.data.update({ci: view for ci, (view, _) in staged.items()})
 
-    def _prefault(self, p: _Prepared) -> None:
-        """Allocate and touch the staging buffers the next save may copy into, now (behind an
-        async save, or once at the end of the first sync save) rather than page-faulting them
-        inside the next save's blocking call: fresh pages cost ~1-3 GB/s here, touched ones 5-10."""
-        arenas = self._arenas if p.use_refs else self._arenas[:1]
-        if not (p.use_refs or p.background):
-            return
-        for arena in arenas:
-            for src in p.plan.sources:
-                if src.nbytes and (src.key, src.nbytes) not in arena.buffers:
-                    arena.buffer(src.key, src.nbytes, pin=False).zero_()
+    # ---------------------------------------------------------------- after the commit
 
-    def _drop_refs(self) -> None:
-        self.store.delta_refs = {}
+    def keep_delta_bases(
+        self,
+        p: Prepared,
+        before: Mapping[str, DeltaRef],
+        records: Mapping[str, ChunkRecord],
+        keyframe_every: int,
+    ) -> None:
+        """After a commit: the next save's delta bases (``before`` were this save's)."""
+        if p.use_refs and p.digests is not None:
+            self._delta_refs = next_refs(
+                p.plan, p.digests, before, p.copies.refs, records, keyframe_every
+            )
+
+    def drop_delta_bases(self) -> None:
+        self._delta_refs = {}
         self._arenas[1].buffers.clear()
 
-    def run(
-        self, p: _Prepared, name: str, opts: SaveOptions, metadata: dict[str, Any], t0: float
-    ) -> SnapshotInfo:
-        """The rest of a save: wait for device copies, hash/encode/write, commit. Any thread."""
-        st = self.store
-        try:
-            p.staged.wait()
-            pool = self.pool(opts.threads)
-            if p.digests is None:  # CUDA: everything staged, hash now
-                wr = write_chunks(
-                    st, p.plan, p.staged.arrays.__getitem__, opts, pool, st.chunk_index(), None,
-                    name=name,
-                )  # fmt: skip
-                info = commit(st, name, p.plan, wr, opts, metadata, t0, p.blocked, p.waited)
-                return info
-            refs = st.delta_refs if p.use_refs else None
-            wr = write_chunks(
-                st, p.plan, p.staged.arrays.__getitem__, opts, pool, p.index, refs,
-                digests=p.digests, owned=p.owned, group_bufs=p.group_bufs, chunk_data=p.chunk_data,
-                name=name,
-            )  # fmt: skip
-            records = closure(set(p.digests), wr.records, p.index)
-            wr = replace(wr, records=records, chunks_reused=len(set(p.digests)) - wr.chunks_new)
-            info = commit(st, name, p.plan, wr, opts, metadata, t0, p.blocked, p.waited)
-            if p.use_refs and refs is not None:
-                st.delta_refs = next_refs(
-                    p.plan, p.digests, refs, p.staged_refs, records, opts.keyframe_every
-                )
-            self._prefault(p)
-            return info
-        except BaseException as e:
-            err = _typed_io_error(e, st, name)
-            if p.background:
-                with self._lock:
-                    self._unreported = err  # cleared by result(); else raised by the next save
-            if err is e:
-                raise
-            raise err from e
-        finally:
-            p.locks.close()
+    def prefault(self, p: Prepared) -> None:
+        """Touch the buffers the next save of this state may copy into (saving/stage.py)."""
+        if p.use_refs or p.background:
+            prefault(p.plan, self._arenas if p.use_refs else self._arenas[:1])
 
-    def prepare_all(
-        self, state: Any, name: str, opts: SaveOptions, t0: float, background: bool
-    ) -> _Prepared:
-        """prepare + stage for a single-process save: this process writes every new chunk."""
-        p = self.prepare(state, name, opts, t0, background, stage_new=True)
-        try:
-            if p.digests is not None:
-                # the hash pass already copied the new chunks of a background save
-                p.owned = p.new_staged if p.background else first_new(p.digests, p.index)
-        except BaseException:
-            p.locks.close()
-            raise
-        p.blocked = time.perf_counter() - t0
-        return p
+    # ---------------------------------------------------------------- the background thread
 
-    def start(
-        self,
-        state: Any,
-        name: str,
-        opts: SaveOptions,
-        metadata: dict[str, Any],
-        t0: float,
-        after_commit: Callable[[], None] | None = None,
-    ) -> SaveHandle:
-        p = self.prepare_all(state, name, opts, t0, background=True)
+    def submit(self, name: str, job: Callable[[], SnapshotInfo], staged: Staged) -> SaveHandle:
+        """Run ``job`` (steps 4-6) on the background thread as this store's save in flight; its
+        failure is kept until someone sees it. ``handle.staged`` completes with ``staged``."""
         staged_future: Future[None] = Future()
-        future: Future[SnapshotInfo] = Future()
-        if not p.background:  # over the memory budget: saved inline, already committed
-            staged_future.set_result(None)
-            future.set_result(self.run(p, name, opts, metadata, t0))
-            _after(after_commit, name)
-            return SaveHandle(name, staged_future, future, self)
-        if p.staged.event is None:
+        if staged.event is None:
             staged_future.set_result(None)
 
-        def background() -> SnapshotInfo:
-            if not staged_future.done():
-                try:
-                    p.staged.wait()
-                    staged_future.set_result(None)
-                except BaseException as e:
-                    staged_future.set_exception(e)
-            info = self.run(p, name, opts, metadata, t0)
-            _after(after_commit, name)
-            return info
+        def run() -> SnapshotInfo:
+            try:
+                if not staged_future.done():
+                    try:
+                        staged.wait()
+                        staged_future.set_result(None)
+                    except BaseException as e:
+                        staged_future.set_exception(e)
+                return job()
+            except BaseException as e:
+                with self._lock:
+                    self._unreported = e  # cleared by result(); else raised by the next save
+                raise
 
-        future = self._bg.submit(background)
+        future = self._bg.submit(run)
         with self._lock:
             self._inflight = future
         return SaveHandle(name, staged_future, future, self)
 
-
-def _typed_io_error(e: BaseException, st: Store, name: str) -> BaseException:
-    """A bare OSError from the write/commit phase (pack and manifest writes wrap their own) as a
-    StoreIOError that keeps the errno and says what is intact; anything else unchanged."""
-    if not isinstance(e, OSError) or isinstance(e, DeltackptError):
-        return e
-    return store_io_error(
-        e,
-        f"saving {name!r} to store {str(st.root)!r} failed: {e}. Committed snapshots are intact; "
-        f"{name!r} was not committed, and the next `deltackpt gc` deletes anything it left",
-    )
+    def completed(self, name: str, info: SnapshotInfo) -> SaveHandle:
+        """The handle of an async save that ran to its commit in the caller's thread."""
+        staged: Future[None] = Future()
+        staged.set_result(None)
+        future: Future[SnapshotInfo] = Future()
+        future.set_result(info)
+        return SaveHandle(name, staged, future, self)
 
 
-def _after(hook: Callable[[], None] | None, name: str) -> None:
-    """Run a post-commit hook (retention); its failure must not turn a committed save into an error."""
-    if hook is None:
-        return
-    try:
-        hook()
-    except Exception as e:
-        warnings.warn(
-            f"post-commit hook after saving {name!r} failed: {e!r}", RuntimeWarning, stacklevel=1
-        )
+# The one registry of per-store state: id(store) -> its StoreSaver. The saver holds its store, so
+# the id stays that store's while the entry exists; StoreSaver.close() removes it.
+_SAVERS: dict[int, StoreSaver] = {}
+_SAVERS_LOCK = threading.Lock()
 
 
-@dataclass
-class _Prepared:
-    plan: SavePlan
-    staged: Staged  # per source: live bytes (CPU) or staged copies (CUDA)
-    use_refs: bool
-    locks: contextlib.ExitStack
-    blocked: float
-    waited: float
-    background: bool
-    digests: list[str] | None = None  # None: not hashed yet (CUDA)
-    group_bufs: dict[int, np.ndarray] = field(default_factory=dict)
-    index: dict[str, ChunkRecord] = field(default_factory=dict)
-    owned: set[int] | None = None  # chunk indices this process writes
-    chunk_data: dict[int, np.ndarray] = field(default_factory=dict)  # staged chunk copies
-    staged_refs: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
-    new_staged: set[int] = field(default_factory=set)  # chunks copied because the store lacks them
-
-
-def first_new(digests: list[str], index: dict[str, ChunkRecord]) -> set[int]:
-    """Indices of the chunks to write: the first occurrence of each digest the store lacks."""
-    seen: set[str] = set()
-    out = set()
-    for ci, d in enumerate(digests):
-        if d not in index and d not in seen:
-            seen.add(d)
-            out.add(ci)
-    return out
-
-
-_SAVERS: weakref.WeakSet[Saver] = weakref.WeakSet()
-_SAVER_LOCK = threading.Lock()
-
-
-def saver_for(store: Store) -> Saver:
-    with _SAVER_LOCK:
-        s = getattr(store, "_saver", None)
+def saver_for(store: Store) -> StoreSaver:
+    """The StoreSaver of ``store``, created on first use."""
+    with _SAVERS_LOCK:
+        s = _SAVERS.get(id(store))
         if s is None:
-            s = Saver(store)
-            store._saver = s  # type: ignore[attr-defined]
+            s = _SAVERS[id(store)] = StoreSaver(store)
         return s
 
 
 def _flush_all() -> None:
-    for s in list(_SAVERS):
+    with _SAVERS_LOCK:
+        savers = list(_SAVERS.values())
+    for s in savers:
         s.flush()
 
 
-# Flush before concurrent.futures stops accepting work at interpreter exit: threading's exit hooks
-# run (in reverse order of registration) before atexit handlers and before pools shut down.
+# threading's exit hooks run (in reverse order of registration) before atexit handlers and before
+# concurrent.futures stops its pools; ours is registered after concurrent.futures' own.
 _register = getattr(threading, "_register_atexit", None)
 if _register is not None:
     _register(_flush_all)
 else:  # pragma: no cover - other Pythons
     atexit.register(_flush_all)
-
-
-def async_save(
-    state: Any,
-    store: str | os.PathLike[str] | Store,
-    name: str,
-    *,
-    metadata: dict[str, Any] | None = None,
-    options: SaveOptions | None = None,
-    after_commit: Callable[[], None] | None = None,
-    process_group: Any = None,
-    **kwargs: Any,
-) -> SaveHandle:
-    """Stage ``state`` into reused host buffers and save it in the background.
-
-    Returns once the state is staged (on CPU; on CUDA once the copies are queued, with
-    ``handle.staged`` done when they land). Training may mutate the state as soon as
-    ``handle.staged`` is done. ``handle.result()`` returns the :class:`SnapshotInfo` once the
-    snapshot is committed, or raises the background failure.
-
-    >>> h = deltackpt.async_save({"model": model.state_dict()}, "ckpts", "step-200")  # doctest: +SKIP
-    >>> ...  # keep training
-    >>> h.result().bytes_written                                                     # doctest: +SKIP
-    """
-    from deltackpt.api import begin
-
-    t0, opts, st, meta = begin(store, name, metadata, options, kwargs)
-    if process_group is not None:
-        from deltackpt.dist.save import dist_async_save
-
-        return dist_async_save(state, st, name, opts, meta, process_group, t0)
-    return saver_for(st).start(state, name, opts, meta, t0, after_commit)

@@ -1,17 +1,23 @@
-"""Save planning (no I/O): which byte ranges a state consists of and how they map onto chunks.
+"""Save step 1, plan (every rank, no I/O): which byte ranges a state consists of and how they
+map onto chunks.
 
 A *source* is one contiguous run of bytes to store: a tensor's bytes, or the covering byte range of
 a storage that several tensors view (tied weights). Sources of at least ``small_bytes`` are cut into
 ``chunk_bytes`` chunks at fixed offsets, so an unchanged region of a tensor always yields the same
 chunk digests (dedupe, deltas). Smaller sources are packed in tree order into group chunks, so a
 state with thousands of tiny tensors does not become thousands of tiny objects.
+
+:func:`chunk_view` gives a chunk's bytes from the plan's sources; the hash pass (step 2) and the
+writer (step 4) read chunks through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
@@ -19,6 +25,8 @@ from deltackpt.format.dtypes import dtype_name
 from deltackpt.format.tree import Leaf, Node, flatten
 
 GROUP_ALIGN = 64  # small tensors start at this alignment inside a group chunk
+
+SourceArray = Callable[[int], np.ndarray]  # source index -> its bytes as a uint8 numpy array
 
 
 @dataclass
@@ -91,10 +99,10 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """Byte range [lo, hi) of the storage that ``t`` touches."""
     size = t.element_size()
-    lo = t.storage_offset() * size
+    lo = int(t.storage_offset()) * size
     if t.numel() == 0:
         return lo, lo
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    last = sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return lo, lo + (last + 1) * size
 
 
@@ -167,7 +175,7 @@ def _entry(
     )
     if i in shared:
         sid, lo = shared[i]
-        e.storage = (sid, t.storage_offset() * t.element_size() - lo, tuple(t.stride()))
+        e.storage = (sid, int(t.storage_offset()) * t.element_size() - lo, tuple(t.stride()))
     else:
         e.source = len(sources)
         sources.append(Source(leaf.path, tensor_bytes(t), t.element_size()))
@@ -208,3 +216,29 @@ def layout_chunks(
         group.offsets.append(pos)
         group.size = pos + n
     return chunks, slices
+
+
+def chunk_view(
+    spec: ChunkSpec,
+    source_array: SourceArray,
+    scratch: dict[int, np.ndarray],
+    ci: int,
+    reuse: bool = False,
+) -> np.ndarray:
+    """The chunk's raw bytes: a view of its source, or small sources gathered into a buffer."""
+    if spec.ref_key is not None:
+        si, start, length = spec.parts[0]
+        return source_array(si)[start : start + length]
+    buf = scratch.get(ci)
+    if reuse and buf is not None and buf.size == spec.size:
+        return buf  # gathered by the hash pass: a private copy already
+    if buf is None or buf.size != spec.size:
+        buf = np.zeros(spec.size, dtype=np.uint8)
+        scratch[ci] = buf
+    pos_end = 0
+    for (si, start, length), off in zip(spec.parts, spec.offsets, strict=True):
+        if off > pos_end:
+            buf[pos_end:off] = 0  # alignment padding: keep it deterministic
+        buf[off : off + length] = source_array(si)[start : start + length]
+        pos_end = off + length
+    return buf

@@ -1,4 +1,5 @@
-"""Staging: copy a state's bytes into host buffers that are reused from save to save.
+"""Save step 2, stage (every rank, caller's thread): hash every chunk in place and copy the bytes
+that must outlive the call into host buffers that are reused from save to save.
 
 Allocating and page-faulting fresh memory runs at ~1-3 GB/s here, a copy into an already-touched
 buffer at ~5-10 GB/s, so buffers are kept per source key and reused while the state's structure
@@ -6,19 +7,26 @@ stays the same. With xor deltas on, two arenas alternate: one holds the bytes of
 save (the delta bases), the other receives the next save.
 
 On CUDA the buffers are pinned and the device-to-host copies are issued non-blocking on a side
-stream; ``staged`` completes when the stream's event fires. On CPU staging is synchronous.
+stream; ``staged`` completes when the stream's event fires. On CPU staging is synchronous, and
+:func:`hash_and_stage` hashes each chunk and copies only what must outlive the call, in one pass
+while the bytes are cache-warm. The arenas and the delta bases (:class:`DeltaRef`) belong to the
+store's :class:`~deltackpt.saving.engine.StoreSaver`; this module only fills them.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from deltackpt.saving.plan import SavePlan
+from deltackpt.format.hashing import digest
+from deltackpt.format.manifest import ChunkRecord
+from deltackpt.saving.hooks import hooks
+from deltackpt.saving.plan import SavePlan, chunk_view
 
 
 @dataclass
@@ -109,3 +117,129 @@ def stage_chunks(
 
     list(pool.map(copy, jobs))
     return {ci: (dst, which) for ci, which, _, dst in jobs}
+
+
+@dataclass
+class DeltaRef:
+    """The raw bytes of a chunk as last committed by this process: the base of an xor delta."""
+
+    digest: str
+    data: np.ndarray
+    depth: int  # how many xor links lead from this chunk to a keyframe
+    arena: int = 0  # which staging arena holds ``data`` (the next change goes to the other)
+
+
+@dataclass
+class StagedChunks:
+    """What the hash pass copied into the arenas, per chunk index."""
+
+    data: dict[int, np.ndarray] = field(default_factory=dict)  # chunk -> its staged bytes
+    refs: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)  # -> (bytes, arena)
+    new: set[int] = field(default_factory=set)  # copied because the store lacks them
+
+
+def hash_and_stage(
+    plan: SavePlan,
+    live: list[np.ndarray],
+    index: Mapping[str, ChunkRecord],
+    refs: Mapping[str, DeltaRef] | None,
+    stage_new: bool,
+    arenas: tuple[Arena, Arena],
+    pool: ThreadPoolExecutor,
+    group_bufs: dict[int, np.ndarray],
+) -> tuple[list[str], StagedChunks]:
+    """Hash every chunk in place and, in the same pass while it is cache-warm, copy the chunks
+    whose bytes must outlive the call: with delta bases (``refs`` not None), those whose digest
+    changed (the next save's bases, into the arena that does not hold the current base); with
+    ``stage_new``, one chunk of each digest the store lacks (an async save writes them later).
+    Unchanged chunks are only read. Group chunks are gathered into ``group_bufs`` (private)."""
+    use_refs = refs is not None
+    bases: Mapping[str, DeltaRef] = refs if refs is not None else {}
+    lock = threading.Lock()
+    claimed: set[str] = set()
+    out = StagedChunks()
+
+    def copy(ci: int, view: np.ndarray, arena: int, new: bool) -> None:
+        si, start, length = plan.chunks[ci].parts[0]
+        src = plan.sources[si]
+        buf = arenas[arena].buffer(src.key, src.nbytes, pin=False).numpy()[start : start + length]
+        torch.from_numpy(buf).copy_(torch.from_numpy(view))  # releases the GIL
+        hooks.on_stage_copy(ci)
+        with lock:
+            out.refs[ci] = (buf, arena)
+            out.data[ci] = buf
+            if new:
+                out.new.add(ci)
+
+    def one(ci: int) -> str:
+        spec = plan.chunks[ci]
+        view = chunk_view(spec, live.__getitem__, group_bufs, ci)
+        d = digest(view)
+        new = False
+        if stage_new and d not in index:
+            with lock:
+                new = d not in claimed
+                claimed.add(d)
+        if spec.ref_key is None:  # group chunk: gathered into a private buffer already
+            if new:
+                with lock:
+                    out.new.add(ci)
+            return d
+        prior = bases.get(spec.ref_key)
+        changed = use_refs and (prior is None or prior.digest != d)
+        if changed or new:
+            arena = (1 - prior.arena) if (changed and prior is not None) else 0
+            copy(ci, view, arena, new)
+        return d
+
+    digests = list(pool.map(one, range(len(plan.chunks))))
+    return digests, out
+
+
+def prefault(plan: SavePlan, arenas: tuple[Arena, ...]) -> None:
+    """Allocate and touch the buffers of ``arenas`` the next save may copy into, now (behind an
+    async save, or once at the end of the first sync save) rather than page-faulting them inside
+    the next save's blocking call: fresh pages cost ~1-3 GB/s here, touched ones 5-10."""
+    for arena in arenas:
+        for src in plan.sources:
+            if src.nbytes and (src.key, src.nbytes) not in arena.buffers:
+                arena.buffer(src.key, src.nbytes, pin=False).zero_()
+
+
+def chain_depth(d: str, records: Mapping[str, ChunkRecord]) -> int | None:
+    """How many xor links lead from chunk ``d`` to its keyframe (None: not known here)."""
+    n = 0
+    while True:
+        rec = records.get(d)
+        if rec is None:
+            return None
+        if rec.base is None:
+            return n
+        d, n = rec.base, n + 1
+
+
+def next_refs(
+    plan: SavePlan,
+    digests: list[str],
+    refs: Mapping[str, DeltaRef],
+    staged: dict[int, tuple[np.ndarray, int]],
+    records: Mapping[str, ChunkRecord],
+    keyframe_every: int,
+) -> dict[str, DeltaRef]:
+    """Delta bases for the next save: unchanged chunks keep their base where it is, changed ones
+    point at their staged copy. Chunks whose chain depth is unknown here count as due for a
+    keyframe."""
+    out: dict[str, DeltaRef] = {}
+    for ci, spec in enumerate(plan.chunks):
+        key = spec.ref_key
+        if key is None:
+            continue
+        d = digests[ci]
+        prior = refs.get(key)
+        if prior is not None and prior.digest == d:
+            out[key] = prior
+        elif ci in staged:
+            view, arena = staged[ci]
+            depth = chain_depth(d, records)
+            out[key] = DeltaRef(d, view, keyframe_every if depth is None else depth, arena)
+    return out

@@ -1,12 +1,21 @@
-"""A directory of snapshots: the only code that knows the store's file names and layout.
+"""A store of snapshots: the only code that knows the store's layout and touches its bytes.
 
-``store.py`` (Store, open_store, STORE.json, manifests), ``packs.py`` (pack files),
-``chunks.py`` (read, decode and verify chunks), ``durable.py`` (fsync, atomic publish, locks),
-``lifecycle.py`` (list, delete, gc, verify).
+From the bottom up:
+
+- ``storage.py``: the :class:`Storage` seam (every operation the store asks of storage) and the
+  store's keys; ``durable.py``: local fsync, atomic publish and the flock store lock;
+  ``local.py``: :class:`LocalStorage`, a store in a local directory.
+- ``packs.py``: pack objects (PackWriter, PackReaders, ``<id>.pack`` names, PACK_ALIGN);
+  ``chunks.py``: read, decode and verify chunks.
+- ``config.py`` (STORE.json), ``location.py`` (what ``open_store``'s path names),
+  ``snapshot.py`` (names, SnapshotInfo), ``store.py`` (Store, open_store, manifests, commit).
+- ``lifecycle.py`` (list, delete, gc) and ``verify.py`` (verify).
 """
 
 from __future__ import annotations
 
+from deltackpt.store.local import LocalStorage
+from deltackpt.store.storage import Storage
 from deltackpt.store.store import SnapshotInfo, Store, open_store
 
-__all__ = ["SnapshotInfo", "Store", "open_store"]
+__all__ = ["LocalStorage", "SnapshotInfo", "Storage", "Store", "open_store"]

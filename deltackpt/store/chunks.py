@@ -1,9 +1,10 @@
-"""Reading chunks back: pread (into the destination when possible), decode, verify the digest.
+"""Reading chunks back: read (into the destination when possible), decode, verify the digest.
 
 The one read engine of load (new tensors and ``into=``), ``load_reusing``, the DCP StoreReader and
-verify. Raw chunks are read with ``preadv`` scattered straight into their destination ranges and
-hashed there, streaming over the pieces (no intermediate copy, even for a grouped chunk holding
-many small tensors); raw chunks that lie back to back in one pack are read by one ``preadv``.
+verify. Raw chunks are read by one ranged read scattered straight into their destination ranges
+(``PackReaders.readv_into``: a copy out of the mapped pack, or ``preadv``) and hashed there,
+streaming over the pieces (no intermediate copy, even for a grouped chunk holding many small
+tensors); raw chunks that lie back to back in one pack are read by one ranged read.
 Encoded chunks (zstd, xor chains) go through a per-thread scratch buffer reused across chunks and
 are decoded on the pool, one job per chunk, so decode overlaps with the reads of other jobs.
 """
@@ -26,8 +27,7 @@ from deltackpt.errors import CodecError, CorruptChunkError, UnsafePathError
 from deltackpt.format import codecs
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
-from deltackpt.store.packs import PackReaders
-from deltackpt.store.store import PACK_ALIGN
+from deltackpt.store.packs import PACK_ALIGN, PackReaders, pack_name
 
 _local = threading.local()
 
@@ -103,19 +103,30 @@ class ChunkReader:
         self.records = records
         self.verify = verify
 
-    def _corrupt(self, d: str, where: str, why: str) -> CorruptChunkError:
+    def _corrupt(
+        self, d: str, where: str, why: str, missing_pack: bool = False
+    ) -> CorruptChunkError:
+        """The error for chunk ``d``; ``e.missing_pack`` is True when the cause is that its pack
+        does not exist (gc compaction may have moved the chunk: the loader re-reads the
+        manifest once), False for real damage."""
         rec = self.records.get(d)
         loc = f"pack {rec.pack} offset {rec.offset}" if rec else "no record"
-        return CorruptChunkError(
+        e = CorruptChunkError(
             f"chunk {d} of {where} ({loc}) is corrupt: {why}. Run `deltackpt verify` to list "
             "every damaged snapshot; load an earlier snapshot or restore the store from a copy"
         )
+        e.missing_pack = missing_pack  # type: ignore[attr-defined]
+        return e
+
+    def _missing(self, d: str, where: str, pack: str) -> CorruptChunkError:
+        why = f"its pack file {pack_name(pack)} is missing"
+        return self._corrupt(d, where, why, missing_pack=True)
 
     def _read_payload(self, d: str, rec: ChunkRecord, out: np.ndarray, where: str) -> None:
         try:
             n = self.packs.read_into(rec.pack, rec.offset, out)
         except FileNotFoundError:
-            raise self._corrupt(d, where, f"its pack file {rec.pack}.pack is missing") from None
+            raise self._missing(d, where, rec.pack) from None
         except UnsafePathError as e:
             raise self._corrupt(d, where, str(e)) from e
         except OSError as e:  # EIO, EISDIR, ...: this chunk is unreadable, the rest may be fine
@@ -247,9 +258,7 @@ class ChunkReader:
         try:
             n = self.packs.readv_into(first.pack, first.offset, iov)
         except FileNotFoundError:
-            raise self._corrupt(
-                job0.digest, job0.where, f"its pack file {first.pack}.pack is missing"
-            ) from None
+            raise self._missing(job0.digest, job0.where, first.pack) from None
         except UnsafePathError as e:
             raise self._corrupt(job0.digest, job0.where, str(e)) from e
         except OSError as e:  # EIO, EISDIR, ...: these chunks are unreadable, others may be fine

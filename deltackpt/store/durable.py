@@ -1,4 +1,5 @@
-"""Durable file operations: fsync, atomic publish, and the store lock.
+"""Local file-system primitives under ``LocalStorage``: fsync, atomic publish, the store lock,
+and opening a store's directories without following links.
 
 Why commits look like this: a snapshot exists exactly when ``snapshots/<name>/MANIFEST.json``
 exists. Pack data is fsynced before the manifest is written; the manifest is written under
@@ -15,11 +16,12 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from deltackpt.errors import SnapshotExistsError, StoreLockedError
+from deltackpt.errors import SnapshotExistsError, StoreLockedError, UnsafePathError
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,6 +36,16 @@ def open_dir(path: str | Path, dir_fd: int | None = None) -> int:
     """Open a directory of the store without following a symlink (ELOOP or ENOTDIR if it is
     one), relative to ``dir_fd`` when given: paths from stored data never leave the store."""
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+
+
+def check_dir(path: Path) -> None:
+    """Refuse a store sub-directory (``snapshots/``, ``packs/``, ``tmp/``) that is a symlink."""
+    st = os.lstat(path)  # FileNotFoundError passes through: callers treat it as "empty"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(
+            f"{path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}; "
+            "deltackpt never follows links inside a store. Replace it with a real directory"
+        )
 
 
 def write_durable(path: Path, data: bytes) -> None:

@@ -1,4 +1,5 @@
-"""Snapshot lifecycle: list, delete, garbage-collect (with pack compaction) and verify.
+"""Snapshot lifecycle: list, delete and garbage-collect (with pack compaction); verify is in
+``verify.py`` (re-exported here).
 
 gc holds the store lock exclusively, and every save holds it shared from planning to commit, so gc
 never runs while a save could still reference a chunk it would delete: it waits for in-flight saves
@@ -11,32 +12,35 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import stat
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from deltackpt.errors import (
-    CorruptChunkError,
     DamagedSnapshotWarning,
     InvalidArgumentError,
-    ManifestError,
     SnapshotNotFoundError,
-    StoreIOError,
     UnsafePathError,
 )
-from deltackpt.format.manifest import PACK_ID_RE, ChunkRecord, Manifest
-from deltackpt.options import default_lock_timeout, default_threads
-from deltackpt.store.chunks import ChunkReader
-from deltackpt.store.chunks import _scratch as scratch
-from deltackpt.store.durable import fsync_dir, open_dir, store_lock
-from deltackpt.store.packs import PackReaders, PackWriter
-from deltackpt.store.store import LATEST, PACK_ALIGN, SnapshotInfo, Store, check_dir, open_store
+from deltackpt.format.manifest import ChunkRecord, Manifest
+from deltackpt.options import default_lock_timeout
+from deltackpt.store.packs import PACK_ALIGN, pack_id_of, pack_key
+from deltackpt.store.storage import PACKS, SNAPSHOTS, TMP, Entry, manifest_key
+from deltackpt.store.store import LATEST, SnapshotInfo, Store, open_store
+from deltackpt.store.verify import VerifyProblem, VerifyReport, verify
+
+__all__ = [
+    "GcReport",
+    "VerifyProblem",
+    "VerifyReport",
+    "delete",
+    "gc",
+    "snapshots",
+    "verify",
+]
 
 
 def snapshots(store: str | os.PathLike[str] | Store) -> list[SnapshotInfo]:
@@ -67,9 +71,7 @@ def delete(store: str | os.PathLike[str] | Store, name: str) -> None:
     st = open_store(store, create=False)
     if name == LATEST:
         raise SnapshotNotFoundError("delete() needs an explicit snapshot name, not 'latest'")
-    with store_lock(
-        st.lock_path, exclusive=False, timeout=default_lock_timeout(), what=f"deleting {name!r}"
-    ):
+    with st.lock(exclusive=False, timeout=default_lock_timeout(), what=f"deleting {name!r}"):
         _delete(st, name)
 
 
@@ -207,7 +209,7 @@ def gc(
         plan = _plan_gc(st, keep_last, keep, compact_below)
         return _report(plan, t0, dry_run=True)
     timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
-    with store_lock(st.lock_path, exclusive=True, timeout=timeout, what="gc"):
+    with st.lock(exclusive=True, timeout=timeout, what="gc"):
         plan = _plan_gc(st, keep_last, keep, compact_below)
         for name in plan.doomed:
             _delete(st, name)  # we hold the lock exclusively
@@ -219,9 +221,9 @@ def gc(
                 compacted.append((pack, size, new_size))
         for pack, _ in plan.remove:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(st.pack_path(pack))
+                st.storage.delete(pack_key(pack))
         if plan.remove or compacted:
-            fsync_dir(st.packs_dir)
+            st.storage.sync(PACKS)
         plan.compact = compacted
     return _report(plan, t0, dry_run=False)
 
@@ -256,25 +258,19 @@ def _plan_gc(st: Store, keep_last: int | None, keep: Any, compact_below: float) 
         doomed = [m.name for m in manifests if m.name not in keep_set]
         manifests = [m for m in manifests if m.name not in doomed]
     leftovers: list[tuple[str, str]] = []
-    for sub in ("tmp", "snapshots"):
-        d = st.root / sub
+    for sub in (TMP, SNAPSHOTS):
         try:
-            check_dir(d)
-            entries = list(os.scandir(d))
-        except FileNotFoundError:
-            continue
+            entries = st.storage.list(sub)  # [] when missing
         except UnsafePathError:
             refused.append(sub)
             continue
         for e in entries:
-            if sub == "tmp":
+            if sub == TMP:
                 leftovers.append((sub, e.name))  # ours entirely; links are unlinked, not followed
-            elif e.is_symlink():
-                if f"snapshots/{e.name}" not in refused:
-                    refused.append(f"snapshots/{e.name}")
-            elif e.is_dir(follow_symlinks=False) and not os.path.lexists(
-                os.path.join(e.path, "MANIFEST.json")
-            ):
+            elif e.kind == "link":
+                if f"{SNAPSHOTS}/{e.name}" not in refused:
+                    refused.append(f"{SNAPSHOTS}/{e.name}")
+            elif e.kind == "dir" and not st.storage.exists(manifest_key(e.name)):
                 leftovers.append((sub, e.name))
     live: dict[str, dict[str, ChunkRecord]] = {}
     for m in manifests:
@@ -282,26 +278,18 @@ def _plan_gc(st: Store, keep_last: int | None, keep: Any, compact_below: float) 
             live.setdefault(rec.pack, {})[dg] = rec
     remove: list[tuple[str, int]] = []
     compact: list[tuple[str, int, int]] = []
+    packs: list[Entry]
     try:
-        check_dir(st.packs_dir)
-        packs = sorted(os.scandir(st.packs_dir), key=lambda e: e.name)
-    except FileNotFoundError:
-        packs = []
+        packs = sorted(st.storage.list(PACKS), key=lambda e: e.name)
     except UnsafePathError:
-        refused.append("packs")
+        refused.append(PACKS)
         packs = []
     for e in packs:
-        pack = e.name.removesuffix(".pack")
-        if not e.name.endswith(".pack") or not PACK_ID_RE.match(pack) or e.is_symlink():
-            refused.append(f"packs/{e.name}")
+        pack = pack_id_of(e.name)
+        if pack is None or e.kind != "file":  # links, directories, names no save writes
+            refused.append(f"{PACKS}/{e.name}")
             continue
-        if not e.is_file(follow_symlinks=False):
-            refused.append(f"packs/{e.name}")
-            continue
-        try:
-            size = e.stat(follow_symlinks=False).st_size
-        except FileNotFoundError:
-            continue
+        size = e.size
         if damaged:
             continue  # a damaged manifest may need any pack: collect nothing
         chunks = live.get(pack)
@@ -321,38 +309,17 @@ def _plan_gc(st: Store, keep_last: int | None, keep: Any, compact_below: float) 
 
 
 def _sweep_leftovers(st: Store, leftovers: list[tuple[str, str]]) -> None:
-    """Remove crashed saves' files, relative to directory descriptors, never following links."""
-    for sub in ("tmp", "snapshots"):
+    """Remove crashed saves' files; the storage never follows links (a link is removed itself)."""
+    for sub in (TMP, SNAPSHOTS):
         names = [n for s_, n in leftovers if s_ == sub]
         if not names:
             continue
-        dfd = open_dir(st.root / sub)
-        try:
-            for name in names:
-                with contextlib.suppress(FileNotFoundError):
-                    if stat.S_ISDIR(os.lstat(name, dir_fd=dfd).st_mode):
-                        if sub == "snapshots" and _has_manifest(dfd, name):
-                            continue  # committed since the plan was made
-                        shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)
-                    else:
-                        os.unlink(name, dir_fd=dfd)  # a file or a link: the entry itself
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-def _has_manifest(dfd: int, name: str) -> bool:
-    try:
-        fd = open_dir(name, dir_fd=dfd)
-    except OSError:
-        return False
-    try:
-        os.lstat("MANIFEST.json", dir_fd=fd)
-        return True
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(fd)
+        for name in names:
+            if sub == SNAPSHOTS and st.storage.exists(manifest_key(name)):
+                continue  # committed since the plan was made
+            with contextlib.suppress(FileNotFoundError):
+                st.storage.delete(f"{sub}/{name}", recursive=True)
+        st.storage.sync(sub)
 
 
 def _compact(
@@ -365,171 +332,26 @@ def _compact(
     Returns the new pack's size, or None (nothing changed) when ``pack`` is shorter than its
     chunk records say: copying would replace the missing bytes with garbage and delete the rest.
     """
-    w = PackWriter(st.packs_dir)
+    w = st.pack_writer()
     moved: dict[str, ChunkRecord] = {}
-    with PackReaders(st.packs_dir) as packs:
+    with st.pack_readers() as packs:
         for d, rec in sorted(chunks.items(), key=lambda kv: kv[1].offset):
             buf = np.empty(rec.length, dtype=np.uint8)
             if packs.read_into(pack, rec.offset, buf) != rec.length:
-                w.abort()
-                w.path.unlink()
+                w.discard()
                 return None
             off, n = w.append(memoryview(buf))
             moved[d] = replace(rec, pack=w.pack_id, offset=off, length=n)
     new_size = w.finish()
-    fsync_dir(st.packs_dir)
+    st.storage.sync(PACKS)
     for i, m in enumerate(manifests):
         if any(r.pack == pack for r in m.chunks.values()):
             new_chunks = {d: (moved[d] if r.pack == pack else r) for d, r in m.chunks.items()}
             manifests[i] = replace(m, chunks=new_chunks)  # a later compaction starts from this
             _rewrite_manifest(st, manifests[i])
-    (st.packs_dir / f"{pack}.pack").unlink()
+    st.storage.delete(pack_key(pack))
     return new_size
 
 
 def _rewrite_manifest(st: Store, m: Manifest) -> None:
     st.write_manifest(m, overwrite=True)
-
-
-@dataclass(frozen=True)
-class VerifyProblem:
-    """One damaged thing, reported once, with every snapshot (and tensor key) it affects.
-
-    ``chunk`` is the damaged chunk's digest, or ``""`` when the snapshot's manifest itself is
-    damaged (then ``keys`` is ``("<manifest>",)``)."""
-
-    chunk: str
-    reason: str
-    snapshots: tuple[str, ...]
-    keys: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    snapshots: list[str]  # the snapshots whose chunks were checked (readable manifests)
-    chunks_checked: int
-    bytes_checked: int
-    problems: list[VerifyProblem]
-    seconds: float
-    # readable snapshots written before manifests had a digest (format version 1): their
-    # manifests are validated but damage to them cannot be detected
-    undigested: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    @property
-    def damaged(self) -> list[str]:
-        """Every snapshot some problem affects, sorted."""
-        return sorted({s for p in self.problems for s in p.snapshots})
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-
-def verify(
-    store: str | os.PathLike[str] | Store,
-    names: list[str] | None = None,
-    *,
-    threads: int | None = None,
-) -> VerifyReport:
-    """Re-read and re-hash every chunk of every (or the named) snapshot, and check every
-    manifest. Never raises on damage: the report lists each problem once, with the snapshots and
-    tensor keys it affects. (An unknown name in ``names`` is a mistake, not damage, and raises
-    :class:`SnapshotNotFoundError`.)
-
-    >>> report = deltackpt.verify("ckpts"); report.ok     # doctest: +SKIP
-    """
-    t0 = time.perf_counter()
-    st = open_store(store, create=False)
-    problems: list[VerifyProblem] = []
-    if names:
-        ms = []
-        for n in names:
-            try:
-                ms.append(st.manifest(n))
-            except (ManifestError, UnsafePathError, StoreIOError) as e:
-                problems.append(VerifyProblem("", str(e), (n,), ("<manifest>",)))
-    else:
-        ms, damaged = st.scan()
-        problems += [VerifyProblem("", d.reason, (d.name,), ("<manifest>",)) for d in damaged]
-    # A node is a chunk *at a place*: (digest, record). Manifests normally agree on where a
-    # chunk lives; when two do not (a hostile manifest, or one gc has not repointed yet), each
-    # place is checked and blamed on its own snapshots.
-    Node = tuple[str, ChunkRecord]
-    users: dict[Node, list[tuple[str, str]]] = {}  # node -> [(snapshot, key)]
-    for m in ms:
-        for e in m.tensors:
-            for d, _, _ in e.all_slices():
-                users.setdefault((d, m.chunks[d]), []).append((m.name, e.path))
-        for _, data in m.storages:
-            for d, _, _ in data:
-                users.setdefault((d, m.chunks[d]), []).append((m.name, "<shared storage>"))
-        for d, r in m.chunks.items():
-            if not any(snap == m.name for snap, _ in users.get((d, r), ())):
-                users.setdefault((d, r), []).append((m.name, "<delta base>"))
-    # Decode every xor chain once, keyframe first, handing each chunk's raw bytes to its deltas:
-    # decoding each chunk from scratch would redo its whole chain (K times the work).
-    children: dict[Node, set[Node]] = {}
-    roots: set[Node] = set()
-    for m in ms:
-        for d, r in m.chunks.items():
-            if r.base is None:
-                roots.add((d, r))
-            else:  # validated: the base is in the same manifest
-                children.setdefault((r.base, m.chunks[r.base]), set()).add((d, r))
-    with PackReaders(st.packs_dir) as packs:
-
-        def walk(root: Node) -> list[tuple[Node, str | None]]:
-            out: list[tuple[Node, str | None]] = []
-            stack: list[tuple[Node, np.ndarray | None]] = [(root, None)]
-            while stack:
-                node, base_raw = stack.pop()
-                d, rec = node
-                # A chunk no delta builds on is only hashed: a per-thread scratch buffer, reused
-                # (fresh memory per chunk costs page faults on every chunk of the store).
-                kids = children.get(node)
-                raw = np.empty(rec.size, dtype=np.uint8) if kids else scratch("verify", rec.size)
-                try:
-                    ChunkReader(packs, {d: rec}, verify=True).decode_into(
-                        d, raw, "verify", base_raw=base_raw
-                    )
-                except CorruptChunkError as e:
-                    out.append((node, str(e)))
-                    todo = list(children.get(node, ()))
-                    while todo:  # deltas of a corrupt chunk cannot be checked: report them too
-                        c = todo.pop()
-                        out.append((c, f"chunk {c[0]}: its xor base chain is corrupt ({d})"))
-                        todo.extend(children.get(c, ()))
-                    continue
-                out.append((node, None))
-                stack.extend((c, raw) for c in children.get(node, ()))
-            return out
-
-        order = sorted(roots, key=lambda n: (n[0], n[1].pack, n[1].offset))
-        with ThreadPoolExecutor(threads or default_threads()) as pool:
-            walked = list(pool.map(walk, order))
-    checked = nbytes = 0
-    for results in walked:
-        for node, err in results:
-            checked += 1
-            nbytes += node[1].size
-            if err is not None:
-                who = list(dict.fromkeys(users[node]))
-                problems.append(
-                    VerifyProblem(
-                        node[0],
-                        err,
-                        tuple(sorted({snap for snap, _ in who})),
-                        tuple(dict.fromkeys(key for _, key in who)),
-                    )
-                )
-    return VerifyReport(
-        [m.name for m in ms],
-        checked,
-        nbytes,
-        problems,
-        time.perf_counter() - t0,
-        [m.name for m in ms if not m.has_digest],
-    )

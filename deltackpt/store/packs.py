@@ -1,233 +1,168 @@
-"""Pack files: large append-only files holding chunk payloads.
+"""Pack files: large append-only objects holding chunk payloads, and their names.
 
 A pack starts with the 8-byte magic ``DCKPACK\\x01`` padded to ``PACK_ALIGN``; every payload starts
 at a multiple of ``PACK_ALIGN`` and is followed by zero padding. Packs carry no index of their own:
 the manifests say which (offset, length) of which pack holds which chunk. A save writes one pack per
-writer thread, so a save creates O(threads) files, not O(tensors). Packs are never modified after
+writer thread, so a save creates O(threads) objects, not O(tensors). Packs are never modified after
 the save that wrote them; gc deletes or rewrites whole packs.
+
+Pack ids come from manifests, which are untrusted: :func:`pack_name` (the one place a pack's name
+``<id>.pack`` is built) refuses anything but a pack id, so a key stays in ``packs/``. Bytes go
+through a :class:`~deltackpt.store.storage.Storage`; a local ``packs/`` directory may still be
+passed as a ``Path``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import mmap
 import os
-import stat
 import threading
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from deltackpt.errors import UnsafePathError
 from deltackpt.format.manifest import PACK_ID_RE
-from deltackpt.store.durable import open_dir
-from deltackpt.store.store import PACK_ALIGN, PACK_MAGIC
+from deltackpt.store.local import LocalStorage
+from deltackpt.store.storage import PACKS, ObjectWriter, RangeReader, Storage
 
+PACK_ALIGN = 4096  # chunk payloads start at multiples of this (O_DIRECT-friendly)
+PACK_MAGIC = b"DCKPACK\x01"
+PACK_SUFFIX = ".pack"
 _ZEROS = bytes(PACK_ALIGN)
-_IOV_MAX = 1024  # iovecs per preadv: IOV_MAX on Linux and macOS
 
 
 def new_pack_id() -> str:
     return uuid.uuid4().hex[:20]
 
 
-def _write_all(fd: int, bufs: list[memoryview]) -> None:
-    # os.writev releases the GIL; loop because it may write less than asked.
-    total = sum(len(b) for b in bufs)
-    done = 0
-    while done < total:
-        n = os.writev(fd, bufs)
-        done += n
-        if done < total:
-            bufs = _advance(bufs, n)
+def pack_name(pack_id: str) -> str:
+    """``<id>.pack``, the name of pack ``pack_id`` under ``packs/``. Refuses (UnsafePathError) an
+    id that is not a pack id: ids come from manifests and must never leave ``packs/``."""
+    if not isinstance(pack_id, str) or not PACK_ID_RE.match(pack_id):
+        raise UnsafePathError(
+            f"pack id {str(pack_id)[:80]!r} is not a pack id; refusing to build a path from it"
+        )
+    return f"{pack_id}{PACK_SUFFIX}"
 
 
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    out = []
-    for b in bufs:
-        if n >= len(b):
-            n -= len(b)
-            continue
-        out.append(b[n:])
-        n = 0
-    return out
+def pack_key(pack_id: str) -> str:
+    """The storage key of pack ``pack_id``: ``packs/<id>.pack``."""
+    return f"{PACKS}/{pack_name(pack_id)}"
+
+
+def pack_id_of(name: str) -> str | None:
+    """The pack id of a name listed under ``packs/``, or None if no save writes that name."""
+    pack = name.removesuffix(PACK_SUFFIX)
+    return pack if name.endswith(PACK_SUFFIX) and PACK_ID_RE.match(pack) else None
+
+
+def _locate(where: Storage | str | os.PathLike[str]) -> tuple[Storage, str]:
+    """(storage, prefix of the packs): a Storage holds them under ``packs/``; a local path is
+    the packs directory itself."""
+    if isinstance(where, (str, os.PathLike)):
+        p = Path(where)
+        return LocalStorage(p.parent), p.name
+    return where, PACKS
+
+
+def _write_all(out: ObjectWriter, bufs: list[memoryview]) -> None:
+    """Every byte of every pack goes through here (one place to inject write faults)."""
+    out.write(bufs)
 
 
 class PackWriter:
-    """Appends payloads to one new pack file. One writer per thread; not thread-safe itself."""
+    """Appends payloads to one new pack. One writer per thread; not thread-safe itself."""
 
-    def __init__(self, packs_dir: Path, fsync: bool = True, pack_id: str | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage | str | os.PathLike[str],
+        fsync: bool = True,
+        pack_id: str | None = None,
+    ) -> None:
+        self.storage, prefix = _locate(storage)
         self.pack_id = pack_id or new_pack_id()
-        self.path = packs_dir / f"{self.pack_id}.pack"
+        self.key = f"{prefix}/{pack_name(self.pack_id)}"
         self._fsync = fsync
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._out = self.storage.create(self.key)
         try:
             _write_all(
-                self._fd,
+                self._out,
                 [memoryview(PACK_MAGIC), memoryview(_ZEROS)[: PACK_ALIGN - len(PACK_MAGIC)]],
             )
         except BaseException:  # e.g. ENOSPC: the caller never gets a writer to abort
-            os.close(self._fd)
-            os.unlink(self.path)
+            self._out.abort()
+            self.storage.delete(self.key)
             raise
         self.pos = PACK_ALIGN
+
+    @property
+    def path(self) -> Path:
+        """The pack's file (local storage only: prefer :meth:`discard` to remove it)."""
+        return Path(self.storage.where(self.key))
 
     def append(self, payload: memoryview) -> tuple[int, int]:
         """Write ``payload`` at the next aligned offset; return ``(offset, length)``."""
         offset, n = self.pos, len(payload)
         pad = -n % PACK_ALIGN
-        _write_all(self._fd, [payload, memoryview(_ZEROS)[:pad]] if pad else [payload])
+        _write_all(self._out, [payload, memoryview(_ZEROS)[:pad]] if pad else [payload])
         self.pos += n + pad
         return offset, n
 
     def finish(self) -> int:
-        """fsync and close; return the pack's size in bytes."""
-        if self._fsync:
-            os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
+        """Complete (fsync unless the writer was made with ``fsync=False``); return the pack's
+        size in bytes. The pack's *name* is durable after ``storage.sync("packs")``."""
+        self._out.finish(self._fsync)
         return self.pos
 
     def abort(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Stop writing; the partial pack stays until :meth:`discard` (or gc) removes it."""
+        self._out.abort()
+
+    def discard(self) -> None:
+        """Abort and remove the partial pack (an already removed one is fine)."""
+        self.abort()
+        with contextlib.suppress(FileNotFoundError):
+            self.storage.delete(self.key)
 
 
 class PackReaders:
-    """Open pack file descriptors shared by a load's reader threads (pread is thread-safe).
+    """Open packs shared by a load's reader threads: each pack is opened once, on first use,
+    through the storage's ranged reader (the local one copies out of a memory map)."""
 
-    Reads copy from a read-only memory map of each pack (mapped once, at the size the file has
-    then), falling back to ``preadv`` where a pack cannot be mapped. Measured on this 2-core VM
-    while other jobs ran: ``pread`` from the page cache into a touched buffer moved 2 GB/s, a
-    copy out of a mapping 11.5 GB/s (safetensors' way). Nothing past the mapped size is ever
-    touched, so a pack shorter than its manifest says is reported as truncated, as with
-    ``pread``; only a pack truncated by another process *during* a load can fault (SIGBUS), as
-    with safetensors and ``torch.load(mmap=True)``.
-
-    Pack ids come from manifests, which are untrusted: an id must match the pack-id pattern (no
-    separators, so the path stays in ``packs/``), ``packs/`` itself must be a real directory, and
-    packs are opened relative to it with O_NOFOLLOW, so a pack that is a symlink is refused."""
-
-    def __init__(self, packs_dir: Path) -> None:
-        self._dir = packs_dir
-        self._dir_fd = -1
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray] | None] = {}
+    def __init__(self, storage: Storage | str | os.PathLike[str]) -> None:
+        self._storage, self._prefix = _locate(storage)
+        self._readers: dict[str, RangeReader] = {}
         self._lock = threading.Lock()
 
-    def fd(self, pack: str) -> int:
-        with self._lock:
-            fd = self._fds.get(pack)
-            if fd is None:
-                if not PACK_ID_RE.match(pack):
-                    raise UnsafePathError(
-                        f"pack id {pack[:80]!r} is not a pack id; refusing to build a path from it"
-                    )
-                if self._dir_fd < 0:
-                    self._dir_fd = open_dir(self._dir)
-                try:
-                    fd = os.open(f"{pack}.pack", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir_fd)
-                except OSError as e:
-                    if e.errno == errno.ELOOP:
-                        raise UnsafePathError(
-                            f"{self._dir / pack}.pack is a symlink; deltackpt never follows "
-                            "links inside a store"
-                        ) from None
-                    raise
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    os.close(fd)
-                    raise UnsafePathError(f"{self._dir / pack}.pack is not a regular file")
-                self._fds[pack] = fd
-            return fd
-
-    def _mapped(self, pack: str) -> np.ndarray | None:
-        """The whole pack as a read-only uint8 array over a memory map, or None (empty file,
-        or a file system that cannot map)."""
-        fd = self.fd(pack)
-        with self._lock:
-            if pack not in self._maps:
-                entry = None
-                size = os.fstat(fd).st_size
-                if size > 0:
-                    try:
-                        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-                        entry = (m, np.frombuffer(m, dtype=np.uint8))
-                    except (OSError, ValueError):
-                        entry = None
-                self._maps[pack] = entry
-            entry = self._maps[pack]
-        return None if entry is None else entry[1]
-
-    def _copy_out(self, src: np.ndarray, offset: int, bufs: list[memoryview]) -> int:
-        """Copy from the mapped pack into ``bufs`` in order; stop at the end of the mapping."""
-        pos = offset
-        for b in bufs:
-            n = min(len(b), max(0, src.size - pos))
-            if n:
-                np.asarray(b)[:n] = src[pos : pos + n]  # numpy drops the GIL for the copy
-            pos += n
-            if n < len(b):
-                break
-        return pos - offset
+    def reader(self, pack: str) -> RangeReader:
+        """The open reader of ``pack``. FileNotFoundError when it is missing; UnsafePathError
+        when the id is not a pack id, or the pack is a symlink or not a regular file."""
+        r = self._readers.get(pack)
+        if r is None:
+            with self._lock:
+                r = self._readers.get(pack)
+                if r is None:
+                    r = self._storage.open_reader(f"{self._prefix}/{pack_name(pack)}")
+                    self._readers[pack] = r
+        return r
 
     def read_into(self, pack: str, offset: int, out: np.ndarray) -> int:
         """Fill ``out`` (uint8, contiguous) from ``pack`` at ``offset``; return bytes read."""
-        src = self._mapped(pack)
-        if src is not None:
-            return self._copy_out(src, offset, [memoryview(out).cast("B")])
-        fd = self.fd(pack)
-        view = memoryview(out).cast("B")
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                break
-            done += n
-        return done
+        return self.reader(pack).read_into(offset, [memoryview(out).cast("B")])
 
-    def readv_into(self, pack: str, offset: int, bufs: list[memoryview]) -> int:
-        """Fill ``bufs`` (byte memoryviews) in order from ``pack`` at ``offset``, one ``preadv``
-        per ``_IOV_MAX`` buffers (and more after a short read); return bytes read (less than
-        their total only at end of file)."""
-        src = self._mapped(pack)
-        if src is not None:
-            return self._copy_out(src, offset, bufs)
-        fd = self.fd(pack)
-        done = 0
-        i = 0
-        while i < len(bufs):
-            batch = bufs[i : i + _IOV_MAX]
-            want = sum(len(b) for b in batch)
-            n = os.preadv(fd, batch, offset + done) if want else 0
-            done += n
-            if n == want:
-                i += len(batch)
-                continue
-            if n == 0:
-                break
-            # Short read (a signal, a huge request): go on from the first unfilled byte.
-            rest = _advance(batch, n)
-            bufs = rest + bufs[i + len(batch) :]
-            i = 0
-        return done
+    def readv_into(self, pack: str, offset: int, bufs: Sequence[memoryview]) -> int:
+        """Fill ``bufs`` (byte memoryviews) in order from ``pack`` at ``offset``; return bytes
+        read (less than their total only at the end of the pack)."""
+        return self.reader(pack).read_into(offset, bufs)
 
     def close(self) -> None:
         with self._lock:
-            maps = [e[0] for e in self._maps.values() if e is not None]
-            self._maps.clear()  # drops our array views, so the maps can close
-            for m in maps:
-                # A caller still holding a view keeps the mapping until that view is freed.
-                with contextlib.suppress(BufferError):
-                    m.close()
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-            if self._dir_fd >= 0:
-                os.close(self._dir_fd)
-                self._dir_fd = -1
+            for r in self._readers.values():
+                r.close()
+            self._readers.clear()
 
     def __enter__(self) -> PackReaders:
         return self

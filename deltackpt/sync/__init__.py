@@ -13,6 +13,17 @@ Inference side, on every receiver rank::
     receiver.pull(model.load_weights)        # vLLM / SGLang style, or sync.ModuleAdapter(model)
     receiver.version                         # last committed version
 
+``__all__`` lists what a user needs: the sender and receiver (and the :class:`RoundStats` they
+return), the transports (:class:`DistTransport` with :func:`init_group`, which creates and, after
+a failure, re-creates its group; :class:`ShmTransport`), the adapters and the errors.
+
+Also importable here, as plumbing: :class:`Transport` and :class:`Channel` (the interfaces a new
+transport implements, see ``transport.py``), :class:`Plan` and :func:`build_plan` (the bucket
+layout every rank derives; ``WeightReceiver.plan`` returns it). Modules, bottom up: ``errors``,
+``sender_manifest`` and ``plan`` (pure), ``transport``, ``shm`` / ``shm_window``, ``_protocol``
+(the messages of a round), ``packing`` and ``sender``, ``assemble`` and ``receiver``,
+``adapters``.
+
 See docs/sync.md for the protocol and the failure semantics.
 """
 
@@ -28,29 +39,28 @@ from deltackpt.sync.errors import (
     SyncError,
     SyncTimeoutError,
 )
-from deltackpt.sync.plan import Plan, build_plan
+from deltackpt.sync.plan import Plan as Plan  # plumbing: the `X as X` form re-exports
+from deltackpt.sync.plan import build_plan as build_plan
 from deltackpt.sync.receiver import WeightReceiver
 from deltackpt.sync.sender import WeightSender
 from deltackpt.sync.shm import ShmTransport
-from deltackpt.sync.transport import Channel, DistTransport, Transport, init_group
+from deltackpt.sync.transport import Channel as Channel
+from deltackpt.sync.transport import DistTransport, init_group
+from deltackpt.sync.transport import Transport as Transport
 
 __all__ = [
-    "Channel",
     "Coverage",
     "DigestMismatchError",
     "DistTransport",
     "ModuleAdapter",
     "PeerLostError",
-    "Plan",
     "PlanError",
     "RoundAbortedError",
     "RoundStats",
     "ShmTransport",
     "SyncError",
     "SyncTimeoutError",
-    "Transport",
     "WeightReceiver",
     "WeightSender",
-    "build_plan",
     "init_group",
 ]

@@ -28,7 +28,8 @@ import torch
 
 from deltackpt.format.hashing import digest
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
-from deltackpt.sync.plan import Plan, SenderManifest
+from deltackpt.sync.plan import Plan
+from deltackpt.sync.sender_manifest import SenderManifest
 from deltackpt.sync.transport import Transport, broadcast_bytes
 
 PROTO = 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltackpt.errors import SyncError
+from deltackpt.sync.errors import SyncError
 
 __all__ = ["Coverage", "ModuleAdapter"]
 

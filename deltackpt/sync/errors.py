@@ -1,8 +1,9 @@
-"""Errors raised by weight sync.
+"""Errors raised by weight sync: :class:`SyncError` and its subclasses, all defined here.
 
-All derive from :class:`deltackpt.errors.SyncError` (itself a ``RuntimeError``), so one
-``except SyncError`` catches every failed round. The receiver keeps its last committed version
-whatever the error; the subclasses say what went wrong and therefore what to do next:
+All derive from :class:`SyncError` (a :class:`deltackpt.errors.DeltackptError` and a
+``RuntimeError``), so one ``except SyncError`` catches every failed round. The receiver keeps its
+last committed version whatever the error; the subclasses say what went wrong and therefore what
+to do next:
 
 * :class:`PeerLostError` / :class:`SyncTimeoutError` — the transport is broken (a rank died or
   stopped answering). Re-create the group (:func:`deltackpt.sync.init_group`) and call
@@ -15,7 +16,7 @@ whatever the error; the subclasses say what went wrong and therefore what to do 
 
 from __future__ import annotations
 
-from deltackpt.errors import SyncError
+from deltackpt.errors import DeltackptError
 
 __all__ = [
     "DigestMismatchError",
@@ -25,6 +26,10 @@ __all__ = [
     "SyncError",
     "SyncTimeoutError",
 ]
+
+
+class SyncError(DeltackptError, RuntimeError):
+    """A weight-sync round failed; the receiver keeps its last committed version."""
 
 
 class PlanError(SyncError, ValueError):

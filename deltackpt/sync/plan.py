@@ -1,5 +1,8 @@
 """Bucket planning: a pure function from the senders' manifests to the layout of every bucket.
 
+The manifests (:class:`SenderManifest`, what each sender holds) are defined in
+``sender_manifest.py`` and re-exported here; this module turns them into a :class:`Plan`.
+
 Every rank (senders and receivers) receives the same manifests in the plan message and calls
 :func:`build_plan` itself, so the layout is never sent: it is recomputed, deterministically, from
 what each sender holds. No I/O, no torch.distributed here.
@@ -23,15 +26,13 @@ the set of changed tensors alone, and each changed tensor arrives whole.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from deltackpt.format.hashing import digest
 from deltackpt.sync.errors import PlanError
+from deltackpt.sync.sender_manifest import SenderManifest, ShardEntry, wire_dtype
 
 __all__ = [
     "Bucket",
@@ -42,99 +43,16 @@ __all__ = [
     "ShardEntry",
     "TensorInfo",
     "build_plan",
-    "dtype_from_name",
-    "dtype_name",
     "segments",
 ]
 
-MANIFEST_FORMAT = 1
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"`` (the name used on the wire)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`; raises :class:`PlanError` for an unknown name."""
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise PlanError(
-            f"unknown dtype {name!r} in a sync plan; sender and receiver must run "
-            "torch versions that both know it"
-        )
-    return value
-
 
 def _itemsize(name: str) -> int:
-    return dtype_from_name(name).itemsize
+    return wire_dtype(name).itemsize
 
 
 def _align_up(n: int, align: int) -> int:
     return -(-n // align) * align
-
-
-@dataclass(frozen=True)
-class ShardEntry:
-    """One tensor as one sender holds it: global ``shape``, and the box ``offset``/``local_shape``
-    of the part it holds (the whole tensor: zeros and ``shape``)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: tuple[int, ...]
-    local_shape: tuple[int, ...]
-
-    @property
-    def local_numel(self) -> int:
-        return math.prod(self.local_shape)
-
-
-@dataclass(frozen=True)
-class SenderManifest:
-    """What one sender rank holds, plus the options that must agree between senders."""
-
-    rank: int
-    bucket_bytes: int
-    align: int
-    entries: tuple[ShardEntry, ...]
-
-    def to_json(self) -> bytes:
-        """Canonical JSON (sorted keys, no spaces): equal manifests give equal bytes."""
-        doc = {
-            "format": MANIFEST_FORMAT,
-            "rank": self.rank,
-            "bucket_bytes": self.bucket_bytes,
-            "align": self.align,
-            "tensors": [
-                [e.name, e.dtype, list(e.shape), list(e.offset), list(e.local_shape)]
-                for e in self.entries
-            ],
-        }
-        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> SenderManifest:
-        try:
-            doc = json.loads(data)
-            if doc.get("format") != MANIFEST_FORMAT:
-                raise PlanError(
-                    f"sync manifest format {doc.get('format')!r}, this version reads "
-                    f"{MANIFEST_FORMAT}; run the same deltackpt on every rank"
-                )
-            entries = tuple(
-                ShardEntry(
-                    str(n), str(d), tuple(map(int, s)), tuple(map(int, o)), tuple(map(int, ls))
-                )
-                for n, d, s, o, ls in doc["tensors"]
-            )
-            return cls(int(doc["rank"]), int(doc["bucket_bytes"]), int(doc["align"]), entries)
-        except (ValueError, KeyError, TypeError) as e:
-            if isinstance(e, PlanError):
-                raise
-            raise PlanError(
-                f"malformed sync manifest ({e}); every rank must run the same deltackpt version"
-            ) from e
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Trainer side: :class:`WeightSender` packs tensors into buckets and sends a round.
+"""Trainer side: :class:`WeightSender` runs a round: plan, changed tensors, buckets, vote.
 
 Called on every sender rank of the transport, with the same ``version``, once per round::
 
@@ -12,96 +12,28 @@ it). No rank gathers the model; receivers assemble full tensors from the shards.
 Pipelining: bucket i+1 is packed (copied into a reused flat buffer and hashed in cache-sized
 chunks) while bucket i is on the wire — the channel's ``send`` is asynchronous and its buffers
 come in a ring of at least two. With :class:`DistTransport`, large pieces of plain CPU tensors
-are not copied at all: they are hashed and broadcast straight from the tensor. Digests are
-always taken from this process's memory (the source, or a private cast of it), never read back
-from a channel buffer that other processes can write (``Channel.shared``), so they name the
-bytes the trainer meant to send and receivers reject anything else. Packing runs in
+are not copied at all: they are hashed and broadcast straight from the tensor. Packing runs in
 the calling thread: async collectives give the overlap, no collective is issued from a
 background thread, and errors surface where the caller can see them.
+
+This module is the round protocol of a sender (``_protocol.py`` steps 1-5); filling and hashing
+the buckets from the caller's tensors is ``packing.py``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import numpy as np
-import torch
-import xxhash
-
-from deltackpt.format.hashing import digest
 from deltackpt.sync import _protocol as proto
 from deltackpt.sync._protocol import RoundStats
-from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
-from deltackpt.sync.plan import (
-    Bucket,
-    Piece,
-    Plan,
-    SenderManifest,
-    ShardEntry,
-    build_plan,
-    dtype_name,
-)
+from deltackpt.sync.errors import RoundAbortedError, SyncError
+from deltackpt.sync.packing import NamedTensors, Packer
+from deltackpt.sync.plan import Bucket, Plan, build_plan
+from deltackpt.sync.sender_manifest import DtypeSpec, SenderManifest
 from deltackpt.sync.transport import Channel, Transport
 
 __all__ = ["DtypeSpec", "WeightSender"]
-
-_CHUNK = 256 << 10  # copy+hash granularity: the chunk is still in L2 when it is hashed
-_PROGRESS = 4 << 20  # streaming channels hear of packed bytes this often (a multiple of _CHUNK)
-
-#: A dtype to cast floating-point tensors to, or ``f(name, dtype) -> dtype | None`` (None: keep).
-DtypeSpec = torch.dtype | Callable[[str, torch.dtype], torch.dtype | None] | None
-
-
-def resolve_dtype(spec: DtypeSpec, name: str, dtype: torch.dtype) -> torch.dtype:
-    if spec is None:
-        return dtype
-    if isinstance(spec, torch.dtype):
-        return spec if dtype.is_floating_point else dtype
-    return spec(name, dtype) or dtype
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    mod = sys.modules.get("torch.distributed.tensor")  # no DTensor can exist before it is imported
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
-def _dtensor_box(
-    name: str, t: torch.Tensor
-) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for p in t.placements:  # type: ignore[attr-defined]
-        if not (isinstance(p, Replicate) or type(p) is Shard):
-            raise PlanError(
-                f"tensor {name!r} has placement {p}; sync sends Shard(dim) and "
-                "Replicate() shards only. Reduce Partial placements first, e.g. "
-                "t.redistribute(placements=[Replicate()] * mesh.ndim)"
-            )
-    local = t.to_local()  # type: ignore[attr-defined]
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
-    if tuple(local.shape) != tuple(shape):
-        raise PlanError(
-            f"tensor {name!r}: local shard has shape {list(local.shape)} but its "
-            f"placements {t.placements} imply {list(shape)}"
-        )  # type: ignore
-    return local, tuple(offset), tuple(shape)
-
-
-def _byte_view(t: torch.Tensor, wire: torch.dtype) -> np.ndarray | None:
-    """Zero-copy uint8 view of a CPU tensor's bytes, or None if it must go through torch."""
-    if (
-        t.device.type != "cpu"
-        or t.dtype != wire
-        or not t.is_contiguous()
-        or t.is_conj()
-        or t.is_neg()
-    ):
-        return None
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 class WeightSender:
@@ -141,16 +73,13 @@ class WeightSender:
         self._channel: Channel | None = None
         self._committed: dict[int, str] = {}  # tensor -> digest of my part, last committed round
         self._dirty = True  # last round failed: the next one is full
-        self._src: dict[str, tuple[torch.Tensor, np.ndarray | None, torch.dtype]] = {}
-        self._key: list[tuple[Any, ...] | None] = []  # what _describe saw last (see there)
-        self._key_dtype: DtypeSpec = None
-        self._described: bytes | None = None
+        self._packer = Packer(transport)
 
     # ---- public ---------------------------------------------------------------------------
 
     def push(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        named_tensors: NamedTensors,
         version: int,
         *,
         full: bool = False,
@@ -169,7 +98,9 @@ class WeightSender:
         error: BaseException | None = None
         try:
             version = int(version)
-            manifest = self._describe(named_tensors)
+            manifest = self._packer.describe(
+                named_tensors, self.dtype, self.bucket_bytes, self.align
+            )
         except Exception as e:  # re-raised below, after telling the other ranks
             error = e
         need_plan = self._plan is None or manifest != self._manifest or self._epoch != t.epoch
@@ -235,69 +166,6 @@ class WeightSender:
 
     # ---- round steps ----------------------------------------------------------------------
 
-    def _describe(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-    ) -> bytes:
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        items = list(items)
-        # the same tensor objects with the same layout as last round: the manifest and sources
-        # are still valid (re-describing ~300 tensors costs milliseconds, a delta round ~50)
-        key = [
-            (
-                n,
-                t,
-                t.dtype,
-                t.shape,
-                t.stride(),
-                t.storage_offset(),
-                t.data_ptr(),
-                t.is_conj(),
-                t.is_neg(),
-            )
-            if isinstance(n, str) and isinstance(t, torch.Tensor) and not _is_dtensor(t)
-            else None
-            for n, t in items
-        ]
-        if (
-            self._described is not None
-            and self._key_dtype is self.dtype
-            and len(key) == len(self._key)
-            and all(
-                a is not None and b is not None and a[1] is b[1] and a[0] == b[0] and a[2:] == b[2:]
-                for a, b in zip(key, self._key, strict=True)
-            )
-        ):
-            return self._described
-        self._key, self._described = [], None
-        entries = []
-        src: dict[str, tuple[torch.Tensor, np.ndarray | None, torch.dtype]] = {}
-        for name, tensor in items:
-            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise SyncError(
-                    f"push() takes (name: str, tensor) pairs; got ({name!r}, "
-                    f"{type(tensor).__name__})"
-                )
-            if name in src:
-                raise PlanError(
-                    f"tensor name {name!r} appears twice in push(); names must be unique"
-                )
-            if _is_dtensor(tensor):
-                local, offset, local_shape = _dtensor_box(name, tensor)
-            else:
-                local, offset, local_shape = tensor, (0,) * tensor.dim(), tuple(tensor.shape)
-            local = local.detach()
-            wire = resolve_dtype(self.dtype, name, tensor.dtype)
-            entries.append(
-                ShardEntry(name, dtype_name(wire), tuple(tensor.shape), offset, local_shape)
-            )
-            src[name] = (local, _byte_view(local, wire), wire)
-        self._src = src
-        self._described = SenderManifest(
-            self.transport.rank, self.bucket_bytes, self.align, tuple(entries)
-        ).to_json()
-        self._key, self._key_dtype = key, self.dtype
-        return self._described
-
     def _new_plan(self, manifests: list[SenderManifest]) -> None:
         plan = build_plan(manifests)
         if self._channel is not None:
@@ -330,7 +198,7 @@ class WeightSender:
             for i in self._mine(plan):
                 mine = plan.pieces_of(i, self.transport.rank)
                 for p in mine:
-                    pieces[(i, p.start)] = self._hash_piece(plan, p)
+                    pieces[(i, p.start)] = self._packer.hash_piece(plan, p)
                 if proto.combine(pieces[(i, p.start)] for p in mine) != self._committed.get(i):
                     changed.append(i)
         except Exception as e:  # told to the other ranks, then re-raised
@@ -357,7 +225,7 @@ class WeightSender:
             if bk.owner == t.rank:
                 buf = ch.buffer(bk)
                 try:
-                    extents = self._pack(
+                    extents = self._packer.pack(
                         plan,
                         bk,
                         buf,
@@ -389,107 +257,3 @@ class WeightSender:
                 if ch.relays:
                     ch.expect(bk, None)
         ch.flush()
-
-    # ---- packing --------------------------------------------------------------------------
-
-    def _source(
-        self, plan: Plan, tensor: int
-    ) -> tuple[torch.Tensor, np.ndarray | None, torch.dtype]:
-        name = plan.tensors[tensor].name
-        try:
-            return self._src[name]
-        except KeyError:
-            raise PlanError(
-                f"tensor {name!r} is planned on rank {self.transport.rank} but was "
-                "not passed to push()"
-            ) from None
-
-    def _pack(
-        self,
-        plan: Plan,
-        bk: Bucket,
-        buf: torch.Tensor,
-        pieces: dict[tuple[int, int], str],
-        zero_copy: bool,
-        progress: Callable[[int], None] | None = None,
-        shared: bool = False,
-    ) -> dict[int, torch.Tensor]:
-        """Copy the bucket's pieces into ``buf`` and digest the ones not in ``pieces`` yet, chunk
-        by chunk right after copying, while the chunk is still in cache. With ``zero_copy``,
-        large pieces of plain CPU tensors are not copied: they are returned as extents (keyed by
-        bucket offset) for the channel to send from the source. ``progress(n)`` is told every
-        few MiB that ``buf[:n]`` is final (streaming channels verify while we pack).
-
-        The digest is taken from this process's memory (the source chunk, or a private cast of
-        it), never read back from ``buf``: with a ``shared`` buffer another process may write
-        it between our copy and our hash, and the digest must name the bytes we meant to send so
-        that receivers reject anything else."""
-        dst = buf.numpy() if buf.device.type == "cpu" else None
-        extents: dict[int, torch.Tensor] = {}
-        for p in bk.pieces:
-            local, raw, wire = self._source(plan, p.tensor)
-            key = (p.tensor, p.start)
-            size = wire.itemsize
-            if raw is not None and zero_copy and p.nbytes >= plan.direct_bytes:
-                src = raw[p.start * size : p.end * size]
-                extents[p.bucket_offset] = torch.from_numpy(src)
-                if key not in pieces:
-                    pieces[key] = digest(src)
-                continue
-            h = None if key in pieces else xxhash.xxh3_128()
-            end = p.bucket_offset + p.nbytes
-            if raw is not None and dst is not None:
-                src = raw[p.start * size : p.end * size]
-                out = dst[p.bucket_offset : end]
-                for c in range(0, p.nbytes, _CHUNK):
-                    np.copyto(out[c : c + _CHUNK], src[c : c + _CHUNK])
-                    if h is not None:  # the source chunk: just read, still in cache
-                        h.update(src[c : c + _CHUNK])
-                    if progress is not None and (c + _CHUNK) % _PROGRESS == 0:
-                        progress(p.bucket_offset + min(c + _CHUNK, p.nbytes))
-            elif shared:
-                self._pack_cast(local, p, wire, buf, h)
-            else:  # a private buffer (ours alone): cast straight into it, hash it there
-                region = buf[p.bucket_offset : end]
-                if p.nbytes:
-                    region.view(wire).copy_(local.reshape(-1)[p.start : p.end])
-                if h is not None:
-                    h.update(region.cpu().numpy())
-            if h is not None:
-                pieces[key] = h.hexdigest()
-            if progress is not None:
-                progress(end)
-        return extents
-
-    @staticmethod
-    def _pack_cast(
-        local: torch.Tensor,
-        p: Piece,
-        wire: torch.dtype,
-        buf: torch.Tensor,
-        h: xxhash.xxh3_128 | None,
-    ) -> None:
-        """A piece that needs a cast or a gather, into a shared ``buf``: cast each chunk into
-        private memory, hash it there, then copy it into ``buf`` (one extra cache-sized copy)."""
-        flat = local.reshape(-1)
-        step = max(1, _CHUNK // wire.itemsize)
-        for start in range(p.start, p.end, step):
-            stop = min(start + step, p.end)
-            chunk = flat[start:stop].to(device="cpu", dtype=wire).contiguous().view(torch.uint8)
-            if h is not None:
-                h.update(chunk.numpy())
-            lo = p.bucket_offset + (start - p.start) * wire.itemsize
-            buf[lo : lo + chunk.numel()].copy_(chunk)
-
-    def _hash_piece(self, plan: Plan, p: Piece) -> str:
-        """Digest of a piece's wire bytes, computed from the source without packing it."""
-        local, raw, wire = self._source(plan, p.tensor)
-        if raw is not None:
-            return digest(raw[p.start * wire.itemsize : p.end * wire.itemsize])
-        h = xxhash.xxh3_128()
-        flat = local.reshape(-1)
-        step = max(1, _CHUNK // wire.itemsize)
-        for start in range(p.start, p.end, step):
-            chunk = flat[start : min(start + step, p.end)].to(device="cpu", dtype=wire)
-            h.update(chunk.contiguous().view(torch.uint8).numpy())
-        return h.hexdigest()

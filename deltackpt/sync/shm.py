@@ -4,21 +4,10 @@ Two kinds of files under ``/dev/shm`` (memory, not disk), mapped by every rank:
 
 * ``deltackpt-sync-<name>`` — the **control segment**, fixed size: per-rank cells (pid,
   generation, last finished op), all-reduce cells and two message slots for control broadcasts.
-* ``deltackpt-sync-<name>.w<gen>.<plan>`` — the **window**, one per plan: an arena where each
-  round lays out its buckets (``plan.arena_offsets``) plus, per bucket position, a "published in
-  round r" cell and a "packed so far" cell. The owner packs a bucket straight into the arena,
-  advancing "packed so far" every few MiB, and publishes it; receivers copy it out right behind
-  the packer into their own memory and hash the copy (the digest is ready when the bucket header
-  arrives). The arena is reused every round.
-
-The window is ``shared`` (see :class:`Channel`): any process that can open the file can write
-it, at any time, so its bytes are untrusted input. The sender hashes what it packs from its own
-tensors, never from the window; a receiver verifies and hands to ``load_weights`` only its
-private copy, so a write to the window after the copy (a buggy process, a sender that starts the
-next round early) is either caught by the digest or cannot reach the model. Cost: /dev/shm holds
-the model's wire bytes once; each receiver holds a private copy of a round (``on_commit``) or of
-one bucket (``per_bucket``), and copying out is one memcpy of the round per receiver, overlapped
-with the packing.
+* ``deltackpt-sync-<name>.w<gen>.<plan>`` — the **window**, one per plan, through which bucket
+  payloads travel: :class:`~deltackpt.sync.shm_window.ShmWindow` (``shm_window.py``), the
+  channel this transport opens; any process can write it, so its bytes are untrusted input
+  (see there). This module is the control segment and its collectives.
 
 Synchronisation is lock-free polling of cells that each rank writes only for itself, tagged with
 the generation and the op sequence number (every rank performs the same collectives in the same
@@ -39,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import mmap
 import os
 import time
@@ -50,7 +38,8 @@ import torch
 import xxhash
 
 from deltackpt.sync.errors import PeerLostError, SyncError, SyncTimeoutError
-from deltackpt.sync.plan import Bucket, Plan
+from deltackpt.sync.plan import Plan
+from deltackpt.sync.shm_window import ShmWindow, window_files
 from deltackpt.sync.transport import Channel, Transport
 
 __all__ = ["ShmTransport"]
@@ -60,7 +49,6 @@ _LAYOUT = 1
 _RMAX = 256  # values per all-reduce cell
 _RCELL = 4 + _RMAX  # gen, seq, n, check, values
 _MHEAD = 8  # gen, seq, src, nbytes, check, pad
-_PAGE = 4096
 _CHECK_EVERY = 0.05
 
 
@@ -277,6 +265,21 @@ class ShmTransport(Transport):
     def _done(self, seq: int) -> None:
         self._ranks[self.rank, 2] = seq
 
+    # ---- for the window (shm_window.py) ---------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """The generation this rank is in (0 before it joined one)."""
+        return self._gen
+
+    def barrier(self) -> None:
+        """Collective: return once every rank of this generation got here."""
+        self._reduce(torch.zeros(1, dtype=torch.int64))
+
+    def wait_for(self, ready: Callable[[], bool], what: str, peer: int) -> None:
+        """Poll ``ready`` until it holds; raises if ``peer`` dies, moves on or times out."""
+        self._guard("wait", lambda: self._poll(ready, what, (peer,)))
+
     # ---- control collectives --------------------------------------------------------------
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -358,7 +361,7 @@ class ShmTransport(Transport):
     # ---- bulk -----------------------------------------------------------------------------
 
     def open_channel(self, plan: Plan) -> Channel:
-        return self._guard("open_channel", lambda: _ShmWindow(self, plan))
+        return self._guard("open_channel", lambda: ShmWindow(self, plan))
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):
@@ -368,110 +371,6 @@ class ShmTransport(Transport):
     def unlink(name: str) -> None:
         """Remove the shared-memory files of ``name`` (only when no process uses them)."""
         base = os.path.join(_shm_dir(), f"deltackpt-sync-{name}")
-        for p in [base, *glob.glob(glob.escape(base) + ".w*")]:
+        for p in [base, *window_files(base)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
-
-
-class _ShmWindow(Channel):
-    """One file per plan: cells per bucket position (the round that published it; bytes packed
-    so far and their round), then an
-    arena of ``plan.arena_bytes`` where each round lays out its buckets (``plan.arena_offsets``)."""
-
-    relays = False
-    stable = True
-    streams = True
-    shared = True  # any process that can open the file can write the arena
-
-    def __init__(self, t: ShmTransport, plan: Plan) -> None:
-        self.t = t
-        self.plan = plan
-        cells = -(-plan.max_buckets * 3 * 8 // _PAGE) * _PAGE
-        size = cells + -(-plan.arena_bytes // _PAGE) * _PAGE
-        self.path = f"{t.path}.w{t._gen}.{plan.plan_id[:16]}"
-        if t.rank == t.leader:
-            for old in glob.glob(glob.escape(t.path) + ".w*"):
-                if old != self.path:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(old)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-        t._reduce(torch.zeros(1, dtype=torch.int64))  # barrier: the file exists
-        try:
-            fd = os.open(self.path, os.O_RDWR)
-        except FileNotFoundError as e:
-            raise PeerLostError(
-                f"rank {t.rank}: shm window {self.path} vanished; the leader "
-                "moved on. Call transport.reset()"
-            ) from e
-        try:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.mm = mmap.mmap(fd, size, flags=flags)
-        finally:
-            os.close(fd)
-        n = plan.max_buckets
-        self.cells = np.frombuffer(self.mm, np.int64, n, 0)
-        # packing progress per bucket position: bytes packed so far, and the round they belong
-        # to (bytes are stored first, so a reader that sees this round sees this round's bytes)
-        self.prog_bytes = np.frombuffer(self.mm, np.int64, n, n * 8)
-        self.prog_round = np.frombuffer(self.mm, np.int64, n, 2 * n * 8)
-        self.data = torch.frombuffer(self.mm, dtype=torch.uint8)[cells:]
-        self.round = 0
-        self.offsets: list[int] = []
-
-    def begin_round(self, buckets: Sequence[Bucket]) -> None:
-        self.round += 1
-        self.offsets = self.plan.arena_offsets(buckets)
-
-    def _view(self, bucket: Bucket) -> torch.Tensor:
-        off = self.offsets[bucket.index]
-        return self.data[off : off + bucket.nbytes]
-
-    def buffer(self, bucket: Bucket) -> torch.Tensor:
-        return self._view(bucket)
-
-    def send(self, bucket: Bucket, extents: dict[int, torch.Tensor] | None = None) -> None:
-        self.cells[bucket.index] = self.round
-
-    def progress(self, bucket: Bucket, upto: int) -> None:
-        i = bucket.index
-        self.prog_bytes[i] = upto
-        self.prog_round[i] = self.round
-
-    def wait_bytes(self, bucket: Bucket, upto: int) -> torch.Tensor:
-        i, r = bucket.index, self.round
-        self.t._guard(
-            "wait",
-            lambda: self.t._poll(
-                lambda: self.prog_round[i] == r and self.prog_bytes[i] >= upto,
-                f"waiting for bucket {i} from rank {bucket.owner}",
-                (bucket.owner,),
-            ),
-        )
-        return self._view(bucket)
-
-    def expect(self, bucket: Bucket, into: torch.Tensor | None) -> None:
-        pass
-
-    def wait(self, bucket: Bucket) -> torch.Tensor:
-        r = self.round
-        self.t._guard(
-            "wait",
-            lambda: self.t._poll(
-                lambda: self.cells[bucket.index] == r,
-                f"waiting for bucket {bucket.index} from rank {bucket.owner}",
-                (bucket.owner,),
-            ),
-        )
-        return self._view(bucket)
-
-    def close(self) -> None:
-        del self.cells, self.data, self.prog_bytes, self.prog_round
-        with contextlib.suppress(BufferError):
-            self.mm.close()
-        if self.t.rank == self.t.leader:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)

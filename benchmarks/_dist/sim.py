@@ -8,9 +8,9 @@ ranks would exchange and what rank 0 computes, using the systems' own code:
   for DTensor shards (``EntryPlan`` with ``shards``, chunks from ``deltackpt.saving.plan.layout_chunks``
   with the store defaults 4 MiB / 1 MiB), synthetic digests (random 32-hex, as xxh3-128). Each
   save: ``rank_message`` per rank (gathered), rank 0 ``resolve`` + ``merge`` + ``assign``
-  (+ ``remember_all``), the scattered assignments, the gathered records of the chunks each rank
-  wrote (``_Written``, new chunks only), the manifest (``build_dist_manifest`` +
-  ``to_json_bytes``) and the broadcast outcome (``SnapshotInfo``).
+  (``plan_globally``, + ``remember_all``), the scattered assignments, the gathered records of the chunks each rank
+  wrote (``Written``, new chunks only), the manifest (``snapshot_parts`` +
+  ``build_manifest`` + ``to_json_bytes``) and the broadcast outcome (``SnapshotInfo``).
 * DCP: per rank a ``SavePlan`` of ``WriteItem`` (SHARD, ``TensorWriteData``, ``MetadataIndex``)
   plus the ``planner_data`` flatten mapping ``DefaultSavePlanner`` attaches; rank 0's
   ``DefaultSavePlanner.create_global_plan`` (dedup + global plan + validation) with and without
@@ -138,19 +138,18 @@ def sim_deltackpt(
     small_bytes: int = 1 * MiB,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    from deltackpt.dist.save import _Written, build_dist_manifest
+    from deltackpt.dist.save import Written
     from deltackpt.dist.save_plan import (
         PlanCache,
-        assign,
-        merge,
+        plan_globally,
         rank_message,
         remember,
         remember_all,
-        resolve,
+        snapshot_parts,
     )
-    from deltackpt.format.manifest import ChunkRecord, Manifest, Stats
+    from deltackpt.format.manifest import ChunkRecord
     from deltackpt.format.tree import flatten
-    from deltackpt.saving.write import closure
+    from deltackpt.saving.commit import Timing, build_manifest
     from deltackpt.store.packs import new_pack_id
     from deltackpt.store.store import SnapshotInfo
 
@@ -184,12 +183,12 @@ def sim_deltackpt(
         t_msg = (time.perf_counter() - t) / n
         gather_plan = sum(_pk(m) for m in msgs)
         t0 = time.perf_counter()
-        resolved = resolve(msgs, caches[0])
-        merged = merge(resolved)
-        owned = assign(resolved, merged.needed, set(index))
+        gp = plan_globally(msgs, caches[0], index)
         t_decide = time.perf_counter() - t0
+        owned = gp.owned
         scatter = sum(_pk(o) for o in owned)
         written = []
+        pack_bytes = 0
         new: dict[str, ChunkRecord] = {}
         for r in range(n):
             recs = {}
@@ -199,30 +198,20 @@ def sim_deltackpt(
                 recs[digests[r][ci]] = ChunkRecord(packs[r], off, size, size, "raw", 2)
                 off += -(-size // 4096) * 4096
             new.update(recs)
-            written.append(_Written(recs, off))
+            pack_bytes += off
+            written.append(Written(recs, off))
         gather_rec = sum(_pk(w) for w in written)
         t1 = time.perf_counter()
-        m = build_dist_manifest(
-            f"s{step}", plan0, resolved, merged, closure(merged.needed, new, index)
-        )
-        m = Manifest(
-            m.name,
-            time.time_ns(),
-            m.tree,
-            m.tensors,
-            m.storages,
-            m.chunks,
-            Stats(chunks_new=len(new)),
-            {},
-            dist={"world_size": n, "plan_bytes": gather_plan},
-        )
+        dist = {"world_size": n, "plan_bytes": gather_plan}
+        parts = snapshot_parts(f"s{step}", plan0, gp.resolved, gp.merged, new, pack_bytes, {}, dist)
+        m = build_manifest(parts, index, Timing(t1), time.time_ns())
         manifest = m.to_json_bytes()
         t_manifest = time.perf_counter() - t1
         outcome = _pk(SnapshotInfo.from_manifest(m, len(manifest))) * (n - 1)
         t2 = time.perf_counter()
         for r in range(n):
-            remember(caches[r], r, layouts[r], digests[r])
-        remember_all(caches[0], msgs, resolved)
+            remember(caches[r], layouts[r], digests[r])
+        remember_all(caches[0], msgs, gp.resolved)
         t_remember = time.perf_counter() - t2
         index.update(new)
         rows.append(

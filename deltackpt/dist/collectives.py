@@ -1,0 +1,165 @@
+"""The ranks of one save: a torch.distributed process group, or a world of one.
+
+:class:`Group` wraps the three collectives the save sequence runs, as DCP's ``_DistWrapper`` and
+torchsnapshot's ``PGWrapper`` do. Without a process group the process is rank 0 of a world of one:
+``gather`` returns ``[value]``, ``scatter`` and ``broadcast`` return what they are given, and no
+torch.distributed call is made. With one (of any size, 1 included):
+
+* ``gather(value)``: every rank sends; rank 0 gets the list by rank, the others ``None``;
+* ``scatter(values)``: rank 0 passes one value per rank; each rank gets its own;
+* ``broadcast(value)``: rank 0's value, on every rank.
+
+Failures travel as values, never as raised exceptions inside a collective: a rank that failed a
+step sends :class:`Failed` (typed :class:`~deltackpt.errors.RankFailure` records) where its
+result would go, every rank still takes part in the next collective, and
+:meth:`Group.raise_failed` then raises the same :class:`~deltackpt.errors.DistributedError` on
+every rank (in a world of one: the original exception, unchanged).
+
+:class:`FileRendezvous` is ``gather`` and ``broadcast`` through JSON files in the store's
+``tmp/``, for background threads, which never run collectives: an async save's ranks finish
+there, each waiting at most ``timeout`` seconds for the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from deltackpt.errors import DistributedError, RankFailure
+from deltackpt.store.durable import write_durable
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Sent in place of a step's result: why one or more ranks failed it."""
+
+    failures: tuple[RankFailure, ...]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [f.to_json() for f in self.failures]
+
+    @staticmethod
+    def from_json(docs: list[dict[str, Any]]) -> Failed:
+        return Failed(tuple(RankFailure.from_json(d) for d in docs))
+
+
+def failed(values: list[Any]) -> Failed | None:
+    """Every failure among gathered step results, or None if every rank succeeded."""
+    found = tuple(f for v in values if isinstance(v, Failed) for f in v.failures)
+    return Failed(found) if found else None
+
+
+class Group:
+    """This rank's view of the ranks of one save (see the module docstring)."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.pg = process_group
+        self.distributed = process_group is not None
+        if self.distributed:
+            import torch.distributed as dist
+
+            self._dist = dist
+            self.rank = dist.get_rank(process_group)
+            self.world = dist.get_world_size(process_group)
+        else:
+            self.rank, self.world = 0, 1
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def key(self) -> int:
+        """Names the process group for per-store caches (0: a world of one)."""
+        return id(self.pg) if self.distributed else 0
+
+    def gather(self, value: Any) -> list[Any] | None:
+        if not self.distributed:
+            return [value]
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self._dist.gather_object(value, out, dst=0, group=self.pg)
+        return out
+
+    def scatter(self, values: list[Any] | None) -> Any:
+        if not self.distributed:
+            assert values is not None  # the coordinator of a world of one always passes them
+            return values[0]
+        box: list[Any] = [None]
+        self._dist.scatter_object_list(box, values, src=0, group=self.pg)
+        return box[0]
+
+    def broadcast(self, value: Any) -> Any:
+        if not self.distributed:
+            return value
+        box = [value]
+        self._dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    def raise_failed(
+        self, what: str, failure: Failed, cause: BaseException | None, after: str
+    ) -> NoReturn:
+        """Raise the outcome of a failed step: in a world of one the original exception
+        (``cause``); with a process group, on every rank, one DistributedError naming each
+        failing rank, chained to this rank's own exception if it had one."""
+        if not self.distributed and cause is not None:
+            raise cause
+        ranks = ", ".join(str(r) for r in sorted({f.rank for f in failure.failures}))
+        steps = "/".join(dict.fromkeys(f.step for f in failure.failures))
+        detail = "; ".join(str(f) for f in failure.failures)
+        message = f"{what} failed at step {steps!r} on rank(s) {ranks} of {self.world}: {detail}"
+        raise DistributedError(
+            f"{message}. {after}" if after else message, failure.failures
+        ) from cause
+
+
+class FileRendezvous:
+    """``gather`` and ``broadcast`` for background threads, through files in ``directory``.
+
+    Each rank writes ``rank-<r>.json``; rank 0 waits for all of them, then writes
+    ``outcome.json`` for the others. Every wait ends at the same deadline, ``timeout`` seconds
+    after this rank wrote its own file; a rank that missed it is reported as ``None``."""
+
+    def __init__(self, directory: Path, group: Group, timeout: float) -> None:
+        self.directory, self.group, self.timeout = directory, group, timeout
+        self.deadline = float("inf")
+
+    def gather(self, doc: dict[str, Any]) -> list[dict[str, Any] | None] | None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _put(self.directory / f"rank-{self.group.rank}.json", doc)
+        self.deadline = time.monotonic() + self.timeout
+        if not self.group.coordinator:
+            return None
+        return [
+            _wait(self.directory / f"rank-{r}.json", self.deadline) for r in range(self.group.world)
+        ]
+
+    def broadcast(self, doc: dict[str, Any] | None) -> dict[str, Any] | None:
+        path = self.directory / "outcome.json"
+        if self.group.coordinator:
+            assert doc is not None
+            _put(path, doc)
+            return doc
+        return _wait(path, self.deadline)
+
+
+def _put(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".part")
+    write_durable(tmp, json.dumps(doc).encode())
+    os.replace(tmp, path)
+
+
+def _wait(path: Path, deadline: float) -> dict[str, Any] | None:
+    delay = 0.005
+    while True:
+        try:
+            doc: dict[str, Any] = json.loads(path.read_bytes())
+            return doc
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
