@@ -31,7 +31,6 @@ from deltackpt.format.manifest import Manifest
 from deltackpt.loading.assemble import load_reusing
 from deltackpt.options import SaveOptions, default_lock_timeout
 from deltackpt.saving.engine import SaveHandle
-from deltackpt.store.durable import store_lock
 from deltackpt.store.lifecycle import _delete, gc
 from deltackpt.store.store import Store, open_store, validate_name
 
@@ -393,7 +392,7 @@ class Checkpointer:
         timeout = self.save_options.get("lock_timeout")
         timeout = default_lock_timeout() if timeout is None else timeout
         st = self.store
-        with store_lock(st.lock_path, exclusive=True, timeout=timeout, what="retention"):
+        with st.lock(exclusive=True, timeout=timeout, what="retention"):
             ours = [(m.name, s) for m in st.manifests() if (s := self._owned_step(m)) is not None]
             keep = {n for n, _ in ours[-self.keep_last :]}
             if self.keep_every:

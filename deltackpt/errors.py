@@ -75,6 +75,12 @@ class SnapshotExistsError(DeltackptError, FileExistsError):
     """A committed snapshot already has that name."""
 
 
+class CheckpointExistsError(SnapshotExistsError, RuntimeError):
+    """``overwrite=False`` and the snapshot exists: DCP's ``FileSystemWriter`` raises a
+    ``RuntimeError`` ("Checkpoint already exists ..."), deltackpt a :class:`SnapshotExistsError`;
+    this is both (raised by :class:`deltackpt.dcp.StoreWriter`)."""
+
+
 class UnsupportedValueError(DeltackptError, TypeError):
     """The state holds a value deltackpt does not store without pickle."""
 
@@ -88,7 +94,15 @@ class StateMismatchError(DeltackptError, ValueError):
 
 
 class CorruptChunkError(DeltackptError, ValueError):
-    """A chunk's bytes do not match its digest, or its pack is missing or short."""
+    """A chunk's bytes do not match its digest, or its pack is missing or short.
+
+    ``missing_pack`` is True when the cause is that the chunk's pack does not exist (a concurrent
+    gc compaction may have moved the chunk: the loader re-reads the manifest once), False for
+    damaged, short or unreadable bytes."""
+
+    def __init__(self, message: str, *, missing_pack: bool = False) -> None:
+        super().__init__(message)
+        self.missing_pack = missing_pack
 
 
 class CodecError(DeltackptError, ValueError):
@@ -137,10 +151,6 @@ class DistributedError(DeltackptError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.failures))
-
-
-class SyncError(DeltackptError, RuntimeError):
-    """A weight-sync round failed; the receiver keeps its last committed version."""
 
 
 class InsufficientMemoryError(DeltackptError, MemoryError):

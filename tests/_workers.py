@@ -27,8 +27,10 @@ Commands (each prints one line per event on stdout, flushed, so the parent can f
     ``loss I HEX`` (``float.hex`` of the loss) for each step and ``done``. Every run seeds all
     three RNGs first, so a run on a fresh store is the uninterrupted reference. EOF exits.
 
-A few hooks (``deltackpt.store.store.publish``, ``Store.chunk_index``) are wrapped to report progress
-or to line two saves up; they only print or wait, never change what a save does.
+``crash_saver`` saves through a store opened with its own storage (``open_store(path,
+storage=LocalStorage(path, ops=...))``) whose commit step reports before publishing; ``saver``
+wraps ``Store.chunk_index`` to line two saves up. They only print or wait, never change what a
+save does.
 """
 
 from __future__ import annotations
@@ -128,18 +130,19 @@ def _say(*parts: object) -> None:
 
 def crash_saver(store: str) -> None:
     import deltackpt
-    import deltackpt.store.store
+    from deltackpt.store import durable
+    from deltackpt.store.local import DurableOps, LocalStorage
 
     base = crash_base()
     current = [-1]
-    real_publish = deltackpt.store.store.publish
 
     def publish(tmp: Path, final: Path, overwrite: bool = False) -> None:
         if final.name == "MANIFEST.json":
             _say("publish", current[0])
-        real_publish(tmp, final, overwrite=overwrite)
+        durable.publish(tmp, final, overwrite=overwrite)
 
-    deltackpt.store.store.publish = publish  # store.py calls it by this name
+    storage = LocalStorage(store, ops=DurableOps(publish=publish))
+    st = deltackpt.open_store(store, storage=storage)
     _say("ready")
     line = sys.stdin.readline().split()
     if not line or line[0] != "go":
@@ -154,7 +157,7 @@ def crash_saver(store: str) -> None:
         state = crash_state(base, idx)
         current[0] = idx
         _say("begin", idx)
-        deltackpt.save(state, store, crash_name(idx), metadata={"idx": idx}, **opts)
+        deltackpt.save(state, st, crash_name(idx), metadata={"idx": idx}, **opts)
         _say("commit", idx)
     _say("done")
 

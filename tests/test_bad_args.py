@@ -34,6 +34,8 @@ from deltackpt.errors import (
 )
 from deltackpt.format.codecs import EncodePolicy
 from deltackpt.options import LoadOptions, overrides
+from deltackpt.store.local import DurableOps
+from tests._faults import close_store, faulty_store
 
 SMALL = {"w": torch.arange(16, dtype=torch.float32), "step": 1}
 
@@ -483,27 +485,27 @@ def _referenced_packs(store: Path) -> set[str]:
     return {rec.pack for m in st.manifests() for rec in m.chunks.values()}
 
 
-def test_manifest_publish_eio_is_typed_and_leaves_nothing(
-    store: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_manifest_publish_eio_is_typed_and_leaves_nothing(store: Path) -> None:
     def eio(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EIO, "injected I/O error")
 
     before = _pack_ids(store)
-    monkeypatch.setattr(deltackpt.store.store, "publish", eio)
+    failing = faulty_store(store, ops=DurableOps(publish=eio))
     big = {"w": torch.randn(1 << 18)}
-    for save in (
-        lambda: deltackpt.save(big, store, "bad"),
-        lambda: deltackpt.async_save(big, store, "bad").result(timeout=60),
-    ):
-        with pytest.raises(StoreIOError) as ei:
-            save()
-        e = ei.value
-        assert isinstance(e, OSError) and e.errno == errno.EIO
-        assert str(store) in str(e) and "'bad' was not committed" in str(e)
-        assert "intact" in str(e) and "injected I/O error" in str(e)
-        assert _pack_ids(store) == before  # its packs were removed at once, not left for gc
-    monkeypatch.undo()
+    try:
+        for save in (
+            lambda: deltackpt.save(big, failing, "bad"),
+            lambda: deltackpt.async_save(big, failing, "bad").result(timeout=60),
+        ):
+            with pytest.raises(StoreIOError) as ei:
+                save()
+            e = ei.value
+            assert isinstance(e, OSError) and e.errno == errno.EIO
+            assert str(store) in str(e) and "'bad' was not committed" in str(e)
+            assert "intact" in str(e) and "injected I/O error" in str(e)
+            assert _pack_ids(store) == before  # its packs were removed at once, not left for gc
+    finally:
+        close_store(failing)
     assert [s.name for s in deltackpt.snapshots(store)] == ["s1"]
     assert deltackpt.save(big, store, "bad").name == "bad"  # and the name is free
 

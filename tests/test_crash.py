@@ -8,6 +8,7 @@ name can be saved again, and gc removes every leftover of the crashed saves.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import random
 import shutil
@@ -21,11 +22,11 @@ import pytest
 import torch
 
 import deltackpt
-import deltackpt.store.packs
-import deltackpt.store.store
 from deltackpt.errors import SnapshotNotFoundError
-from deltackpt.store.packs import PackWriter
-from deltackpt.store.store import PACK_ALIGN
+from deltackpt.store.durable import publish
+from deltackpt.store.local import DurableOps
+from deltackpt.store.store import PACK_ALIGN, Store
+from tests._faults import close_store, faulty_store
 from tests._workers import Child, assert_same_state, crash_base, crash_name, crash_state
 
 # A trial takes ~2-3 s on an idle 2-core machine (the children start ahead), 3x that when other
@@ -280,46 +281,46 @@ def settle(store: Path, quiet: float = 0.3, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+def _faulty(store: Path, where: str) -> Store:
+    """``store`` opened through a storage that fails at ``where`` (tests/_faults.py)."""
     if where == "pack_create":  # ENOSPC writing a new pack's header
-        monkeypatch.setattr(deltackpt.store.packs, "_write_all", _enospc)
-    elif where == "pack_append":  # ENOSPC after a few payloads were written
-        real_append = PackWriter.append
+        return faulty_store(store, on_write=lambda key, n: _enospc() if n == 0 else None)
+    if where == "pack_append":  # ENOSPC after a few payloads were written
         calls = [0]
 
-        def append(self: PackWriter, payload: memoryview) -> tuple[int, int]:
+        def on_write(key: str, n: int) -> None:
+            if n == 0:
+                return  # a pack's header
             calls[0] += 1
             if calls[0] > 3:
                 raise OSError(errno.ENOSPC, "injected: no space left")
-            return real_append(self, payload)
 
-        monkeypatch.setattr(PackWriter, "append", append)
-    elif where == "pack_fsync":
-        monkeypatch.setattr(PackWriter, "finish", _eio)
-    elif where == "manifest_write":  # the temp manifest cannot be made durable
-        monkeypatch.setattr(deltackpt.store.store, "write_durable", _eio)
-    elif where == "publish":  # store.py calls publish by the name it imported
-        monkeypatch.setattr(deltackpt.store.store, "publish", _eio)
-    elif where == "link":
-        monkeypatch.setattr(os, "link", _eio)
-    else:
-        raise AssertionError(where)
+        return faulty_store(store, on_write=on_write)
+    if where == "pack_fsync":
+        return faulty_store(store, on_finish=_eio)
+    if where == "manifest_write":  # the temp manifest cannot be made durable
+        return faulty_store(store, ops=DurableOps(write_durable=_eio))
+    if where == "publish":
+        return faulty_store(store, ops=DurableOps(publish=_eio))
+    if where == "link":  # the real publish, whose link() fails
+        return faulty_store(store, ops=DurableOps(publish=functools.partial(publish, link=_eio)))
+    raise AssertionError(where)
 
 
 @pytest.mark.parametrize(
     "where", ["pack_create", "pack_append", "pack_fsync", "manifest_write", "publish", "link"]
 )
-def test_failed_save_is_invisible_and_can_be_retried(
-    small_store: Path, monkeypatch: pytest.MonkeyPatch, where: str
-) -> None:
+def test_failed_save_is_invisible_and_can_be_retried(small_store: Path, where: str) -> None:
     store = small_store
     packs_before = set(pack_sizes(store))
     fds_before = open_fds()
-    with monkeypatch.context() as mp:
-        _inject(mp, where)
+    faulty = _faulty(store, where)
+    try:
         with pytest.raises(OSError, match="injected"):
-            deltackpt.save(small_state(2), store, "s-2")
+            deltackpt.save(small_state(2), faulty, "s-2")
         settle(store)  # see test_failed_save_stops_writing: its chunk jobs may still run
+    finally:
+        close_store(faulty)
     if where == "pack_create":  # no writer ever existed: nothing may stay open or on disk
         assert open_fds() == fds_before
         assert set(pack_sizes(store)) == packs_before
@@ -347,27 +348,28 @@ def test_failed_save_is_invisible_and_can_be_retried(
         assert_same_state(deltackpt.load(store, f"s-{i}", verify=True), small_state(i))
 
 
-def test_failed_save_stops_writing_before_it_raises(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_failed_save_stops_writing_before_it_raises(tmp_path: Path) -> None:
     store = tmp_path / "store"
     deltackpt.open_store(store, chunk_bytes=64 << 10, small_bytes=16 << 10)
-    real_append = PackWriter.append
     calls = [0]
 
-    def append(self: PackWriter, payload: memoryview) -> tuple[int, int]:
+    def on_write(key: str, n: int) -> None:
+        if n == 0:
+            return  # a pack's header
         calls[0] += 1
         if calls[0] == 1:
             raise OSError(errno.ENOSPC, "injected: no space left")
         time.sleep(0.002)
-        return real_append(self, payload)
 
-    monkeypatch.setattr(PackWriter, "append", append)
+    faulty = faulty_store(store, on_write=on_write)
     fds_before = open_fds()
-    with pytest.raises(OSError, match="injected"):
-        deltackpt.save({"w": torch.randn(4 << 20)}, store, "s", threads=4)  # 256 chunks
-    at_raise = calls[0]
-    settle(store)
-    assert calls[0] == at_raise, f"{calls[0] - at_raise} payloads written after save() raised"
-    assert pack_sizes(store) == {}
-    assert open_fds() == fds_before
+    try:
+        with pytest.raises(OSError, match="injected"):
+            deltackpt.save({"w": torch.randn(4 << 20)}, faulty, "s", threads=4)  # 256 chunks
+        at_raise = calls[0]
+        settle(store)
+        assert calls[0] == at_raise, f"{calls[0] - at_raise} payloads written after save() raised"
+        assert pack_sizes(store) == {}
+        assert open_fds() == fds_before
+    finally:
+        close_store(faulty)

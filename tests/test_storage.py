@@ -18,6 +18,7 @@ import torch
 import deltackpt
 from deltackpt.errors import (
     CorruptChunkError,
+    InvalidArgumentError,
     SnapshotExistsError,
     StoreIOError,
     StoreLockedError,
@@ -26,6 +27,8 @@ from deltackpt.errors import (
 from deltackpt.format.codecs import RAW
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
+from deltackpt.saving.engine import saver_for
+from deltackpt.store import durable
 from deltackpt.store.chunks import ChunkReader, ChunkTargets
 from deltackpt.store.local import DurableOps, LocalStorage
 from deltackpt.store.packs import (
@@ -173,6 +176,32 @@ def test_the_store_commits_through_its_storage(tmp_path: Path) -> None:
         st.write_manifest(m, overwrite=False)
 
 
+def test_open_store_takes_a_storage_of_its_own(tmp_path: Path) -> None:
+    """``open_store(path, storage=...)``: every byte of that store goes through the storage; the
+    store is the caller's own, and ``open_store(path)`` keeps returning the shared one."""
+    root = tmp_path / "s"
+    calls: list[str] = []
+
+    def counting(tmp: Path, final: Path, overwrite: bool = False) -> None:
+        calls.append(final.name)
+        durable.publish(tmp, final, overwrite=overwrite)
+
+    own = open_store(root, storage=LocalStorage(root, ops=DurableOps(publish=counting)))
+    assert calls == ["STORE.json"]  # created through it
+    deltackpt.save({"w": torch.arange(10.0)}, own, "a")
+    assert calls == ["STORE.json", MANIFEST]
+    shared = open_store(root)
+    assert shared is not own and open_store(root) is shared and shared.names() == ["a"]
+    deltackpt.save({"w": torch.arange(3.0)}, shared, "b")
+    assert calls == ["STORE.json", MANIFEST]  # the shared store's storage is its own
+    again = open_store(root, storage=LocalStorage(root))
+    assert again is not own and again is not shared and again.names() == ["a", "b"]
+    with pytest.raises(InvalidArgumentError, match="already has its storage"):
+        open_store(shared, storage=LocalStorage(root))
+    saver_for(own).close()
+    saver_for(again).close()
+
+
 # ------------------------------------------------------------------------------ ranged reads
 
 
@@ -311,10 +340,10 @@ def test_missing_pack_is_typed_on_the_error(storage: LocalStorage) -> None:
         f.seek(off + 10)
         f.write(b"\xff")
     e = load()
-    assert e.missing_pack is False and "hash to" in str(e)  # type: ignore[attr-defined]
+    assert e.missing_pack is False and "hash to" in str(e)
     storage.delete(w.key)
     e = load()
-    assert e.missing_pack is True and "is missing" in str(e)  # type: ignore[attr-defined]
+    assert e.missing_pack is True and "is missing" in str(e)
 
 
 # ------------------------------------------------------------------------- listing, deleting

@@ -1,17 +1,21 @@
-"""DCP save step 3 (coordinator, in ``StoreWriter.finish``): every rank's ``WriteResult`` -> one
-manifest.
+"""DCP save steps 1 and 3 on the store: the checks before writing, and every rank's
+``WriteResult`` -> one committed snapshot.
 
-Each rank's first ``WriteResult`` carries a :class:`RankInfo` (its chunk records and byte
-counts), every result its item's slices or inline value. :meth:`Written.gather` collects them by
-item kind; :func:`build_manifest` is the one place that turns them, with DCP's ``Metadata``, into
-the manifest the store commits: tensor entries (whole or sharded, global offsets), the tree of
-values, the closure of chunk records, the statistics and DCP's facts under ``metadata["dcp"]``.
+:func:`check_dcp_save` (every rank, in ``set_up_storage_writer``) runs the checks every save runs
+(:func:`deltackpt.saving.commit.check_can_save`) and refuses an existing name as DCP's
+``FileSystemWriter`` does. In ``StoreWriter.finish`` (the coordinator), each rank's first
+``WriteResult`` carries a :class:`RankInfo` (its chunk records and byte counts), every result its
+item's slices or inline value; :meth:`Written.gather` collects them by item kind and
+:func:`snapshot_parts` turns them, with DCP's ``Metadata``, into
+:class:`~deltackpt.saving.commit.SnapshotParts`: tensor entries (whole or sharded, global
+offsets), the tree of values, the chunks this save wrote and DCP's facts under
+``metadata["dcp"]``. :func:`commit_dcp` hands them to the one manifest builder
+(:func:`deltackpt.saving.commit.commit`), as the local and distributed saves do.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,12 +24,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 from deltackpt.dcp.metadata import DCP_INFO_VERSION, DEFAULT_DCP_VERSION
-from deltackpt.errors import StoreError
+from deltackpt.errors import CheckpointExistsError, SnapshotExistsError, StoreError
 from deltackpt.format.dcp_values import DCP_KEY
 from deltackpt.format.dtypes import dtype_name
-from deltackpt.format.manifest import ChunkRecord, Manifest, Shard, Slice, Stats, TensorEntry
+from deltackpt.format.manifest import ChunkRecord, Shard, Slice, TensorEntry
+from deltackpt.saving.commit import SnapshotParts, Timing, check_can_save, commit
 from deltackpt.saving.write import WriteResult as WrittenChunks
-from deltackpt.saving.write import closure
+from deltackpt.store.store import SnapshotInfo, Store
 
 _Rec = tuple[str, int, int, int, str, int, "str | None"]  # ChunkRecord as a small tuple
 
@@ -44,10 +49,9 @@ class RankInfo:
     records: dict[str, _Rec]  # every chunk this rank's items reference, with xor bases
     new: list[str]  # digests this rank wrote
     pack_bytes: int
-    logical_bytes: int
 
     @staticmethod
-    def of(rank: int, wr: WrittenChunks, index: dict[str, ChunkRecord], logical: int) -> RankInfo:
+    def of(rank: int, wr: WrittenChunks, index: dict[str, ChunkRecord]) -> RankInfo:
         """From this rank's :func:`~deltackpt.saving.write.write_chunks` result; ``index`` is
         the store's chunk index before the write (what is not in it is new)."""
         return RankInfo(
@@ -58,7 +62,6 @@ class RankInfo:
             },
             new=sorted(d for d in wr.records if d not in index),
             pack_bytes=wr.pack_bytes,
-            logical_bytes=logical,
         )
 
 
@@ -72,7 +75,6 @@ class Written:
     records: dict[str, ChunkRecord] = field(default_factory=dict)
     new: set[str] = field(default_factory=set)
     pack_bytes: int = 0
-    logical_bytes: int = 0
     world_size: int = 0
     blocks: dict[str, list[Block]] = field(default_factory=dict)  # tensor pieces by fqn
     values: dict[str, Any] = field(default_factory=dict)  # inline tree nodes by fqn
@@ -90,7 +92,6 @@ class Written:
                         w.records.setdefault(d, ChunkRecord(*r))
                     w.new.update(info.new)
                     w.pack_bytes += info.pack_bytes
-                    w.logical_bytes += info.logical_bytes
                 fqn = wr.index.fqn
                 if "value" in sd:
                     w.values[fqn] = sd["value"]
@@ -102,16 +103,50 @@ class Written:
         return w
 
 
-def build_manifest(
+def check_dcp_save(st: Store, name: str, *, overwrite: bool, is_coordinator: bool) -> None:
+    """The checks every save runs before writing (store lock held; only the coordinator checks
+    the name), with an existing name refused as :class:`CheckpointExistsError`: DCP's "Checkpoint
+    already exists" ``RuntimeError`` and deltackpt's ``SnapshotExistsError``."""
+    try:
+        check_can_save(st, name, overwrite=overwrite, check_name=is_coordinator)
+    except SnapshotExistsError:
+        raise CheckpointExistsError(
+            "Checkpoint already exists and self.overwrite=False. Store "
+            f"{str(st.root)!r} already has a committed snapshot {name!r}; pick a "
+            "new checkpoint_id, or pass overwrite=True (the default) to replace it "
+            "atomically: the old one stays loadable until the new one commits"
+        ) from None
+
+
+def commit_dcp(
+    st: Store,
+    name: str,
+    metadata: Metadata,
+    results: list[list[DcpWriteResult]],
+    user_metadata: dict[str, Any],
+    sm: StorageMeta | None,
+    timing: Timing,
+    *,
+    overwrite: bool,
+    packs: tuple[str, ...] = (),
+) -> SnapshotInfo:
+    """Coordinator, after every rank's packs are durable: commit the snapshot of ``results``
+    through the one manifest builder. ``packs`` (the coordinator's own) are removed if the
+    commit certainly failed."""
+    w = Written.gather(results)
+    parts = snapshot_parts(name, metadata, w, user_metadata, sm)
+    return commit(st, parts, w.records, timing, overwrite=overwrite, packs=packs)
+
+
+def snapshot_parts(
     name: str,
     metadata: Metadata,
     w: Written,
     user_metadata: dict[str, Any],
     sm: StorageMeta | None,
-    seconds: float,
-) -> Manifest:
-    """THE manifest of a DCP save: one entry per fqn of DCP's metadata (in its order), the chunk
-    closure, the statistics, and DCP's own facts under ``metadata["dcp"]``."""
+) -> SnapshotParts:
+    """A DCP save as :class:`SnapshotParts`: one entry per fqn of DCP's metadata (in its
+    order), the chunks the ranks wrote, and DCP's own facts under ``metadata["dcp"]``."""
     tensors: list[TensorEntry] = []
     tree_items: list[list[Any]] = []
     bytes_paths: list[str] = []
@@ -148,8 +183,6 @@ def build_manifest(
     if extra:
         raise StoreError(f"DCP save: ranks wrote items the metadata lacks: {extra[:5]}")
 
-    needed = {d for e in tensors for d, _, _ in e.all_slices()}
-    chunks = closure(set(needed), w.records, {})
     dcp_info: dict[str, Any] = {
         "format": DCP_INFO_VERSION,
         "version": metadata.version or DEFAULT_DCP_VERSION,
@@ -165,7 +198,7 @@ def build_manifest(
             warnings.warn(
                 "DCP planner_data is not a {fqn: path} mapping; it is not stored",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,  # StoreWriter.finish
             )
     if sm is not None:
         dcp_info["storage_meta"] = {
@@ -173,20 +206,12 @@ def build_manifest(
             "save_id": sm.save_id,
             "modules": [str(x) for x in sm.modules],
         }
-    stats = Stats(
-        logical_bytes=w.logical_bytes,
-        pack_bytes=w.pack_bytes,
-        chunks_new=len(w.new & set(chunks)),
-        chunks_reused=len(needed) - len(w.new & needed),
-        seconds=seconds,
-    )
-    return Manifest(
+    return SnapshotParts(
         name=name,
-        created_ns=time.time_ns(),
         tree={"dict": tree_items},
         tensors=tuple(tensors),
         storages=(),
-        chunks=chunks,
-        stats=stats,
+        written={d: w.records[d] for d in sorted(w.new)},
+        pack_bytes=w.pack_bytes,
         metadata={**user_metadata, DCP_KEY: dcp_info},
     )

@@ -152,7 +152,7 @@ class StoreReader(StorageReader):
             groups.setdefault(req.storage_index, []).append(req)
         batch: list[tuple[Saved, list[ReadItem]]] = []
         pending = 0
-        with PackReaders(self.store.packs_dir) as packs:
+        with self.store.pack_readers() as packs:
             for idx, reqs in groups.items():
                 src = self._storage.get(idx)
                 if src is None:

@@ -14,9 +14,11 @@ What DCP calls, in order:
    carries its item's slices; the first one of each rank also carries the rank's chunk records
    and statistics;
 3. ``finish`` (coordinator, after every rank's packs are durable):
-   :func:`deltackpt.dcp.commit.build_manifest` makes one manifest (sharded tensor entries with global offsets, the values, the chunk table), which
-   the store commits atomically. Nothing is visible before that point; a failure anywhere leaves
-   no snapshot, only garbage that gc removes.
+   :func:`deltackpt.dcp.commit.commit_dcp` turns every rank's results into the parts of one
+   snapshot (sharded tensor entries with global offsets, the values, the chunks written) and
+   commits them through the manifest builder every save shares
+   (:func:`deltackpt.saving.commit.commit`), atomically. Nothing is visible before that point; a
+   failure anywhere leaves no snapshot, only garbage that gc removes.
 """
 
 from __future__ import annotations
@@ -39,25 +41,21 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from deltackpt.api import _check_metadata
-from deltackpt.dcp.commit import RankInfo, Written, build_manifest
-from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, StoreError
+from deltackpt.dcp.commit import RankInfo, check_dcp_save, commit_dcp
+from deltackpt.errors import CheckpointExistsError, InvalidArgumentError
 from deltackpt.format.dcp_values import DCP_KEY  # manifest metadata key of the DCP facts (JSON)
 from deltackpt.format.tree import flatten
 from deltackpt.options import SaveOptions
+from deltackpt.saving.commit import Timing
 from deltackpt.saving.engine import saver_for
 from deltackpt.saving.plan import SavePlan as DkPlan
 from deltackpt.saving.plan import Source, layout_chunks, tensor_bytes
 from deltackpt.saving.write import write_chunks
-from deltackpt.store.durable import store_lock
 from deltackpt.store.store import SnapshotInfo, Store, open_store, validate_name
 
+__all__ = ["CheckpointExistsError", "StoreWriter"]  # the error's home is deltackpt.errors
+
 INLINE_MAX_BYTES = 64 << 10  # serialised values up to this size may live inline in the manifest
-
-
-class CheckpointExistsError(SnapshotExistsError, RuntimeError):
-    """``overwrite=False`` and the snapshot exists: DCP's ``FileSystemWriter`` raises a
-    ``RuntimeError`` ("Checkpoint already exists ..."), deltackpt a :class:`SnapshotExistsError`;
-    this is both."""
 
 
 class StoreWriter(StorageWriter):
@@ -75,7 +73,8 @@ class StoreWriter(StorageWriter):
       passed): re-saving to a ``checkpoint_id`` replaces that snapshot atomically: the new
       manifest is committed over the old one by one rename, so the old one stays loadable until
       the new one is durable. ``overwrite=False`` refuses an existing name with
-      :class:`CheckpointExistsError`, DCP's "Checkpoint already exists" ``RuntimeError``;
+      :class:`~deltackpt.errors.CheckpointExistsError`, DCP's "Checkpoint already exists"
+      ``RuntimeError``;
     * ``thread_count`` is ``threads`` (hash, encode and write threads; default ``min(4, cpus)``:
       DCP's 1 would only slow hashing down);
     * ``sync_files`` is ``fsync``: ``False`` skips fsyncing the packs (the manifest is always
@@ -138,6 +137,7 @@ class StoreWriter(StorageWriter):
         self._lock.release()
         self.is_coordinator = False
         self.rank = 0
+        self._packs: tuple[str, ...] = ()  # the coordinator's new packs
         self._t0 = time.perf_counter()
 
     @property
@@ -217,19 +217,11 @@ class StoreWriter(StorageWriter):
                 "dcp.save(..., checkpoint_id=name)"
             )
         st = self.store
-        if not st.packs_dir.is_dir():
-            raise StoreError(
-                f"store {str(st.root)!r} has no packs/ directory; it is damaged or not a store"
-            )
         self._lock.acquire(st, self.options.lock_timeout, f"DCP-saving {self.name!r}")
         try:
-            if is_coordinator and not self.options.overwrite and st.has(self.name):
-                raise CheckpointExistsError(
-                    "Checkpoint already exists and self.overwrite=False. Store "
-                    f"{str(st.root)!r} already has a committed snapshot {self.name!r}; pick a "
-                    "new checkpoint_id, or pass overwrite=True (the default) to replace it "
-                    "atomically: the old one stays loadable until the new one commits"
-                )
+            check_dcp_save(
+                st, self.name, overwrite=self.options.overwrite, is_coordinator=is_coordinator
+            )
         except BaseException:
             self._lock.release()
             raise
@@ -292,7 +284,9 @@ class StoreWriter(StorageWriter):
         wr = write_chunks(
             st, dk_plan, arrays.__getitem__, opts, saver_for(st).pool(opts.threads), index, None
         )
-        info = RankInfo.of(self.rank, wr, index, sum(src.nbytes for src in sources))
+        if self.is_coordinator:
+            self._packs = wr.packs  # removed if the commit certainly fails
+        info = RankInfo.of(self.rank, wr, index)
         out: list[WriteResult] = []
         for k, (item, it) in enumerate(zip(plan.items, items, strict=True)):
             sd: dict[str, Any]
@@ -318,16 +312,17 @@ class StoreWriter(StorageWriter):
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.name is not None
-        m = build_manifest(
+        self.info = commit_dcp(
+            self.store,
             self.name,
             metadata,
-            Written.gather(results),
+            results,
             self.user_metadata,
             metadata.storage_meta or self.storage_meta(),
-            time.perf_counter() - self._t0,
+            Timing(self._t0),
+            overwrite=self.options.overwrite,
+            packs=self._packs,
         )
-        size = self.store.write_manifest(m, overwrite=self.options.overwrite)
-        self.info = SnapshotInfo.from_manifest(m, size)
         self.save_id = uuid.uuid4().hex  # the next save through this writer is another save
 
 
@@ -427,9 +422,7 @@ class _HeldLock:
     def acquire(self, store: Store, timeout: float, what: str) -> None:
         self.release()
         stack = contextlib.ExitStack()
-        stack.enter_context(
-            store_lock(store.lock_path, exclusive=False, timeout=timeout, what=what)
-        )
+        stack.enter_context(store.lock(exclusive=False, timeout=timeout, what=what))
         self._stack = stack
 
     def release(self) -> None:

@@ -15,22 +15,20 @@ result would go, every rank still takes part in the next collective, and
 :meth:`Group.raise_failed` then raises the same :class:`~deltackpt.errors.DistributedError` on
 every rank (in a world of one: the original exception, unchanged).
 
-:class:`FileRendezvous` is ``gather`` and ``broadcast`` through JSON files in the store's
-``tmp/``, for background threads, which never run collectives: an async save's ranks finish
-there, each waiting at most ``timeout`` seconds for the others.
+:class:`FileRendezvous` is ``gather`` and ``broadcast`` through JSON objects under the store's
+``tmp/`` (through its storage), for background threads, which never run collectives: an async
+save's ranks finish there, each waiting at most ``timeout`` seconds for the others.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
 from deltackpt.errors import DistributedError, RankFailure
-from deltackpt.store.durable import write_durable
+from deltackpt.store.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -117,49 +115,46 @@ class Group:
 
 
 class FileRendezvous:
-    """``gather`` and ``broadcast`` for background threads, through files in ``directory``.
+    """``gather`` and ``broadcast`` for background threads, through small objects under the key
+    prefix ``where`` of the store's ``storage`` (a directory under ``tmp/``).
 
     Each rank writes ``rank-<r>.json``; rank 0 waits for all of them, then writes
     ``outcome.json`` for the others. Every wait ends at the same deadline, ``timeout`` seconds
     after this rank wrote its own file; a rank that missed it is reported as ``None``."""
 
-    def __init__(self, directory: Path, group: Group, timeout: float) -> None:
-        self.directory, self.group, self.timeout = directory, group, timeout
+    def __init__(self, storage: Storage, where: str, group: Group, timeout: float) -> None:
+        self.storage, self.where, self.group, self.timeout = storage, where, group, timeout
         self.deadline = float("inf")
 
     def gather(self, doc: dict[str, Any]) -> list[dict[str, Any] | None] | None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        _put(self.directory / f"rank-{self.group.rank}.json", doc)
+        self._put(f"rank-{self.group.rank}.json", doc)
         self.deadline = time.monotonic() + self.timeout
         if not self.group.coordinator:
             return None
-        return [
-            _wait(self.directory / f"rank-{r}.json", self.deadline) for r in range(self.group.world)
-        ]
+        return [self._wait(f"rank-{r}.json") for r in range(self.group.world)]
 
     def broadcast(self, doc: dict[str, Any] | None) -> dict[str, Any] | None:
-        path = self.directory / "outcome.json"
         if self.group.coordinator:
             assert doc is not None
-            _put(path, doc)
+            self._put("outcome.json", doc)
             return doc
-        return _wait(path, self.deadline)
+        return self._wait("outcome.json")
 
+    def _put(self, name: str, doc: dict[str, Any]) -> None:
+        # atomic and durable: a peer reads all of it or nothing
+        self.storage.replace(f"{self.where}/{name}", json.dumps(doc).encode())
 
-def _put(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".part")
-    write_durable(tmp, json.dumps(doc).encode())
-    os.replace(tmp, path)
-
-
-def _wait(path: Path, deadline: float) -> dict[str, Any] | None:
-    delay = 0.005
-    while True:
-        try:
-            doc: dict[str, Any] = json.loads(path.read_bytes())
-            return doc
-        except FileNotFoundError:
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+    def _wait(self, name: str) -> dict[str, Any] | None:
+        """The document ``name`` once a peer wrote it; None after the deadline."""
+        delay = 0.005
+        while True:
+            try:
+                data = self.storage.read(f"{self.where}/{name}").data
+                assert data is not None  # always read: we pass no known version
+                doc: dict[str, Any] = json.loads(data)
+                return doc
+            except FileNotFoundError:
+                if time.monotonic() >= self.deadline:
+                    return None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)

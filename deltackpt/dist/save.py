@@ -59,6 +59,7 @@ from deltackpt.saving.commit import Timing, commit
 from deltackpt.saving.engine import Prepared, SaveHandle, SaveRequest, StoreSaver
 from deltackpt.saving.stage import DeltaRef
 from deltackpt.saving.write import WriteResult, hash_chunks, write_chunks
+from deltackpt.store.storage import TMP
 from deltackpt.store.store import SnapshotInfo, Store, store_io_error
 
 
@@ -318,8 +319,8 @@ def start_save(
         raise
     files = None
     if group.distributed:
-        where = req.store.tmp_dir / f"{req.name}.{epoch}.dist"
-        files = FileRendezvous(where, group, req.options.lock_timeout)
+        where = f"{TMP}/{req.name}.{epoch}.dist"  # swept by gc like any leftover in tmp/
+        files = FileRendezvous(req.store.storage, where, group, req.options.lock_timeout)
 
     def rest() -> SnapshotInfo:
         try:

@@ -31,7 +31,6 @@ from deltackpt.format.manifest import Manifest, TensorEntry
 from deltackpt.format.tree import Node, _key_segment, flatten, tensor_paths, unflatten, value_leaves
 from deltackpt.loading.plan import Reads, plain_cpu, read_entry
 from deltackpt.options import LoadOptions
-from deltackpt.store.packs import PackReaders
 from deltackpt.store.store import LATEST, Store, open_store
 
 
@@ -118,22 +117,12 @@ def _retrying(st: Store, m: Manifest, fn: Callable[[Manifest], Any]) -> Any:
     except CorruptChunkError as e:
         # gc compaction repoints manifests before deleting the old pack: if ours moved while we
         # read, read the new one once. Real damage fails again with the same error.
-        if not _pack_missing(e):
+        if not e.missing_pack:
             raise
         fresh = st.manifest(m.name)
         if fresh is m:
             raise
         return fn(fresh)
-
-
-def _pack_missing(e: CorruptChunkError) -> bool:
-    """Whether ``e`` says a pack file is gone (what a concurrent compaction leaves), not that
-    bytes are damaged. Read from the typed ``missing_pack`` flag; until the store's chunk reader
-    sets it, from the cause and the message, as before."""
-    missing = getattr(e, "missing_pack", None)
-    if missing is not None:
-        return bool(missing)
-    return isinstance(e.__cause__, FileNotFoundError) or "is missing" in str(e)
 
 
 def _load_once(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> Any:
@@ -211,7 +200,7 @@ def _read_entries(
         i: read_entry(r, m.tensors[i], None if targets is None else targets[m.tensors[i].path])
         for i in wanted
     }
-    with PackReaders(st.packs_dir) as packs:
+    with st.pack_readers() as packs:
         r.run(packs, opts.verify, opts.threads, "deltackpt-load")
     return out
 

@@ -18,7 +18,6 @@ it writes anything, with the errors users see.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from deltackpt.errors import DeltackptError, SnapshotExistsError, StoreError, St
 from deltackpt.format.manifest import ChunkRecord, Manifest, Slice, Stats, TensorEntry
 from deltackpt.saving.hooks import hooks
 from deltackpt.saving.write import closure
+from deltackpt.store.packs import pack_key
+from deltackpt.store.storage import PACKS, manifest_key
 from deltackpt.store.store import SnapshotInfo, Store, store_io_error
 
 
@@ -65,7 +66,7 @@ def check_can_save(store: Store, name: str, *, overwrite: bool, check_name: bool
             "new name, or pass overwrite=True (the old one stays loadable until the new "
             "one commits)"
         )
-    if not store.packs_dir.is_dir():
+    if not store.storage.exists(PACKS):
         raise StoreError(
             f"store {str(store.root)!r} has no packs/ directory; it is damaged or not a store"
         )
@@ -131,12 +132,13 @@ def commit(
 
 def _published(store: Store, m: Manifest) -> bool | None:
     """After a failed commit: is ``m`` the visible manifest of its name? None: cannot tell."""
-    path = store.manifest_path(m.name)
     try:
-        raw = path.read_bytes()
+        raw = store.storage.read(manifest_key(m.name)).data
     except FileNotFoundError:
         return False
-    except OSError:
+    except (OSError, DeltackptError):  # EIO, a link planted at the name: cannot tell
+        return None
+    if raw is None:  # only for a version we passed (we passed none)
         return None
     try:
         doc = json.loads(raw)
@@ -155,7 +157,7 @@ def commit_io_error(store: Store, m: Manifest, packs: tuple[str, ...], e: OSErro
         left = 0
         for pack in packs:
             try:
-                os.unlink(store.pack_path(pack))
+                store.storage.delete(pack_key(pack))
             except FileNotFoundError:
                 pass
             except OSError:

@@ -65,7 +65,6 @@ from deltackpt.saving.stage import (
     stage_chunks,
     state_nbytes,
 )
-from deltackpt.store.durable import store_lock
 from deltackpt.store.store import SnapshotInfo, Store, store_io_error
 
 T = TypeVar("T")
@@ -246,9 +245,7 @@ class StoreSaver:
         locks.callback(self._slot.release)  # one save per store at a time: arenas are shared
         try:
             what = f"saving {req.name!r}"
-            locks.enter_context(
-                store_lock(st.lock_path, exclusive=False, timeout=opts.lock_timeout, what=what)
-            )
+            locks.enter_context(st.lock(exclusive=False, timeout=opts.lock_timeout, what=what))
             check_can_save(st, req.name, overwrite=opts.overwrite)
             plan = plan_state(state, st.chunk_bytes, st.small_bytes, allow_pickle=opts.allow_pickle)
             need = state_nbytes(plan)

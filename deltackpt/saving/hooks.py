@@ -19,7 +19,9 @@ hook                      called                                                
                           arena (step 2; any thread)
 ========================  =====================================================  ===============
 
-Hooks are process-wide; they are read at each call, never cached.
+Every kind of save (local, distributed, DCP's ``StoreWriter``) commits through
+``saving/commit.py``, so ``clock`` and ``before_commit`` apply to all of them. Hooks are
+process-wide; they are read at each call, never cached.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ on every core. Packs are fsynced here, before step 6 commits the manifest (savin
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -24,8 +23,8 @@ from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import SaveOptions
 from deltackpt.saving.plan import SavePlan, SourceArray, chunk_view
 from deltackpt.saving.stage import DeltaRef
-from deltackpt.store.durable import fsync_dir
 from deltackpt.store.packs import PackWriter
+from deltackpt.store.storage import PACKS
 from deltackpt.store.store import Store, store_io_error
 
 
@@ -77,7 +76,7 @@ def write_chunks(
         tid = threading.get_ident()
         w = writers.get(tid)
         if w is None:
-            w = PackWriter(store.packs_dir, fsync=opts.fsync)
+            w = store.pack_writer(fsync=opts.fsync)
             with lock:
                 writers[tid] = w
         return w
@@ -132,7 +131,7 @@ def write_chunks(
             f.result()
         pack_bytes = sum(pool.map(lambda w: w.finish(), list(writers.values())))
         if writers and opts.fsync:
-            fsync_dir(store.packs_dir)
+            store.storage.sync(PACKS)  # the packs' names, once for all of them
     except BaseException as e:
         # Stop the other jobs before cleaning up: queued ones are cancelled, running ones are
         # waited for, so no job opens or appends to a pack after this save has failed.
@@ -141,11 +140,8 @@ def write_chunks(
         wait(futures)
         left = 0
         for w in writers.values():
-            w.abort()
             try:
-                os.unlink(w.path)
-            except FileNotFoundError:
-                pass
+                w.discard()
             except OSError:
                 left += 1
         if isinstance(e, OSError) and not isinstance(e, DeltackptError):

@@ -106,17 +106,15 @@ class ChunkReader:
     def _corrupt(
         self, d: str, where: str, why: str, missing_pack: bool = False
     ) -> CorruptChunkError:
-        """The error for chunk ``d``; ``e.missing_pack`` is True when the cause is that its pack
-        does not exist (gc compaction may have moved the chunk: the loader re-reads the
-        manifest once), False for real damage."""
+        """The error for chunk ``d``; ``missing_pack``: the cause is that its pack does not exist
+        (see :class:`~deltackpt.errors.CorruptChunkError`)."""
         rec = self.records.get(d)
         loc = f"pack {rec.pack} offset {rec.offset}" if rec else "no record"
-        e = CorruptChunkError(
+        return CorruptChunkError(
             f"chunk {d} of {where} ({loc}) is corrupt: {why}. Run `deltackpt verify` to list "
-            "every damaged snapshot; load an earlier snapshot or restore the store from a copy"
+            "every damaged snapshot; load an earlier snapshot or restore the store from a copy",
+            missing_pack=missing_pack,
         )
-        e.missing_pack = missing_pack  # type: ignore[attr-defined]
-        return e
 
     def _missing(self, d: str, where: str, pack: str) -> CorruptChunkError:
         why = f"its pack file {pack_name(pack)} is missing"

@@ -18,7 +18,7 @@ import fcntl
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from deltackpt.errors import SnapshotExistsError, StoreLockedError, UnsafePathError
@@ -61,13 +61,22 @@ def write_durable(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path, overwrite: bool = False) -> None:
-    """Atomically make the durable file ``tmp`` visible as ``final``, then fsync the directory."""
+def publish(
+    tmp: Path,
+    final: Path,
+    overwrite: bool = False,
+    *,
+    link: Callable[[Path, Path], None] = os.link,
+) -> None:
+    """Atomically make the durable file ``tmp`` visible as ``final``, then fsync the directory.
+
+    ``link`` is the step that makes a new name visible (``os.link``; tests pass a failing one
+    through ``LocalStorage(ops=DurableOps(publish=partial(publish, link=...)))``)."""
     if overwrite:
         os.replace(tmp, final)
     else:
         try:
-            os.link(tmp, final)
+            link(tmp, final)
         except FileExistsError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

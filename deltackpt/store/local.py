@@ -47,7 +47,9 @@ _LINK = "deltackpt never follows links inside a store"
 @dataclass(frozen=True)
 class DurableOps:
     """The two steps of a local commit: write a durable temp file, then publish it (``link``, or
-    ``rename`` to replace) and fsync the directory. Pass other callables to inject faults."""
+    ``rename`` to replace) and fsync the directory. Pass other callables to inject faults, and
+    the storage to ``open_store(path, storage=LocalStorage(path, ops=...))``; e.g. a commit whose
+    link fails: ``DurableOps(publish=functools.partial(durable.publish, link=failing))``."""
 
     write_durable: Callable[[Path, bytes], None] = durable.write_durable
     publish: Callable[..., None] = durable.publish  # (tmp, final, overwrite=False)

@@ -26,7 +26,7 @@ import numpy as np
 from deltackpt.errors import UnsafePathError
 from deltackpt.format.manifest import PACK_ID_RE
 from deltackpt.store.local import LocalStorage
-from deltackpt.store.storage import PACKS, ObjectWriter, RangeReader, Storage
+from deltackpt.store.storage import PACKS, RangeReader, Storage
 
 PACK_ALIGN = 4096  # chunk payloads start at multiples of this (O_DIRECT-friendly)
 PACK_MAGIC = b"DCKPACK\x01"
@@ -68,11 +68,6 @@ def _locate(where: Storage | str | os.PathLike[str]) -> tuple[Storage, str]:
     return where, PACKS
 
 
-def _write_all(out: ObjectWriter, bufs: list[memoryview]) -> None:
-    """Every byte of every pack goes through here (one place to inject write faults)."""
-    out.write(bufs)
-
-
 class PackWriter:
     """Appends payloads to one new pack. One writer per thread; not thread-safe itself."""
 
@@ -88,9 +83,8 @@ class PackWriter:
         self._fsync = fsync
         self._out = self.storage.create(self.key)
         try:
-            _write_all(
-                self._out,
-                [memoryview(PACK_MAGIC), memoryview(_ZEROS)[: PACK_ALIGN - len(PACK_MAGIC)]],
+            self._out.write(
+                [memoryview(PACK_MAGIC), memoryview(_ZEROS)[: PACK_ALIGN - len(PACK_MAGIC)]]
             )
         except BaseException:  # e.g. ENOSPC: the caller never gets a writer to abort
             self._out.abort()
@@ -107,7 +101,7 @@ class PackWriter:
         """Write ``payload`` at the next aligned offset; return ``(offset, length)``."""
         offset, n = self.pos, len(payload)
         pad = -n % PACK_ALIGN
-        _write_all(self._out, [payload, memoryview(_ZEROS)[:pad]] if pad else [payload])
+        self._out.write([payload, memoryview(_ZEROS)[:pad]] if pad else [payload])
         self.pos += n + pad
         return offset, n
 

@@ -48,8 +48,7 @@ from deltackpt.store.config import (
     parse_config,
     small_bytes_problem,
 )
-from deltackpt.store.durable import publish, write_durable
-from deltackpt.store.local import DurableOps, LocalStorage
+from deltackpt.store.local import LocalStorage
 from deltackpt.store.location import check_location, local_root
 from deltackpt.store.packs import PACK_ALIGN, PACK_MAGIC, PackReaders, PackWriter, pack_key
 from deltackpt.store.snapshot import LATEST, Damaged, SnapshotInfo, validate_name
@@ -81,28 +80,15 @@ __all__ = [  # PACK_ALIGN, PACK_MAGIC and the defaults are imported from here by
 
 MAX_MANIFEST_BYTES = 1 << 31  # a larger MANIFEST.json is refused before it is read
 
-# The local commit steps, looked up in this module when they run: tests replace
-# ``deltackpt.store.store.write_durable`` / ``publish`` to inject faults into a commit
-# (tests/test_crash.py, tests/test_bad_args.py, tests/_workers.py). Other tests can give a
-# LocalStorage their own DurableOps instead.
-_COMMIT_OPS = DurableOps(
-    write_durable=lambda path, data: write_durable(path, data),
-    publish=lambda tmp, final, overwrite=False: publish(tmp, final, overwrite=overwrite),
-)
-
-
-def local_storage(root: Path) -> LocalStorage:
-    """The storage of a store in the local directory ``root``."""
-    return LocalStorage(root, ops=_COMMIT_OPS)
-
 
 class Store:
     """A store: committed snapshots and the packs they share. Create or open one with
-    :func:`open_store`. Every byte goes through ``self.storage``."""
+    :func:`open_store`. Every byte goes through ``self.storage`` (a
+    :class:`~deltackpt.store.local.LocalStorage` of ``root`` unless one is given)."""
 
     def __init__(self, root: Path, config: dict[str, Any], storage: Storage | None = None) -> None:
         self.root = root
-        self.storage: Storage = storage if storage is not None else local_storage(root)
+        self.storage: Storage = storage if storage is not None else LocalStorage(root)
         self.chunk_bytes = int(config["chunk_bytes"])
         self.small_bytes = int(config["small_bytes"])
         # name -> (version, size, manifest) of the last read of its MANIFEST.json
@@ -339,6 +325,7 @@ def open_store(
     create: bool = True,
     chunk_bytes: int | None = None,
     small_bytes: int | None = None,
+    storage: Storage | None = None,
 ) -> Store:
     """Open the store at ``path``, creating it if missing (unless ``create=False``).
 
@@ -352,6 +339,15 @@ def open_store(
     value that differs from an existing store's raises
     :class:`~deltackpt.errors.InvalidArgumentError` instead of being silently ignored.
 
+    ``storage`` is the :class:`~deltackpt.store.storage.Storage` the store's bytes go through
+    (default: ``LocalStorage(path)``). Pass one to wrap or replace the file system: a
+    ``LocalStorage(path, ops=DurableOps(...))`` whose commit steps fail (fault injection), a
+    wrapper that counts or delays I/O, another backend. ``path`` still names the store (its
+    root, in messages). Such a store is the caller's own: every call returns a new
+    :class:`Store` (with its own save engine), and ``open_store(path)`` without ``storage`` keeps
+    returning the shared store of the plain local directory. Saves, loads, gc and the DCP
+    plug-in all accept the returned Store in place of a path.
+
     >>> store = open_store("ckpts")            # doctest: +SKIP
     """
     check_chunk_args(chunk_bytes, small_bytes)
@@ -361,13 +357,20 @@ def open_store(
             f"{type(create).__name__}. Pass create=False to refuse creating a missing store"
         )
     if isinstance(path, Store):
+        if storage is not None and storage is not path.storage:
+            raise InvalidArgumentError(
+                f"open_store({path!r}, storage={storage!r}): a Store already has its storage; "
+                "pass the store's path with storage="
+            )
         check_fixed(path, chunk_bytes, small_bytes)
         return path
     root = local_root(path)
+    shared = storage is None  # the one Store of a plain local directory, kept in _STORES
     try:
         with _STORES_LOCK:
-            storage = local_storage(root)
-            cached = _STORES.get(root)
+            if storage is None:
+                storage = LocalStorage(root)
+            cached = _STORES.get(root) if shared else None
             if cached is not None and storage.exists(STORE_JSON):
                 check_fixed(cached, chunk_bytes, small_bytes)
                 return cached
@@ -390,7 +393,8 @@ def open_store(
             store = Store(root, cfg, storage)
             # also when another process created it first with other values
             check_fixed(store, chunk_bytes, small_bytes)
-            _STORES[root] = store
+            if shared:
+                _STORES[root] = store
             return store
     except OSError as e:
         if isinstance(e, DeltackptError):  # e.g. StoreLockedError, SnapshotExistsError

@@ -1,0 +1,152 @@
+"""The package's shape, as docs/architecture.md describes it: no import cycles, layers that only
+import downwards, and no module over ~450 lines (benchmarks included).
+
+Imports are read with ``ast`` (function-local imports count; imports under ``if TYPE_CHECKING:``
+do not, since they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "deltackpt"
+MAX_LINES = 450
+
+# Each layer may import only itself and the layers listed for it. errors and options (the env
+# knobs and option dataclasses) are shared leaves; format is pure: no store, no threads, no
+# collectives.
+LAYERS: dict[str, set[str]] = {
+    "format": {"errors"},
+    "store": {"errors", "options", "format"},
+    "saving": {"errors", "options", "format", "store"},
+    "loading": {"errors", "options", "format", "store"},
+    "dist": {"errors", "options", "format", "store", "saving", "loading"},
+    "sync": {"errors", "format"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = p
+    return out
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            for name in names:
+                while name and name not in mods:
+                    name = name.rpartition(".")[0]
+                # a package's __init__ runs first anyway: importing a parent is not an edge
+                if name and name != mod and not mod.startswith(name + "."):
+                    graph[mod].add(name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strongconnect(v)
+    return out
+
+
+def _layer(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_layers_import_only_downwards(layer):
+    allowed = LAYERS[layer] | {layer}
+    bad = sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in import_graph().items()
+        if _layer(mod) == layer
+        for dep in deps
+        if _layer(dep) not in allowed
+    )
+    assert bad == [], f"{layer}/ may import only {sorted(allowed)}"
+
+
+def test_no_module_over_the_size_limit():
+    files = [*PKG.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    big = sorted(
+        (n, str(p.relative_to(ROOT)))
+        for p in files
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    )
+    assert big == [], f"split these modules (limit {MAX_LINES} lines)"
+
+
+def test_a_cycle_would_be_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
