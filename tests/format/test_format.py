@@ -16,9 +16,9 @@ from deltackpt.format.codecs import RAW, EncodePolicy
 from deltackpt.saving.hooks import hooks
 from deltackpt.store import packs as pack
 
-GOLDEN_V1 = Path(__file__).parent / "golden" / "v1"  # written before manifests had a digest
-GOLDEN = Path(__file__).parent / "golden" / "v2"
-GOLDEN_DIST = Path(__file__).parent / "golden" / "v2-dist"  # 2 gloo ranks, snapshots d0 and d1
+GOLDEN_V1 = Path(__file__).parents[1] / "golden" / "v1"  # written before manifests had a digest
+GOLDEN = Path(__file__).parents[1] / "golden" / "v2"
+GOLDEN_DIST = Path(__file__).parents[1] / "golden" / "v2-dist"  # 2 gloo ranks, snapshots d0 and d1
 GOLDEN_NS = 1_700_000_000_000_000_000
 SCHEMA = json.loads(
     (Path(deltackpt.__file__).parent / "format" / "schema" / "manifest.schema.json").read_text()

@@ -22,10 +22,10 @@ from deltackpt.dcp import StoreReader, StoreWriter
 from deltackpt.format.codecs import RAW, EncodePolicy
 from deltackpt.saving.hooks import hooks
 from deltackpt.store import packs as pack
-from tests.test_format import GOLDEN_NS, _stable
+from tests.format.test_format import GOLDEN_NS, _stable
 
-GOLDEN_DCP = Path(__file__).parent / "golden" / "v2-dcp"  # one process, snapshots c0 and c1
-GOLDEN_DCP_DIST = Path(__file__).parent / "golden" / "v2-dcp-dist"  # 2 gloo ranks, d0 and d1
+GOLDEN_DCP = Path(__file__).parents[1] / "golden" / "v2-dcp"  # one process, snapshots c0 and c1
+GOLDEN_DCP_DIST = Path(__file__).parents[1] / "golden" / "v2-dcp-dist"  # 2 gloo ranks, d0 and d1
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -533,7 +533,7 @@ sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 import deltackpt
 from deltackpt.errors import DeltackptError
-from tests.test_hostile import make_store, read_doc, write_doc, _tensor
+from tests.store.test_hostile import make_store, read_doc, write_doc, _tensor
 store = make_store(Path(sys.argv[2]))
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 doc = read_doc(store, "s1")
@@ -560,7 +560,7 @@ print(json.dumps({"base_kib": base, "peak_kib": resource.getrusage(resource.RUSA
 
 def test_peak_memory_stays_bounded_on_hostile_sizes(tmp_path):
     """Declared sizes up to 2**50 rows: refused before allocating (peak RSS grows < 64 MiB)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", _RSS_CHILD, str(root), str(tmp_path / "s")],
         capture_output=True,

@@ -30,7 +30,7 @@ from deltackpt.sync import _protocol as proto
 from deltackpt.sync import packing as packing_mod
 from deltackpt.sync.transport import Channel
 from tests._dist import spawn
-from tests.test_sync_local import Collect, assert_same, model, run_threads, transports
+from tests.sync.test_sync_local import Collect, assert_same, model, run_threads, transports
 
 TYPED = (sync.DigestMismatchError, sync.RoundAbortedError)
 
