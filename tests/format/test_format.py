@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -130,13 +131,14 @@ def dist_golden_state(world: int, step: int) -> dict:
     }
 
 
-def _save_dist_golden(rank: int, world: int, port: int, store: str) -> None:
+def golden_rank(rank: int, world: int, port: int, store: str, pack_ids: Iterator[str]) -> None:
+    """In a child rank of a golden save: deterministic pack ids and clock, a gloo group, and the
+    golden store's chunking (created by rank 0)."""
     import datetime
 
     import torch.distributed as dist
 
-    ids = iter(f"rank{rank}pack{i:011d}" for i in range(100))
-    pack.new_pack_id = lambda: next(ids)  # this child process only
+    pack.new_pack_id = lambda: next(pack_ids)  # this child process only
     hooks.clock = lambda: GOLDEN_NS
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -145,6 +147,12 @@ def _save_dist_golden(rank: int, world: int, port: int, store: str) -> None:
     if rank == 0:
         deltackpt.open_store(store, chunk_bytes=8192, small_bytes=4096)
     dist.barrier()
+
+
+def _save_dist_golden(rank: int, world: int, port: int, store: str) -> None:
+    import torch.distributed as dist
+
+    golden_rank(rank, world, port, store, iter(f"rank{rank}pack{i:011d}" for i in range(100)))
     for step in (0, 1):
         deltackpt.save(
             dist_golden_state(world, step), store, f"d{step}", process_group=dist.group.WORLD,

@@ -22,7 +22,7 @@ from deltackpt.dcp import StoreReader, StoreWriter
 from deltackpt.format.codecs import RAW, EncodePolicy
 from deltackpt.saving.hooks import hooks
 from deltackpt.store import packs as pack
-from tests.format.test_format import GOLDEN_NS, _stable
+from tests.format.test_format import GOLDEN_NS, _stable, golden_rank
 
 GOLDEN_DCP = Path(__file__).parents[1] / "golden" / "v2-dcp"  # one process, snapshots c0 and c1
 GOLDEN_DCP_DIST = Path(__file__).parents[1] / "golden" / "v2-dcp-dist"  # 2 gloo ranks, d0 and d1
@@ -121,20 +121,9 @@ def dcp_dist_golden_state(world: int, step: int) -> dict:
 
 
 def save_dcp_dist_golden(rank: int, world: int, port: int, store: str) -> None:
-    import datetime
-
     import torch.distributed as dist
 
-    ids = iter(f"dcp{rank}pack{i:013d}" for i in range(100))
-    pack.new_pack_id = lambda: next(ids)  # this child process only
-    hooks.clock = lambda: GOLDEN_NS
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=30),
-    )  # fmt: skip
-    if rank == 0:
-        deltackpt.open_store(store, chunk_bytes=8192, small_bytes=4096)
-    dist.barrier()
+    golden_rank(rank, world, port, store, iter(f"dcp{rank}pack{i:013d}" for i in range(100)))
     for step in (0, 1):
         dcp.save(dcp_dist_golden_state(world, step), storage_writer=_writer(store, f"d{step}"))
     dist.destroy_process_group()

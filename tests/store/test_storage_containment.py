@@ -26,22 +26,6 @@ from deltackpt.store.storage import (
 KEY = manifest_key("s1")
 
 
-@pytest.fixture
-def storage(tmp_path: Path) -> LocalStorage:
-    s = LocalStorage(tmp_path / "store")
-    s.make_dirs((SNAPSHOTS, PACKS, TMP))
-    return s
-
-
-@pytest.fixture
-def bait(tmp_path: Path) -> Path:
-    """A directory outside the store with a file that must never be read, changed or removed."""
-    d = tmp_path / "elsewhere"
-    d.mkdir()
-    (d / "precious").write_bytes(b"not yours")
-    return d
-
-
 @pytest.mark.parametrize(
     "key", ["../x", "packs/../../x", "/etc/passwd", "packs//a.pack", "packs/.", "a/\0/b", "."]
 )
