@@ -17,7 +17,8 @@ from deltackpt.errors import SaveFailedError
 from deltackpt.format.codecs import RAW, XOR, ZSTD, EncodePolicy
 from deltackpt.saving.engine import saver_for
 from deltackpt.saving.hooks import hooks
-from deltackpt.store import packs as pack
+from deltackpt.store.store import Store
+from tests._faults import close_store, faulty_store
 
 
 def _model_state(seed: int = 0, n: int = 6, numel: int = 300_000) -> dict[str, torch.Tensor]:
@@ -25,28 +26,24 @@ def _model_state(seed: int = 0, n: int = 6, numel: int = 300_000) -> dict[str, t
     return {f"w{i}": torch.randn(numel, generator=g) for i in range(n)}
 
 
-def _slow_writes(monkeypatch, gate: threading.Event) -> None:
-    orig = pack.PackWriter.append
-
-    def slow(self, payload):
-        gate.wait(timeout=30)
-        return orig(self, payload)
-
-    monkeypatch.setattr(pack.PackWriter, "append", slow)
+def _gated_store(path, gate: threading.Event) -> Store:
+    """The store at ``path`` whose pack writes wait for ``gate`` (through the storage seam)."""
+    return faulty_store(path, on_write=lambda key, n: gate.wait(timeout=30))
 
 
-def test_mutating_state_after_staging_does_not_change_the_snapshot(store_dir, monkeypatch):
+def test_mutating_state_after_staging_does_not_change_the_snapshot(store_dir):
     state = _model_state()
     expected = {k: v.clone() for k, v in state.items()}
     gate = threading.Event()
-    _slow_writes(monkeypatch, gate)
-    h = deltackpt.async_save(state, store_dir, "a")
+    st = _gated_store(store_dir, gate)
+    h = deltackpt.async_save(state, st, "a")
     assert h.staged.done() and not h.done()
     for v in state.values():  # training goes on: overwrite and free the live weights
         v.mul_(-3.0).add_(1.0)
     state.clear()
     gate.set()
     info = h.result(timeout=60)
+    close_store(st)
     assert info.name == "a" and info.blocked_seconds <= info.seconds
     out = deltackpt.load(store_dir, "a")
     for k, v in expected.items():
@@ -95,28 +92,30 @@ def test_unobserved_background_failure_is_raised_by_the_next_save(store_dir):
     assert [s.name for s in deltackpt.snapshots(store_dir)] == ["next"]
 
 
-def test_a_new_save_waits_for_the_previous_one(store_dir, monkeypatch):
+def test_a_new_save_waits_for_the_previous_one(store_dir):
     state = _model_state(n=2)
     gate = threading.Event()
-    _slow_writes(monkeypatch, gate)
-    h1 = deltackpt.async_save(state, store_dir, "a")
+    st = _gated_store(store_dir, gate)
+    h1 = deltackpt.async_save(state, st, "a")
     threading.Timer(0.3, gate.set).start()
-    h2 = deltackpt.async_save(state, store_dir, "b")
+    h2 = deltackpt.async_save(state, st, "b")
     assert h1.done()
     info = h2.result(timeout=60)
+    close_store(st)
     assert info.waited_seconds >= 0.2
     assert [s.name for s in deltackpt.snapshots(store_dir)] == ["a", "b"]
 
 
-def test_dropped_unfinished_handle_warns(store_dir, monkeypatch):
+def test_dropped_unfinished_handle_warns(store_dir):
     gate = threading.Event()
-    _slow_writes(monkeypatch, gate)
-    h = deltackpt.async_save(_model_state(n=1), store_dir, "a")
+    st = _gated_store(store_dir, gate)
+    h = deltackpt.async_save(_model_state(n=1), st, "a")
     with pytest.warns(ResourceWarning, match="dropped before it finished"):
         del h
         pygc.collect()
     gate.set()
-    saver_for(deltackpt.open_store(store_dir)).flush()
+    saver_for(st).flush()
+    close_store(st)
     assert [s.name for s in deltackpt.snapshots(store_dir)] == ["a"]
 
 
