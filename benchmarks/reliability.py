@@ -27,13 +27,13 @@ CATEGORIES: list[tuple[str, str, list[str]]] = [
         "crash safety",
         "SIGKILL of saving, async-saving, gc-ing and deleting processes at random moments; "
         "failed saves; concurrent writers of one name",
-        ["tests/test_crash.py", "tests/test_concurrency.py"],
+        ["tests/store/test_crash.py", "tests/store/test_concurrency.py"],
     ),
     (
         "damaged chunks",
         "flipped bytes (raw/zstd), truncated and missing packs, corrupt keyframes under deltas, "
         "corrupt and truncated chunks inside merged reads",
-        ["tests/test_corruption.py", "tests/test_readpath.py"],
+        ["tests/store/test_corruption.py", "tests/loading/test_readpath.py"],
     ),
     (
         "hostile stores",
@@ -41,7 +41,7 @@ CATEGORIES: list[tuple[str, str, list[str]]] = [
         "inconsistent manifests with valid digests, deep nesting, hypothesis-fuzzed manifests "
         "with valid digests (under an audit hook), hostile sizes with a peak-RSS bound, "
         "damage locality, format v1/v2 golden stores",
-        ["tests/test_hostile.py", "tests/test_format.py"],
+        ["tests/store/test_hostile.py", "tests/format/test_format.py"],
     ),
     (
         "bad arguments and full disks",
@@ -58,7 +58,7 @@ CATEGORIES: list[tuple[str, str, list[str]]] = [
     (
         "weight-sync tampering",
         "bytes changed in the shared window after verification; dead peers",
-        ["tests/test_sync_tamper.py"],
+        ["tests/sync/test_sync_tamper.py"],
     ),
 ]
 
