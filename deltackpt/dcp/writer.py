@@ -163,10 +163,16 @@ class StoreWriter(StorageWriter):
     )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"root": str(self.store.root), **{k: getattr(self, k) for k in self._PICKLED}}
+        opts = getattr(self.store.storage, "storage_options", None)  # object stores
+        return {
+            "root": str(self.store.root),
+            "storage_options": opts,
+            **{k: getattr(self, k) for k in self._PICKLED},
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.store = open_store(state["root"], create=False)
+        opts = state.get("storage_options")
+        self.store = open_store(state["root"], create=False, storage_options=opts)
         for k in self._PICKLED:
             setattr(self, k, state[k])
         self._init_save()

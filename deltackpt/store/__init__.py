@@ -4,7 +4,8 @@ From the bottom up:
 
 - ``storage.py``: the :class:`Storage` seam (every operation the store asks of storage) and the
   store's keys; ``durable.py``: local fsync, atomic publish and the flock store lock;
-  ``local.py``: :class:`LocalStorage`, a store in a local directory.
+  ``local.py``: :class:`LocalStorage`, a store in a local directory; ``objstore.py``:
+  :class:`FsspecStorage`, a store in an object store (``s3://``, ``memory://``).
 - ``packs.py``: pack objects (PackWriter, PackReaders, ``<id>.pack`` names, PACK_ALIGN);
   ``chunks.py``: read, decode and verify chunks.
 - ``config.py`` (STORE.json), ``location.py`` (what ``open_store``'s path names),
@@ -15,7 +16,16 @@ From the bottom up:
 from __future__ import annotations
 
 from deltackpt.store.local import LocalStorage
+from deltackpt.store.objstore import FsspecStorage, NoLockError
 from deltackpt.store.storage import Storage
 from deltackpt.store.store import SnapshotInfo, Store, open_store
 
-__all__ = ["LocalStorage", "SnapshotInfo", "Storage", "Store", "open_store"]
+__all__ = [
+    "FsspecStorage",
+    "LocalStorage",
+    "NoLockError",
+    "SnapshotInfo",
+    "Storage",
+    "Store",
+    "open_store",
+]

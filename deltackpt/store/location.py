@@ -1,8 +1,10 @@
-"""Where a store lives: the checks that turn ``open_store``'s ``path`` argument into a local root.
+"""Where a store lives: the checks that turn ``open_store``'s ``path`` argument into a root.
 
-A local directory (``~`` expanded) or a ``file:///abs/path`` URL; any other scheme raises
-:class:`~deltackpt.errors.UnsupportedURLError` until a backend for it exists (issue 11 plugs
-object stores in here, next to :class:`~deltackpt.store.local.LocalStorage`).
+A local directory (``~`` expanded) or a ``file:///abs/path`` URL is a local root (a ``Path``,
+for :class:`~deltackpt.store.local.LocalStorage`); an object-store URL (``s3://bucket/prefix``,
+``memory://name``: ``OBJECT_SCHEMES``) is returned as a normalized URL string, for
+:class:`~deltackpt.store.objstore.FsspecStorage`. Any other scheme raises
+:class:`~deltackpt.errors.UnsupportedURLError`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from deltackpt.errors import InvalidArgumentError, UnsupportedURLError
+from deltackpt.store.local import LocalStorage
+from deltackpt.store.storage import Storage
 
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 # Path("s3://bucket/run") collapses "//" into "s3:/bucket/run": such a path is a mangled URL,
@@ -23,6 +27,51 @@ _MANGLED_URL_RE = re.compile(
     r"memory|hf|oss|r2|file):/",
     re.IGNORECASE,
 )
+
+
+OBJECT_SCHEMES = ("s3", "s3a", "memory")  # the URL schemes of objstore.FsspecStorage
+
+
+def store_root(path: Any) -> Path | str:
+    """The local directory (a Path) or the object-store URL (a str) that ``path`` names."""
+    raw = path if isinstance(path, str) else None
+    m = _URL_RE.match(raw) if raw is not None else None
+    if raw is not None and m and m.group(1).lower() in OBJECT_SCHEMES:
+        scheme, rest = m.group(1).lower(), raw[m.end() :]
+        if m.group(1) != scheme:
+            raise UnsupportedURLError(
+                f"store={raw!r}: write the URL scheme in lower case: {scheme}://{rest}"
+            )
+        rest = rest.rstrip("/")
+        if not rest or "\0" in rest or any(p in ("", ".", "..") for p in rest.split("/")):
+            raise UnsupportedURLError(
+                f"store={raw!r} is not a usable {scheme}:// URL (empty, '.' or '..' parts); "
+                f"expected e.g. {scheme}://bucket/prefix"
+            )
+        return f"{scheme}://{rest}"
+    return local_root(path)
+
+
+def store_key(path: Any, root: Path | str, storage_options: dict[str, Any] | None) -> Path | str:
+    """The key of the shared Store of ``root`` opened with ``storage_options``; refuses options
+    for a local directory."""
+    if storage_options is not None and not isinstance(root, str):
+        raise InvalidArgumentError(
+            f"open_store({str(path)!r}, storage_options=...): storage_options apply to object "
+            "store URLs (s3://, memory://), not to local directories; drop them"
+        )
+    if isinstance(root, str) and storage_options:
+        return f"{root}\0{sorted(storage_options.items())!r}"
+    return root
+
+
+def default_storage(root: Path | str, storage_options: dict[str, Any] | None) -> Storage:
+    """LocalStorage of a directory, FsspecStorage of an object-store URL."""
+    if isinstance(root, Path):
+        return LocalStorage(root)
+    from deltackpt.store.objstore import FsspecStorage  # imports fsspec: only when used
+
+    return FsspecStorage(root, storage_options)
 
 
 def local_root(path: Any) -> Path:
@@ -59,10 +108,10 @@ def local_root(path: Any) -> Path:
                 else (" (a pathlib.Path turned '//' into '/'; pass URLs as str)")
             )
             raise UnsupportedURLError(
-                f"store={str(path)!r} is a {scheme}:// URL{mangled}; deltackpt stores are local "
-                f"directories and object stores ({scheme}://) are not supported yet. Save to a "
-                "local (or mounted, e.g. s3fs/gcsfuse) directory and sync it; file:///abs/path "
-                "URLs are accepted for local directories"
+                f"store={str(path)!r} is a {scheme}:// URL{mangled}; {scheme}:// is not supported "
+                "(yet): deltackpt stores are local directories (or file:///abs/path URLs) and "
+                f"object stores at {', '.join(s + '://' for s in OBJECT_SCHEMES)} URLs (pip "
+                "install s3fs for s3://). Save to a local or mounted (e.g. gcsfuse) directory"
             )
     return Path(raw).expanduser().absolute()
 

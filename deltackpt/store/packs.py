@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deltackpt.errors import UnsafePathError
+from deltackpt.errors import StoreError, UnsafePathError
 from deltackpt.format.manifest import PACK_ID_RE
 from deltackpt.store.local import LocalStorage
 from deltackpt.store.storage import PACKS, RangeReader, Storage
@@ -95,7 +95,10 @@ class PackWriter:
     @property
     def path(self) -> Path:
         """The pack's file (local storage only: prefer :meth:`discard` to remove it)."""
-        return Path(self.storage.where(self.key))
+        where = self.storage.where(self.key)
+        if "://" in where:
+            raise StoreError(f"pack {where} is in an object store: it has no local path")
+        return Path(where)
 
     def append(self, payload: memoryview) -> tuple[int, int]:
         """Write ``payload`` at the next aligned offset; return ``(offset, length)``."""

@@ -5,8 +5,8 @@ opens a file itself: it names objects by *key* and calls a :class:`Storage`. A k
 ``/``-separated path relative to the store's root (``"STORE.json"``,
 ``"snapshots/step-1/MANIFEST.json"``, ``"packs/<id>.pack"``); the key vocabulary of a store is
 defined here too, so the layout lives in one place. :class:`~deltackpt.store.local.LocalStorage`
-(a directory on a local or mounted file system) is the first backend; an object store is a new
-class with these methods, not edits across save, load and gc.
+(a directory on a local or mounted file system) is the first backend;
+:class:`~deltackpt.store.objstore.FsspecStorage` (``s3://``, ``memory://``) the second.
 
 Rules every backend keeps:
 

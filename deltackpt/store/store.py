@@ -13,7 +13,8 @@ tables of committed manifests, so there is no second index that could disagree w
 
 This file holds :class:`Store` (snapshot names, the manifest cache, commit) and
 :func:`open_store`. The keys above are built in ``storage.py`` (``packs.pack_key`` for packs);
-every byte goes through ``Store.storage`` (``storage.Storage``; ``local.LocalStorage`` here).
+every byte goes through ``Store.storage`` (``storage.Storage``: ``local.LocalStorage`` for a
+directory, ``objstore.FsspecStorage`` for an object-store URL, whose ``root`` is that URL).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from deltackpt.store.config import (
     small_bytes_problem,
 )
 from deltackpt.store.local import LocalStorage
-from deltackpt.store.location import check_location, local_root
+from deltackpt.store.location import check_location, default_storage, store_key, store_root
 from deltackpt.store.packs import PACK_ALIGN, PACK_MAGIC, PackReaders, PackWriter, pack_key
 from deltackpt.store.snapshot import LATEST, Damaged, SnapshotInfo, validate_name
 from deltackpt.store.storage import (
@@ -86,9 +87,13 @@ class Store:
     :func:`open_store`. Every byte goes through ``self.storage`` (a
     :class:`~deltackpt.store.local.LocalStorage` of ``root`` unless one is given)."""
 
-    def __init__(self, root: Path, config: dict[str, Any], storage: Storage | None = None) -> None:
-        self.root = root
-        self.storage: Storage = storage if storage is not None else LocalStorage(root)
+    def __init__(
+        self, root: Path | str, config: dict[str, Any], storage: Storage | None = None
+    ) -> None:
+        self.root = root  # a local directory, or an object store's URL (a str)
+        if storage is None:
+            storage = LocalStorage(self._local("storage"))
+        self.storage: Storage = storage
         self.chunk_bytes = int(config["chunk_bytes"])
         self.small_bytes = int(config["small_bytes"])
         # name -> (version, size, manifest) of the last read of its MANIFEST.json
@@ -99,27 +104,35 @@ class Store:
         return f"Store({str(self.root)!r})"
 
     # local paths (for messages and tools; the store itself reads and writes through storage)
+    def _local(self, what: str) -> Path:
+        if not isinstance(self.root, Path):
+            raise StoreError(
+                f"store {self.root!r} is an object store: it has no local {what}; go through "
+                "store.storage (keys such as 'packs/<id>.pack')"
+            )
+        return self.root
+
     @property
     def snapshots_dir(self) -> Path:
-        return self.root / SNAPSHOTS
+        return self._local("snapshots directory") / SNAPSHOTS
 
     @property
     def packs_dir(self) -> Path:
-        return self.root / PACKS
+        return self._local("packs directory") / PACKS
 
     @property
     def tmp_dir(self) -> Path:
-        return self.root / TMP
+        return self._local("tmp directory") / TMP
 
     @property
     def lock_path(self) -> Path:
-        return self.root / LOCK_FILE
+        return self._local("lock file") / LOCK_FILE
 
     def pack_path(self, pack: str) -> Path:
-        return self.root / pack_key(pack)
+        return self._local("pack file") / pack_key(pack)
 
     def manifest_path(self, name: str) -> Path:
-        return self.root / manifest_key(name)
+        return self._local("manifest file") / manifest_key(name)
 
     # storage
     def lock(
@@ -262,7 +275,7 @@ class Store:
         if blob.data is None:
             assert hit is not None  # only returned for the version we passed
             return hit[2]
-        where = f"snapshot {name!r} ({self.manifest_path(name)})"
+        where = f"snapshot {name!r} ({self.storage.where(key)})"
         try:
             m = Manifest.from_json_bytes(blob.data, where=where)
         except ManifestError as e:
@@ -315,7 +328,7 @@ class Store:
         return len(data)
 
 
-_STORES: dict[Path, Store] = {}
+_STORES: dict[Path | str, Store] = {}
 _STORES_LOCK = threading.Lock()
 
 
@@ -326,12 +339,17 @@ def open_store(
     chunk_bytes: int | None = None,
     small_bytes: int | None = None,
     storage: Storage | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Store:
     """Open the store at ``path``, creating it if missing (unless ``create=False``).
 
     ``path`` is a local directory (``~`` is expanded). A ``file:///abs/path`` URL names the same
-    local directory; any other URL scheme (``s3://``, ``gs://``, ``az://``, ``http://``, ...)
-    raises :class:`~deltackpt.errors.UnsupportedURLError`: object stores are not supported yet.
+    local directory. ``s3://bucket/prefix`` (needs ``pip install s3fs``) and ``memory://name``
+    are object stores (:class:`~deltackpt.store.objstore.FsspecStorage`, whose docstring says
+    what each guarantees; gc on them needs ``no_concurrent_saves=True``), configured by
+    ``storage_options`` (s3fs: ``key``, ``secret``, ``endpoint_url``, ``client_kwargs``...; or
+    the usual AWS environment). Any other scheme (``gs://``, ``az://``, ``http://``, ...) raises
+    :class:`~deltackpt.errors.UnsupportedURLError`.
 
     ``chunk_bytes`` (default 4 MiB; a multiple of 4096, at most 1 GiB) and ``small_bytes``
     (default ``min(1 MiB, chunk_bytes // 4)``; 0..chunk_bytes) apply when the store is created;
@@ -364,18 +382,20 @@ def open_store(
             )
         check_fixed(path, chunk_bytes, small_bytes)
         return path
-    root = local_root(path)
-    shared = storage is None  # the one Store of a plain local directory, kept in _STORES
+    root = store_root(path)
+    cache_key = store_key(path, root, storage_options)
+    shared = storage is None  # the one Store of a plain directory or URL, kept in _STORES
     try:
         with _STORES_LOCK:
             if storage is None:
-                storage = LocalStorage(root)
-            cached = _STORES.get(root) if shared else None
+                storage = default_storage(root, storage_options)
+            cached = _STORES.get(cache_key) if shared else None
             if cached is not None and storage.exists(STORE_JSON):
                 check_fixed(cached, chunk_bytes, small_bytes)
                 return cached
             if not storage.exists(STORE_JSON):
-                check_location(root)
+                if isinstance(root, Path):
+                    check_location(root)
                 if not create:
                     raise StoreError(
                         f"no deltackpt store at {str(root)!r} (STORE.json missing); pass "
@@ -394,7 +414,7 @@ def open_store(
             # also when another process created it first with other values
             check_fixed(store, chunk_bytes, small_bytes)
             if shared:
-                _STORES[root] = store
+                _STORES[cache_key] = store
             return store
     except OSError as e:
         if isinstance(e, DeltackptError):  # e.g. StoreLockedError, SnapshotExistsError

@@ -1,0 +1,412 @@
+"""FsspecStorage: the :class:`~deltackpt.store.storage.Storage` of a store in an object store.
+
+``open_store("s3://bucket/prefix", storage_options={...})`` (s3fs) and ``memory://name`` (fsspec's
+in-process memory file system, for tests) use it; ``file://`` stays
+:class:`~deltackpt.store.local.LocalStorage`. Keys map to objects under the URL's prefix; keys
+built from stored data are checked with :func:`~deltackpt.store.storage.parts` as everywhere.
+
+What each backend guarantees:
+
+- **Commit** (``publish``): S3 is a conditional ``PutObject`` with ``If-None-Match: *``: the
+  object exists whole or not at all, and of two publishers of one key exactly one wins (the
+  other gets :class:`~deltackpt.errors.SnapshotExistsError`). ``memory://`` uses a
+  lock-protected check-and-put: exclusive within one process only (it is one process's memory).
+- **Packs** (``create``): S3 streams a multipart upload of ``block_size`` parts; the object
+  appears only when ``finish`` completes the upload, and ``abort`` aborts it (nothing listed).
+  A process killed mid-upload leaves an unfinished multipart upload (invisible to listings,
+  billed until aborted: set a bucket lifecycle rule ``AbortIncompleteMultipartUpload``).
+- **Durability**: a put is durable when it returns, so ``sync`` and ``make_dirs`` do nothing.
+  Object stores have no empty directories: ``snapshots/``, ``packs/`` and ``tmp/`` exist exactly
+  when ``STORE.json`` does.
+- **Reads**: ranged GETs; a read of more than ``part_bytes`` is split into parallel GETs
+  (``cat_ranges``) and copied into the caller's buffers.
+
+**Locking.** Object stores have no locks. Shared locks (saves, deletes) are free, so saves,
+loads and deletes of different snapshots may run concurrently, from any number of processes.
+gc needs the exclusive lock: it deletes packs that no committed manifest references, which would
+break a save in flight (its packs are not referenced until it commits, and it may dedupe against
+a pack gc is removing). So gc on an object store is refused with :class:`NoLockError` unless the
+storage is made with ``no_concurrent_saves=True``, the caller's promise that no save (nor a load
+of a snapshot gc deletes) runs while gc does::
+
+    st = open_store(url, storage=FsspecStorage(url, opts, no_concurrent_saves=True))
+    deltackpt.gc(st, keep_last=3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from deltackpt.errors import (
+    SnapshotExistsError,
+    StoreError,
+    StoreIOError,
+    UnsafePathError,
+    UnsupportedURLError,
+)
+from deltackpt.store.storage import (
+    PACKS,
+    SNAPSHOTS,
+    STORE_JSON,
+    TMP,
+    Blob,
+    Entry,
+    ObjectTooLargeError,
+    parts,
+)
+
+SCHEMES = {"s3": "s3", "s3a": "s3", "memory": "memory"}  # URL scheme -> fsspec protocol
+_PIP = {"s3": "s3fs"}
+_MEMORY_LOCK = threading.Lock()  # memory:// publish: check-and-put, one process
+
+
+class NoLockError(StoreError, NotImplementedError):
+    """An exclusive store lock (gc) was asked of an object store, which has none."""
+
+
+class FsspecStorage:
+    """A store's bytes under ``url`` in an fsspec file system (see the module docstring).
+
+    ``storage_options`` go to the file system (s3fs: ``key``, ``secret``, ``endpoint_url``,
+    ``client_kwargs``, ...). ``block_size`` is the multipart part size of uploads (>= 5 MiB),
+    ``part_bytes`` the size of each parallel ranged GET. ``no_concurrent_saves=True`` allows gc
+    (the exclusive lock) on the caller's promise that nothing else writes the store meanwhile."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        no_concurrent_saves: bool = False,
+        block_size: int = 64 << 20,
+        part_bytes: int = 16 << 20,
+    ) -> None:
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        protocol = SCHEMES.get(scheme)
+        if protocol is None:
+            raise UnsupportedURLError(
+                f"store={url!r}: {scheme or 'no'}:// is not a supported object store; "
+                f"supported: {', '.join(s + '://' for s in SCHEMES)} and local directories"
+            )
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.no_concurrent_saves = bool(no_concurrent_saves)
+        self.block_size = max(int(block_size), 5 << 20)
+        self.part_bytes = max(int(part_bytes), 1 << 20)
+        self.protocol = protocol
+        try:
+            import fsspec
+
+            self.fs = fsspec.filesystem(protocol, **self.storage_options)
+        except ImportError as e:
+            pkg = _PIP.get(protocol, protocol)
+            raise UnsupportedURLError(
+                f"store={url!r} needs the {pkg} package, which is not installed ({e}). Install "
+                f"it: pip install {pkg} (or pip install 'deltackpt[s3]')"
+            ) from None
+        except Exception as e:  # bad storage_options
+            raise UnsupportedURLError(
+                f"store={url!r}: cannot set up {protocol}:// with storage_options="
+                f"{sorted(self.storage_options)}: {type(e).__name__}: {e}"
+            ) from e
+        self.root = self.fs._strip_protocol(self.url).rstrip("/")
+        if protocol == "s3" and not self.root:
+            raise UnsupportedURLError(f"store={url!r} names no bucket; pass s3://bucket/prefix")
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+    def path(self, key: str) -> str:
+        ps = parts(key)
+        return "/".join([self.root, *ps]) if ps else self.root
+
+    def where(self, key: str = "") -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    @contextlib.contextmanager
+    def _io(self, what: str, key: str = "") -> Iterator[None]:
+        """Errors of the client library (credentials, network, HTTP) as StoreIOError naming
+        the URL; OSErrors (FileNotFoundError, FileExistsError, ...) and ours pass through."""
+        try:
+            yield
+        except (OSError, StoreError):
+            raise
+        except Exception as e:
+            raise StoreIOError(
+                errno.EIO,
+                f"{what} {self.where(key)} failed: {type(e).__name__}: {e}. Check the URL, the "
+                "credentials (storage_options or the environment) and the network",
+            ) from e
+
+    def _info(self, key: str) -> dict[str, Any]:
+        path = self.path(key)
+        with self._io("reading", key):
+            self.fs.invalidate_cache(path)
+            info = self.fs.info(path)
+        if info.get("type") != "file":
+            if key == "" or info.get("type") == "directory":
+                raise FileNotFoundError(errno.ENOENT, "not an object", self.where(key))
+            raise UnsafePathError(f"{self.where(key)} is not an object")
+        return info
+
+    # --------------------------------------------------------------------------------- reads
+
+    def open_reader(self, key: str) -> FsspecReader:
+        info = self._info(key)
+        return FsspecReader(self, key, int(info["size"]))
+
+    def read(
+        self, key: str, *, max_bytes: int | None = None, known: tuple[int, ...] | None = None
+    ) -> Blob:
+        info = self._info(key)
+        size = int(info["size"])
+        if max_bytes is not None and size > max_bytes:
+            raise ObjectTooLargeError(self.where(key), size, max_bytes)
+        tag = next(
+            (str(info[k]) for k in ("ETag", "etag", "LastModified", "created") if k in info), ""
+        )
+        h = int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little")
+        version = (h, size)
+        if version == known and tag:
+            return Blob(None, version, size)
+        with self._io("reading", key):
+            data = self.fs.cat_file(self.path(key))
+        return Blob(bytes(data), version, len(data))
+
+    def exists(self, key: str) -> bool:
+        if key in (PACKS, SNAPSHOTS, TMP):  # no empty directories: they come with the store
+            key = STORE_JSON
+        path = self.path(key)
+        with self._io("checking", key):
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.exists(path))
+
+    def list(self, prefix: str) -> list[Entry]:
+        path = self.path(prefix)
+        with self._io("listing", prefix):
+            self.fs.invalidate_cache(path)
+            try:
+                infos = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+        out: list[Entry] = []
+        for info in infos:
+            name = str(info["name"]).rstrip("/")
+            if name.lstrip("/") == path.lstrip("/"):
+                if info.get("type") == "file":
+                    raise UnsafePathError(f"{self.where(prefix)} is an object, not a prefix")
+                continue  # a directory marker
+            base = name.rsplit("/", 1)[-1]
+            if info.get("type") == "directory":
+                out.append(Entry(base, "dir"))
+            elif info.get("type") == "file":
+                out.append(Entry(base, "file", int(info.get("size") or 0)))
+            else:
+                out.append(Entry(base, "other"))
+        return out
+
+    # -------------------------------------------------------------------------------- writes
+
+    def create(self, key: str) -> _UploadWriter | _WholeWriter:
+        path = self.path(key)
+        if self.protocol == "memory":
+            if self.exists(key):
+                raise FileExistsError(errno.EEXIST, "exists", self.where(key))
+            return _WholeWriter(self, key)
+        with self._io("uploading", key):
+            f = self.fs.open(path, "wb", block_size=self.block_size)
+        return _UploadWriter(self, key, f)
+
+    def publish(self, key: str, data: bytes) -> None:
+        path = self.path(key)
+        if self.protocol == "memory":
+            with _MEMORY_LOCK:
+                if self.fs.exists(path):
+                    raise SnapshotExistsError(f"{self.where(key)} already exists")
+                self.fs.pipe_file(path, bytes(data))
+            return
+        try:
+            with self._io("publishing", key):
+                self.fs.pipe_file(path, bytes(data), mode="create")
+        except FileExistsError:
+            raise SnapshotExistsError(f"{self.where(key)} already exists") from None
+        except OSError as e:
+            if _precondition_failed(e):
+                raise SnapshotExistsError(f"{self.where(key)} already exists") from None
+            raise self._write_error(e, key) from e
+
+    def replace(self, key: str, data: bytes) -> None:
+        try:
+            with self._io("writing", key):
+                self.fs.pipe_file(self.path(key), bytes(data))
+        except OSError as e:
+            raise self._write_error(e, key) from e
+
+    def _write_error(self, e: OSError, key: str) -> OSError:
+        if isinstance(e, StoreError):
+            return e
+        if isinstance(e, FileNotFoundError):
+            return StoreIOError(
+                errno.ENOENT,
+                f"cannot write {self.where(key)}: the bucket does not exist ({e}); create it "
+                "first or fix the URL",
+            )
+        return StoreIOError(e.errno or errno.EIO, f"cannot write {self.where(key)}: {e}")
+
+    def make_dirs(self, prefixes: Sequence[str]) -> None:
+        pass  # object stores have no directories
+
+    def delete(self, key: str, *, recursive: bool = False) -> None:
+        if not parts(key):
+            raise UnsafePathError("refusing to delete the store's root")
+        path = self.path(key)
+        with self._io("deleting", key):
+            self.fs.invalidate_cache(path)
+            if recursive:
+                found = [p for p in self.fs.find(path) if p.startswith(path + "/") or p == path]
+                if not found:
+                    raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
+                self.fs.rm(found)
+            else:
+                if not self.fs.isfile(path):  # S3 deletes of absent keys succeed silently
+                    raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
+                self.fs.rm_file(path)
+            self.fs.invalidate_cache(path)
+
+    def sync(self, prefix: str) -> None:
+        pass  # every put is durable when it returns
+
+    @contextlib.contextmanager
+    def lock(self, *, exclusive: bool, timeout: float, what: str) -> Iterator[None]:
+        if exclusive and not self.no_concurrent_saves:
+            raise NoLockError(
+                f"{what} on {self.url} needs the exclusive store lock, and object stores have "
+                "no locks: gc could delete packs a concurrent save is writing. Run it when no "
+                f"save runs, with open_store({self.url!r}, storage=FsspecStorage({self.url!r}, "
+                "storage_options, no_concurrent_saves=True))"
+            )
+        yield
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether ``e`` (or its cause) is S3's answer to a lost If-None-Match race."""
+    seen: BaseException | None = e
+    while seen is not None:
+        resp = getattr(seen, "response", None)
+        if isinstance(resp, dict):
+            code = str(resp.get("Error", {}).get("Code", ""))
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class FsspecReader:
+    """Ranged reads of one object, shared by a load's threads; large reads go out in parallel."""
+
+    def __init__(self, storage: FsspecStorage, key: str, size: int) -> None:
+        self._s = storage
+        self._key = key
+        self._path = storage.path(key)
+        self.size = size
+
+    def read_into(self, offset: int, bufs: Sequence[memoryview]) -> int:
+        total = sum(len(b) for b in bufs)
+        end = min(offset + total, self.size)
+        if end <= offset:
+            return 0
+        step = self._s.part_bytes
+        starts = list(range(offset, end, step))
+        ends = [min(s + step, end) for s in starts]
+        with self._s._io("reading", self._key):
+            if len(starts) == 1:
+                pieces = [self._s.fs.cat_file(self._path, start=offset, end=end)]
+            else:
+                pieces = self._s.fs.cat_ranges([self._path] * len(starts), starts, ends)
+        for p in pieces:
+            if isinstance(p, BaseException):
+                if isinstance(p, OSError):
+                    raise p
+                raise StoreIOError(errno.EIO, f"reading {self._s.where(self._key)}: {p}") from p
+        return _scatter(pieces, bufs)
+
+    def close(self) -> None:
+        pass
+
+
+def _scatter(pieces: Sequence[bytes], bufs: Sequence[memoryview]) -> int:
+    """Copy ``pieces`` (consecutive bytes) into ``bufs`` in order; return the bytes copied."""
+    done = 0
+    bi, bpos = 0, 0
+    for p in pieces:
+        src = np.frombuffer(p, dtype=np.uint8)
+        spos = 0
+        while spos < src.size and bi < len(bufs):
+            b = bufs[bi]
+            n = min(len(b) - bpos, src.size - spos)
+            np.asarray(b)[bpos : bpos + n] = src[spos : spos + n]
+            spos += n
+            bpos += n
+            done += n
+            if bpos == len(b):
+                bi, bpos = bi + 1, 0
+        if len(p) == 0:
+            break
+    return done
+
+
+class _UploadWriter:
+    """A multipart upload (s3fs): parts of ``block_size`` go out as they fill; ``finish``
+    completes the upload, ``abort`` aborts it so nothing is listed."""
+
+    def __init__(self, storage: FsspecStorage, key: str, f: Any) -> None:
+        self._s, self._key, self._f = storage, key, f
+
+    def write(self, bufs: Sequence[memoryview]) -> None:
+        with self._s._io("uploading", self._key):
+            for b in bufs:
+                self._f.write(b)
+
+    def finish(self, durable: bool) -> None:
+        try:
+            with self._s._io("uploading", self._key):
+                self._f.close()
+        except OSError as e:
+            self.abort()
+            raise self._s._write_error(e, self._key) from e
+
+    def abort(self) -> None:
+        f = self._f
+        if f is None or f.closed:
+            return
+        self._f = None
+        with contextlib.suppress(Exception):
+            f.discard()  # s3fs: AbortMultipartUpload
+        f.closed = True  # never complete the upload (close(), or __del__, would)
+
+
+class _WholeWriter:
+    """memory://: the object is put whole by ``finish``."""
+
+    def __init__(self, storage: FsspecStorage, key: str) -> None:
+        self._s, self._key = storage, key
+        self._parts: list[bytes] | None = []
+
+    def write(self, bufs: Sequence[memoryview]) -> None:
+        assert self._parts is not None, "write after finish or abort"
+        self._parts.extend(bytes(b) for b in bufs)
+
+    def finish(self, durable: bool) -> None:
+        assert self._parts is not None, "finish after finish or abort"
+        data, self._parts = b"".join(self._parts), None
+        self._s.fs.pipe_file(self._s.path(self._key), data)
+
+    def abort(self) -> None:
+        self._parts = None
