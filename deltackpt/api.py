@@ -28,6 +28,7 @@ def save(
     metadata: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
     process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> SnapshotInfo:
     """Save ``state`` as snapshot ``name`` of ``store`` and return its :class:`SnapshotInfo`.
@@ -44,10 +45,14 @@ def save(
     (rank 0's copy, as torch.distributed.checkpoint does), each rank writes its own packs and
     rank 0 commits one manifest once every rank's data is durable.
 
+    ``storage_options`` configure an object-store URL (``s3://bucket/prefix``: s3fs's ``key``,
+    ``secret``, ``endpoint_url``, ...), as for :func:`~deltackpt.store.store.open_store`; on an
+    object store each rank uploads its own packs and rank 0 publishes the manifest.
+
     >>> info = deltackpt.save({"model": model.state_dict(), "step": 100}, "ckpts", "step-100")  # doctest: +SKIP
     >>> info.bytes_written, info.chunks_reused                                                 # doctest: +SKIP
     """
-    req = begin(store, name, metadata, options, kwargs)
+    req = begin(store, name, metadata, options, kwargs, storage_options)
     return run_save(state, saver_for(req.store), Group(process_group), req)
 
 
@@ -60,6 +65,7 @@ def async_save(
     options: SaveOptions | None = None,
     after_commit: Callable[[], None] | None = None,
     process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> SaveHandle:
     """Stage ``state`` into reused host buffers and save it in the background.
@@ -74,7 +80,7 @@ def async_save(
     >>> ...  # keep training
     >>> h.result().bytes_written                                                     # doctest: +SKIP
     """
-    req = begin(store, name, metadata, options, kwargs)
+    req = begin(store, name, metadata, options, kwargs, storage_options)
     return start_save(state, saver_for(req.store), Group(process_group), req, after_commit)
 
 
@@ -84,11 +90,12 @@ def begin(
     metadata: dict[str, Any] | None,
     options: SaveOptions | None,
     kwargs: dict[str, Any],
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveRequest:
     """Validate a save's arguments (shared by save and async_save)."""
     t0 = time.perf_counter()
     opts = SaveOptions.from_kwargs(options, kwargs)
-    st = open_store(store)
+    st = open_store(store, storage_options=storage_options)
     validate_name(name)
     return SaveRequest(st, name, opts, check_metadata(metadata), t0)
 

@@ -15,10 +15,10 @@ whatever its metadata says about steps.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import warnings
-from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -26,12 +26,14 @@ import torch
 from deltackpt import rng as _rng
 from deltackpt.api import async_save, save
 from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
-from deltackpt.format.codecs import XOR
 from deltackpt.format.manifest import Manifest
 from deltackpt.loading.assemble import load_reusing
-from deltackpt.options import SaveOptions, default_lock_timeout
+from deltackpt.options import default_lock_timeout
+from deltackpt.saving.chains import bounded_chains
 from deltackpt.saving.engine import SaveHandle
 from deltackpt.store.lifecycle import _delete, gc
+from deltackpt.store.location import store_root
+from deltackpt.store.objstore import FsspecStorage, NoLockError
 from deltackpt.store.store import Store, open_store, validate_name
 
 # Reserved names. OWNER_KEY (in snapshot metadata) is how a Checkpointer recognises what it wrote;
@@ -75,66 +77,6 @@ def restore_into(state: dict[str, Any], loaded: dict[str, Any]) -> None:
 RETENTION_COMPACT_BELOW = 1.0
 
 
-def _bounded_chains(save_options: dict[str, Any], keep_last: int | None) -> dict[str, Any]:
-    """Choose the xor chain length and gain so that the ``keep_last`` newest snapshots never
-    hold more than ``keep_last`` times the state on disk.
-
-    A kept delta keeps its chain alive back to the keyframe, so the snapshots retained cost, per
-    key, one keyframe per chain they touch plus every delta up to the newest one kept; each delta
-    is at most ``min_gain`` of a chunk (the encoder stores raw otherwise). :func:`_worst` is that
-    cost for the worst window; the longest chain (up to ``keyframe_every``) whose affordable
-    ``min_gain`` still admits typical bf16 deltas (<= 0.25) is chosen, and ``min_gain`` is
-    lowered to what it affords. keep_last 1 or 2 then means no deltas (a kept delta plus the
-    next keyframe already costs more than two states); 3 means chains of 4 with deltas of at most
-    a quarter of a chunk. An explicit ``keyframe_every`` is left as the caller chose it."""
-    if keep_last is None or "keyframe_every" in save_options:
-        return save_options
-    known = {f.name for f in fields(SaveOptions)}
-    base = save_options.get("options")
-    opts = SaveOptions.from_kwargs(
-        base if isinstance(base, SaveOptions) else None,
-        {k: v for k, v in save_options.items() if k in known},
-    )
-    policy = opts.encoding
-    if XOR not in policy.codecs or policy.force is not None:
-        return save_options
-    for chain in range(opts.keyframe_every, 1, -1):
-        gain = min(policy.min_gain, _affordable_gain(chain, keep_last))
-        if gain >= min(policy.min_gain, 0.25):
-            return {
-                **save_options,
-                "keyframe_every": chain,
-                "encoding": replace(policy, min_gain=gain),
-            }
-    return {**save_options, "keyframe_every": 1}
-
-
-def _worst(chain: int, keep: int) -> list[tuple[int, int]]:
-    """Per window start: (keyframes, deltas) that ``keep`` consecutive snapshots keep alive."""
-    out = []
-    for start in range(chain):
-        last = start + keep - 1
-        frames = deltas = 0
-        for c0 in range(0, last + 1, chain):
-            if c0 + chain - 1 < start:
-                continue  # a chain that ends before the window: not needed
-            frames += 1
-            deltas += min(last, c0 + chain - 1) - c0
-        out.append((frames, deltas))
-    return out
-
-
-def _affordable_gain(chain: int, keep: int) -> float:
-    """The largest delta ratio r with frames + deltas * r <= keep for every window."""
-    r = float("inf")
-    for frames, deltas in _worst(chain, keep):
-        if frames > keep or (frames == keep and deltas):
-            return 0.0
-        if deltas:
-            r = min(r, (keep - frames) / deltas)
-    return r
-
-
 class Checkpointer:
     """Save a training state every ``every`` steps, keep the last ``keep_last``, resume latest.
 
@@ -162,6 +104,16 @@ class Checkpointer:
     puts it back, so dropout masks and other random draws resume exactly as an uninterrupted run
     would make them. With a ``process_group`` in ``save_options`` it is off by default: each rank
     has its own generators, and a distributed save keeps only rank 0's values.
+
+    **Object stores** (``"s3://bucket/run"`` with ``storage_options=``) have no locks. There
+    retention deletes only this checkpointer's own snapshots (their manifests: one object each,
+    safe while other saves run) and collects no garbage, so the packs of deleted snapshots stay
+    until a ``gc`` run with ``no_concurrent_saves=True`` (``deltackpt gc URL`` while nothing
+    saves). ``sole_writer=True`` is the promise that no other process saves to (or loads a
+    snapshot retention deletes from) the store while this checkpointer runs: the store is then
+    opened with ``FsspecStorage(..., no_concurrent_saves=True)`` and retention also runs gc and
+    compaction, as on a local disk (its own saves never overlap its retention). It needs no
+    ``process_group`` (every rank would run gc) and a URL, not an opened Store.
     """
 
     def __init__(
@@ -174,6 +126,8 @@ class Checkpointer:
         keep_every: int | None = None,
         name_format: str = "step-{step:08d}",
         rng: bool | None = None,
+        storage_options: dict[str, Any] | None = None,
+        sole_writer: bool = False,
         **save_options: Any,
     ) -> None:
         _positive("every", every, "every=100 (save after steps 99, 199, ...)")
@@ -205,13 +159,13 @@ class Checkpointer:
                 "its own generators and a distributed save keeps only rank 0's values. Pass "
                 "rng=False (and reseed per rank after a resume)"
             )
-        self.store = open_store(store)
+        self.store = _open(store, storage_options, sole_writer, distributed)
         self.every = every
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_ = async_
         self.rng = rng
-        self.save_options = _bounded_chains(save_options, keep_last)
+        self.save_options = bounded_chains(save_options, keep_last)
         self._pending: SaveHandle | None = None
         self.infos: list[Any] = []  # SnapshotInfo of every committed save, in order
 
@@ -392,16 +346,28 @@ class Checkpointer:
         timeout = self.save_options.get("lock_timeout")
         timeout = default_lock_timeout() if timeout is None else timeout
         st = self.store
-        with st.lock(exclusive=True, timeout=timeout, what="retention"):
-            ours = [(m.name, s) for m in st.manifests() if (s := self._owned_step(m)) is not None]
-            keep = {n for n, _ in ours[-self.keep_last :]}
-            if self.keep_every:
-                keep |= {n for n, s in ours if (s + 1) % self.keep_every == 0}
-            doomed = [n for n, _ in ours if n not in keep]
-            for n in doomed:
-                _delete(st, n)
+        try:
+            with st.lock(exclusive=True, timeout=timeout, what="retention"):
+                doomed = self._delete_doomed()
+        except NoLockError:  # an object store: own manifests only, no gc (class docstring)
+            with st.lock(exclusive=False, timeout=timeout, what="retention"):
+                self._delete_doomed()
+            return
         if doomed:  # reclaim their space; deletes no snapshot (keep_last=None)
             gc(st, keep_last=None, compact_below=RETENTION_COMPACT_BELOW, lock_timeout=timeout)
+
+    def _delete_doomed(self) -> list[str]:
+        ours = [
+            (m.name, s) for m in self.store.manifests() if (s := self._owned_step(m)) is not None
+        ]
+        keep = {n for n, _ in ours[-self.keep_last :]} if self.keep_last else set()
+        if self.keep_every:
+            keep |= {n for n, s in ours if (s + 1) % self.keep_every == 0}
+        doomed = [n for n, _ in ours if n not in keep]
+        for n in doomed:
+            with contextlib.suppress(SnapshotNotFoundError):  # lockless: another rank did
+                _delete(self.store, n)
+        return doomed
 
     def wait(self) -> None:
         """Block until the pending save is committed (and raise its error, once)."""
@@ -415,6 +381,22 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open(store: Any, storage_options: Any, sole_writer: bool, distributed: bool) -> Store:
+    """The checkpointer's store; with ``sole_writer`` an object store that allows gc."""
+    if not isinstance(sole_writer, bool):
+        raise InvalidArgumentError(f"Checkpointer(sole_writer={sole_writer!r}): expected a bool")
+    if not sole_writer:
+        return open_store(store, storage_options=storage_options)
+    root = store_root(store)
+    if not isinstance(root, str) or distributed:
+        raise InvalidArgumentError(
+            f"Checkpointer({store!r}, sole_writer=True) applies to an object-store URL "
+            "(s3://...) saved from one process (no process_group); drop sole_writer"
+        )
+    storage = FsspecStorage(root, storage_options, no_concurrent_saves=True)
+    return open_store(root, storage=storage)
 
 
 def _positive(name: str, value: Any, example: str) -> None:

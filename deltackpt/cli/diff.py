@@ -95,7 +95,7 @@ def _tensor_rows(st: Store, a: Manifest, b: Manifest) -> tuple[list[Row], int, i
 
 
 def cmd_diff(args: argparse.Namespace, out: Console) -> int:
-    st = open_existing(args.store)
+    st = open_existing(args)
     a, b = st.manifest(args.a), st.manifest(args.b)
     ea = {e.path: e for e in a.tensors}
     eb = {e.path: e for e in b.tensors}

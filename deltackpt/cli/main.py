@@ -10,6 +10,11 @@
     deltackpt gc STORE [--keep-last N] [--keep NAME...] [--dry-run]
     deltackpt demo [--dir DIR] [--steps N] [--keep]
 
+STORE is a directory or an object-store URL (``s3://bucket/prefix``); ``--storage-options JSON``
+configures the latter (s3fs: ``{"endpoint_url": ..., "key": ..., "secret": ...}``), else s3fs
+reads the usual AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...). gc on an object
+store needs ``--no-concurrent-saves``, the promise that nothing saves to it meanwhile.
+
 Errors deltackpt raises on purpose (a missing snapshot, a damaged store, ...) print one line to
 stderr and exit with status 2.
 
@@ -22,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
+from typing import Any
 
 import deltackpt
 from deltackpt.cli import demo
@@ -55,6 +62,26 @@ def _positive(s: str) -> int:
     return n
 
 
+def _json_options(s: str) -> dict[str, Any]:
+    try:
+        v = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {s!r}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {s!r}")
+    return v
+
+
+def _store_arg(s: argparse.ArgumentParser) -> None:
+    s.add_argument("store", help="store directory or object-store URL (s3://bucket/prefix)")
+    s.add_argument(
+        "--storage-options",
+        type=_json_options,
+        metavar="JSON",
+        help='object stores: fsspec/s3fs options, e.g. \'{"endpoint_url": "http://..."}\'',
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="deltackpt",
@@ -64,31 +91,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("ls", help="list snapshots with sizes and save costs")
-    s.add_argument("store")
+    _store_arg(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("show", help="tensors, metadata and stats of one snapshot")
-    s.add_argument("store")
+    _store_arg(s)
     s.add_argument("name", nargs="?", default="latest", help="snapshot (default: latest)")
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("verify", help="re-hash every chunk; exit 1 if any is damaged")
-    s.add_argument("store")
+    _store_arg(s)
     s.add_argument("names", nargs="*", metavar="NAME", help="snapshots (default: all)")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("diff", help="tensors changed, added and removed from A to B")
-    s.add_argument("store")
+    _store_arg(s)
     s.add_argument("a", metavar="A")
     s.add_argument("b", metavar="B")
     s.set_defaults(func=cmd_diff)
 
     s = sub.add_parser("du", help="logical vs stored bytes per snapshot and the dedupe ratio")
-    s.add_argument("store")
+    _store_arg(s)
     s.set_defaults(func=cmd_du)
 
     s = sub.add_parser("gc", help="apply retention and delete unreferenced pack data")
-    s.add_argument("store")
+    _store_arg(s)
     s.add_argument(
         "--keep-last",
         type=_non_negative,
@@ -100,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--dry-run", action="store_true", help="report what would be deleted; change nothing"
+    )
+    s.add_argument(
+        "--no-concurrent-saves",
+        action="store_true",
+        help="object stores (which have no locks): promise that no save runs meanwhile",
     )
     s.set_defaults(func=cmd_gc)
 

@@ -23,14 +23,23 @@ from deltackpt.errors import DamagedSnapshotWarning
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import TensorEntry
 from deltackpt.format.tree import value_leaves
+from deltackpt.store.location import store_root
 from deltackpt.store.packs import PACK_ALIGN, PACK_SUFFIX
 from deltackpt.store.storage import PACKS, Entry
 from deltackpt.store.store import Store
 
 
-def open_existing(path: str) -> Store:
-    """The store at ``path``; the CLI never creates one."""
-    return deltackpt.open_store(path, create=False)
+def open_existing(args: argparse.Namespace, *, no_concurrent_saves: bool = False) -> Store:
+    """The store of ``args.store`` (with ``args.storage_options``); the CLI never creates one.
+    ``no_concurrent_saves``: an object store is opened so that gc may run (the user's promise)."""
+    opts = getattr(args, "storage_options", None)
+    root = store_root(args.store)
+    if no_concurrent_saves and isinstance(root, str):
+        from deltackpt.store.objstore import FsspecStorage  # imports fsspec: only when used
+
+        storage = FsspecStorage(root, opts, no_concurrent_saves=True)
+        return deltackpt.open_store(root, create=False, storage=storage)
+    return deltackpt.open_store(args.store, create=False, storage_options=opts)
 
 
 def entry_bytes(e: TensorEntry) -> int:
@@ -44,7 +53,7 @@ def entry_bytes(e: TensorEntry) -> int:
 
 
 def cmd_ls(args: argparse.Namespace, out: Console) -> int:
-    st = open_existing(args.store)
+    st = open_existing(args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DamagedSnapshotWarning)  # listed below instead
         infos = deltackpt.snapshots(st)
@@ -77,7 +86,7 @@ def cmd_ls(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_show(args: argparse.Namespace, out: Console) -> int:
-    st = open_existing(args.store)
+    st = open_existing(args)
     m = st.manifest(args.name)
     info = st.info(m.name)
     s = m.stats
@@ -119,7 +128,7 @@ def cmd_show(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_du(args: argparse.Namespace, out: Console) -> int:
-    st = open_existing(args.store)
+    st = open_existing(args)
     manifests = st.manifests()
     users: dict[str, int] = {}
     stored: dict[str, int] = {}

@@ -9,12 +9,13 @@ import deltackpt
 from deltackpt.cli.format import Console, escape, human_bytes, new_table
 from deltackpt.cli.snapshots import open_existing
 from deltackpt.errors import StoreLockedError
+from deltackpt.store.objstore import NoLockError
 from deltackpt.store.storage import LOCK_FILE
 from deltackpt.store.store import Store
 
 
 def cmd_verify(args: argparse.Namespace, out: Console) -> int:
-    report = deltackpt.verify(open_existing(args.store), args.names or None)
+    report = deltackpt.verify(open_existing(args), args.names or None)
     gbps = report.bytes_checked / report.seconds / 1e9 if report.seconds > 0 else 0.0
     what = (
         f"{len(report.snapshots)} snapshot{'s' * (len(report.snapshots) != 1)}, "
@@ -48,10 +49,17 @@ def cmd_verify(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, out: Console) -> int:
-    st = open_existing(args.store)
+    st = open_existing(args, no_concurrent_saves=args.no_concurrent_saves)
     keep = [n for group in args.keep or [] for n in group]
     busy = args.dry_run and _save_in_flight(st)
-    r = deltackpt.gc(st, keep_last=args.keep_last, keep=keep, dry_run=args.dry_run)
+    try:
+        r = deltackpt.gc(st, keep_last=args.keep_last, keep=keep, dry_run=args.dry_run)
+    except NoLockError as e:
+        raise NoLockError(
+            f"gc of {args.store} needs the exclusive store lock, and object stores have none: "
+            "a save running meanwhile could lose packs. When nothing saves to the store, run "
+            "`deltackpt gc STORE --no-concurrent-saves ...`"
+        ) from e
     dry = r.dry_run
     t = new_table("gc --dry-run (nothing deleted)" if dry else "gc", show_header=False)
     t.add_column("what")

@@ -10,7 +10,8 @@ process (a world of one) or every rank of a process group.
 6. ``commit.py``: THE manifest builder (local, distributed and DCP saves) and the publish.
 
 ``engine.py`` holds the per-store state (StoreSaver: save slot, background thread, arenas, delta
-bases) and SaveHandle; ``hooks.py`` the fault-injection points tests use.
+bases) and SaveHandle; ``hooks.py`` the fault-injection points tests use; ``chains.py``
+the xor chain bounds ``Checkpointer`` derives from ``keep_last``.
 
 (The package is ``saving``, not ``save``: ``deltackpt.save`` is the public function.)
 """

@@ -88,6 +88,8 @@ class GcReport:
     packs_compacted: int = 0
     bytes_freed: int = 0
     leftovers_removed: int = 0  # tmp files and dirs of crashed saves
+    # object stores: unfinished multipart uploads of killed saves, aborted (keys in the store)
+    uploads_aborted: list[str] = field(default_factory=list)
     seconds: float = 0.0
     # snapshots whose manifests could not be read: while there are any, no pack is collected
     # (their chunks are unknown), so nothing they might need is ever deleted
@@ -207,13 +209,14 @@ def gc(
     _check_keep_exists(st, keep)
     if dry_run:
         plan = _plan_gc(st, keep_last, keep, compact_below)
-        return _report(plan, t0, dry_run=True)
+        return _report(plan, t0, dry_run=True, uploads=_abandon(st, dry_run=True))
     timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
     with st.lock(exclusive=True, timeout=timeout, what="gc"):
         plan = _plan_gc(st, keep_last, keep, compact_below)
         for name in plan.doomed:
             _delete(st, name)  # we hold the lock exclusively
         _sweep_leftovers(st, plan.leftovers)
+        uploads = _abandon(st, dry_run=False)  # exclusive: no save is uploading
         compacted: list[tuple[str, int, int]] = []
         for pack, size, _ in plan.compact:
             new_size = _compact(st, pack, plan.live[pack], plan.manifests)
@@ -225,10 +228,17 @@ def gc(
         if plan.remove or compacted:
             st.storage.sync(PACKS)
         plan.compact = compacted
-    return _report(plan, t0, dry_run=False)
+    return _report(plan, t0, dry_run=False, uploads=uploads)
 
 
-def _report(plan: _GcPlan, t0: float, dry_run: bool) -> GcReport:
+def _abandon(st: Store, dry_run: bool) -> list[str]:
+    """Unfinished multipart uploads of killed saves (object stores; storages without the method
+    have none). Under gc's exclusive lock no save runs, so every one of them is abandoned."""
+    abandon = getattr(st.storage, "abandon_uploads", None)
+    return list(abandon(0.0, dry_run=dry_run)) if abandon is not None else []
+
+
+def _report(plan: _GcPlan, t0: float, dry_run: bool, uploads: list[str]) -> GcReport:
     freed = sum(n for _, n in plan.remove) + sum(a - b for _, a, b in plan.compact)
     return GcReport(
         deleted=plan.doomed,
@@ -236,6 +246,7 @@ def _report(plan: _GcPlan, t0: float, dry_run: bool) -> GcReport:
         packs_compacted=len(plan.compact),
         bytes_freed=freed,
         leftovers_removed=len(plan.leftovers),
+        uploads_aborted=uploads,
         seconds=time.perf_counter() - t0,
         damaged=plan.damaged,
         refused=plan.refused,

@@ -265,6 +265,9 @@ class LocalStorage:
         finally:
             os.close(dfd)
 
+    def abandon_uploads(self, older_than_s: float = 0.0, *, dry_run: bool = False) -> list[str]:
+        return []  # a killed save's partial files are in tmp/, which gc sweeps
+
     @contextlib.contextmanager
     def lock(self, *, exclusive: bool, timeout: float, what: str) -> Iterator[None]:
         with store_lock(self.root / LOCK_FILE, exclusive, timeout, what):

@@ -14,7 +14,8 @@ What each backend guarantees:
 - **Packs** (``create``): S3 streams a multipart upload of ``block_size`` parts; the object
   appears only when ``finish`` completes the upload, and ``abort`` aborts it (nothing listed).
   A process killed mid-upload leaves an unfinished multipart upload (invisible to listings,
-  billed until aborted: set a bucket lifecycle rule ``AbortIncompleteMultipartUpload``).
+  billed until aborted): gc aborts those under the store's prefix (``abandon_uploads``), and a
+  bucket lifecycle rule ``AbortIncompleteMultipartUpload`` is a good second line.
 - **Durability**: a put is durable when it returns, so ``sync`` and ``make_dirs`` do nothing.
   Object stores have no empty directories: ``snapshots/``, ``packs/`` and ``tmp/`` exist exactly
   when ``STORE.json`` does.
@@ -39,6 +40,7 @@ import contextlib
 import errno
 import hashlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -282,6 +284,38 @@ class FsspecStorage:
 
     def sync(self, prefix: str) -> None:
         pass  # every put is durable when it returns
+
+    def abandon_uploads(self, older_than_s: float = 0.0, *, dry_run: bool = False) -> list[str]:
+        """Abort the unfinished multipart uploads under this store's prefix (those of saves that
+        were killed mid-upload) started more than ``older_than_s`` seconds ago; return their
+        keys. gc calls it with 0 under the exclusive lock (``no_concurrent_saves``): an upload
+        of a save in flight would be aborted too. ``memory://`` has no multipart uploads."""
+        if self.protocol != "s3":
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        prefix = f"{prefix}/" if prefix else ""
+        cutoff = time.time() - float(older_than_s)
+        found: list[tuple[str, str]] = []
+        kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        with self._io("listing the multipart uploads of"):
+            while True:
+                out = self.fs.call_s3("list_multipart_uploads", **kw)
+                for u in out.get("Uploads", []):
+                    started = u.get("Initiated")
+                    ts = started.timestamp() if hasattr(started, "timestamp") else 0.0
+                    if ts <= cutoff and str(u["Key"]).startswith(prefix):
+                        found.append((str(u["Key"]), str(u["UploadId"])))
+                if not out.get("IsTruncated"):
+                    break
+                kw["KeyMarker"] = out.get("NextKeyMarker", "")
+                kw["UploadIdMarker"] = out.get("NextUploadIdMarker", "")
+        if not dry_run:
+            for key, upload_id in found:
+                with self._io("aborting", key[len(prefix) :]), contextlib.suppress(OSError):
+                    self.fs.call_s3(  # OSError: completed or aborted meanwhile
+                        "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id
+                    )
+        return [k[len(prefix) :] for k, _ in found]
 
     @contextlib.contextmanager
     def lock(self, *, exclusive: bool, timeout: float, what: str) -> Iterator[None]:

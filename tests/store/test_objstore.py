@@ -5,8 +5,8 @@ verify / gc / delete, the conditional-create commit race, failed uploads, missin
 from __future__ import annotations
 
 import threading
+import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,57 +23,12 @@ from deltackpt.errors import (
 )
 from deltackpt.store.objstore import FsspecStorage, NoLockError
 from deltackpt.store.storage import PACKS, Storage, manifest_key
+from tests.store._s3 import client, keys, uploads
 
 s3fs = pytest.importorskip("s3fs")  # a guard only: the test extra installs s3fs and moto
-moto_server = pytest.importorskip("moto.server")
-boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
 
 CHUNK = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    mp = pytest.MonkeyPatch()
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_SESSION_TOKEN": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        mp.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-        mp.undo()
-
-
-@pytest.fixture
-def opts(endpoint: str) -> dict[str, Any]:
-    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-
-
-@pytest.fixture
-def bucket(endpoint: str) -> str:
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    _client(endpoint).create_bucket(Bucket=name)
-    return name
-
-
-def _client(endpoint: str) -> Any:
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-
-
-def _keys(endpoint: str, bucket: str) -> list[str]:
-    out = _client(endpoint).list_objects_v2(Bucket=bucket)
-    return sorted(o["Key"] for o in out.get("Contents", []))
-
-
-def _uploads(endpoint: str, bucket: str) -> list[Any]:
-    return _client(endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", [])
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -104,7 +59,7 @@ def test_s3_save_load_dedupe_verify_gc_delete(endpoint: str, bucket: str, opts: 
     assert r2.chunks_new == 0 and r2.bytes_written < 64 << 10
     assert [i.name for i in deltackpt.snapshots(st)] == ["s1", "s2"]
     assert not deltackpt.verify(st).problems
-    assert not _uploads(endpoint, bucket)
+    assert not uploads(endpoint, bucket)
     with pytest.raises(NoLockError, match="no_concurrent_saves=True") as e:
         deltackpt.gc(st, keep_last=1)
     assert url in str(e.value)
@@ -118,7 +73,7 @@ def test_s3_save_load_dedupe_verify_gc_delete(endpoint: str, bucket: str, opts: 
     report = deltackpt.gc(gc_st, compact_below=0.99)  # s1 and s2 are gone: one dead chunk
     assert report.packs_removed + report.packs_compacted >= 1
     assert not deltackpt.verify(st).problems
-    assert not any(k.startswith("run/tmp/") for k in _keys(endpoint, bucket))
+    assert not any(k.startswith("run/tmp/") for k in keys(endpoint, bucket))
     with pytest.raises(StoreError, match="object store"):
         _ = st.packs_dir
 
@@ -199,8 +154,8 @@ def test_s3_save_failing_mid_upload_leaves_nothing(endpoint: str, bucket: str, o
     with pytest.raises((SaveFailedError, OSError)):
         deltackpt.save(_state(), st, "broken")
     assert deltackpt.snapshots(st) == []
-    assert _keys(endpoint, bucket) == ["fail/STORE.json"]  # no pack, no manifest
-    assert not _uploads(endpoint, bucket)  # the multipart upload was aborted, not completed
+    assert keys(endpoint, bucket) == ["fail/STORE.json"]  # no pack, no manifest
+    assert not uploads(endpoint, bucket)  # the multipart upload was aborted, not completed
     assert st.storage.list(PACKS) == []
 
 
@@ -284,3 +239,30 @@ def test_memory_publish_race() -> None:
     for t in ts:
         t.join(30)
     assert sum(isinstance(r, int) for r in results) == 1 and len(results) == 4
+
+
+def test_s3_abandon_uploads_only_under_the_prefix_and_by_age(
+    endpoint: str, bucket: str, opts: dict, tmp_path
+) -> None:
+    url = f"s3://{bucket}/run"
+    st = deltackpt.open_store(url, storage_options=opts)
+    c = client(endpoint)
+    for key in ("run/packs/p1", "run/packs/p2", "run2/packs/p3", "other/x"):
+        up = c.create_multipart_upload(Bucket=bucket, Key=key)
+        c.upload_part(Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=1, Body=b"x")
+    # moto stamps every upload with one fixed time (2010): the threshold is relative to it
+    age = time.time() - min(u["Initiated"].timestamp() for u in uploads(endpoint, bucket))
+    assert st.storage.abandon_uploads(age + 3600) == []  # none is that old
+    assert len(uploads(endpoint, bucket)) == 4
+    assert sorted(st.storage.abandon_uploads(0, dry_run=True)) == ["packs/p1", "packs/p2"]
+    assert len(uploads(endpoint, bucket)) == 4
+    assert sorted(st.storage.abandon_uploads(0)) == ["packs/p1", "packs/p2"]
+    assert sorted(u["Key"] for u in uploads(endpoint, bucket)) == ["other/x", "run2/packs/p3"]
+    gc_st = deltackpt.open_store(url, storage=FsspecStorage(url, opts, no_concurrent_saves=True))
+    assert deltackpt.gc(gc_st).uploads_aborted == []
+    assert len(uploads(endpoint, bucket)) == 2  # other stores' uploads are left alone
+    mem = deltackpt.open_store(f"memory://deltackpt-ab-{uuid.uuid4().hex[:8]}")
+    assert mem.storage.abandon_uploads(0) == []
+    local = deltackpt.open_store(tmp_path / "local")
+    assert local.storage.abandon_uploads(0) == []
+    assert deltackpt.gc(local).uploads_aborted == []

@@ -1,0 +1,21 @@
+"""Helpers of the object-store tests (their fixtures, a moto S3 server on 127.0.0.1, are in
+conftest.py): a boto3 client of that server and what the bucket holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+
+def keys(endpoint: str, bucket: str) -> list[str]:
+    out = client(endpoint).list_objects_v2(Bucket=bucket)
+    return sorted(o["Key"] for o in out.get("Contents", []))
+
+
+def uploads(endpoint: str, bucket: str) -> list[Any]:
+    return client(endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", [])
