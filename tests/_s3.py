@@ -50,17 +50,21 @@ def s3_options(endpoint: str) -> dict[str, Any]:
     return {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
 
 
-def new_bucket(endpoint: str) -> str:
-    """Create a bucket with a fresh name; return the name."""
+def client(endpoint: str) -> Any:
+    """A boto3 S3 client of the test server."""
     import boto3
 
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=endpoint,
         region_name="us-east-1",
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
     )
-    client.create_bucket(Bucket=name)
+
+
+def new_bucket(endpoint: str) -> str:
+    """Create a bucket with a fresh name; return the name."""
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    client(endpoint).create_bucket(Bucket=name)
     return name

@@ -1,15 +1,11 @@
 """Helpers of the object-store tests (their fixtures, a moto S3 server on 127.0.0.1, are in
-conftest.py): a boto3 client of that server and what the bucket holds."""
+conftest.py over tests/_s3.py): what a bucket holds."""
 
 from __future__ import annotations
 
 from typing import Any
 
-
-def client(endpoint: str) -> Any:
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+from tests._s3 import client
 
 
 def keys(endpoint: str, bucket: str) -> list[str]:

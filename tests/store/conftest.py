@@ -4,7 +4,6 @@ module), its storage_options and a fresh bucket."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 
 from deltackpt.store.local import LocalStorage
 from deltackpt.store.storage import PACKS, SNAPSHOTS, TMP
-from tests.store._s3 import client
+from tests._s3 import new_bucket, s3_options, s3_server
 
 
 @pytest.fixture
@@ -34,32 +33,16 @@ def bait(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    moto_server = pytest.importorskip("moto.server")  # the test extra installs moto and s3fs
-    mp = pytest.MonkeyPatch()
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_SESSION_TOKEN": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        mp.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-        mp.undo()
+    pytest.importorskip("moto.server")  # the test extra installs moto and s3fs
+    with s3_server() as url:
+        yield url
 
 
 @pytest.fixture
 def opts(endpoint: str) -> dict[str, Any]:
-    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    return s3_options(endpoint)
 
 
 @pytest.fixture
 def bucket(endpoint: str) -> str:
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    client(endpoint).create_bucket(Bucket=name)
-    return name
+    return new_bucket(endpoint)
