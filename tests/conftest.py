@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
+
+from tests._s3 import new_bucket, s3_options, s3_server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -16,3 +21,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def store_dir(tmp_path):
     return tmp_path / "ckpts"
+
+
+# A real S3 API server on 127.0.0.1 for the object-store tests (moto's ThreadedMotoServer, one per
+# test module that asks for it), its s3fs storage_options, and a fresh bucket per test.
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    pytest.importorskip("moto.server")  # the test extra installs moto and s3fs
+    with s3_server() as url:
+        yield url
+
+
+@pytest.fixture
+def opts(endpoint: str) -> dict[str, Any]:
+    return s3_options(endpoint)
+
+
+@pytest.fixture
+def bucket(endpoint: str) -> str:
+    return new_bucket(endpoint)

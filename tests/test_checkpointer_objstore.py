@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,13 +16,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 pytest.importorskip("boto3")
 
-from tests._s3 import new_bucket, s3_options, s3_server
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with s3_server() as ep:
-        yield ep
+from tests._s3 import new_bucket, s3_options
 
 
 def _state(step: int) -> dict[str, Any]:

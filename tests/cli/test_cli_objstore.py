@@ -5,7 +5,6 @@ environment (``AWS_ENDPOINT_URL``)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,13 +17,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 pytest.importorskip("boto3")
 
-from tests._s3 import new_bucket, s3_options, s3_server
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with s3_server() as ep:
-        yield ep
+from tests._s3 import new_bucket, s3_options
 
 
 @pytest.fixture
