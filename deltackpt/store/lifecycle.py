@@ -232,10 +232,9 @@ def gc(
 
 
 def _abandon(st: Store, dry_run: bool) -> list[str]:
-    """Unfinished multipart uploads of killed saves (object stores; storages without the method
-    have none). Under gc's exclusive lock no save runs, so every one of them is abandoned."""
-    abandon = getattr(st.storage, "abandon_uploads", None)
-    return list(abandon(0.0, dry_run=dry_run)) if abandon is not None else []
+    """Unfinished uploads of killed saves. Under gc's exclusive lock no save runs, so every one of
+    them is abandoned."""
+    return list(st.storage.abandon_uploads(0.0, dry_run=dry_run))
 
 
 def _report(plan: _GcPlan, t0: float, dry_run: bool, uploads: list[str]) -> GcReport:

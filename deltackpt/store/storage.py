@@ -225,3 +225,9 @@ class Storage(Protocol):
         ``STORE.lock``. A backend that cannot lock (most object stores) must say so by raising
         rather than pretend: gc relies on the lock to never delete what a save is writing."""
         ...
+
+    def abandon_uploads(self, older_than_s: float = 0.0, *, dry_run: bool = False) -> list[str]:
+        """Abort the unfinished uploads (object stores: multipart uploads of killed saves) under
+        the store older than ``older_than_s``, unless ``dry_run``; return their keys. Caller: gc,
+        under the exclusive lock. Local: none (a killed save's partial files are in ``tmp/``)."""
+        ...

@@ -20,8 +20,10 @@ before or inside a round turn into the same error on every rank instead of a han
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +55,23 @@ class RoundStats:
     bytes_sent: int
     bytes_total: int
     seconds: float
+
+    @classmethod
+    def of(
+        cls, version: int, send: Any, plan: Plan, moved: Sequence[Any], plan_sent: bool, t0: float
+    ) -> RoundStats:
+        """The stats of a round that sent ``send`` (None: every tensor) in the buckets ``moved``
+        (anything with ``nbytes``), started at ``t0`` (perf_counter)."""
+        return cls(
+            version,
+            send is None or len(send) == len(plan.tensors),
+            plan_sent,
+            len(moved),
+            len(plan.buckets),
+            sum(b.nbytes for b in moved),
+            plan.total_bytes,
+            time.perf_counter() - t0,
+        )
 
 
 @dataclass(frozen=True)

@@ -249,16 +249,7 @@ class WeightReceiver:
         self.version = b.version
         self.consistent = True
         self._need_full = False
-        self.last_round = RoundStats(
-            b.version,
-            send is None or len(send) == len(plan.tensors),
-            b.need_plan,
-            len(buckets),
-            len(plan.buckets),
-            sum(bk.nbytes for bk in buckets),
-            plan.total_bytes,
-            time.perf_counter() - t0,
-        )
+        self.last_round = RoundStats.of(b.version, send, plan, buckets, b.need_plan, t0)
         return self.last_round
 
     def _staging(

@@ -145,16 +145,7 @@ class WeightSender:
                 self._committed[i] = proto.combine(pieces[(i, p.start)] for p in mine)
         self._dirty = False
         self.version = version
-        self.last_round = RoundStats(
-            version,
-            send is None or len(send) == len(plan.tensors),
-            b.need_plan,
-            len(layout),
-            len(plan.buckets),
-            sum(bk.nbytes for bk in layout),
-            plan.total_bytes,
-            time.perf_counter() - t0,
-        )
+        self.last_round = RoundStats.of(version, send, plan, layout, b.need_plan, t0)
         return self.last_round
 
     def close(self) -> None:
