@@ -283,6 +283,9 @@ class Child:
     def _pump(self, stream: Any, is_stdout: bool) -> None:
         for line in stream:
             if is_stdout:
+                # Only whole, non-blank lines are events: a SIGKILL can cut the last one short.
+                if not line.endswith("\n") or not line.strip():
+                    continue
                 item = (time.monotonic(), line.rstrip("\n"))
                 self.log.append(item)
                 self._q.put(item)
