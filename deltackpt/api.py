@@ -97,6 +97,7 @@ def begin(
     opts = SaveOptions.from_kwargs(options, kwargs)
     st = open_store(store, storage_options=storage_options)
     validate_name(name)
+    opts = opts.for_storage(remote=st.storage.remote)
     return SaveRequest(st, name, opts, check_metadata(metadata), t0)
 
 

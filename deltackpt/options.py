@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from deltackpt.errors import InvalidArgumentError
 from deltackpt.format.codecs import ENCODINGS, EncodePolicy
+from deltackpt.format.policy import AUTO_REMOTE
 
 _OVERRIDES: dict[str, str] = {}
 _TRUE = ("1", "true", "yes", "on")
@@ -160,6 +161,14 @@ class SaveOptions:
     # a state larger than the budget is written from the live tensors and the call blocks.
     memory_budget: int | None = None
 
+    def for_storage(self, *, remote: bool) -> SaveOptions:
+        """These options for a store whose storage is ``remote`` (an object store): there
+        ``encoding="auto"`` (the default) is :data:`~deltackpt.format.policy.AUTO_REMOTE`,
+        which writes xor deltas, because bytes cost more over a network than decoding does."""
+        if remote and self.encoding is ENCODINGS["auto"]:
+            return replace(self, encoding=AUTO_REMOTE)
+        return self
+
     def __post_init__(self) -> None:
         owner = "SaveOptions"
         for name in ("allow_pickle", "overwrite", "fsync"):
@@ -216,11 +225,19 @@ class LoadOptions:
     strict: bool = True  # into=: keys, shapes and dtypes must match exactly
     allow_pickle: bool = False
     threads: int = field(default_factory=default_threads)
+    # load(mode="broadcast"): bytes the reading rank sends per broadcast (two such buffers on
+    # the reading rank: one on the wire, the next being read; one on every other rank)
+    bucket_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name in ("verify", "strict", "allow_pickle"):
             _check_bool("LoadOptions", self, name)
         _check_threads("LoadOptions", self.threads)
+        if not _is_int(self.bucket_bytes) or self.bucket_bytes < 4096:
+            raise _bad(
+                "LoadOptions", "bucket_bytes", self.bucket_bytes, "an int >= 4096",
+                "Pass e.g. bucket_bytes=64 << 20, or leave it out (64 MiB)",
+            )  # fmt: skip
 
     @staticmethod
     def from_kwargs(base: LoadOptions | None, kwargs: dict[str, Any]) -> LoadOptions:

@@ -61,6 +61,8 @@ class LocalStorage:
     ``ops`` replaces the two steps of a commit (fault injection); ``map_reads=False`` reads with
     ``preadv`` only, as where a file cannot be mapped."""
 
+    remote = False
+
     def __init__(
         self,
         root: str | os.PathLike[str],

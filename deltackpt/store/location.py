@@ -29,7 +29,7 @@ _MANGLED_URL_RE = re.compile(
 )
 
 
-OBJECT_SCHEMES = ("s3", "s3a", "memory")  # the URL schemes of objstore.FsspecStorage
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "memory")  # objstore.FsspecStorage
 
 
 def store_root(path: Any) -> Path | str:
@@ -111,7 +111,7 @@ def local_root(path: Any) -> Path:
                 f"store={str(path)!r} is a {scheme}:// URL{mangled}; {scheme}:// is not supported "
                 "(yet): deltackpt stores are local directories (or file:///abs/path URLs) and "
                 f"object stores at {', '.join(s + '://' for s in OBJECT_SCHEMES)} URLs (pip "
-                "install s3fs for s3://). Save to a local or mounted (e.g. gcsfuse) directory"
+                "install s3fs, gcsfs or adlfs). Save to a local or mounted (e.g. gcsfuse) directory"
             )
     return Path(raw).expanduser().absolute()
 

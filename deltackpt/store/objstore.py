@@ -1,26 +1,36 @@
 """FsspecStorage: the :class:`~deltackpt.store.storage.Storage` of a store in an object store.
 
-``open_store("s3://bucket/prefix", storage_options={...})`` (s3fs) and ``memory://name`` (fsspec's
-in-process memory file system, for tests) use it; ``file://`` stays
-:class:`~deltackpt.store.local.LocalStorage`. Keys map to objects under the URL's prefix; keys
-built from stored data are checked with :func:`~deltackpt.store.storage.parts` as everywhere.
+``open_store("s3://bucket/prefix", storage_options={...})`` (s3fs), ``gs://`` (gcsfs), ``az://``
+(adlfs) and ``memory://name`` (fsspec's in-process memory file system, for tests) use it;
+``file://`` stays :class:`~deltackpt.store.local.LocalStorage`. Keys map to objects under the
+URL's prefix; keys built from stored data are checked with
+:func:`~deltackpt.store.storage.parts` as everywhere.
 
 What each backend guarantees:
 
-- **Commit** (``publish``): S3 is a conditional ``PutObject`` with ``If-None-Match: *``: the
-  object exists whole or not at all, and of two publishers of one key exactly one wins (the
-  other gets :class:`~deltackpt.errors.SnapshotExistsError`). ``memory://`` uses a
-  lock-protected check-and-put: exclusive within one process only (it is one process's memory).
-- **Packs** (``create``): S3 streams a multipart upload of ``block_size`` parts; the object
-  appears only when ``finish`` completes the upload, and ``abort`` aborts it (nothing listed).
-  A process killed mid-upload leaves an unfinished multipart upload (invisible to listings,
-  billed until aborted): gc aborts those under the store's prefix (``abandon_uploads``), and a
-  bucket lifecycle rule ``AbortIncompleteMultipartUpload`` is a good second line.
+- **Commit** (``publish``): a create-only put, so the manifest object exists whole or not at all
+  and of two publishers of one key exactly one wins (the other gets
+  :class:`~deltackpt.errors.SnapshotExistsError`). S3: ``PutObject`` with ``If-None-Match: *``
+  (tested against a real S3 API server). GCS: ``ifGenerationMatch=0``; Azure: an upload without
+  overwrite (``If-None-Match: *``): both through fsspec's ``pipe_file(mode="create")``, the
+  same call, not run against a server here. ``memory://``: a lock-protected check-and-put,
+  exclusive within one process only (it is one process's memory).
+- **Packs** (``create``, :mod:`deltackpt.store.uploads`): S3 streams a multipart upload of
+  ``block_size`` parts, ``parts_in_flight`` at once; GCS a resumable upload and Azure staged
+  blocks (the file system's writer). The object appears only when ``finish`` completes the
+  upload, and ``abort`` aborts it (nothing listed). A process killed mid-upload leaves an
+  unfinished upload (invisible to listings): on S3 gc aborts those under the store's prefix
+  (``abandon_uploads``; a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` is a good
+  second line); GCS resumable sessions and Azure uncommitted blocks expire by themselves
+  (a week).
 - **Durability**: a put is durable when it returns, so ``sync`` and ``make_dirs`` do nothing.
   Object stores have no empty directories: ``snapshots/``, ``packs/`` and ``tmp/`` exist exactly
   when ``STORE.json`` does.
 - **Reads**: ranged GETs; a read of more than ``part_bytes`` is split into parallel GETs
   (``cat_ranges``) and copied into the caller's buffers.
+- **Encoding**: ``remote`` is true (but for ``memory://``), so ``encoding="auto"`` writes xor
+  deltas here (:data:`~deltackpt.format.policy.AUTO_REMOTE`): bytes over a network cost more
+  than decoding them.
 
 **Locking.** Object stores have no locks. Shared locks (saves, deletes) are free, so saves,
 loads and deletes of different snapshots may run concurrently, from any number of processes.
@@ -42,6 +52,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -63,9 +74,18 @@ from deltackpt.store.storage import (
     ObjectTooLargeError,
     parts,
 )
+from deltackpt.store.uploads import PartsUpload, UploadWriter, WholeWriter
 
-SCHEMES = {"s3": "s3", "s3a": "s3", "memory": "memory"}  # URL scheme -> fsspec protocol
-_PIP = {"s3": "s3fs"}
+SCHEMES = {  # URL scheme -> fsspec protocol
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "abfs",
+    "abfs": "abfs",
+    "memory": "memory",
+}
+_PIP = {"s3": "s3fs", "gcs": "gcsfs", "abfs": "adlfs"}
 _MEMORY_LOCK = threading.Lock()  # memory:// publish: check-and-put, one process
 
 
@@ -77,8 +97,10 @@ class FsspecStorage:
     """A store's bytes under ``url`` in an fsspec file system (see the module docstring).
 
     ``storage_options`` go to the file system (s3fs: ``key``, ``secret``, ``endpoint_url``,
-    ``client_kwargs``, ...). ``block_size`` is the multipart part size of uploads (>= 5 MiB),
-    ``part_bytes`` the size of each parallel ranged GET. ``no_concurrent_saves=True`` allows gc
+    ``client_kwargs``, ...). ``block_size`` is the multipart part size of uploads (>= 5 MiB), of
+    which up to ``parts_in_flight`` upload at once per pack (memory per pack writer: about
+    ``(parts_in_flight + 1) * block_size``); ``part_bytes`` is the size of each parallel ranged
+    GET. ``no_concurrent_saves=True`` allows gc
     (the exclusive lock) on the caller's promise that nothing else writes the store meanwhile."""
 
     def __init__(
@@ -87,8 +109,9 @@ class FsspecStorage:
         storage_options: dict[str, Any] | None = None,
         *,
         no_concurrent_saves: bool = False,
-        block_size: int = 64 << 20,
-        part_bytes: int = 16 << 20,
+        block_size: int = 16 << 20,
+        part_bytes: int = 4 << 20,
+        parts_in_flight: int = 4,
     ) -> None:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
         protocol = SCHEMES.get(scheme)
@@ -97,12 +120,18 @@ class FsspecStorage:
                 f"store={url!r}: {scheme or 'no'}:// is not a supported object store; "
                 f"supported: {', '.join(s + '://' for s in SCHEMES)} and local directories"
             )
+        if protocol != "memory" and not url.split("://", 1)[1].strip("/"):
+            raise UnsupportedURLError(
+                f"store={url!r} names no bucket; pass {scheme}://bucket/prefix"
+            )
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.no_concurrent_saves = bool(no_concurrent_saves)
         self.block_size = max(int(block_size), 5 << 20)
         self.part_bytes = max(int(part_bytes), 1 << 20)
+        self.parts_in_flight = max(int(parts_in_flight), 1)
         self.protocol = protocol
+        self.remote = protocol != "memory"  # memory:// is this process's memory, no network
         try:
             import fsspec
 
@@ -119,8 +148,8 @@ class FsspecStorage:
                 f"{sorted(self.storage_options)}: {type(e).__name__}: {e}"
             ) from e
         self.root = self.fs._strip_protocol(self.url).rstrip("/")
-        if protocol == "s3" and not self.root:
-            raise UnsupportedURLError(f"store={url!r} names no bucket; pass s3://bucket/prefix")
+        self._uploads: ThreadPoolExecutor | None = None
+        self._uploads_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -216,15 +245,26 @@ class FsspecStorage:
 
     # -------------------------------------------------------------------------------- writes
 
-    def create(self, key: str) -> _UploadWriter | _WholeWriter:
+    def create(self, key: str) -> PartsUpload | UploadWriter | WholeWriter:
         path = self.path(key)
         if self.protocol == "memory":
             if self.exists(key):
                 raise FileExistsError(errno.EEXIST, "exists", self.where(key))
-            return _WholeWriter(self, key)
+            return WholeWriter(self, key)
+        if self.protocol == "s3":
+            return PartsUpload(self, key)
         with self._io("uploading", key):
             f = self.fs.open(path, "wb", block_size=self.block_size)
-        return _UploadWriter(self, key, f)
+        return UploadWriter(self, key, f)
+
+    def _upload_pool(self) -> ThreadPoolExecutor:
+        """The threads that upload S3 parts (shared by this storage's pack writers)."""
+        with self._uploads_lock:
+            if self._uploads is None:
+                self._uploads = ThreadPoolExecutor(
+                    max_workers=2 * self.parts_in_flight, thread_name_prefix="deltackpt-upload"
+                )
+            return self._uploads
 
     def publish(self, key: str, data: bytes) -> None:
         path = self.path(key)
@@ -394,53 +434,3 @@ def _scatter(pieces: Sequence[bytes], bufs: Sequence[memoryview]) -> int:
         if len(p) == 0:
             break
     return done
-
-
-class _UploadWriter:
-    """A multipart upload (s3fs): parts of ``block_size`` go out as they fill; ``finish``
-    completes the upload, ``abort`` aborts it so nothing is listed."""
-
-    def __init__(self, storage: FsspecStorage, key: str, f: Any) -> None:
-        self._s, self._key, self._f = storage, key, f
-
-    def write(self, bufs: Sequence[memoryview]) -> None:
-        with self._s._io("uploading", self._key):
-            for b in bufs:
-                self._f.write(b)
-
-    def finish(self, durable: bool) -> None:
-        try:
-            with self._s._io("uploading", self._key):
-                self._f.close()
-        except OSError as e:
-            self.abort()
-            raise self._s._write_error(e, self._key) from e
-
-    def abort(self) -> None:
-        f = self._f
-        if f is None or f.closed:
-            return
-        self._f = None
-        with contextlib.suppress(Exception):
-            f.discard()  # s3fs: AbortMultipartUpload
-        f.closed = True  # never complete the upload (close(), or __del__, would)
-
-
-class _WholeWriter:
-    """memory://: the object is put whole by ``finish``."""
-
-    def __init__(self, storage: FsspecStorage, key: str) -> None:
-        self._s, self._key = storage, key
-        self._parts: list[bytes] | None = []
-
-    def write(self, bufs: Sequence[memoryview]) -> None:
-        assert self._parts is not None, "write after finish or abort"
-        self._parts.extend(bytes(b) for b in bufs)
-
-    def finish(self, durable: bool) -> None:
-        assert self._parts is not None, "finish after finish or abort"
-        data, self._parts = b"".join(self._parts), None
-        self._s.fs.pipe_file(self._s.path(self._key), data)
-
-    def abort(self) -> None:
-        self._parts = None

@@ -150,6 +150,10 @@ class Storage(Protocol):
     """What the store asks of storage. Callers named per method; see the module docstring for
     the rules on keys, missing objects, durability and atomicity every backend keeps."""
 
+    #: Whether bytes cross a network (object stores): ``encoding="auto"`` then writes xor
+    #: deltas (``SaveOptions.for_storage``); a local disk is False.
+    remote: bool
+
     def where(self, key: str = "") -> str:
         """A human-readable location of ``key`` (or of the store) for error messages."""
         ...
