@@ -5,7 +5,7 @@ From the bottom up:
 - ``storage.py``: the :class:`Storage` seam (every operation the store asks of storage) and the
   store's keys; ``durable.py``: local fsync, atomic publish and the flock store lock;
   ``local.py``: :class:`LocalStorage`, a store in a local directory; ``objstore.py``:
-  :class:`FsspecStorage`, a store in an object store (``s3://``, ``memory://``).
+  :class:`FsspecStorage`, a store in an object store (``s3://``, ``gs://``, ``az://``, ``memory://``).
 - ``packs.py``: pack objects (PackWriter, PackReaders, ``<id>.pack`` names, PACK_ALIGN);
   ``chunks.py``: read, decode and verify chunks.
 - ``config.py`` (STORE.json), ``location.py`` (what ``open_store``'s path names),
