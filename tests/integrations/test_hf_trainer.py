@@ -112,12 +112,16 @@ def test_async_saves_and_saves_after_evaluation(tmp_path: Path) -> None:
         def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             order.append(("eval", state.global_step))
 
+    callbacks: list[DeltaCheckpointCallback] = []
+
     def run(*extra: TrainerCallback, seed: int = 0) -> Any:
         cb = DeltaCheckpointCallback(store, keep_last=3, async_save=True)
+        callbacks.append(cb)
         return make_trainer(tmp_path / "run", [Spy(), cb, *extra], init_seed=seed, evaluate=True)
 
     with pytest.raises(Interrupt):
         run(StopAtStep(9)).train()
+    callbacks[0].checkpointer.wait()  # step 8's async save may still be committing
     # 8 steps per epoch: this resume starts at an epoch boundary (the other test: mid-epoch)
     assert latest_checkpoint(store) == "checkpoint-8"
     order.clear()

@@ -30,12 +30,23 @@ ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 1 << 20
 
 # The child saves 48 MiB of fresh random data in 5 MiB multipart parts and is killed as soon as
-# the server holds a first part of it.
+# the server holds a first part of it. Every later part stalls first, so the kill always lands
+# mid-upload (parts go out several at once: unstalled, the upload could complete in between).
 CHILD = """
-import json, sys, torch, deltackpt
+import json, sys, time, torch, deltackpt
 from deltackpt.store.objstore import FsspecStorage
 url, opts = sys.argv[1], json.loads(sys.argv[2])
-st = deltackpt.open_store(url, storage=FsspecStorage(url, opts, block_size=5 << 20))
+storage = FsspecStorage(url, opts, block_size=5 << 20)
+call, done = storage.fs.call_s3, []
+def stalling(method, *a, **kw):
+    if method == "upload_part" and done:
+        time.sleep(60)
+    out = call(method, *a, **kw)
+    if method == "upload_part":
+        done.append(1)
+    return out
+storage.fs.call_s3 = stalling
+st = deltackpt.open_store(url, storage=storage)
 g = torch.Generator().manual_seed(7)
 sd = {"w": torch.randn(12 << 20, generator=g), "b": torch.randn(1000, generator=g)}
 print("saving", flush=True)
