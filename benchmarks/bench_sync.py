@@ -247,7 +247,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--mxn", help="instead: MxN rounds for these shapes, e.g. 1x1,2x2 (_sync/)")
+    ap.add_argument("--sim", action="store_true", help="with --mxn: the simulated 256->128 plan")
     args = ap.parse_args()
+    if args.mxn:
+        return mxn_main(args)
     rows = []
     for kind in args.transports.split(","):
         for n in map(int, args.receivers.split(",")):
@@ -293,6 +297,41 @@ def main() -> None:
             )
     if not all(r["receivers_ok"] for r in rows):
         raise SystemExit("a receiver ended with different weights")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def mxn_main(args: argparse.Namespace) -> None:
+    """``--mxn``: MxN rounds (``_sync/mxn.py``) and, with ``--sim``, the simulated plan."""
+    from _sync.mxn import bench_mxn, mxn_table, sim_table
+
+    cfg = {
+        "params": args.params,
+        "bucket_mb": args.bucket_mb,
+        "delta_frac": args.delta_frac,
+        "repeats": args.repeats,
+        "timeout": args.timeout,
+    }
+    rows = []
+    for shape in args.mxn.split(","):
+        m, n = map(int, shape.split("x"))
+        r = bench_mxn(m, n, cfg)
+        r.update(m=m, n=n)
+        rows.append(r)
+        print(f"# done {m}x{n}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    r0 = rows[0]
+    print(
+        f"\nstate: {r0['bytes'] / C.GB:.2f} GB bf16; bucket {args.bucket_mb} MiB; delta rounds "
+        f"change {r0['delta_params_frac']:.1%} of the parameters; best of {args.repeats}\n"
+    )
+    print(mxn_table(rows))
+    if args.sim:
+        from _sync.sim import simulate
+
+        res = simulate()
+        print("\n" + sim_table(res))
+        rows.append({"sim": res})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

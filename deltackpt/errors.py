@@ -89,6 +89,14 @@ class PickleNotAllowedError(DeltackptError, ValueError):
     """A snapshot holds pickled values and the caller did not pass allow_pickle=True."""
 
 
+class KeyNotInSnapshotError(DeltackptError, KeyError):
+    """A key asked of a snapshot (``open_snapshot(...).get_tensor(key)``) is not one of its
+    tensors."""
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
 class StateMismatchError(DeltackptError, ValueError):
     """``load(into=...)`` found keys, shapes or dtypes that differ from the snapshot."""
 
@@ -155,6 +163,24 @@ class DistributedError(DeltackptError, RuntimeError):
 
 class InsufficientMemoryError(DeltackptError, MemoryError):
     """A load would need more memory than this machine has; nothing was allocated."""
+
+
+class StateKeyError(DeltackptError, KeyError):
+    """A key path (``export_hf(key=...)``, ``import_checkpoint(src_key=...)``) names nothing in
+    the state; the message lists the keys that exist."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ImportFormatError(DeltackptError, ValueError):
+    """A file given to ``import_checkpoint`` (safetensors, index JSON, torch.save, DCP) is
+    malformed or hostile: a header offset past the end of the file, an unknown dtype, a shape
+    whose bytes do not match its data... Nothing was allocated for it."""
+
+
+class OutputExistsError(DeltackptError, FileExistsError):
+    """An export would replace files that already exist; pass ``overwrite=True`` to replace."""
 
 
 class DamagedSnapshotWarning(UserWarning):

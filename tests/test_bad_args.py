@@ -460,18 +460,19 @@ def test_a_good_handwritten_store_json_opens(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- the CLI
 
 
-def test_cli_gc_with_a_bad_keep_prints_one_line_and_exits_2(
+def test_cli_gc_with_a_bad_keep_prints_one_line_and_exits_3(
     store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # exit codes (deltackpt/cli/exit_codes.py): 3 snapshot not found, 4 I/O error
     code = cli.main(["gc", str(store), "--keep-last", "0", "--keep", "s1x"])
     err = capsys.readouterr().err
-    assert code == 2
+    assert code == 3
     assert "s1x" in err and "error" in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
     assert [s.name for s in deltackpt.snapshots(store)] == ["s1"]  # nothing deleted
     code = cli.main(["ls", "s3://bucket/run"])
     err = capsys.readouterr().err
-    assert code == 2 and "s3://" in err and "Traceback" not in err
+    assert code == 4 and "s3://" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------------- I/O errors

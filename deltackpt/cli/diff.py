@@ -3,6 +3,8 @@
 Two entries with the same layout and the same chunk digests hold the same bytes. Small tensors
 share grouped chunks with their neighbours, so for them a differing digest does not mean the
 tensor changed: their bytes are read (and verified) and compared.
+
+Exit code 0 when nothing differs, 1 when something does (like ``diff(1)``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from deltackpt.cli.format import Console, display_value, escape, human_bytes, new_table, shape_str
+from deltackpt.cli.exit_codes import OK, PROBLEM
+from deltackpt.cli.format import (
+    Console,
+    display_value,
+    escape,
+    human_bytes,
+    new_table,
+    print_json,
+    shape_str,
+    value_doc,
+)
 from deltackpt.cli.snapshots import entry_bytes, open_existing
 from deltackpt.format.manifest import Manifest, Slice, TensorEntry
 from deltackpt.format.tree import value_leaves
@@ -60,7 +72,8 @@ class _Bytes:
         return b"".join(out)  # for a view of a shared storage: the storage's bytes
 
 
-Row = tuple[str, str, str, str, int, str]  # status, key, dtype, shape, bytes, note
+# status, key, dtype, shape, bytes, (dtype, shape) before when a changed tensor's layout changed
+Row = tuple[str, str, str, tuple[int, ...], int, "tuple[str, tuple[int, ...]] | None"]
 
 
 def _tensor_rows(st: Store, a: Manifest, b: Manifest) -> tuple[list[Row], int, int, int]:
@@ -78,9 +91,9 @@ def _tensor_rows(st: Store, a: Manifest, b: Manifest) -> tuple[list[Row], int, i
             if _signature(a, old) == _signature(b, e):
                 unchanged += 1
                 continue
-            note = ""
+            was = None
             if old.dtype != e.dtype or old.shape != e.shape:
-                note = f"was {old.dtype}{shape_str(old.shape)}"
+                was = (old.dtype, old.shape)
             elif (_grouped(a, old) or _grouped(b, e)) and reader.read(a, old) == reader.read(b, e):
                 # Small tensors share chunks with their neighbours: a differing digest does
                 # not mean this tensor changed, so their bytes decide.
@@ -88,7 +101,7 @@ def _tensor_rows(st: Store, a: Manifest, b: Manifest) -> tuple[list[Row], int, i
                 continue
             n_changed += 1
             changed_bytes += entry_bytes(e)
-            rows.append(("changed", path, e.dtype, shape_str(e.shape), entry_bytes(e), note))
+            rows.append(("changed", path, e.dtype, e.shape, entry_bytes(e), was))
     finally:
         reader.close()
     return rows, n_changed, changed_bytes, unchanged
@@ -105,7 +118,27 @@ def cmd_diff(args: argparse.Namespace, out: Console) -> int:
     for status, paths, entries in (("added", added, eb), ("removed", removed, ea)):
         for p in paths:
             e = entries[p]
-            rows.append((status, p, e.dtype, shape_str(e.shape), entry_bytes(e), ""))
+            rows.append((status, p, e.dtype, e.shape, entry_bytes(e), None))
+    va, vb = dict(value_leaves(a.tree)), dict(value_leaves(b.tree))
+    vrows: list[tuple[str, str, Any, Any]] = []  # status, key, old node, new node
+    for p, node in vb.items():
+        if p not in va:
+            vrows.append(("added", p, _ABSENT, node))
+        elif va[p] != node:
+            vrows.append(("changed", p, va[p], node))
+    vrows += [("removed", p, node, _ABSENT) for p, node in va.items() if p not in vb]
+    code = PROBLEM if rows or vrows else OK
+    if args.json:
+        summary = {
+            "changed": n_changed,
+            "changed_bytes": changed_bytes,
+            "added": len(added),
+            "removed": len(removed),
+            "unchanged": unchanged,
+            "values_differ": len(vrows),
+        }
+        print_json(_doc(args, a, b, rows, vrows, summary))
+        return code
     out.print(f"diff {escape(a.name)} → {escape(b.name)}")
     if rows:
         t = new_table()
@@ -116,29 +149,77 @@ def cmd_diff(args: argparse.Namespace, out: Console) -> int:
         t.add_column("bytes", justify="right")
         t.add_column("note")
         style = {"changed": "yellow", "added": "green", "removed": "red"}
-        for status, path, dtype, shape, n, note in rows:
+        for status, path, dtype, shape, n, was in rows:
+            note = f"was {was[0]}{shape_str(was[1])}" if was else ""
             t.add_row(
-                f"[{style[status]}]{status}[/]", escape(path), dtype, shape, human_bytes(n), note
+                f"[{style[status]}]{status}[/]",
+                escape(path),
+                dtype,
+                shape_str(shape),
+                human_bytes(n),
+                note,
             )
         out.print(t)
-    va, vb = dict(value_leaves(a.tree)), dict(value_leaves(b.tree))
-    vrows = []
-    for p, node in vb.items():
-        if p not in va:
-            vrows.append(("added", p, "", display_value(node)))
-        elif va[p] != node:
-            vrows.append(("changed", p, display_value(va[p]), display_value(node)))
-    vrows += [("removed", p, display_value(node), "") for p, node in va.items() if p not in vb]
     if vrows:
         t = new_table("non-tensor values")
         for col in ("", "key", "old", "new"):
             t.add_column(col, overflow="fold")
-        for row in vrows:
-            t.add_row(*map(escape, row))
+        for status, p, old, new in vrows:
+            t.add_row(*map(escape, (status, p, _display(old), _display(new))))
         out.print(t)
     out.print(
         f"{n_changed} changed ({human_bytes(changed_bytes)}), {len(added)} added, "
         f"{len(removed)} removed, {unchanged} unchanged"
         + (f"; {len(vrows)} non-tensor value(s) differ" if vrows else "")
     )
-    return 0
+    return code
+
+
+_ABSENT = object()  # a value one side of the diff does not have
+
+
+def _display(node: Any) -> str:
+    return "" if node is _ABSENT else display_value(node)
+
+
+def _doc(
+    args: argparse.Namespace,
+    a: Manifest,
+    b: Manifest,
+    rows: list[Row],
+    vrows: list[tuple[str, str, Any, Any]],
+    summary: dict[str, int],
+) -> dict[str, Any]:
+    """``diff --json``: ``store``, ``a``, ``b``, ``same`` (bool; the exit code is 0 exactly when
+    true); ``tensors``: ``status`` (changed/added/removed), ``key``, ``dtype``, ``shape``,
+    ``bytes`` (of B's tensor, or A's when removed), ``was`` (``{"dtype", "shape"}`` before, when a
+    changed tensor's layout changed, else null); ``values``: ``status``, ``key``, ``old``, ``new``
+    (each ``{"key", "type", "value", "repr"}`` as in ``show --json``, null on the side that lacks
+    it); ``summary``: ``changed``, ``changed_bytes``, ``added``, ``removed``, ``unchanged``,
+    ``values_differ``."""
+
+    def side(p: str, node: Any) -> dict[str, Any] | None:
+        return None if node is _ABSENT else value_doc(p, node)
+
+    return {
+        "store": str(args.store),
+        "a": a.name,
+        "b": b.name,
+        "same": not rows and not vrows,
+        "tensors": [
+            {
+                "status": status,
+                "key": key,
+                "dtype": dtype,
+                "shape": list(shape),
+                "bytes": n,
+                "was": {"dtype": was[0], "shape": list(was[1])} if was else None,
+            }
+            for status, key, dtype, shape, n, was in rows
+        ],
+        "values": [
+            {"status": st, "key": p, "old": side(p, old), "new": side(p, new)}
+            for st, p, old, new in vrows
+        ],
+        "summary": summary,
+    }

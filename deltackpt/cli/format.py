@@ -8,10 +8,12 @@ and never import rich themselves, so the two renderings cannot drift apart.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import sys
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import IO, Any, Literal, Protocol
 
 from deltackpt.errors import DeltackptError
@@ -49,25 +51,76 @@ def shape_str(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def iso_utc(dt: datetime) -> str:
+    """An aware datetime as ISO-8601 UTC, the form ``--json`` uses: ``2026-11-23T09:16:31.5Z``."""
+    return dt.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _strict(obj: Any) -> Any:
+    """``obj`` with non-finite floats as the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def print_json(doc: Any, file: IO[str] | None = None) -> None:
+    """Write ``doc`` as the one JSON document of a ``--json`` command: strict JSON (a NaN in
+    user metadata becomes ``"nan"``), ASCII, two-space indented, keys in the order built."""
+    print(json.dumps(_strict(doc), indent=2, allow_nan=False), file=file or sys.stdout)
+
+
+def _short(value: Any, limit: int | None = 60) -> str:
     s = repr(value)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
+    return s if limit is None or len(s) <= limit else s[: limit - 1] + "…"
 
 
 def _no_tensor(i: int) -> Any:
     raise AssertionError("a key holds no tensor")
 
 
-def display_value(node: Any) -> str:
-    """A non-tensor value of a manifest's tree, short: its repr, or what kind of object it is."""
+def display_value(node: Any, limit: int | None = 60) -> str:
+    """A non-tensor value of a manifest's tree: its repr (cut to ``limit`` characters unless
+    ``limit`` is None), or what kind of object it is."""
     if isinstance(node, dict) and "pickle" in node:
         return "<pickled>"
     if isinstance(node, dict) and isinstance(node.get("rng"), dict):
         return f"<{node['rng'].get('type', 'rng')} state>"  # not the object's repr (an address)
     try:
-        return _short(unflatten(node, _no_tensor, False))
+        return _short(unflatten(node, _no_tensor, False), limit)
     except DeltackptError:
-        return _short(node)
+        return _short(node, limit)
+
+
+def value_doc(path: str, node: Any) -> dict[str, Any]:
+    """A non-tensor value for ``--json``: ``{"key", "type", "value", "repr"}``. ``type`` is the
+    manifest's tag (``int``, ``str``, ``bool``, ``null``, ``float``, ``bytes``, ``size``,
+    ``dtype``, ``device``, ``rng``, ``pickle``); ``value`` is its JSON form (a non-finite float as
+    the string ``"nan"``/``"inf"``/``"-inf"``; ``null`` for bytes, rng and pickle); ``repr`` is
+    Python's repr, uncut."""
+    kind = "null" if node is None else type(node).__name__
+    value: Any = node
+    if isinstance(node, dict) and node:
+        kind = next(k for k in node if k != "meta")
+        raw = node[kind]
+        if kind == "float":
+            try:
+                f = float.fromhex(raw)
+                value = f if math.isfinite(f) else repr(f)
+            except (TypeError, ValueError):
+                value = None
+        elif kind == "size":
+            value = list(raw) if isinstance(raw, list) else None
+        elif kind in ("dtype", "device"):
+            value = raw if isinstance(raw, str) else None
+        else:
+            value = None
+    elif isinstance(node, (dict, list)):  # malformed: not a value leaf
+        kind, value = "unknown", None
+    return {"key": path, "type": kind, "value": value, "repr": display_value(node, None)}
 
 
 # ------------------------------------------------------------------------------------- markup

@@ -1,21 +1,49 @@
 """``deltackpt verify`` and ``deltackpt gc``: thin views of :func:`deltackpt.verify` and
-:func:`deltackpt.gc` (``--dry-run`` is gc's own plan, ``gc(dry_run=True)``)."""
+:func:`deltackpt.gc` (``--dry-run`` is gc's own plan, ``gc(dry_run=True)``), with a progress bar
+on a terminal and a ``--json`` document for scripts."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from typing import Any
 
 import deltackpt
-from deltackpt.cli.format import Console, escape, human_bytes, new_table
+from deltackpt.cli.exit_codes import OK, PROBLEM
+from deltackpt.cli.format import Console, escape, human_bytes, new_table, print_json
+from deltackpt.cli.progress import progress, show_progress
 from deltackpt.cli.snapshots import open_existing
-from deltackpt.errors import StoreLockedError
+from deltackpt.errors import DeltackptError, StoreLockedError
+from deltackpt.store.lifecycle import GcReport, VerifyReport
 from deltackpt.store.objstore import NoLockError
 from deltackpt.store.storage import LOCK_FILE
 from deltackpt.store.store import Store
 
 
+def _verify_total(st: Store, names: list[str]) -> int:
+    """Raw bytes verify will check: each chunk once per place it lives (its bar's total)."""
+    if names:
+        ms = []
+        for n in names:
+            with contextlib.suppress(DeltackptError, OSError):  # verify reports (or raises) it
+                ms.append(st.manifest(n))
+    else:
+        ms = st.manifests()
+    nodes = {(d, r) for m in ms for d, r in m.chunks.items()}
+    return sum(r.size for _, r in nodes)
+
+
 def cmd_verify(args: argparse.Namespace, out: Console) -> int:
-    report = deltackpt.verify(open_existing(args), args.names or None)
+    st = open_existing(args)
+    if show_progress(args):
+        total = _verify_total(st, args.names)
+        with progress(total, "verifying", enabled=True) as advance:
+            report = deltackpt.verify(st, args.names or None, progress=advance)
+    else:
+        report = deltackpt.verify(st, args.names or None)
+    if args.json:
+        print_json(_verify_doc(args, report))
+        return OK if report.ok else PROBLEM
     gbps = report.bytes_checked / report.seconds / 1e9 if report.seconds > 0 else 0.0
     what = (
         f"{len(report.snapshots)} snapshot{'s' * (len(report.snapshots) != 1)}, "
@@ -31,7 +59,7 @@ def cmd_verify(args: argparse.Namespace, out: Console) -> int:
         )
     if report.ok:
         out.print(f"[green]OK[/] {what}")
-        return 0
+        return OK
     t = new_table(f"{len(report.problems)} problem(s)")
     for col in ("snapshots", "keys", "chunk", "reason"):
         t.add_column(col, overflow="fold")
@@ -45,7 +73,34 @@ def cmd_verify(args: argparse.Namespace, out: Console) -> int:
         )
     out.print(t)
     out.print(f"[red]FAILED[/] {len(report.damaged)} damaged snapshot(s); checked {what}")
-    return 1
+    return PROBLEM
+
+
+def _verify_doc(args: argparse.Namespace, r: VerifyReport) -> dict[str, Any]:
+    """``verify --json``: ``store``, ``ok`` (the exit code is 0 exactly when true),
+    ``snapshots`` (checked), ``damaged`` (snapshots some problem affects), ``chunks_checked``,
+    ``bytes_checked`` (raw), ``seconds``, ``undigested`` (snapshots of format version 1, whose
+    manifests carry no digest), ``problems``: ``chunk`` (digest, or null for a damaged
+    manifest), ``reason``, ``snapshots``, ``keys``."""
+    return {
+        "store": str(args.store),
+        "ok": r.ok,
+        "snapshots": list(r.snapshots),
+        "damaged": r.damaged,
+        "chunks_checked": r.chunks_checked,
+        "bytes_checked": r.bytes_checked,
+        "seconds": r.seconds,
+        "undigested": list(r.undigested),
+        "problems": [
+            {
+                "chunk": p.chunk or None,
+                "reason": p.reason,
+                "snapshots": list(p.snapshots),
+                "keys": list(p.keys),
+            }
+            for p in r.problems
+        ],
+    }
 
 
 def cmd_gc(args: argparse.Namespace, out: Console) -> int:
@@ -53,13 +108,21 @@ def cmd_gc(args: argparse.Namespace, out: Console) -> int:
     keep = [n for group in args.keep or [] for n in group]
     busy = args.dry_run and _save_in_flight(st)
     try:
-        r = deltackpt.gc(st, keep_last=args.keep_last, keep=keep, dry_run=args.dry_run)
+        with progress(
+            None, "collecting", enabled=show_progress(args) and not args.dry_run
+        ) as advance:
+            r = deltackpt.gc(
+                st, keep_last=args.keep_last, keep=keep, dry_run=args.dry_run, progress=advance
+            )
     except NoLockError as e:
         raise NoLockError(
             f"gc of {args.store} needs the exclusive store lock, and object stores have none: "
             "a save running meanwhile could lose packs. When nothing saves to the store, run "
             "`deltackpt gc STORE --no-concurrent-saves ...`"
         ) from e
+    if args.json:
+        print_json(_gc_doc(args, r, busy))
+        return OK
     dry = r.dry_run
     t = new_table("gc --dry-run (nothing deleted)" if dry else "gc", show_header=False)
     t.add_column("what")
@@ -91,7 +154,29 @@ def cmd_gc(args: argparse.Namespace, out: Console) -> int:
             "[yellow]note:[/] a save is in flight: its new packs and temp files count as garbage "
             "above, but gc would wait for the save to commit and keep them"
         )
-    return 0
+    return OK
+
+
+def _gc_doc(args: argparse.Namespace, r: GcReport, busy: bool) -> dict[str, Any]:
+    """``gc --json``: ``store``, ``dry_run``, ``deleted`` (snapshots; to delete, for a dry run),
+    ``packs_removed``, ``packs_compacted``, ``bytes_freed`` (about, for a dry run),
+    ``leftovers_removed``, ``uploads_aborted``, ``seconds``, ``damaged`` (while any, no pack data
+    is collected), ``refused`` (entries left alone), ``save_in_flight`` (dry run: a save held the
+    store lock; null otherwise)."""
+    return {
+        "store": str(args.store),
+        "dry_run": r.dry_run,
+        "deleted": list(r.deleted),
+        "packs_removed": r.packs_removed,
+        "packs_compacted": r.packs_compacted,
+        "bytes_freed": r.bytes_freed,
+        "leftovers_removed": r.leftovers_removed,
+        "uploads_aborted": list(r.uploads_aborted),
+        "seconds": r.seconds,
+        "damaged": list(r.damaged),
+        "refused": list(r.refused),
+        "save_in_flight": busy if r.dry_run else None,
+    }
 
 
 def _save_in_flight(st: Store) -> bool:

@@ -14,6 +14,7 @@ import contextlib
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -182,6 +183,7 @@ def gc(
     compact_below: float = 0.75,
     lock_timeout: float | None = None,
     dry_run: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> GcReport:
     """Apply retention, then delete pack data no committed snapshot references.
 
@@ -200,6 +202,8 @@ def gc(
     ``compact_below`` in [0, 1], ``lock_timeout`` >= 0 (InvalidArgumentError). A name in ``keep``
     that the store does not have raises SnapshotNotFoundError and deletes nothing: a typo there
     must not delete the snapshot that was meant to be kept.
+
+    ``progress(n)`` is called with the bytes of each pack as it is compacted or removed.
 
     >>> deltackpt.gc("ckpts", keep_last=3)        # doctest: +SKIP
     """
@@ -222,9 +226,13 @@ def gc(
             new_size = _compact(st, pack, plan.live[pack], plan.manifests)
             if new_size is not None:  # None: damaged, left as it is for verify to report
                 compacted.append((pack, size, new_size))
-        for pack, _ in plan.remove:
+            if progress is not None:
+                progress(size)
+        for pack, n in plan.remove:
             with contextlib.suppress(FileNotFoundError):
                 st.storage.delete(pack_key(pack))
+            if progress is not None:
+                progress(n)
         if plan.remove or compacted:
             st.storage.sync(PACKS)
         plan.compact = compacted

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -65,11 +66,13 @@ def verify(
     names: list[str] | None = None,
     *,
     threads: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Re-read and re-hash every chunk of every (or the named) snapshot, and check every
     manifest. Never raises on damage: the report lists each problem once, with the snapshots and
     tensor keys it affects. (An unknown name in ``names`` is a mistake, not damage, and raises
-    :class:`SnapshotNotFoundError`.)
+    :class:`SnapshotNotFoundError`.) ``progress(n)`` is called, on the calling thread, with the
+    raw bytes of each chunk chain as it is checked (a bar's ``advance``).
 
     >>> report = deltackpt.verify("ckpts"); report.ok     # doctest: +SKIP
     """
@@ -141,7 +144,11 @@ def verify(
 
         order = sorted(roots, key=lambda n: (n[0], n[1].pack, n[1].offset))
         with ThreadPoolExecutor(threads or default_threads()) as pool:
-            walked = list(pool.map(walk, order))
+            walked = []
+            for results in pool.map(walk, order):
+                walked.append(results)
+                if progress is not None:
+                    progress(sum(node[1].size for node, _ in results))
     checked = nbytes = 0
     for results in walked:
         for node, err in results:

@@ -39,9 +39,16 @@ from deltackpt.sync.errors import (
     SyncError,
     SyncTimeoutError,
 )
+from deltackpt.sync.mxn_group import MxNGroup
+from deltackpt.sync.mxn_receiver import MxNReceiver, Want
+from deltackpt.sync.mxn_round import MxNStats
+from deltackpt.sync.mxn_sender import MxNSender
 from deltackpt.sync.plan import Plan as Plan  # plumbing: the `X as X` form re-exports
 from deltackpt.sync.plan import build_plan as build_plan
 from deltackpt.sync.receiver import WeightReceiver
+from deltackpt.sync.schedule import Schedule as Schedule
+from deltackpt.sync.schedule import build_schedule as build_schedule
+from deltackpt.sync.schedule_decl import Box, LocalShard, shard_box
 from deltackpt.sync.sender import WeightSender
 from deltackpt.sync.shm import ShmTransport
 from deltackpt.sync.transport import Channel as Channel
@@ -49,10 +56,16 @@ from deltackpt.sync.transport import DistTransport, init_group
 from deltackpt.sync.transport import Transport as Transport
 
 __all__ = [
+    "Box",
     "Coverage",
     "DigestMismatchError",
     "DistTransport",
+    "LocalShard",
     "ModuleAdapter",
+    "MxNGroup",
+    "MxNReceiver",
+    "MxNSender",
+    "MxNStats",
     "PeerLostError",
     "PlanError",
     "RoundAbortedError",
@@ -60,7 +73,9 @@ __all__ = [
     "ShmTransport",
     "SyncError",
     "SyncTimeoutError",
+    "Want",
     "WeightReceiver",
     "WeightSender",
     "init_group",
+    "shard_box",
 ]

@@ -73,7 +73,7 @@ def test_show_lists_keys_metadata_and_values(capsys, store):
 
 def test_diff_reports_changed_and_added(capsys, store):
     code, out, _ = run(capsys, "diff", store, "a", "b")
-    assert code == 0
+    assert code == 1  # like diff(1): differences found
     tensor_table = out.split("non-tensor values")[0]
     rows = {
         m.group(2): m.group(1)
@@ -148,20 +148,20 @@ def test_gc_keep_named(capsys, store):
     names = [s.name for s in deltackpt.snapshots(store)]
     # a --keep name that matches nothing is most likely a typo: an error, and nothing deleted
     code, _, err = run(capsys, "gc", store, "--keep-last", "0", "--keep", "a", "nope")
-    assert code == 2 and "nope" in err and "deleted nothing" in err
+    assert code == 3 and "nope" in err and "deleted nothing" in err
     assert [s.name for s in deltackpt.snapshots(store)] == names
     code, _, err = run(capsys, "gc", store, "--keep-last", "0", "--keep", "a")
     assert code == 0
     assert [s.name for s in deltackpt.snapshots(store)] == ["a"]
 
 
-def test_errors_exit_2_with_one_line(capsys, store, tmp_path):
+def test_errors_exit_with_one_line(capsys, store, tmp_path):
     code, _, err = run(capsys, "show", store, "no-such-snapshot")
-    assert code == 2
+    assert code == 3
     assert "no-such-snapshot" in err and "error" in err
     assert "Traceback" not in err
     code, _, err = run(capsys, "ls", tmp_path / "not-a-store")
-    assert code == 2 and "STORE.json" in err
+    assert code == 3 and "STORE.json" in err
     assert not (tmp_path / "not-a-store").exists()  # the CLI never creates a store
     code, _, err = run(capsys, "diff", store, "a", "../x")
     assert code == 2 and "not allowed" in err
@@ -202,7 +202,7 @@ def test_demo_is_bit_exact(tmp_path):
 def test_demo_refuses_non_empty_dir(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     code, _, err = run(capsys, "demo", "--dir", tmp_path, "--steps", "1")
-    assert code == 2 and "empty" in err
+    assert code == 3 and "empty" in err  # a StoreError: the directory is not a (new) store
 
 
 def test_show_and_diff_name_generator_states_not_addresses(capsys, tmp_path):
@@ -212,7 +212,7 @@ def test_show_and_diff_name_generator_states_not_addresses(capsys, tmp_path):
     code, out, _ = run(capsys, "show", path, "a")
     assert code == 0 and "g=<torch.Generator state>" in out and "0x" not in out
     code, out, _ = run(capsys, "diff", path, "a", "b")
-    assert code == 0 and "1 non-tensor value(s) differ" in out
+    assert code == 1 and "1 non-tensor value(s) differ" in out
 
 
 # rich is optional (the "cli" extra): the library never imports it, and the CLI prints the same
@@ -270,7 +270,7 @@ def test_cli_without_rich_prints_plain_tables(store, tmp_path):
     assert du[0] == 0 and re.search(r"dedupe ratio [0-9.]+x", du[1])
     assert verify[0] == 1 and "model/extra" in verify[1] and "FAILED" in verify[1]
     assert gc[0] == 0 and re.search(r"snapshots to delete\s*│ 1: a$", gc[1], re.M)
-    assert err[0] == 2 and err[2].startswith("error: ") and "no-such-snapshot" in err[2]
+    assert err[0] == 3 and err[2].startswith("error: ") and "no-such-snapshot" in err[2]
     assert "[/]" not in "".join(x[1] + x[2] for x in (ls, show, diff, du, verify, gc, err))
 
 

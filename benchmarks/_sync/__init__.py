@@ -1,0 +1,2 @@
+"""Helpers of ``bench_sync.py`` for the MxN rounds (``mxn.py``) and the simulated plan
+(``sim.py``)."""

@@ -1,0 +1,212 @@
+"""MxN rounds for ``bench_sync.py --mxn``: M trainer processes -> N inference processes over
+gloo point-to-point links (``deltackpt.sync.MxNSender`` / ``MxNReceiver``).
+
+State: Qwen2-0.5B-shaped (``--params`` scales it), bf16. Trainer ``i`` of M holds ``Shard(0)``
+row blocks of every tensor (as FSDP2 would); inference rank ``j`` of N holds tensor-parallel
+``Shard(1)`` column blocks of every matrix and ``Shard(0)`` of every vector, written straight
+into its preallocated parameters (the direct-into-parameter path). So with M = N = 2 every
+trainer sends to every receiver a quarter of each matrix.
+
+Measured in the same processes, best of ``--repeats``:
+
+* ceiling: every trainer sends every receiver one buffer of exactly that link's bytes
+  (``send``/``recv`` on the same gloo group, all links at once): the transport's cost for the
+  round's bytes, with nothing else;
+* full round: ``push(full=True)`` / ``pull()`` until every receiver committed and wrote its
+  parameters;
+* delta round: after ``--delta-frac`` of the parameters (the last tensors) changed; the
+  floor is the time to hash every piece (the trainer reads everything once).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import _common as C
+
+
+def _box_all(shape: tuple[int, ...]) -> Any:
+    from deltackpt.sync import Box
+
+    return Box((0,) * len(shape), shape)
+
+
+def _worker(rank: int, m: int, n: int, cfg: dict[str, Any], port: int, q: Any) -> None:
+    try:
+        q.put((rank, _run(rank, m, n, cfg, port)))
+    except BaseException as e:
+        import traceback
+
+        q.put((rank, {"error": f"{e!r}\n{traceback.format_exc()}"}))
+    q.close()
+    q.join_thread()  # the result is in the pipe
+    os._exit(0)  # skip teardown: gloo's threads may still be waiting on peers that left
+
+
+def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
+    import torch
+
+    from deltackpt import sync
+
+    torch.set_num_threads(1)
+    shapes = C.qwen2_shapes(C.qwen2_scale(cfg["params"]))
+    group = sync.MxNGroup("127.0.0.1", port, rank, m + n, range(m), timeout=600)
+    bucket = cfg["bucket_mb"] << 20
+
+    def barrier() -> None:
+        group.pg.barrier().wait()
+
+    def timed(fn: Any) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        barrier()
+        return time.perf_counter() - t0
+
+    out: dict[str, Any] = {}
+    if rank < m:
+        g = torch.Generator().manual_seed(rank)
+        state: dict[str, Any] = {}
+        for name, s in shapes:
+            box = sync.shard_box(s, 0, rank, m)
+            local = torch.randn(box.size, generator=g).to(torch.bfloat16)
+            state[name] = sync.LocalShard(local, box.offset, tuple(s))
+        nparams = sum(math.prod(s) for _, s in shapes)
+        changed, acc = [], 0
+        for name, s in reversed(shapes):
+            if acc >= cfg["delta_frac"] * nparams:
+                break
+            changed.append(name)
+            acc += math.prod(s)
+        out["delta_params_frac"] = acc / nparams
+        out["bytes"] = 2 * nparams
+        endpoint: Any = sync.MxNSender(group, bucket_bytes=bucket)
+    else:
+        j = rank - m
+        wants = []
+        for name, s in shapes:
+            box = sync.shard_box(s, 1 if len(s) == 2 else 0, j, n)
+            wants.append(sync.Want(name, box=box, into=torch.zeros(box.size, dtype=torch.bfloat16)))
+        endpoint = sync.MxNReceiver(group, wants, bucket_bytes=bucket)
+    version = 0
+    stats: list[Any] = []
+
+    def one(full: bool) -> None:
+        nonlocal version
+        version += 1
+        if rank < m:
+            stats.append(endpoint.push(state, version, full=full))
+        else:
+            stats.append(endpoint.pull())
+
+    out["first_round_s"] = timed(lambda: one(True))  # also builds the schedule
+    sched = endpoint.schedule
+    links = {(s, r): sched.link(s, r).nbytes for s in sched.trainers for r in sched.receivers}
+    out["links"] = {f"{s}->{r}": b for (s, r), b in links.items()}
+
+    # ceiling: the same bytes per link, one buffer each, all links at once
+    def ceiling() -> None:
+        works = []
+        for (s, r), _b in links.items():
+            if rank == s:
+                works.append(group.pg.send([bufs[r]], r, 1 << 20))
+            elif rank == r:
+                works.append(group.pg.recv([bufs[s]], s, 1 << 20))
+        for w in works:
+            w.wait()
+
+    peers = sched.receivers if rank < m else sched.trainers
+    bufs = {
+        p: torch.ones(links[(rank, p) if rank < m else (p, rank)], dtype=torch.uint8) for p in peers
+    }
+    out["ceiling_s"] = min(timed(ceiling) for _ in range(cfg["repeats"]))
+    bufs.clear()
+    out["full_round_s"] = min(timed(lambda: one(True)) for _ in range(cfg["repeats"]))
+    deltas = []
+    for _ in range(cfg["repeats"]):
+        if rank < m:
+            for name in changed:
+                state[name].tensor.add_(0.5)
+        deltas.append(timed(lambda: one(False)))
+    out["delta_round_s"] = min(deltas)
+    out["full_payload"] = stats[1].payload_bytes
+    out["delta_payload"] = stats[-1].payload_bytes
+    out["buckets"] = stats[1].buckets
+    group.close()
+    return out
+
+
+def bench_mxn(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = C.free_port()
+    procs = [ctx.Process(target=_worker, args=(r, m, n, cfg, port, q)) for r in range(m + n)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + cfg["timeout"]
+    while len(results) < m + n and time.monotonic() < deadline:
+        try:
+            r, res = q.get(timeout=1)
+            results[r] = res
+        except Exception:  # queue.Empty
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    errors = [res["error"] for res in results.values() if "error" in res]
+    if errors or len(results) < m + n:
+        raise SystemExit(f"MxN benchmark failed: {errors or 'timeout / crashed process'}")
+    out = dict(results[0])
+    out["payload_total"] = sum(out["links"].values())
+    return out
+
+
+def mxn_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| MxN | transport | bytes/link MB | ceiling s (GB/s) | full round s (GB/s) | "
+        "full vs ceiling | delta round s | delta / full | delta bytes / full |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        gb = r["payload_total"] / C.GB
+        per = sorted({round(b / 1e6, 1) for b in r["links"].values()})
+        lines.append(
+            f"| {r['m']}x{r['n']} | gloo | {'/'.join(map(str, per))} | {r['ceiling_s']:.3f} "
+            f"({gb / r['ceiling_s']:.2f}) | {r['full_round_s']:.3f} "
+            f"({gb / r['full_round_s']:.2f}) | {r['ceiling_s'] / r['full_round_s']:.0%} | "
+            f"{r['delta_round_s']:.3f} | {r['delta_round_s'] / r['full_round_s']:.0%} | "
+            f"{r['delta_payload'] / r['full_payload']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def sim_table(res: dict[str, Any]) -> str:
+    gb = 1e9
+    return "\n".join(
+        [
+            "| plan | value |",
+            "|---|---|",
+            f"| ranks | {res['trainers']} trainers (FSDP Shard(0), fp32) -> {res['receivers']} "
+            "inference (TP 8 x 16 replicas, bf16) |",
+            f"| tensors | {res['tensors']} ({res['model_bf16_bytes'] / gb:.1f} GB in bf16) |",
+            f"| build (validate every declaration) s | {res['build_s']:.2f} |",
+            f"| one trainer's links s | {res['trainer_links_s']:.2f} |",
+            f"| one receiver's links s | {res['receiver_links_s']:.2f} |",
+            f"| all link sizes (vectorised) s | {res['link_matrix_s']:.2f} |",
+            f"| links | {res['links']} |",
+            f"| bytes per link, mean / max MB | {res['link_bytes_mean'] / 1e6:.1f} / "
+            f"{res['link_bytes_max'] / 1e6:.1f} |",
+            f"| into one receiver GB (MxN / broadcast) | {res['per_receiver_bytes'] / gb:.2f} / "
+            f"{res['broadcast_per_receiver_bytes'] / gb:.2f} |",
+            f"| out of one trainer GB (MxN) | {res['per_trainer_bytes'] / gb:.2f} |",
+            f"| out of the broadcast root GB | {res['broadcast_root_bytes'] / gb:.2f} "
+            f"(x{res['receivers']} receivers over a tree/ring) |",
+        ]
+    )

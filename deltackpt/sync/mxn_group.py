@@ -1,0 +1,314 @@
+"""The connection of an MxN sync job: a gloo group for point-to-point bucket links, and a
+TCPStore for setup, the commit vote, aborts and heartbeats.
+
+Why not collectives for control: with a dead rank, a gloo all-reduce fails fast only on the
+dead rank's neighbours and hangs everywhere else until the group timeout. Here every control
+decision is a store key: a rank that fails writes the abort key, a rank that dies stops
+beating (a daemon thread bumps ``hb/<rank>`` every ``beat`` seconds), and every rank waiting
+for the vote polls both, so every peer fails within about ``dead_after`` seconds of a death —
+well under the group timeout. If rank 0 dies, the store (hosted there) goes with it, and every
+store call fails at once.
+
+Recovery after :class:`PeerLostError`: survivors call :meth:`MxNGroup.reconnect` with a new
+port; a replacement process constructs ``MxNGroup`` with the same arguments. The old gloo group
+is kept referenced, never destroyed (tearing down a group with pending operations blocks until
+its timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from deltackpt.sync.errors import PeerLostError, SyncError, SyncTimeoutError
+from deltackpt.sync.mxn_shm import ShmLinks
+
+__all__ = ["MxNGroup", "cause_line"]
+
+T = TypeVar("T")
+_GRAVEYARD: list[object] = []  # groups of failed connections: never destroyed (see above)
+
+
+def cause_line(e: BaseException) -> str:
+    """The first line of the transport's own message (gloo's 'Connection closed by peer ...')."""
+    return str(e.__cause__ or e).splitlines()[0].split(". This is typically")[0][:200]
+
+
+class MxNGroup:
+    """Every rank of an MxN job (trainers and inference ranks) constructs one with the same
+    ``master_addr``/``master_port``, ``world_size`` and ``trainers`` (ranks that send); rank 0
+    hosts the store. ``timeout`` bounds every wait on a live but silent peer; a dead peer is
+    detected within ``dead_after`` seconds."""
+
+    def __init__(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        trainers: Sequence[int],
+        *,
+        timeout: float = 60.0,
+        beat: float = 0.2,
+        dead_after: float = 3.0,
+        links: str = "gloo",
+    ) -> None:
+        if links not in ("gloo", "shm"):
+            raise SyncError(f"links={links!r}: choose 'gloo' or 'shm' (one host)")
+        self.links = links
+        self.addr, self.rank, self.world_size = master_addr, int(rank), int(world_size)
+        self.trainers = tuple(sorted(set(int(t) for t in trainers)))
+        if not self.trainers or len(self.trainers) >= world_size or self.trainers[-1] >= world_size:
+            raise SyncError(
+                f"trainers={list(trainers)} for world_size={world_size}: need at least one "
+                "trainer and one inference rank, all in range"
+            )
+        self.timeout, self.beat, self.dead_after = float(timeout), float(beat), float(dead_after)
+        self.epoch = 0
+        self.seq = 0
+        self._connect(int(master_port))
+
+    # ---- connection -----------------------------------------------------------------------
+
+    def _connect(self, port: int) -> None:
+        td = timedelta(seconds=self.timeout)
+        try:
+            self.store = dist.TCPStore(
+                self.addr, port, self.world_size, is_master=self.rank == 0, timeout=td
+            )
+            self.pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("mxn", self.store), self.rank, self.world_size, td
+            )
+        except RuntimeError as e:
+            raise PeerLostError(
+                f"rank {self.rank}: cannot join the MxN group at {self.addr}:{port} ({e}); "
+                "every rank must call MxNGroup/reconnect with the same address and port"
+            ) from e
+        self.seq = 0
+        self._broken: str | None = None
+        self._stop = threading.Event()
+        hb = dist.TCPStore(self.addr, port, is_master=False, timeout=td, wait_for_workers=False)
+        self._beater = threading.Thread(
+            target=self._beat_loop, args=(hb, self._stop), name="mxn-heartbeat", daemon=True
+        )
+        self._beater.start()
+        self._seen: dict[int, tuple[bytes, float]] = {}
+        self._pids: dict[int, tuple[str, int]] = {}
+        me = f"{socket.gethostname()}:{os.getpid()}"
+        self.guard("store set", lambda: self.store.set(f"pid/{self.rank}", me))
+        self._shm: ShmLinks | None = None
+        if self.links == "shm":
+            if self.rank == 0:
+                self.store.set("job", uuid.uuid4().hex[:12])
+            job = bytes(self.guard("store get", lambda: self.store.get("job"))).decode()
+            self._shm = ShmLinks(self, job)
+
+    def reconnect(self, master_port: int) -> None:
+        """After a failure: abandon the old group and store, join new ones on ``master_port``
+        (every surviving rank and every replacement process, with the same port)."""
+        self._stop.set()
+        if self._shm is not None:
+            self._shm.unlink()
+            self._shm.close()
+        _GRAVEYARD.append((self.pg, self.store))
+        self.epoch += 1
+        self._connect(int(master_port))
+
+    def close(self) -> None:
+        """Stop the heartbeat, remove this rank's shared-memory link files (the group itself is
+        left to the process' exit)."""
+        self._stop.set()
+        if self._shm is not None:
+            self._shm.unlink()
+            self._shm.close()
+
+    # ---- liveness -------------------------------------------------------------------------
+
+    def pid_of(self, rank: int) -> tuple[str, int]:
+        if rank not in self._pids:
+            raw = self.guard("store get", lambda: self.store.get(f"pid/{rank}"))
+            self._pids[rank] = _split(bytes(raw))
+        return self._pids[rank]
+
+    def alive(self, rank: int) -> bool:
+        """False when ``rank`` runs on this host and its process is gone (or a zombie)."""
+        host, pid = self.pid_of(rank)
+        return host != socket.gethostname() or _alive(pid)
+
+    def _beat_loop(self, store: dist.TCPStore, stop: threading.Event) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                store.set(f"hb/{self.rank}", str(n))
+            except Exception:  # the store host died: the main thread finds out by itself
+                return
+            stop.wait(self.beat)
+
+    @property
+    def receivers(self) -> tuple[int, ...]:
+        return tuple(r for r in range(self.world_size) if r not in self.trainers)
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def guard(self, what: str, fn: Callable[[], T]) -> T:
+        """Run a store or gloo call; a failure breaks the connection (PeerLostError)."""
+        if self._broken is not None:
+            raise PeerLostError(
+                f"rank {self.rank}: the MxN group is broken since {self._broken}; call "
+                "group.reconnect(new_port) on every surviving rank first"
+            )
+        try:
+            return fn()
+        except RuntimeError as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._broken = f"{what} failed ({msg})"
+            if "timeout" in msg.lower() or "timed out" in msg.lower():
+                raise SyncTimeoutError(
+                    f"rank {self.rank}: {what} timed out ({msg}); a peer is hung. Call "
+                    "group.reconnect(new_port) on every rank"
+                ) from e
+            raise PeerLostError(
+                f"rank {self.rank}: {what} failed ({msg}); a peer rank probably died. "
+                "Call group.reconnect(new_port) on the survivors and restart it"
+            ) from e
+
+    def mark_broken(self, why: str) -> None:
+        self._broken = why
+
+    # ---- setup ----------------------------------------------------------------------------
+
+    def exchange(self, key: str, data: bytes) -> list[bytes]:
+        """Every rank posts ``data`` under ``key``; returns every rank's, by rank."""
+        self.guard("store set", lambda: self.store.set(f"x/{key}/{self.rank}", data))
+        keys = [f"x/{key}/{r}" for r in range(self.world_size)]
+        self._poll(lambda: self.store.check(keys), f"waiting for every rank's {key}", None)
+        return [bytes(self.guard("store get", lambda k=k: self.store.get(k))) for k in keys]
+
+    # ---- rounds ---------------------------------------------------------------------------
+
+    def next_round(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def abort(self, seq: int, reason: str) -> None:
+        """Tell every rank that round ``seq`` fails (first reason wins)."""
+        with contextlib.suppress(Exception):
+            self.store.compare_set(f"r/{seq}/abort", "", reason)
+
+    def aborted(self, seq: int) -> str | None:
+        key = f"r/{seq}/abort"
+        if not self.guard("store check", lambda: self.store.check([key])):
+            return None
+        return bytes(self.guard("store get", lambda: self.store.get(key))).decode()
+
+    def vote(self, seq: int, reason: str | None) -> str | None:
+        """Vote for round ``seq`` (``reason``: this rank rejects it) and wait for every rank:
+        None when all accepted, else the abort reason. Raises :class:`PeerLostError` when a rank
+        died (its heartbeat stopped) or the store is gone, and :class:`SyncTimeoutError` after
+        ``timeout``."""
+        if reason is not None:
+            self.abort(seq, reason)
+        self.guard("store set", lambda: self.store.set(f"r/{seq}/v/{self.rank}", "1"))
+        keys = [f"r/{seq}/v/{r}" for r in range(self.world_size)]
+        found: list[str | None] = [None]
+
+        def ready() -> bool:
+            found[0] = self.aborted(seq)
+            return found[0] is not None or bool(self.store.check(keys))
+
+        self._poll(ready, f"round {seq}: waiting for the commit vote", seq)
+        return found[0]
+
+    def _poll(self, ready: Callable[[], bool], what: str, seq: int | None) -> None:
+        start = time.monotonic()
+        next_beat = start + self.beat
+        delay = 1e-4
+        while not self.guard("store", ready):
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.beat
+                dead = self._dead(now)
+                if dead is not None:
+                    why = f"rank {dead} stopped beating for {self.dead_after:g} s (it died)"
+                    if seq is not None:
+                        self.abort(seq, "lost: " + why)
+                    self._broken = why
+                    raise PeerLostError(
+                        f"rank {self.rank}: {what}: {why}; call group.reconnect(new_port) "
+                        "on the survivors and restart it"
+                    )
+            if now - start > self.timeout:
+                self._broken = f"{what} timed out"
+                raise SyncTimeoutError(
+                    f"rank {self.rank}: {what}: no answer within {self.timeout:g} s; a peer "
+                    "is hung. Call group.reconnect(new_port) on every rank"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)
+
+    def _dead(self, now: float) -> int | None:
+        keys = [f"hb/{r}" for r in range(self.world_size)]
+        if not self.guard("store check", lambda: self.store.check(keys)):
+            return None  # not every rank has started beating yet: nothing to compare
+        vals = self.guard("store multi_get", lambda: self.store.multi_get(keys))
+        for r in range(self.world_size):
+            if r != self.rank and not self.alive(r):
+                return r
+        for r, v in enumerate(vals):
+            old = self._seen.get(r)
+            if old is None or old[0] != v:
+                self._seen[r] = (bytes(v), now)
+            elif now - old[1] > self.dead_after:
+                return r
+        return None
+
+    # ---- bulk -----------------------------------------------------------------------------
+
+    def open_links(self, links: dict[tuple[int, int], tuple[int, int]]) -> None:
+        """Once per schedule: ``(sender, receiver) -> (buckets, largest message)`` of this
+        rank's links (shared-memory links map their windows; gloo needs nothing)."""
+        if self._shm is not None:
+            self._shm.open(links)
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Any:
+        if self._shm is not None:
+            return self._shm.send(buf, dst, tag)
+        return self.guard("gloo send", lambda: self.pg.send([buf], dst, tag))
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
+        if self._shm is not None:
+            return self._shm.recv(buf, src, tag)
+        return self.guard("gloo recv", lambda: self.pg.recv([buf], src, tag))
+
+
+def _split(value: bytes) -> tuple[str, int]:
+    host, _, pid = value.decode().rpartition(":")
+    return host, int(pid)
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed child not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True

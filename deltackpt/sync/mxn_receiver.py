@@ -1,0 +1,269 @@
+"""Inference side of MxN sync: :class:`MxNReceiver` receives exactly the boxes it declared, from
+the trainer ranks that hold them, and writes them into its own tensors at commit.
+
+Called on every inference rank of the :class:`~deltackpt.sync.mxn_group.MxNGroup`, once per
+round::
+
+    wants = [Want("q.weight", box=shard_box(shape, 0, tp_rank, tp), into=param), ...]
+    receiver = MxNReceiver(group, wants)
+    receiver.pull()                     # direct into the parameters (``into``)
+    receiver.pull(model.load_weights)   # or (name, tensor) pairs of the tensors without ``into``
+
+Every message of a round is posted for receiving up front, into a private staging arena (one
+slot per planned bucket, reused every round): no sender ever waits for this rank to get to a
+bucket, and gloo moves the bytes while earlier buckets are verified here. A bucket is verified
+piece by piece against the digests in its header; the round is applied only after every rank
+voted to commit (transactional: a failed round never touches the model), then ``version``
+names it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltackpt.sync import mxn_wire as wire
+from deltackpt.sync.errors import (
+    DigestMismatchError,
+    PeerLostError,
+    PlanError,
+    RoundAbortedError,
+    SyncError,
+)
+from deltackpt.sync.mxn_group import MxNGroup, cause_line
+from deltackpt.sync.mxn_round import (
+    MxNStats,
+    link_slots,
+    message_bytes,
+    payload_start,
+    setup_schedule,
+)
+from deltackpt.sync.schedule import LinkBucket, Schedule
+from deltackpt.sync.schedule_decl import Box, Decl, Wanted
+from deltackpt.sync.sender_manifest import wire_dtype, wire_name
+
+__all__ = ["MxNReceiver", "Want"]
+
+#: ``load_weights(weights)``: a list of ``(name, tensor)``; the return value is ignored.
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+
+@dataclass
+class Want:
+    """A tensor this inference rank holds: ``box`` of trainer tensor ``source`` (default:
+    ``name``; None box: the whole tensor), as ``dtype`` (default: ``into``'s dtype, else the
+    trainer's). ``into``: the parameter to write into directly (shape = the box's size);
+    without it the tensor is handed to ``load_weights``."""
+
+    name: str
+    box: Box | None = None
+    dtype: torch.dtype | None = None
+    source: str | None = None
+    into: torch.Tensor | None = None
+
+
+class MxNReceiver:
+    """Receives this inference rank's layout from the trainers of ``group`` (see module doc)."""
+
+    def __init__(
+        self,
+        group: MxNGroup,
+        wants: Sequence[Want],
+        *,
+        bucket_bytes: int = 64 << 20,
+        align: int = 64,
+    ) -> None:
+        if group.rank in group.trainers:
+            raise SyncError(f"rank {group.rank} is a trainer of the group; use MxNSender")
+        self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
+        self.wants = list(wants)
+        self.version: int | None = None
+        self.schedule: Schedule | None = None
+        self._epoch = -1
+        self._buckets: list[LinkBucket] = []
+        self._slots: list[torch.Tensor] = []
+        self._targets: list[torch.Tensor] = []
+
+    def _decl(self) -> Decl:
+        out = []
+        for w in self.wants:
+            dt = w.dtype or (w.into.dtype if w.into is not None else None)
+            out.append(
+                Wanted(
+                    w.name, w.source or w.name, None if dt is None else wire_name(dt, w.name), w.box
+                )
+            )
+        return Decl(self.group.rank, False, wanted=tuple(out))
+
+    def _setup(self) -> Schedule:
+        g = self.group
+        if self.schedule is not None and self._epoch == g.epoch:
+            return self.schedule
+        sched = setup_schedule(g, self._decl(), self.bucket_bytes, self.align)
+        self._targets = []
+        for w, (decl, ti, box) in zip(self.wants, sched.wanted[g.rank], strict=True):
+            dt = wire_dtype(decl.dtype or sched.tensors[ti].dtype)
+            if w.into is not None:
+                if tuple(w.into.shape) != box.size:
+                    raise PlanError(
+                        f"want {w.name!r}: into has shape {list(w.into.shape)} but its box "
+                        f"{box} needs {list(box.size)}; pass the local shard of the parameter"
+                    )
+                self._targets.append(w.into)
+            else:
+                self._targets.append(torch.zeros(box.size, dtype=dt))
+        links = sched.links_of(g.rank)
+        g.open_links(link_slots(links, self.align))
+        self._buckets = sorted(
+            (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.sender)
+        )
+        sizes = [-(-message_bytes(b, self.align) // 64) * 64 for b in self._buckets]
+        arena = torch.empty(sum(sizes), dtype=torch.uint8)
+        self._slots, pos = [], 0
+        for b, n in zip(self._buckets, sizes, strict=True):
+            self._slots.append(arena[pos : pos + message_bytes(b, self.align)])
+            pos += n
+        self.schedule, self._epoch = sched, g.epoch
+        return sched
+
+    def pull(self, load_weights: LoadWeights | None = None) -> MxNStats:
+        """Take part in one round; on commit write the received boxes into the ``into``
+        tensors and hand the others (whole local tensors, those that changed) to
+        ``load_weights``. Raises :class:`SyncError` subclasses when the round fails (nothing is
+        applied; ``version`` unchanged); after :class:`PeerLostError`,
+        ``group.reconnect(port)`` first."""
+        t0 = time.perf_counter()
+        g = self.group
+        sched = self._setup()
+        seq = g.next_round()
+        works = [
+            g.irecv(slot, b.sender, b.index)
+            for b, slot in zip(self._buckets, self._slots, strict=True)
+        ]
+        failure: str | None = None
+        mismatch: str | None = None
+        versions: set[int] = set()
+        staged: list[tuple[LinkBucket, torch.Tensor, list[int | None]]] = []
+        per_link: dict[int, int] = {}
+        wire_bytes = 0
+        for bk, slot, work in zip(self._buckets, self._slots, works, strict=True):
+            try:
+                g.guard("gloo recv", work.wait)
+            except SyncError as e:
+                why = f"receiving from rank {bk.sender} failed ({cause_line(e)})"
+                g.abort(seq, "lost: " + why)
+                raise PeerLostError(
+                    f"rank {g.rank}: {why}; call group.reconnect(new_port) on the survivors "
+                    f"and restart rank {bk.sender}; version stays {self.version}"
+                ) from e
+            if failure is not None:
+                continue  # drain: every message of the round is received, none used
+            try:
+                status, version, present, payload = wire.read_header(
+                    slot, seq, bk.index, len(bk.pieces), bk.capacity
+                )
+            except SyncError as e:
+                failure = str(e)
+                continue
+            if status != wire.OK:
+                failure = f"rank {bk.sender} aborted the round (its error is raised there)"
+                continue
+            versions.add(version)
+            offsets, bad = self._verify(bk, slot, present)
+            if bad is not None:
+                failure = mismatch = (
+                    f"round {version}: bucket {bk.index} from rank {bk.sender}: {bad}"
+                )
+                continue
+            staged.append((bk, slot, offsets))
+            per_link[bk.sender] = per_link.get(bk.sender, 0) + payload_bytes(bk, offsets)
+            wire_bytes += payload_start(bk, self.align) + payload
+        if failure is None and len(versions) > 1:
+            failure = f"senders sent different versions {sorted(versions)} in one round"
+        reason = g.vote(seq, None if failure is None else f"rank {g.rank}: {failure}")
+        if reason is not None:
+            if reason.startswith("lost: "):
+                g.mark_broken(reason)
+                raise PeerLostError(
+                    f"rank {g.rank}: round failed: {reason[6:]}; version stays {self.version}; "
+                    "call group.reconnect(new_port) on the survivors and restart the lost rank"
+                )
+            if mismatch is not None:
+                raise DigestMismatchError(
+                    f"rank {g.rank}: {mismatch}; nothing was applied, version stays {self.version}"
+                )
+            raise RoundAbortedError(
+                f"rank {g.rank}: round not committed: {reason}; version stays {self.version}"
+            )
+        changed = self._apply(sched, staged)
+        if load_weights is not None:
+            out = [
+                (self.wants[i].name, self._targets[i])
+                for i in sorted(changed)
+                if self.wants[i].into is None
+            ]
+            if out:
+                load_weights(out)
+        if versions:
+            self.version = versions.pop()
+        npieces = sum(len(b.pieces) for b in self._buckets)
+        got = sum(sum(o is not None for o in offs) for _, _, offs in staged)
+        payload = sum(per_link.values())
+        return MxNStats(
+            self.version if self.version is not None else -1,
+            got == npieces,
+            time.perf_counter() - t0,
+            len(self._buckets),
+            payload,
+            wire_bytes,
+            per_link,
+        )
+
+    def _verify(
+        self, bk: LinkBucket, slot: torch.Tensor, present: list[tuple[int, int] | None]
+    ) -> tuple[list[int | None], str | None]:
+        """Offsets of the present pieces in ``slot``; each piece hashed against its digest."""
+        pos = payload_start(bk, self.align)
+        offsets: list[int | None] = []
+        for k, (p, d) in enumerate(zip(bk.pieces, present, strict=True)):
+            if d is None:
+                offsets.append(None)
+                continue
+            pos = -(-pos // self.align) * self.align
+            if pos + p.nbytes > slot.numel():
+                return offsets, f"piece {k} does not fit in the message"
+            got = wire.verify(slot[pos : pos + p.nbytes])
+            if got != d:
+                name = self.schedule.tensors[p.tensor].name if self.schedule else "?"
+                return offsets, (
+                    f"piece {k} ({name} box {p.box}) has digest {got}, the sender announced {d}; "
+                    "check the network / memory of both hosts"
+                )
+            offsets.append(pos)
+            pos += p.nbytes
+        return offsets, None
+
+    def _apply(
+        self, sched: Schedule, staged: list[tuple[LinkBucket, torch.Tensor, list[int | None]]]
+    ) -> set[int]:
+        """Copy every staged piece into its target tensor; returns the wants touched."""
+        changed: set[int] = set()
+        boxes = sched.wanted[self.group.rank]
+        with torch.no_grad():
+            for bk, slot, offsets in staged:
+                for p, off in zip(bk.pieces, offsets, strict=True):
+                    if off is None:
+                        continue
+                    dt = wire_dtype(p.dtype)
+                    src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
+                    self._targets[p.want][p.box.within(boxes[p.want][2])].copy_(src)
+                    changed.add(p.want)
+        return changed
+
+
+def payload_bytes(bk: LinkBucket, offsets: list[int | None]) -> int:
+    return sum(p.nbytes for p, o in zip(bk.pieces, offsets, strict=True) if o is not None)

@@ -1,0 +1,72 @@
+"""What MxN senders and receivers share: the setup exchange and the round statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deltackpt.sync.errors import PlanError
+from deltackpt.sync.mxn_group import MxNGroup
+from deltackpt.sync.mxn_wire import header_words
+from deltackpt.sync.schedule import Link, LinkBucket, Schedule, build_schedule
+from deltackpt.sync.schedule_decl import Decl, decl_from_json, decl_to_json
+
+__all__ = ["MxNStats", "link_slots", "message_bytes", "payload_start", "setup_schedule"]
+
+
+@dataclass(frozen=True)
+class MxNStats:
+    """One round as this rank saw it. ``payload_bytes``: piece bytes this rank sent (trainer)
+    or received (receiver), the sum of ``per_link`` (peer rank -> bytes); ``wire_bytes`` adds
+    headers and alignment gaps. ``full``: every planned piece was sent/received."""
+
+    version: int
+    full: bool
+    seconds: float
+    buckets: int
+    payload_bytes: int
+    wire_bytes: int
+    per_link: dict[int, int] = field(default_factory=dict)
+
+
+def payload_start(bk: LinkBucket, align: int) -> int:
+    """Where the payload of ``bk``'s message starts (after the header, aligned)."""
+    return -(-header_words(len(bk.pieces)) * 8 // align) * align
+
+
+def message_bytes(bk: LinkBucket, align: int) -> int:
+    """The largest message of ``bk`` (every piece present)."""
+    return payload_start(bk, align) + bk.capacity
+
+
+def setup_schedule(group: MxNGroup, decl: Decl, bucket_bytes: int, align: int) -> Schedule:
+    """Collective: every rank posts its declaration, every rank builds the same schedule."""
+    opts = f"{bucket_bytes}/{align}".encode()
+    got = group.exchange("decl", opts + b"\n" + decl_to_json(decl))
+    decls = []
+    for r, data in enumerate(got):
+        o, _, body = data.partition(b"\n")
+        if o != opts:
+            raise PlanError(
+                f"rank {r} uses bucket_bytes/align {o.decode(errors='replace')}, rank "
+                f"{group.rank} {opts.decode()}; pass the same values on every rank"
+            )
+        d = decl_from_json(body)
+        if d.rank != r or d.trainer != (r in group.trainers):
+            raise PlanError(
+                f"declaration posted by rank {r} claims rank {d.rank} (trainer={d.trainer}); "
+                f"the group's trainers are {list(group.trainers)}"
+            )
+        decls.append(d)
+    return build_schedule(decls, bucket_bytes=bucket_bytes, align=align)
+
+
+def link_slots(links: list[Link], align: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """(sender, receiver) -> (buckets, largest message rounded up to 64 bytes): the window
+    layout of shared-memory links, the same at both ends."""
+    return {
+        (lk.sender, lk.receiver): (
+            len(lk.buckets),
+            -(-max(message_bytes(b, align) for b in lk.buckets) // 64) * 64,
+        )
+        for lk in links
+    }

@@ -1,0 +1,272 @@
+"""Trainer side of MxN sync: :class:`MxNSender` sends each receiver only its boxes, point to
+point, in the receiver's dtype.
+
+Called on every trainer rank of the :class:`~deltackpt.sync.mxn_group.MxNGroup`, once per
+round, with the same ``version``::
+
+    sender = MxNSender(group, bucket_bytes=64 << 20)
+    stats = sender.push(model.state_dict(), version=step)   # DTensor shards as they are
+
+The first push declares this rank's shards (``schedule_decl.held_from``) and, with every other
+rank, builds the schedule (once; later pushes must hold the same shards). A round walks this
+rank's link buckets interleaved over its receivers (bucket 0 of every link, then bucket 1, ...):
+a packing thread fills bucket i+1 (gather the piece boxes from the local shard, cast, hash
+each chunk right after copying it) while bucket i is on the wire (gloo ``send``, async), from a
+ring of three buffers. Delta rounds (the default after a committed round) hash each piece from
+the source first and pack and send only pieces whose digest changed since the last committed
+round. Then the commit vote (store keys, see ``mxn_group.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from deltackpt.sync import mxn_wire as wire
+from deltackpt.sync.errors import PeerLostError, PlanError, RoundAbortedError, SyncError
+from deltackpt.sync.mxn_group import MxNGroup, cause_line
+from deltackpt.sync.mxn_round import (
+    MxNStats,
+    link_slots,
+    message_bytes,
+    payload_start,
+    setup_schedule,
+)
+from deltackpt.sync.schedule import LinkBucket, Schedule
+from deltackpt.sync.schedule_decl import Decl, Held, held_from
+from deltackpt.sync.sender_manifest import wire_dtype
+
+__all__ = ["MxNSender"]
+
+_RING = 3
+_ABORT_CHECK = 0.05  # seconds between looks at the abort key while sending
+
+Packed = tuple[int, list[tuple[int, int] | None], int]  # message bytes, digests, payload bytes
+
+
+class MxNSender:
+    """Sends this trainer rank's shards to the inference ranks of ``group`` (see module doc).
+
+    ``bucket_bytes``/``align`` must be the same on every rank of the group.
+    """
+
+    def __init__(self, group: MxNGroup, *, bucket_bytes: int = 64 << 20, align: int = 64) -> None:
+        if group.rank not in group.trainers:
+            raise SyncError(f"rank {group.rank} is not a trainer of the group; use MxNReceiver")
+        self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
+        self.version: int | None = None
+        self.schedule: Schedule | None = None
+        self._epoch = -1
+        self._held: tuple[Held, ...] = ()
+        self._local: dict[str, torch.Tensor] = {}
+        self._boxes: dict[str, Held] = {}
+        self._buckets: list[LinkBucket] = []
+        self._ring: list[torch.Tensor] = []
+        self._committed: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self._dirty = True
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mxn-pack")
+
+    def _setup(self, named_tensors: Mapping[str, torch.Tensor] | Iterable) -> None:
+        held, local = held_from(named_tensors)
+        if self.schedule is not None and self._epoch == self.group.epoch:
+            if tuple(held) != self._held:
+                raise PlanError(
+                    "push() got different tensors (names, dtypes, shapes or shard boxes) than "
+                    "the schedule was built for; build a new MxNGroup/MxNSender/MxNReceiver "
+                    "on every rank to re-plan"
+                )
+            self._local = local
+            return
+        g = self.group
+        decl = Decl(g.rank, True, held=tuple(held))
+        self.schedule = setup_schedule(g, decl, self.bucket_bytes, self.align)
+        self._held, self._local = tuple(held), local
+        self._boxes = {h.name: h for h in held}
+        links = self.schedule.links_of(g.rank)
+        g.open_links(link_slots(links, self.align))
+        self._buckets = sorted(
+            (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.receiver)
+        )
+        size = max((message_bytes(b, self.align) for b in self._buckets), default=0)
+        self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(_RING)]
+        self._committed.clear()
+        self._dirty = True
+        self._epoch = g.epoch
+
+    def push(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        full: bool = False,
+    ) -> MxNStats:
+        """Run one round: send the changed pieces (every piece if ``full``, on the first round
+        and after a failure) and wait for the commit vote. Raises :class:`SyncError` subclasses
+        when the round fails; after :class:`PeerLostError`, ``group.reconnect(port)`` first."""
+        t0 = time.perf_counter()
+        g = self.group
+        self._setup(named_tensors)
+        sched = self.schedule
+        assert sched is not None
+        seq = g.next_round()
+        full = full or self._dirty
+        self._dirty = True
+        digests: dict[tuple[int, int, int], tuple[int, int]] = {}
+        per_link: dict[int, int] = {}
+        failure, lost, wire_bytes, sent = self._send_all(
+            sched, seq, int(version), full, digests, per_link
+        )
+        if lost is not None:
+            g.abort(seq, "lost: " + lost)
+            g.mark_broken(lost)
+            raise PeerLostError(
+                f"rank {g.rank}: round {version}: {lost}; call group.reconnect(new_port) on the "
+                "survivors and restart the lost rank"
+            )
+        reason = g.vote(seq, failure)
+        if reason is not None:
+            if reason.startswith("lost: "):
+                g.mark_broken(reason)
+                raise PeerLostError(
+                    f"rank {g.rank}: round {version} failed: {reason[6:]}; call "
+                    "group.reconnect(new_port) on the survivors and restart the lost rank"
+                )
+            raise (SyncError if failure else RoundAbortedError)(
+                f"rank {g.rank}: round {version} was not committed: {reason}; the receivers "
+                f"keep version {self.version}, the next push is a full round"
+            )
+        if full:
+            self._committed.clear()
+        self._committed.update(digests)
+        self._dirty = False
+        self.version = int(version)
+        payload = sum(per_link.values())
+        return MxNStats(
+            int(version), full, time.perf_counter() - t0, sent, payload, wire_bytes, per_link
+        )
+
+    # ---- sending --------------------------------------------------------------------------
+
+    def _send_all(
+        self,
+        sched: Schedule,
+        seq: int,
+        version: int,
+        full: bool,
+        digests: dict[tuple[int, int, int], tuple[int, int]],
+        per_link: dict[int, int],
+    ) -> tuple[str | None, str | None, int, int]:
+        """Send every bucket (or a stub once the round failed); returns (failure, lost peer,
+        wire bytes, buckets sent)."""
+        g = self.group
+        works: list[tuple[int, object] | None] = [None] * _RING
+        stubs: list[tuple[int, object, torch.Tensor]] = []
+        failure: str | None = None
+        lost: str | None = None
+        dead: set[int] = set()
+        wire_bytes = 0
+        next_check = time.monotonic() + _ABORT_CHECK
+
+        def settle(slot: int) -> None:
+            nonlocal lost
+            w = works[slot]
+            works[slot] = None
+            if w is not None:
+                dst, work = w
+                try:
+                    g.guard("gloo send", work.wait)  # type: ignore[attr-defined]
+                except SyncError as e:
+                    dead.add(dst)
+                    lost = lost or f"sending to rank {dst} failed ({cause_line(e)})"
+
+        def submit(i: int) -> Future[Packed] | None:
+            if i >= len(self._buckets) or failure or lost:
+                return None
+            settle(i % _RING)
+            return self._pool.submit(
+                self._pack, sched, self._buckets[i], self._ring[i % _RING], seq, version, full
+            )
+
+        fut = submit(0)
+        for i, bk in enumerate(self._buckets):
+            packed: Packed | None = None
+            if fut is not None:
+                try:
+                    packed = fut.result()
+                except Exception as e:  # told to every rank by the vote; stubs from here on
+                    failure = f"rank {g.rank} failed packing bucket {bk.index} for rank {bk.receiver}: {e!r}"
+            if time.monotonic() >= next_check and not (failure or lost):
+                next_check = time.monotonic() + _ABORT_CHECK
+                try:
+                    why = g.aborted(seq)
+                except SyncError as e:
+                    why = f"lost: store unreachable ({e})"
+                if why is not None:
+                    failure = why
+                    if why.startswith("lost: "):
+                        lost = why[6:]
+            fut = submit(i + 1)
+            if bk.receiver in dead:
+                continue
+            if packed is not None and not (failure or lost):
+                nbytes, present, payload = packed
+                for k, d in enumerate(present):
+                    if d is not None:
+                        digests[(bk.receiver, bk.index, k)] = d
+                per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
+                buf = self._ring[i % _RING][:nbytes]
+                try:
+                    works[i % _RING] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
+                except SyncError as e:
+                    dead.add(bk.receiver)
+                    lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
+                    continue
+                wire_bytes += nbytes
+            else:  # the round failed: a header-only message so the receiver's recv completes
+                stub = torch.empty(wire.header_words(len(bk.pieces)) * 8, dtype=torch.uint8)
+                wire.write_header(
+                    stub, seq, version, bk.index, wire.ABORT, [None] * len(bk.pieces), 0
+                )
+                try:
+                    stubs.append((bk.receiver, g.isend(stub, bk.receiver, bk.index), stub))
+                except SyncError:
+                    dead.add(bk.receiver)
+        if fut is not None:
+            fut.result()
+        for slot in range(_RING):
+            settle(slot)
+        for dst, work, _ in stubs:
+            try:
+                g.guard("gloo send", work.wait)  # type: ignore[attr-defined]
+            except SyncError as e:
+                lost = lost or f"sending to rank {dst} failed ({cause_line(e)})"
+        return failure, lost, wire_bytes, len(self._buckets)
+
+    def _pack(
+        self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
+    ) -> Packed:
+        """Fill ``buf`` with the message of ``bk``: changed (or all) pieces, then the header."""
+        start = payload_start(bk, self.align)
+        pos = start
+        present: list[tuple[int, int] | None] = []
+        scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
+        payload = 0
+        for k, p in enumerate(bk.pieces):
+            name = sched.tensors[p.tensor].name
+            src = self._local[name][p.box.within(self._boxes[name].box)]
+            dt = wire_dtype(p.dtype)
+            if not full:
+                d = wire.hash_piece(src, dt, scratch)
+                if d == self._committed.get((bk.receiver, bk.index, k)):
+                    present.append(None)
+                    continue
+            pos = -(-pos // self.align) * self.align
+            d = wire.pack(src, buf[pos : pos + p.nbytes], dt)
+            present.append(d)
+            pos += p.nbytes
+            payload += p.nbytes
+        wire.write_header(buf, seq, version, bk.index, wire.OK, present, pos - start)
+        return (pos if payload else start), present, payload

@@ -1,0 +1,133 @@
+"""Shared-memory links for MxN sync on one host (``MxNGroup(..., links="shm")``).
+
+One file per (trainer, receiver) link under ``/dev/shm`` (``deltackpt-mxn-<job>-<s>-<r>``):
+a cell per bucket of the link (the round that published it and its message bytes) and a slot
+per bucket of the link's largest message. Both ends create-or-open the file with the same size,
+so neither waits for the other to create it.
+
+``send`` copies a packed message from the sender's private buffer into its slot, then publishes
+the cell (bytes first, then the round: a reader that sees the round sees its bytes on x86-64's
+store order; the digests check it anyway). ``recv`` returns a work whose ``wait`` polls the cell
+and copies the message out into the receiver's private staging, where it is verified and from
+where it is applied: the window is writable by any process that can open the file, so it is
+never the staging (see docs/sync.md, Untrusted shared memory). While polling, ``wait`` checks
+every 20 ms whether the round was aborted (store key) or the sender's process died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from deltackpt.sync.errors import PeerLostError, SyncTimeoutError
+
+if TYPE_CHECKING:
+    from deltackpt.sync.mxn_group import MxNGroup
+
+__all__ = ["ShmLinks"]
+
+_CHECK = 0.02
+
+
+def _dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+class _Done:
+    """A send that completed when it was issued (the bytes are in the window)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Recv:
+    def __init__(self, links: ShmLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        self.links, self.src, self.tag, self.into, self.seq = links, src, tag, into, seq
+
+    def wait(self) -> bool:
+        self.links._wait_copy(self.src, self.tag, self.into, self.seq)
+        return True
+
+
+class ShmLinks:
+    """The windows of this rank's links; ``open(peers)`` once per schedule (see module doc)."""
+
+    def __init__(self, group: MxNGroup, job: str) -> None:
+        self.g, self.job = group, job
+        self._maps: dict[tuple[int, int], tuple[mmap.mmap, np.ndarray, torch.Tensor, int]] = {}
+
+    def path(self, s: int, r: int) -> str:
+        return os.path.join(_dir(), f"deltackpt-mxn-{self.job}-{s}-{r}")
+
+    def open(self, links: dict[tuple[int, int], tuple[int, int]]) -> None:
+        """``links``: (sender, receiver) -> (buckets, slot bytes) for this rank's links."""
+        self.close()
+        for (s, r), (n, slot) in links.items():
+            cells = -(-n * 16 // 4096) * 4096
+            size = cells + n * slot
+            fd = os.open(self.path(s, r), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            cell = np.frombuffer(mm, np.int64, 2 * n, 0).reshape(n, 2)
+            data = torch.frombuffer(mm, dtype=torch.uint8)[cells:]
+            self._maps[(s, r)] = (mm, cell, data, slot)
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> _Done:
+        _, cell, data, slot = self._maps[(self.g.rank, dst)]
+        n = buf.numel()
+        data[tag * slot : tag * slot + n].copy_(buf)
+        cell[tag, 1] = n
+        cell[tag, 0] = self.g.seq
+        return _Done()
+
+    def recv(self, into: torch.Tensor, src: int, tag: int) -> _Recv:
+        return _Recv(self, src, tag, into, self.g.seq)
+
+    def _wait_copy(self, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        _, cell, data, slot = self._maps[(src, self.g.rank)]
+        start = time.monotonic()
+        next_check = start + _CHECK
+        delay = 1e-5
+        while cell[tag, 0] != seq:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _CHECK
+                why = self.g.aborted(seq)
+                if why is not None and why.startswith("lost: "):
+                    raise PeerLostError(why[6:])
+                if not self.g.alive(src):
+                    raise PeerLostError(f"rank {src} (pid {self.g.pid_of(src)}) died")
+                if why is not None:  # a soft abort: the sender will publish a stub
+                    pass
+            if now - start > self.g.timeout:
+                raise SyncTimeoutError(
+                    f"bucket {tag} from rank {src}: not published within {self.g.timeout:g} s"
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        n = int(cell[tag, 1])
+        if not 0 < n <= min(slot, into.numel()):
+            raise PeerLostError(f"bucket {tag} from rank {src}: cell claims {n} bytes")
+        into[:n].copy_(data[tag * slot : tag * slot + n])
+
+    def close(self) -> None:
+        for mm, *_ in self._maps.values():
+            with contextlib.suppress(BufferError):
+                mm.close()
+        self._maps.clear()
+
+    def unlink(self) -> None:
+        """Remove this rank's link files (call once no peer uses them)."""
+        for s, r in list(self._maps):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(s, r))

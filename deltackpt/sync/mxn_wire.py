@@ -1,0 +1,157 @@
+"""The bytes of an MxN bucket message, and filling / hashing its pieces from strided sources.
+
+One message per planned bucket per round, ``header + payload``:
+
+* header, int64 words: magic, round seq, version, bucket index, status (1 ok, 2 abort),
+  pieces present, payload bytes, 0; then per planned piece: present flag and its xxh3-128 as
+  two int64 (3 words each). Its size is fixed by the schedule, so the receiver knows it.
+* payload: the present pieces, in planned order, each at the next ``align``-byte offset. A full
+  round sends every piece; a delta round only the pieces whose digest changed since the last
+  committed round (the receiver recomputes the offsets from the present flags). A failed sender
+  sends header-only messages with status 2 for the rest of the round, so no posted receive waits
+  for bytes that never come.
+
+Pieces are boxes of the sender's local shard (strided views: a column slice of a row shard).
+:func:`pack` copies (and casts) one in row chunks of ~256 KiB into a flat buffer and hashes each
+chunk right after copying it, while it is in cache; :func:`hash_piece` hashes the same bytes
+without writing them anywhere big (contiguous same-dtype sources are hashed in place; others
+through a small scratch buffer), so a delta round reads every source once and copies only the
+changed pieces. The digest of a piece is the same either way (xxh3 is streamed over the same
+byte sequence).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+from deltackpt.sync.errors import SyncError
+
+__all__ = ["ABORT", "HEAD", "OK", "hash_piece", "header_words", "pack", "read_header"]
+
+MAGIC = 0x6D786E73796E63  # "mxnsync"
+HEAD = 8
+OK, ABORT = 1, 2
+_CHUNK = 256 << 10
+
+
+def header_words(n_pieces: int) -> int:
+    return HEAD + 3 * n_pieces
+
+
+def digest_words(h: xxhash.xxh3_128) -> tuple[int, int]:
+    raw = h.digest()
+    return int.from_bytes(raw[:8], "big", signed=True), int.from_bytes(raw[8:], "big", signed=True)
+
+
+def write_header(
+    buf: torch.Tensor,
+    seq: int,
+    version: int,
+    index: int,
+    status: int,
+    present: list[tuple[int, int] | None],
+    payload: int,
+) -> int:
+    """Fill the header at the start of ``buf`` (uint8); returns its size in bytes."""
+    n = len(present)
+    words = np.zeros(header_words(n), dtype=np.int64)
+    words[:HEAD] = [
+        MAGIC,
+        seq,
+        version,
+        index,
+        status,
+        sum(p is not None for p in present),
+        payload,
+        0,
+    ]
+    for k, d in enumerate(present):
+        if d is not None:
+            words[HEAD + 3 * k : HEAD + 3 * k + 3] = (1, d[0], d[1])
+    raw = words.view(np.uint8)
+    buf[: raw.size].copy_(torch.from_numpy(raw))
+    return raw.size
+
+
+def read_header(
+    buf: torch.Tensor, seq: int, index: int, n_pieces: int, capacity: int
+) -> tuple[int, int, list[tuple[int, int] | None], int]:
+    """(status, version, per piece digest or None, payload bytes) of a received message;
+    :class:`SyncError` when it is not the message expected here (untrusted input)."""
+    size = header_words(n_pieces) * 8
+    words = buf[:size].numpy().view(np.int64)
+    magic, s, version, idx, status, npresent, payload = (int(x) for x in words[:7])
+    if magic != MAGIC or s != seq or idx != index or status not in (OK, ABORT):
+        raise SyncError(
+            f"bucket message out of step: expected round {seq} bucket {index}, got magic "
+            f"{magic:#x} round {s} bucket {idx} status {status}; the ranks disagree about "
+            "the schedule or a message was corrupted"
+        )
+    present: list[tuple[int, int] | None] = []
+    for k in range(n_pieces):
+        flag, hi, lo = (int(x) for x in words[HEAD + 3 * k : HEAD + 3 * k + 3])
+        present.append((hi, lo) if flag == 1 else None)
+    if sum(p is not None for p in present) != npresent or not 0 <= payload <= capacity:
+        raise SyncError(
+            f"bucket {index} of round {seq}: header claims {npresent} pieces / {payload} "
+            f"bytes, flags say {sum(p is not None for p in present)} (capacity {capacity})"
+        )
+    return status, version, present, payload
+
+
+def _rows(src: torch.Tensor, itemsize: int) -> Iterator[torch.Tensor]:
+    """``src`` in chunks of whole leading-dim rows, about ``_CHUNK`` bytes each."""
+    if src.dim() == 0:
+        yield src.reshape(1)
+        return
+    if src.shape[0] == 0:
+        return
+    row = max(1, math.prod(src.shape[1:]) * itemsize)
+    step = max(1, _CHUNK // row)
+    for i in range(0, src.shape[0], step):
+        yield src[i : i + step]
+
+
+def pack(src: torch.Tensor, dst: torch.Tensor, wire: torch.dtype) -> tuple[int, int]:
+    """Copy (cast) ``src`` into the flat uint8 ``dst`` (exactly its bytes); returns the digest
+    of the bytes written, hashed chunk by chunk right after each copy."""
+    h = xxhash.xxh3_128()
+    out = dst.numpy()
+    pos = 0
+    for chunk in _rows(src, wire.itemsize):
+        n = chunk.numel() * wire.itemsize
+        dst[pos : pos + n].view(wire).view(chunk.shape).copy_(chunk)
+        h.update(out[pos : pos + n])
+        pos += n
+    return digest_words(h)
+
+
+def hash_piece(src: torch.Tensor, wire: torch.dtype, scratch: torch.Tensor) -> tuple[int, int]:
+    """The digest :func:`pack` would return for ``src``, without writing it to a bucket.
+    ``scratch``: a uint8 buffer of at least ``_CHUNK`` bytes (or one row) to cast into."""
+    h = xxhash.xxh3_128()
+    if src.dtype == wire and src.is_contiguous():
+        h.update(src.reshape(-1).view(torch.uint8).numpy())
+        return digest_words(h)
+    for chunk in _rows(src, wire.itemsize):
+        n = chunk.numel() * wire.itemsize
+        if n > scratch.numel():
+            scratch = torch.empty(n, dtype=torch.uint8)
+        scratch[:n].view(wire).view(chunk.shape).copy_(chunk)
+        h.update(scratch[:n].numpy())
+    return digest_words(h)
+
+
+SCRATCH = _CHUNK
+
+
+def verify(buf: torch.Tensor) -> tuple[int, int]:
+    """Digest of received bytes (a flat uint8 view)."""
+    h = xxhash.xxh3_128()
+    h.update(buf.numpy())
+    return digest_words(h)
