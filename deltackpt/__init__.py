@@ -10,7 +10,10 @@ from __future__ import annotations
 from deltackpt import errors
 from deltackpt.api import async_save, save
 from deltackpt.checkpointer import Checkpointer
-from deltackpt.loading.assemble import load
+from deltackpt.dist.load import load
+from deltackpt.interop import ExportReport, export_hf, import_checkpoint
+from deltackpt.interop.peft import export_peft
+from deltackpt.loading.lazy import SnapshotReader, open_snapshot
 from deltackpt.options import LoadOptions, SaveOptions
 from deltackpt.rng import capture as get_rng_state
 from deltackpt.rng import restore as set_rng_state
@@ -22,19 +25,25 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer",
+    "ExportReport",
     "GcReport",
     "LoadOptions",
     "SaveHandle",
     "SaveOptions",
     "SnapshotInfo",
+    "SnapshotReader",
     "Store",
     "VerifyReport",
     "async_save",
     "delete",
     "errors",
+    "export_hf",
+    "export_peft",
     "gc",
     "get_rng_state",
+    "import_checkpoint",
     "load",
+    "open_snapshot",
     "open_store",
     "save",
     "set_rng_state",

@@ -47,6 +47,7 @@ from deltackpt.errors import InvalidArgumentError, StoreError, StoreFormatError
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest
 from deltackpt.loading.plan import Reads, read_entry
+from deltackpt.loading.select import KeySelection, key_filter
 from deltackpt.options import LoadOptions
 from deltackpt.store.packs import PackReaders
 from deltackpt.store.store import LATEST, Store, open_store, validate_name
@@ -63,6 +64,12 @@ class StoreReader(StorageReader):
     its digest unless ``verify=False``. ``threads`` read and decode in parallel (default
     ``min(4, cpus)``). ``allow_pickle=True`` is needed for snapshots saved with pickled values.
 
+    ``keys`` (DCP key names or prefixes, e.g. ``["model.layers.0"]``, or a predicate on DCP's
+    dotted fully qualified name) drops the read items of every other key in
+    ``prepare_local_plan``, before anything is read: their values in the state dict passed to
+    ``dcp.load`` are left as they were. (Passing ``dcp.load`` a state dict holding only the wanted
+    keys filters the same way: DCP plans reads only for the keys it is given.)
+
     ``dcp.FileSystemReader``'s own argument is accepted too: ``_extension_registry`` (stream
     transforms applied to files it reads) must be ``None``, because deltackpt stores no DCP files:
     its chunks carry their own codec and are decoded whatever wrote them.
@@ -78,9 +85,11 @@ class StoreReader(StorageReader):
         verify: bool = True,
         threads: int | None = None,
         allow_pickle: bool = False,
+        keys: KeySelection = None,
         _extension_registry: Any = None,
     ) -> None:
         super().__init__()
+        self.select = key_filter(keys)
         if _extension_registry is not None:
             raise InvalidArgumentError(
                 "StoreReader(_extension_registry=...) is not supported: deltackpt chunks carry "
@@ -130,6 +139,11 @@ class StoreReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         assert self.manifest is not None
+        if self.select is not None:
+            select = self.select
+            plan = dataclasses.replace(
+                plan, items=[i for i in plan.items if select(i.storage_index.fqn)]
+            )
         # Which snapshot this rank resolved: the coordinator checks all ranks agree ("latest"
         # could move between ranks' read_metadata calls if a save commits meanwhile).
         return dataclasses.replace(

@@ -24,12 +24,15 @@ from deltackpt.errors import (
     InsufficientMemoryError,
     StateMismatchError,
 )
+from deltackpt.format.dcp_nesting import nested_manifest
 from deltackpt.format.dcp_values import decode_byte_values
 from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest, TensorEntry
 from deltackpt.format.tree import Node, _key_segment, flatten, tensor_paths, unflatten, value_leaves
-from deltackpt.loading.plan import Reads, plain_cpu, read_entry
+from deltackpt.loading.homes import storage_homes
+from deltackpt.loading.plan import Reads, read_entry
+from deltackpt.loading.select import KeySelection, Select, key_filter, prune_tree
 from deltackpt.options import LoadOptions
 from deltackpt.store.store import LATEST, Store, open_store
 
@@ -41,6 +44,7 @@ def load(
     into: Any = None,
     options: LoadOptions | None = None,
     process_group: Any = None,
+    keys: KeySelection = None,
     **kwargs: Any,
 ) -> Any:
     """Load snapshot ``name`` (default: the latest committed one).
@@ -55,14 +59,20 @@ def load(
     tensors) and reads only the saved pieces overlapping its shards, whatever world size saved
     them; ``process_group`` makes every rank raise if any rank fails.
 
+    ``keys`` (key paths or prefixes, or a predicate on the key path; see
+    :mod:`deltackpt.loading.select`) loads only those keys: the others are never planned or read,
+    the returned state holds only the selected leaves, and with ``into=`` only selected keys are
+    matched, checked and filled.
+
     >>> state = deltackpt.load("ckpts")                                  # doctest: +SKIP
     >>> deltackpt.load("ckpts", "step-100", into={"model": model.state_dict()})  # doctest: +SKIP
     """
     opts = LoadOptions.from_kwargs(options, kwargs)
+    select = key_filter(keys)
     if process_group is not None:
-        return _agree(process_group, lambda: load(store, name, into=into, options=opts))
+        return _agree(process_group, lambda: load(store, name, into=into, options=opts, keys=keys))
     st = open_store(store, create=False)
-    return _retrying(st, st.manifest(name), lambda m: _load_once(st, m, into, opts))
+    return _retrying(st, st.manifest(name), lambda m: _load_once(st, m, into, opts, select))
 
 
 def load_reusing(
@@ -125,10 +135,13 @@ def _retrying(st: Store, m: Manifest, fn: Callable[[Manifest], Any]) -> Any:
         return fn(fresh)
 
 
-def _load_once(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> Any:
+def _load_once(
+    st: Store, m: Manifest, into: Any, opts: LoadOptions, select: Select | None = None
+) -> Any:
+    m = nested_manifest(m)  # a DCP-written snapshot: the nesting DCP flattened
     if into is None:
-        return _load_new(st, m, opts)
-    _load_into(st, m, into, opts)
+        return _load_new(st, m, opts, select=select)
+    _load_into(st, m, into, opts, select)
     return into
 
 
@@ -160,12 +173,13 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-def _check_memory(m: Manifest, provided: dict[int, torch.Tensor]) -> None:
+def _check_memory(m: Manifest, provided: dict[int, torch.Tensor], wanted: set[int]) -> None:
     """Refuse, before allocating, a load that needs more memory than the machine has (the
     manifest's sizes are validated, but a valid manifest may still describe huge tensors)."""
-    need = sum(n for n, _ in m.storages)
+    sids = {e.storage.id for i, e in enumerate(m.tensors) if i in wanted and e.storage}
+    need = sum(m.storages[sid][0] for sid in sids)
     for i, e in enumerate(m.tensors):
-        if i in provided:
+        if i in provided or i not in wanted:
             continue
         if e.data is not None:
             need += e.nbytes
@@ -191,11 +205,11 @@ def _read_entries(
     with ``targets`` (by key path) the tensors to read in place where they can be (see
     :func:`~deltackpt.loading.plan.read_entry`; the caller copies the others in)."""
     r = Reads(m)
-    if targets is None:  # every shared storage becomes one new buffer its views share
-        for sid, (_, data) in enumerate(m.storages):
-            r.storage(sid, f"<storage of {len(data)} slices>")
+    if targets is None:  # every shared storage read becomes one new buffer its views share
+        for sid in sorted({e.storage.id for i in wanted if (e := m.tensors[i]).storage}):
+            r.storage(sid, f"<storage of {len(m.storages[sid][1])} slices>")
     else:
-        r.homes = _storage_homes(m, wanted, targets)
+        r.homes = storage_homes(m, wanted, targets)
     out = {
         i: read_entry(r, m.tensors[i], None if targets is None else targets[m.tensors[i].path])
         for i in wanted
@@ -206,19 +220,26 @@ def _read_entries(
 
 
 def _load_new(
-    st: Store, m: Manifest, opts: LoadOptions, provided: dict[int, torch.Tensor] | None = None
+    st: Store,
+    m: Manifest,
+    opts: LoadOptions,
+    provided: dict[int, torch.Tensor] | None = None,
+    select: Select | None = None,
 ) -> Any:
-    """The snapshot as new CPU tensors; tensors in ``provided`` (by index, already filled) are
-    used as they are instead of being read."""
+    """The snapshot (its ``select``-ed leaves) as new CPU tensors; tensors in ``provided`` (by
+    index, already filled) are used as they are instead of being read."""
     provided = provided or {}
-    _check_memory(m, provided)
-    new = _read_entries(st, m, opts, [i for i in range(len(m.tensors)) if i not in provided])
+    tree, wanted = (m.tree, set(range(len(m.tensors))))
+    if select is not None:
+        tree, wanted = prune_tree(m.tree, select)
+    _check_memory(m, provided, wanted)
+    new = _read_entries(st, m, opts, [i for i in sorted(wanted) if i not in provided])
     tensors = [
-        provided[i] if i in provided else _finish(new[i], e)  # provided: the caller's own
+        provided[i] if i in provided else _finish(new[i], e) if i in new else None
         for i, e in enumerate(m.tensors)
     ]
     decode_byte_values(m, tensors, opts.allow_pickle)  # values DCP stored as torch.save bytes
-    return unflatten(m.tree, tensors.__getitem__, allow_pickle=opts.allow_pickle)
+    return unflatten(tree, tensors.__getitem__, allow_pickle=opts.allow_pickle)
 
 
 def _finish(t: torch.Tensor, e: TensorEntry) -> torch.Tensor:
@@ -229,11 +250,13 @@ def _finish(t: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     return t
 
 
-def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
+def _load_into(
+    st: Store, m: Manifest, into: Any, opts: LoadOptions, select: Select | None = None
+) -> None:
     _, leaves = flatten(into, allow_pickle=True, check_tensors=False)
-    targets = {leaf.path: leaf.tensor for leaf in leaves}
-    saved = {e.path: i for i, e in enumerate(m.tensors)}
-    _check_into(m, into, targets, saved, opts)
+    targets = {leaf.path: leaf.tensor for leaf in leaves if select is None or select(leaf.path)}
+    saved = {e.path: i for i, e in enumerate(m.tensors) if select is None or select(e.path)}
+    _check_into(m, into, targets, saved, opts, select)
 
     # Read every needed tensor into fresh buffers (or straight into CPU targets), then copy_.
     wanted = [i for p, i in saved.items() if p in targets]
@@ -250,11 +273,16 @@ def _load_into(st: Store, m: Manifest, into: Any, opts: LoadOptions) -> None:
                 local_tensor(dst).copy_(t)
             else:
                 dst.copy_(t)
-    _assign_values(m.tree, into, opts)
+    _assign_values(m.tree, into, opts, select)
 
 
 def _check_into(
-    m: Manifest, into: Any, targets: dict[str, Any], saved: dict[str, int], opts: LoadOptions
+    m: Manifest,
+    into: Any,
+    targets: dict[str, Any],
+    saved: dict[str, int],
+    opts: LoadOptions,
+    select: Select | None = None,
 ) -> None:
     """Raise :class:`StateMismatchError` listing what differs between ``into`` and ``m``."""
     missing = sorted(set(targets) - set(saved))
@@ -277,11 +305,14 @@ def _check_into(
     values = {
         p: f"the value {n!r:.40}" if not isinstance(n, dict) else f"a {next(iter(n))} value"
         for p, n in value_leaves(m.tree)
+        if select is None or select(p)
     }
     for path in missing:
         if path in values:
             problems.append(f"{path!r}: snapshot holds {values[path]}, target holds a tensor")
-    target_values = _target_value_paths(into)
+    target_values = {
+        p: v for p, v in _target_value_paths(into).items() if select is None or select(p)
+    }
     for path in unexpected:
         if path in target_values:
             problems.append(
@@ -302,95 +333,36 @@ def _check_into(
         )
 
 
-def _storage_homes(
-    m: Manifest, wanted: list[int], targets: dict[str, torch.Tensor]
-) -> dict[int, torch.Tensor]:
-    """Per shared storage the ``wanted`` entries view, a target that can receive all of its
-    bytes in place (a tied embedding loaded into the same model): no fresh buffer, no copy_."""
-    users: dict[int, list[int]] = {}
-    for i in wanted:
-        sv = m.tensors[i].storage
-        if sv is not None:
-            users.setdefault(sv.id, []).append(i)
-    homes = {}
-    for sid, us in users.items():
-        home = _storage_home(m, sid, us, targets)
-        if home is not None:
-            homes[sid] = home
-    return homes
-
-
-def _covers_storage(t: torch.Tensor, e: TensorEntry, nbytes: int) -> bool:
-    """``t`` (the target of a tensor saved as a view of a shared storage) can receive the whole
-    storage's bytes: a contiguous CPU tensor exactly as large, and the saved view is the whole
-    storage in C order (so ``t`` equals the view once the bytes are in)."""
-    assert e.storage is not None
-    return (
-        plain_cpu(t)
-        and t.is_contiguous()
-        and t.numel() * t.element_size() == nbytes
-        and nbytes > 0
-        # views of every dtype must start on an element boundary of the bytes read in place
-        and t.storage_offset() * t.element_size() % 16 == 0
-        and e.storage.offset == 0
-        and tuple(e.storage.stride) == tuple(torch.empty(e.shape, device="meta").stride())
-    )
-
-
-def _storage_home(
-    m: Manifest, sid: int, users: list[int], targets: dict[str, torch.Tensor]
-) -> torch.Tensor | None:
-    """A target that can receive the whole shared storage ``sid`` in place, or None. Refused
-    when another target of the storage overlaps it other than as the very view the snapshot
-    describes: reading in place would then change the bytes that target is copied from."""
-    n = m.storages[sid][0]
-    for k in users:
-        home = targets[m.tensors[k].path]
-        if not _covers_storage(home, m.tensors[k], n):
-            continue
-        base = home.untyped_storage().data_ptr()
-        ok = True
-        for j in users:
-            t, sv = targets[m.tensors[j].path], m.tensors[j].storage
-            assert sv is not None
-            if is_dtensor(t) or t.device.type != "cpu" or t.untyped_storage().data_ptr() != base:
-                continue  # separate memory: copied into after the read
-            if not (
-                t.data_ptr() == home.data_ptr() + sv.offset
-                and tuple(t.shape) == m.tensors[j].shape
-                and tuple(t.stride()) == tuple(sv.stride)
-            ):
-                ok = False
-                break
-        if ok:
-            return home
-    return None
-
-
-def _assign_values(tree: Node, target: Any, opts: LoadOptions) -> None:
-    """Set the snapshot's non-tensor values (step counters, lr, ...) into ``target`` in place."""
+def _assign_values(
+    tree: Node, target: Any, opts: LoadOptions, select: Select | None = None, path: str = ""
+) -> None:
+    """Set the snapshot's non-tensor values (step counters, lr, ...) into ``target`` in place;
+    with ``select``, only the values at the key paths it selects."""
     if not isinstance(tree, dict):
         return
+    sub = lambda seg: f"{path}/{seg}" if path else seg  # noqa: E731
     if ("dict" in tree or "odict" in tree) and isinstance(target, dict):
         for k_node, v_node in tree.get("dict") or tree.get("odict"):
             k = unflatten(k_node, _no_tensor, opts.allow_pickle)
-            if _has_tensor(v_node):
+            if _descend(v_node, select, sub(_key_segment(k))):
                 if k in target:
-                    _assign_values(v_node, target[k], opts)
-            else:
+                    _assign_values(v_node, target[k], opts, select, sub(_key_segment(k)))
+            elif select is None or select(sub(_key_segment(k))):
                 target[k] = unflatten(v_node, _no_tensor, opts.allow_pickle)
     elif "list" in tree and isinstance(target, list):
         for i, v_node in enumerate(tree["list"]):
-            if _has_tensor(v_node):
+            if _descend(v_node, select, sub(str(i))):
                 if i < len(target):
-                    _assign_values(v_node, target[i], opts)
+                    _assign_values(v_node, target[i], opts, select, sub(str(i)))
+            elif select is not None and not select(sub(str(i))):
+                continue
             elif i < len(target):
                 target[i] = unflatten(v_node, _no_tensor, opts.allow_pickle)
             else:
                 target.append(unflatten(v_node, _no_tensor, opts.allow_pickle))
     elif "tuple" in tree and isinstance(target, tuple):
-        for v_node, t in zip(tree["tuple"], target, strict=False):
-            _assign_values(v_node, t, opts)
+        for i, (v_node, t) in enumerate(zip(tree["tuple"], target, strict=False)):
+            _assign_values(v_node, t, opts, select, sub(str(i)))
 
 
 def _target_value_paths(obj: Any, path: str = "", depth: int = 0) -> dict[str, str]:
@@ -413,6 +385,14 @@ def _target_value_paths(obj: Any, path: str = "", depth: int = 0) -> dict[str, s
 
 def _no_tensor(i: int) -> torch.Tensor:
     raise AssertionError("unreachable: value subtree has no tensors")
+
+
+def _descend(node: Node, select: Select | None, path: str) -> bool:
+    """Assign ``node`` value by value (it holds tensors, or ``select`` keeps only part of it)."""
+    if _has_tensor(node):
+        return True
+    nested = isinstance(node, dict) and any(t in node for t in ("dict", "odict", "list", "tuple"))
+    return select is not None and nested and not select(path)
 
 
 def _has_tensor(node: Node) -> bool:

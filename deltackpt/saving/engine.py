@@ -14,6 +14,8 @@ Per-store state lives here and nowhere else (not on :class:`~deltackpt.store.sto
 * the background thread (``deltackpt-commit``) and the I/O thread pools (``deltackpt-io``);
 * two staging arenas and the delta bases: the bytes of the last committed save that the next
   one may xor against (saving/stage.py);
+* which small tensors changed lately, so the plan groups them apart from frozen ones
+  (saving/grouping.py);
 * per process group, the plan cache of distributed saves (dist/save_plan.py);
 * a background failure nobody has seen yet.
 
@@ -52,6 +54,7 @@ from deltackpt.format.codecs import XOR
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import SaveOptions, default_memory_budget
 from deltackpt.saving.commit import check_can_save
+from deltackpt.saving.grouping import ChangeHistory
 from deltackpt.saving.plan import SavePlan, plan_state
 from deltackpt.saving.stage import (
     Arena,
@@ -158,6 +161,7 @@ class StoreSaver:
         self._arenas = (Arena(), Arena())
         self._delta_refs: dict[str, DeltaRef] = {}
         self._group_caches: dict[int, object] = {}
+        self._history = ChangeHistory()
 
     @property
     def arenas(self) -> tuple[Arena, Arena]:
@@ -228,6 +232,7 @@ class StoreSaver:
             self.drop_delta_bases()
             self._arenas[0].buffers.clear()
             self._group_caches.clear()
+            self._history = ChangeHistory()
         self._bg.shutdown(wait=False)
         for p in self._pools.values():
             p.shutdown(wait=False)
@@ -247,7 +252,9 @@ class StoreSaver:
             what = f"saving {req.name!r}"
             locks.enter_context(st.lock(exclusive=False, timeout=opts.lock_timeout, what=what))
             check_can_save(st, req.name, overwrite=opts.overwrite)
-            plan = plan_state(state, st.chunk_bytes, st.small_bytes, allow_pickle=opts.allow_pickle)
+            plan = plan_state(
+                state, st.chunk_bytes, st.small_bytes, opts.allow_pickle, self._history.is_hot
+            )
             need = state_nbytes(plan)
             budget = (
                 opts.memory_budget if opts.memory_budget is not None else default_memory_budget()
@@ -312,7 +319,10 @@ class StoreSaver:
         records: Mapping[str, ChunkRecord],
         keyframe_every: int,
     ) -> None:
-        """After a commit: the next save's delta bases (``before`` were this save's)."""
+        """After a commit: the next save's delta bases (``before`` were this save's), and what
+        changed, for the next plan's groups."""
+        if p.digests is not None:
+            self._history.learn(p.plan, p.digests, p.group_bufs)
         if p.use_refs and p.digests is not None:
             self._delta_refs = next_refs(
                 p.plan, p.digests, before, p.copies.refs, records, keyframe_every

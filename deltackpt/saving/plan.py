@@ -5,7 +5,9 @@ A *source* is one contiguous run of bytes to store: a tensor's bytes, or the cov
 a storage that several tensors view (tied weights). Sources of at least ``small_bytes`` are cut into
 ``chunk_bytes`` chunks at fixed offsets, so an unchanged region of a tensor always yields the same
 chunk digests (dedupe, deltas). Smaller sources are packed in tree order into group chunks, so a
-state with thousands of tiny tensors does not become thousands of tiny objects.
+state with thousands of tiny tensors does not become thousands of tiny objects; hot and cold
+sources (expected to change at the next save or not: saving/grouping.py decides) go to separate
+groups, so frozen tensors are not rewritten beside trained ones.
 
 :func:`chunk_view` gives a chunk's bytes from the plan's sources; the hash pass (step 2) and the
 writer (step 4) read chunks through it.
@@ -27,6 +29,8 @@ from deltackpt.format.tree import Leaf, Node, flatten
 GROUP_ALIGN = 64  # small tensors start at this alignment inside a group chunk
 
 SourceArray = Callable[[int], np.ndarray]  # source index -> its bytes as a uint8 numpy array
+# (source key, nbytes, requires grad) -> is it hot (saving/grouping.py's ChangeHistory.is_hot)
+HotOf = Callable[[str, int, bool], bool]
 
 
 @dataclass
@@ -34,6 +38,7 @@ class Source:
     key: str  # names the bytes across saves (tensor path, or first path of a shared storage)
     data: torch.Tensor  # 1-D uint8 contiguous view of the bytes (may alias live memory)
     itemsize: int  # element size, for byte-grouped encodings
+    trained: bool = False  # a tensor of it requires grad
 
     @property
     def nbytes(self) -> int:
@@ -107,8 +112,14 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def plan_state(
-    state: Any, chunk_bytes: int, small_bytes: int, allow_pickle: bool = False
+    state: Any,
+    chunk_bytes: int,
+    small_bytes: int,
+    allow_pickle: bool = False,
+    hot_of: HotOf | None = None,
 ) -> SavePlan:
+    """The plan of ``state``. ``hot_of`` (None: plain tree order) splits small sources into hot
+    and cold groups."""
     tree, leaves = flatten(state, allow_pickle=allow_pickle)
     entries: list[EntryPlan] = []
     sources: list[Source] = []
@@ -133,19 +144,24 @@ def plan_state(
         )
         sid = len(storage_sources)
         storage_sources.append(len(sources))
-        sources.append(Source(leaves[idxs[0]].path, region.detach(), 1))
+        trained = any(leaves[i].tensor.requires_grad for i in idxs)
+        sources.append(Source(leaves[idxs[0]].path, region.detach(), 1, trained))
         for i in idxs:
             shared[i] = (sid, lo)
 
     for i, leaf in enumerate(leaves):
         entries.append(_entry(leaf, i, shared, sources))
 
+    hot = None
+    if hot_of is not None:
+        hot = [s.nbytes < small_bytes and hot_of(s.key, s.nbytes, s.trained) for s in sources]
     chunks, slices = layout_chunks(
         [s.nbytes for s in sources],
         [s.itemsize for s in sources],
         [s.key for s in sources],
         chunk_bytes,
         small_bytes,
+        hot,
     )
     return SavePlan(tree, entries, storage_sources, sources, chunks, slices)
 
@@ -164,7 +180,9 @@ def _entry(
         if local.numel():
             e.shards.append((offsets, local_shape, len(sources)))
             key = f"{leaf.path}@{','.join(map(str, offsets))}"
-            sources.append(Source(key, tensor_bytes(local), local.element_size()))
+            sources.append(
+                Source(key, tensor_bytes(local), local.element_size(), bool(t.requires_grad))
+            )
         return e
     e = EntryPlan(
         path=leaf.path,
@@ -178,7 +196,7 @@ def _entry(
         e.storage = (sid, int(t.storage_offset()) * t.element_size() - lo, tuple(t.stride()))
     else:
         e.source = len(sources)
-        sources.append(Source(leaf.path, tensor_bytes(t), t.element_size()))
+        sources.append(Source(leaf.path, tensor_bytes(t), t.element_size(), t.requires_grad))
     return e
 
 
@@ -188,12 +206,13 @@ def layout_chunks(
     keys: list[str],
     chunk_bytes: int,
     small_bytes: int,
+    hot: list[bool] | None = None,
 ) -> tuple[list[ChunkSpec], list[list[tuple[int, int, int]]]]:
-    """Cut sources into chunks. Pure: the same sizes always give the same layout."""
+    """Cut sources into chunks. Pure: the same sizes (and ``hot`` classes) always give the same
+    layout. Small sources are packed in order into group chunks, hot and cold ones apart."""
     chunks: list[ChunkSpec] = []
     slices: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
-    group: ChunkSpec | None = None
-    group_index = -1
+    open_groups: dict[bool, tuple[ChunkSpec, int]] = {}  # class -> (its open group, index)
     for si, n in enumerate(sizes):
         if n == 0:
             continue
@@ -205,11 +224,14 @@ def layout_chunks(
                     ChunkSpec([(si, start, length)], length, itemsizes[si], f"{keys[si]}#{ci}", [0])
                 )
             continue
+        cls = bool(hot[si]) if hot is not None else False
+        group, group_index = open_groups.get(cls, (None, -1))
         pos = -(-group.size // GROUP_ALIGN) * GROUP_ALIGN if group else 0
         if group is None or pos + n > chunk_bytes:
             group = ChunkSpec([], 0, 1, None)
             group_index = len(chunks)
             chunks.append(group)
+            open_groups[cls] = (group, group_index)
             pos = 0
         slices[si].append((group_index, pos, n))
         group.parts.append((si, 0, n))

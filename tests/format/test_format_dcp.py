@@ -92,9 +92,9 @@ def test_dcp_golden_store_loads(tmp_path):
     shutil.copytree(GOLDEN_DCP, copy)
     assert deltackpt.verify(copy).ok
     want = dcp_golden_state(1)
-    out = deltackpt.load(copy, "c1")  # DCP's flattened keys
-    assert torch.equal(out["model.weight"], want["model"]["weight"].detach())
-    assert torch.equal(out["big"], want["big"]) and out["values.s"] == "x"
+    out = deltackpt.load(copy, "c1")  # nested again from the stored planner_data
+    assert torch.equal(out["model"]["weight"], want["model"]["weight"].detach())
+    assert torch.equal(out["big"], want["big"]) and out["values"]["s"] == "x"
     into = {k: v for k, v in dcp_golden_state(0).items() if k in ("model", "big", "step")}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
