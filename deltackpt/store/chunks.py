@@ -395,12 +395,6 @@ def plan_runs(
     return encoded + runs
 
 
-#: Reader threads of a load from remote storage (an object store), whatever ``threads`` says:
-#: each waits on ranged GETs, so CPUs do not bound them. Measured against a loopback S3 server
-#: (bench_objstore.py): 8 brought a 67 MB load to DCP's FsspecReader.
-REMOTE_READ_THREADS = 8
-
-
 def run_jobs(
     packs: PackReaders,
     records: dict[str, ChunkRecord],
@@ -413,8 +407,6 @@ def run_jobs(
     The first error (a :class:`CorruptChunkError` naming the chunk and key) is raised after the
     jobs in flight finish; no job still queued starts."""
     reader = ChunkReader(packs, records, verify=verify)
-    if packs.remote:  # threads that mostly wait on the network: more requests in flight
-        threads = max(threads, REMOTE_READ_THREADS)
     runs = plan_runs(jobs, records, threads)
     if threads <= 1 or len(runs) <= 1:
         return sum(reader.read_run(r) for r in runs)

@@ -109,8 +109,8 @@ class FsspecStorage:
         storage_options: dict[str, Any] | None = None,
         *,
         no_concurrent_saves: bool = False,
-        block_size: int = 16 << 20,
-        part_bytes: int = 4 << 20,
+        block_size: int = 64 << 20,
+        part_bytes: int = 16 << 20,
         parts_in_flight: int = 4,
     ) -> None:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""

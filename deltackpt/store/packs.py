@@ -134,11 +134,6 @@ class PackReaders:
         self._readers: dict[str, RangeReader] = {}
         self._lock = threading.Lock()
 
-    @property
-    def remote(self) -> bool:
-        """Whether the packs are read over a network (``Storage.remote``)."""
-        return bool(self._storage.remote)
-
     def reader(self, pack: str) -> RangeReader:
         """The open reader of ``pack``. FileNotFoundError when it is missing; UnsafePathError
         when the id is not a pack id, or the pack is a symlink or not a regular file."""
