@@ -47,25 +47,11 @@ def load(
     keys: KeySelection = None,
     **kwargs: Any,
 ) -> Any:
-    """Load snapshot ``name`` (default: the latest committed one).
-
-    Without ``into`` it returns the state with new CPU tensors, bit-exact, nesting and tied
-    storages restored. With ``into`` it copies the snapshot into the existing tensors of ``into``
-    (matched by key path, in place, any device) and sets its non-tensor values; with
-    ``strict=True`` (default) the keys, shapes and dtypes must match exactly. Every chunk is
-    checked against its digest unless ``verify=False``.
-
-    Each rank of a job passes its own ``into`` (DTensors of any placement and mesh, or plain
-    tensors) and reads only the saved pieces overlapping its shards, whatever world size saved
-    them; ``process_group`` makes every rank raise if any rank fails.
-
-    ``keys`` (key paths or prefixes, or a predicate on the key path; see
-    :mod:`deltackpt.loading.select`) loads only those keys: the others are never planned or read,
-    the returned state holds only the selected leaves, and with ``into=`` only selected keys are
-    matched, checked and filled.
-
-    >>> state = deltackpt.load("ckpts")                                  # doctest: +SKIP
-    >>> deltackpt.load("ckpts", "step-100", into={"model": model.state_dict()})  # doctest: +SKIP
+    """One process's load of snapshot ``name``: the ``all_ranks`` path of the public
+    :func:`deltackpt.load` (``deltackpt/dist/load.py``, which documents the arguments and adds
+    ``mode=``). Every rank reads the saved pieces overlapping its own ``into`` shards (or the
+    whole state without ``into``); ``process_group`` makes every rank raise if any rank fails;
+    ``keys`` filters before any planning or read (:mod:`deltackpt.loading.select`).
     """
     opts = LoadOptions.from_kwargs(options, kwargs)
     select = key_filter(keys)

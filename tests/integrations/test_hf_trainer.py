@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +29,12 @@ from tests.integrations._hf_run import (
     make_trainer,
     weights,
 )
+from tests.integrations.conftest import same_bits
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+_same = same_bits
 
 
 def _names(store: Path) -> list[str]:

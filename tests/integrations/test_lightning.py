@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,23 +27,12 @@ from deltackpt.integrations.markers import snapshot_name
 from deltackpt.store.store import validate_name
 from tests.integrations._fork import run_and_kill
 from tests.integrations._lightning_fit import EPOCHS, StopAt, fit, weights
+from tests.integrations.conftest import same_bits
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Parent and forked child compute with one intra-op thread: the same floats."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
-    )
+_same = same_bits
 
 
 def _names(store: Path) -> set[str]:
