@@ -248,6 +248,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--mxn", help="instead: MxN rounds for these shapes, e.g. 1x1,2x2 (_sync/)")
+    ap.add_argument("--mxn-links", default="gloo", help="with --mxn: gloo,shm (comma-separated)")
     ap.add_argument("--sim", action="store_true", help="with --mxn: the simulated 256->128 plan")
     args = ap.parse_args()
     if args.mxn:
@@ -314,12 +315,13 @@ def mxn_main(args: argparse.Namespace) -> None:
         "timeout": args.timeout,
     }
     rows = []
-    for shape in args.mxn.split(","):
-        m, n = map(int, shape.split("x"))
-        r = bench_mxn(m, n, cfg)
-        r.update(m=m, n=n)
-        rows.append(r)
-        print(f"# done {m}x{n}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    for kind in args.mxn_links.split(","):
+        for shape in args.mxn.split(","):
+            m, n = map(int, shape.split("x"))
+            r = bench_mxn(m, n, {**cfg, "links": kind})
+            r.update(m=m, n=n, kind=kind)
+            rows.append(r)
+            print(f"# done {kind} {m}x{n}: {json.dumps(r)}", file=sys.stderr, flush=True)
     r0 = rows[0]
     print(
         f"\nstate: {r0['bytes'] / C.GB:.2f} GB bf16; bucket {args.bucket_mb} MiB; delta rounds "

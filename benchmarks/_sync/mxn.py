@@ -1,5 +1,6 @@
 """MxN rounds for ``bench_sync.py --mxn``: M trainer processes -> N inference processes over
-gloo point-to-point links (``deltackpt.sync.MxNSender`` / ``MxNReceiver``).
+gloo point-to-point links or shared-memory windows (``--mxn-links gloo,shm``;
+``deltackpt.sync.MxNSender`` / ``MxNReceiver``).
 
 State: Qwen2-0.5B-shaped (``--params`` scales it), bf16. Trainer ``i`` of M holds ``Shard(0)``
 row blocks of every tensor (as FSDP2 would); inference rank ``j`` of N holds tensor-parallel
@@ -15,7 +16,12 @@ Measured in the same processes, best of ``--repeats``:
 * full round: ``push(full=True)`` / ``pull()`` until every receiver committed and wrote its
   parameters;
 * delta round: after ``--delta-frac`` of the parameters (the last tensors) changed; the
-  floor is the time to hash every piece (the trainer reads everything once).
+  floor is the time to hash every piece (the trainer reads everything once);
+* delta round, ``detect="version"``: the same, skipping the tensors whose in-place version
+  counter did not move (no hashing of unchanged tensors).
+
+The shm ceiling: every trainer copies its links' bytes into a ``/dev/shm`` file, then every
+receiver copies them out (write + read, as a round through the link windows does).
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
 
     torch.set_num_threads(1)
     shapes = C.qwen2_shapes(C.qwen2_scale(cfg["params"]))
-    group = sync.MxNGroup("127.0.0.1", port, rank, m + n, range(m), timeout=600)
+    kind = cfg.get("links", "gloo")
+    group = sync.MxNGroup("127.0.0.1", port, rank, m + n, range(m), timeout=600, links=kind)
     bucket = cfg["bucket_mb"] << 20
 
     def barrier() -> None:
@@ -110,6 +117,15 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
 
     # ceiling: the same bytes per link, one buffer each, all links at once
     def ceiling() -> None:
+        if kind == "shm":  # every trainer writes its links' windows, then receivers copy out
+            if rank < m:
+                for r in sched.receivers:
+                    wins[(rank, r)].copy_(bufs[r])
+            barrier()
+            if rank >= m:
+                for s in sched.trainers:
+                    bufs[s].copy_(wins[(s, rank)])
+            return
         works = []
         for (s, r), _b in links.items():
             if rank == s:
@@ -123,8 +139,25 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
     bufs = {
         p: torch.ones(links[(rank, p) if rank < m else (p, rank)], dtype=torch.uint8) for p in peers
     }
+    wins: dict[tuple[int, int], Any] = {}
+    if kind == "shm":
+        import mmap
+
+        for (s, r), b in links.items():
+            if rank in (s, r):
+                path = f"/dev/shm/deltackpt-bench-{port}-{s}-{r}"
+                with open(path, "a+b") as f:
+                    f.truncate(b)
+                    mm = mmap.mmap(f.fileno(), b)
+                wins[(s, r)] = torch.frombuffer(mm, dtype=torch.uint8)
+                wins[(s, r)].fill_(0)  # fault the pages in, as the links' windows are
+        barrier()
+        if rank < m:
+            for r in sched.receivers:
+                os.unlink(f"/dev/shm/deltackpt-bench-{port}-{rank}-{r}")
     out["ceiling_s"] = min(timed(ceiling) for _ in range(cfg["repeats"]))
     bufs.clear()
+    wins.clear()
     out["full_round_s"] = min(timed(lambda: one(True)) for _ in range(cfg["repeats"]))
     deltas = []
     for _ in range(cfg["repeats"]):
@@ -133,6 +166,16 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
                 state[name].tensor.add_(0.5)
         deltas.append(timed(lambda: one(False)))
     out["delta_round_s"] = min(deltas)
+    # the same with detect="version": tensors untouched since the last commit are not hashed
+    if rank < m:
+        endpoint.detect = "version"
+    deltas = []
+    for _ in range(cfg["repeats"] + 1):  # the first one records the versions
+        if rank < m:
+            for name in changed:
+                state[name].tensor.add_(0.5)
+        deltas.append(timed(lambda: one(False)))
+    out["delta_version_s"] = min(deltas[1:])
     out["full_payload"] = stats[1].payload_bytes
     out["delta_payload"] = stats[-1].payload_bytes
     out["buckets"] = stats[1].buckets
@@ -171,17 +214,19 @@ def bench_mxn(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def mxn_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| MxN | transport | bytes/link MB | ceiling s (GB/s) | full round s (GB/s) | "
-        "full vs ceiling | delta round s | delta / full | delta bytes / full |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "full vs ceiling | delta round s | delta / full | delta (detect=version) s | "
+        "delta (version) / full | delta bytes / full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gb = r["payload_total"] / C.GB
         per = sorted({round(b / 1e6, 1) for b in r["links"].values()})
         lines.append(
-            f"| {r['m']}x{r['n']} | gloo | {'/'.join(map(str, per))} | {r['ceiling_s']:.3f} "
+            f"| {r['m']}x{r['n']} | {r['kind']} | {'/'.join(map(str, per))} | {r['ceiling_s']:.3f} "
             f"({gb / r['ceiling_s']:.2f}) | {r['full_round_s']:.3f} "
             f"({gb / r['full_round_s']:.2f}) | {r['ceiling_s'] / r['full_round_s']:.0%} | "
             f"{r['delta_round_s']:.3f} | {r['delta_round_s'] / r['full_round_s']:.0%} | "
+            f"{r['delta_version_s']:.3f} | {r['delta_version_s'] / r['full_round_s']:.0%} | "
             f"{r['delta_payload'] / r['full_payload']:.1%} |"
         )
     return "\n".join(lines)

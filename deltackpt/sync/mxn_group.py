@@ -257,7 +257,7 @@ class MxNGroup:
                     "is hung. Call group.reconnect(new_port) on every rank"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 5e-3)
+            delay = min(delay * 2, 1e-3)
 
     def _dead(self, now: float) -> int | None:
         keys = [f"hb/{r}" for r in range(self.world_size)]
@@ -287,6 +287,15 @@ class MxNGroup:
         if self._shm is not None:
             return self._shm.send(buf, dst, tag)
         return self.guard("gloo send", lambda: self.pg.send([buf], dst, tag))
+
+    def window(self, dst: int, tag: int) -> torch.Tensor | None:
+        """Shared-memory links: the slot a sender packs bucket ``tag`` for ``dst`` straight
+        into (then :meth:`publish`); None on gloo."""
+        return None if self._shm is None else self._shm.window(dst, tag)
+
+    def publish(self, dst: int, tag: int, nbytes: int) -> Any:
+        assert self._shm is not None
+        return self._shm.publish(dst, tag, nbytes)
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
         if self._shm is not None:

@@ -260,7 +260,7 @@ class MxNReceiver:
                         continue
                     dt = wire_dtype(p.dtype)
                     src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
-                    self._targets[p.want][p.box.within(boxes[p.want][2])].copy_(src)
+                    wire.copy_into(self._targets[p.want][p.box.within(boxes[p.want][2])], src)
                     changed.add(p.want)
         return changed
 

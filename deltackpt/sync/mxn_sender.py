@@ -14,7 +14,10 @@ a packing thread fills bucket i+1 (gather the piece boxes from the local shard, 
 each chunk right after copying it) while bucket i is on the wire (gloo ``send``, async), from a
 ring of three buffers. Delta rounds (the default after a committed round) hash each piece from
 the source first and pack and send only pieces whose digest changed since the last committed
-round. Then the commit vote (store keys, see ``mxn_group.py``).
+round (``detect="version"``: tensors whose storage and in-place version counter did not change
+since that round are skipped without hashing; see docs/sync.md). On shared-memory links the
+packing thread writes straight into the link's slot. Then the commit vote (store keys, see
+``mxn_group.py``).
 """
 
 from __future__ import annotations
@@ -53,9 +56,22 @@ class MxNSender:
     ``bucket_bytes``/``align`` must be the same on every rank of the group.
     """
 
-    def __init__(self, group: MxNGroup, *, bucket_bytes: int = 64 << 20, align: int = 64) -> None:
+    def __init__(
+        self,
+        group: MxNGroup,
+        *,
+        bucket_bytes: int = 64 << 20,
+        align: int = 64,
+        detect: str = "hash",
+    ) -> None:
         if group.rank not in group.trainers:
             raise SyncError(f"rank {group.rank} is not a trainer of the group; use MxNReceiver")
+        if detect not in ("hash", "version"):
+            raise SyncError(f"detect={detect!r}: choose 'hash' or 'version'")
+        self.detect = detect
+        # name -> (data_ptr, _version, the tensor: keeps its memory from being reused)
+        self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
+        self._round_vers: dict[str, tuple[int, int, torch.Tensor]] = {}
         self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
         self.version: int | None = None
         self.schedule: Schedule | None = None
@@ -116,6 +132,8 @@ class MxNSender:
         self._dirty = True
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
+        if self.detect == "version":  # before reading anything: a later write shows next round
+            self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in self._local.items()}
         failure, lost, wire_bytes, sent = self._send_all(
             sched, seq, int(version), full, digests, per_link
         )
@@ -141,6 +159,7 @@ class MxNSender:
         if full:
             self._committed.clear()
         self._committed.update(digests)
+        self._vers = self._round_vers if self.detect == "version" else {}
         self._dirty = False
         self.version = int(version)
         payload = sum(per_link.values())
@@ -163,6 +182,7 @@ class MxNSender:
         wire bytes, buckets sent)."""
         g = self.group
         works: list[tuple[int, object] | None] = [None] * _RING
+        bufs: list[torch.Tensor] = list(self._ring)
         stubs: list[tuple[int, object, torch.Tensor]] = []
         failure: str | None = None
         lost: str | None = None
@@ -186,9 +206,10 @@ class MxNSender:
             if i >= len(self._buckets) or failure or lost:
                 return None
             settle(i % _RING)
-            return self._pool.submit(
-                self._pack, sched, self._buckets[i], self._ring[i % _RING], seq, version, full
-            )
+            bk = self._buckets[i]
+            win = g.window(bk.receiver, bk.index)  # shm: pack straight into the link's slot
+            bufs[i % _RING] = self._ring[i % _RING] if win is None else win
+            return self._pool.submit(self._pack, sched, bk, bufs[i % _RING], seq, version, full)
 
         fut = submit(0)
         for i, bk in enumerate(self._buckets):
@@ -217,9 +238,12 @@ class MxNSender:
                     if d is not None:
                         digests[(bk.receiver, bk.index, k)] = d
                 per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
-                buf = self._ring[i % _RING][:nbytes]
+                buf = bufs[i % _RING][:nbytes]
                 try:
-                    works[i % _RING] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
+                    if g.window(bk.receiver, bk.index) is not None:  # packed in place
+                        works[i % _RING] = (bk.receiver, g.publish(bk.receiver, bk.index, nbytes))
+                    else:
+                        works[i % _RING] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
                 except SyncError as e:
                     dead.add(bk.receiver)
                     lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
@@ -259,8 +283,17 @@ class MxNSender:
             src = self._local[name][p.box.within(self._boxes[name].box)]
             dt = wire_dtype(p.dtype)
             if not full:
+                key = (bk.receiver, bk.index, k)
+                if (
+                    self.detect == "version"
+                    and key in self._committed
+                    and name in self._vers
+                    and self._vers[name][:2] == self._round_vers[name][:2]
+                ):
+                    present.append(None)  # not written through torch since the last commit
+                    continue
                 d = wire.hash_piece(src, dt, scratch)
-                if d == self._committed.get((bk.receiver, bk.index, k)):
+                if d == self._committed.get(key):
                     present.append(None)
                     continue
             pos = -(-pos // self.align) * self.align

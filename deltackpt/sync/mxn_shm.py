@@ -5,7 +5,8 @@ a cell per bucket of the link (the round that published it and its message bytes
 per bucket of the link's largest message. Both ends create-or-open the file with the same size,
 so neither waits for the other to create it.
 
-``send`` copies a packed message from the sender's private buffer into its slot, then publishes
+``send`` copies a message into its slot (the sender packs straight into the slot through
+``window`` and only calls ``publish``), then publishes
 the cell (bytes first, then the round: a reader that sees the round sees its bytes on x86-64's
 store order; the digests check it anyway). ``recv`` returns a work whose ``wait`` polls the cell
 and copies the message out into the receiver's private staging, where it is verified and from
@@ -82,13 +83,23 @@ class ShmLinks:
             data = torch.frombuffer(mm, dtype=torch.uint8)[cells:]
             self._maps[(s, r)] = (mm, cell, data, slot)
 
-    def send(self, buf: torch.Tensor, dst: int, tag: int) -> _Done:
-        _, cell, data, slot = self._maps[(self.g.rank, dst)]
-        n = buf.numel()
-        data[tag * slot : tag * slot + n].copy_(buf)
+    def window(self, dst: int, tag: int) -> torch.Tensor:
+        """The slot of bucket ``tag`` on the link to ``dst``: a sender may pack straight into
+        it, then :meth:`publish` (the previous round's bytes were copied out by every receiver
+        before it voted, so the slot is free once the last round's vote is in)."""
+        _, _, data, slot = self._maps[(self.g.rank, dst)]
+        return data[tag * slot : (tag + 1) * slot]
+
+    def publish(self, dst: int, tag: int, n: int) -> _Done:
+        """The first ``n`` bytes of the slot are the message of round ``seq``."""
+        _, cell, _, _ = self._maps[(self.g.rank, dst)]
         cell[tag, 1] = n
         cell[tag, 0] = self.g.seq
         return _Done()
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> _Done:
+        self.window(dst, tag)[: buf.numel()].copy_(buf)
+        return self.publish(dst, tag, buf.numel())
 
     def recv(self, into: torch.Tensor, src: int, tag: int) -> _Recv:
         return _Recv(self, src, tag, into, self.g.seq)

@@ -117,15 +117,40 @@ def _rows(src: torch.Tensor, itemsize: int) -> Iterator[torch.Tensor]:
         yield src[i : i + step]
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; as raw bytes when no cast is needed and both rows are contiguous
+    (a byte copy is a plain memcpy per row, much faster than an element-typed bf16 copy)."""
+    if (
+        dst.dtype == src.dtype
+        and dst.dtype.itemsize > 1
+        and dst.dim() >= 1
+        and dst.shape == src.shape
+        and dst.stride(-1) == 1
+        and src.stride(-1) == 1
+    ):
+        try:
+            dst.view(torch.uint8).copy_(src.view(torch.uint8))
+            return
+        except RuntimeError:  # a layout the byte view does not take (conj/neg bits, ...)
+            pass
+    dst.copy_(src)
+
+
 def pack(src: torch.Tensor, dst: torch.Tensor, wire: torch.dtype) -> tuple[int, int]:
     """Copy (cast) ``src`` into the flat uint8 ``dst`` (exactly its bytes); returns the digest
-    of the bytes written, hashed chunk by chunk right after each copy."""
+    of the bytes written, hashed chunk by chunk right after each copy (a contiguous source that
+    needs no cast is hashed in place and copied in one go)."""
     h = xxhash.xxh3_128()
+    if src.dtype == wire and src.is_contiguous():
+        raw = src.reshape(-1).view(torch.uint8)
+        h.update(raw.numpy())
+        dst.copy_(raw)
+        return digest_words(h)
     out = dst.numpy()
     pos = 0
     for chunk in _rows(src, wire.itemsize):
         n = chunk.numel() * wire.itemsize
-        dst[pos : pos + n].view(wire).view(chunk.shape).copy_(chunk)
+        copy_into(dst[pos : pos + n].view(wire).view(chunk.shape), chunk)
         h.update(out[pos : pos + n])
         pos += n
     return digest_words(h)
@@ -142,7 +167,7 @@ def hash_piece(src: torch.Tensor, wire: torch.dtype, scratch: torch.Tensor) -> t
         n = chunk.numel() * wire.itemsize
         if n > scratch.numel():
             scratch = torch.empty(n, dtype=torch.uint8)
-        scratch[:n].view(wire).view(chunk.shape).copy_(chunk)
+        copy_into(scratch[:n].view(wire).view(chunk.shape), chunk)
         h.update(scratch[:n].numpy())
     return digest_words(h)
 

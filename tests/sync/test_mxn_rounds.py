@@ -38,10 +38,18 @@ def _trainer(rank: int, world: int, ports: list[int], port_mesh: int) -> dict[st
         group = sync.MxNGroup(
             "127.0.0.1", port, rank, world, range(TRAINERS), timeout=60, links=kind
         )
-        sender = sync.MxNSender(group, bucket_bytes=BUCKET)
+        # shm: detect="version" on a state updated in place (only the tensors that changed)
+        detect = "version" if kind == "shm" else "hash"
+        sender = sync.MxNSender(group, bucket_bytes=BUCKET, detect=detect)
         out = []
+        state: dict[str, Any] = {}
         for v in VERSIONS:
-            state = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in make_state(v).items()}
+            new = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in make_state(v).items()}
+            if detect == "hash" or not state:
+                state = new
+            for n, t in new.items():
+                if not torch.equal(state[n].to_local(), t.to_local()):
+                    state[n].to_local().copy_(t.to_local())
             out.append(sender.push(state, version=v, full=v == 4))
         sched = sender.schedule
         links = {(s, r): sched.link(s, r).nbytes for s in sched.trainers for r in sched.receivers}
