@@ -12,10 +12,10 @@ rank, builds the schedule (once; later pushes must hold the same shards). A roun
 rank's link buckets interleaved over its receivers (bucket 0 of every link, then bucket 1, ...):
 a packing thread fills bucket i+1 (gather the piece boxes from the local shard, cast, hash
 each chunk right after copying it) while bucket i is on the wire (gloo ``send``, async), from a
-ring of three buffers. Delta rounds (the default after a committed round) hash each piece from
-the source first and pack and send only pieces whose digest changed since the last committed
-round (``detect="version"``: tensors whose storage and in-place version counter did not change
-since that round are skipped without hashing; see docs/sync.md). On shared-memory links the
+ring of three buffers. Delta rounds (the default after a committed round) hash each local tensor
+once, in place, and pack and send the pieces of the tensors whose digest changed since the last
+committed round (``detect="version"``: tensors whose storage and in-place version counter did
+not change since that round are skipped unread, the others sent unhashed; see docs/sync.md). On shared-memory links the
 packing thread writes straight into the link's slot. Then the commit vote (store keys, see
 ``mxn_group.py``).
 """
@@ -82,6 +82,10 @@ class MxNSender:
         self._buckets: list[LinkBucket] = []
         self._ring: list[torch.Tensor] = []
         self._committed: dict[tuple[int, int, int], tuple[int, int]] = {}
+        # name -> digest of the local tensor's raw bytes at the last commit, and this round's
+        # (see _changed): one in-place pass per contiguous source tensor per delta round
+        self._tcommitted: dict[str, tuple[int, int]] = {}
+        self._tround: dict[str, tuple[int, int] | None] = {}
         self._dirty = True
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mxn-pack")
 
@@ -109,6 +113,7 @@ class MxNSender:
         size = max((message_bytes(b, self.align) for b in self._buckets), default=0)
         self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(_RING)]
         self._committed.clear()
+        self._tcommitted.clear()
         self._dirty = True
         self._epoch = g.epoch
 
@@ -132,6 +137,7 @@ class MxNSender:
         self._dirty = True
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
+        self._tround = {}
         if self.detect == "version":  # before reading anything: a later write shows next round
             self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in self._local.items()}
         failure, lost, wire_bytes, sent = self._send_all(
@@ -158,7 +164,13 @@ class MxNSender:
             )
         if full:
             self._committed.clear()
+            self._tcommitted.clear()
         self._committed.update(digests)
+        for n, d in self._tround.items():  # None: not known now (do not keep an old one)
+            if d is None:
+                self._tcommitted.pop(n, None)
+            else:
+                self._tcommitted[n] = d
         self._vers = self._round_vers if self.detect == "version" else {}
         self._dirty = False
         self.version = int(version)
@@ -284,22 +296,44 @@ class MxNSender:
             dt = wire_dtype(p.dtype)
             if not full:
                 key = (bk.receiver, bk.index, k)
-                if (
-                    self.detect == "version"
-                    and key in self._committed
-                    and name in self._vers
-                    and self._vers[name][:2] == self._round_vers[name][:2]
-                ):
-                    present.append(None)  # not written through torch since the last commit
-                    continue
-                d = wire.hash_piece(src, dt, scratch)
-                if d == self._committed.get(key):
+                changed: bool | None = None
+                if self.detect == "version" and key in self._committed and name in self._vers:
+                    # skipped unread when not written through torch since the last commit,
+                    # sent unhashed when it was
+                    changed = self._vers[name][:2] != self._round_vers[name][:2]
+                    if changed:
+                        self._tround[name] = None
+                if changed is None:
+                    changed = self._changed(name, key)
+                if changed is None:  # no digest of the whole tensor to compare: this piece's
+                    changed = wire.hash_piece(src, dt, scratch) != self._committed.get(key)
+                if not changed:
                     present.append(None)
                     continue
             pos = -(-pos // self.align) * self.align
             d = wire.pack(src, buf[pos : pos + p.nbytes], dt)
+            if full and p.box == self._boxes[name].box and dt == self._local[name].dtype:
+                self._tround.setdefault(name, d)  # the piece is the whole tensor, same bytes
             present.append(d)
             pos += p.nbytes
             payload += p.nbytes
         wire.write_header(buf, seq, version, bk.index, wire.OK, present, pos - start)
         return (pos if payload else start), present, payload
+
+    def _changed(self, name: str, key: tuple[int, int, int]) -> bool | None:
+        """Whether tensor ``name`` changed since the last committed round, from one in-place
+        hash of its local bytes per round; None when that cannot tell (no digest of it was
+        committed yet, or its local tensor is not contiguous): then the piece is hashed.
+
+        Hashing the whole local tensor once reads every source byte once, in place, whatever
+        the pieces are (column slices of a row shard would each be hashed through a scratch
+        copy, row by row); the price is that a tensor that changed anywhere sends all its
+        pieces."""
+        if name not in self._tround:
+            t = self._local[name]
+            self._tround[name] = wire.hash_tensor(t) if t.is_contiguous() else None
+        now = self._tround[name]
+        before = self._tcommitted.get(name)
+        if now is None or before is None or key not in self._committed:
+            return None
+        return now != before

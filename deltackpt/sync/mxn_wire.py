@@ -31,7 +31,16 @@ import xxhash
 
 from deltackpt.sync.errors import SyncError
 
-__all__ = ["ABORT", "HEAD", "OK", "hash_piece", "header_words", "pack", "read_header"]
+__all__ = [
+    "ABORT",
+    "HEAD",
+    "OK",
+    "hash_piece",
+    "hash_tensor",
+    "header_words",
+    "pack",
+    "read_header",
+]
 
 MAGIC = 0x6D786E73796E63  # "mxnsync"
 HEAD = 8
@@ -173,6 +182,14 @@ def hash_piece(src: torch.Tensor, wire: torch.dtype, scratch: torch.Tensor) -> t
 
 
 SCRATCH = _CHUNK
+
+
+def hash_tensor(t: torch.Tensor) -> tuple[int, int]:
+    """Digest of a contiguous tensor's raw bytes, in place (its own dtype, no cast)."""
+    h = xxhash.xxh3_128()
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest_words(h)
 
 
 def verify(buf: torch.Tensor) -> tuple[int, int]:
