@@ -19,8 +19,10 @@ names it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +69,10 @@ class Want:
 
 
 class MxNReceiver:
-    """Receives this inference rank's layout from the trainers of ``group`` (see module doc)."""
+    """Receives this inference rank's layout from the trainers of ``group`` (see module doc).
+
+    ``apply_threads``: threads copying the committed pieces into the targets (default: up to 4,
+    one per core); ``bucket_bytes``/``align`` must be the same on every rank of the group."""
 
     def __init__(
         self,
@@ -76,6 +81,7 @@ class MxNReceiver:
         *,
         bucket_bytes: int = 64 << 20,
         align: int = 64,
+        apply_threads: int | None = None,
     ) -> None:
         if group.rank in group.trainers:
             raise SyncError(f"rank {group.rank} is a trainer of the group; use MxNSender")
@@ -87,6 +93,8 @@ class MxNReceiver:
         self._buckets: list[LinkBucket] = []
         self._slots: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
+        n = min(4, os.cpu_count() or 1) if apply_threads is None else int(apply_threads)
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="mxn-apply") if n > 1 else None
 
     def _decl(self) -> Decl:
         out = []
@@ -250,19 +258,41 @@ class MxNReceiver:
     def _apply(
         self, sched: Schedule, staged: list[tuple[LinkBucket, torch.Tensor, list[int | None]]]
     ) -> set[int]:
-        """Copy every staged piece into its target tensor; returns the wants touched."""
-        changed: set[int] = set()
+        """Copy every staged piece into its target tensor; returns the wants touched. The
+        copies run on ``apply_threads`` threads (a copy releases the GIL): after the vote the
+        senders are idle, so this rank may use the cores they used."""
         boxes = sched.wanted[self.group.rank]
-        with torch.no_grad():
-            for bk, slot, offsets in staged:
-                for p, off in zip(bk.pieces, offsets, strict=True):
-                    if off is None:
-                        continue
-                    dt = wire_dtype(p.dtype)
-                    src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
-                    wire.copy_into(self._targets[p.want][p.box.within(boxes[p.want][2])], src)
-                    changed.add(p.want)
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        changed: set[int] = set()
+        for bk, slot, offsets in staged:
+            for p, off in zip(bk.pieces, offsets, strict=True):
+                if off is None:
+                    continue
+                dt = wire_dtype(p.dtype)
+                src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
+                jobs.append((self._targets[p.want][p.box.within(boxes[p.want][2])], src))
+                changed.add(p.want)
+        if self._pool is None or len(jobs) < 2:
+            _copy_all(jobs)
+        else:  # split into runs of about equal bytes, one per thread
+            n = self._pool._max_workers  # type: ignore[attr-defined]
+            total = sum(src.numel() * src.element_size() for _, src in jobs)
+            runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+            acc = 0
+            for dst, src in jobs:
+                if acc >= total * len(runs) / n and len(runs) < n:
+                    runs.append([])
+                runs[-1].append((dst, src))
+                acc += src.numel() * src.element_size()
+            for f in [self._pool.submit(_copy_all, r) for r in runs]:
+                f.result()
         return changed
+
+
+def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for dst, src in jobs:
+            wire.copy_into(dst, src)
 
 
 def payload_bytes(bk: LinkBucket, offsets: list[int | None]) -> int:
