@@ -20,6 +20,11 @@ Measured in the same processes, best of ``--repeats``:
 * delta round, ``detect="version"``: the same, skipping the tensors whose in-place version
   counter did not move (no hashing of unchanged tensors).
 
+CPU: every rank's ``process_time`` over the fastest run of each phase (its gloo and helper
+threads included, the closing barrier not), summed over the ranks. "full vs its CPU floor" is
+that CPU spread over every core of the machine, as a share of the full round's wall time: near
+100% the round is bound by this machine's cores, not by the transport or by waiting.
+
 The shm ceiling: every trainer copies its links' bytes into a ``/dev/shm`` file, then every
 receiver copies them out (write + read, as a round through the link windows does).
 """
@@ -67,12 +72,17 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
     def barrier() -> None:
         group.pg.barrier().wait()
 
-    def timed(fn: Any) -> float:
+    cpu: dict[str, list[tuple[float, float]]] = {}  # phase -> (wall, this process's CPU s)
+
+    def timed(fn: Any, phase: str = "") -> float:
         barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
+        c1 = time.process_time()  # before the barrier: its spinning is not the round's
         barrier()
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        cpu.setdefault(phase, []).append((wall, c1 - c0))
+        return wall
 
     out: dict[str, Any] = {}
     if rank < m:
@@ -155,16 +165,16 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
         if rank < m:
             for r in sched.receivers:
                 os.unlink(f"/dev/shm/deltackpt-bench-{port}-{rank}-{r}")
-    out["ceiling_s"] = min(timed(ceiling) for _ in range(cfg["repeats"]))
+    out["ceiling_s"] = min(timed(ceiling, "ceiling") for _ in range(cfg["repeats"]))
     bufs.clear()
     wins.clear()
-    out["full_round_s"] = min(timed(lambda: one(True)) for _ in range(cfg["repeats"]))
+    out["full_round_s"] = min(timed(lambda: one(True), "full") for _ in range(cfg["repeats"]))
     deltas = []
     for _ in range(cfg["repeats"]):
         if rank < m:
             for name in changed:
                 state[name].tensor.add_(0.5)
-        deltas.append(timed(lambda: one(False)))
+        deltas.append(timed(lambda: one(False), "delta"))
     out["delta_round_s"] = min(deltas)
     # the same with detect="version": tensors untouched since the last commit are not hashed
     if rank < m:
@@ -179,6 +189,8 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
     out["full_payload"] = stats[1].payload_bytes
     out["delta_payload"] = stats[-1].payload_bytes
     out["buckets"] = stats[1].buckets
+    # CPU seconds of this process in the fastest run of each phase (gloo's threads included)
+    out["cpu_s"] = {ph: min(runs)[1] for ph, runs in cpu.items() if ph}
     group.close()
     return out
 
@@ -208,6 +220,10 @@ def bench_mxn(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"MxN benchmark failed: {errors or 'timeout / crashed process'}")
     out = dict(results[0])
     out["payload_total"] = sum(out["links"].values())
+    # CPU of the whole job per phase (every rank), and the wall time the machine's cores
+    # allow for it: a round cannot finish before its CPU work spread over every core
+    out["cpu_s"] = {ph: sum(res["cpu_s"][ph] for res in results.values()) for ph in out["cpu_s"]}
+    out["cores"] = len(os.sched_getaffinity(0))
     return out
 
 
@@ -215,11 +231,13 @@ def mxn_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| MxN | transport | bytes/link MB | ceiling s (GB/s) | full round s (GB/s) | "
         "full vs ceiling | delta round s | delta / full | delta (detect=version) s | "
-        "delta (version) / full | delta bytes / full |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "delta (version) / full | delta bytes / full | CPU s ceiling / full (all ranks) | "
+        "full vs its CPU floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gb = r["payload_total"] / C.GB
+        cpu = r["cpu_s"]
         per = sorted({round(b / 1e6, 1) for b in r["links"].values()})
         lines.append(
             f"| {r['m']}x{r['n']} | {r['kind']} | {'/'.join(map(str, per))} | {r['ceiling_s']:.3f} "
@@ -227,7 +245,8 @@ def mxn_table(rows: list[dict[str, Any]]) -> str:
             f"({gb / r['full_round_s']:.2f}) | {r['ceiling_s'] / r['full_round_s']:.0%} | "
             f"{r['delta_round_s']:.3f} | {r['delta_round_s'] / r['full_round_s']:.0%} | "
             f"{r['delta_version_s']:.3f} | {r['delta_version_s'] / r['full_round_s']:.0%} | "
-            f"{r['delta_payload'] / r['full_payload']:.1%} |"
+            f"{r['delta_payload'] / r['full_payload']:.1%} | {cpu['ceiling']:.3f} / "
+            f"{cpu['full']:.3f} | {cpu['full'] / r['cores'] / r['full_round_s']:.0%} |"
         )
     return "\n".join(lines)
 
