@@ -38,6 +38,7 @@ from _harness.files import (
 )
 from _harness.limits import measure_limits, median, timed
 from _harness.models import contig_stride, qwen2_params, qwen2_scale, qwen2_shapes, qwen2_weights
+from _harness.ranks import collect
 from _harness.report import fmt_bytes, md_table, write_json
 from _harness.trees import (
     bit_digests,
@@ -64,6 +65,7 @@ __all__ = [
     "bit_digests",
     "bit_equal",
     "code_fingerprint",
+    "collect",
     "compare",
     "compare_digests",
     "contig_stride",

@@ -200,19 +200,7 @@ def bench(cfg: dict[str, Any], receivers: int) -> dict[str, Any]:
     procs = [ctx.Process(target=worker, args=(r, world, cfg, port, name, q)) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + cfg["timeout"]
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            r, res = q.get(timeout=1)
-            results[r] = res
-        except Exception:  # queue.Empty
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
+    results = C.collect(procs, q, cfg["timeout"])
     from deltackpt.sync import ShmTransport
 
     ShmTransport.unlink(name)

@@ -202,19 +202,7 @@ def bench_mxn(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
     procs = [ctx.Process(target=_worker, args=(r, m, n, cfg, port, q)) for r in range(m + n)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + cfg["timeout"]
-    while len(results) < m + n and time.monotonic() < deadline:
-        try:
-            r, res = q.get(timeout=1)
-            results[r] = res
-        except Exception:  # queue.Empty
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
+    results = C.collect(procs, q, cfg["timeout"])
     errors = [res["error"] for res in results.values() if "error" in res]
     if errors or len(results) < m + n:
         raise SystemExit(f"MxN benchmark failed: {errors or 'timeout / crashed process'}")

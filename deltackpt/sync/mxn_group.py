@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from deltackpt.sync.errors import PeerLostError, SyncError, SyncTimeoutError
 from deltackpt.sync.mxn_shm import ShmLinks
+from deltackpt.sync.peers import pid_alive
 
 __all__ = ["MxNGroup", "cause_line"]
 
@@ -143,7 +144,7 @@ class MxNGroup:
     def alive(self, rank: int) -> bool:
         """False when ``rank`` runs on this host and its process is gone (or a zombie)."""
         host, pid = self.pid_of(rank)
-        return host != socket.gethostname() or _alive(pid)
+        return host != socket.gethostname() or pid_alive(pid)
 
     def _beat_loop(self, store: dist.TCPStore, stop: threading.Event) -> None:
         n = 0
@@ -306,18 +307,3 @@ class MxNGroup:
 def _split(value: bytes) -> tuple[str, int]:
     host, _, pid = value.decode().rpartition(":")
     return host, int(pid)
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a killed child not reaped yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True

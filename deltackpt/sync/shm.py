@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from deltackpt.sync.errors import PeerLostError, SyncError, SyncTimeoutError
+from deltackpt.sync.peers import pid_alive
 from deltackpt.sync.plan import Plan
 from deltackpt.sync.shm_window import ShmWindow, window_files
 from deltackpt.sync.transport import Channel, Transport
@@ -54,22 +55,6 @@ _CHECK_EVERY = 0.05
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed child its parent has not reaped yet still answers kill(0)
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _check(*parts: bytes | memoryview | np.ndarray) -> int:
@@ -153,7 +138,7 @@ class ShmTransport(Transport):
             return
         old_world = int(hdr[2])
         pids = np.frombuffer(os.pread(fd, old_world * 32, 64), dtype=np.int64)[::4]
-        live = [int(p) for p in pids if _alive(int(p)) and int(p) != os.getpid()]
+        live = [int(p) for p in pids if pid_alive(int(p)) and int(p) != os.getpid()]
         if live:
             raise SyncError(
                 f"shared-memory segment {self.path} is in use by pids {live} with "
@@ -188,7 +173,7 @@ class ShmTransport(Transport):
         me[0] = os.getpid()
         lead = self._ranks[self.leader]
         self._poll(
-            lambda: int(lead[1]) > self._last_gen and _alive(int(lead[0])),
+            lambda: int(lead[1]) > self._last_gen and pid_alive(int(lead[0])),
             f"waiting for sender rank {self.leader} to start generation > {self._last_gen}",
             (),
             joining=True,
@@ -247,7 +232,7 @@ class ShmTransport(Transport):
                     f"{gen} (it reset or was replaced) while this rank is in "
                     f"{self._gen}; call transport.reset()"
                 )
-            if gen == self._gen and not _alive(pid):
+            if gen == self._gen and not pid_alive(pid):
                 raise PeerLostError(
                     f"rank {self.rank}: {what}: rank {r} (pid {pid}) died; call "
                     "transport.reset() here and restart it"
