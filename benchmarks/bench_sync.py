@@ -238,6 +238,12 @@ def main() -> None:
     ap.add_argument("--mxn", help="instead: MxN rounds for these shapes, e.g. 1x1,2x2 (_sync/)")
     ap.add_argument("--mxn-links", default="gloo", help="with --mxn: gloo,shm (comma-separated)")
     ap.add_argument("--sim", action="store_true", help="with --mxn: the simulated 256->128 plan")
+    ap.add_argument(
+        "--mxn-zero-copy",
+        default="on",
+        help="with --mxn: on,off (comma-separated): trainers send large contiguous pieces "
+        "from the tensors (gloo; MxNSender zero_copy_min default) or pack every piece",
+    )
     args = ap.parse_args()
     if args.mxn:
         return mxn_main(args)
@@ -305,10 +311,13 @@ def mxn_main(args: argparse.Namespace) -> None:
     rows = []
     for kind in args.mxn_links.split(","):
         for shape in args.mxn.split(","):
-            m, n = map(int, shape.split("x"))
-            r = bench_mxn(m, n, {**cfg, "links": kind})
-            r.update(m=m, n=n, kind=kind)
-            rows.append(r)
+            for zc in args.mxn_zero_copy.split(","):
+                if zc == "off" and kind != "gloo":
+                    continue  # shm links pack into the window: nothing to turn off
+                m, n = map(int, shape.split("x"))
+                r = bench_mxn(m, n, {**cfg, "links": kind, "zero_copy": zc})
+                r.update(m=m, n=n, kind=kind, zero_copy=zc)
+                rows.append(r)
             print(f"# done {kind} {m}x{n}: {json.dumps(r)}", file=sys.stderr, flush=True)
     r0 = rows[0]
     print(

@@ -101,7 +101,10 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
             acc += math.prod(s)
         out["delta_params_frac"] = acc / nparams
         out["bytes"] = 2 * nparams
-        endpoint: Any = sync.MxNSender(group, bucket_bytes=bucket)
+        zc = cfg.get("zero_copy", "on") == "on"
+        endpoint: Any = sync.MxNSender(
+            group, bucket_bytes=bucket, **({} if zc else {"zero_copy_min": None})
+        )
     else:
         j = rank - m
         wants = []
@@ -187,6 +190,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
         deltas.append(timed(lambda: one(False)))
     out["delta_version_s"] = min(deltas[1:])
     out["full_payload"] = stats[1].payload_bytes
+    out["full_zero_copy"] = stats[1].zero_copy_bytes
     out["delta_payload"] = stats[-1].payload_bytes
     out["buckets"] = stats[1].buckets
     # CPU seconds of this process in the fastest run of each phase (gloo's threads included)
@@ -217,18 +221,18 @@ def bench_mxn(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def mxn_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| MxN | transport | bytes/link MB | ceiling s (GB/s) | full round s (GB/s) | "
+        "| MxN | transport | zero-copy | bytes/link MB | ceiling s (GB/s) | full round s (GB/s) | "
         "full vs ceiling | delta round s | delta / full | delta (detect=version) s | "
         "delta (version) / full | delta bytes / full | CPU s ceiling / full (all ranks) | "
         "full vs its CPU floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gb = r["payload_total"] / C.GB
         cpu = r["cpu_s"]
         per = sorted({round(b / 1e6, 1) for b in r["links"].values()})
         lines.append(
-            f"| {r['m']}x{r['n']} | {r['kind']} | {'/'.join(map(str, per))} | {r['ceiling_s']:.3f} "
+            f"| {r['m']}x{r['n']} | {r['kind']} | {zc_share(r)} | {'/'.join(map(str, per))} | {r['ceiling_s']:.3f} "
             f"({gb / r['ceiling_s']:.2f}) | {r['full_round_s']:.3f} "
             f"({gb / r['full_round_s']:.2f}) | {r['ceiling_s'] / r['full_round_s']:.0%} | "
             f"{r['delta_round_s']:.3f} | {r['delta_round_s'] / r['full_round_s']:.0%} | "
@@ -237,6 +241,13 @@ def mxn_table(rows: list[dict[str, Any]]) -> str:
             f"{cpu['full']:.3f} | {cpu['full'] / r['cores'] / r['full_round_s']:.0%} |"
         )
     return "\n".join(lines)
+
+
+def zc_share(r: dict[str, Any]) -> str:
+    """'off', or the share of a full round's payload sent from the tensors themselves."""
+    if r.get("zero_copy", "on") == "off":
+        return "off"
+    return f"{r['full_zero_copy'] / r['full_payload']:.0%}"
 
 
 def sim_table(res: dict[str, Any]) -> str:

@@ -195,7 +195,7 @@ class MxNGroup:
         """Every rank posts ``data`` under ``key``; returns every rank's, by rank."""
         self.guard("store set", lambda: self.store.set(f"x/{key}/{self.rank}", data))
         keys = [f"x/{key}/{r}" for r in range(self.world_size)]
-        self._poll(lambda: self.store.check(keys), f"waiting for every rank's {key}", None)
+        self.wait_until(lambda: self.store.check(keys), f"waiting for every rank's {key}", None)
         return [bytes(self.guard("store get", lambda k=k: self.store.get(k))) for k in keys]
 
     # ---- rounds ---------------------------------------------------------------------------
@@ -230,10 +230,13 @@ class MxNGroup:
             found[0] = self.aborted(seq)
             return found[0] is not None or bool(self.store.check(keys))
 
-        self._poll(ready, f"round {seq}: waiting for the commit vote", seq)
+        self.wait_until(ready, f"round {seq}: waiting for the commit vote", seq)
         return found[0]
 
-    def _poll(self, ready: Callable[[], bool], what: str, seq: int | None) -> None:
+    def wait_until(self, ready: Callable[[], bool], what: str, seq: int | None) -> None:
+        """Poll ``ready`` until it is true; :class:`PeerLostError` when a rank stops beating
+        (round ``seq`` is then aborted for everyone), :class:`SyncTimeoutError` after
+        ``timeout``."""
         start = time.monotonic()
         next_beat = start + self.beat
         delay = 1e-4

@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +52,9 @@ __all__ = ["MxNReceiver", "Want"]
 
 #: ``load_weights(weights)``: a list of ``(name, tensor)``; the return value is ignored.
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+# a verified bucket: its slot, piece offsets and flags
+_Staged = tuple[LinkBucket, torch.Tensor, list[int | None], list[int]]
 
 
 @dataclass
@@ -155,41 +158,75 @@ class MxNReceiver:
         failure: str | None = None
         mismatch: str | None = None
         versions: set[int] = set()
-        staged: list[tuple[LinkBucket, torch.Tensor, list[int | None]]] = []
+        staged: list[_Staged] = []
         per_link: dict[int, int] = {}
         wire_bytes = 0
+
+        def lost(bk: LinkBucket, e: SyncError) -> PeerLostError:
+            why = f"receiving from rank {bk.sender} failed ({cause_line(e)})"
+            g.abort(seq, "lost: " + why)
+            return PeerLostError(
+                f"rank {g.rank}: {why}; call group.reconnect(new_port) on the survivors "
+                f"and restart rank {bk.sender}; version stays {self.version}"
+            )
+
+        # bucket i's zero-copy pieces are posted as soon as its header is read, and bucket i-1
+        # is verified while they arrive
+        pending: _Arrived | None = None
         for bk, slot, work in zip(self._buckets, self._slots, works, strict=True):
             try:
                 g.guard("gloo recv", work.wait)
             except SyncError as e:
-                why = f"receiving from rank {bk.sender} failed ({cause_line(e)})"
-                g.abort(seq, "lost: " + why)
-                raise PeerLostError(
-                    f"rank {g.rank}: {why}; call group.reconnect(new_port) on the survivors "
-                    f"and restart rank {bk.sender}; version stays {self.version}"
-                ) from e
-            if failure is not None:
-                continue  # drain: every message of the round is received, none used
-            try:
-                status, version, present, payload = wire.read_header(
-                    slot, seq, bk.index, len(bk.pieces), bk.capacity
+                raise lost(bk, e) from e
+            got = _Arrived(bk, slot)
+            try:  # read even when the round already failed: its zero-copy pieces are drained
+                got.header = wire.read_header(
+                    slot,
+                    seq,
+                    bk.index,
+                    len(bk.pieces),
+                    slot.numel() - payload_start(bk, self.align),
                 )
             except SyncError as e:
-                failure = str(e)
-                continue
-            if status != wire.OK:
-                failure = f"rank {bk.sender} aborted the round (its error is raised there)"
-                continue
-            versions.add(version)
-            offsets, bad = self._verify(bk, slot, present)
-            if bad is not None:
-                failure = mismatch = (
-                    f"round {version}: bucket {bk.index} from rank {bk.sender}: {bad}"
+                failure = failure or str(e)
+            if got.header is not None and got.header[0] == wire.OK:
+                flags, start = got.header[3], payload_start(bk, self.align)
+                got.offsets, _, end = wire.layout(
+                    [p.nbytes for p in bk.pieces], flags, start, self.align
                 )
-                continue
-            staged.append((bk, slot, offsets))
-            per_link[bk.sender] = per_link.get(bk.sender, 0) + payload_bytes(bk, offsets)
-            wire_bytes += payload_start(bk, self.align) + payload
+                bad = None
+                if wire.DIRECT in flags and g.links != "gloo":
+                    bad = f"zero-copy pieces on a {g.links} link"
+                elif end != start + got.header[4] or end > slot.numel():
+                    bad = f"header claims {got.header[4]} payload bytes, its pieces take {end - start}"
+                if bad is not None:
+                    failure = (
+                        failure or f"bucket {bk.index} of round {seq} from rank {bk.sender}: {bad}"
+                    )
+                    got.header = None
+                else:
+                    try:
+                        got.works = [
+                            g.irecv(
+                                slot[off : off + p.nbytes], bk.sender, wire.direct_tag(bk.index, j)
+                            )
+                            for j, (p, off) in enumerate(
+                                (p, o)
+                                for p, o, f in zip(bk.pieces, got.offsets, flags, strict=True)
+                                if f == wire.DIRECT and o is not None
+                            )
+                        ]
+                    except SyncError as e:
+                        raise lost(bk, e) from e
+            if pending is not None:
+                failure, mismatch, wire_bytes = self._settle(
+                    pending, seq, failure, mismatch, wire_bytes, versions, staged, per_link, lost
+                )
+            pending = got
+        if pending is not None:
+            failure, mismatch, wire_bytes = self._settle(
+                pending, seq, failure, mismatch, wire_bytes, versions, staged, per_link, lost
+            )
         if failure is None and len(versions) > 1:
             failure = f"senders sent different versions {sorted(versions)} in one round"
         reason = g.vote(seq, None if failure is None else f"rank {g.rank}: {failure}")
@@ -219,8 +256,14 @@ class MxNReceiver:
         if versions:
             self.version = versions.pop()
         npieces = sum(len(b.pieces) for b in self._buckets)
-        got = sum(sum(o is not None for o in offs) for _, _, offs in staged)
+        got = sum(sum(o is not None for o in offs) for _, _, offs, _ in staged)
         payload = sum(per_link.values())
+        zero_copy = sum(
+            p.nbytes
+            for bk, _, offs, flags in staged
+            for p, o, f in zip(bk.pieces, offs, flags, strict=True)
+            if o is not None and f == wire.DIRECT
+        )
         return MxNStats(
             self.version if self.version is not None else -1,
             got == npieces,
@@ -229,42 +272,77 @@ class MxNReceiver:
             payload,
             wire_bytes,
             per_link,
+            zero_copy,
         )
 
+    def _settle(
+        self,
+        got: _Arrived,
+        seq: int,
+        failure: str | None,
+        mismatch: str | None,
+        wire_bytes: int,
+        versions: set[int],
+        staged: list[_Staged],
+        per_link: dict[int, int],
+        lost: Callable[[LinkBucket, SyncError], PeerLostError],
+    ) -> tuple[str | None, str | None, int]:
+        """Wait for a bucket's zero-copy pieces, then verify and stage it (unless the round
+        already failed); returns the updated (failure, mismatch, wire bytes)."""
+        bk = got.bk
+        for w in got.works:
+            try:
+                self.group.guard("gloo recv", w.wait)
+            except SyncError as e:
+                raise lost(bk, e) from e
+        if failure is not None or got.header is None:
+            return failure, mismatch, wire_bytes  # drained: received, not used
+        status, version, present, _, payload = got.header
+        if status != wire.OK:
+            return (
+                f"rank {bk.sender} aborted the round (its error is raised there)",
+                mismatch,
+                wire_bytes,
+            )
+        versions.add(version)
+        bad = self._verify(bk, got.slot, present, got.offsets)
+        if bad is not None:
+            why = f"round {version}: bucket {bk.index} from rank {bk.sender}: {bad}"
+            return why, why, wire_bytes
+        staged.append((bk, got.slot, got.offsets, got.header[3]))
+        per_link[bk.sender] = per_link.get(bk.sender, 0) + payload_bytes(bk, got.offsets)
+        return None, mismatch, wire_bytes + payload_start(bk, self.align) + payload
+
     def _verify(
-        self, bk: LinkBucket, slot: torch.Tensor, present: list[tuple[int, int] | None]
-    ) -> tuple[list[int | None], str | None]:
-        """Offsets of the present pieces in ``slot``; each piece hashed against its digest."""
-        pos = payload_start(bk, self.align)
-        offsets: list[int | None] = []
-        for k, (p, d) in enumerate(zip(bk.pieces, present, strict=True)):
-            if d is None:
-                offsets.append(None)
+        self,
+        bk: LinkBucket,
+        slot: torch.Tensor,
+        present: list[tuple[int, int] | None],
+        offsets: list[int | None],
+    ) -> str | None:
+        """Each present piece at its offset in ``slot`` hashed against its digest."""
+        for k, (p, d, off) in enumerate(zip(bk.pieces, present, offsets, strict=True)):
+            if d is None or off is None:
                 continue
-            pos = -(-pos // self.align) * self.align
-            if pos + p.nbytes > slot.numel():
-                return offsets, f"piece {k} does not fit in the message"
-            got = wire.verify(slot[pos : pos + p.nbytes])
+            if off + p.nbytes > slot.numel():
+                return f"piece {k} does not fit in the message"
+            got = wire.verify(slot[off : off + p.nbytes])
             if got != d:
                 name = self.schedule.tensors[p.tensor].name if self.schedule else "?"
-                return offsets, (
+                return (
                     f"piece {k} ({name} box {p.box}) has digest {got}, the sender announced {d}; "
                     "check the network / memory of both hosts"
                 )
-            offsets.append(pos)
-            pos += p.nbytes
-        return offsets, None
+        return None
 
-    def _apply(
-        self, sched: Schedule, staged: list[tuple[LinkBucket, torch.Tensor, list[int | None]]]
-    ) -> set[int]:
+    def _apply(self, sched: Schedule, staged: list[_Staged]) -> set[int]:
         """Copy every staged piece into its target tensor; returns the wants touched. The
         copies run on ``apply_threads`` threads (a copy releases the GIL): after the vote the
         senders are idle, so this rank may use the cores they used."""
         boxes = sched.wanted[self.group.rank]
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
         changed: set[int] = set()
-        for bk, slot, offsets in staged:
+        for bk, slot, offsets, _ in staged:
             for p, off in zip(bk.pieces, offsets, strict=True):
                 if off is None:
                     continue
@@ -287,6 +365,18 @@ class MxNReceiver:
             for f in [self._pool.submit(_copy_all, r) for r in runs]:
                 f.result()
         return changed
+
+
+@dataclass
+class _Arrived:
+    """A bucket message that arrived: its header (None when unreadable or not to be used),
+    piece offsets and the receives posted for its zero-copy pieces."""
+
+    bk: LinkBucket
+    slot: torch.Tensor
+    header: tuple[int, int, list[tuple[int, int] | None], list[int], int] | None = None
+    offsets: list[int | None] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)
 
 
 def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

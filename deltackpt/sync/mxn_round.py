@@ -17,7 +17,9 @@ __all__ = ["MxNStats", "link_slots", "message_bytes", "payload_start", "setup_sc
 class MxNStats:
     """One round as this rank saw it. ``payload_bytes``: piece bytes this rank sent (trainer)
     or received (receiver), the sum of ``per_link`` (peer rank -> bytes); ``wire_bytes`` adds
-    headers and alignment gaps. ``full``: every planned piece was sent/received."""
+    headers and alignment gaps. ``full``: every planned piece was sent/received.
+    ``zero_copy_bytes``: the part of ``payload_bytes`` sent straight from the trainers' tensors
+    (no packing copy; see ``MxNSender(zero_copy_min=)``)."""
 
     version: int
     full: bool
@@ -26,6 +28,7 @@ class MxNStats:
     payload_bytes: int
     wire_bytes: int
     per_link: dict[int, int] = field(default_factory=dict)
+    zero_copy_bytes: int = 0
 
 
 def payload_start(bk: LinkBucket, align: int) -> int:
@@ -34,8 +37,9 @@ def payload_start(bk: LinkBucket, align: int) -> int:
 
 
 def message_bytes(bk: LinkBucket, align: int) -> int:
-    """The largest message of ``bk`` (every piece present)."""
-    return payload_start(bk, align) + bk.capacity
+    """The room a message of ``bk`` may take: header, every piece present, and ``align``
+    bytes of slack for the zero-copy pieces' place at the end (``mxn_wire.layout``)."""
+    return payload_start(bk, align) + bk.capacity + align
 
 
 def setup_schedule(group: MxNGroup, decl: Decl, bucket_bytes: int, align: int) -> Schedule:

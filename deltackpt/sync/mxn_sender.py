@@ -22,9 +22,11 @@ packing thread writes straight into the link's slot. Then the commit vote (store
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -47,13 +49,17 @@ __all__ = ["MxNSender"]
 _RING = 3
 _ABORT_CHECK = 0.05  # seconds between looks at the abort key while sending
 
-Packed = tuple[int, list[tuple[int, int] | None], int]  # message bytes, digests, payload bytes
+# message bytes, digests, payload bytes, zero-copy pieces (flat bytes of the source, tag)
+Packed = tuple[int, list[tuple[int, int] | None], int, list[tuple[torch.Tensor, int]]]
 
 
 class MxNSender:
     """Sends this trainer rank's shards to the inference ranks of ``group`` (see module doc).
 
-    ``bucket_bytes``/``align`` must be the same on every rank of the group.
+    ``bucket_bytes``/``align`` must be the same on every rank of the group. ``zero_copy_min``
+    (gloo links): pieces of at least this many bytes that are contiguous in the local tensor
+    and need no cast are sent from the tensor itself, not copied into a bucket first (None:
+    never); the tensors must not change until ``push`` returns.
     """
 
     def __init__(
@@ -63,12 +69,14 @@ class MxNSender:
         bucket_bytes: int = 64 << 20,
         align: int = 64,
         detect: str = "hash",
+        zero_copy_min: int | None = 256 << 10,
     ) -> None:
         if group.rank not in group.trainers:
             raise SyncError(f"rank {group.rank} is not a trainer of the group; use MxNReceiver")
         if detect not in ("hash", "version"):
             raise SyncError(f"detect={detect!r}: choose 'hash' or 'version'")
         self.detect = detect
+        self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
         # name -> (data_ptr, _version, the tensor: keeps its memory from being reused)
         self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._round_vers: dict[str, tuple[int, int, torch.Tensor]] = {}
@@ -87,6 +95,7 @@ class MxNSender:
         self._tcommitted: dict[str, tuple[int, int]] = {}
         self._tround: dict[str, tuple[int, int] | None] = {}
         self._dirty = True
+        self._zero_copy_bytes = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mxn-pack")
 
     def _setup(self, named_tensors: Mapping[str, torch.Tensor] | Iterable) -> None:
@@ -140,6 +149,7 @@ class MxNSender:
         self._tround = {}
         if self.detect == "version":  # before reading anything: a later write shows next round
             self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in self._local.items()}
+        self._zero_copy_bytes = 0
         failure, lost, wire_bytes, sent = self._send_all(
             sched, seq, int(version), full, digests, per_link
         )
@@ -176,7 +186,14 @@ class MxNSender:
         self.version = int(version)
         payload = sum(per_link.values())
         return MxNStats(
-            int(version), full, time.perf_counter() - t0, sent, payload, wire_bytes, per_link
+            int(version),
+            full,
+            time.perf_counter() - t0,
+            sent,
+            payload,
+            wire_bytes,
+            per_link,
+            self._zero_copy_bytes,
         )
 
     # ---- sending --------------------------------------------------------------------------
@@ -196,6 +213,7 @@ class MxNSender:
         works: list[tuple[int, object] | None] = [None] * _RING
         bufs: list[torch.Tensor] = list(self._ring)
         stubs: list[tuple[int, object, torch.Tensor]] = []
+        directs: list[tuple[int, object]] = []  # zero-copy sends: (receiver, work)
         failure: str | None = None
         lost: str | None = None
         dead: set[int] = set()
@@ -245,7 +263,7 @@ class MxNSender:
             if bk.receiver in dead:
                 continue
             if packed is not None and not (failure or lost):
-                nbytes, present, payload = packed
+                nbytes, present, payload, zero_copy = packed
                 for k, d in enumerate(present):
                     if d is not None:
                         digests[(bk.receiver, bk.index, k)] = d
@@ -256,6 +274,10 @@ class MxNSender:
                         works[i % _RING] = (bk.receiver, g.publish(bk.receiver, bk.index, nbytes))
                     else:
                         works[i % _RING] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
+                        for t, tag in zero_copy:  # after the header: the receiver reads it first
+                            directs.append((bk.receiver, g.isend(t, bk.receiver, tag)))
+                            wire_bytes += t.numel()
+                            self._zero_copy_bytes += t.numel()
                 except SyncError as e:
                     dead.add(bk.receiver)
                     lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
@@ -274,51 +296,137 @@ class MxNSender:
             fut.result()
         for slot in range(_RING):
             settle(slot)
-        for dst, work, _ in stubs:
-            try:
-                g.guard("gloo send", work.wait)  # type: ignore[attr-defined]
-            except SyncError as e:
-                lost = lost or f"sending to rank {dst} failed ({cause_line(e)})"
+        rest = [(d, w) for d, w in [*directs, *((d, w) for d, w, _ in stubs)] if d not in dead]
+        lost = self._drain(seq, rest) or lost
         return failure, lost, wire_bytes, len(self._buckets)
+
+    def _drain(self, seq: int, works: list[tuple[int, Any]]) -> str | None:
+        """Wait for the round's last sends (zero-copy pieces, whose receives a receiver posts
+        as it reads their bucket's header, and abort stubs); the lost peer's story, if any. A
+        receiver that lost another peer raises and posts nothing more, so the wait ends when
+        the round is aborted for a lost peer, not at the group timeout. (A gloo send cannot be
+        polled, and a wait with a timeout closes the connection: a daemon thread waits.)"""
+        if not works:
+            return None
+        g = self.group
+        errors: list[str] = []
+        done = threading.Event()
+
+        def wait_all() -> None:
+            for dst, w in works:
+                try:
+                    g.guard("gloo send", w.wait)
+                except SyncError as e:
+                    errors.append(f"sending to rank {dst} failed ({cause_line(e)})")
+            done.set()
+
+        threading.Thread(target=wait_all, name="mxn-drain", daemon=True).start()
+        lost: list[str] = []
+
+        def ready() -> bool:
+            if done.wait(0.01):  # returns as soon as the sends are done
+                return True
+            why = g.aborted(seq)
+            if why is not None and why.startswith("lost: "):
+                lost.append(why[6:])
+                return True
+            return False
+
+        try:
+            g.wait_until(ready, f"round {seq}: sending the last pieces", seq)
+        except SyncError as e:  # a peer stopped beating, the store is gone, or the timeout
+            lost.append(cause_line(e))
+        return (errors or lost or [None])[0]
 
     def _pack(
         self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
     ) -> Packed:
-        """Fill ``buf`` with the message of ``bk``: changed (or all) pieces, then the header."""
-        start = payload_start(bk, self.align)
-        pos = start
-        present: list[tuple[int, int] | None] = []
+        """Fill ``buf`` with the message of ``bk``: changed (or all) pieces, then the header;
+        zero-copy pieces are hashed in place and returned to be sent on their own."""
+        srcs: list[tuple[torch.Tensor, torch.dtype] | None] = []
+        flags: list[int] = []
+        zero_copy = (
+            self.zero_copy_min is not None and self.group.window(bk.receiver, bk.index) is None
+        )
+        zero_copy = zero_copy and bk.index < wire.MAX_DIRECT_BUCKETS
+        ndirect = 0
         scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
-        payload = 0
         for k, p in enumerate(bk.pieces):
             name = sched.tensors[p.tensor].name
             src = self._local[name][p.box.within(self._boxes[name].box)]
             dt = wire_dtype(p.dtype)
-            if not full:
-                key = (bk.receiver, bk.index, k)
-                changed: bool | None = None
-                if self.detect == "version" and key in self._committed and name in self._vers:
-                    # skipped unread when not written through torch since the last commit,
-                    # sent unhashed when it was
-                    changed = self._vers[name][:2] != self._round_vers[name][:2]
-                    if changed:
-                        self._tround[name] = None
-                if changed is None:
-                    changed = self._changed(name, key)
-                if changed is None:  # no digest of the whole tensor to compare: this piece's
-                    changed = wire.hash_piece(src, dt, scratch) != self._committed.get(key)
-                if not changed:
-                    present.append(None)
-                    continue
-            pos = -(-pos // self.align) * self.align
-            d = wire.pack(src, buf[pos : pos + p.nbytes], dt)
+            if not full and not self._piece_changed(
+                name, (bk.receiver, bk.index, k), src, dt, scratch
+            ):
+                srcs.append(None)
+                flags.append(0)
+                continue
+            direct = (
+                zero_copy
+                and p.nbytes >= (self.zero_copy_min or 0)
+                and ndirect < wire.MAX_DIRECT
+                and src.dtype == dt
+                and src.device.type == "cpu"
+                and src.is_contiguous()
+            )
+            ndirect += direct
+            srcs.append((src, dt))
+            flags.append(wire.DIRECT if direct else wire.IN_MESSAGE)
+        start = payload_start(bk, self.align)
+        offsets, msg_end, end = wire.layout([p.nbytes for p in bk.pieces], flags, start, self.align)
+        present: list[tuple[int, int] | None] = []
+        sends: list[tuple[torch.Tensor, int]] = []
+        payload = 0
+        for k, (p, sd, off) in enumerate(zip(bk.pieces, srcs, offsets, strict=True)):
+            if sd is None or off is None:
+                present.append(None)
+                continue
+            src, dt = sd
+            if flags[k] == wire.DIRECT:
+                d = wire.hash_piece(src, dt, scratch)  # contiguous, no cast: in place
+                sends.append(
+                    (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
+                )
+            else:
+                d = wire.pack(src, buf[off : off + p.nbytes], dt)
+            name = sched.tensors[p.tensor].name
             if full and p.box == self._boxes[name].box and dt == self._local[name].dtype:
                 self._tround.setdefault(name, d)  # the piece is the whole tensor, same bytes
             present.append(d)
-            pos += p.nbytes
             payload += p.nbytes
-        wire.write_header(buf, seq, version, bk.index, wire.OK, present, pos - start)
-        return (pos if payload else start), present, payload
+        wire.write_header(
+            buf,
+            seq,
+            version,
+            bk.index,
+            wire.OK,
+            present,
+            end - start,
+            [f == wire.DIRECT for f in flags],
+        )
+        return msg_end, present, payload, sends
+
+    def _piece_changed(
+        self,
+        name: str,
+        key: tuple[int, int, int],
+        src: torch.Tensor,
+        dt: torch.dtype,
+        scratch: torch.Tensor,
+    ) -> bool:
+        """Whether a piece must be sent in a delta round (see ``detect``)."""
+        changed: bool | None = None
+        if self.detect == "version" and key in self._committed and name in self._vers:
+            # skipped unread when not written through torch since the last commit, sent
+            # unhashed when it was
+            changed = self._vers[name][:2] != self._round_vers[name][:2]
+            if changed:
+                self._tround[name] = None
+        if changed is None:
+            changed = self._changed(name, key)
+        if changed is None:  # no digest of the whole tensor to compare: this piece's
+            changed = wire.hash_piece(src, dt, scratch) != self._committed.get(key)
+        return changed
 
     def _changed(self, name: str, key: tuple[int, int, int]) -> bool | None:
         """Whether tensor ``name`` changed since the last committed round, from one in-place

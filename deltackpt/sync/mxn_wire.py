@@ -3,13 +3,19 @@
 One message per planned bucket per round, ``header + payload``:
 
 * header, int64 words: magic, round seq, version, bucket index, status (1 ok, 2 abort),
-  pieces present, payload bytes, 0; then per planned piece: present flag and its xxh3-128 as
-  two int64 (3 words each). Its size is fixed by the schedule, so the receiver knows it.
-* payload: the present pieces, in planned order, each at the next ``align``-byte offset. A full
-  round sends every piece; a delta round only the pieces whose digest changed since the last
-  committed round (the receiver recomputes the offsets from the present flags). A failed sender
-  sends header-only messages with status 2 for the rest of the round, so no posted receive waits
+  pieces present, payload bytes, 0; then per planned piece: a flag (0 absent, 1 in this
+  message, 2 sent as its own message) and its xxh3-128 as two int64 (3 words each). Its size
+  is fixed by the schedule, so the receiver knows it.
+* payload: the present pieces, each at the next ``align``-byte offset: first those in the
+  message, in planned order, then those sent on their own (:func:`layout`, computed the same
+  way at both ends from the flags). A full round sends every piece; a delta round only the
+  pieces whose digest changed since the last committed round. A failed sender sends
+  header-only messages with status 2 for the rest of the round, so no posted receive waits
   for bytes that never come.
+* zero-copy pieces (gloo links): a large contiguous piece that needs no cast is sent straight
+  from the trainer's tensor as its own message, tag :func:`direct_tag`, after its bucket's
+  message; the receiver posts its receive into the piece's place in the staging slot as soon
+  as it has read the header. The header still carries its digest, hashed in place.
 
 Pieces are boxes of the sender's local shard (strided views: a column slice of a row shard).
 :func:`pack` copies (and casts) one in row chunks of ~256 KiB into a flat buffer and hashes each
@@ -33,11 +39,14 @@ from deltackpt.sync.errors import SyncError
 
 __all__ = [
     "ABORT",
+    "DIRECT",
     "HEAD",
     "OK",
+    "direct_tag",
     "hash_piece",
     "hash_tensor",
     "header_words",
+    "layout",
     "pack",
     "read_header",
 ]
@@ -45,7 +54,36 @@ __all__ = [
 MAGIC = 0x6D786E73796E63  # "mxnsync"
 HEAD = 8
 OK, ABORT = 1, 2
+IN_MESSAGE, DIRECT = 1, 2  # piece flags (0: absent)
+MAX_DIRECT = 1023  # zero-copy pieces per bucket (the tag has 10 bits for them)
+MAX_DIRECT_BUCKETS = 1 << 20  # buckets per link that may carry zero-copy pieces
 _CHUNK = 256 << 10
+
+
+def direct_tag(index: int, j: int) -> int:
+    """Tag of the ``j``-th zero-copy piece of bucket ``index`` (bucket messages use the bucket
+    index: below ``1 << 30``)."""
+    return (1 << 30) | (index << 10) | j
+
+
+def layout(
+    sizes: list[int], flags: list[int], start: int, align: int
+) -> tuple[list[int | None], int, int]:
+    """(offset of every piece or None, end of the bucket message, end of the payload): pieces
+    flagged :data:`IN_MESSAGE` first, in planned order, then the :data:`DIRECT` ones, each at
+    the next ``align``-byte offset from ``start``. Any subset in this order ends at most
+    ``align`` bytes past the planned capacity (only the padding of the last piece differs)."""
+    offsets: list[int | None] = [None] * len(sizes)
+    pos = start
+    for want in (IN_MESSAGE, DIRECT):
+        for k, (n, f) in enumerate(zip(sizes, flags, strict=True)):
+            if f == want:
+                pos = -(-pos // align) * align
+                offsets[k] = pos
+                pos += n
+        if want == IN_MESSAGE:
+            msg_end = pos
+    return offsets, msg_end, pos
 
 
 def header_words(n_pieces: int) -> int:
@@ -65,8 +103,10 @@ def write_header(
     status: int,
     present: list[tuple[int, int] | None],
     payload: int,
+    direct: list[bool] | None = None,
 ) -> int:
-    """Fill the header at the start of ``buf`` (uint8); returns its size in bytes."""
+    """Fill the header at the start of ``buf`` (uint8); returns its size in bytes. ``direct``:
+    per piece, whether it is sent as its own message (default: none)."""
     n = len(present)
     words = np.zeros(header_words(n), dtype=np.int64)
     words[:HEAD] = [
@@ -81,7 +121,8 @@ def write_header(
     ]
     for k, d in enumerate(present):
         if d is not None:
-            words[HEAD + 3 * k : HEAD + 3 * k + 3] = (1, d[0], d[1])
+            flag = DIRECT if direct is not None and direct[k] else IN_MESSAGE
+            words[HEAD + 3 * k : HEAD + 3 * k + 3] = (flag, d[0], d[1])
     raw = words.view(np.uint8)
     buf[: raw.size].copy_(torch.from_numpy(raw))
     return raw.size
@@ -89,9 +130,10 @@ def write_header(
 
 def read_header(
     buf: torch.Tensor, seq: int, index: int, n_pieces: int, capacity: int
-) -> tuple[int, int, list[tuple[int, int] | None], int]:
-    """(status, version, per piece digest or None, payload bytes) of a received message;
-    :class:`SyncError` when it is not the message expected here (untrusted input)."""
+) -> tuple[int, int, list[tuple[int, int] | None], list[int], int]:
+    """(status, version, per piece digest or None, per piece flag, payload bytes) of a
+    received message; :class:`SyncError` when it is not the message expected here (untrusted
+    input)."""
     size = header_words(n_pieces) * 8
     words = buf[:size].numpy().view(np.int64)
     magic, s, version, idx, status, npresent, payload = (int(x) for x in words[:7])
@@ -102,15 +144,22 @@ def read_header(
             "the schedule or a message was corrupted"
         )
     present: list[tuple[int, int] | None] = []
+    flags: list[int] = []
     for k in range(n_pieces):
         flag, hi, lo = (int(x) for x in words[HEAD + 3 * k : HEAD + 3 * k + 3])
-        present.append((hi, lo) if flag == 1 else None)
+        if flag not in (0, IN_MESSAGE, DIRECT) or (status != OK and flag):
+            raise SyncError(
+                f"bucket {index} of round {seq}: piece {k} has flag {flag} (status {status}); "
+                "expected 0, 1 or 2 (none in an abort message)"
+            )
+        present.append((hi, lo) if flag else None)
+        flags.append(flag)
     if sum(p is not None for p in present) != npresent or not 0 <= payload <= capacity:
         raise SyncError(
             f"bucket {index} of round {seq}: header claims {npresent} pieces / {payload} "
             f"bytes, flags say {sum(p is not None for p in present)} (capacity {capacity})"
         )
-    return status, version, present, payload
+    return status, version, present, flags, payload
 
 
 def _rows(src: torch.Tensor, itemsize: int) -> Iterator[torch.Tensor]:

@@ -56,7 +56,7 @@ def _trainer(rank: int, port: int, port2: int, victim: int | None) -> dict[str, 
     from deltackpt.sync import mxn_sender
 
     group = sync.MxNGroup("127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
-    sender = sync.MxNSender(group, bucket_bytes=BUCKET)
+    sender = sync.MxNSender(group, bucket_bytes=BUCKET, zero_copy_min=0)
     sender.push(_shards(rank, 1), version=1)
     if victim == rank:
         _die_at(mxn_sender.MxNSender, "_pack", 2)  # 2 buckets: dies mid-round
@@ -113,7 +113,9 @@ def _replacement(rank: int, port2: int) -> dict[str, Any]:
 
     group = sync.MxNGroup("127.0.0.1", port2, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
     if rank < TRAINERS:
-        st = sync.MxNSender(group, bucket_bytes=BUCKET).push(_shards(rank, 3), version=3)
+        st = sync.MxNSender(group, bucket_bytes=BUCKET, zero_copy_min=0).push(
+            _shards(rank, 3), version=3
+        )
         group.pg.barrier().wait()
         return {"stats": st}
     wants = wants_for(LAYOUT)

@@ -40,7 +40,9 @@ def _trainer(rank: int, world: int, ports: list[int], port_mesh: int) -> dict[st
         )
         # shm: detect="version" on a state updated in place (only the tensors that changed)
         detect = "version" if kind == "shm" else "hash"
-        sender = sync.MxNSender(group, bucket_bytes=BUCKET, detect=detect)
+        # zero_copy_min=0: on gloo every contiguous piece needing no cast (the replicated
+        # receiver's fp32 row blocks, int tensors) is sent from the tensor itself
+        sender = sync.MxNSender(group, bucket_bytes=BUCKET, detect=detect, zero_copy_min=0)
         out = []
         state: dict[str, Any] = {}
         for v in VERSIONS:
@@ -124,11 +126,11 @@ def _run(layouts: list[tuple[Any, ...]]) -> tuple[list[dict[str, Any]], list[dic
 def check(layouts: list[tuple[Any, ...]]) -> None:
     trainers_all, receivers_all = _run(layouts)
     for kind in KINDS:
-        check_kind([t[kind] for t in trainers_all], [r[kind] for r in receivers_all], layouts)
+        check_kind([t[kind] for t in trainers_all], [r[kind] for r in receivers_all], layouts, kind)
 
 
 def check_kind(
-    trainers: list[dict[str, Any]], receivers: list[dict[str, Any]], layouts: list[Any]
+    trainers: list[dict[str, Any]], receivers: list[dict[str, Any]], layouts: list[Any], kind: str
 ) -> None:
     for i, (lay, res) in enumerate(zip(layouts, receivers, strict=True)):
         r = TRAINERS + i
@@ -145,6 +147,13 @@ def check_kind(
             assert first.per_link.get(s, 0) == want, (lay, s)
             assert trainers[s]["stats"][0].per_link.get(r, 0) == want
             assert rounds[3]["stats"].per_link.get(s, 0) == want  # full=True round
+        # zero-copy pieces: only on gloo, and all of a replicated receiver's (fp32, row blocks)
+        zc = first.zero_copy_bytes
+        if kind == "shm":
+            assert zc == 0
+        elif lay[0] == "full":
+            floats = sum(v.numel() * v.element_size() for v in make_state(1).values())
+            assert zc == first.payload_bytes == floats, (zc, first.payload_bytes)
         # delta rounds move less than a full round, and something
         for k in (1, 2):
             st = rounds[k]["stats"]
@@ -152,6 +161,7 @@ def check_kind(
     for s in range(TRAINERS):
         st = trainers[s]["stats"]
         assert [x.version for x in st] == list(VERSIONS)
+        assert (st[0].zero_copy_bytes > 0) == (kind == "gloo")
         assert st[0].full and st[3].full and not st[1].full
 
 

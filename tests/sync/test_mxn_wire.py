@@ -1,0 +1,85 @@
+"""The MxN bucket message: piece layout with zero-copy pieces, and header validation (a
+received header is untrusted input)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deltackpt.sync import mxn_wire as wire
+from deltackpt.sync.errors import SyncError
+
+
+def _capacity(sizes: list[int], align: int) -> int:
+    """The schedule's capacity: every piece, in planned order, each at an aligned offset."""
+    used = 0
+    for n in sizes:
+        used = -(-used // align) * align + n
+    return used
+
+
+def test_layout_puts_message_pieces_first_and_fits_the_slot() -> None:
+    rng = random.Random(0)
+    for _ in range(2000):
+        align = rng.choice([1, 8, 64, 256])
+        sizes = [rng.choice([1, 3, 64, 100, 255, 4096]) for _ in range(rng.randint(1, 9))]
+        flags = [rng.choice([0, wire.IN_MESSAGE, wire.DIRECT]) for _ in sizes]
+        start = 2 * align  # payload_start() is aligned
+        offsets, msg_end, end = wire.layout(sizes, flags, start, align)
+        placed = sorted((o, k) for k, o in enumerate(offsets) if o is not None)
+        assert [k for _, k in placed] == [k for k, f in enumerate(flags) if f == 1] + [
+            k for k, f in enumerate(flags) if f == 2
+        ]
+        pos = start
+        for o, k in placed:  # aligned, in order, no overlap
+            assert o % align == 0 and o >= pos
+            pos = o + sizes[k]
+        assert end == pos and start <= msg_end <= end
+        assert all(offsets[k] is None for k, f in enumerate(flags) if f == 0)
+        ins = [offsets[k] + sizes[k] for k, f in enumerate(flags) if f == 1]  # type: ignore[operator]
+        assert msg_end == (max(ins) if ins else start)
+        # any subset in this order fits in the room message_bytes() gives: capacity + align
+        assert end - start <= _capacity(sizes, align) + align
+
+
+def _header(flags: list[int], status: int = wire.OK, payload: int = 0) -> torch.Tensor:
+    buf = torch.zeros(wire.header_words(len(flags)) * 8, dtype=torch.uint8)
+    present = [(k, -k) if f else None for k, f in enumerate(flags)]
+    wire.write_header(buf, 5, 7, 3, status, present, payload, [f == wire.DIRECT for f in flags])
+    return buf
+
+
+def test_header_round_trip_with_zero_copy_flags() -> None:
+    flags = [wire.IN_MESSAGE, 0, wire.DIRECT, wire.DIRECT]
+    status, version, present, got, payload = wire.read_header(
+        _header(flags, payload=99), 5, 3, 4, 100
+    )
+    assert (status, version, payload) == (wire.OK, 7, 99)
+    assert got == flags
+    assert present == [(0, 0), None, (2, -2), (3, -3)]
+
+
+def test_header_rejects_unknown_flags_and_pieces_in_an_abort() -> None:
+    buf = _header([wire.IN_MESSAGE, wire.DIRECT])
+    words = buf.numpy().view("int64")
+    words[wire.HEAD + 3] = 3  # piece 1: flag 3
+    with pytest.raises(SyncError, match="piece 1 has flag 3"):
+        wire.read_header(buf, 5, 3, 2, 100)
+    with pytest.raises(SyncError, match="none in an abort message"):
+        wire.read_header(_header([wire.DIRECT], status=wire.ABORT), 5, 3, 1, 100)
+    with pytest.raises(SyncError, match="out of step"):
+        wire.read_header(_header([wire.DIRECT]), 6, 3, 1, 100)  # another round
+    with pytest.raises(SyncError, match="capacity"):
+        wire.read_header(_header([wire.DIRECT], payload=101), 5, 3, 1, 100)
+
+
+def test_direct_tags_are_distinct_from_bucket_tags() -> None:
+    tags = {
+        wire.direct_tag(i, j)
+        for i in (0, 1, wire.MAX_DIRECT_BUCKETS - 1)
+        for j in (0, 1, wire.MAX_DIRECT - 1)
+    }
+    assert len(tags) == 9
+    assert min(tags) >= 1 << 30 and max(tags) < 1 << 31  # above every bucket index, an int32
