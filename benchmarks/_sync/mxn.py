@@ -128,23 +128,27 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
     links = {(s, r): sched.link(s, r).nbytes for s in sched.trainers for r in sched.receivers}
     out["links"] = {f"{s}->{r}": b for (s, r), b in links.items()}
 
-    # ceiling: the same bytes per link, one buffer each, all links at once
-    def ceiling() -> None:
+    # ceiling: the same bytes per link, one buffer each, all links at once (``sizes``: the
+    # bytes per link, default a full round's)
+    def ceiling(sizes: dict[tuple[int, int], int] | None = None) -> None:
+        n = sizes or links
         if kind == "shm":  # every trainer writes its links' windows, then receivers copy out
             if rank < m:
                 for r in sched.receivers:
-                    wins[(rank, r)].copy_(bufs[r])
+                    b = n[(rank, r)]
+                    wins[(rank, r)][:b].copy_(bufs[r][:b])
             barrier()
             if rank >= m:
                 for s in sched.trainers:
-                    bufs[s].copy_(wins[(s, rank)])
+                    b = n[(s, rank)]
+                    bufs[s][:b].copy_(wins[(s, rank)][:b])
             return
         works = []
-        for (s, r), _b in links.items():
-            if rank == s:
-                works.append(group.pg.send([bufs[r]], r, 1 << 20))
-            elif rank == r:
-                works.append(group.pg.recv([bufs[s]], s, 1 << 20))
+        for (s, r), b in n.items():
+            if rank == s and b:
+                works.append(group.pg.send([bufs[r][:b]], r, 1 << 20))
+            elif rank == r and b:
+                works.append(group.pg.recv([bufs[s][:b]], s, 1 << 20))
         for w in works:
             w.wait()
 
@@ -169,8 +173,6 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
             for r in sched.receivers:
                 os.unlink(f"/dev/shm/deltackpt-bench-{port}-{rank}-{r}")
     out["ceiling_s"] = min(timed(ceiling, "ceiling") for _ in range(cfg["repeats"]))
-    bufs.clear()
-    wins.clear()
     out["full_round_s"] = min(timed(lambda: one(True), "full") for _ in range(cfg["repeats"]))
     deltas = []
     for _ in range(cfg["repeats"]):
@@ -189,6 +191,34 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
                 state[name].tensor.add_(0.5)
         deltas.append(timed(lambda: one(False)))
     out["delta_version_s"] = min(deltas[1:])
+    # the floor of a delta round: its bytes per link as one buffer each (every rank knows its
+    # own links' bytes from the last round), plus, when hashing detects the changes, one hash
+    # pass over every local tensor (the slowest trainer's)
+    mine = stats[-1].per_link
+    dsizes = [(rank, p, mine.get(p, 0)) if rank < m else (p, rank, mine.get(p, 0)) for p in peers]
+    everyone: list[Any] = [None] * (m + n)
+    torch.distributed.all_gather_object(everyone, dsizes, group=group.pg)
+    delta_links = {(a, b): c for got in everyone for a, b, c in got}
+    out["delta_ceiling_s"] = min(
+        timed(lambda: ceiling(delta_links), "delta_ceiling") for _ in range(cfg["repeats"])
+    )
+    hashes = [0.0]
+    if rank < m:
+        from deltackpt.sync.mxn_wire import hash_tensor
+
+        def hash_all() -> None:
+            for sh in state.values():
+                hash_tensor(sh.tensor)
+
+        hashes = [timed(hash_all) for _ in range(cfg["repeats"])]
+    else:
+        for _ in range(cfg["repeats"]):
+            timed(lambda: None)
+    took: list[Any] = [None] * (m + n)
+    torch.distributed.all_gather_object(took, min(hashes), group=group.pg)
+    out["hash_pass_s"] = max(took)
+    bufs.clear()
+    wins.clear()
     out["full_payload"] = stats[1].payload_bytes
     out["full_zero_copy"] = stats[1].zero_copy_bytes
     out["delta_payload"] = stats[-1].payload_bytes
@@ -220,25 +250,38 @@ def bench_mxn(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def mxn_table(rows: list[dict[str, Any]]) -> str:
+    """Two tables: full rounds against the transport ceiling and the CPU floor; delta rounds
+    against their floor."""
     lines = [
         "| MxN | transport | zero-copy | bytes/link MB | ceiling s (GB/s) | full round s (GB/s) | "
-        "full vs ceiling | delta round s | delta / full | delta (detect=version) s | "
-        "delta (version) / full | delta bytes / full | CPU s ceiling / full (all ranks) | "
-        "full vs its CPU floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "full vs ceiling | CPU s ceiling / full (all ranks) | full vs its CPU floor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gb = r["payload_total"] / C.GB
         cpu = r["cpu_s"]
         per = sorted({round(b / 1e6, 1) for b in r["links"].values()})
         lines.append(
-            f"| {r['m']}x{r['n']} | {r['kind']} | {zc_share(r)} | {'/'.join(map(str, per))} | {r['ceiling_s']:.3f} "
-            f"({gb / r['ceiling_s']:.2f}) | {r['full_round_s']:.3f} "
+            f"| {r['m']}x{r['n']} | {r['kind']} | {zc_share(r)} | {'/'.join(map(str, per))} | "
+            f"{r['ceiling_s']:.3f} ({gb / r['ceiling_s']:.2f}) | {r['full_round_s']:.3f} "
             f"({gb / r['full_round_s']:.2f}) | {r['ceiling_s'] / r['full_round_s']:.0%} | "
-            f"{r['delta_round_s']:.3f} | {r['delta_round_s'] / r['full_round_s']:.0%} | "
-            f"{r['delta_version_s']:.3f} | {r['delta_version_s'] / r['full_round_s']:.0%} | "
-            f"{r['delta_payload'] / r['full_payload']:.1%} | {cpu['ceiling']:.3f} / "
-            f"{cpu['full']:.3f} | {cpu['full'] / r['cores'] / r['full_round_s']:.0%} |"
+            f"{cpu['ceiling']:.3f} / {cpu['full']:.3f} | "
+            f"{cpu['full'] / r['cores'] / r['full_round_s']:.0%} |"
+        )
+    lines += [
+        "",
+        "| MxN | transport | zero-copy | delta bytes / full | delta ceiling s | hash pass s | "
+        "delta (hash) s | / full | / its floor | delta (version) s | / full | / its floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        full, dc, hp = r["full_round_s"], r["delta_ceiling_s"], r["hash_pass_s"]
+        dh, dv = r["delta_round_s"], r["delta_version_s"]
+        lines.append(
+            f"| {r['m']}x{r['n']} | {r['kind']} | {zc_share(r)} | "
+            f"{r['delta_payload'] / r['full_payload']:.1%} | {dc:.4f} | {hp:.4f} | {dh:.3f} | "
+            f"{dh / full:.0%} | {dh / (hp + dc):.1f}x | {dv:.3f} | {dv / full:.0%} | "
+            f"{dv / dc:.1f}x |"
         )
     return "\n".join(lines)
 
