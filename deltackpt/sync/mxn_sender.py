@@ -382,16 +382,23 @@ class MxNSender:
                 present.append(None)
                 continue
             src, dt = sd
+            name = sched.tensors[p.tensor].name
+            whole = p.box == self._boxes[name].box and dt == self._local[name].dtype
+            # the piece is the whole local tensor, same bytes: a digest taken of it this round
+            # (change detection) is the piece's; no second read of the tensor
+            known = None if full or not whole else self._tround.get(name)
             if flags[k] == wire.DIRECT:
-                d = wire.hash_piece(src, dt, scratch)  # contiguous, no cast: in place
+                d = known or wire.hash_piece(src, dt, scratch)  # contiguous, no cast: in place
                 sends.append(
                     (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
                 )
+            elif known is not None and src.is_contiguous():
+                buf[off : off + p.nbytes].copy_(src.reshape(-1).view(torch.uint8))
+                d = known
             else:
                 d = wire.pack(src, buf[off : off + p.nbytes], dt)
-            name = sched.tensors[p.tensor].name
-            if full and p.box == self._boxes[name].box and dt == self._local[name].dtype:
-                self._tround.setdefault(name, d)  # the piece is the whole tensor, same bytes
+            if full and whole:
+                self._tround.setdefault(name, d)
             present.append(d)
             payload += p.nbytes
         wire.write_header(
