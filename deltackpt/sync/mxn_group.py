@@ -227,8 +227,12 @@ class MxNGroup:
         found: list[str | None] = [None]
 
         def ready() -> bool:
+            # votes first, then the abort key: a rank that rejects writes the abort key before
+            # its vote, so once every vote is seen the abort check cannot miss a rejection (the
+            # other order could read "no abort", then every vote, and commit a rejected round)
+            voted = bool(self.store.check(keys))
             found[0] = self.aborted(seq)
-            return found[0] is not None or bool(self.store.check(keys))
+            return found[0] is not None or voted
 
         self.wait_until(ready, f"round {seq}: waiting for the commit vote", seq)
         return found[0]
@@ -280,6 +284,43 @@ class MxNGroup:
         return None
 
     # ---- bulk -----------------------------------------------------------------------------
+
+    def drain_sends(self, seq: int, works: list[tuple[int, Any]]) -> str | None:
+        """Wait for the round's last sends (zero-copy pieces, whose receives a receiver posts
+        as it reads their bucket's header, and abort stubs); the lost peer's story, if any. A
+        receiver that lost another peer raises and posts nothing more, so the wait ends when
+        the round is aborted for a lost peer, not at the group timeout. (A gloo send cannot be
+        polled, and a wait with a timeout closes the connection: a daemon thread waits.)"""
+        if not works:
+            return None
+        errors: list[str] = []
+        done = threading.Event()
+
+        def wait_all() -> None:
+            for dst, w in works:
+                try:
+                    self.guard("gloo send", w.wait)
+                except SyncError as e:
+                    errors.append(f"sending to rank {dst} failed ({cause_line(e)})")
+            done.set()
+
+        threading.Thread(target=wait_all, name="mxn-drain", daemon=True).start()
+        lost: list[str] = []
+
+        def ready() -> bool:
+            if done.wait(0.01):  # returns as soon as the sends are done
+                return True
+            why = self.aborted(seq)
+            if why is not None and why.startswith("lost: "):
+                lost.append(why[6:])
+                return True
+            return False
+
+        try:
+            self.wait_until(ready, f"round {seq}: sending the last pieces", seq)
+        except SyncError as e:  # a peer stopped beating, the store is gone, or the timeout
+            lost.append(cause_line(e))
+        return (errors or lost or [None])[0]
 
     def open_links(self, links: dict[tuple[int, int], tuple[int, int]]) -> None:
         """Once per schedule: ``(sender, receiver) -> (buckets, largest message)`` of this

@@ -22,11 +22,9 @@ packing thread writes straight into the link's slot. Then the commit vote (store
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -297,46 +295,8 @@ class MxNSender:
         for slot in range(_RING):
             settle(slot)
         rest = [(d, w) for d, w in [*directs, *((d, w) for d, w, _ in stubs)] if d not in dead]
-        lost = self._drain(seq, rest) or lost
+        lost = g.drain_sends(seq, rest) or lost
         return failure, lost, wire_bytes, len(self._buckets)
-
-    def _drain(self, seq: int, works: list[tuple[int, Any]]) -> str | None:
-        """Wait for the round's last sends (zero-copy pieces, whose receives a receiver posts
-        as it reads their bucket's header, and abort stubs); the lost peer's story, if any. A
-        receiver that lost another peer raises and posts nothing more, so the wait ends when
-        the round is aborted for a lost peer, not at the group timeout. (A gloo send cannot be
-        polled, and a wait with a timeout closes the connection: a daemon thread waits.)"""
-        if not works:
-            return None
-        g = self.group
-        errors: list[str] = []
-        done = threading.Event()
-
-        def wait_all() -> None:
-            for dst, w in works:
-                try:
-                    g.guard("gloo send", w.wait)
-                except SyncError as e:
-                    errors.append(f"sending to rank {dst} failed ({cause_line(e)})")
-            done.set()
-
-        threading.Thread(target=wait_all, name="mxn-drain", daemon=True).start()
-        lost: list[str] = []
-
-        def ready() -> bool:
-            if done.wait(0.01):  # returns as soon as the sends are done
-                return True
-            why = g.aborted(seq)
-            if why is not None and why.startswith("lost: "):
-                lost.append(why[6:])
-                return True
-            return False
-
-        try:
-            g.wait_until(ready, f"round {seq}: sending the last pieces", seq)
-        except SyncError as e:  # a peer stopped beating, the store is gone, or the timeout
-            lost.append(cause_line(e))
-        return (errors or lost or [None])[0]
 
     def _pack(
         self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
