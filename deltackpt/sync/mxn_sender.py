@@ -237,7 +237,15 @@ class MxNSender:
             bk = self._buckets[i]
             win = g.window(bk.receiver, bk.index)  # shm: pack straight into the link's slot
             bufs[i % _RING] = self._ring[i % _RING] if win is None else win
-            return self._pool.submit(self._pack, sched, bk, bufs[i % _RING], seq, version, full)
+            args = (sched, bk, bufs[i % _RING], seq, version, full)
+            if not full and self._untouched(sched, bk):  # a header only: no thread hand-off
+                done: Future[Packed] = Future()
+                try:
+                    done.set_result(self._pack(*args))
+                except Exception as e:
+                    done.set_exception(e)
+                return done
+            return self._pool.submit(self._pack, *args)
 
         fut = submit(0)
         for i, bk in enumerate(self._buckets):
@@ -394,6 +402,23 @@ class MxNSender:
         if changed is None:  # no digest of the whole tensor to compare: this piece's
             changed = wire.hash_piece(src, dt, scratch) != self._committed.get(key)
         return changed
+
+    def _untouched(self, sched: Schedule, bk: LinkBucket) -> bool:
+        """``detect="version"``: no tensor of this bucket was written since the last commit,
+        so its message is a header only (packed on the calling thread: handing such a bucket to
+        the packing thread cost more than packing it, with both threads wanting the GIL)."""
+        if self.detect != "version":
+            return False
+        for k, p in enumerate(bk.pieces):
+            name = sched.tensors[p.tensor].name
+            before = self._vers.get(name)
+            if (
+                before is None
+                or (bk.receiver, bk.index, k) not in self._committed
+                or before[:2] != self._round_vers[name][:2]
+            ):
+                return False
+        return True
 
     def _changed(self, name: str, key: tuple[int, int, int]) -> bool | None:
         """Whether tensor ``name`` changed since the last committed round, from one in-place
