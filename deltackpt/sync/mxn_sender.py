@@ -331,7 +331,7 @@ class MxNSender:
                 continue
             direct = (
                 zero_copy
-                and p.nbytes >= (self.zero_copy_min or 0)
+                and p.nbytes >= max(1, self.zero_copy_min or 0)
                 and ndirect < wire.MAX_DIRECT
                 and src.dtype == dt
                 and src.device.type == "cpu"
