@@ -155,81 +155,20 @@ class MxNReceiver:
             g.irecv(slot, b.sender, b.index)
             for b, slot in zip(self._buckets, self._slots, strict=True)
         ]
-        failure: str | None = None
-        mismatch: str | None = None
-        versions: set[int] = set()
-        staged: list[_Staged] = []
-        per_link: dict[int, int] = {}
-        wire_bytes = 0
-
-        def lost(bk: LinkBucket, e: SyncError) -> PeerLostError:
-            why = f"receiving from rank {bk.sender} failed ({cause_line(e)})"
-            g.abort(seq, "lost: " + why)
-            return PeerLostError(
-                f"rank {g.rank}: {why}; call group.reconnect(new_port) on the survivors "
-                f"and restart rank {bk.sender}; version stays {self.version}"
-            )
-
+        st = _Round(seq)
         # bucket i's zero-copy pieces are posted as soon as its header is read, and bucket i-1
         # is verified while they arrive
         pending: _Arrived | None = None
         for bk, slot, work in zip(self._buckets, self._slots, works, strict=True):
-            try:
-                g.guard("gloo recv", work.wait)
-            except SyncError as e:
-                raise lost(bk, e) from e
-            got = _Arrived(bk, slot)
-            try:  # read even when the round already failed: its zero-copy pieces are drained
-                got.header = wire.read_header(
-                    slot,
-                    seq,
-                    bk.index,
-                    len(bk.pieces),
-                    slot.numel() - payload_start(bk, self.align),
-                )
-            except SyncError as e:
-                failure = failure or str(e)
-            if got.header is not None and got.header[0] == wire.OK:
-                flags, start = got.header[3], payload_start(bk, self.align)
-                got.offsets, _, end = wire.layout(
-                    [p.nbytes for p in bk.pieces], flags, start, self.align
-                )
-                bad = None
-                if wire.DIRECT in flags and g.links != "gloo":
-                    bad = f"zero-copy pieces on a {g.links} link"
-                elif end != start + got.header[4] or end > slot.numel():
-                    bad = f"header claims {got.header[4]} payload bytes, its pieces take {end - start}"
-                if bad is not None:
-                    failure = (
-                        failure or f"bucket {bk.index} of round {seq} from rank {bk.sender}: {bad}"
-                    )
-                    got.header = None
-                else:
-                    try:
-                        got.works = [
-                            g.irecv(
-                                slot[off : off + p.nbytes], bk.sender, wire.direct_tag(bk.index, j)
-                            )
-                            for j, (p, off) in enumerate(
-                                (p, o)
-                                for p, o, f in zip(bk.pieces, got.offsets, flags, strict=True)
-                                if f == wire.DIRECT and o is not None
-                            )
-                        ]
-                    except SyncError as e:
-                        raise lost(bk, e) from e
+            got = self._arrive(st, bk, slot, work)
             if pending is not None:
-                failure, mismatch, wire_bytes = self._settle(
-                    pending, seq, failure, mismatch, wire_bytes, versions, staged, per_link, lost
-                )
+                self._settle(st, pending)
             pending = got
         if pending is not None:
-            failure, mismatch, wire_bytes = self._settle(
-                pending, seq, failure, mismatch, wire_bytes, versions, staged, per_link, lost
-            )
-        if failure is None and len(versions) > 1:
-            failure = f"senders sent different versions {sorted(versions)} in one round"
-        reason = g.vote(seq, None if failure is None else f"rank {g.rank}: {failure}")
+            self._settle(st, pending)
+        if len(st.versions) > 1:
+            st.fail(f"senders sent different versions {sorted(st.versions)} in one round")
+        reason = g.vote(seq, None if st.failure is None else f"rank {g.rank}: {st.failure}")
         if reason is not None:
             if reason.startswith("lost: "):
                 g.mark_broken(reason)
@@ -237,14 +176,14 @@ class MxNReceiver:
                     f"rank {g.rank}: round failed: {reason[6:]}; version stays {self.version}; "
                     "call group.reconnect(new_port) on the survivors and restart the lost rank"
                 )
-            if mismatch is not None:
+            if st.mismatch is not None:
                 raise DigestMismatchError(
-                    f"rank {g.rank}: {mismatch}; nothing was applied, version stays {self.version}"
+                    f"rank {g.rank}: {st.mismatch}; nothing was applied, version stays {self.version}"
                 )
             raise RoundAbortedError(
                 f"rank {g.rank}: round not committed: {reason}; version stays {self.version}"
             )
-        changed = self._apply(sched, staged)
+        changed = self._apply(sched, st.staged)
         if load_weights is not None:
             out = [
                 (self.wants[i].name, self._targets[i])
@@ -253,14 +192,14 @@ class MxNReceiver:
             ]
             if out:
                 load_weights(out)
-        if versions:
-            self.version = versions.pop()
+        if st.versions:
+            self.version = st.versions.pop()
         npieces = sum(len(b.pieces) for b in self._buckets)
-        got = sum(sum(o is not None for o in offs) for _, _, offs, _ in staged)
-        payload = sum(per_link.values())
+        got = sum(sum(o is not None for o in offs) for _, _, offs, _ in st.staged)
+        payload = sum(st.per_link.values())
         zero_copy = sum(
             p.nbytes
-            for bk, _, offs, flags in staged
+            for bk, _, offs, flags in st.staged
             for p, o, f in zip(bk.pieces, offs, flags, strict=True)
             if o is not None and f == wire.DIRECT
         )
@@ -270,48 +209,88 @@ class MxNReceiver:
             time.perf_counter() - t0,
             len(self._buckets),
             payload,
-            wire_bytes,
-            per_link,
+            st.wire_bytes,
+            st.per_link,
             zero_copy,
         )
 
-    def _settle(
-        self,
-        got: _Arrived,
-        seq: int,
-        failure: str | None,
-        mismatch: str | None,
-        wire_bytes: int,
-        versions: set[int],
-        staged: list[_Staged],
-        per_link: dict[int, int],
-        lost: Callable[[LinkBucket, SyncError], PeerLostError],
-    ) -> tuple[str | None, str | None, int]:
+    def _lost(self, st: _Round, bk: LinkBucket, e: SyncError) -> PeerLostError:
+        why = f"receiving from rank {bk.sender} failed ({cause_line(e)})"
+        self.group.abort(st.seq, "lost: " + why)
+        return PeerLostError(
+            f"rank {self.group.rank}: {why}; call group.reconnect(new_port) on the survivors "
+            f"and restart rank {bk.sender}; version stays {self.version}"
+        )
+
+    def _arrive(self, st: _Round, bk: LinkBucket, slot: torch.Tensor, work: Any) -> _Arrived:
+        """Wait for a bucket's message, read its header (even when the round already failed:
+        its zero-copy pieces must still be received) and post the receives of its zero-copy
+        pieces into their places in ``slot``."""
+        g = self.group
+        try:
+            g.guard("gloo recv", work.wait)
+        except SyncError as e:
+            raise self._lost(st, bk, e) from e
+        got = _Arrived(bk, slot)
+        start = payload_start(bk, self.align)
+        try:
+            got.header = wire.read_header(
+                slot, st.seq, bk.index, len(bk.pieces), slot.numel() - start
+            )
+        except SyncError as e:
+            st.fail(str(e))
+            return got
+        if got.header[0] != wire.OK:
+            return got
+        flags = got.header[3]
+        got.offsets, _, end = wire.layout([p.nbytes for p in bk.pieces], flags, start, self.align)
+        bad = None
+        if wire.DIRECT in flags and g.links != "gloo":
+            bad = f"zero-copy pieces on a {g.links} link"
+        elif end != start + got.header[4] or end > slot.numel():
+            bad = f"header claims {got.header[4]} payload bytes, its pieces take {end - start}"
+        if bad is not None:
+            st.fail(f"bucket {bk.index} of round {st.seq} from rank {bk.sender}: {bad}")
+            got.header = None
+            return got
+        direct = [
+            (p, o)
+            for p, o, f in zip(bk.pieces, got.offsets, flags, strict=True)
+            if f == wire.DIRECT and o is not None
+        ]
+        try:
+            got.works = [
+                g.irecv(slot[o : o + p.nbytes], bk.sender, wire.direct_tag(bk.index, j))
+                for j, (p, o) in enumerate(direct)
+            ]
+        except SyncError as e:
+            raise self._lost(st, bk, e) from e
+        return got
+
+    def _settle(self, st: _Round, got: _Arrived) -> None:
         """Wait for a bucket's zero-copy pieces, then verify and stage it (unless the round
-        already failed); returns the updated (failure, mismatch, wire bytes)."""
+        already failed: then it was only drained)."""
         bk = got.bk
         for w in got.works:
             try:
                 self.group.guard("gloo recv", w.wait)
             except SyncError as e:
-                raise lost(bk, e) from e
-        if failure is not None or got.header is None:
-            return failure, mismatch, wire_bytes  # drained: received, not used
-        status, version, present, _, payload = got.header
+                raise self._lost(st, bk, e) from e
+        if st.failure is not None or got.header is None:
+            return
+        status, version, present, flags, payload = got.header
         if status != wire.OK:
-            return (
-                f"rank {bk.sender} aborted the round (its error is raised there)",
-                mismatch,
-                wire_bytes,
-            )
-        versions.add(version)
+            st.fail(f"rank {bk.sender} aborted the round (its error is raised there)")
+            return
+        st.versions.add(version)
         bad = self._verify(bk, got.slot, present, got.offsets)
         if bad is not None:
-            why = f"round {version}: bucket {bk.index} from rank {bk.sender}: {bad}"
-            return why, why, wire_bytes
-        staged.append((bk, got.slot, got.offsets, got.header[3]))
-        per_link[bk.sender] = per_link.get(bk.sender, 0) + payload_bytes(bk, got.offsets)
-        return None, mismatch, wire_bytes + payload_start(bk, self.align) + payload
+            st.fail(f"round {version}: bucket {bk.index} from rank {bk.sender}: {bad}")
+            st.mismatch = st.failure
+            return
+        st.staged.append((bk, got.slot, got.offsets, flags))
+        st.per_link[bk.sender] = st.per_link.get(bk.sender, 0) + payload_bytes(bk, got.offsets)
+        st.wire_bytes += payload_start(bk, self.align) + payload
 
     def _verify(
         self,
@@ -365,6 +344,24 @@ class MxNReceiver:
             for f in [self._pool.submit(_copy_all, r) for r in runs]:
                 f.result()
         return changed
+
+
+@dataclass
+class _Round:
+    """What a receiver learned so far in round ``seq``: the first failure (a digest mismatch
+    is also kept as ``mismatch``), the senders' versions, and the verified buckets."""
+
+    seq: int
+    failure: str | None = None
+    mismatch: str | None = None
+    wire_bytes: int = 0
+    versions: set[int] = field(default_factory=set)
+    staged: list[_Staged] = field(default_factory=list)
+    per_link: dict[int, int] = field(default_factory=dict)
+
+    def fail(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = why
 
 
 @dataclass
