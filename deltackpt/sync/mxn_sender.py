@@ -93,7 +93,6 @@ class MxNSender:
         self._tcommitted: dict[str, tuple[int, int]] = {}
         self._tround: dict[str, tuple[int, int] | None] = {}
         self._dirty = True
-        self._zero_copy_bytes = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mxn-pack")
 
     def _setup(self, named_tensors: Mapping[str, torch.Tensor] | Iterable) -> None:
@@ -147,8 +146,7 @@ class MxNSender:
         self._tround = {}
         if self.detect == "version":  # before reading anything: a later write shows next round
             self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in self._local.items()}
-        self._zero_copy_bytes = 0
-        failure, lost, wire_bytes, sent = self._send_all(
+        failure, lost, wire_bytes, sent, zero_copy = self._send_all(
             sched, seq, int(version), full, digests, per_link
         )
         if lost is not None:
@@ -191,7 +189,7 @@ class MxNSender:
             payload,
             wire_bytes,
             per_link,
-            self._zero_copy_bytes,
+            zero_copy,
         )
 
     # ---- sending --------------------------------------------------------------------------
@@ -204,14 +202,15 @@ class MxNSender:
         full: bool,
         digests: dict[tuple[int, int, int], tuple[int, int]],
         per_link: dict[int, int],
-    ) -> tuple[str | None, str | None, int, int]:
+    ) -> tuple[str | None, str | None, int, int, int]:
         """Send every bucket (or a stub once the round failed); returns (failure, lost peer,
-        wire bytes, buckets sent)."""
+        wire bytes, buckets sent, bytes sent zero-copy)."""
         g = self.group
         works: list[tuple[int, object] | None] = [None] * _RING
         bufs: list[torch.Tensor] = list(self._ring)
         stubs: list[tuple[int, object, torch.Tensor]] = []
         directs: list[tuple[int, object]] = []  # zero-copy sends: (receiver, work)
+        zero_copy_bytes = 0
         failure: str | None = None
         lost: str | None = None
         dead: set[int] = set()
@@ -283,7 +282,7 @@ class MxNSender:
                         for t, tag in zero_copy:  # after the header: the receiver reads it first
                             directs.append((bk.receiver, g.isend(t, bk.receiver, tag)))
                             wire_bytes += t.numel()
-                            self._zero_copy_bytes += t.numel()
+                            zero_copy_bytes += t.numel()
                 except SyncError as e:
                     dead.add(bk.receiver)
                     lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
@@ -303,8 +302,9 @@ class MxNSender:
         for slot in range(_RING):
             settle(slot)
         rest = [(d, w) for d, w in [*directs, *((d, w) for d, w, _ in stubs)] if d not in dead]
-        lost = g.drain_sends(seq, rest) or lost
-        return failure, lost, wire_bytes, len(self._buckets)
+        drained = g.drain_sends(seq, rest)  # always waited for, even after a loss
+        lost = lost or drained
+        return failure, lost, wire_bytes, len(self._buckets), zero_copy_bytes
 
     def _pack(
         self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
@@ -314,9 +314,10 @@ class MxNSender:
         srcs: list[tuple[torch.Tensor, torch.dtype] | None] = []
         flags: list[int] = []
         zero_copy = (
-            self.zero_copy_min is not None and self.group.window(bk.receiver, bk.index) is None
+            self.zero_copy_min is not None
+            and self.group.window(bk.receiver, bk.index) is None
+            and bk.index < wire.MAX_DIRECT_BUCKETS
         )
-        zero_copy = zero_copy and bk.index < wire.MAX_DIRECT_BUCKETS
         ndirect = 0
         scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
         for k, p in enumerate(bk.pieces):
@@ -360,11 +361,8 @@ class MxNSender:
                 sends.append(
                     (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
                 )
-            elif known is not None and src.is_contiguous():
-                buf[off : off + p.nbytes].copy_(src.reshape(-1).view(torch.uint8))
-                d = known
             else:
-                d = wire.pack(src, buf[off : off + p.nbytes], dt)
+                d = wire.pack(src, buf[off : off + p.nbytes], dt, known)
             if full and whole:
                 self._tround.setdefault(name, d)
             present.append(d)
@@ -390,13 +388,9 @@ class MxNSender:
         scratch: torch.Tensor,
     ) -> bool:
         """Whether a piece must be sent in a delta round (see ``detect``)."""
-        changed: bool | None = None
-        if self.detect == "version" and key in self._committed and name in self._vers:
-            # skipped unread when not written through torch since the last commit, sent
-            # unhashed when it was
-            changed = self._vers[name][:2] != self._round_vers[name][:2]
-            if changed:
-                self._tround[name] = None
+        changed = self._moved(name, key)
+        if changed:  # sent unhashed: no digest of the tensor this round
+            self._tround[name] = None
         if changed is None:
             changed = self._changed(name, key)
         if changed is None:  # no digest of the whole tensor to compare: this piece's
@@ -407,18 +401,18 @@ class MxNSender:
         """``detect="version"``: no tensor of this bucket was written since the last commit,
         so its message is a header only (packed on the calling thread: handing such a bucket to
         the packing thread cost more than packing it, with both threads wanting the GIL)."""
-        if self.detect != "version":
-            return False
-        for k, p in enumerate(bk.pieces):
-            name = sched.tensors[p.tensor].name
-            before = self._vers.get(name)
-            if (
-                before is None
-                or (bk.receiver, bk.index, k) not in self._committed
-                or before[:2] != self._round_vers[name][:2]
-            ):
-                return False
-        return True
+        return all(
+            self._moved(sched.tensors[p.tensor].name, (bk.receiver, bk.index, k)) is False
+            for k, p in enumerate(bk.pieces)
+        )
+
+    def _moved(self, name: str, key: tuple[int, int, int]) -> bool | None:
+        """``detect="version"``: whether tensor ``name`` was written through torch (storage or
+        in-place version counter changed) since the last commit; None when that cannot tell
+        (hash detection, or piece ``key`` / the tensor not seen at a commit yet)."""
+        if self.detect != "version" or key not in self._committed or name not in self._vers:
+            return None
+        return self._vers[name][:2] != self._round_vers[name][:2]
 
     def _changed(self, name: str, key: tuple[int, int, int]) -> bool | None:
         """Whether tensor ``name`` changed since the last committed round, from one in-place

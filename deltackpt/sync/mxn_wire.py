@@ -194,16 +194,25 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def pack(src: torch.Tensor, dst: torch.Tensor, wire: torch.dtype) -> tuple[int, int]:
+def pack(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    wire: torch.dtype,
+    digest: tuple[int, int] | None = None,
+) -> tuple[int, int]:
     """Copy (cast) ``src`` into the flat uint8 ``dst`` (exactly its bytes); returns the digest
     of the bytes written, hashed chunk by chunk right after each copy (a contiguous source that
-    needs no cast is hashed in place and copied in one go)."""
-    h = xxhash.xxh3_128()
+    needs no cast is hashed in place and copied in one go; ``digest``: its raw bytes' digest,
+    already known, so it is only copied)."""
     if src.dtype == wire and src.is_contiguous():
         raw = src.reshape(-1).view(torch.uint8)
-        h.update(raw.numpy())
+        if digest is None:
+            h = xxhash.xxh3_128()
+            h.update(raw.numpy())
+            digest = digest_words(h)
         dst.copy_(raw)
-        return digest_words(h)
+        return digest
+    h = xxhash.xxh3_128()
     out = dst.numpy()
     pos = 0
     for chunk in _rows(src, wire.itemsize):
