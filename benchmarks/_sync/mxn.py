@@ -1,6 +1,6 @@
-"""MxN rounds for ``bench_sync.py --mxn``: M trainer processes -> N inference processes over
-gloo point-to-point links or shared-memory windows (``--mxn-links gloo,shm``;
-``deltackpt.sync.MxNSender`` / ``MxNReceiver``).
+"""Rounds for ``bench_sync.py``: M trainer processes -> N inference processes over
+gloo point-to-point links or shared-memory windows (``--links gloo,shm``;
+``deltackpt.sync.WeightSender`` / ``WeightReceiver``).
 
 State: Qwen2-0.5B-shaped (``--params`` scales it), bf16. Trainer ``i`` of M holds ``Shard(0)``
 row blocks of every tensor (as FSDP2 would); inference rank ``j`` of N holds tensor-parallel
@@ -66,7 +66,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
     torch.set_num_threads(1)
     shapes = C.qwen2_shapes(C.qwen2_scale(cfg["params"]))
     kind = cfg.get("links", "gloo")
-    group = sync.MxNGroup("127.0.0.1", port, rank, m + n, range(m), timeout=600, links=kind)
+    group = sync.SyncGroup("127.0.0.1", port, rank, m + n, range(m), timeout=600, links=kind)
     bucket = cfg["bucket_mb"] << 20
 
     def barrier() -> None:
@@ -102,7 +102,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
         out["delta_params_frac"] = acc / nparams
         out["bytes"] = 2 * nparams
         zc = cfg.get("zero_copy", "on") == "on"
-        endpoint: Any = sync.MxNSender(
+        endpoint: Any = sync.WeightSender(
             group, bucket_bytes=bucket, **({} if zc else {"zero_copy_min": None})
         )
     else:
@@ -111,7 +111,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
         for name, s in shapes:
             box = sync.shard_box(s, 1 if len(s) == 2 else 0, j, n)
             wants.append(sync.Want(name, box=box, into=torch.zeros(box.size, dtype=torch.bfloat16)))
-        endpoint = sync.MxNReceiver(group, wants, bucket_bytes=bucket)
+        endpoint = sync.WeightReceiver(group, wants, bucket_bytes=bucket)
     version = 0
     stats: list[Any] = []
 
@@ -204,7 +204,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
     )
     hashes = [0.0]
     if rank < m:
-        from deltackpt.sync.mxn_wire import hash_tensor
+        from deltackpt.sync.wire import hash_tensor
 
         def hash_all() -> None:
             for sh in state.values():

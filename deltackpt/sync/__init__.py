@@ -1,35 +1,36 @@
-"""Weight sync: stream a trainer's weights to inference workers, in versioned rounds.
+"""Weight sync: stream a trainer's weights to inference workers, in versioned, transactional
+rounds, straight into the layout each inference rank holds.
 
-Trainer side, on every sender rank::
+Every rank (trainer or inference) joins one :class:`SyncGroup`; trainers push, inference ranks
+pull, once per round::
 
     from deltackpt import sync
-    transport = sync.DistTransport(group=None, senders=[0])      # or sync.ShmTransport(...)
-    sender = sync.WeightSender(transport, bucket_bytes=256 << 20)
-    sender.push(model.state_dict(), version=step)                # DTensor shards are fine
+    group = sync.SyncGroup(addr, port, rank, world_size, trainers=[0], links="gloo")  # or "shm"
 
-Inference side, on every receiver rank::
+    # trainer rank: plain tensors, DTensor Shard/Replicate shards, or sync.LocalShard
+    sender = sync.WeightSender(group)
+    sender.push(model.state_dict(), version=step)
 
-    receiver = sync.WeightReceiver(transport)
+    # inference rank: every tensor whole (1 -> N broadcast) ...
+    receiver = sync.WeightReceiver(group, dtype=torch.bfloat16)
     receiver.pull(model.load_weights)        # vLLM / SGLang style, or sync.ModuleAdapter(model)
-    receiver.version                         # last committed version
+    # ... or exactly the shards it holds (tensor parallel), written in place
+    wants = [sync.Want("q.weight", box=sync.shard_box(shape, 1, tp_rank, tp), into=q_shard)]
+    receiver = sync.WeightReceiver(group, wants)
+    receiver.pull()
 
-``__all__`` lists what a user needs: the sender and receiver (and the :class:`RoundStats` they
-return), the transports (:class:`DistTransport` with :func:`init_group`, which creates and, after
-a failure, re-creates its group; :class:`ShmTransport`), the adapters and the errors.
-
-Also importable here, as plumbing: :class:`Transport` and :class:`Channel` (the interfaces a new
-transport implements, see ``transport.py``), :class:`Plan` and :func:`build_plan` (the bucket
-layout every rank derives; ``WeightReceiver.plan`` returns it). Modules, bottom up: ``errors``,
-``sender_manifest`` and ``plan`` (pure), ``transport``, ``shm`` / ``shm_window``, ``_protocol``
-(the messages of a round), ``packing`` and ``sender``, ``assemble`` and ``receiver``,
-``adapters``.
+``__all__`` lists what a user needs: the group, sender and receiver (and the
+:class:`RoundStats` they return), :class:`Want` with :class:`Box` / :func:`shard_box` /
+:class:`LocalShard`, the adapters and the errors. Modules, bottom up: ``errors``, ``dtypes``,
+``schedule_decl`` and ``schedule`` (pure: who sends what to whom), ``wire`` (one bucket
+message), ``peers``, ``shm_links`` and ``group`` (links, store, vote, liveness), ``rounds``,
+``sender``, ``receiver``, ``adapters``.
 
 See docs/sync.md for the protocol and the failure semantics.
 """
 
 from __future__ import annotations
 
-from deltackpt.sync._protocol import RoundStats
 from deltackpt.sync.adapters import Coverage, ModuleAdapter
 from deltackpt.sync.errors import (
     DigestMismatchError,
@@ -39,43 +40,29 @@ from deltackpt.sync.errors import (
     SyncError,
     SyncTimeoutError,
 )
-from deltackpt.sync.mxn_group import MxNGroup
-from deltackpt.sync.mxn_receiver import MxNReceiver, Want
-from deltackpt.sync.mxn_round import MxNStats
-from deltackpt.sync.mxn_sender import MxNSender
-from deltackpt.sync.plan import Plan as Plan  # plumbing: the `X as X` form re-exports
-from deltackpt.sync.plan import build_plan as build_plan
-from deltackpt.sync.receiver import WeightReceiver
-from deltackpt.sync.schedule import Schedule as Schedule
+from deltackpt.sync.group import SyncGroup
+from deltackpt.sync.receiver import Want, WeightReceiver
+from deltackpt.sync.rounds import RoundStats
+from deltackpt.sync.schedule import Schedule as Schedule  # plumbing: the `X as X` form re-exports
 from deltackpt.sync.schedule import build_schedule as build_schedule
 from deltackpt.sync.schedule_decl import Box, LocalShard, shard_box
 from deltackpt.sync.sender import WeightSender
-from deltackpt.sync.shm import ShmTransport
-from deltackpt.sync.transport import Channel as Channel
-from deltackpt.sync.transport import DistTransport, init_group
-from deltackpt.sync.transport import Transport as Transport
 
 __all__ = [
     "Box",
     "Coverage",
     "DigestMismatchError",
-    "DistTransport",
     "LocalShard",
     "ModuleAdapter",
-    "MxNGroup",
-    "MxNReceiver",
-    "MxNSender",
-    "MxNStats",
     "PeerLostError",
     "PlanError",
     "RoundAbortedError",
     "RoundStats",
-    "ShmTransport",
     "SyncError",
+    "SyncGroup",
     "SyncTimeoutError",
     "Want",
     "WeightReceiver",
     "WeightSender",
-    "init_group",
     "shard_box",
 ]

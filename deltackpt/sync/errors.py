@@ -5,13 +5,13 @@ All derive from :class:`SyncError` (a :class:`deltackpt.errors.DeltackptError` a
 last committed version whatever the error; the subclasses say what went wrong and therefore what
 to do next:
 
-* :class:`PeerLostError` / :class:`SyncTimeoutError` — the transport is broken (a rank died or
-  stopped answering). Re-create the group (:func:`deltackpt.sync.init_group`) and call
-  ``transport.reset()`` on every surviving rank; replacement ranks just construct a new transport.
-* :class:`DigestMismatchError`, :class:`RoundAbortedError` — the round failed but the transport
+* :class:`PeerLostError` / :class:`SyncTimeoutError` — the group is broken (a rank died or
+  stopped answering). Call ``group.reconnect(new_port)`` on every surviving rank; a replacement
+  rank constructs a new :class:`~deltackpt.sync.SyncGroup` with that port.
+* :class:`DigestMismatchError`, :class:`RoundAbortedError` — the round failed but the group
   still works; the next ``push``/``pull`` starts cleanly (as a full round).
-* :class:`PlanError` — senders disagree about the tensors (names, dtypes, shapes, coverage) or the
-  options; fix the inputs.
+* :class:`PlanError` — the ranks disagree about the tensors (names, dtypes, shapes, coverage) or
+  the options; fix the inputs.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ class PlanError(SyncError, ValueError):
 
 
 class PeerLostError(SyncError):
-    """A peer rank died or closed its connection during a round; the transport must be reset."""
+    """A peer rank died or closed its connection during a round; the group must be reconnected."""
 
 
 class SyncTimeoutError(SyncError, TimeoutError):
-    """A peer did not answer within the transport timeout; the transport must be reset."""
+    """A peer did not answer within the group timeout; the group must be reconnected."""
 
 
 class DigestMismatchError(SyncError, ValueError):

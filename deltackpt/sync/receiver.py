@@ -1,388 +1,398 @@
-"""Inference side: :class:`WeightReceiver` takes part in a round and hands verified tensors over.
+"""Inference side of weight sync: :class:`WeightReceiver` receives exactly the boxes it declared, from
+the trainer ranks that hold them, and writes them into its own tensors at commit.
 
-Called on every receiver rank of the transport, once per round the senders push::
+Called on every inference rank of the :class:`~deltackpt.sync.group.SyncGroup`, once per
+round::
 
-    receiver = WeightReceiver(transport)               # apply="on_commit" (default)
-    receiver.pull(model.load_weights)                  # vLLM / SGLang convention
-    receiver.pull(ModuleAdapter(module))               # plain nn.Module
-    receiver.version                                   # last committed version
+    wants = [Want("q.weight", box=shard_box(shape, 0, tp_rank, tp), into=param), ...]
+    receiver = WeightReceiver(group, wants)   # or WeightReceiver(group): every tensor, whole
+    receiver.pull()                     # direct into the parameters (``into``)
+    receiver.pull(model.load_weights)   # or (name, tensor) pairs of the tensors without ``into``
 
-``load_weights`` receives a list of ``(name, tensor)`` per bucket, in plan order. The tensors are
-views into the receiver's (or the transport's) buffers, valid only during the call: copy them
-(``param.copy_(t)``) — do not keep references.
-
-When is ``load_weights`` called? (``apply=``)
-
-* ``"on_commit"`` (default, transactional): every bucket is verified against its digest as it
-  arrives and kept staged; only after all ranks voted to commit are the staged buckets handed to
-  ``load_weights``. A failed round never touches the model. Memory: one private copy of the
-  model's wire bytes (``plan.arena_bytes``) in this process, allocated at the first round of a
-  plan and reused. :class:`DistTransport` receives the buckets straight into it.
-  :class:`ShmTransport` copies each bucket out of the shared window into it, hashing the copy
-  chunk by chunk right behind the packing sender: the window is writable by any process that
-  maps it, so it cannot be the staging — bytes changed there after verification would reach
-  ``load_weights``. (So /dev/shm holds the wire bytes once, and every receiver once more.)
-* ``"per_bucket"``: each bucket is handed over as soon as it is verified. Memory: the two
-  receive buffers of :class:`DistTransport`; for :class:`ShmTransport` one private buffer of the
-  round's largest bucket, which each bucket is copied into (and verified in) before it is handed
-  over. A round that fails midway leaves the model partly updated: ``version`` still names the
-  last committed version, :attr:`WeightReceiver.consistent` becomes False and the next round is
-  a full round that repairs it.
-
-Either way ``load_weights`` only ever sees bytes in this process's own memory that were hashed
-there and matched the sender's digest; what happens to the channel's buffers afterwards cannot
-change them.
-
-Tensors split over several buckets or sharded over several senders are assembled in buffers kept
-across rounds (their total size), and handed over once their last piece arrived
-(``assemble.py``). This module is the receiver's round protocol and the verification of every
-bucket (hashing it as it is copied into this process's memory).
+Every message of a round is posted for receiving up front, into a private staging arena (one
+slot per planned bucket, reused every round): no sender ever waits for this rank to get to a
+bucket, and gloo moves the bytes while earlier buckets are verified here. A bucket is verified
+piece by piece against the digests in its header; the round is applied only after every rank
+voted to commit (transactional: a failed round never touches the model), then ``version``
+names it.
 """
 
 from __future__ import annotations
 
-import mmap
+import os
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
 import torch
-import xxhash
 
-from deltackpt.format.hashing import digest
-from deltackpt.sync import _protocol as proto
-from deltackpt.sync._protocol import RoundStats
-from deltackpt.sync.assemble import Assembler
+from deltackpt.sync import wire
+from deltackpt.sync.dtypes import DtypeSpec, wire_dtype, wire_name
 from deltackpt.sync.errors import (
     DigestMismatchError,
+    PeerLostError,
+    PlanError,
     RoundAbortedError,
     SyncError,
 )
-from deltackpt.sync.plan import Bucket, Plan, build_plan
-from deltackpt.sync.sender_manifest import DtypeSpec
-from deltackpt.sync.transport import Channel, Transport
+from deltackpt.sync.group import SyncGroup, cause_line
+from deltackpt.sync.rounds import (
+    RoundStats,
+    link_slots,
+    message_bytes,
+    payload_start,
+    setup_schedule,
+)
+from deltackpt.sync.schedule import LinkBucket, Schedule
+from deltackpt.sync.schedule_decl import Box, Decl, Wanted
 
-__all__ = ["LoadWeights", "WeightReceiver"]
+__all__ = ["Want", "WeightReceiver"]
 
-#: ``load_weights(weights)``: takes a list of ``(name, tensor)``; return value ignored.
+#: ``load_weights(weights)``: a list of ``(name, tensor)``; the return value is ignored.
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
-_STEP = 4 << 20  # streaming channels: hash this much at a time behind the packing sender
-# copy-out granularity: the chunk is hashed right after its copy, from cache. np.copyto of
-# chunks under ~512 KiB ran 2-4x slower on the 2-core dev box; 1 MiB copies + hashes ~1 GB in
-# 0.16-0.18 s there (hashing alone: ~0.1 s)
-_CHUNK = 1 << 20
+# a verified bucket: its slot, piece offsets and flags
+_Staged = tuple[LinkBucket, torch.Tensor, list[int | None], list[int]]
 
 
-def _follow(ch: Channel, bk: Bucket) -> str | None:
-    """Digest of a bucket hashed as its bytes become readable (``ch.wait_bytes``): behind the
-    packing owner (``streams``) or behind the wire (``partial``). None for non-CPU buffers."""
-    out = []
-    data = None
-    for p in bk.pieces:
-        h = xxhash.xxh3_128()
-        for lo in range(p.bucket_offset, p.bucket_offset + p.nbytes, _STEP):
-            hi = min(lo + _STEP, p.bucket_offset + p.nbytes)
-            view = ch.wait_bytes(bk, hi)
-            if data is None:
-                if view.device.type != "cpu":
-                    return None
-                data = view.numpy()
-            h.update(data[lo:hi])
-        out.append(h.hexdigest())
-    return proto.combine(out)
+@dataclass
+class Want:
+    """A tensor this inference rank holds: ``box`` of trainer tensor ``source`` (default:
+    ``name``; None box: the whole tensor), as ``dtype`` (default: ``into``'s dtype, else the
+    trainer's). ``into``: the parameter to write into directly (shape = the box's size);
+    without it the tensor is handed to ``load_weights``."""
 
-
-def _copy_verify(bk: Bucket, dst: torch.Tensor, ready: Callable[[int], torch.Tensor]) -> str:
-    """Copy a bucket's pieces from the channel's view into ``dst`` (this process's memory) and
-    return the digest of the copy: each chunk is hashed from ``dst`` right after it was copied,
-    so the digest covers exactly the bytes that will be handed over, whatever the view holds
-    later. ``ready(upto)`` returns the view once its first ``upto`` bytes are readable."""
-    out = dst.numpy()
-    src: np.ndarray | None = None
-    digests = []
-    for p in bk.pieces:
-        h = xxhash.xxh3_128()
-        end = p.bucket_offset + p.nbytes
-        for lo in range(p.bucket_offset, end, _STEP):
-            hi = min(lo + _STEP, end)
-            view = ready(hi)
-            if view.device.type != "cpu":  # e.g. a device ring buffer: one transfer per step
-                dst[lo:hi].copy_(view[lo:hi])
-                h.update(out[lo:hi])
-                continue
-            if src is None:
-                src = view.numpy()
-            for c in range(lo, hi, _CHUNK):
-                e = min(c + _CHUNK, hi)
-                np.copyto(out[c:e], src[c:e])
-                h.update(out[c:e])
-        digests.append(h.hexdigest())
-    return proto.combine(digests)
-
-
-def _private(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of this process's memory, faulted in up front (MAP_POPULATE where there is
-    one) rather than page by page inside the first round's copy loop, which runs right behind
-    the sender: 1 GB populated in ~0.5 s vs ~0.75 s of faults on the dev VM in isolation (both
-    several times slower on memory the VM never touched before)."""
-    flags = getattr(mmap, "MAP_POPULATE", 0)
-    if not flags or nbytes == 0:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
-    return torch.frombuffer(mem, dtype=torch.uint8)  # keeps `mem` alive as long as it is used
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.data_ptr() == b.data_ptr()
+    name: str
+    box: Box | None = None
+    dtype: torch.dtype | None = None
+    source: str | None = None
+    into: torch.Tensor | None = None
 
 
 class WeightReceiver:
-    """Receives rounds from the senders of ``transport`` and loads them into a model.
+    """Receives this inference rank's layout from the trainers of ``group`` (see module doc).
 
-    ``apply`` chooses when ``load_weights`` runs (see the module docstring); ``dtype`` casts
-    floating-point tensors (or ``f(name, dtype) -> dtype | None``) before they are handed over,
-    e.g. fp32 master weights -> ``torch.bfloat16``.
-    """
+    ``wants=None``: every trainer tensor, whole, under its trainer name (1 -> N broadcast),
+    as the dtype ``dtype`` picks (a dtype for floating tensors or ``f(name, dtype) -> dtype |
+    None``; default: the trainer's), handed to ``load_weights``; ``wants`` lists them after the
+    first round. ``apply_threads``: threads copying the committed pieces into the targets (default: up to 4,
+    one per core); ``bucket_bytes``/``align`` must be the same on every rank of the group."""
 
     def __init__(
         self,
-        transport: Transport,
+        group: SyncGroup,
+        wants: Sequence[Want] | None = None,
         *,
-        apply: Literal["on_commit", "per_bucket"] = "on_commit",
         dtype: DtypeSpec = None,
+        bucket_bytes: int = 64 << 20,
+        align: int = 64,
+        apply_threads: int | None = None,
     ) -> None:
-        if transport.rank in transport.senders:
-            raise SyncError(
-                f"rank {transport.rank} is a sender of this transport; use WeightSender on it"
-            )
-        if apply not in ("on_commit", "per_bucket"):
-            raise SyncError(f"apply={apply!r}: choose 'on_commit' or 'per_bucket'")
-        self.transport = transport
-        self.apply = apply
+        if group.rank in group.trainers:
+            raise SyncError(f"rank {group.rank} is a trainer of the group; use WeightSender")
+        self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
+        self.every = wants is None
+        self.wants = [] if wants is None else list(wants)
         self.dtype = dtype
         self.version: int | None = None
-        self.last_round: RoundStats | None = None
-        #: False while the model may hold a mix of versions (per_bucket mode after a failure).
-        self.consistent = True
-        self._plan: Plan | None = None
+        self.schedule: Schedule | None = None
         self._epoch = -1
-        self._channel: Channel | None = None
-        self._asm: Assembler | None = None
-        self._arena: torch.Tensor | None = None  # on_commit staging (plan.arena_bytes)
-        self._bounce: torch.Tensor | None = None  # per_bucket copy of one shared-window bucket
-        self._need_full = True
+        self._buckets: list[LinkBucket] = []
+        self._slots: list[torch.Tensor] = []
+        self._targets: list[torch.Tensor] = []
+        n = min(4, os.cpu_count() or 1) if apply_threads is None else int(apply_threads)
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="mxn-apply") if n > 1 else None
 
-    #: Benchmarks only (``bench_sync.py --apply on_commit:trusted``): the behaviour before
-    #: shared windows were treated as untrusted — stage and verify in the window itself, no
-    #: private copy. Never set it elsewhere: bytes written to the window after verification
-    #: reach ``load_weights``.
-    _trust_shared = False
-
-    @property
-    def plan(self) -> Plan | None:
-        """The agreed plan (tensor names, dtypes, shapes, bucket layout), once received."""
-        return self._plan
-
-    def pull(self, load_weights: LoadWeights) -> RoundStats:
-        """Take part in one round; call ``load_weights`` with verified tensors; commit.
-
-        Returns when the round is committed (``version`` then names it). Raises
-        :class:`SyncError` (subclasses) when it is not; ``version`` and — with
-        ``apply="on_commit"`` — the model are unchanged then. After :class:`PeerLostError` or
-        :class:`SyncTimeoutError`, reset the transport before the next ``pull``.
-        """
-        t0 = time.perf_counter()
-        t = self.transport
-        b = proto.begin(
-            t,
-            version=None,
-            need_plan=self._plan is None or self._epoch != t.epoch,
-            need_full=self._need_full,
-            failed=False,
-        )
-        self._need_full = True  # until this round commits
-        if b.need_plan:
-            plan = build_plan(proto.exchange_plan(t, None))
-            if self._channel is not None:
-                self._channel.close()
-                self._channel = None
-            if self._plan is None or plan.plan_id != self._plan.plan_id:
-                self._arena = self._bounce = None
-                self._asm = Assembler(plan, self.dtype)
-            self._plan = plan
-            self._channel = t.open_channel(plan)
-            self._epoch = t.epoch
-        plan, ch, asm = self._plan, self._channel, self._asm
-        if plan is None or ch is None or asm is None:
-            raise SyncError("internal: no plan after the plan exchange")
-        send = None  # None: every tensor (a full round)
-        if not (b.need_full or b.need_plan):
-            send = proto.exchange_changed(t, plan, (), False, b.version)
-        buckets = plan.layout(send)
-        ch.begin_round(buckets)
-        asm.start_round()
-        failure, staged = self._receive(plan, ch, asm, buckets, b.version, load_weights)
-        rejected = proto.vote(t, failure is not None)
-        if rejected:
-            if failure is not None:
-                raise failure
-            raise RoundAbortedError(
-                f"round {b.version} was not committed: rank {rejected - 1} "
-                f"rejected it; this receiver keeps version {self.version}"
+    def _decl(self) -> Decl:
+        if self.every:
+            return Decl(self.group.rank, False, every=True)
+        out = []
+        for w in self.wants:
+            dt = w.dtype or (w.into.dtype if w.into is not None else None)
+            out.append(
+                Wanted(
+                    w.name, w.source or w.name, None if dt is None else wire_name(dt, w.name), w.box
+                )
             )
-        if self.apply == "on_commit":
-            asm.link(staged)
-            for bk, view in staged:
-                try:
-                    weights = asm.emit(bk, view)
-                    if weights:
-                        load_weights(weights)
-                except Exception as e:
-                    self.consistent = False
-                    raise SyncError(
-                        f"round {b.version}: load_weights failed at commit on "
-                        f"{plan.describe(bk)}: {e}. The model may be partly updated; "
-                        f"version stays {self.version} and the next round is full"
-                    ) from e
-        self.version = b.version
-        self.consistent = True
-        self._need_full = False
-        self.last_round = RoundStats.of(b.version, send, plan, buckets, b.need_plan, t0)
-        return self.last_round
+        return Decl(self.group.rank, False, wanted=tuple(out))
 
-    def _staging(
-        self, plan: Plan, ch: Channel, buckets: Sequence[Bucket], shared: bool
-    ) -> Callable[[Bucket], torch.Tensor | None]:
-        """Where each bucket is kept from its verification until ``load_weights``: a slice of
-        this process's memory, or None to keep the channel's own buffer (private to this process
-        and, for on_commit, ``stable``)."""
-        if self.apply == "on_commit" and (shared or not ch.stable):
-            if self._arena is None:
-                self._arena = _private(plan.arena_bytes)
-            arena, offsets = self._arena, plan.arena_offsets(buckets)
-            return lambda bk: arena[offsets[bk.index] : offsets[bk.index] + bk.nbytes]
-        if shared:  # per_bucket: a bucket is handed over before the next one is copied out
-            need = max((bk.nbytes for bk in buckets), default=0)
-            if self._bounce is None or self._bounce.numel() < need:  # grows once, then reused
-                self._bounce = _private(max(need, plan.capacity))
-            bounce = self._bounce
-            return lambda bk: bounce[: bk.nbytes]
-        return lambda bk: None
+    def _setup(self) -> Schedule:
+        g = self.group
+        if self.schedule is not None and self._epoch == g.epoch:
+            return self.schedule
+        sched = setup_schedule(g, self._decl(), self.bucket_bytes, self.align, self.dtype)
+        if self.every:
+            self.wants = [
+                Want(w.name, dtype=wire_dtype(w.dtype)) for w, _, _ in sched.wanted[g.rank]
+            ]  # type: ignore[arg-type]
+        self._targets = []
+        for w, (decl, ti, box) in zip(self.wants, sched.wanted[g.rank], strict=True):
+            dt = wire_dtype(decl.dtype or sched.tensors[ti].dtype)
+            if w.into is not None:
+                if tuple(w.into.shape) != box.size:
+                    raise PlanError(
+                        f"want {w.name!r}: into has shape {list(w.into.shape)} but its box "
+                        f"{box} needs {list(box.size)}; pass the local shard of the parameter"
+                    )
+                self._targets.append(w.into)
+            else:
+                self._targets.append(torch.zeros(box.size, dtype=dt))
+        links = sched.links_of(g.rank)
+        g.open_links(link_slots(links, self.align))
+        self._buckets = sorted(
+            (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.sender)
+        )
+        sizes = [-(-message_bytes(b, self.align) // 64) * 64 for b in self._buckets]
+        arena = torch.empty(sum(sizes), dtype=torch.uint8)
+        self._slots, pos = [], 0
+        for b, n in zip(self._buckets, sizes, strict=True):
+            self._slots.append(arena[pos : pos + message_bytes(b, self.align)])
+            pos += n
+        self.schedule, self._epoch = sched, g.epoch
+        return sched
 
-    def _receive(
-        self,
-        plan: Plan,
-        ch: Channel,
-        asm: Assembler,
-        buckets: Sequence[Bucket],
-        version: int,
-        load_weights: LoadWeights,
-    ) -> tuple[SyncError | None, list[tuple[Bucket, torch.Tensor]]]:
-        """Receive and verify every bucket; the first failure is kept (the round is drained
-        anyway so all ranks stay in step) and returned for the vote."""
-        t = self.transport
-        shared = ch.shared and not self._trust_shared
-        private = self._staging(plan, ch, buckets, shared)
-        failure: SyncError | None = None
-        staged: list[tuple[Bucket, torch.Tensor]] = []
-        prev: tuple[Bucket, str] | None = None
-
-        def consume(bk: Bucket, expected: str, early: str | None = None) -> SyncError | None:
-            """``early``: digest computed before the header arrived — of the private copy for a
-            shared channel, of the channel's buffer otherwise."""
-            if failure is not None:
-                ch.wait(bk)
-                return failure
-            dst = private(bk)
-            actual = early
-            if actual is None and ch.partial and not shared:
-                actual = _follow(ch, bk)  # hash behind the wire: prefixes as they arrive
-            view = ch.wait(bk)
-            if dst is not None and not (shared and early is not None) and not _same(view, dst):
-                # not in our memory yet (a shared view; a channel that ignored `into` and will
-                # reuse its buffer): what is verified and handed over is our copy
-                actual = _copy_verify(bk, dst, lambda _upto: view)
-            if dst is not None:
-                view = dst
-            if actual is None:
-                data = view.numpy() if view.device.type == "cpu" else view.cpu().numpy()
-                actual = proto.combine(
-                    digest(data[p.bucket_offset : p.bucket_offset + p.nbytes]) for p in bk.pieces
+    def pull(self, load_weights: LoadWeights | None = None) -> RoundStats:
+        """Take part in one round; on commit write the received boxes into the ``into``
+        tensors and hand the others (whole local tensors, those that changed) to
+        ``load_weights``. Raises :class:`SyncError` subclasses when the round fails (nothing is
+        applied; ``version`` unchanged); after :class:`PeerLostError`,
+        ``group.reconnect(port)`` first."""
+        t0 = time.perf_counter()
+        g = self.group
+        sched = self._setup()
+        seq = g.next_round()
+        works = [
+            g.irecv(slot, b.sender, b.index)
+            for b, slot in zip(self._buckets, self._slots, strict=True)
+        ]
+        st = _Round(seq)
+        # bucket i's zero-copy pieces are posted as soon as its header is read, and bucket i-1
+        # is verified while they arrive
+        pending: _Arrived | None = None
+        for bk, slot, work in zip(self._buckets, self._slots, works, strict=True):
+            got = self._arrive(st, bk, slot, work)
+            if pending is not None:
+                self._settle(st, pending)
+            pending = got
+        if pending is not None:
+            self._settle(st, pending)
+        if len(st.versions) > 1:
+            st.fail(f"senders sent different versions {sorted(st.versions)} in one round")
+        reason = g.vote(seq, None if st.failure is None else f"rank {g.rank}: {st.failure}")
+        if reason is not None:
+            if reason.startswith("lost: "):
+                g.mark_broken(reason)
+                raise PeerLostError(
+                    f"rank {g.rank}: round failed: {reason[6:]}; version stays {self.version}; "
+                    "call group.reconnect(new_port) on the survivors and restart the lost rank"
                 )
-            if actual != expected:
-                return DigestMismatchError(
-                    f"round {version}: {plan.describe(bk)} arrived with digest {actual}, the "
-                    f"sender announced {expected}; the round is not committed and this "
-                    f"receiver keeps version {self.version}. Check the transport / memory of "
-                    "both hosts (for shared memory: no other process may write the window); "
-                    "the next round resends everything"
+            if st.mismatch is not None:
+                raise DigestMismatchError(
+                    f"rank {g.rank}: {st.mismatch}; nothing was applied, version stays {self.version}"
                 )
-            if self.apply == "on_commit":
-                staged.append((bk, view))
-                return None
+            raise RoundAbortedError(
+                f"rank {g.rank}: round not committed: {reason}; version stays {self.version}"
+            )
+        changed = self._apply(sched, st.staged)
+        if load_weights is not None:
+            out = [
+                (self.wants[i].name, self._targets[i])
+                for i in sorted(changed)
+                if self.wants[i].into is None
+            ]
+            if out:
+                load_weights(out)
+        if st.versions:
+            self.version = st.versions.pop()
+        npieces = sum(len(b.pieces) for b in self._buckets)
+        got = sum(sum(o is not None for o in offs) for _, _, offs, _ in st.staged)
+        payload = sum(st.per_link.values())
+        zero_copy = sum(
+            p.nbytes
+            for bk, _, offs, flags in st.staged
+            for p, o, f in zip(bk.pieces, offs, flags, strict=True)
+            if o is not None and f == wire.DIRECT
+        )
+        return RoundStats(
+            self.version if self.version is not None else -1,
+            got == npieces,
+            time.perf_counter() - t0,
+            len(self._buckets),
+            payload,
+            st.wire_bytes,
+            st.per_link,
+            zero_copy,
+        )
+
+    def _lost(self, st: _Round, bk: LinkBucket, e: SyncError) -> PeerLostError:
+        why = f"receiving from rank {bk.sender} failed ({cause_line(e)})"
+        self.group.abort(st.seq, "lost: " + why)
+        return PeerLostError(
+            f"rank {self.group.rank}: {why}; call group.reconnect(new_port) on the survivors "
+            f"and restart rank {bk.sender}; version stays {self.version}"
+        )
+
+    def _arrive(self, st: _Round, bk: LinkBucket, slot: torch.Tensor, work: Any) -> _Arrived:
+        """Wait for a bucket's message, read its header (even when the round already failed:
+        its zero-copy pieces must still be received) and post the receives of its zero-copy
+        pieces into their places in ``slot``."""
+        g = self.group
+        try:
+            g.guard("gloo recv", work.wait)
+        except SyncError as e:
+            raise self._lost(st, bk, e) from e
+        got = _Arrived(bk, slot)
+        start = payload_start(bk, self.align)
+        try:
+            got.header = wire.read_header(
+                slot, st.seq, bk.index, len(bk.pieces), slot.numel() - start
+            )
+        except SyncError as e:
+            st.fail(str(e))
+            return got
+        if got.header[0] != wire.OK:
+            return got
+        flags = got.header[3]
+        got.offsets, _, end = wire.layout([p.nbytes for p in bk.pieces], flags, start, self.align)
+        bad = None
+        if wire.DIRECT in flags and g.links != "gloo":
+            bad = f"zero-copy pieces on a {g.links} link"
+        elif end != start + got.header[4] or end > slot.numel():
+            bad = f"header claims {got.header[4]} payload bytes, its pieces take {end - start}"
+        if bad is not None:
+            st.fail(f"bucket {bk.index} of round {st.seq} from rank {bk.sender}: {bad}")
+            got.header = None
+            return got
+        direct = [
+            (p, o)
+            for p, o, f in zip(bk.pieces, got.offsets, flags, strict=True)
+            if f == wire.DIRECT and o is not None
+        ]
+        try:
+            got.works = [
+                g.irecv(slot[o : o + p.nbytes], bk.sender, wire.direct_tag(bk.index, j))
+                for j, (p, o) in enumerate(direct)
+            ]
+        except SyncError as e:
+            raise self._lost(st, bk, e) from e
+        return got
+
+    def _settle(self, st: _Round, got: _Arrived) -> None:
+        """Wait for a bucket's zero-copy pieces, then verify and stage it (unless the round
+        already failed: then it was only drained)."""
+        bk = got.bk
+        for w in got.works:
             try:
-                weights = asm.emit(bk, view)
-                if weights:
-                    self.consistent = False
-                    load_weights(weights)
-            except Exception as e:  # becomes this rank's vote against the round
-                err = SyncError(f"round {version}: load_weights failed on {plan.describe(bk)}: {e}")
-                err.__cause__ = e
-                return err
-            return None
+                self.group.guard("gloo recv", w.wait)
+            except SyncError as e:
+                raise self._lost(st, bk, e) from e
+        if st.failure is not None or got.header is None:
+            return
+        status, version, present, flags, payload = got.header
+        if status != wire.OK:
+            st.fail(f"rank {bk.sender} aborted the round (its error is raised there)")
+            return
+        st.versions.add(version)
+        bad = self._verify(bk, got.slot, present, got.offsets)
+        if bad is not None:
+            st.fail(f"round {version}: bucket {bk.index} from rank {bk.sender}: {bad}")
+            st.mismatch = st.failure
+            return
+        st.staged.append((bk, got.slot, got.offsets, flags))
+        st.per_link[bk.sender] = st.per_link.get(bk.sender, 0) + payload_bytes(bk, got.offsets)
+        st.wire_bytes += payload_start(bk, self.align) + payload
 
-        for bk in buckets:
-            early = None  # streaming channel: the digest, computed while the owner packed
-            if ch.streams and failure is None:
-                dst = private(bk)
-                if shared and dst is not None:  # copy out right behind the packer, hash the copy
-                    early = _copy_verify(bk, dst, lambda upto, bk=bk: ch.wait_bytes(bk, upto))
-                else:
-                    early = _follow(ch, bk)
-            status, expected = proto.header(t, bk.owner, bk.index)
-            if status != proto.OK:
-                ch.flush()
-                raise RoundAbortedError(
-                    f"round {version}: sender rank {bk.owner} aborted at "
-                    f"bucket {bk.index} (its error is raised there); "
-                    f"this receiver keeps version {self.version}"
-                )
-            ch.expect(bk, None if shared else private(bk))
-            if ch.streams:
-                failure = consume(bk, expected, early)
-                continue
-            if prev is not None:
-                failure = consume(*prev)
-            prev = (bk, expected)
-        if prev is not None:
-            failure = consume(*prev)
-        ch.flush()
-        return failure, staged
-
-    def install(
+    def _verify(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        load_weights: LoadWeights,
-        *,
-        batch: int = 64,
-    ) -> None:
-        """Store path hook: load weights obtained elsewhere (e.g. a committed snapshot read with
-        ``deltackpt.load``) and adopt ``version``. The next ``pull`` asks for a full round, since
-        the senders cannot know what was installed."""
-        items = list(named_tensors)
-        for i in range(0, len(items), batch):
-            load_weights(items[i : i + batch])
-        self.version = int(version)
-        self.consistent = True
-        self._need_full = True
+        bk: LinkBucket,
+        slot: torch.Tensor,
+        present: list[tuple[int, int] | None],
+        offsets: list[int | None],
+    ) -> str | None:
+        """Each present piece at its offset in ``slot`` hashed against its digest."""
+        for k, (p, d, off) in enumerate(zip(bk.pieces, present, offsets, strict=True)):
+            if d is None or off is None:
+                continue
+            if off + p.nbytes > slot.numel():
+                return f"piece {k} does not fit in the message"
+            got = wire.verify(slot[off : off + p.nbytes])
+            if got != d:
+                name = self.schedule.tensors[p.tensor].name if self.schedule else "?"
+                return (
+                    f"piece {k} ({name} box {p.box}) has digest {got}, the sender announced {d}; "
+                    "check the network / memory of both hosts"
+                )
+        return None
 
-    def close(self) -> None:
-        """Release channel and staging buffers (the transport stays open)."""
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-        self._arena = self._bounce = None
-        self._plan = self._asm = None
+    def _apply(self, sched: Schedule, staged: list[_Staged]) -> set[int]:
+        """Copy every staged piece into its target tensor; returns the wants touched. The
+        copies run on ``apply_threads`` threads (a copy releases the GIL): after the vote the
+        senders are idle, so this rank may use the cores they used."""
+        boxes = sched.wanted[self.group.rank]
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        changed: set[int] = set()
+        for bk, slot, offsets, _ in staged:
+            for p, off in zip(bk.pieces, offsets, strict=True):
+                if off is None:
+                    continue
+                dt = wire_dtype(p.dtype)
+                src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
+                jobs.append((self._targets[p.want][p.box.within(boxes[p.want][2])], src))
+                changed.add(p.want)
+        if self._pool is None or len(jobs) < 2:
+            _copy_all(jobs)
+        else:  # split into runs of about equal bytes, one per thread
+            n = self._pool._max_workers  # type: ignore[attr-defined]
+            total = sum(src.numel() * src.element_size() for _, src in jobs)
+            runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+            acc = 0
+            for dst, src in jobs:
+                if acc >= total * len(runs) / n and len(runs) < n:
+                    runs.append([])
+                runs[-1].append((dst, src))
+                acc += src.numel() * src.element_size()
+            for f in [self._pool.submit(_copy_all, r) for r in runs]:
+                f.result()
+        return changed
+
+
+@dataclass
+class _Round:
+    """What a receiver learned so far in round ``seq``: the first failure (a digest mismatch
+    is also kept as ``mismatch``), the senders' versions, and the verified buckets."""
+
+    seq: int
+    failure: str | None = None
+    mismatch: str | None = None
+    wire_bytes: int = 0
+    versions: set[int] = field(default_factory=set)
+    staged: list[_Staged] = field(default_factory=list)
+    per_link: dict[int, int] = field(default_factory=dict)
+
+    def fail(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = why
+
+
+@dataclass
+class _Arrived:
+    """A bucket message that arrived: its header (None when unreadable or not to be used),
+    piece offsets and the receives posted for its zero-copy pieces."""
+
+    bk: LinkBucket
+    slot: torch.Tensor
+    header: tuple[int, int, list[tuple[int, int] | None], list[int], int] | None = None
+    offsets: list[int | None] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)
+
+
+def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for dst, src in jobs:
+            wire.copy_into(dst, src)
+
+
+def payload_bytes(bk: LinkBucket, offsets: list[int | None]) -> int:
+    return sum(p.nbytes for p, o in zip(bk.pieces, offsets, strict=True) if o is not None)

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.errors import PlanError
 from deltackpt.sync.schedule_decl import Box, Decl, Wanted
-from deltackpt.sync.sender_manifest import wire_dtype
 
 __all__ = ["Link", "LinkBucket", "SchedTensor", "Schedule", "Transfer", "build_schedule"]
 

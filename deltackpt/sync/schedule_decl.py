@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from deltackpt.format.dtensor import is_dtensor, local_box
+from deltackpt.sync.dtypes import DtypeSpec, resolve_dtype, wire_dtype, wire_name
 from deltackpt.sync.errors import PlanError
-from deltackpt.sync.sender_manifest import wire_dtype, wire_name
 
 __all__ = [
     "DECL_FORMAT",
@@ -32,6 +32,7 @@ __all__ = [
     "Wanted",
     "decl_from_json",
     "decl_to_json",
+    "expand_every",
     "held_from",
     "shard_box",
 ]
@@ -99,6 +100,7 @@ class Decl:
     trainer: bool
     held: tuple[Held, ...] = ()
     wanted: tuple[Wanted, ...] = ()
+    every: bool = False  # a receiver that wants every trainer tensor whole (see expand_every)
 
 
 @dataclass(frozen=True)
@@ -128,12 +130,12 @@ def shard_box(shape: Iterable[int], dim: int, index: int, parts: int) -> Box:
 def held_from(
     named_tensors: Mapping[str, torch.Tensor | LocalShard]
     | Iterable[tuple[str, torch.Tensor | LocalShard]],
-    dtype: torch.dtype | None = None,
+    dtype: DtypeSpec = None,
 ) -> tuple[list[Held], dict[str, torch.Tensor]]:
     """Declarations and local tensors of a trainer's state: a DTensor's local shard with its
     box (``Shard``/``Replicate`` placements), a :class:`LocalShard` as given, a plain tensor
-    whole. ``dtype``: declare floating tensors as that dtype instead (their global dtype as a
-    receiver sees it by default)."""
+    whole. ``dtype``: declare tensors as the dtype it picks (a dtype for floating tensors, or
+    ``f(name, dtype) -> dtype | None``): their global dtype as a receiver sees it by default."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     held: list[Held] = []
     local: dict[str, torch.Tensor] = {}
@@ -149,10 +151,23 @@ def held_from(
             loc = t.to_local()  # type: ignore[attr-defined]
         else:
             shape, off, size, loc = tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t
-        dt = dtype if dtype is not None and loc.dtype.is_floating_point else loc.dtype
+        dt = resolve_dtype(dtype, name, loc.dtype)
         held.append(Held(name, wire_name(dt, name), shape, Box(off, size)))
         local[name] = loc.detach()
     return held, local
+
+
+def expand_every(decl: Decl, trainers: list[Decl], dtype: DtypeSpec) -> Decl:
+    """A receiver that wants every trainer tensor whole (1 -> N broadcast): one :class:`Wanted`
+    per trainer tensor, in the order the lowest trainer rank declares them (then the others'),
+    as the dtype ``dtype`` picks from the trainer's."""
+    seen: dict[str, Wanted] = {}
+    for t in trainers:
+        for h in t.held:
+            if h.name not in seen:
+                dt = resolve_dtype(dtype, h.name, wire_dtype(h.dtype))
+                seen[h.name] = Wanted(h.name, h.name, wire_name(dt, h.name), None)
+    return Decl(decl.rank, False, wanted=tuple(seen.values()))
 
 
 def decl_to_json(d: Decl) -> bytes:
@@ -161,6 +176,7 @@ def decl_to_json(d: Decl) -> bytes:
         "format": DECL_FORMAT,
         "rank": d.rank,
         "trainer": d.trainer,
+        "every": d.every,
         "held": [[h.name, h.dtype, h.shape, h.box.offset, h.box.size] for h in d.held],
         "wanted": [
             [w.name, w.source, w.dtype, *((w.box.offset, w.box.size) if w.box else (None, None))]
@@ -200,7 +216,10 @@ def decl_from_json(data: bytes) -> Decl:
         )
         for dt in [h.dtype for h in held] + [w.dtype for w in wanted if w.dtype]:
             wire_dtype(dt)
-        return Decl(int(doc["rank"]), bool(doc["trainer"]), held, wanted)
+        every = doc.get("every", False)
+        if not isinstance(every, bool) or (every and (held or wanted or doc["trainer"])):
+            raise ValueError(f"'every' is {every!r} beside {len(held)} held / {len(wanted)} wanted")
+        return Decl(int(doc["rank"]), bool(doc["trainer"]), held, wanted, every)
     except (ValueError, KeyError, TypeError) as e:
         if isinstance(e, PlanError):
             raise

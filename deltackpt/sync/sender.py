@@ -1,250 +1,438 @@
-"""Trainer side: :class:`WeightSender` runs a round: plan, changed tensors, buckets, vote.
+"""Trainer side of weight sync: :class:`WeightSender` sends each receiver only its boxes, point to
+point, in the receiver's dtype.
 
-Called on every sender rank of the transport, with the same ``version``, once per round::
+Called on every trainer rank of the :class:`~deltackpt.sync.group.SyncGroup`, once per
+round, with the same ``version``::
 
-    sender = WeightSender(transport, bucket_bytes=256 << 20)
-    stats = sender.push(model.state_dict(), version=step)   # (name, tensor) pairs or a mapping
+    sender = WeightSender(group, bucket_bytes=64 << 20)
+    stats = sender.push(model.state_dict(), version=step)   # DTensor shards as they are
 
-Each sender sends only the parts it holds: a DTensor's local shard (``Shard``/``Replicate``
-placements), or a plain tensor (held whole; when several senders hold it, the lowest rank sends
-it). No rank gathers the model; receivers assemble full tensors from the shards.
-
-Pipelining: bucket i+1 is packed (copied into a reused flat buffer and hashed in cache-sized
-chunks) while bucket i is on the wire — the channel's ``send`` is asynchronous and its buffers
-come in a ring of at least two. With :class:`DistTransport`, large pieces of plain CPU tensors
-are not copied at all: they are hashed and broadcast straight from the tensor. Packing runs in
-the calling thread: async collectives give the overlap, no collective is issued from a
-background thread, and errors surface where the caller can see them.
-
-This module is the round protocol of a sender (``_protocol.py`` steps 1-5); filling and hashing
-the buckets from the caller's tensors is ``packing.py``.
+The first push declares this rank's shards (``schedule_decl.held_from``) and, with every other
+rank, builds the schedule (once; later pushes must hold the same shards). A round walks this
+rank's link buckets interleaved over its receivers (bucket 0 of every link, then bucket 1, ...):
+a packing thread fills bucket i+1 (gather the piece boxes from the local shard, cast, hash
+each chunk right after copying it) while bucket i is on the wire (gloo ``send``, async), from a
+ring of three buffers. Delta rounds (the default after a committed round) hash each local tensor
+once, in place, and pack and send the pieces of the tensors whose digest changed since the last
+committed round (``detect="version"``: tensors whose storage and in-place version counter did
+not change since that round are skipped unread, the others sent unhashed; see docs/sync.md). On shared-memory links the
+packing thread writes straight into the link's slot. Then the commit vote (store keys, see
+``group.py``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from deltackpt.sync import _protocol as proto
-from deltackpt.sync._protocol import RoundStats
-from deltackpt.sync.errors import RoundAbortedError, SyncError
-from deltackpt.sync.packing import NamedTensors, Packer
-from deltackpt.sync.plan import Bucket, Plan, build_plan
-from deltackpt.sync.sender_manifest import DtypeSpec, SenderManifest
-from deltackpt.sync.transport import Channel, Transport
+import torch
 
-__all__ = ["DtypeSpec", "WeightSender"]
+from deltackpt.sync import wire
+from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
+from deltackpt.sync.errors import PeerLostError, PlanError, RoundAbortedError, SyncError
+from deltackpt.sync.group import SyncGroup, cause_line
+from deltackpt.sync.rounds import (
+    RoundStats,
+    link_slots,
+    message_bytes,
+    payload_start,
+    setup_schedule,
+)
+from deltackpt.sync.schedule import LinkBucket, Schedule
+from deltackpt.sync.schedule_decl import Decl, Held, held_from
+
+__all__ = ["WeightSender"]
+
+_RING = 3
+_ABORT_CHECK = 0.05  # seconds between looks at the abort key while sending
+
+# message bytes, digests, payload bytes, zero-copy pieces (flat bytes of the source, tag)
+Packed = tuple[int, list[tuple[int, int] | None], int, list[tuple[torch.Tensor, int]]]
 
 
 class WeightSender:
-    """Sends named tensors to every receiver of ``transport``, one transactional round per push.
+    """Sends this trainer rank's shards to the inference ranks of ``group`` (see module doc).
 
-    Construct on every sender rank with the same ``bucket_bytes`` and ``align``. ``dtype``
-    casts on the sender (halves the wire bytes for fp32 -> bf16); receivers can cast instead
-    with ``WeightReceiver(dtype=...)``.
-
-    Rounds after the first send only the tensors whose bytes changed since the last committed
-    round (xxh3-128 of each sender's part), re-packed into as few buckets as they need;
-    ``push(full=True)`` sends everything.
+    ``bucket_bytes``/``align`` must be the same on every rank of the group. ``zero_copy_min``
+    (gloo links): pieces of at least this many bytes that are contiguous in the local tensor
+    and need no cast are sent from the tensor itself, not copied into a bucket first (None:
+    never); the tensors must not change until ``push`` returns. ``dtype``: the dtype the
+    tensors are declared as (a dtype for floating tensors, e.g. bf16 from fp32 master weights, or
+    ``f(name, dtype) -> dtype | None``): receivers that ask for no dtype get it, cast while
+    packing.
     """
 
     def __init__(
         self,
-        transport: Transport,
+        group: SyncGroup,
         *,
-        bucket_bytes: int = 256 << 20,
-        align: int = 256,
+        bucket_bytes: int = 64 << 20,
+        align: int = 64,
+        detect: str = "hash",
+        zero_copy_min: int | None = 256 << 10,
         dtype: DtypeSpec = None,
     ) -> None:
-        if transport.rank not in transport.senders:
-            raise SyncError(
-                f"rank {transport.rank} is not a sender of this transport (senders: "
-                f"{list(transport.senders)}); use WeightReceiver on it"
-            )
-        self.transport = transport
-        self.bucket_bytes = int(bucket_bytes)
-        self.align = int(align)
+        if group.rank not in group.trainers:
+            raise SyncError(f"rank {group.rank} is not a trainer of the group; use WeightReceiver")
+        if detect not in ("hash", "version"):
+            raise SyncError(f"detect={detect!r}: choose 'hash' or 'version'")
+        self.detect = detect
         self.dtype = dtype
+        self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
+        # name -> (data_ptr, _version, the tensor: keeps its memory from being reused)
+        self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
+        self._round_vers: dict[str, tuple[int, int, torch.Tensor]] = {}
+        self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
         self.version: int | None = None
-        self.last_round: RoundStats | None = None
-        self._plan: Plan | None = None
-        self._manifest: bytes | None = None
+        self.schedule: Schedule | None = None
         self._epoch = -1
-        self._channel: Channel | None = None
-        self._committed: dict[int, str] = {}  # tensor -> digest of my part, last committed round
-        self._dirty = True  # last round failed: the next one is full
-        self._packer = Packer(transport)
+        self._held: tuple[Held, ...] = ()
+        self._local: dict[str, torch.Tensor] = {}
+        self._boxes: dict[str, Held] = {}
+        self._buckets: list[LinkBucket] = []
+        self._ring: list[torch.Tensor] = []
+        self._committed: dict[tuple[int, int, int], tuple[int, int]] = {}
+        # name -> digest of the local tensor's raw bytes at the last commit, and this round's
+        # (see _changed): one in-place pass per contiguous source tensor per delta round
+        self._tcommitted: dict[str, tuple[int, int]] = {}
+        self._tround: dict[str, tuple[int, int] | None] = {}
+        self._dirty = True
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mxn-pack")
 
-    # ---- public ---------------------------------------------------------------------------
+    def _setup(self, named_tensors: Mapping[str, torch.Tensor] | Iterable) -> None:
+        held, local = held_from(named_tensors, self.dtype)
+        if self.schedule is not None and self._epoch == self.group.epoch:
+            if tuple(held) != self._held:
+                raise PlanError(
+                    "push() got different tensors (names, dtypes, shapes or shard boxes) than "
+                    "the schedule was built for; build a new SyncGroup/WeightSender/WeightReceiver "
+                    "on every rank to re-plan"
+                )
+            self._local = local
+            return
+        g = self.group
+        decl = Decl(g.rank, True, held=tuple(held))
+        self.schedule = setup_schedule(g, decl, self.bucket_bytes, self.align)
+        self._held, self._local = tuple(held), local
+        self._boxes = {h.name: h for h in held}
+        links = self.schedule.links_of(g.rank)
+        g.open_links(link_slots(links, self.align))
+        self._buckets = sorted(
+            (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.receiver)
+        )
+        size = max((message_bytes(b, self.align) for b in self._buckets), default=0)
+        self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(_RING)]
+        self._committed.clear()
+        self._tcommitted.clear()
+        self._dirty = True
+        self._epoch = g.epoch
 
     def push(
         self,
-        named_tensors: NamedTensors,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         version: int,
         *,
         full: bool = False,
     ) -> RoundStats:
-        """Run one round: send ``named_tensors`` as ``version``; returns once every rank voted to
-        commit it (receivers then load and publish it).
-
-        Every sender rank calls it with the same version; receivers call ``pull`` meanwhile.
-        Raises :class:`SyncError` (subclasses) when the round fails; nothing is committed then,
-        and the next push starts cleanly (a full round; after a transport failure, call
-        ``transport.reset()`` first).
-        """
+        """Run one round: send the changed pieces (every piece if ``full``, on the first round
+        and after a failure) and wait for the commit vote. Raises :class:`SyncError` subclasses
+        when the round fails; after :class:`PeerLostError`, ``group.reconnect(port)`` first."""
         t0 = time.perf_counter()
-        t = self.transport
-        manifest: bytes | None = None
-        error: BaseException | None = None
-        try:
-            version = int(version)
-            manifest = self._packer.describe(
-                named_tensors, self.dtype, self.bucket_bytes, self.align
-            )
-        except Exception as e:  # re-raised below, after telling the other ranks
-            error = e
-        need_plan = self._plan is None or manifest != self._manifest or self._epoch != t.epoch
-        try:
-            b = proto.begin(
-                t,
-                version=None if error else version,
-                need_plan=need_plan,
-                need_full=full or self._dirty,
-                failed=error is not None,
-            )
-        except RoundAbortedError:
-            if error is not None:
-                raise error from None
-            raise
+        g = self.group
+        self._setup(named_tensors)
+        sched = self.schedule
+        assert sched is not None
+        seq = g.next_round()
+        full = full or self._dirty
         self._dirty = True
-        if b.need_plan:
-            self._new_plan(proto.exchange_plan(t, manifest))
-            self._manifest, self._epoch = manifest, t.epoch
-        plan, ch = self._plan, self._channel
-        if plan is None or ch is None:
-            raise SyncError("internal: no plan after the plan exchange")
-        send: list[int] | None = None  # tensors of a delta round; None: all of them
-        pieces: dict[tuple[int, int], str] = {}  # (tensor, start) -> digest of my piece
-        if not (b.need_full or b.need_plan):
-            send = self._changed(plan, pieces, version, error)
-        layout = plan.layout(send)
-        ch.begin_round(layout)
-        self._send(plan, ch, layout, pieces, version)
-        rejected = proto.vote(t, False)
-        if rejected:
-            raise RoundAbortedError(
-                f"round {version} was not committed: rank {rejected - 1} rejected it (digest "
-                "mismatch or load_weights error, raised on that rank); the receivers keep "
-                f"version {self.version}; the next push is a full round"
+        digests: dict[tuple[int, int, int], tuple[int, int]] = {}
+        per_link: dict[int, int] = {}
+        self._tround = {}
+        if self.detect == "version":  # before reading anything: a later write shows next round
+            self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in self._local.items()}
+        failure, lost, wire_bytes, sent, zero_copy = self._send_all(
+            sched, seq, int(version), full, digests, per_link
+        )
+        if lost is not None:
+            g.abort(seq, "lost: " + lost)
+            g.mark_broken(lost)
+            raise PeerLostError(
+                f"rank {g.rank}: round {version}: {lost}; call group.reconnect(new_port) on the "
+                "survivors and restart the lost rank"
             )
-        if send is None:
+        reason = g.vote(seq, failure)
+        if reason is not None:
+            if reason.startswith("lost: "):
+                g.mark_broken(reason)
+                raise PeerLostError(
+                    f"rank {g.rank}: round {version} failed: {reason[6:]}; call "
+                    "group.reconnect(new_port) on the survivors and restart the lost rank"
+                )
+            raise (SyncError if failure else RoundAbortedError)(
+                f"rank {g.rank}: round {version} was not committed: {reason}; the receivers "
+                f"keep version {self.version}, the next push is a full round"
+            )
+        if full:
             self._committed.clear()
-        for i in self._mine(plan) if send is None else send:
-            mine = plan.pieces_of(i, t.rank)
-            if mine:
-                self._committed[i] = proto.combine(pieces[(i, p.start)] for p in mine)
-        self._dirty = False
-        self.version = version
-        self.last_round = RoundStats.of(version, send, plan, layout, b.need_plan, t0)
-        return self.last_round
-
-    def close(self) -> None:
-        """Release the channel buffers (the transport stays open)."""
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-        self._plan = None
-
-    # ---- round steps ----------------------------------------------------------------------
-
-    def _new_plan(self, manifests: list[SenderManifest]) -> None:
-        plan = build_plan(manifests)
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-        if self._plan is None or plan.plan_id != self._plan.plan_id:
-            self._committed.clear()
-        self._plan = plan
-        self._channel = self.transport.open_channel(plan)
-
-    def _mine(self, plan: Plan) -> list[int]:
-        """Indices of the tensors of which this rank sends a part."""
-        return [
-            i
-            for i, parts in enumerate(plan.parts)
-            if any(p.owner == self.transport.rank for p in parts)
-        ]
-
-    def _changed(
-        self,
-        plan: Plan,
-        pieces: dict[tuple[int, int], str],
-        version: int,
-        error: BaseException | None,
-    ) -> list[int]:
-        """Delta round: hash this rank's parts (filling ``pieces``), agree with the other
-        senders on the changed tensors, return them all."""
-        changed = []
-        try:
-            for i in self._mine(plan):
-                mine = plan.pieces_of(i, self.transport.rank)
-                for p in mine:
-                    pieces[(i, p.start)] = self._packer.hash_piece(plan, p)
-                if proto.combine(pieces[(i, p.start)] for p in mine) != self._committed.get(i):
-                    changed.append(i)
-        except Exception as e:  # told to the other ranks, then re-raised
-            error = e
-        try:
-            return proto.exchange_changed(self.transport, plan, changed, error is not None, version)
-        except RoundAbortedError:
-            if error is not None:
-                raise error from None
-            raise
-
-    def _send(
-        self,
-        plan: Plan,
-        ch: Channel,
-        buckets: Sequence[Bucket],
-        pieces: dict[tuple[int, int], str],
-        version: int,
-    ) -> None:
-        """Send the round's buckets. Pieces without a digest in ``pieces`` are hashed while they
-        are packed, and their digests added."""
-        t = self.transport
-        for bk in buckets:
-            if bk.owner == t.rank:
-                buf = ch.buffer(bk)
-                try:
-                    extents = self._packer.pack(
-                        plan,
-                        bk,
-                        buf,
-                        pieces,
-                        ch.zero_copy,
-                        (lambda n, bk=bk: ch.progress(bk, n)) if ch.streams else None,
-                        ch.shared,
-                    )
-                    d = proto.combine(pieces[(p.tensor, p.start)] for p in bk.pieces)
-                except Exception as e:
-                    if ch.streams:  # release receivers waiting for bytes that will not come
-                        ch.progress(bk, bk.nbytes)
-                    proto.header(t, t.rank, bk.index, proto.ABORT)
-                    ch.flush()
-                    raise SyncError(
-                        f"round {version}: packing {plan.describe(bk)} failed: "
-                        f"{e}; the round was aborted on every rank"
-                    ) from e
-                proto.header(t, t.rank, bk.index, proto.OK, d)
-                ch.send(bk, extents)
+            self._tcommitted.clear()
+        self._committed.update(digests)
+        for n, d in self._tround.items():  # None: not known now (do not keep an old one)
+            if d is None:
+                self._tcommitted.pop(n, None)
             else:
-                status, _ = proto.header(t, bk.owner, bk.index)
-                if status != proto.OK:
-                    ch.flush()
-                    raise RoundAbortedError(
-                        f"round {version}: sender rank {bk.owner} aborted "
-                        f"at bucket {bk.index} (its error is raised there)"
-                    )
-                if ch.relays:
-                    ch.expect(bk, None)
-        ch.flush()
+                self._tcommitted[n] = d
+        self._vers = self._round_vers if self.detect == "version" else {}
+        self._dirty = False
+        self.version = int(version)
+        payload = sum(per_link.values())
+        return RoundStats(
+            int(version),
+            full,
+            time.perf_counter() - t0,
+            sent,
+            payload,
+            wire_bytes,
+            per_link,
+            zero_copy,
+        )
+
+    # ---- sending --------------------------------------------------------------------------
+
+    def _send_all(
+        self,
+        sched: Schedule,
+        seq: int,
+        version: int,
+        full: bool,
+        digests: dict[tuple[int, int, int], tuple[int, int]],
+        per_link: dict[int, int],
+    ) -> tuple[str | None, str | None, int, int, int]:
+        """Send every bucket (or a stub once the round failed); returns (failure, lost peer,
+        wire bytes, buckets sent, bytes sent zero-copy)."""
+        g = self.group
+        works: list[tuple[int, object] | None] = [None] * _RING
+        bufs: list[torch.Tensor] = list(self._ring)
+        stubs: list[tuple[int, object, torch.Tensor]] = []
+        directs: list[tuple[int, object]] = []  # zero-copy sends: (receiver, work)
+        zero_copy_bytes = 0
+        failure: str | None = None
+        lost: str | None = None
+        dead: set[int] = set()
+        wire_bytes = 0
+        next_check = time.monotonic() + _ABORT_CHECK
+
+        def settle(slot: int) -> None:
+            nonlocal lost
+            w = works[slot]
+            works[slot] = None
+            if w is not None:
+                dst, work = w
+                try:
+                    g.guard("gloo send", work.wait)  # type: ignore[attr-defined]
+                except SyncError as e:
+                    dead.add(dst)
+                    lost = lost or f"sending to rank {dst} failed ({cause_line(e)})"
+
+        def submit(i: int) -> Future[Packed] | None:
+            if i >= len(self._buckets) or failure or lost:
+                return None
+            settle(i % _RING)
+            bk = self._buckets[i]
+            win = g.window(bk.receiver, bk.index)  # shm: pack straight into the link's slot
+            bufs[i % _RING] = self._ring[i % _RING] if win is None else win
+            args = (sched, bk, bufs[i % _RING], seq, version, full)
+            if not full and self._untouched(sched, bk):  # a header only: no thread hand-off
+                done: Future[Packed] = Future()
+                try:
+                    done.set_result(self._pack(*args))
+                except Exception as e:
+                    done.set_exception(e)
+                return done
+            return self._pool.submit(self._pack, *args)
+
+        fut = submit(0)
+        for i, bk in enumerate(self._buckets):
+            packed: Packed | None = None
+            if fut is not None:
+                try:
+                    packed = fut.result()
+                except Exception as e:  # told to every rank by the vote; stubs from here on
+                    failure = f"rank {g.rank} failed packing bucket {bk.index} for rank {bk.receiver}: {e!r}"
+            if time.monotonic() >= next_check and not (failure or lost):
+                next_check = time.monotonic() + _ABORT_CHECK
+                try:
+                    why = g.aborted(seq)
+                except SyncError as e:
+                    why = f"lost: store unreachable ({e})"
+                if why is not None:
+                    failure = why
+                    if why.startswith("lost: "):
+                        lost = why[6:]
+            fut = submit(i + 1)
+            if bk.receiver in dead:
+                continue
+            if packed is not None and not (failure or lost):
+                nbytes, present, payload, zero_copy = packed
+                for k, d in enumerate(present):
+                    if d is not None:
+                        digests[(bk.receiver, bk.index, k)] = d
+                per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
+                buf = bufs[i % _RING][:nbytes]
+                try:
+                    if g.window(bk.receiver, bk.index) is not None:  # packed in place
+                        works[i % _RING] = (bk.receiver, g.publish(bk.receiver, bk.index, nbytes))
+                    else:
+                        works[i % _RING] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
+                        for t, tag in zero_copy:  # after the header: the receiver reads it first
+                            directs.append((bk.receiver, g.isend(t, bk.receiver, tag)))
+                            wire_bytes += t.numel()
+                            zero_copy_bytes += t.numel()
+                except SyncError as e:
+                    dead.add(bk.receiver)
+                    lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
+                    continue
+                wire_bytes += nbytes
+            else:  # the round failed: a header-only message so the receiver's recv completes
+                stub = torch.empty(wire.header_words(len(bk.pieces)) * 8, dtype=torch.uint8)
+                wire.write_header(
+                    stub, seq, version, bk.index, wire.ABORT, [None] * len(bk.pieces), 0
+                )
+                try:
+                    stubs.append((bk.receiver, g.isend(stub, bk.receiver, bk.index), stub))
+                except SyncError:
+                    dead.add(bk.receiver)
+        if fut is not None:
+            fut.result()
+        for slot in range(_RING):
+            settle(slot)
+        rest = [(d, w) for d, w in [*directs, *((d, w) for d, w, _ in stubs)] if d not in dead]
+        drained = g.drain_sends(seq, rest)  # always waited for, even after a loss
+        lost = lost or drained
+        return failure, lost, wire_bytes, len(self._buckets), zero_copy_bytes
+
+    def _pack(
+        self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
+    ) -> Packed:
+        """Fill ``buf`` with the message of ``bk``: changed (or all) pieces, then the header;
+        zero-copy pieces are hashed in place and returned to be sent on their own."""
+        srcs: list[tuple[torch.Tensor, torch.dtype] | None] = []
+        flags: list[int] = []
+        zero_copy = (
+            self.zero_copy_min is not None
+            and self.group.window(bk.receiver, bk.index) is None
+            and bk.index < wire.MAX_DIRECT_BUCKETS
+        )
+        ndirect = 0
+        scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
+        for k, p in enumerate(bk.pieces):
+            name = sched.tensors[p.tensor].name
+            src = self._local[name][p.box.within(self._boxes[name].box)]
+            dt = wire_dtype(p.dtype)
+            if not full and not self._piece_changed(
+                name, (bk.receiver, bk.index, k), src, dt, scratch
+            ):
+                srcs.append(None)
+                flags.append(0)
+                continue
+            direct = (
+                zero_copy
+                and p.nbytes >= max(1, self.zero_copy_min or 0)
+                and ndirect < wire.MAX_DIRECT
+                and src.dtype == dt
+                and src.device.type == "cpu"
+                and src.is_contiguous()
+            )
+            ndirect += direct
+            srcs.append((src, dt))
+            flags.append(wire.DIRECT if direct else wire.IN_MESSAGE)
+        start = payload_start(bk, self.align)
+        offsets, msg_end, end = wire.layout([p.nbytes for p in bk.pieces], flags, start, self.align)
+        present: list[tuple[int, int] | None] = []
+        sends: list[tuple[torch.Tensor, int]] = []
+        payload = 0
+        for k, (p, sd, off) in enumerate(zip(bk.pieces, srcs, offsets, strict=True)):
+            if sd is None or off is None:
+                present.append(None)
+                continue
+            src, dt = sd
+            name = sched.tensors[p.tensor].name
+            whole = p.box == self._boxes[name].box and dt == self._local[name].dtype
+            # the piece is the whole local tensor, same bytes: a digest taken of it this round
+            # (change detection) is the piece's; no second read of the tensor
+            known = None if full or not whole else self._tround.get(name)
+            if flags[k] == wire.DIRECT:
+                d = known or wire.hash_piece(src, dt, scratch)  # contiguous, no cast: in place
+                sends.append(
+                    (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
+                )
+            else:
+                d = wire.pack(src, buf[off : off + p.nbytes], dt, known)
+            if full and whole:
+                self._tround.setdefault(name, d)
+            present.append(d)
+            payload += p.nbytes
+        wire.write_header(
+            buf,
+            seq,
+            version,
+            bk.index,
+            wire.OK,
+            present,
+            end - start,
+            [f == wire.DIRECT for f in flags],
+        )
+        return msg_end, present, payload, sends
+
+    def _piece_changed(
+        self,
+        name: str,
+        key: tuple[int, int, int],
+        src: torch.Tensor,
+        dt: torch.dtype,
+        scratch: torch.Tensor,
+    ) -> bool:
+        """Whether a piece must be sent in a delta round (see ``detect``)."""
+        changed = self._moved(name, key)
+        if changed:  # sent unhashed: no digest of the tensor this round
+            self._tround[name] = None
+        if changed is None:
+            changed = self._changed(name, key)
+        if changed is None:  # no digest of the whole tensor to compare: this piece's
+            changed = wire.hash_piece(src, dt, scratch) != self._committed.get(key)
+        return changed
+
+    def _untouched(self, sched: Schedule, bk: LinkBucket) -> bool:
+        """``detect="version"``: no tensor of this bucket was written since the last commit,
+        so its message is a header only (packed on the calling thread: handing such a bucket to
+        the packing thread cost more than packing it, with both threads wanting the GIL)."""
+        return all(
+            self._moved(sched.tensors[p.tensor].name, (bk.receiver, bk.index, k)) is False
+            for k, p in enumerate(bk.pieces)
+        )
+
+    def _moved(self, name: str, key: tuple[int, int, int]) -> bool | None:
+        """``detect="version"``: whether tensor ``name`` was written through torch (storage or
+        in-place version counter changed) since the last commit; None when that cannot tell
+        (hash detection, or piece ``key`` / the tensor not seen at a commit yet)."""
+        if self.detect != "version" or key not in self._committed or name not in self._vers:
+            return None
+        return self._vers[name][:2] != self._round_vers[name][:2]
+
+    def _changed(self, name: str, key: tuple[int, int, int]) -> bool | None:
+        """Whether tensor ``name`` changed since the last committed round, from one in-place
+        hash of its local bytes per round; None when that cannot tell (no digest of it was
+        committed yet, or its local tensor is not contiguous): then the piece is hashed.
+
+        Hashing the whole local tensor once reads every source byte once, in place, whatever
+        the pieces are (column slices of a row shard would each be hashed through a scratch
+        copy, row by row); the price is that a tensor that changed anywhere sends all its
+        pieces."""
+        if name not in self._tround:
+            t = self._local[name]
+            self._tround[name] = wire.hash_tensor(t) if t.is_contiguous() else None
+        now = self._tround[name]
+        before = self._tcommitted.get(name)
+        if now is None or before is None or key not in self._committed:
+            return None
+        return now != before

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from deltackpt.sync import mxn_wire as wire
+from deltackpt.sync import wire
 from deltackpt.sync.errors import SyncError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltackpt.sync.mxn_group import MxNGroup
+from deltackpt.sync.group import SyncGroup
 
 
 class ScriptedStore:
@@ -44,8 +44,8 @@ class ScriptedStore:
         return self.keys[key]
 
 
-def _group(store: ScriptedStore) -> MxNGroup:
-    g = MxNGroup.__new__(MxNGroup)  # no sockets: only the vote's store logic is under test
+def _group(store: ScriptedStore) -> SyncGroup:
+    g = SyncGroup.__new__(SyncGroup)  # no sockets: only the vote's store logic is under test
     g.rank, g.world_size, g.trainers = 0, 2, (0,)
     g.timeout, g.beat, g.dead_after = 5.0, 1e9, 1e9
     g._broken = None

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests._dist import free_port, spawn
-from tests.sync._mxn_common import BUCKET, TRAINERS, make_state, mismatches, wants_for
+from tests.sync._common import BUCKET, TRAINERS, make_state, mismatches, wants_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -53,13 +53,13 @@ def _die_at(cls: Any, method: str, call: int) -> None:
 
 def _trainer(rank: int, port: int, port2: int, victim: int | None) -> dict[str, Any]:
     from deltackpt import sync
-    from deltackpt.sync import mxn_sender
+    from deltackpt.sync import sender as sender_mod
 
-    group = sync.MxNGroup("127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
-    sender = sync.MxNSender(group, bucket_bytes=BUCKET, zero_copy_min=0)
+    group = sync.SyncGroup("127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET, zero_copy_min=0)
     sender.push(_shards(rank, 1), version=1)
     if victim == rank:
-        _die_at(mxn_sender.MxNSender, "_pack", 2)  # 2 buckets: dies mid-round
+        _die_at(sender_mod.WeightSender, "_pack", 2)  # 2 buckets: dies mid-round
     out: dict[str, Any] = {}
     t0 = time.monotonic()
     try:
@@ -76,11 +76,11 @@ def _trainer(rank: int, port: int, port2: int, victim: int | None) -> dict[str, 
 
 def _receiver(rank: int, port: int, port2: int, victim: int | None) -> dict[str, Any]:
     from deltackpt import sync
-    from deltackpt.sync import mxn_wire
+    from deltackpt.sync import wire
 
-    group = sync.MxNGroup("127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
+    group = sync.SyncGroup("127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
     wants = wants_for(LAYOUT)
-    receiver = sync.MxNReceiver(group, wants, bucket_bytes=BUCKET)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
     loaded: dict[str, torch.Tensor] = {}
 
     def load(ws: list[tuple[str, torch.Tensor]]) -> None:
@@ -89,7 +89,7 @@ def _receiver(rank: int, port: int, port2: int, victim: int | None) -> dict[str,
     receiver.pull(load)
     out: dict[str, Any] = {"v1_bad": mismatches(wants, loaded, LAYOUT, 1)}
     if victim == rank:
-        _die_at(mxn_wire, "verify", 3)
+        _die_at(wire, "verify", 3)
     t0 = time.monotonic()
     try:
         receiver.pull(load)
@@ -111,16 +111,16 @@ def _replacement(rank: int, port2: int) -> dict[str, Any]:
     """A fresh process for the killed rank: joins the new group, takes part in round 3."""
     from deltackpt import sync
 
-    group = sync.MxNGroup("127.0.0.1", port2, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
+    group = sync.SyncGroup("127.0.0.1", port2, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
     if rank < TRAINERS:
-        st = sync.MxNSender(group, bucket_bytes=BUCKET, zero_copy_min=0).push(
+        st = sync.WeightSender(group, bucket_bytes=BUCKET, zero_copy_min=0).push(
             _shards(rank, 3), version=3
         )
         group.pg.barrier().wait()
         return {"stats": st}
     wants = wants_for(LAYOUT)
     loaded: dict[str, torch.Tensor] = {}
-    rc = sync.MxNReceiver(group, wants, bucket_bytes=BUCKET)
+    rc = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
     st = rc.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
     group.pg.barrier().wait()
     return {"stats": st, "version": rc.version, "bad": mismatches(wants, loaded, LAYOUT, 3)}

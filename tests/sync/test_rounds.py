@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._dist import free_port, spawn
-from tests.sync._mxn_common import BUCKET, TRAINERS, make_state, mismatches, wants_for
+from tests.sync._common import BUCKET, TRAINERS, make_state, mismatches, wants_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -38,13 +38,15 @@ def _trainer(rank: int, world: int, ports: list[int], port_mesh: int) -> dict[st
     mesh = DeviceMesh("cpu", list(range(TRAINERS)))
     res = {}
     for kind, port in zip(KINDS, ports, strict=True):
-        group = sync.MxNGroup(
+        group = sync.SyncGroup(
             "127.0.0.1", port, rank, world, range(TRAINERS), timeout=60, links=kind.split("-")[0]
         )
         # shm: detect="version" on a state updated in place (only the tensors that changed)
         detect = "version" if kind == "shm" else "hash"
         zero_copy = None if kind == "gloo-packed" else 0
-        sender = sync.MxNSender(group, bucket_bytes=BUCKET, detect=detect, zero_copy_min=zero_copy)
+        sender = sync.WeightSender(
+            group, bucket_bytes=BUCKET, detect=detect, zero_copy_min=zero_copy
+        )
         out = []
         state: dict[str, Any] = {}
         for v in VERSIONS:
@@ -75,11 +77,11 @@ def _receive(
 ) -> dict[str, Any]:
     from deltackpt import sync
 
-    group = sync.MxNGroup(
+    group = sync.SyncGroup(
         "127.0.0.1", port, rank, world, range(TRAINERS), timeout=60, links=kind.split("-")[0]
     )
     wants = wants_for(layout)
-    receiver = sync.MxNReceiver(group, wants, bucket_bytes=BUCKET)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
     loaded: dict[str, torch.Tensor] = {}
     rounds = []
     for v in VERSIONS:

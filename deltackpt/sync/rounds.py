@@ -1,25 +1,26 @@
-"""What MxN senders and receivers share: the setup exchange and the round statistics."""
+"""What senders and receivers share: the setup exchange and the round statistics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltackpt.sync.dtypes import DtypeSpec
 from deltackpt.sync.errors import PlanError
-from deltackpt.sync.mxn_group import MxNGroup
-from deltackpt.sync.mxn_wire import header_words
+from deltackpt.sync.group import SyncGroup
 from deltackpt.sync.schedule import Link, LinkBucket, Schedule, build_schedule
-from deltackpt.sync.schedule_decl import Decl, decl_from_json, decl_to_json
+from deltackpt.sync.schedule_decl import Decl, decl_from_json, decl_to_json, expand_every
+from deltackpt.sync.wire import header_words
 
-__all__ = ["MxNStats", "link_slots", "message_bytes", "payload_start", "setup_schedule"]
+__all__ = ["RoundStats", "link_slots", "message_bytes", "payload_start", "setup_schedule"]
 
 
 @dataclass(frozen=True)
-class MxNStats:
+class RoundStats:
     """One round as this rank saw it. ``payload_bytes``: piece bytes this rank sent (trainer)
     or received (receiver), the sum of ``per_link`` (peer rank -> bytes); ``wire_bytes`` adds
     headers and alignment gaps. ``full``: every planned piece was sent/received.
     ``zero_copy_bytes``: the part of ``payload_bytes`` sent straight from the trainers' tensors
-    (no packing copy; see ``MxNSender(zero_copy_min=)``)."""
+    (no packing copy; see ``WeightSender(zero_copy_min=)``)."""
 
     version: int
     full: bool
@@ -38,14 +39,32 @@ def payload_start(bk: LinkBucket, align: int) -> int:
 
 def message_bytes(bk: LinkBucket, align: int) -> int:
     """The room a message of ``bk`` may take: header, every piece present, and ``align``
-    bytes of slack for the zero-copy pieces' place at the end (``mxn_wire.layout``)."""
+    bytes of slack for the zero-copy pieces' place at the end (``wire.layout``)."""
     return payload_start(bk, align) + bk.capacity + align
 
 
-def setup_schedule(group: MxNGroup, decl: Decl, bucket_bytes: int, align: int) -> Schedule:
-    """Collective: every rank posts its declaration, every rank builds the same schedule."""
+def setup_schedule(
+    group: SyncGroup, decl: Decl, bucket_bytes: int, align: int, dtype: DtypeSpec = None
+) -> Schedule:
+    """Collective: every rank posts its declaration, every rank builds the same schedule. A
+    receiver that wants every tensor whole (``decl.every``) learns the trainers' tensors from
+    the first exchange and posts its expanded declaration (wire dtypes from ``dtype``) in a
+    second one, which every rank joins when any declaration of the first is such a wildcard."""
     opts = f"{bucket_bytes}/{align}".encode()
-    got = group.exchange("decl", opts + b"\n" + decl_to_json(decl))
+    decls = _exchange(group, "decl", opts, decl)
+    if any(d.every for d in decls):
+        trainers = [d for d in decls if d.trainer]
+        mine = expand_every(decl, trainers, dtype) if decl.every else decl
+        decls = _exchange(group, "decl-every", opts, mine)
+        if any(d.every for d in decls):
+            raise PlanError(
+                "a receiver posted a wildcard declaration twice; run the same deltackpt"
+            )
+    return build_schedule(decls, bucket_bytes=bucket_bytes, align=align)
+
+
+def _exchange(group: SyncGroup, key: str, opts: bytes, decl: Decl) -> list[Decl]:
+    got = group.exchange(key, opts + b"\n" + decl_to_json(decl))
     decls = []
     for r, data in enumerate(got):
         o, _, body = data.partition(b"\n")
@@ -61,7 +80,7 @@ def setup_schedule(group: MxNGroup, decl: Decl, bucket_bytes: int, align: int) -
                 f"the group's trainers are {list(group.trainers)}"
             )
         decls.append(d)
-    return build_schedule(decls, bucket_bytes=bucket_bytes, align=align)
+    return decls
 
 
 def link_slots(links: list[Link], align: int) -> dict[tuple[int, int], tuple[int, int]]:

@@ -51,8 +51,8 @@ def col_box(shape: tuple[int, ...]) -> Any:
 def _trainer(port: int) -> list[int]:
     from deltackpt import sync
 
-    group = sync.MxNGroup("127.0.0.1", port, 0, 2, [0], timeout=60)
-    sender = sync.MxNSender(group, bucket_bytes=4 << 10)
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60)
+    sender = sync.WeightSender(group, bucket_bytes=4 << 10)
     state = {n: value(0, n) for n in SHAPES}  # updated in place, as an optimizer does
     payloads = []
     for i, (_, detect, full) in enumerate(STEPS):
@@ -70,11 +70,11 @@ def _trainer(port: int) -> list[int]:
 def _receiver(port: int) -> list[list[str]]:
     from deltackpt import sync
 
-    group = sync.MxNGroup("127.0.0.1", port, 1, 2, [0], timeout=60)
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60)
     wants = [
         sync.Want(n, box=col_box(s), into=torch.zeros(col_box(s).size)) for n, s in SHAPES.items()
     ]
-    receiver = sync.MxNReceiver(group, wants, bucket_bytes=4 << 10)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=4 << 10)
     bad = []
     for i in range(len(STEPS)):
         receiver.pull()

@@ -1,4 +1,4 @@
-"""Shared-memory links for MxN sync on one host (``MxNGroup(..., links="shm")``).
+"""Shared-memory links for MxN sync on one host (``SyncGroup(..., links="shm")``).
 
 One file per (trainer, receiver) link under ``/dev/shm`` (``deltackpt-mxn-<job>-<s>-<r>``):
 a cell per bucket of the link (the round that published it and its message bytes) and a slot
@@ -29,7 +29,7 @@ import torch
 from deltackpt.sync.errors import PeerLostError, SyncTimeoutError
 
 if TYPE_CHECKING:
-    from deltackpt.sync.mxn_group import MxNGroup
+    from deltackpt.sync.group import SyncGroup
 
 __all__ = ["ShmLinks"]
 
@@ -59,7 +59,7 @@ class _Recv:
 class ShmLinks:
     """The windows of this rank's links; ``open(peers)`` once per schedule (see module doc)."""
 
-    def __init__(self, group: MxNGroup, job: str) -> None:
+    def __init__(self, group: SyncGroup, job: str) -> None:
         self.g, self.job = group, job
         self._maps: dict[tuple[int, int], tuple[mmap.mmap, np.ndarray, torch.Tensor, int]] = {}
 

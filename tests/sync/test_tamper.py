@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests._dist import free_port, spawn
-from tests.sync._mxn_common import make_state, mismatches, wants_for
+from tests.sync._common import make_state, mismatches, wants_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -27,8 +27,8 @@ BUCKET = 8 << 10
 def _trainer(port: int) -> list[str | None]:
     from deltackpt import sync
 
-    group = sync.MxNGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="shm")
-    sender = sync.MxNSender(group, bucket_bytes=BUCKET)
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="shm")
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
     errors: list[str | None] = []
     for v in (1, 2, 3):
         try:
@@ -43,12 +43,12 @@ def _trainer(port: int) -> list[str | None]:
 
 def _receiver(port: int, attack: str) -> dict[str, Any]:
     from deltackpt import sync
-    from deltackpt.sync import mxn_round, mxn_wire
-    from deltackpt.sync.mxn_shm import ShmLinks
+    from deltackpt.sync import rounds, wire
+    from deltackpt.sync.shm_links import ShmLinks
 
-    group = sync.MxNGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="shm")
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="shm")
     wants = wants_for(LAYOUT)
-    receiver = sync.MxNReceiver(group, wants, bucket_bytes=BUCKET)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
     orig = ShmLinks._wait_copy
     hit: list[int] = []
 
@@ -60,9 +60,9 @@ def _receiver(port: int, attack: str) -> dict[str, Any]:
             bk = receiver._buckets[tag]
             win = data[tag * slot : (tag + 1) * slot]
             if attack == "payload":
-                win[mxn_round.payload_start(bk, receiver.align) + 3] ^= 0x40
+                win[rounds.payload_start(bk, receiver.align) + 3] ^= 0x40
             elif attack == "flag":  # the first piece's flag: "sent on its own" (never on shm)
-                win.numpy().view("int64")[mxn_wire.HEAD] = mxn_wire.DIRECT
+                win.numpy().view("int64")[wire.HEAD] = wire.DIRECT
             else:  # the payload length: one aligned slot less than the pieces take
                 win.numpy().view("int64")[6] -= receiver.align
             hit.append(seq)

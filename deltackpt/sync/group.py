@@ -9,8 +9,8 @@ for the vote polls both, so every peer fails within about ``dead_after`` seconds
 well under the group timeout. If rank 0 dies, the store (hosted there) goes with it, and every
 store call fails at once.
 
-Recovery after :class:`PeerLostError`: survivors call :meth:`MxNGroup.reconnect` with a new
-port; a replacement process constructs ``MxNGroup`` with the same arguments. The old gloo group
+Recovery after :class:`PeerLostError`: survivors call :meth:`SyncGroup.reconnect` with a new
+port; a replacement process constructs ``SyncGroup`` with the same arguments. The old gloo group
 is kept referenced, never destroyed (tearing down a group with pending operations blocks until
 its timeout).
 """
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from deltackpt.sync.errors import PeerLostError, SyncError, SyncTimeoutError
-from deltackpt.sync.mxn_shm import ShmLinks
 from deltackpt.sync.peers import pid_alive
+from deltackpt.sync.shm_links import ShmLinks
 
-__all__ = ["MxNGroup", "cause_line"]
+__all__ = ["SyncGroup", "cause_line"]
 
 T = TypeVar("T")
 _GRAVEYARD: list[object] = []  # groups of failed connections: never destroyed (see above)
@@ -45,7 +45,7 @@ def cause_line(e: BaseException) -> str:
     return str(e.__cause__ or e).splitlines()[0].split(". This is typically")[0][:200]
 
 
-class MxNGroup:
+class SyncGroup:
     """Every rank of an MxN job (trainers and inference ranks) constructs one with the same
     ``master_addr``/``master_port``, ``world_size`` and ``trainers`` (ranks that send); rank 0
     hosts the store. ``timeout`` bounds every wait on a live but silent peer; a dead peer is
@@ -93,7 +93,7 @@ class MxNGroup:
         except RuntimeError as e:
             raise PeerLostError(
                 f"rank {self.rank}: cannot join the MxN group at {self.addr}:{port} ({e}); "
-                "every rank must call MxNGroup/reconnect with the same address and port"
+                "every rank must call SyncGroup/reconnect with the same address and port"
             ) from e
         self.seq = 0
         self._broken: str | None = None
