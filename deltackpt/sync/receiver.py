@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from deltackpt.sync import wire
+from deltackpt.sync import patches, wire
 from deltackpt.sync.dtypes import DtypeSpec, wire_dtype, wire_name
 from deltackpt.sync.errors import (
     DigestMismatchError,
@@ -45,7 +45,7 @@ from deltackpt.sync.rounds import (
     payload_start,
     setup_schedule,
 )
-from deltackpt.sync.schedule import LinkBucket, Schedule
+from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
 from deltackpt.sync.schedule_decl import Box, Decl, Wanted
 
 __all__ = ["Want", "WeightReceiver"]
@@ -111,9 +111,15 @@ class WeightReceiver:
         out = []
         for w in self.wants:
             dt = w.dtype or (w.into.dtype if w.into is not None else None)
+            # a target in another dtype than the wire's cannot be patched: it lacks the bytes
+            patch = w.into is None or w.dtype is None or w.into.dtype == w.dtype
             out.append(
                 Wanted(
-                    w.name, w.source or w.name, None if dt is None else wire_name(dt, w.name), w.box
+                    w.name,
+                    w.source or w.name,
+                    None if dt is None else wire_name(dt, w.name),
+                    w.box,
+                    patch,
                 )
             )
         return Decl(self.group.rank, False, wanted=tuple(out))
@@ -224,6 +230,7 @@ class WeightReceiver:
             st.wire_bytes,
             st.per_link,
             zero_copy,
+            st.patched,
         )
 
     def _lost(self, st: _Round, bk: LinkBucket, e: SyncError) -> PeerLostError:
@@ -247,20 +254,20 @@ class WeightReceiver:
         start = payload_start(bk, self.align)
         try:
             got.header = wire.read_header(
-                slot, st.seq, bk.index, len(bk.pieces), slot.numel() - start
+                slot, st.seq, bk.index, [p.nbytes for p in bk.pieces], slot.numel() - start
             )
         except SyncError as e:
             st.fail(str(e))
             return got
-        if got.header[0] != wire.OK:
+        if got.header.status != wire.OK:
             return got
-        flags = got.header[3]
-        got.offsets, _, end = wire.layout([p.nbytes for p in bk.pieces], flags, start, self.align)
+        flags = got.header.flags
+        got.offsets, _, end = wire.layout(got.header.lengths, flags, start, self.align)
         bad = None
         if wire.DIRECT in flags and g.links != "gloo":
             bad = f"zero-copy pieces on a {g.links} link"
-        elif end != start + got.header[4] or end > slot.numel():
-            bad = f"header claims {got.header[4]} payload bytes, its pieces take {end - start}"
+        elif end != start + got.header.payload or end > slot.numel():
+            bad = f"header claims {got.header.payload} payload bytes, its pieces take {end - start}"
         if bad is not None:
             st.fail(f"bucket {bk.index} of round {st.seq} from rank {bk.sender}: {bad}")
             got.header = None
@@ -290,19 +297,50 @@ class WeightReceiver:
                 raise self._lost(st, bk, e) from e
         if st.failure is not None or got.header is None:
             return
-        status, version, present, flags, payload = got.header
-        if status != wire.OK:
+        h = got.header
+        if h.status != wire.OK:
             st.fail(f"rank {bk.sender} aborted the round (its error is raised there)")
             return
-        st.versions.add(version)
-        bad = self._verify(bk, got.slot, present, got.offsets)
+        st.versions.add(h.version)
+        offsets = got.offsets
+        if h.base is not None:  # patches against the version this rank holds
+            if h.base != self.version:
+                st.fail(
+                    f"round {h.version} patches version {h.base} but this rank holds version "
+                    f"{self.version}; the next round sends whole pieces"
+                )
+                st.mismatch = st.failure
+                return
+            try:
+                offsets = patches.expand(
+                    bk,
+                    got.slot,
+                    h,
+                    offsets,
+                    payload_start(bk, self.align),
+                    self.align,
+                    lambda k: self._target_box(bk.pieces[k]),
+                )
+            except SyncError as e:
+                st.fail(f"round {h.version}: bucket {bk.index} from rank {bk.sender}: {e}")
+                st.mismatch = st.failure
+                return
+            st.patched += sum(p is not None and p.kind != wire.RAW for p in h.pieces)
+        present = [None if p is None else p.digest for p in h.pieces]
+        bad = self._verify(bk, got.slot, present, offsets)
         if bad is not None:
-            st.fail(f"round {version}: bucket {bk.index} from rank {bk.sender}: {bad}")
+            st.fail(f"round {h.version}: bucket {bk.index} from rank {bk.sender}: {bad}")
             st.mismatch = st.failure
             return
-        st.staged.append((bk, got.slot, got.offsets, flags))
-        st.per_link[bk.sender] = st.per_link.get(bk.sender, 0) + payload_bytes(bk, got.offsets)
-        st.wire_bytes += payload_start(bk, self.align) + payload
+        st.staged.append((bk, got.slot, offsets, h.flags))
+        st.per_link[bk.sender] = st.per_link.get(bk.sender, 0) + sum(h.lengths)
+        st.wire_bytes += payload_start(bk, self.align) + h.payload
+
+    def _target_box(self, p: Transfer) -> torch.Tensor:
+        """The bytes this rank holds of piece ``p`` (the base a patch applies to)."""
+        assert self.schedule is not None
+        box = self.schedule.wanted[self.group.rank][p.want][2]
+        return self._targets[p.want][p.box.within(box)]
 
     def _verify(
         self,
@@ -367,6 +405,7 @@ class _Round:
     failure: str | None = None
     mismatch: str | None = None
     wire_bytes: int = 0
+    patched: int = 0
     versions: set[int] = field(default_factory=set)
     staged: list[_Staged] = field(default_factory=list)
     per_link: dict[int, int] = field(default_factory=dict)
@@ -383,7 +422,7 @@ class _Arrived:
 
     bk: LinkBucket
     slot: torch.Tensor
-    header: tuple[int, int, list[tuple[int, int] | None], list[int], int] | None = None
+    header: wire.Header | None = None
     offsets: list[int | None] = field(default_factory=list)
     works: list[Any] = field(default_factory=list)
 
@@ -392,7 +431,3 @@ def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for dst, src in jobs:
             wire.copy_into(dst, src)
-
-
-def payload_bytes(bk: LinkBucket, offsets: list[int | None]) -> int:
-    return sum(p.nbytes for p, o in zip(bk.pieces, offsets, strict=True) if o is not None)

@@ -20,7 +20,8 @@ class RoundStats:
     or received (receiver), the sum of ``per_link`` (peer rank -> bytes); ``wire_bytes`` adds
     headers and alignment gaps. ``full``: every planned piece was sent/received.
     ``zero_copy_bytes``: the part of ``payload_bytes`` sent straight from the trainers' tensors
-    (no packing copy; see ``WeightSender(zero_copy_min=)``)."""
+    (no packing copy; see ``WeightSender(zero_copy_min=)``). ``patched``: pieces a receiver
+    got as patches against the version it held (receivers only)."""
 
     version: int
     full: bool
@@ -30,6 +31,7 @@ class RoundStats:
     wire_bytes: int
     per_link: dict[int, int] = field(default_factory=dict)
     zero_copy_bytes: int = 0
+    patched: int = 0
 
 
 def payload_start(bk: LinkBucket, align: int) -> int:

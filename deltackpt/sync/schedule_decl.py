@@ -37,7 +37,7 @@ __all__ = [
     "shard_box",
 ]
 
-DECL_FORMAT = 1
+DECL_FORMAT = 2  # 2: a wanted tensor says whether patches apply; "every"
 
 Shape = tuple[int, ...]
 
@@ -90,6 +90,7 @@ class Wanted:
     source: str
     dtype: str | None
     box: Box | None  # None: the whole tensor (a replicated receiver)
+    patch: bool = True  # the receiver holds the last version in the wire dtype: patches apply
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,13 @@ def decl_to_json(d: Decl) -> bytes:
         "every": d.every,
         "held": [[h.name, h.dtype, h.shape, h.box.offset, h.box.size] for h in d.held],
         "wanted": [
-            [w.name, w.source, w.dtype, *((w.box.offset, w.box.size) if w.box else (None, None))]
+            [
+                w.name,
+                w.source,
+                w.dtype,
+                *((w.box.offset, w.box.size) if w.box else (None, None)),
+                w.patch,
+            ]
             for w in d.wanted
         ],
     }
@@ -190,6 +197,12 @@ def _ints(v: object) -> Shape:
     if not isinstance(v, list) or not all(isinstance(x, int) and x >= 0 for x in v):
         raise ValueError(f"expected a list of non-negative ints, got {v!r}")
     return tuple(v)
+
+
+def _bool(v: object) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {v!r}")
+    return v
 
 
 def decl_from_json(data: bytes) -> Decl:
@@ -211,8 +224,9 @@ def decl_from_json(data: bytes) -> Decl:
                 str(src),
                 None if dt is None else str(dt),
                 None if o is None else Box(_ints(o), _ints(z)),
+                _bool(patch),
             )
-            for n, src, dt, o, z in doc["wanted"]
+            for n, src, dt, o, z, patch in doc["wanted"]
         )
         for dt in [h.dtype for h in held] + [w.dtype for w in wanted if w.dtype]:
             wire_dtype(dt)

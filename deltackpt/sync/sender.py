@@ -32,6 +32,7 @@ from deltackpt.sync import wire
 from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
 from deltackpt.sync.errors import PeerLostError, PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line
+from deltackpt.sync.patches import Bases, base_key
 from deltackpt.sync.rounds import (
     RoundStats,
     link_slots,
@@ -39,12 +40,16 @@ from deltackpt.sync.rounds import (
     payload_start,
     setup_schedule,
 )
-from deltackpt.sync.schedule import LinkBucket, Schedule
+from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
 from deltackpt.sync.schedule_decl import Decl, Held, held_from
 
 __all__ = ["WeightSender"]
 
 _RING = 3
+# encode= -> the link kind whose changed pieces go as patches ("patch": every link, "dense":
+# none); "auto" patches gloo links and sends whole pieces on shared memory, where a copy is
+# faster than any encoder on this machine (measured: docs/sync.md, Delta rounds)
+ENCODES = {"auto": "gloo", "patch": "*", "dense": ""}
 _ABORT_CHECK = 0.05  # seconds between looks at the abort key while sending
 
 # message bytes, digests, payload bytes, zero-copy pieces (flat bytes of the source, tag)
@@ -72,13 +77,24 @@ class WeightSender:
         detect: str = "hash",
         zero_copy_min: int | None = 256 << 10,
         dtype: DtypeSpec = None,
+        encode: str = "auto",
+        full_every: int | None = None,
     ) -> None:
         if group.rank not in group.trainers:
             raise SyncError(f"rank {group.rank} is not a trainer of the group; use WeightReceiver")
         if detect not in ("hash", "version"):
             raise SyncError(f"detect={detect!r}: choose 'hash' or 'version'")
+        if encode not in ENCODES:
+            raise SyncError(f"encode={encode!r}: choose one of {sorted(ENCODES)}")
+        if full_every is not None and int(full_every) < 1:
+            raise SyncError(f"full_every={full_every!r}: pass a number of rounds >= 1, or None")
         self.detect = detect
         self.dtype = dtype
+        self.encode = encode
+        self.full_every = None if full_every is None else int(full_every)
+        self._since_full = 0
+        self._bases = Bases()
+        self._patch_links: set[int] = set()
         self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
         # name -> (data_ptr, _version, the tensor: keeps its memory from being reused)
         self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
@@ -125,6 +141,10 @@ class WeightSender:
         self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(_RING)]
         self._committed.clear()
         self._tcommitted.clear()
+        self._bases.clear()
+        self._patch_links = {
+            lk.receiver for lk in links if self.encode == "patch" or ENCODES[self.encode] == g.links
+        }
         self._dirty = True
         self._epoch = g.epoch
 
@@ -144,8 +164,10 @@ class WeightSender:
         sched = self.schedule
         assert sched is not None
         seq = g.next_round()
-        full = full or self._dirty
+        anchor = self.full_every is not None and self._since_full + 1 >= self.full_every
+        full = full or self._dirty or anchor
         self._dirty = True
+        self._bases.start_round()
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
         self._tround = {}
@@ -176,6 +198,8 @@ class WeightSender:
         if full:
             self._committed.clear()
             self._tcommitted.clear()
+        self._bases.commit()
+        self._since_full = 0 if full else self._since_full + 1
         self._committed.update(digests)
         for n, d in self._tround.items():  # None: not known now (do not keep an old one)
             if d is None:
@@ -346,43 +370,73 @@ class WeightSender:
             ndirect += direct
             srcs.append((src, dt))
             flags.append(wire.DIRECT if direct else wire.IN_MESSAGE)
+        patching = not full and self._patching(sched, bk)
+        if patching:  # patches and zero-copy pieces never share a message (patches.expand)
+            flags = [wire.IN_MESSAGE if f else 0 for f in flags]
         start = payload_start(bk, self.align)
-        offsets, msg_end, end = wire.layout([p.nbytes for p in bk.pieces], flags, start, self.align)
-        present: list[tuple[int, int] | None] = []
+        heads: list[wire.Piece | None] = [None] * len(bk.pieces)
         sends: list[tuple[torch.Tensor, int]] = []
-        payload = 0
-        for k, (p, sd, off) in enumerate(zip(bk.pieces, srcs, offsets, strict=True)):
-            if sd is None or off is None:
-                present.append(None)
-                continue
-            src, dt = sd
-            name = sched.tensors[p.tensor].name
-            whole = p.box == self._boxes[name].box and dt == self._local[name].dtype
-            # the piece is the whole local tensor, same bytes: a digest taken of it this round
-            # (change detection) is the piece's; no second read of the tensor
-            known = None if full or not whole else self._tround.get(name)
-            if flags[k] == wire.DIRECT:
-                d = known or wire.hash_piece(src, dt, scratch)  # contiguous, no cast: in place
-                sends.append(
-                    (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
-                )
-            else:
-                d = wire.pack(src, buf[off : off + p.nbytes], dt, known)
-            if full and whole:
-                self._tround.setdefault(name, d)
-            present.append(d)
-            payload += p.nbytes
+        pos = start
+        for want in (wire.IN_MESSAGE, wire.DIRECT):  # the order of wire.layout
+            if want == wire.DIRECT:
+                msg_end = pos
+            for k, (p, sd) in enumerate(zip(bk.pieces, srcs, strict=True)):
+                if sd is None or flags[k] != want:
+                    continue
+                src, dt = sd
+                name = sched.tensors[p.tensor].name
+                whole = p.box == self._boxes[name].box and dt == self._local[name].dtype
+                # the piece is the whole local tensor, same bytes: a digest taken of it this
+                # round (change detection) is the piece's; no second read of the tensor
+                known = None if full or not whole else self._tround.get(name)
+                pos = -(-pos // self.align) * self.align
+                kind, length = wire.RAW, p.nbytes
+                if want == wire.DIRECT:
+                    d = known or wire.hash_piece(src, dt, scratch)  # contiguous, no cast: in place
+                    sends.append(
+                        (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
+                    )
+                else:
+                    new = buf[pos : pos + p.nbytes]
+                    d = wire.pack(src, new, dt, known)
+                    key = base_key(p)
+                    if patching and self._bases.has(key):
+                        patch = self._bases.encode(key, new, dt.itemsize)
+                        if patch is not None and patch[0] == 0:  # no byte of it changed
+                            continue
+                        if patch is not None:
+                            new[: patch[1].size].copy_(torch.from_numpy(patch[1]))
+                            kind, length = patch[0], patch[1].size
+                if full and whole:
+                    self._tround.setdefault(name, d)
+                if self._keeps_base(sched, bk, p):
+                    self._bases.sent(base_key(p), src, dt)
+                heads[k] = wire.Piece(want, kind, length, d)
+                pos += length
+        patched = any(h is not None and h.kind != wire.RAW for h in heads)
         wire.write_header(
             buf,
             seq,
             version,
             bk.index,
             wire.OK,
-            present,
-            end - start,
-            [f == wire.DIRECT for f in flags],
+            heads,
+            pos - start,
+            self.version if patched else None,
         )
+        present = [None if h is None else h.digest for h in heads]
+        payload = sum(h.length for h in heads if h is not None)
         return msg_end, present, payload, sends
+
+    def _patching(self, sched: Schedule, bk: LinkBucket) -> bool:
+        """Whether changed pieces of ``bk`` may go as patches: the link patches (``encode``)
+        and the receivers committed this sender's last version."""
+        return self.version is not None and bk.receiver in self._patch_links
+
+    def _keeps_base(self, sched: Schedule, bk: LinkBucket, p: Transfer) -> bool:
+        """Whether piece ``p`` needs a base: its link patches and its receiver holds the
+        piece in the wire dtype (``Want.patch``)."""
+        return bk.receiver in self._patch_links and sched.wanted[bk.receiver][p.want][0].patch
 
     def _piece_changed(
         self,

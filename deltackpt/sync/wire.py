@@ -1,15 +1,18 @@
-"""The bytes of an MxN bucket message, and filling / hashing its pieces from strided sources.
+"""The bytes of a bucket message, and filling / hashing its pieces from strided sources.
 
 One message per planned bucket per round, ``header + payload``:
 
 * header, int64 words: magic, round seq, version, bucket index, status (1 ok, 2 abort),
-  pieces present, payload bytes, 0; then per planned piece: a flag (0 absent, 1 in this
-  message, 2 sent as its own message) and its xxh3-128 as two int64 (3 words each). Its size
-  is fixed by the schedule, so the receiver knows it.
+  pieces present, payload bytes, base version + 1 (0: no patches); then per planned piece
+  three words: ``flag | kind << 2 | length << 8`` (flag 0 absent, 1 in this message, 2 sent as
+  its own message; kind :data:`RAW` or a patch kind of ``delta_codec``; length its payload
+  bytes) and the xxh3-128 of the piece's *new* bytes as two int64. Its size is fixed by the
+  schedule, so the receiver knows it.
 * payload: the present pieces, each at the next ``align``-byte offset: first those in the
   message, in planned order, then those sent on their own (:func:`layout`, computed the same
-  way at both ends from the flags). A full round sends every piece; a delta round only the
-  pieces whose digest changed since the last committed round. A failed sender sends
+  way at both ends from the flags and lengths). A full round sends every piece raw; a delta
+  round only the pieces that changed since the last committed round, raw or as a patch
+  against the bytes the receiver holds (the round's base version). A failed sender sends
   header-only messages with status 2 for the rest of the round, so no posted receive waits
   for bytes that never come.
 * zero-copy pieces (gloo links): a large contiguous piece that needs no cast is sent straight
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,7 +55,9 @@ __all__ = [
     "read_header",
 ]
 
-MAGIC = 0x6D786E73796E63  # "mxnsync"
+MAGIC = 0x6D786E73796E64  # "mxnsynd": pieces carry a kind and a length
+RAW = 0  # a piece's kind: its bytes as they are; else a delta_codec kind (SPARSE, PLANES)
+PATCH_KINDS = frozenset((2, 3))  # delta_codec.SPARSE, delta_codec.PLANES
 HEAD = 8
 OK, ABORT = 1, 2
 IN_MESSAGE, DIRECT = 1, 2  # piece flags (0: absent)
@@ -71,7 +77,8 @@ def layout(
 ) -> tuple[list[int | None], int, int]:
     """(offset of every piece or None, end of the bucket message, end of the payload): pieces
     flagged :data:`IN_MESSAGE` first, in planned order, then the :data:`DIRECT` ones, each at
-    the next ``align``-byte offset from ``start``. Any subset in this order ends at most
+    the next ``align``-byte offset from ``start``, taking ``sizes[k]`` bytes (its payload
+    length: a patch is shorter than its piece). Any subset in this order ends at most
     ``align`` bytes past the planned capacity (only the padding of the last piece differs)."""
     offsets: list[int | None] = [None] * len(sizes)
     pos = start
@@ -95,19 +102,50 @@ def digest_words(h: xxhash.xxh3_128) -> tuple[int, int]:
     return int.from_bytes(raw[:8], "big", signed=True), int.from_bytes(raw[8:], "big", signed=True)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One present piece in a header: ``flag`` (:data:`IN_MESSAGE` / :data:`DIRECT`),
+    ``kind`` (:data:`RAW`, or a ``delta_codec`` kind: a patch against the receiver's base),
+    ``length`` (its payload bytes) and the xxh3-128 of the piece's *new* bytes."""
+
+    flag: int
+    kind: int
+    length: int
+    digest: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Header:
+    """A bucket message's header as read (validated) by :func:`read_header`. ``base``: the
+    version the round's patches apply to (None: no patches)."""
+
+    status: int
+    version: int
+    base: int | None
+    pieces: list[Piece | None]
+    payload: int
+
+    @property
+    def flags(self) -> list[int]:
+        return [0 if p is None else p.flag for p in self.pieces]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [0 if p is None else p.length for p in self.pieces]
+
+
 def write_header(
     buf: torch.Tensor,
     seq: int,
     version: int,
     index: int,
     status: int,
-    present: list[tuple[int, int] | None],
+    pieces: list[Piece | None],
     payload: int,
-    direct: list[bool] | None = None,
+    base: int | None = None,
 ) -> int:
-    """Fill the header at the start of ``buf`` (uint8); returns its size in bytes. ``direct``:
-    per piece, whether it is sent as its own message (default: none)."""
-    n = len(present)
+    """Fill the header at the start of ``buf`` (uint8); returns its size in bytes."""
+    n = len(pieces)
     words = np.zeros(header_words(n), dtype=np.int64)
     words[:HEAD] = [
         MAGIC,
@@ -115,51 +153,57 @@ def write_header(
         version,
         index,
         status,
-        sum(p is not None for p in present),
+        sum(p is not None for p in pieces),
         payload,
-        0,
+        0 if base is None else base + 1,
     ]
-    for k, d in enumerate(present):
-        if d is not None:
-            flag = DIRECT if direct is not None and direct[k] else IN_MESSAGE
-            words[HEAD + 3 * k : HEAD + 3 * k + 3] = (flag, d[0], d[1])
+    for k, p in enumerate(pieces):
+        if p is not None:
+            code = p.flag | p.kind << 2 | p.length << 8
+            words[HEAD + 3 * k : HEAD + 3 * k + 3] = (code, p.digest[0], p.digest[1])
     raw = words.view(np.uint8)
     buf[: raw.size].copy_(torch.from_numpy(raw))
     return raw.size
 
 
-def read_header(
-    buf: torch.Tensor, seq: int, index: int, n_pieces: int, capacity: int
-) -> tuple[int, int, list[tuple[int, int] | None], list[int], int]:
-    """(status, version, per piece digest or None, per piece flag, payload bytes) of a
-    received message; :class:`SyncError` when it is not the message expected here (untrusted
-    input)."""
+def read_header(buf: torch.Tensor, seq: int, index: int, sizes: list[int], capacity: int) -> Header:
+    """The header of a received message whose planned pieces are ``sizes`` bytes each;
+    :class:`SyncError` when it is not the message expected here (untrusted input)."""
+    n_pieces = len(sizes)
     size = header_words(n_pieces) * 8
     words = buf[:size].numpy().view(np.int64)
-    magic, s, version, idx, status, npresent, payload = (int(x) for x in words[:7])
-    if magic != MAGIC or s != seq or idx != index or status not in (OK, ABORT):
+    magic, s, version, idx, status, npresent, payload, base = (int(x) for x in words[:HEAD])
+    if magic != MAGIC or s != seq or idx != index or status not in (OK, ABORT) or base < 0:
         raise SyncError(
             f"bucket message out of step: expected round {seq} bucket {index}, got magic "
             f"{magic:#x} round {s} bucket {idx} status {status}; the ranks disagree about "
             "the schedule or a message was corrupted"
         )
-    present: list[tuple[int, int] | None] = []
-    flags: list[int] = []
+    pieces: list[Piece | None] = []
     for k in range(n_pieces):
-        flag, hi, lo = (int(x) for x in words[HEAD + 3 * k : HEAD + 3 * k + 3])
-        if flag not in (0, IN_MESSAGE, DIRECT) or (status != OK and flag):
+        code, hi, lo = (int(x) for x in words[HEAD + 3 * k : HEAD + 3 * k + 3])
+        flag, kind, length = code & 3, (code >> 2) & 63, code >> 8
+        ok = flag in (0, IN_MESSAGE, DIRECT) and code >= 0
+        if flag == 0:
+            ok = ok and code == 0
+        elif kind == RAW:
+            ok = ok and length == sizes[k]
+        else:  # a patch: in the message, never longer than the piece
+            ok = ok and kind in PATCH_KINDS and flag == IN_MESSAGE and 0 < length <= sizes[k]
+        if not ok or (status != OK and flag):
             raise SyncError(
-                f"bucket {index} of round {seq}: piece {k} has flag {flag} (status {status}); "
-                "expected 0, 1 or 2 (none in an abort message)"
+                f"bucket {index} of round {seq}: piece {k} has flag {flag} kind {kind} length "
+                f"{length} (status {status}, planned {sizes[k]} bytes); expected flag 0, 1 or 2 "
+                "(none in an abort message), a raw piece of its planned size or a patch no "
+                "longer than it"
             )
-        present.append((hi, lo) if flag else None)
-        flags.append(flag)
-    if sum(p is not None for p in present) != npresent or not 0 <= payload <= capacity:
+        pieces.append(Piece(flag, kind, length, (hi, lo)) if flag else None)
+    if sum(p is not None for p in pieces) != npresent or not 0 <= payload <= capacity:
         raise SyncError(
             f"bucket {index} of round {seq}: header claims {npresent} pieces / {payload} "
-            f"bytes, flags say {sum(p is not None for p in present)} (capacity {capacity})"
+            f"bytes, flags say {sum(p is not None for p in pieces)} (capacity {capacity})"
         )
-    return status, version, present, flags, payload
+    return Header(status, version, base - 1 if base else None, pieces, payload)
 
 
 def _rows(src: torch.Tensor, itemsize: int) -> Iterator[torch.Tensor]:
@@ -221,6 +265,14 @@ def pack(
         h.update(out[pos : pos + n])
         pos += n
     return digest_words(h)
+
+
+def fill(dst: torch.Tensor, src: torch.Tensor, wire: torch.dtype) -> None:
+    """Copy (cast) ``src`` into the flat uint8 ``dst`` (exactly its bytes), without hashing."""
+    if src.dtype == wire and src.is_contiguous():
+        dst.copy_(src.reshape(-1).view(torch.uint8))
+    elif src.numel():
+        copy_into(dst.view(wire).view(src.shape), src)
 
 
 def hash_piece(src: torch.Tensor, wire: torch.dtype, scratch: torch.Tensor) -> tuple[int, int]:

@@ -52,7 +52,7 @@ def _trainer(port: int) -> list[int]:
     from deltackpt import sync
 
     group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60)
-    sender = sync.WeightSender(group, bucket_bytes=4 << 10)
+    sender = sync.WeightSender(group, bucket_bytes=4 << 10, encode="dense")  # whole pieces
     state = {n: value(0, n) for n in SHAPES}  # updated in place, as an optimizer does
     payloads = []
     for i, (_, detect, full) in enumerate(STEPS):

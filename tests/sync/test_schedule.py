@@ -154,7 +154,7 @@ def test_validation_errors_name_the_tensor() -> None:
         build_schedule([good[0], dtypes, receiver(2, 0, 2)], bucket_bytes=64)
     with pytest.raises(PlanError, match="malformed"):
         decl_from_json(
-            b'{"format":1,"rank":0,"trainer":true,"held":[["a","float32",[-1],[0],[1]]],"wanted":[]}'
+            b'{"format":2,"rank":0,"trainer":true,"held":[["a","float32",[-1],[0],[1]]],"wanted":[]}'
         )
 
 
@@ -167,6 +167,12 @@ def test_decl_json_round_trip_and_local_shards() -> None:
     assert decl_from_json(decl_to_json(d)) == d
     r = receiver(1, 0, 2)
     assert decl_from_json(decl_to_json(r)) == r
+    every = Decl(3, False, every=True)
+    assert decl_from_json(decl_to_json(every)) == every
+    with pytest.raises(PlanError, match="malformed"):  # a wildcard that also lists tensors
+        decl_from_json(
+            decl_to_json(every).replace(b'"wanted":[]', b'"wanted":[["x","x",null,null,null,true]]')
+        )
 
 
 def test_simulated_256_to_128_plan() -> None:

@@ -62,7 +62,8 @@ def _receiver(port: int, attack: str) -> dict[str, Any]:
             if attack == "payload":
                 win[rounds.payload_start(bk, receiver.align) + 3] ^= 0x40
             elif attack == "flag":  # the first piece's flag: "sent on its own" (never on shm)
-                win.numpy().view("int64")[wire.HEAD] = wire.DIRECT
+                words = win.numpy().view("int64")
+                words[wire.HEAD] = words[wire.HEAD] & ~3 | wire.DIRECT
             else:  # the payload length: one aligned slot less than the pieces take
                 win.numpy().view("int64")[6] -= receiver.align
             hit.append(seq)

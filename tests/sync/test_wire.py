@@ -1,4 +1,4 @@
-"""The MxN bucket message: piece layout with zero-copy pieces, and header validation (a
+"""The bucket message: piece layout with zero-copy pieces, and header validation (a
 received header is untrusted input)."""
 
 from __future__ import annotations
@@ -44,35 +44,68 @@ def test_layout_puts_message_pieces_first_and_fits_the_slot() -> None:
         assert end - start <= _capacity(sizes, align) + align
 
 
-def _header(flags: list[int], status: int = wire.OK, payload: int = 0) -> torch.Tensor:
+SIZES = [100, 50, 40, 30]
+
+
+def _header(
+    flags: list[int],
+    status: int = wire.OK,
+    payload: int = 0,
+    kinds: list[int] | None = None,
+    base: int | None = None,
+) -> torch.Tensor:
     buf = torch.zeros(wire.header_words(len(flags)) * 8, dtype=torch.uint8)
-    present = [(k, -k) if f else None for k, f in enumerate(flags)]
-    wire.write_header(buf, 5, 7, 3, status, present, payload, [f == wire.DIRECT for f in flags])
+    kinds = kinds or [wire.RAW] * len(flags)
+    pieces = [
+        wire.Piece(f, kd, n if kd == wire.RAW else n // 2, (k, -k)) if f else None
+        for k, (f, kd, n) in enumerate(zip(flags, kinds, SIZES, strict=False))
+    ]
+    wire.write_header(buf, 5, 7, 3, status, pieces, payload, base)
     return buf
 
 
-def test_header_round_trip_with_zero_copy_flags() -> None:
-    flags = [wire.IN_MESSAGE, 0, wire.DIRECT, wire.DIRECT]
-    status, version, present, got, payload = wire.read_header(
-        _header(flags, payload=99), 5, 3, 4, 100
-    )
-    assert (status, version, payload) == (wire.OK, 7, 99)
-    assert got == flags
-    assert present == [(0, 0), None, (2, -2), (3, -3)]
+def test_header_round_trip_with_zero_copy_flags_and_patches() -> None:
+    flags = [wire.IN_MESSAGE, 0, wire.DIRECT, wire.IN_MESSAGE]
+    kinds = [wire.RAW, wire.RAW, wire.RAW, 3]
+    h = wire.read_header(_header(flags, payload=99, kinds=kinds, base=6), 5, 3, SIZES, 100)
+    assert (h.status, h.version, h.payload, h.base) == (wire.OK, 7, 99, 6)
+    assert h.flags == flags
+    assert h.lengths == [100, 0, 40, 15]
+    assert [None if p is None else p.digest for p in h.pieces] == [(0, 0), None, (2, -2), (3, -3)]
+    assert wire.read_header(_header(flags), 5, 3, SIZES, 100).base is None
 
 
 def test_header_rejects_unknown_flags_and_pieces_in_an_abort() -> None:
     buf = _header([wire.IN_MESSAGE, wire.DIRECT])
     words = buf.numpy().view("int64")
-    words[wire.HEAD + 3] = 3  # piece 1: flag 3
+    words[wire.HEAD + 3] = 3 | 50 << 8  # piece 1: flag 3
     with pytest.raises(SyncError, match="piece 1 has flag 3"):
-        wire.read_header(buf, 5, 3, 2, 100)
+        wire.read_header(buf, 5, 3, SIZES[:2], 100)
     with pytest.raises(SyncError, match="none in an abort message"):
-        wire.read_header(_header([wire.DIRECT], status=wire.ABORT), 5, 3, 1, 100)
+        wire.read_header(_header([wire.DIRECT], status=wire.ABORT), 5, 3, SIZES[:1], 100)
     with pytest.raises(SyncError, match="out of step"):
-        wire.read_header(_header([wire.DIRECT]), 6, 3, 1, 100)  # another round
+        wire.read_header(_header([wire.DIRECT]), 6, 3, SIZES[:1], 100)  # another round
     with pytest.raises(SyncError, match="capacity"):
-        wire.read_header(_header([wire.DIRECT], payload=101), 5, 3, 1, 100)
+        wire.read_header(_header([wire.DIRECT], payload=101), 5, 3, SIZES[:1], 100)
+
+
+@pytest.mark.parametrize(
+    ("flag", "kind", "length", "why"),
+    [
+        (wire.IN_MESSAGE, wire.RAW, 99, "raw piece shorter than planned"),
+        (wire.IN_MESSAGE, 3, 101, "patch longer than its piece"),
+        (wire.IN_MESSAGE, 3, 0, "empty patch"),
+        (wire.DIRECT, 3, 10, "zero-copy patch"),
+        (wire.IN_MESSAGE, 9, 10, "unknown kind"),
+    ],
+)
+def test_header_rejects_bad_piece_lengths_and_kinds(
+    flag: int, kind: int, length: int, why: str
+) -> None:
+    buf = _header([wire.IN_MESSAGE])
+    buf.numpy().view("int64")[wire.HEAD] = flag | kind << 2 | length << 8
+    with pytest.raises(SyncError, match="piece 0 has flag"):
+        wire.read_header(buf, 5, 3, SIZES[:1], 200)
 
 
 def test_direct_tags_are_distinct_from_bucket_tags() -> None:

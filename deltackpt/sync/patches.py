@@ -1,0 +1,148 @@
+"""Element-sparse delta rounds: what a sender keeps to patch against, and how a receiver turns a
+bucket of patches back into the new bytes before it verifies them.
+
+An RL step with a small learning rate changes a few percent of the bf16 elements, spread over
+nearly every tensor, so sending the changed *tensors* re-sends almost everything. Instead:
+
+* **Sender** (:class:`Bases`): keeps, per piece (tensor, box, wire dtype), the bytes it last
+  committed. In a delta round a changed piece is packed as before (new bytes, hashed while
+  copied), then ``delta_codec.encode`` compares it with its base and, when that is smaller,
+  the message carries the patch instead (xor-based: sparse elements or zstd byte planes) with
+  the digest of the *new* bytes. A piece sent to several receivers (1 -> N broadcast) is
+  encoded once per round. After the commit vote, every piece the round sent is copied into its
+  base from the source tensor (unchanged until ``push`` returns), so a base is always the
+  committed version; a failed round leaves the bases alone (the next round is full anyway).
+  Memory: one copy of the pieces this rank sends on patching links, in the wire dtype (for a
+  bf16 wire from fp32 master weights: half the master shard), allocated by the first round.
+* **Receiver** (:func:`expand`): a bucket with patches is laid out compactly on the wire. Its
+  pieces are moved, last first, to the places they take when every present piece is whole
+  (each piece's compact offset is at most its whole offset, so no move overwrites bytes not yet
+  moved); a patched piece's base is gathered there from the receiver's own copy (the target
+  tensor it holds) and the patch applied in place. Then the bucket is verified against the
+  digests of the new bytes and applied at commit as any other: no memory beyond the staging
+  slot and one patch. A receiver that holds another version than the round's base (edited,
+  partly loaded, restarted) gets bytes that fail their digest: the round fails on every rank,
+  nothing is applied, and the next round is full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from deltackpt.sync import delta_codec, wire
+from deltackpt.sync.dtypes import wire_dtype
+from deltackpt.sync.errors import SyncError
+from deltackpt.sync.schedule import LinkBucket
+
+__all__ = ["BaseKey", "Bases", "expand"]
+
+#: A piece as bases know it: (tensor index, box offset, box size, wire dtype name).
+BaseKey = tuple[int, tuple[int, ...], tuple[int, ...], str]
+
+
+def base_key(p: object) -> BaseKey:
+    return (p.tensor, p.box.offset, p.box.size, p.dtype)  # type: ignore[attr-defined]
+
+
+class Bases:
+    """The sender's committed bytes per piece, and this round's encodings (see module doc).
+    Used from one packing thread at a time."""
+
+    def __init__(self) -> None:
+        self._base: dict[BaseKey, torch.Tensor] = {}
+        self._sent: dict[BaseKey, tuple[torch.Tensor, torch.dtype]] = {}
+        self._cache: dict[BaseKey, tuple[int, np.ndarray] | None] = {}
+        self._scratch = delta_codec.Scratch()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._base.values())
+
+    def start_round(self) -> None:
+        self._sent.clear()
+        self._cache.clear()
+
+    def clear(self) -> None:
+        self._base.clear()
+        self.start_round()
+
+    def has(self, key: BaseKey) -> bool:
+        return key in self._base
+
+    def encode(
+        self, key: BaseKey, new: torch.Tensor, itemsize: int
+    ) -> tuple[int, np.ndarray] | None:
+        """The patch of ``new`` (the piece's new wire bytes, flat uint8) against its base, as
+        (kind, payload), or None when sending it raw is cheaper or nothing changed (callers
+        tell those apart with :meth:`unchanged`)."""
+        if key not in self._cache:
+            enc = delta_codec.encode(
+                new.numpy(), self._base[key].numpy(), itemsize, scratch=self._scratch
+            )
+            if enc is None:
+                self._cache[key] = (0, np.empty(0, np.uint8))  # unchanged
+            elif enc.kind == delta_codec.DENSE:
+                self._cache[key] = None
+            else:  # a copy: the payload may be a view of the scratch
+                raw = np.frombuffer(enc.payload, np.uint8, enc.nbytes)
+                self._cache[key] = (enc.kind, raw.copy())
+        return self._cache[key]
+
+    def sent(self, key: BaseKey, src: torch.Tensor, dtype: torch.dtype) -> None:
+        """Piece ``key`` (``src`` cast to ``dtype``) was sent this round: its base after commit."""
+        self._sent[key] = (src, dtype)
+
+    def commit(self) -> None:
+        """After the vote: every piece sent this round becomes its base (from the sources)."""
+        for key, (src, dt) in self._sent.items():
+            n = src.numel() * dt.itemsize
+            base = self._base.get(key)
+            if base is None or base.numel() != n:
+                base = self._base[key] = torch.empty(n, dtype=torch.uint8)
+            wire.fill(base, src, dt)
+        self.start_round()
+
+
+def expand(
+    bk: LinkBucket,
+    slot: torch.Tensor,
+    header: wire.Header,
+    offsets: list[int | None],
+    start: int,
+    align: int,
+    base_of: Callable[[int], torch.Tensor],
+) -> list[int | None]:
+    """Turn a received bucket with patches into its pieces' new bytes, each whole at its own
+    offset (returned); ``base_of(k)`` is the receiver's current bytes of piece ``k`` (its
+    target box, in the wire dtype). Raises :class:`SyncError` on a malformed patch."""
+    flags = header.flags
+    if wire.DIRECT in flags:
+        raise SyncError("a bucket with patches has zero-copy pieces; the sender never sends both")
+    sizes = [p.nbytes for p in bk.pieces]
+    whole, _, end = wire.layout(sizes, flags, start, align)
+    if end > slot.numel():
+        raise SyncError(f"its pieces take {end} bytes, the slot holds {slot.numel()}")
+    raw = slot.numpy()
+    for k in reversed(range(len(bk.pieces))):
+        piece, c, d = header.pieces[k], offsets[k], whole[k]
+        if piece is None or c is None or d is None:
+            continue
+        n = sizes[k]
+        if piece.kind == wire.RAW:
+            if c != d:
+                np.copyto(raw[d : d + n], raw[c : c + n])  # overlapping: numpy buffers it
+            continue
+        payload = raw[c : c + piece.length].copy()  # its place is overwritten next
+        dt = wire_dtype(bk.pieces[k].dtype)
+        base = base_of(k)
+        if base.dtype != dt:
+            raise SyncError(
+                f"piece {k} is a patch but this receiver holds it as {base.dtype}, not {dt}"
+            )
+        wire.copy_into(slot[d : d + n].view(dt).view(base.shape), base)
+        out = raw[d : d + n]
+        delta_codec.decode_into(piece.kind, payload, out, dt.itemsize, out)
+    return whole
