@@ -40,17 +40,17 @@ Why a probe and not a density cap: what decides whether zstd wins is the entropy
 not the fraction of changed elements. Measured on 8 MiB bf16 pieces (sizes / dense; scan in
 ``benchmarks/bench_delta_codec.py --scan``):
 
-===========================  ========  =========  ========  =========
-data                          changed  sparse     planes    zstd GB/s
-===========================  ========  =========  ========  =========
-AdamW lr 1e-8 (RL-like)       0.08%    0.23%      0.10%     6.2
-AdamW lr 3e-7                 1.5%     4.6%       1.9%      2.1
-AdamW lr 1e-6                 4.3%     10.5%      4.4%      1.1
-AdamW lr 1e-5                 25%      31%        15%       0.57
-AdamW lr 1e-4                 87%      94% (bm)   30%       0.99
-random values, 1% changed     1.0%     3.0%       3.2%      1.6
-random values, 10% changed    10%      16%        23%       0.36
-===========================  ========  =========  ========  =========
+=======================  =======  ======  ======  ======  =========
+data (8 MiB, bf16)       changed  sparse  planes  chosen  zstd GB/s
+=======================  =======  ======  ======  ======  =========
+AdamW lr 1e-8 (1 step)   0.08%    0.23%   0.11%   0.23%   6.2
+AdamW lr 3e-7            1.54%    4.57%   1.87%   1.87%   2.1
+AdamW lr 1e-6            4.25%    10.4%   4.44%   4.44%   1.1
+AdamW lr 1e-5            25.1%    31.4%   14.9%   14.9%   0.57
+AdamW lr 1e-4            87.3%    93.6%   30.4%   30.4%   0.99
+random values, 1%        1.00%    2.98%   3.15%   2.98%   1.6
+random values, 10%       10.0%    16.3%   22.6%   16.3%   0.36
+=======================  =======  ======  ======  ======  =========
 
 On optimizer steps PLANES is 2-3x smaller than SPARSE at *every* density (it stays at 30%
 where SPARSE and DENSE are ~100%), while for random replacements it never wins: a density
@@ -58,18 +58,23 @@ threshold would either skip the pre-training case or waste zstd passes on random
 probe (about 1-3% of a full pass on large pieces) separates the two. Rule 1 keeps the tiny
 case fast (SPARSE encodes at several GB/s; the zstd pass is ~1 GB/s).
 
-Speed (single core, 32 MiB bf16 piece, 3% changed, this repository's 2-core CI box; memcpy
-~20 GB/s): mask ``np.not_equal`` 13 GB/s, ``flatnonzero`` 4 GB/s, gather/scatter by index
-20+ GB/s, boolean-mask gather/scatter 3 GB/s (so both directions go through an index array),
+Speed (single core, 32 MiB bf16 piece, 3% changed, a 2-core AMD EPYC VM; memcpy ~20 GB/s):
+mask ``np.not_equal`` 13 GB/s, ``flatnonzero`` 4 GB/s, gather/scatter by index 20+ GB/s,
+boolean-mask gather/scatter 3 GB/s (so both directions go through an index array),
 packbits/unpackbits 50+ GB/s, group/ungroup 3.6 GB/s, zstd-1 compress 1.3 GB/s, decompress
 into a reused buffer (``stream_reader().readinto``) 3.2 GB/s vs 1.1 GB/s for ``decompress()``
-(a fresh bytes object faults its pages in each time). See the benchmark for end-to-end rates.
+(a fresh bytes object faults its pages in each time). zstd dominates a PLANES encode (its cost
+grows with the number of non-zero runs: 1.3 GB/s at 3% changed, 0.6 GB/s at 15-25%), so PLANES
+encodes at ~0.8 GB/s/core at 3% and SPARSE at ~2 GB/s; a CPU-bound sender trades bytes for speed
+with ``allow={DENSE, SPARSE}`` (its bitmap decode, unpackbits + flatnonzero + scatter, is
+the slow side at 0.5-0.8 GB/s above 4% changed). End-to-end rates:
+``benchmarks/bench_delta_codec.py``.
 
 Untrusted payloads: :func:`decode_into` validates lengths, header, counts, index bounds and the
 zstd content size before it writes to ``out``; every allocation is bounded by ``len(out)``.
 Wrong-but-in-bounds data (e.g. a bitmap naming other elements) is left to the caller's digest.
 
-Threads: numpy, zstandard release the GIL for the heavy work. Work buffers live in a
+Threads: numpy and zstandard release the GIL for the heavy work. Work buffers live in a
 :class:`Scratch` (one per thread by default); zstd contexts are per thread.
 """
 

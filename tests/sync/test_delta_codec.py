@@ -1,0 +1,232 @@
+"""The sync delta codec: bit-exact round trips, kind selection, and hostile payloads."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltackpt.sync.delta_codec import (
+    _PROBE_ALL,
+    _PROBE_MARGIN,
+    _TINY,
+    ALL,
+    DENSE,
+    PLANES,
+    SPARSE,
+    Encoded,
+    Scratch,
+    decode_into,
+    encode,
+    max_payload,
+)
+from deltackpt.sync.errors import SyncError
+
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+GUARD = 64  # bytes of canary either side of out, to catch out-of-bounds writes
+
+
+def pair(n: int, itemsize: int, frac: float, seed: int = 0, lowbits: bool = True):
+    """(new, base) of n elements; ``frac`` of them changed (low bits only when ``lowbits``)."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, n * itemsize, dtype=np.uint8)
+    new = base.copy()
+    changed = rng.random(n) < frac
+    elems = new.view(UINT[itemsize])
+    flips = rng.integers(1, 4 if lowbits else 255, int(changed.sum()), dtype=np.uint8)
+    elems[changed] ^= flips.astype(UINT[itemsize])
+    return new, base
+
+
+def guarded(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(whole, out): out is the middle of a canary-filled buffer."""
+    whole = np.full(size + 2 * GUARD, 0xA5, dtype=np.uint8)
+    return whole, whole[GUARD : GUARD + size]
+
+
+def assert_guard_intact(whole: np.ndarray) -> None:
+    assert (whole[:GUARD] == 0xA5).all() and (whole[-GUARD:] == 0xA5).all()
+
+
+def roundtrip(new: np.ndarray, base: np.ndarray, itemsize: int, enc: Encoded) -> None:
+    whole, out = guarded(new.size)
+    decode_into(enc.kind, enc.payload, base, itemsize, out)
+    assert np.array_equal(out, new)
+    assert_guard_intact(whole)
+    inplace = base.copy()
+    decode_into(enc.kind, enc.payload, inplace, itemsize, inplace)
+    assert np.array_equal(inplace, new)
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("frac", [0.0001, 0.03, 0.5, 1.0])
+@pytest.mark.parametrize("n", [1, 7, 1001, 40_000])
+def test_roundtrip_every_kind(itemsize: int, frac: float, n: int) -> None:
+    new, base = pair(n, itemsize, frac, seed=n)
+    if np.array_equal(new, base):
+        new.view(UINT[itemsize])[n // 2] ^= 1
+    encs = {k: encode(new, base, itemsize, allow=frozenset({k})) for k in (SPARSE, PLANES, DENSE)}
+    encs[0] = encode(new, base, itemsize)
+    for enc in encs.values():
+        assert enc is not None and enc.nbytes <= max_payload(new.size, itemsize)
+        assert enc.nbytes == len(enc.payload)
+        roundtrip(new, base, itemsize, enc)
+    assert_smallest(encs[0], min(e.nbytes for e in encs.values()), new.size)
+
+
+def assert_smallest(chosen: Encoded, best: int, nbytes: int) -> None:
+    """The chosen payload is the smallest, but for the documented zstd skips."""
+    tiny = chosen.nbytes * _TINY <= nbytes  # rule 1: already tiny, zstd not tried
+    probed = nbytes > _PROBE_ALL and chosen.nbytes * _PROBE_MARGIN <= best  # rule 2's margin
+    assert chosen.nbytes == best or tiny or probed, (chosen, best, nbytes)
+
+
+def test_equal_and_empty_pieces_encode_to_none() -> None:
+    new, base = pair(1000, 2, 0.0)
+    assert encode(new, base, 2) is None
+    empty = np.empty(0, dtype=np.uint8)
+    assert encode(empty, empty, 4) is None
+    decode_into(DENSE, b"", None, 4, empty)  # an empty dense piece decodes to nothing
+
+
+def test_sparse_forms_and_chosen_kind() -> None:
+    n = 200_000
+    new, base = pair(n, 2, 0.0001, lowbits=False)
+    enc = encode(new, base, 2, allow=frozenset({DENSE, SPARSE}))
+    assert enc is not None and enc.kind == SPARSE and enc.payload[0] == 4  # u32 index list
+    new, base = pair(n, 2, 0.2, lowbits=False)
+    enc = encode(new, base, 2, allow=frozenset({DENSE, SPARSE}))
+    assert enc is not None and enc.kind == SPARSE and enc.payload[0] == 0  # bitmap
+    small_new, small_base = pair(1000, 4, 0.001)
+    enc = encode(small_new, small_base, 4, allow=frozenset({DENSE, SPARSE}))
+    assert enc is not None and enc.payload[0] == 2  # u16 indices for small pieces
+    roundtrip(small_new, small_base, 4, enc)
+
+
+def test_dense_is_zero_copy_and_fallback() -> None:
+    new, base = pair(5000, 2, 1.0, lowbits=False)
+    enc = encode(new, base, 2, allow=frozenset({SPARSE}))  # sparse would exceed the piece
+    assert enc is not None and enc.kind == DENSE
+    assert isinstance(enc.payload, np.ndarray) and np.shares_memory(enc.payload, new)
+
+
+def test_low_bit_changes_pick_planes_random_ones_do_not() -> None:
+    new, base = pair(300_000, 2, 0.05)  # 600 KB: probed, not compressed whole
+    enc = encode(new, base, 2)
+    assert enc is not None and enc.kind == PLANES
+    roundtrip(new, base, 2, enc)
+    new, base = pair(300_000, 2, 0.3, lowbits=False)
+    rng = np.random.default_rng(1)
+    new.view(np.uint16)[new.view(np.uint16) != base.view(np.uint16)] = rng.integers(
+        0, 1 << 16, int((new != base).reshape(-1, 2).any(1).sum()), dtype=np.uint16
+    )
+    enc = encode(new, base, 2)
+    assert enc is not None and enc.kind == SPARSE
+
+
+def test_explicit_scratch_reuses_payload_buffer() -> None:
+    scratch = Scratch()
+    new, base = pair(50_000, 2, 0.01, lowbits=False)
+    a = encode(new, base, 2, allow=frozenset({DENSE, SPARSE}), scratch=scratch)
+    b = encode(new, base, 2, allow=frozenset({DENSE, SPARSE}), scratch=scratch)
+    assert a is not None and b is not None and np.shares_memory(a.payload, b.payload)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    n=st.integers(0, 3000),
+    frac=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+    allow=st.sets(st.sampled_from([DENSE, SPARSE, PLANES]), min_size=1),
+)
+def test_roundtrip_property(itemsize: int, n: int, frac: float, seed: int, allow: set[int]) -> None:
+    new, base = pair(n, itemsize, frac, seed=seed, lowbits=seed % 2 == 0)
+    enc = encode(new, base, itemsize, allow=frozenset(allow))
+    if enc is None:
+        assert np.array_equal(new, base)
+        return
+    assert enc.kind in allow | {DENSE} and enc.nbytes <= new.size
+    roundtrip(new, base, itemsize, enc)
+
+
+# --------------------------------------------------------------------------- hostile payloads
+
+
+def sparse_payload(mode: int, k: int, values: bytes, positions: bytes) -> bytes:
+    vals = values + bytes(-len(values) % 8)
+    return struct.pack("<B7xQ", mode, k) + vals + positions
+
+
+def rejects(kind: int, payload: bytes | np.ndarray, n: int = 100, itemsize: int = 2) -> None:
+    base = np.arange(n * itemsize, dtype=np.uint8)
+    whole, out = guarded(n * itemsize)
+    before = whole.copy()
+    with pytest.raises(SyncError):
+        decode_into(kind, payload, base, itemsize, out)
+    assert np.array_equal(whole, before)  # nothing written, in bounds or out
+
+
+def test_malformed_sparse_payloads() -> None:
+    two = np.array([3, 7], np.uint16).tobytes()
+    rejects(SPARSE, b"")
+    rejects(SPARSE, b"\x04" + bytes(6))  # shorter than the header
+    rejects(SPARSE, sparse_payload(4, 2, two, np.array([1, 2], np.uint32).tobytes())[:-1])
+    rejects(SPARSE, sparse_payload(4, 2, two, np.array([1, 100], np.uint32).tobytes()))
+    rejects(SPARSE, sparse_payload(8, 2, two, np.array([1, 2**63], np.uint64).tobytes()))
+    rejects(SPARSE, sparse_payload(3, 2, two, bytes(6)))  # unknown mode
+    rejects(SPARSE, sparse_payload(4, 2**40, two, bytes(8)))  # count beyond the piece
+    rejects(SPARSE, sparse_payload(4, 3, two, bytes(8)))  # count vs index list length
+    bitmap = np.packbits(np.arange(100) < 2)
+    rejects(SPARSE, sparse_payload(0, 2, two, bitmap.tobytes()[:-1]))  # bitmap too short
+    rejects(SPARSE, sparse_payload(0, 2, two, bitmap.tobytes() + b"\0"))  # bitmap too long
+    rejects(SPARSE, sparse_payload(0, 2, two, np.packbits(np.arange(100) < 3).tobytes()))
+    padded = bitmap.copy()
+    padded[-1] |= 1  # a padding bit past element 100
+    rejects(SPARSE, sparse_payload(0, 2, two, np.packbits(np.arange(100) < 1).tobytes()))
+    rejects(SPARSE, sparse_payload(0, 2, two, padded.tobytes()))
+    bad_header = bytearray(sparse_payload(2, 2, two, np.array([1, 2], np.uint16).tobytes()))
+    bad_header[3] = 1
+    rejects(SPARSE, bytes(bad_header))
+
+
+def test_malformed_planes_and_dense_payloads() -> None:
+    cctx = zstandard.ZstdCompressor(write_content_size=True)
+    rejects(PLANES, b"")
+    rejects(PLANES, b"not a zstd frame at all")
+    rejects(PLANES, cctx.compress(bytes(199)))  # claims 199 bytes, piece is 200
+    rejects(PLANES, cctx.compress(bytes(201)))
+    rejects(PLANES, zstandard.ZstdCompressor(write_content_size=False).compress(bytes(200)))
+    good = cctx.compress(bytes(200))
+    rejects(PLANES, good[:-3])  # truncated
+    rejects(PLANES, good + good)  # a second frame after the piece
+    rejects(PLANES, bytes(201))  # longer than the piece: never a valid planes payload
+    rejects(DENSE, bytes(199))
+    rejects(DENSE, bytes(201))
+    rejects(7, bytes(200))  # unknown kind
+
+
+def test_bad_arguments() -> None:
+    new, base = pair(10, 2, 0.5)
+    with pytest.raises(SyncError):
+        encode(new, base[:-2], 2)
+    with pytest.raises(SyncError):
+        encode(new, base, 3)
+    with pytest.raises(SyncError):
+        encode(new[:-1], base[:-1], 2)  # not whole elements
+    with pytest.raises(SyncError):
+        encode(new.view(np.uint16), base.view(np.uint16), 2)
+    new, base = pair(1000, 2, 0.01)
+    enc = encode(new, base, 2, allow=frozenset({SPARSE}))
+    assert enc is not None and enc.kind == SPARSE
+    with pytest.raises(SyncError):
+        decode_into(enc.kind, enc.payload, None, 2, np.empty(2000, np.uint8))
+    overlap = np.zeros(4000, np.uint8)
+    with pytest.raises(SyncError):
+        decode_into(enc.kind, enc.payload, overlap[:2000], 2, overlap[10:2010])
+    assert max_payload(1 << 20, 2) == 1 << 20
+    assert frozenset({DENSE, SPARSE, PLANES}) == ALL
