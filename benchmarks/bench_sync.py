@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,12 +35,52 @@ def main() -> None:
     ap.add_argument("--links", default="gloo,shm", help="gloo,shm (comma-separated)")
     ap.add_argument("--sim", action="store_true", help="also the simulated 256->128 plan")
     ap.add_argument(
+        "--steps",
+        help="instead: delta rounds after real AdamW steps, e.g. rl-1e-6,rl-1e-5,pretrain "
+        "(_sync/steps.py), patch vs dense, for every shape and link",
+    )
+    ap.add_argument(
         "--zero-copy",
         default="on",
         help="on,off (comma-separated): trainers send large contiguous pieces "
         "from the tensors (gloo; WeightSender zero_copy_min default) or pack every piece",
     )
-    run(ap.parse_args())
+    args = ap.parse_args()
+    if args.steps:
+        return run_steps(args)
+    run(args)
+
+
+def run_steps(args: argparse.Namespace) -> None:
+    """``--steps``: delta rounds after optimizer steps, patches against whole pieces."""
+    from _sync.steps import bench_steps, steps_table
+
+    rows = []
+    for kind in args.links.split(","):
+        for shape in args.shapes.split(","):
+            for step in args.steps.split(","):
+                m, n = map(int, shape.split("x"))
+                cfg = {
+                    "params": args.params,
+                    "bucket_mb": args.bucket_mb,
+                    "repeats": args.repeats,
+                    "timeout": args.timeout,
+                    "links": kind,
+                    "step": step,
+                }
+                r = bench_steps(m, n, cfg)
+                r.update(m=m, n=n, links=kind, step=step)
+                rows.append(r)
+                print(f"# done {kind} {shape} {step}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    r0 = rows[0]
+    print(
+        f"\nstate: {r0['state_bytes'] / C.GB:.3f} GB bf16; bucket {args.bucket_mb} MiB; "
+        f"best of {args.repeats}; {r0.get('cores', os.cpu_count())} cores\n"
+    )
+    print(steps_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -93,6 +93,7 @@ from deltackpt.sync.errors import SyncError
 __all__ = [
     "ALL",
     "DENSE",
+    "PACKED",
     "PLANES",
     "SPARSE",
     "Encoded",
@@ -102,9 +103,16 @@ __all__ = [
     "max_payload",
 ]
 
-DENSE, SPARSE, PLANES = 1, 2, 3
-ALL: frozenset[int] = frozenset({DENSE, SPARSE, PLANES})
-KIND_NAMES = {DENSE: "dense", SPARSE: "sparse", PLANES: "planes"}
+DENSE, SPARSE, PLANES, PACKED = 1, 2, 3, 4
+ALL: frozenset[int] = frozenset({DENSE, SPARSE, PLANES, PACKED})
+KIND_NAMES = {DENSE: "dense", SPARSE: "sparse", PLANES: "planes", PACKED: "packed"}
+PACKED_MAX = 8  # PACKED when at most 1 / PACKED_MAX of the elements changed
+_PACKED_HEADER = struct.Struct("<Q")  # count k; then one zstd frame of k * (4 + itemsize)
+
+try:  # the fused extraction loop (setup.py builds it; numpy below does the same, slower)
+    from deltackpt._native import diff_sparse as _native_diff
+except ImportError:  # pragma: no cover - depends on the install
+    _native_diff = None
 
 BITMAP = 0  # SPARSE mode byte; index modes are the index width in bytes (2, 4, 8)
 _INDEX_MODES = (2, 4, 8)
@@ -125,6 +133,9 @@ class Encoded:
     kind: int
     payload: np.ndarray | bytes
     nbytes: int  # len(payload)
+    # (element indices, new values) when the encoder listed them (PACKED, SPARSE): a caller
+    # that keeps ``base`` can update it with these k elements instead of copying the piece
+    changes: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -243,6 +254,23 @@ def encode(
     work = scratch if scratch is not None else _thread_scratch()
     uint = _UINT[itemsize]
     n = new.size // itemsize
+    if PACKED in allow and n < 1 << 32:
+        found = _changed(new, base, itemsize, n // PACKED_MAX, work)
+        if found is not None:
+            idx, vals = found
+            if idx.size == 0:
+                return None
+            packed = _encode_packed(idx, vals, itemsize)
+            mode, sparse_size = _sparse_layout(n, idx.size, itemsize)
+            if SPARSE in allow and sparse_size < min(packed.nbytes, new.size):
+                mask = work.take("mask", n).view(np.bool_)
+                mask[:] = False
+                mask[idx] = True
+                dst = work.take("payload", sparse_size) if scratch is not None else None
+                enc = _encode_sparse(new.view(uint), mask, idx.size, mode, sparse_size, dst)
+                return Encoded(enc.kind, enc.payload, enc.nbytes, (idx, vals))
+            if packed.nbytes < new.size:
+                return Encoded(packed.kind, packed.payload, packed.nbytes, (idx, vals))
     mask = work.take("mask", n).view(np.bool_)
     np.not_equal(new.view(uint), base.view(uint), out=mask)
     k = int(np.count_nonzero(mask))
@@ -262,6 +290,54 @@ def encode(
     return _encode_sparse(new.view(uint), mask, k, mode, sparse_size, dst)
 
 
+def _changed(
+    new: np.ndarray, base: np.ndarray, itemsize: int, cap: int, work: Scratch
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(element indices as uint32, their new values) of the elements that differ, or None when
+    more than ``cap`` do. One fused pass in C (``deltackpt._native``), else numpy: compare
+    8-byte words, then look at the elements of the words that differ."""
+    uint = _UINT[itemsize]
+    if _native_diff is not None:
+        room = cap + 8  # the loop checks room a word at a time
+        idx = work.take("idx", 4 * room).view(np.uint32)
+        vals = work.take("vals", itemsize * room).view(uint)
+        k = _native_diff(new, base, itemsize, idx, vals)
+        return None if k < 0 else (idx[:k], vals[:k])
+    words = new.size // 8
+    wi = np.flatnonzero(new[: 8 * words].view(np.uint64) != base[: 8 * words].view(np.uint64))
+    per = 8 // itemsize
+    if wi.size > cap:  # every differing word holds at least one changed element
+        return None
+    e_new = new[: 8 * words].view(uint).reshape(-1, per)[wi].reshape(-1)
+    e_base = base[: 8 * words].view(uint).reshape(-1, per)[wi].reshape(-1)
+    sub = np.flatnonzero(e_new != e_base)
+    idx = (wi[sub // per] * per + sub % per).astype(np.uint32)
+    vals = e_new[sub]
+    tail_new, tail_base = new[8 * words :].view(uint), base[8 * words :].view(uint)
+    t = np.flatnonzero(tail_new != tail_base)
+    if t.size:
+        idx = np.concatenate([idx, (t + words * per).astype(np.uint32)])
+        vals = np.concatenate([vals, tail_new[t]])
+    return None if idx.size > cap else (idx, vals)
+
+
+def _encode_packed(idx: np.ndarray, vals: np.ndarray, itemsize: int) -> Encoded:
+    """PACKED: the changed elements' index gaps (uint32) and new values, each grouped by byte
+    significance (gaps are small: their high bytes are zero runs; values share exponent
+    bytes), in one zstd frame. zstd runs over ~(4 + itemsize) / itemsize x the changed share
+    of the piece, not over the piece."""
+    k = idx.size
+    raw = np.empty(k * (4 + itemsize), dtype=np.uint8)
+    gaps = np.empty(k, dtype=np.uint32)
+    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
+    gaps[:1] = idx[:1]
+    _group(gaps.view(np.uint8), 4, raw[: 4 * k])
+    _group(vals.view(np.uint8), itemsize, raw[4 * k :])
+    frame = _compressor().compress(raw)
+    payload = _PACKED_HEADER.pack(k) + frame
+    return Encoded(PACKED, payload, len(payload))
+
+
 def _encode_sparse(
     elems: np.ndarray, mask: np.ndarray, k: int, mode: int, size: int, dst: np.ndarray | None
 ) -> Encoded:
@@ -276,7 +352,8 @@ def _encode_sparse(
         payload[pos:] = np.packbits(mask)
     else:
         np.copyto(payload[pos:].view(_UINT[mode]), idx, casting="unsafe")
-    return Encoded(SPARSE, payload, size)
+    vals = payload[_HEADER.size : vals_end].view(elems.dtype)
+    return Encoded(SPARSE, payload, size, (idx, vals))
 
 
 def _planes_worth_trying(new: np.ndarray, base: np.ndarray, itemsize: int, best: int) -> bool:
@@ -330,12 +407,17 @@ def decode_into(
         _check_len("dense", data.size, out.size)
         np.copyto(out, data)
         return
-    if kind not in (SPARSE, PLANES):
+    if kind not in (SPARSE, PLANES, PACKED):
         raise SyncError(f"unknown delta kind {kind!r}; expected one of {sorted(KIND_NAMES)}")
     base = _check_base(base, out, kind)
     work = scratch if scratch is not None else _thread_scratch()
     if kind == SPARSE:
         _decode_sparse(data, base, itemsize, out)
+    elif kind == PACKED:
+        idx, vals = packed_changes(data, itemsize, out.size // itemsize, work)
+        if out is not base:
+            np.copyto(out, base)
+        out.view(_UINT[itemsize])[idx] = vals
     else:
         _decode_planes(data, base, itemsize, out, work)
 
@@ -388,6 +470,39 @@ def _decode_sparse(data: np.ndarray, base: np.ndarray, itemsize: int, out: np.nd
     if out is not base:
         np.copyto(out, base)
     out.view(uint)[idx] = vals
+
+
+def packed_changes(
+    data: np.ndarray, itemsize: int, n: int, work: Scratch | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(element indices, new values) of a PACKED payload for a piece of ``n`` elements,
+    validated (count, frame size, strictly increasing indices below ``n``)."""
+    work = work if work is not None else _thread_scratch()
+    if data.size < _PACKED_HEADER.size:
+        raise SyncError(f"packed payload has {data.size} bytes, expected >= {_PACKED_HEADER.size}")
+    (k,) = _PACKED_HEADER.unpack_from(data, 0)
+    if not 0 < k <= n:
+        raise SyncError(f"packed payload claims {k} changed elements, the piece has {n}")
+    frame = data[_PACKED_HEADER.size :]
+    size = k * (4 + itemsize)
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise SyncError(f"packed payload ({frame.size} bytes) is not a zstd frame: {exc}") from exc
+    if declared != size:
+        raise SyncError(f"packed zstd frame declares {declared} bytes, expected {size}")
+    raw = work.take("packed", size)
+    _decompress_exact(frame, raw)
+    gaps = np.empty(k, dtype=np.uint32)
+    _ungroup(raw[: 4 * k], 4, gaps.view(np.uint8))
+    vals = np.empty(k, dtype=_UINT[itemsize])
+    _ungroup(raw[4 * k :], itemsize, vals.view(np.uint8))
+    if k > 1 and int(gaps[1:].min()) == 0:
+        raise SyncError("packed payload names an element twice (a zero index gap)")
+    idx = np.cumsum(gaps, dtype=np.uint64)
+    if int(idx[-1]) >= n:
+        raise SyncError(f"packed payload index {int(idx[-1])} is out of range for {n} elements")
+    return idx, vals
 
 
 def _bitmap_indices(bitmap: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -7,11 +7,12 @@ nearly every tensor, so sending the changed *tensors* re-sends almost everything
 * **Sender** (:class:`Bases`): keeps, per piece (tensor, box, wire dtype), the bytes it last
   committed. In a delta round a changed piece is packed as before (new bytes, hashed while
   copied), then ``delta_codec.encode`` compares it with its base and, when that is smaller,
-  the message carries the patch instead (xor-based: sparse elements or zstd byte planes) with
-  the digest of the *new* bytes. A piece sent to several receivers (1 -> N broadcast) is
-  encoded once per round. After the commit vote, every piece the round sent is copied into its
-  base from the source tensor (unchanged until ``push`` returns), so a base is always the
-  committed version; a failed round leaves the bases alone (the next round is full anyway).
+  the message carries the patch instead (the changed elements, compressed, or zstd byte planes
+  of the xor) with the digest of the *new* bytes. A piece sent to several receivers (1 -> N
+  broadcast) is encoded once per round. The encoder updates the base right away (the k changed
+  elements); after the commit vote, every piece the round sent whole is copied into its base
+  from the source tensor (unchanged until ``push`` returns). A failed round may leave bases
+  ahead of the receivers: the next round is full and rewrites them all.
   Memory: one copy of the pieces this rank sends on patching links, in the wire dtype (for a
   bf16 wire from fp32 master weights: half the master shard), allocated by the first round.
 * **Receiver** (:func:`expand`): a bucket with patches is laid out compactly on the wire. Its
@@ -55,6 +56,7 @@ class Bases:
         self._base: dict[BaseKey, torch.Tensor] = {}
         self._sent: dict[BaseKey, tuple[torch.Tensor, torch.dtype]] = {}
         self._cache: dict[BaseKey, tuple[int, np.ndarray] | None] = {}
+        self._updated: set[BaseKey] = set()  # bases already brought to this round's bytes
         self._scratch = delta_codec.Scratch()
 
     @property
@@ -64,6 +66,7 @@ class Bases:
     def start_round(self) -> None:
         self._sent.clear()
         self._cache.clear()
+        self._updated.clear()
 
     def clear(self) -> None:
         self._base.clear()
@@ -76,19 +79,27 @@ class Bases:
         self, key: BaseKey, new: torch.Tensor, itemsize: int
     ) -> tuple[int, np.ndarray] | None:
         """The patch of ``new`` (the piece's new wire bytes, flat uint8) against its base, as
-        (kind, payload), or None when sending it raw is cheaper or nothing changed (callers
-        tell those apart with :meth:`unchanged`)."""
+        (kind, payload); None when sending it raw is cheaper; kind 0 when nothing changed. The
+        base becomes ``new`` right away (the k changed elements are written into it, or the
+        piece copied): if the round fails, the next one is full and rewrites every base."""
         if key not in self._cache:
-            enc = delta_codec.encode(
-                new.numpy(), self._base[key].numpy(), itemsize, scratch=self._scratch
-            )
+            base = self._base[key].numpy()
+            raw = new.numpy()
+            enc = delta_codec.encode(raw, base, itemsize, scratch=self._scratch)
             if enc is None:
                 self._cache[key] = (0, np.empty(0, np.uint8))  # unchanged
-            elif enc.kind == delta_codec.DENSE:
+                return self._cache[key]
+            if enc.changes is not None:
+                idx, vals = enc.changes
+                base.view(vals.dtype)[idx] = vals
+            else:
+                np.copyto(base, raw)
+            self._updated.add(key)
+            if enc.kind == delta_codec.DENSE:
                 self._cache[key] = None
             else:  # a copy: the payload may be a view of the scratch
-                raw = np.frombuffer(enc.payload, np.uint8, enc.nbytes)
-                self._cache[key] = (enc.kind, raw.copy())
+                payload = np.frombuffer(enc.payload, np.uint8, enc.nbytes)
+                self._cache[key] = (enc.kind, payload.copy())
         return self._cache[key]
 
     def sent(self, key: BaseKey, src: torch.Tensor, dtype: torch.dtype) -> None:
@@ -98,6 +109,8 @@ class Bases:
     def commit(self) -> None:
         """After the vote: every piece sent this round becomes its base (from the sources)."""
         for key, (src, dt) in self._sent.items():
+            if key in self._updated:
+                continue
             n = src.numel() * dt.itemsize
             base = self._base.get(key)
             if base is None or base.numel() != n:

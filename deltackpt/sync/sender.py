@@ -142,9 +142,6 @@ class WeightSender:
         self._committed.clear()
         self._tcommitted.clear()
         self._bases.clear()
-        self._patch_links = {
-            lk.receiver for lk in links if self.encode == "patch" or ENCODES[self.encode] == g.links
-        }
         self._dirty = True
         self._epoch = g.epoch
 
@@ -168,6 +165,14 @@ class WeightSender:
         full = full or self._dirty or anchor
         self._dirty = True
         self._bases.start_round()
+        patch_links = (
+            {r for r in sched.receivers if ENCODES[self.encode] in ("*", g.links)}
+            if self.encode in ENCODES
+            else set()
+        )
+        if patch_links != self._patch_links:  # bases of links that stopped patching go stale
+            self._bases.clear()
+            self._patch_links = patch_links
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
         self._tround = {}
@@ -397,16 +402,10 @@ class WeightSender:
                         (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
                     )
                 else:
-                    new = buf[pos : pos + p.nbytes]
-                    d = wire.pack(src, new, dt, known)
-                    key = base_key(p)
-                    if patching and self._bases.has(key):
-                        patch = self._bases.encode(key, new, dt.itemsize)
-                        if patch is not None and patch[0] == 0:  # no byte of it changed
-                            continue
-                        if patch is not None:
-                            new[: patch[1].size].copy_(torch.from_numpy(patch[1]))
-                            kind, length = patch[0], patch[1].size
+                    got = self._pack_piece(p, src, dt, buf[pos : pos + p.nbytes], known, patching)
+                    if got is None:  # no byte of it changed since the last commit
+                        continue
+                    d, kind, length = got
                 if full and whole:
                     self._tround.setdefault(name, d)
                 if self._keeps_base(sched, bk, p):
@@ -427,6 +426,38 @@ class WeightSender:
         present = [None if h is None else h.digest for h in heads]
         payload = sum(h.length for h in heads if h is not None)
         return msg_end, present, payload, sends
+
+    def _pack_piece(
+        self,
+        p: Transfer,
+        src: torch.Tensor,
+        dt: torch.dtype,
+        dst: torch.Tensor,
+        known: tuple[int, int] | None,
+        patching: bool,
+    ) -> tuple[tuple[int, int], int, int] | None:
+        """Write piece ``p`` into ``dst`` (its whole room in the message): as a patch against
+        its base when that is smaller, else raw. Returns (digest of the new bytes, kind,
+        payload length), or None when the piece equals its base. A contiguous source in the
+        wire dtype is compared and hashed where it lies; others are packed (cast) first."""
+        key = base_key(p)
+        if not (patching and self._bases.has(key)):
+            return wire.pack(src, dst, dt, known), wire.RAW, p.nbytes
+        in_place = src.dtype == dt and src.is_contiguous() and src.device.type == "cpu"
+        if in_place:
+            new = src.reshape(-1).view(torch.uint8)
+            d = known or wire.hash_tensor(src)
+        else:
+            new, d = dst, wire.pack(src, dst, dt, known)
+        patch = self._bases.encode(key, new, dt.itemsize)
+        if patch is not None and patch[0] == 0:
+            return None
+        if patch is None:  # raw is smaller
+            if in_place:
+                wire.pack(src, dst, dt, d)
+            return d, wire.RAW, p.nbytes
+        dst[: patch[1].size].copy_(torch.from_numpy(patch[1]))
+        return d, patch[0], patch[1].size
 
     def _patching(self, sched: Schedule, bk: LinkBucket) -> bool:
         """Whether changed pieces of ``bk`` may go as patches: the link patches (``encode``)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import xxhash
 
+from deltackpt.sync import delta_codec
 from deltackpt.sync.errors import SyncError
 
 __all__ = [
@@ -56,8 +57,8 @@ __all__ = [
 ]
 
 MAGIC = 0x6D786E73796E64  # "mxnsynd": pieces carry a kind and a length
-RAW = 0  # a piece's kind: its bytes as they are; else a delta_codec kind (SPARSE, PLANES)
-PATCH_KINDS = frozenset((2, 3))  # delta_codec.SPARSE, delta_codec.PLANES
+RAW = 0  # a piece's kind: its bytes as they are; else a delta_codec kind (PATCH_KINDS)
+PATCH_KINDS = frozenset((delta_codec.SPARSE, delta_codec.PLANES, delta_codec.PACKED))
 HEAD = 8
 OK, ABORT = 1, 2
 IN_MESSAGE, DIRECT = 1, 2  # piece flags (0: absent)

@@ -16,6 +16,7 @@ from deltackpt.sync.delta_codec import (
     _TINY,
     ALL,
     DENSE,
+    PACKED,
     PLANES,
     SPARSE,
     Encoded,
@@ -82,7 +83,9 @@ def assert_smallest(chosen: Encoded, best: int, nbytes: int) -> None:
     """The chosen payload is the smallest, but for the documented zstd skips."""
     tiny = chosen.nbytes * _TINY <= nbytes  # rule 1: already tiny, zstd not tried
     probed = nbytes > _PROBE_ALL and chosen.nbytes * _PROBE_MARGIN <= best  # rule 2's margin
-    assert chosen.nbytes == best or tiny or probed, (chosen, best, nbytes)
+    # few changes: the smaller of PACKED / SPARSE, without a zstd pass over the piece (PLANES)
+    few = chosen.kind in (PACKED, SPARSE)
+    assert chosen.nbytes == best or tiny or probed or few, (chosen, best, nbytes)
 
 
 def test_equal_and_empty_pieces_encode_to_none() -> None:
@@ -116,6 +119,13 @@ def test_dense_is_zero_copy_and_fallback() -> None:
 
 def test_low_bit_changes_pick_planes_random_ones_do_not() -> None:
     new, base = pair(300_000, 2, 0.05)  # 600 KB: probed, not compressed whole
+    enc = encode(new, base, 2, allow=frozenset({DENSE, SPARSE, PLANES}))
+    assert enc is not None and enc.kind == PLANES
+    roundtrip(new, base, 2, enc)
+    packed = encode(new, base, 2)  # 5% changed: the changed elements, compressed
+    assert packed is not None and packed.kind == PACKED and packed.nbytes < 2 * enc.nbytes
+    roundtrip(new, base, 2, packed)
+    new, base = pair(300_000, 2, 0.2)  # more than 1 / PACKED_MAX changed: the planes
     enc = encode(new, base, 2)
     assert enc is not None and enc.kind == PLANES
     roundtrip(new, base, 2, enc)
@@ -229,4 +239,4 @@ def test_bad_arguments() -> None:
     with pytest.raises(SyncError):
         decode_into(enc.kind, enc.payload, overlap[:2000], 2, overlap[10:2010])
     assert max_payload(1 << 20, 2) == 1 << 20
-    assert frozenset({DENSE, SPARSE, PLANES}) == ALL
+    assert frozenset({DENSE, SPARSE, PLANES, PACKED}) == ALL

@@ -1,0 +1,123 @@
+/* deltackpt._native: the one loop of an element-sparse delta that numpy cannot fuse.
+ *
+ * diff_sparse(new, base, itemsize, idx_out, val_out) -> k
+ *   Walks two equal-length byte buffers 8 bytes at a time; for every element whose bytes
+ *   differ, appends its element index (uint32) to idx_out and its new bytes to val_out.
+ *   Returns the number of changed elements, or -1 when idx_out / val_out have room for fewer
+ *   (the caller then encodes the piece another way). One pass over both inputs at memory speed,
+ *   with the GIL released; numpy needs five passes and an index array of every changed word.
+ *
+ * Why C: numpy's compare runs at ~13 GB/s here but the nonzero/gather/expand steps around it
+ * bring a sparse extraction down to ~2 GB/s per core, slower than a loopback link, so a delta
+ * round would cost more than the bytes it saves. Built at install time (setup.py, optional);
+ * deltackpt.sync.delta_codec falls back to numpy without it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static int get(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "diff_sparse: %s must be a C-contiguous%s buffer", what,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* One element type T per itemsize: a word whose 8 bytes equal is skipped; in a word that
+ * differs every element is written out and kept (k advances) only if it changed, without a
+ * branch per element (the changed ones are scattered at random: branches would mispredict). */
+#define DIFF(NAME, T)                                                                        \
+    static Py_ssize_t NAME(const uint8_t *a, const uint8_t *b, Py_ssize_t n, uint32_t *idx, \
+                           Py_ssize_t cap, uint8_t *vals_) {                               \
+        T *vals = (T *)vals_;                                                               \
+        const Py_ssize_t per = 8 / (Py_ssize_t)sizeof(T), words = n / 8;                   \
+        Py_ssize_t k = 0;                                                                   \
+        for (Py_ssize_t w = 0; w < words; w++) {                                            \
+            uint64_t x, y;                                                                  \
+            memcpy(&x, a + 8 * w, 8);                                                       \
+            memcpy(&y, b + 8 * w, 8);                                                       \
+            if (x == y) continue;                                                           \
+            if (k + per > cap) return -1;                                                   \
+            for (Py_ssize_t e = 0; e < per; e++) {                                          \
+                T u, v;                                                                     \
+                memcpy(&u, a + 8 * w + e * sizeof(T), sizeof(T));                          \
+                memcpy(&v, b + 8 * w + e * sizeof(T), sizeof(T));                          \
+                idx[k] = (uint32_t)(w * per + e);                                           \
+                vals[k] = u;                                                                \
+                k += (u != v);                                                              \
+            }                                                                               \
+        }                                                                                   \
+        for (Py_ssize_t i = words * 8; i < n; i += sizeof(T)) { /* the tail (< 8 bytes) */ \
+            T u, v;                                                                         \
+            memcpy(&u, a + i, sizeof(T));                                                   \
+            memcpy(&v, b + i, sizeof(T));                                                   \
+            if (u != v) {                                                                   \
+                if (k >= cap) return -1;                                                    \
+                idx[k] = (uint32_t)(i / sizeof(T));                                         \
+                vals[k++] = u;                                                              \
+            }                                                                               \
+        }                                                                                   \
+        return k;                                                                           \
+    }
+
+DIFF(diff1, uint8_t)
+DIFF(diff2, uint16_t)
+DIFF(diff4, uint32_t)
+DIFF(diff8, uint64_t)
+
+static Py_ssize_t diff(const uint8_t *a, const uint8_t *b, Py_ssize_t n, int itemsize,
+                       uint32_t *idx, Py_ssize_t cap, uint8_t *vals) {
+    switch (itemsize) {
+    case 1: return diff1(a, b, n, idx, cap, vals);
+    case 2: return diff2(a, b, n, idx, cap, vals);
+    case 4: return diff4(a, b, n, idx, cap, vals);
+    default: return diff8(a, b, n, idx, cap, vals);
+    }
+}
+
+static PyObject *diff_sparse(PyObject *self, PyObject *args) {
+    PyObject *o_new, *o_base, *o_idx, *o_val;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OOiOO", &o_new, &o_base, &itemsize, &o_idx, &o_val)) return NULL;
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "diff_sparse: itemsize %d, expected 1, 2, 4 or 8", itemsize);
+        return NULL;
+    }
+    Py_buffer vn, vb, vi, vv;
+    if (get(o_new, &vn, 0, "new") < 0) return NULL;
+    if (get(o_base, &vb, 0, "base") < 0) { PyBuffer_Release(&vn); return NULL; }
+    if (get(o_idx, &vi, 1, "idx_out") < 0) { PyBuffer_Release(&vn); PyBuffer_Release(&vb); return NULL; }
+    if (get(o_val, &vv, 1, "val_out") < 0) {
+        PyBuffer_Release(&vn); PyBuffer_Release(&vb); PyBuffer_Release(&vi); return NULL;
+    }
+    Py_ssize_t n = vn.len, k = -2;
+    if (vb.len != n || n % itemsize != 0 || n / itemsize > 0xFFFFFFFFLL) {
+        PyErr_Format(PyExc_ValueError,
+                     "diff_sparse: new has %zd bytes, base %zd, itemsize %d: expected equal "
+                     "lengths, whole elements, at most 2**32 of them", n, vb.len, itemsize);
+    } else {
+        Py_ssize_t cap = vi.len / 4;
+        if (vv.len / itemsize < cap) cap = vv.len / itemsize;
+        Py_BEGIN_ALLOW_THREADS
+        k = diff((const uint8_t *)vn.buf, (const uint8_t *)vb.buf, n, itemsize,
+                 (uint32_t *)vi.buf, cap, (uint8_t *)vv.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&vn); PyBuffer_Release(&vb); PyBuffer_Release(&vi); PyBuffer_Release(&vv);
+    if (k == -2) return NULL;
+    return PyLong_FromSsize_t(k);
+}
+
+static PyMethodDef methods[] = {
+    {"diff_sparse", diff_sparse, METH_VARARGS,
+     "diff_sparse(new, base, itemsize, idx_out, val_out) -> changed elements, or -1 if they "
+     "do not fit"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,247 @@
+"""Weight sync in one process: what the deleted broadcast-engine tests (test_sync_local.py,
+test_sync_plan.py) promised that still applies to the one engine.
+
+ModuleAdapter copies in place and reports coverage; roles are checked (a trainer rank cannot
+build a :class:`~deltackpt.sync.WeightReceiver`, an inference rank no
+:class:`~deltackpt.sync.WeightSender`); bad arguments and bad plans raise typed errors that name
+the problem. The two-rank cases run both ranks of a real :class:`~deltackpt.sync.SyncGroup` as
+threads of this process (gloo and the store on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from deltackpt import sync
+from deltackpt.sync.dtypes import wire_dtype
+from deltackpt.sync.schedule import build_schedule
+from deltackpt.sync.schedule_decl import Decl, Held, expand_every, held_from
+from tests._dist import free_port
+
+TIMEOUT = 10.0
+
+
+def run_threads(*fns: Callable[[], Any], timeout: float = 30.0) -> list[Any]:
+    """Run each function in a thread; return values or the exceptions they raised."""
+    out: list[Any] = [None] * len(fns)
+
+    def wrap(i: int, fn: Callable[[], Any]) -> None:
+        try:
+            out[i] = fn()
+        except BaseException as e:  # returned to the test, which asserts on it
+            out[i] = e
+
+    threads = [threading.Thread(target=wrap, args=(i, f), daemon=True) for i, f in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        raise AssertionError(f"threads still running after {timeout} s: {out}")
+    return out
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
+    """A trainer (rank 0) and an inference rank (rank 1) of one group, in this process."""
+    port = free_port()
+    groups = run_threads(
+        *[lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=TIMEOUT) for r in (0, 1)]
+    )
+    for g in groups:
+        if isinstance(g, BaseException):
+            raise g
+    yield groups[0], groups[1]
+    for g in groups:
+        g.close()
+
+
+# ---- roles and constructor arguments -------------------------------------------------------
+
+
+def test_roles_are_checked(pair: tuple[sync.SyncGroup, sync.SyncGroup]) -> None:
+    trainer, inference = pair
+    with pytest.raises(sync.SyncError, match="not a trainer"):
+        sync.WeightSender(inference)
+    with pytest.raises(sync.SyncError, match="is a trainer"):
+        sync.WeightReceiver(trainer)
+    with pytest.raises(sync.SyncError, match="is a trainer"):
+        sync.WeightReceiver(trainer, [sync.Want("w")])
+    # the right roles construct
+    sync.WeightSender(trainer)
+    sync.WeightReceiver(inference)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"links": "nccl"}, "choose 'gloo' or 'shm'"),
+        ({"trainers": []}, "need at least one trainer"),
+        ({"trainers": [0, 1]}, "need at least one trainer and one inference rank"),
+        ({"trainers": [2]}, "all in range"),
+    ],
+)
+def test_bad_group_arguments_raise_before_connecting(kwargs: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {"trainers": [0], **kwargs}
+    with pytest.raises(sync.SyncError, match=match):
+        # a port nobody listens on: the arguments are checked before any connection
+        sync.SyncGroup("127.0.0.1", free_port(), 0, 2, timeout=1.0, **args)
+
+
+def test_bad_sender_arguments(pair: tuple[sync.SyncGroup, sync.SyncGroup]) -> None:
+    trainer, _ = pair
+    with pytest.raises(sync.SyncError, match="choose 'hash' or 'version'"):
+        sync.WeightSender(trainer, detect="sometimes")
+
+
+def test_bucket_bytes_must_agree_on_every_rank(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup],
+) -> None:
+    trainer, inference = pair
+    sender = sync.WeightSender(trainer, bucket_bytes=4096)
+    receiver = sync.WeightReceiver(inference, bucket_bytes=8192)
+    errs = run_threads(
+        lambda: sender.push({"w": torch.ones(4)}, version=1), lambda: receiver.pull()
+    )
+    for e in errs:
+        assert isinstance(e, sync.PlanError), repr(e)
+        assert "bucket_bytes/align" in str(e) and "pass the same values" in str(e)
+
+
+def test_shard_box_rejects_bad_arguments() -> None:
+    with pytest.raises(sync.PlanError, match="shard_box"):
+        sync.shard_box((4, 4), 2, 0, 2)  # no dim 2
+    with pytest.raises(sync.PlanError, match="shard_box"):
+        sync.shard_box((4, 4), 0, 2, 2)  # index out of range
+
+
+# ---- plan errors name the tensor and the fix (was test_sync_plan.py) ----------------------
+
+
+def _decl(rank: int, held: list[Held]) -> Decl:
+    return Decl(rank, True, held=tuple(held))
+
+
+def _everything(trainers: list[Decl], rank: int) -> Decl:
+    return expand_every(Decl(rank, False, every=True), trainers, None)
+
+
+def test_plan_errors_name_the_tensor_and_the_fix() -> None:
+    with pytest.raises(sync.PlanError, match="'w' appears twice"):
+        held_from([("w", torch.ones(2)), ("w", torch.ones(2))])
+    with pytest.raises(sync.PlanError, match="unknown dtype 'float99'"):
+        wire_dtype("float99")
+    t = _decl(0, [Held("w", "float32", (8,), sync.Box((6,), (4,)))])
+    with pytest.raises(sync.PlanError, match=r"'w'.*does not fit in shape \[8\]"):
+        build_schedule([t, _everything([t], 1)], bucket_bytes=4096, align=64)
+    ok = _decl(0, [Held("w", "float32", (8,), sync.Box((0,), (8,)))])
+    with pytest.raises(sync.PlanError, match="power of two"):
+        build_schedule([ok, _everything([ok], 1)], bucket_bytes=4096, align=100)
+    twice = _decl(0, [*ok.held, *ok.held])
+    with pytest.raises(sync.PlanError, match="declares 'w' twice"):
+        build_schedule([twice, _everything([ok], 1)], bucket_bytes=4096, align=64)
+
+
+def _coverage(sched: Any, rank: int) -> None:
+    """Every element of every wanted box arrives exactly once."""
+    pieces: dict[int, list[Any]] = {}
+    for link in sched.links_of(rank):
+        for b in link.buckets:
+            for p in b.pieces:
+                pieces.setdefault(p.tensor, []).append(p)
+    for w, ti, box in sched.wanted[rank]:
+        hits = np.zeros(box.size, dtype=np.int64)
+        for p in pieces.get(ti, []):
+            hits[p.box.within(box)] += 1
+        assert (hits == 1).all(), w.name
+
+
+def test_uneven_empty_and_scalar_tensors_are_planned() -> None:
+    """Uneven shards (3 + 2 rows), a shard that is empty on one trainer, an empty tensor and a
+    scalar: every element planned exactly once, for a receiver that wants everything."""
+    shapes = {"odd": (5, 3), "z": (1, 4), "e": (0, 2), "s": ()}
+    decls = []
+    for r in (0, 1):
+        held = []
+        for name, shape in shapes.items():
+            box = sync.shard_box(shape, 0, r, 2) if shape else sync.Box((), ())
+            held.append(Held(name, "float32", shape, box))
+        decls.append(_decl(r, held))
+    assert decls[1].held[1].box.numel == 0  # rank 1's shard of z is empty
+    sched = build_schedule([*decls, _everything(decls, 2)], bucket_bytes=4096, align=64)
+    _coverage(sched, 2)
+    assert sched.wanted_bytes(2) == 4 * (15 + 4 + 0 + 1)
+
+
+def test_many_tiny_tensors_share_buckets() -> None:
+    held, _ = held_from({f"t{i}": torch.ones(1) for i in range(1000)})
+    t = _decl(0, held)
+    sched = build_schedule([t, _everything([t], 1)], bucket_bytes=4096, align=64)
+    _coverage(sched, 1)
+    (link,) = sched.links_of(1)
+    assert len(link.buckets) <= math.ceil(1000 * 64 / 4096) + 1  # not one bucket per tensor
+    assert all(b.capacity <= 4096 for b in link.buckets)
+
+
+# ---- ModuleAdapter -------------------------------------------------------------------------
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.proj = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        self.head = torch.nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+
+
+def test_module_adapter_copies_in_place_and_reports_coverage() -> None:
+    m = Tiny()
+    params_before = dict(m.named_parameters())
+    adapter = sync.ModuleAdapter(
+        m, name_map={"model.embed_tokens.weight": "embed.weight", "rotary.inv_freq": None}
+    )
+    w = torch.randn(5, 4)
+    adapter(
+        [
+            ("model.embed_tokens.weight", w),
+            ("proj.weight", torch.ones(4, 4)),
+            ("rotary.inv_freq", torch.ones(2)),
+            ("extra", torch.ones(1)),
+        ]
+    )
+    assert torch.equal(m.embed.weight, w) and m.head.weight is m.embed.weight
+    assert m.proj.weight.dtype == torch.bfloat16
+    assert torch.equal(m.proj.weight, torch.ones(4, 4).bfloat16())  # cast by copy_
+    assert all(p is params_before[n] for n, p in m.named_parameters())  # in place
+    assert m.embed.weight.grad is None  # under no_grad: no autograd history
+    cov = adapter.coverage()
+    assert set(cov.loaded) == {"embed.weight", "head.weight", "proj.weight"}  # tied: both names
+    assert set(cov.missing) == {"proj.bias", "steps"}
+    assert cov.unexpected == ("extra",) and cov.skipped == ("rotary.inv_freq",)
+    assert not cov.complete
+    adapter.reset()
+    assert adapter.coverage().loaded == ()
+    assert adapter.load_weights == adapter.__call__
+
+
+def test_module_adapter_errors() -> None:
+    m = Tiny()
+    with pytest.raises(sync.SyncError, match=r"shape \[3\].*'proj.bias' has shape \[4\]"):
+        sync.ModuleAdapter(m)([("proj.bias", torch.ones(3))])
+    with pytest.raises(sync.SyncError, match="no such parameter"):
+        sync.ModuleAdapter(m, strict=True)([("nope", torch.ones(1))])
+    adapter = sync.ModuleAdapter(m, name_map=lambda n: n.removeprefix("model."))
+    adapter([("model.steps", torch.tensor([3, 4]))])
+    assert m.steps.tolist() == [3, 4]
+    no_buffers = sync.ModuleAdapter(m, buffers=False)
+    no_buffers([("steps", torch.tensor([5, 6]))])
+    assert m.steps.tolist() == [3, 4] and no_buffers.coverage().unexpected == ("steps",)
