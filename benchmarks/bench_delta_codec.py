@@ -39,9 +39,9 @@ from deltackpt.sync.delta_codec import (
     PLANES,
     SPARSE,
     Encoded,
-    decode_into,
     encode,
 )
+from deltackpt.sync.delta_decode import decode_into
 
 KiB, MiB, GB = 1 << 10, 1 << 20, 1e9
 ITEMSIZE = 2  # bf16

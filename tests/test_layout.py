@@ -25,7 +25,7 @@ LAYERS: dict[str, set[str]] = {
     "saving": {"errors", "options", "format", "store"},
     "loading": {"errors", "options", "format", "store"},
     "dist": {"errors", "options", "format", "store", "saving", "loading"},
-    "sync": {"errors", "format"},
+    "sync": {"errors", "format", "_native"},  # _native: the optional C loop of delta_codec
 }
 
 

@@ -83,7 +83,7 @@ def _codec_speeds(local0: dict[str, Any], local1: dict[str, Any]) -> dict[str, f
     import torch
     import xxhash
 
-    from deltackpt.sync import delta_codec
+    from deltackpt.sync import delta_codec, delta_decode
 
     pairs = [
         (a.view(torch.uint8).reshape(-1).numpy(), local1[k].view(torch.uint8).reshape(-1).numpy())
@@ -112,7 +112,7 @@ def _codec_speeds(local0: dict[str, Any], local1: dict[str, Any]) -> dict[str, f
     def dec() -> None:
         for (a, _), e, out in zip(pairs, encs, outs, strict=True):
             if e is not None:
-                delta_codec.decode_into(e[0], np.frombuffer(e[1], np.uint8), a, 2, out)
+                delta_decode.decode_into(e[0], np.frombuffer(e[1], np.uint8), a, 2, out)
 
     def copy() -> None:
         for (a, _), out in zip(pairs, outs, strict=True):

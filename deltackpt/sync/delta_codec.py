@@ -70,9 +70,8 @@ with ``allow={DENSE, SPARSE}`` (its bitmap decode, unpackbits + flatnonzero + sc
 the slow side at 0.5-0.8 GB/s above 4% changed). End-to-end rates:
 ``benchmarks/bench_delta_codec.py``.
 
-Untrusted payloads: :func:`decode_into` validates lengths, header, counts, index bounds and the
-zstd content size before it writes to ``out``; every allocation is bounded by ``len(out)``.
-Wrong-but-in-bounds data (e.g. a bitmap naming other elements) is left to the caller's digest.
+Decoding (untrusted payloads, validated before anything is written) is in
+:mod:`deltackpt.sync.delta_decode`.
 
 Threads: numpy and zstandard release the GIL for the heavy work. Work buffers live in a
 :class:`Scratch` (one per thread by default); zstd contexts are per thread.
@@ -87,7 +86,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
-from deltackpt.format.codecs import _decompressor, _group, _sample, _ungroup
+from deltackpt.format.codecs import _group, _sample
 from deltackpt.sync.errors import SyncError
 
 __all__ = [
@@ -98,7 +97,6 @@ __all__ = [
     "SPARSE",
     "Encoded",
     "Scratch",
-    "decode_into",
     "encode",
     "max_payload",
 ]
@@ -378,178 +376,3 @@ def _encode_planes(new: np.ndarray, base: np.ndarray, itemsize: int, work: Scrat
     _group(delta, itemsize, grouped)
     frame = _compressor().compress(grouped)
     return Encoded(PLANES, frame, len(frame))
-
-
-# --------------------------------------------------------------------------- decoding
-
-
-def decode_into(
-    kind: int,
-    payload: np.ndarray | bytes | memoryview,
-    base: np.ndarray | None,
-    itemsize: int,
-    out: np.ndarray,
-    *,
-    scratch: Scratch | None = None,
-) -> None:
-    """Write the piece ``payload`` encodes (against ``base``) into ``out``.
-
-    ``out`` may be ``base`` itself (apply in place); any other overlap is refused. ``base``
-    may be None for DENSE. The payload is untrusted: everything is validated before ``out``
-    is written, and malformed input raises :class:`SyncError`.
-    """
-    out = _flat_u8(out, "out")
-    if not out.flags.writeable:
-        raise SyncError("out is read-only; pass a writable np.uint8 array")
-    _check_layout(out.size, itemsize)
-    data = _payload_u8(payload)
-    if kind == DENSE:
-        _check_len("dense", data.size, out.size)
-        np.copyto(out, data)
-        return
-    if kind not in (SPARSE, PLANES, PACKED):
-        raise SyncError(f"unknown delta kind {kind!r}; expected one of {sorted(KIND_NAMES)}")
-    base = _check_base(base, out, kind)
-    work = scratch if scratch is not None else _thread_scratch()
-    if kind == SPARSE:
-        _decode_sparse(data, base, itemsize, out)
-    elif kind == PACKED:
-        idx, vals = packed_changes(data, itemsize, out.size // itemsize, work)
-        if out is not base:
-            np.copyto(out, base)
-        out.view(_UINT[itemsize])[idx] = vals
-    else:
-        _decode_planes(data, base, itemsize, out, work)
-
-
-def _payload_u8(payload: np.ndarray | bytes | memoryview) -> np.ndarray:
-    if isinstance(payload, np.ndarray):
-        return _flat_u8(payload, "payload")
-    try:
-        return np.frombuffer(payload, dtype=np.uint8)
-    except (TypeError, ValueError) as exc:
-        raise SyncError(f"payload must be a uint8 buffer, got {type(payload).__name__}") from exc
-
-
-def _check_len(what: str, actual: int, expected: int) -> None:
-    if actual != expected:
-        raise SyncError(f"{what} payload has {actual} bytes, expected {expected}")
-
-
-def _check_base(base: np.ndarray | None, out: np.ndarray, kind: int) -> np.ndarray:
-    if base is None:
-        raise SyncError(f"a {KIND_NAMES[kind]} payload needs the base piece, got base=None")
-    base = _flat_u8(base, "base")
-    if base.size != out.size:
-        raise SyncError(f"base has {base.size} bytes, expected {out.size} (the size of out)")
-    same = base.__array_interface__["data"][0] == out.__array_interface__["data"][0]
-    if not same and np.may_share_memory(base, out):
-        raise SyncError("out overlaps base without being it; pass out=base or a separate array")
-    return base
-
-
-def _decode_sparse(data: np.ndarray, base: np.ndarray, itemsize: int, out: np.ndarray) -> None:
-    n = out.size // itemsize
-    if data.size < _HEADER.size:
-        raise SyncError(f"sparse payload has {data.size} bytes, expected >= {_HEADER.size}")
-    mode, k = _HEADER.unpack_from(data, 0)
-    if bytes(data[1:8]) != bytes(7):
-        raise SyncError("sparse payload header has non-zero reserved bytes")
-    if k > n:
-        raise SyncError(f"sparse payload claims {k} changed elements, the piece has only {n}")
-    if mode != BITMAP and mode not in _INDEX_MODES:
-        raise SyncError(f"sparse payload mode {mode} is unknown; expected 0 (bitmap) or 2/4/8")
-    pos = _HEADER.size + _pad8(k * itemsize)
-    positions = (n + 7) // 8 if mode == BITMAP else k * mode
-    _check_len(f"sparse (mode {mode}, {k} values)", data.size, pos + positions)
-    uint = _UINT[itemsize]
-    vals = data[_HEADER.size : _HEADER.size + k * itemsize].view(uint)
-    idx = _bitmap_indices(data[pos:], n, k) if mode == BITMAP else data[pos:].view(_UINT[mode])
-    if mode != BITMAP and k and int(idx.max()) >= n:
-        raise SyncError(f"sparse payload index {int(idx.max())} is out of range for {n} elements")
-    if out is not base:
-        np.copyto(out, base)
-    out.view(uint)[idx] = vals
-
-
-def packed_changes(
-    data: np.ndarray, itemsize: int, n: int, work: Scratch | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """(element indices, new values) of a PACKED payload for a piece of ``n`` elements,
-    validated (count, frame size, strictly increasing indices below ``n``)."""
-    work = work if work is not None else _thread_scratch()
-    if data.size < _PACKED_HEADER.size:
-        raise SyncError(f"packed payload has {data.size} bytes, expected >= {_PACKED_HEADER.size}")
-    (k,) = _PACKED_HEADER.unpack_from(data, 0)
-    if not 0 < k <= n:
-        raise SyncError(f"packed payload claims {k} changed elements, the piece has {n}")
-    frame = data[_PACKED_HEADER.size :]
-    size = k * (4 + itemsize)
-    try:
-        declared = zstandard.frame_content_size(frame)
-    except zstandard.ZstdError as exc:
-        raise SyncError(f"packed payload ({frame.size} bytes) is not a zstd frame: {exc}") from exc
-    if declared != size:
-        raise SyncError(f"packed zstd frame declares {declared} bytes, expected {size}")
-    raw = work.take("packed", size)
-    _decompress_exact(frame, raw)
-    gaps = np.empty(k, dtype=np.uint32)
-    _ungroup(raw[: 4 * k], 4, gaps.view(np.uint8))
-    vals = np.empty(k, dtype=_UINT[itemsize])
-    _ungroup(raw[4 * k :], itemsize, vals.view(np.uint8))
-    if k > 1 and int(gaps[1:].min()) == 0:
-        raise SyncError("packed payload names an element twice (a zero index gap)")
-    idx = np.cumsum(gaps, dtype=np.uint64)
-    if int(idx[-1]) >= n:
-        raise SyncError(f"packed payload index {int(idx[-1])} is out of range for {n} elements")
-    return idx, vals
-
-
-def _bitmap_indices(bitmap: np.ndarray, n: int, k: int) -> np.ndarray:
-    bits = np.unpackbits(bitmap, count=n)  # n bytes, bounded by the piece size
-    set_bits = int(np.count_nonzero(bits))
-    if set_bits != k:
-        raise SyncError(f"sparse bitmap marks {set_bits} elements, the header says {k}")
-    if n % 8 and int(bitmap[-1]) & ((1 << (8 - n % 8)) - 1):
-        raise SyncError(f"sparse bitmap sets padding bits past element {n}")
-    return np.flatnonzero(bits)
-
-
-def _decode_planes(
-    data: np.ndarray, base: np.ndarray, itemsize: int, out: np.ndarray, work: Scratch
-) -> None:
-    if data.size > out.size:
-        raise SyncError(f"planes payload has {data.size} bytes, more than the piece ({out.size})")
-    try:
-        declared = zstandard.frame_content_size(data)
-    except zstandard.ZstdError as exc:
-        raise SyncError(f"planes payload ({data.size} bytes) is not a zstd frame: {exc}") from exc
-    if declared != out.size:
-        raise SyncError(f"planes zstd frame declares {declared} bytes, expected {out.size}")
-    grouped = work.take("grouped", out.size)
-    _decompress_exact(data, grouped)
-    delta = work.take("xor", out.size)
-    _ungroup(grouped, itemsize, delta)
-    np.bitwise_xor(delta, base, out=out)  # also right when out is base
-
-
-def _decompress_exact(frame: np.ndarray, dst: np.ndarray) -> None:
-    """Decompress one frame into ``dst``: exactly ``len(dst)`` bytes, nothing after them.
-
-    ``stream_reader().readinto`` into a kept buffer: 3x faster than ``decompress()``, which
-    returns a fresh bytes object whose pages fault in on every call.
-    """
-    got = 0
-    try:
-        with _decompressor().stream_reader(frame) as reader:
-            while got < dst.size:
-                step = reader.readinto(dst[got:])
-                if step == 0:
-                    break
-                got += step
-            extra = len(reader.read(1))
-    except zstandard.ZstdError as exc:
-        raise SyncError(f"planes payload failed to decompress: {exc}") from exc
-    if got != dst.size or extra:
-        more = " and more" if extra else ""
-        raise SyncError(f"planes zstd frame decoded to {got}{more} bytes, expected {dst.size}")

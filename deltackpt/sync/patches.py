@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltackpt.sync import delta_codec, wire
+from deltackpt.sync import delta_codec, delta_decode, wire
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.errors import SyncError
 from deltackpt.sync.schedule import LinkBucket
@@ -157,5 +157,5 @@ def expand(
             )
         wire.copy_into(slot[d : d + n].view(dt).view(base.shape), base)
         out = raw[d : d + n]
-        delta_codec.decode_into(piece.kind, payload, out, dt.itemsize, out)
+        delta_decode.decode_into(piece.kind, payload, out, dt.itemsize, out)
     return whole

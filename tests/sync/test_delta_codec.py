@@ -21,10 +21,10 @@ from deltackpt.sync.delta_codec import (
     SPARSE,
     Encoded,
     Scratch,
-    decode_into,
     encode,
     max_payload,
 )
+from deltackpt.sync.delta_decode import decode_into
 from deltackpt.sync.errors import SyncError
 
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -240,3 +240,23 @@ def test_bad_arguments() -> None:
         decode_into(enc.kind, enc.payload, overlap[:2000], 2, overlap[10:2010])
     assert max_payload(1 << 20, 2) == 1 << 20
     assert frozenset({DENSE, SPARSE, PLANES, PACKED}) == ALL
+
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_packed_without_the_native_loop_gives_the_same_bytes(
+    itemsize: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The numpy fallback of the C loop (installs without a compiler) lists the same changes:
+    the same payload, the same decoded piece, the same refusal when too many changed."""
+    from deltackpt.sync import delta_codec
+
+    cases = [pair(n, itemsize, frac, seed=n) for n in (3, 1001, 40_000) for frac in (0.01, 0.3)]
+    native = [encode(new, base, itemsize) for new, base in cases]
+    monkeypatch.setattr(delta_codec, "_native_diff", None)
+    for (new, base), want in zip(cases, native, strict=True):
+        got = encode(new, base, itemsize)
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            assert got.kind == want.kind and bytes(got.payload) == bytes(want.payload)
+            roundtrip(new, base, itemsize, got)
