@@ -7,7 +7,10 @@ decision is a store key: a rank that fails writes the abort key, a rank that die
 beating (a daemon thread bumps ``hb/<rank>`` every ``beat`` seconds), and every rank waiting
 for the vote polls both, so every peer fails within about ``dead_after`` seconds of a death —
 well under the group timeout. If rank 0 dies, the store (hosted there) goes with it, and every
-store call fails at once.
+store call fails at once. A round that fails for any other reason still ends only when every
+rank has voted (see :meth:`SyncGroup.vote`); a setup that fails on one rank (bad input, a
+target of the wrong shape) fails at once on every rank through a key of its own
+(:meth:`SyncGroup.fail_setup`).
 
 Recovery after :class:`PeerLostError`: survivors call :meth:`SyncGroup.reconnect` with a new
 port; a replacement process constructs ``SyncGroup`` with the same arguments. The old gloo group
@@ -30,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from deltackpt.sync.errors import PeerLostError, SyncError, SyncTimeoutError
+from deltackpt.sync.errors import PeerLostError, RoundAbortedError, SyncError, SyncTimeoutError
 from deltackpt.sync.peers import pid_alive
 from deltackpt.sync.shm_links import ShmLinks
 
@@ -96,6 +99,7 @@ class SyncGroup:
                 "every rank must call SyncGroup/reconnect with the same address and port"
             ) from e
         self.seq = 0
+        self._setups = 0  # setup attempts begun on this store: namespaces their exchanges
         self._broken: str | None = None
         self._stop = threading.Event()
         hb = dist.TCPStore(self.addr, port, is_master=False, timeout=td, wait_for_workers=False)
@@ -191,11 +195,41 @@ class SyncGroup:
 
     # ---- setup ----------------------------------------------------------------------------
 
+    def begin_setup(self) -> int:
+        """Start a setup attempt (every rank begins them in the same order: each
+        ``WeightSender``/``WeightReceiver`` plans until it has a schedule). Its exchanges and
+        its failure key are its own, so an attempt that failed leaves nothing a retry reads."""
+        self._setups += 1
+        return self._setups
+
+    def fail_setup(self, reason: str) -> None:
+        """This rank cannot finish the current setup attempt: every rank waiting in one of its
+        exchanges raises :class:`RoundAbortedError` with ``reason`` (first reason wins), at
+        once instead of at the group timeout."""
+        with contextlib.suppress(Exception):
+            self.store.compare_set(f"x/{self._setups}/fail", "", reason)
+
     def exchange(self, key: str, data: bytes) -> list[bytes]:
-        """Every rank posts ``data`` under ``key``; returns every rank's, by rank."""
-        self.guard("store set", lambda: self.store.set(f"x/{key}/{self.rank}", data))
-        keys = [f"x/{key}/{r}" for r in range(self.world_size)]
-        self.wait_until(lambda: self.store.check(keys), f"waiting for every rank's {key}", None)
+        """Every rank posts ``data`` under ``key`` (of the current setup attempt); returns
+        every rank's, by rank. :class:`RoundAbortedError` when a rank failed the attempt."""
+        pre = f"x/{self._setups}"
+        self.guard("store set", lambda: self.store.set(f"{pre}/{key}/{self.rank}", data))
+        keys = [f"{pre}/{key}/{r}" for r in range(self.world_size)]
+        fail = f"{pre}/fail"
+        failed: list[str] = []
+
+        def ready() -> bool:
+            if self.store.check([fail]):
+                failed.append(bytes(self.store.get(fail)).decode(errors="replace"))
+                return True
+            return bool(self.store.check(keys))
+
+        self.wait_until(ready, f"waiting for every rank's {key}", None)
+        if failed:
+            raise RoundAbortedError(
+                f"rank {self.rank}: the setup failed on {failed[0]}; nothing was sent or "
+                "applied. Fix that rank's input, then push/pull again on every rank"
+            )
         return [bytes(self.guard("store get", lambda k=k: self.store.get(k))) for k in keys]
 
     # ---- rounds ---------------------------------------------------------------------------
@@ -215,14 +249,21 @@ class SyncGroup:
             return None
         return bytes(self.guard("store get", lambda: self.store.get(key))).decode()
 
-    def vote(self, seq: int, reason: str | None) -> str | None:
-        """Vote for round ``seq`` (``reason``: this rank rejects it) and wait for every rank:
-        None when all accepted, else the abort reason. Raises :class:`PeerLostError` when a rank
-        died (its heartbeat stopped) or the store is gone, and :class:`SyncTimeoutError` after
-        ``timeout``."""
+    def vote(self, seq: int, reason: str | None, version: int | None = None) -> str | None:
+        """Vote for round ``seq`` (``reason``: this rank rejects it; ``version``: the version a
+        trainer pushed) and wait for every rank: None when all accepted, else the abort reason.
+        Raises :class:`PeerLostError` when a rank died (its heartbeat stopped) or the store is
+        gone, and :class:`SyncTimeoutError` after ``timeout``.
+
+        A failed round still waits for every rank's vote (only a lost peer, which never votes,
+        ends the wait early): every rank votes after it took in its last message of the round,
+        so once a rank returns no peer still reads this round's slots, and on shared-memory
+        links the next round may overwrite them. The trainers' votes carry their versions, so
+        every rank, linked to a trainer or not, fails a round whose trainers disagree."""
         if reason is not None:
             self.abort(seq, reason)
-        self.guard("store set", lambda: self.store.set(f"r/{seq}/v/{self.rank}", "1"))
+        mine = "-" if version is None else str(int(version))
+        self.guard("store set", lambda: self.store.set(f"r/{seq}/v/{self.rank}", mine))
         keys = [f"r/{seq}/v/{r}" for r in range(self.world_size)]
         found: list[str | None] = [None]
 
@@ -232,10 +273,26 @@ class SyncGroup:
             # other order could read "no abort", then every vote, and commit a rejected round)
             voted = bool(self.store.check(keys))
             found[0] = self.aborted(seq)
-            return found[0] is not None or voted
+            return voted or (found[0] is not None and found[0].startswith("lost: "))
 
         self.wait_until(ready, f"round {seq}: waiting for the commit vote", seq)
+        if found[0] is None and len(self.trainers) > 1:
+            found[0] = self._versions_differ(seq)
         return found[0]
+
+    def _versions_differ(self, seq: int) -> str | None:
+        """The abort reason when the trainers voted for round ``seq`` with different versions
+        (every rank reads the same votes, so every rank decides the same)."""
+        keys = [f"r/{seq}/v/{t}" for t in self.trainers]
+        vals = self.guard("store multi_get", lambda: self.store.multi_get(keys))
+        got = [bytes(v).decode(errors="replace") for v in vals]
+        if len(set(got)) == 1:
+            return None
+        each = ", ".join(f"rank {t} version {v}" for t, v in zip(self.trainers, got, strict=True))
+        return (
+            f"the trainers pushed different versions in one round ({each}); pass the same "
+            "version to push() on every trainer"
+        )
 
     def wait_until(self, ready: Callable[[], bool], what: str, seq: int | None) -> None:
         """Poll ``ready`` until it is true; :class:`PeerLostError` when a rank stops beating

@@ -53,6 +53,10 @@ class Bases:
     Used from one packing thread at a time."""
 
     def __init__(self) -> None:
+        # what encode may send (delta_codec.encode's allow / packed_below): set by the sender
+        # from its encode= option and the link kind
+        self.allow: frozenset[int] = delta_codec.ALL
+        self.packed_below = delta_codec.PACKED_BELOW
         self._base: dict[BaseKey, torch.Tensor] = {}
         self._sent: dict[BaseKey, tuple[torch.Tensor, torch.dtype]] = {}
         self._cache: dict[BaseKey, tuple[int, np.ndarray] | None] = {}
@@ -85,7 +89,14 @@ class Bases:
         if key not in self._cache:
             base = self._base[key].numpy()
             raw = new.numpy()
-            enc = delta_codec.encode(raw, base, itemsize, scratch=self._scratch)
+            enc = delta_codec.encode(
+                raw,
+                base,
+                itemsize,
+                allow=self.allow,
+                scratch=self._scratch,
+                packed_below=self.packed_below,
+            )
             if enc is None:
                 self._cache[key] = (0, np.empty(0, np.uint8))  # unchanged
                 return self._cache[key]

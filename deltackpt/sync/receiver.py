@@ -102,6 +102,7 @@ class WeightReceiver:
         self._buckets: list[LinkBucket] = []
         self._slots: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
+        self._empty: set[int] = set()
         n = min(4, os.cpu_count() or 1) if apply_threads is None else int(apply_threads)
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="mxn-apply") if n > 1 else None
 
@@ -128,25 +129,37 @@ class WeightReceiver:
         g = self.group
         if self.schedule is not None and self._epoch == g.epoch:
             return self.schedule
-        sched = setup_schedule(g, self._decl(), self.bucket_bytes, self.align, self.dtype)
-        if self.every:
-            self.wants = [
-                Want(w.name, dtype=wire_dtype(w.dtype)) for w, _, _ in sched.wanted[g.rank]
-            ]  # type: ignore[arg-type]
-        self._targets = []
-        for w, (decl, ti, box) in zip(self.wants, sched.wanted[g.rank], strict=True):
-            dt = wire_dtype(decl.dtype or sched.tensors[ti].dtype)
-            if w.into is not None:
-                if tuple(w.into.shape) != box.size:
-                    raise PlanError(
-                        f"want {w.name!r}: into has shape {list(w.into.shape)} but its box "
-                        f"{box} needs {list(box.size)}; pass the local shard of the parameter"
-                    )
-                self._targets.append(w.into)
-            else:
-                self._targets.append(torch.zeros(box.size, dtype=dt))
+        wants: list[Want] = []
+        targets: list[torch.Tensor] = []
+
+        def prepare(sched: Schedule) -> None:
+            # checked before every rank leaves the setup: a bad ``into`` fails it everywhere
+            mine = sched.wanted[g.rank]
+            wants[:] = self.wants
+            if self.every:
+                wanted = [w for w, _, _ in mine]  # expand_every names every dtype
+                wants[:] = [Want(w.name, dtype=wire_dtype(w.dtype)) for w in wanted]  # type: ignore[arg-type]
+            for w, (decl, ti, box) in zip(wants, mine, strict=True):
+                dt = wire_dtype(decl.dtype or sched.tensors[ti].dtype)
+                if w.into is not None:
+                    if tuple(w.into.shape) != box.size:
+                        raise PlanError(
+                            f"want {w.name!r}: into has shape {list(w.into.shape)} but its box "
+                            f"{box} needs {list(box.size)}; pass the local shard of the "
+                            "parameter"
+                        )
+                    targets.append(w.into)
+                else:
+                    targets.append(torch.zeros(box.size, dtype=dt))
+            g.open_links(link_slots(sched.links_of(g.rank), self.align))
+
+        sched = setup_schedule(
+            g, self._decl, self.bucket_bytes, self.align, self.dtype, prepare=prepare
+        )
+        self.wants, self._targets = wants, targets
+        # zero-element wants have no piece on any link: handed over in every full round
+        self._empty = {i for i, (_, _, box) in enumerate(sched.wanted[g.rank]) if not box.numel}
         links = sched.links_of(g.rank)
-        g.open_links(link_slots(links, self.align))
         self._buckets = sorted(
             (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.sender)
         )
@@ -162,7 +175,8 @@ class WeightReceiver:
     def pull(self, load_weights: LoadWeights | None = None) -> RoundStats:
         """Take part in one round; on commit write the received boxes into the ``into``
         tensors and hand the others (whole local tensors, those that changed) to
-        ``load_weights``. Raises :class:`SyncError` subclasses when the round fails (nothing is
+        ``load_weights``; in a full round every one, zero-element tensors included (they have
+        no bytes on the wire, so only a full round can say they exist). Raises :class:`SyncError` subclasses when the round fails (nothing is
         applied; ``version`` unchanged); after :class:`PeerLostError`,
         ``group.reconnect(port)`` first."""
         t0 = time.perf_counter()
@@ -186,7 +200,8 @@ class WeightReceiver:
             self._settle(st, pending)
         if len(st.versions) > 1:
             st.fail(f"senders sent different versions {sorted(st.versions)} in one round")
-        reason = g.vote(seq, None if st.failure is None else f"rank {g.rank}: {st.failure}")
+        mine = None if st.failure is None else f"rank {g.rank}: {st.failure}"
+        reason = g.vote(seq, mine)
         if reason is not None:
             if reason.startswith("lost: "):
                 g.mark_broken(reason)
@@ -198,10 +213,16 @@ class WeightReceiver:
                 raise DigestMismatchError(
                     f"rank {g.rank}: {st.mismatch}; nothing was applied, version stays {self.version}"
                 )
+            # this rank's own finding, whoever aborted first (a stub only echoes a sender's)
+            why = reason if mine is None or st.echo else mine
             raise RoundAbortedError(
-                f"rank {g.rank}: round not committed: {reason}; version stays {self.version}"
+                f"rank {g.rank}: round not committed: {why}; version stays {self.version}"
             )
         changed = self._apply(sched, st.staged)
+        npieces = sum(len(b.pieces) for b in self._buckets)
+        present = sum(sum(o is not None for o in offs) for _, _, offs, _ in st.staged)
+        if present == npieces:  # a full round hands over every want, those without bytes too
+            changed |= self._empty
         if load_weights is not None:
             out = [
                 (self.wants[i].name, self._targets[i])
@@ -212,8 +233,6 @@ class WeightReceiver:
                 load_weights(out)
         if st.versions:
             self.version = st.versions.pop()
-        npieces = sum(len(b.pieces) for b in self._buckets)
-        got = sum(sum(o is not None for o in offs) for _, _, offs, _ in st.staged)
         payload = sum(st.per_link.values())
         zero_copy = sum(
             p.nbytes
@@ -223,7 +242,7 @@ class WeightReceiver:
         )
         return RoundStats(
             self.version if self.version is not None else -1,
-            got == npieces,
+            present == npieces,
             time.perf_counter() - t0,
             len(self._buckets),
             payload,
@@ -299,6 +318,7 @@ class WeightReceiver:
             return
         h = got.header
         if h.status != wire.OK:
+            st.echo = st.failure is None
             st.fail(f"rank {bk.sender} aborted the round (its error is raised there)")
             return
         st.versions.add(h.version)
@@ -403,6 +423,7 @@ class _Round:
 
     seq: int
     failure: str | None = None
+    echo: bool = False  # the failure is a sender's abort stub, not this rank's own finding
     mismatch: str | None = None
     wire_bytes: int = 0
     patched: int = 0

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltackpt.sync.dtypes import DtypeSpec
-from deltackpt.sync.errors import PlanError
+from deltackpt.sync.errors import PeerLostError, PlanError, RoundAbortedError, SyncTimeoutError
 from deltackpt.sync.group import SyncGroup
 from deltackpt.sync.schedule import Link, LinkBucket, Schedule, build_schedule
 from deltackpt.sync.schedule_decl import Decl, decl_from_json, decl_to_json, expand_every
@@ -46,12 +47,46 @@ def message_bytes(bk: LinkBucket, align: int) -> int:
 
 
 def setup_schedule(
-    group: SyncGroup, decl: Decl, bucket_bytes: int, align: int, dtype: DtypeSpec = None
+    group: SyncGroup,
+    declare: Callable[[], Decl],
+    bucket_bytes: int,
+    align: int,
+    dtype: DtypeSpec = None,
+    prepare: Callable[[Schedule], None] | None = None,
 ) -> Schedule:
-    """Collective: every rank posts its declaration, every rank builds the same schedule. A
-    receiver that wants every tensor whole (``decl.every``) learns the trainers' tensors from
-    the first exchange and posts its expanded declaration (wire dtypes from ``dtype``) in a
-    second one, which every rank joins when any declaration of the first is such a wildcard."""
+    """Collective: every rank posts its declaration (``declare()``), every rank builds the
+    same schedule, runs its local ``prepare(schedule)`` (checks of its own tensors against it,
+    its link windows) and then waits until every rank got that far. A rank that fails any of
+    these steps raises its own error and tells the others, which raise
+    :class:`RoundAbortedError` at once instead of waiting for the group timeout (a trainer
+    would otherwise wait in the first round for a receiver that never comes); every rank then
+    plans again on its next ``push``/``pull``."""
+    group.begin_setup()
+    try:
+        sched = _plan(group, declare, bucket_bytes, align, dtype)
+        if prepare is not None:
+            prepare(sched)
+    except (RoundAbortedError, PeerLostError, SyncTimeoutError):
+        raise  # another rank's failure, or the group is broken: nothing to tell
+    except Exception as e:
+        group.fail_setup(f"rank {group.rank}: {e}")
+        raise
+    group.exchange("ready", b"")
+    return sched
+
+
+def _plan(
+    group: SyncGroup,
+    declare: Callable[[], Decl],
+    bucket_bytes: int,
+    align: int,
+    dtype: DtypeSpec,
+) -> Schedule:
+    """The exchanges of :func:`setup_schedule`. A receiver that wants every tensor whole
+    (``decl.every``) learns the trainers' tensors from the first exchange and posts its
+    expanded declaration (wire dtypes from ``dtype``) in a second one, which every rank joins
+    when any declaration of the first is such a wildcard."""
+    decl = declare()
     opts = f"{bucket_bytes}/{align}".encode()
     decls = _exchange(group, "decl", opts, decl)
     if any(d.every for d in decls):

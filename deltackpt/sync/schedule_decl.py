@@ -140,7 +140,8 @@ def held_from(
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     held: list[Held] = []
     local: dict[str, torch.Tensor] = {}
-    for name, t in items:
+    for item in items:
+        name, t = _named(item)
         if name in local:
             raise PlanError(f"tensor name {name!r} appears twice; names must be unique")
         if isinstance(t, LocalShard):
@@ -156,6 +157,29 @@ def held_from(
         held.append(Held(name, wire_name(dt, name), shape, Box(off, size)))
         local[name] = loc.detach()
     return held, local
+
+
+def _named(item: object) -> tuple[str, torch.Tensor | LocalShard]:
+    """One ``(name, tensor)`` of a trainer's state, checked: a bad value would otherwise fail
+    deep inside planning with an AttributeError naming no tensor."""
+    usage = (
+        "push() takes a mapping name -> tensor or (name: str, tensor) pairs, where a tensor is "
+        "a torch.Tensor, a DTensor or a LocalShard"
+    )
+    try:
+        name, t = item  # type: ignore[misc]
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"got {type(item).__name__} {item!r:.80} as an item; {usage}") from e
+    if not isinstance(name, str):
+        raise PlanError(f"tensor name {name!r} is a {type(name).__name__}, not a str; {usage}")
+    inner = t.tensor if isinstance(t, LocalShard) else t
+    if not isinstance(inner, torch.Tensor):
+        what = "LocalShard.tensor" if isinstance(t, LocalShard) else "value"
+        raise PlanError(
+            f"tensor {name!r}: its {what} is a {type(inner).__name__}, expected a "
+            f"torch.Tensor (convert it with torch.as_tensor); {usage}"
+        )
+    return name, t
 
 
 def expand_every(decl: Decl, trainers: list[Decl], dtype: DtypeSpec) -> Decl:

@@ -16,8 +16,12 @@ ring of three buffers. Delta rounds (the default after a committed round) hash e
 once, in place, and pack and send the pieces of the tensors whose digest changed since the last
 committed round (``detect="version"``: tensors whose storage and in-place version counter did
 not change since that round are skipped unread, the others sent unhashed; see docs/sync.md). On shared-memory links the
-packing thread writes straight into the link's slot. Then the commit vote (store keys, see
-``group.py``).
+packing thread writes straight into the link's slot; a piece that needs a cast or a gather is
+cast chunk by chunk into a private scratch and hashed there before it is copied into the slot,
+which any process that opens the link file can write. Then the commit vote (store keys, see
+``group.py``): it carries each trainer's version, so trainers that disagree fail the round on
+every rank, and a failed round still waits for every vote, so no rank publishes the next round
+into a slot a slower receiver still reads.
 """
 
 from __future__ import annotations
@@ -117,8 +121,9 @@ class WeightSender:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mxn-pack")
 
     def _setup(self, named_tensors: Mapping[str, torch.Tensor] | Iterable) -> None:
-        held, local = held_from(named_tensors, self.dtype)
         if self.schedule is not None and self._epoch == self.group.epoch:
+            # refused before any round, on this rank only: the others wait for the next push
+            held, local = held_from(named_tensors, self.dtype)
             if tuple(held) != self._held:
                 raise PlanError(
                     "push() got different tensors (names, dtypes, shapes or shard boxes) than "
@@ -128,12 +133,21 @@ class WeightSender:
             self._local = local
             return
         g = self.group
-        decl = Decl(g.rank, True, held=tuple(held))
-        self.schedule = setup_schedule(g, decl, self.bucket_bytes, self.align)
+        got: list[tuple[list[Held], dict[str, torch.Tensor]]] = []
+
+        def declare() -> Decl:  # inside the setup: bad input fails it on every rank
+            got.append(held_from(named_tensors, self.dtype))
+            return Decl(g.rank, True, held=tuple(got[0][0]))
+
+        def prepare(sched: Schedule) -> None:
+            g.open_links(link_slots(sched.links_of(g.rank), self.align))
+
+        sched = setup_schedule(g, declare, self.bucket_bytes, self.align, prepare=prepare)
+        held, local = got[0]
+        self.schedule = sched
         self._held, self._local = tuple(held), local
         self._boxes = {h.name: h for h in held}
-        links = self.schedule.links_of(g.rank)
-        g.open_links(link_slots(links, self.align))
+        links = sched.links_of(g.rank)
         self._buckets = sorted(
             (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.receiver)
         )
@@ -178,7 +192,7 @@ class WeightSender:
         self._tround = {}
         if self.detect == "version":  # before reading anything: a later write shows next round
             self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in self._local.items()}
-        failure, lost, wire_bytes, sent, zero_copy = self._send_all(
+        failure, cause, lost, wire_bytes, sent, zero_copy = self._send_all(
             sched, seq, int(version), full, digests, per_link
         )
         if lost is not None:
@@ -187,16 +201,23 @@ class WeightSender:
             raise PeerLostError(
                 f"rank {g.rank}: round {version}: {lost}; call group.reconnect(new_port) on the "
                 "survivors and restart the lost rank"
-            )
-        reason = g.vote(seq, failure)
+            ) from cause
+        reason = g.vote(seq, failure, int(version))
+        if reason is None and failure is not None:  # the abort key could not be written
+            reason = failure
         if reason is not None:
             if reason.startswith("lost: "):
                 g.mark_broken(reason)
                 raise PeerLostError(
                     f"rank {g.rank}: round {version} failed: {reason[6:]}; call "
                     "group.reconnect(new_port) on the survivors and restart the lost rank"
-                )
-            raise (SyncError if failure else RoundAbortedError)(
+                ) from cause
+            if failure is not None:  # this rank's own step failed: its cause, whoever aborted first
+                raise SyncError(
+                    f"rank {g.rank}: round {version} was not committed: {failure}; the "
+                    f"receivers keep version {self.version}, the next push is a full round"
+                ) from cause
+            raise RoundAbortedError(
                 f"rank {g.rank}: round {version} was not committed: {reason}; the receivers "
                 f"keep version {self.version}, the next push is a full round"
             )
@@ -236,16 +257,20 @@ class WeightSender:
         full: bool,
         digests: dict[tuple[int, int, int], tuple[int, int]],
         per_link: dict[int, int],
-    ) -> tuple[str | None, str | None, int, int, int]:
-        """Send every bucket (or a stub once the round failed); returns (failure, lost peer,
-        wire bytes, buckets sent, bytes sent zero-copy)."""
+    ) -> tuple[str | None, BaseException | None, str | None, int, int, int]:
+        """Send every bucket (or a stub once the round failed); returns (this rank's own
+        failure and its exception, lost peer, wire bytes, buckets sent, bytes sent zero-copy).
+        Another rank's abort seen while sending only turns the rest into stubs: the vote
+        reports it."""
         g = self.group
         works: list[tuple[int, object] | None] = [None] * _RING
         bufs: list[torch.Tensor] = list(self._ring)
         stubs: list[tuple[int, object, torch.Tensor]] = []
         directs: list[tuple[int, object]] = []  # zero-copy sends: (receiver, work)
         zero_copy_bytes = 0
-        failure: str | None = None
+        failure: str | None = None  # this rank's own: the error it raises
+        cause: BaseException | None = None
+        aborted: str | None = None  # another rank's, seen while sending
         lost: str | None = None
         dead: set[int] = set()
         wire_bytes = 0
@@ -264,7 +289,7 @@ class WeightSender:
                     lost = lost or f"sending to rank {dst} failed ({cause_line(e)})"
 
         def submit(i: int) -> Future[Packed] | None:
-            if i >= len(self._buckets) or failure or lost:
+            if i >= len(self._buckets) or failure or aborted or lost:
                 return None
             settle(i % _RING)
             bk = self._buckets[i]
@@ -287,21 +312,25 @@ class WeightSender:
                 try:
                     packed = fut.result()
                 except Exception as e:  # told to every rank by the vote; stubs from here on
-                    failure = f"rank {g.rank} failed packing bucket {bk.index} for rank {bk.receiver}: {e!r}"
-            if time.monotonic() >= next_check and not (failure or lost):
+                    failure = (
+                        f"rank {g.rank} failed packing bucket {bk.index} for rank "
+                        f"{bk.receiver}: {e!r}"
+                    )
+                    cause = e
+            if time.monotonic() >= next_check and not (failure or aborted or lost):
                 next_check = time.monotonic() + _ABORT_CHECK
                 try:
                     why = g.aborted(seq)
                 except SyncError as e:
                     why = f"lost: store unreachable ({e})"
                 if why is not None:
-                    failure = why
+                    aborted = why
                     if why.startswith("lost: "):
                         lost = why[6:]
             fut = submit(i + 1)
             if bk.receiver in dead:
                 continue
-            if packed is not None and not (failure or lost):
+            if packed is not None and not (failure or aborted or lost):
                 nbytes, present, payload, zero_copy = packed
                 for k, d in enumerate(present):
                     if d is not None:
@@ -338,7 +367,7 @@ class WeightSender:
         rest = [(d, w) for d, w in [*directs, *((d, w) for d, w, _ in stubs)] if d not in dead]
         drained = g.drain_sends(seq, rest)  # always waited for, even after a loss
         lost = lost or drained
-        return failure, lost, wire_bytes, len(self._buckets), zero_copy_bytes
+        return failure, cause, lost, wire_bytes, len(self._buckets), zero_copy_bytes
 
     def _pack(
         self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
@@ -347,10 +376,10 @@ class WeightSender:
         zero-copy pieces are hashed in place and returned to be sent on their own."""
         srcs: list[tuple[torch.Tensor, torch.dtype] | None] = []
         flags: list[int] = []
+        # shm: buf is the link window, writable by other processes; else this rank's ring
+        shared = self.group.window(bk.receiver, bk.index) is not None
         zero_copy = (
-            self.zero_copy_min is not None
-            and self.group.window(bk.receiver, bk.index) is None
-            and bk.index < wire.MAX_DIRECT_BUCKETS
+            self.zero_copy_min is not None and not shared and bk.index < wire.MAX_DIRECT_BUCKETS
         )
         ndirect = 0
         scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
@@ -402,7 +431,8 @@ class WeightSender:
                         (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
                     )
                 else:
-                    got = self._pack_piece(p, src, dt, buf[pos : pos + p.nbytes], known, patching)
+                    room = buf[pos : pos + p.nbytes]
+                    got = self._pack_piece(p, src, dt, room, known, patching, scratch, shared)
                     if got is None:  # no byte of it changed since the last commit
                         continue
                     d, kind, length = got
@@ -435,20 +465,23 @@ class WeightSender:
         dst: torch.Tensor,
         known: tuple[int, int] | None,
         patching: bool,
+        scratch: torch.Tensor,
+        shared: bool,
     ) -> tuple[tuple[int, int], int, int] | None:
         """Write piece ``p`` into ``dst`` (its whole room in the message): as a patch against
         its base when that is smaller, else raw. Returns (digest of the new bytes, kind,
         payload length), or None when the piece equals its base. A contiguous source in the
-        wire dtype is compared and hashed where it lies; others are packed (cast) first."""
+        wire dtype is compared and hashed where it lies; others are packed (cast) first, hashed
+        from this rank's memory (``shared``: ``dst`` is a shared-memory window; ``wire.pack``)."""
         key = base_key(p)
         if not (patching and self._bases.has(key)):
-            return wire.pack(src, dst, dt, known), wire.RAW, p.nbytes
+            return wire.pack(src, dst, dt, known, scratch, shared=shared), wire.RAW, p.nbytes
         in_place = src.dtype == dt and src.is_contiguous() and src.device.type == "cpu"
         if in_place:
             new = src.reshape(-1).view(torch.uint8)
             d = known or wire.hash_tensor(src)
         else:
-            new, d = dst, wire.pack(src, dst, dt, known)
+            new, d = dst, wire.pack(src, dst, dt, known, scratch, shared=shared)
         patch = self._bases.encode(key, new, dt.itemsize)
         if patch is not None and patch[0] == 0:
             return None

@@ -125,10 +125,18 @@ def test_low_bit_changes_pick_planes_random_ones_do_not() -> None:
     packed = encode(new, base, 2)  # 5% changed: the changed elements, compressed
     assert packed is not None and packed.kind == PACKED and packed.nbytes < 2 * enc.nbytes
     roundtrip(new, base, 2, packed)
-    new, base = pair(300_000, 2, 0.2)  # more than 1 / PACKED_MAX changed: the planes
+    new, base = pair(300_000, 2, 0.4)  # more than PACKED_BELOW changed: the planes
     enc = encode(new, base, 2)
     assert enc is not None and enc.kind == PLANES
     roundtrip(new, base, 2, enc)
+    # the time-first policy (what gloo links use): a list of changes or the piece, never zstd
+    # over the whole piece
+    fast = encode(new, base, 2, allow=frozenset({PACKED, SPARSE}), packed_below=1 / 16)
+    assert fast is not None and fast.kind == DENSE and fast.nbytes == new.size
+    new, base = pair(300_000, 2, 0.03)
+    fast = encode(new, base, 2, allow=frozenset({PACKED, SPARSE}), packed_below=1 / 16)
+    assert fast is not None and fast.kind == PACKED
+    roundtrip(new, base, 2, fast)
     new, base = pair(300_000, 2, 0.3, lowbits=False)
     rng = np.random.default_rng(1)
     new.view(np.uint16)[new.view(np.uint16) != base.view(np.uint16)] = rng.integers(
@@ -240,7 +248,6 @@ def test_bad_arguments() -> None:
         decode_into(enc.kind, enc.payload, overlap[:2000], 2, overlap[10:2010])
     assert max_payload(1 << 20, 2) == 1 << 20
     assert frozenset({DENSE, SPARSE, PLANES, PACKED}) == ALL
-
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])

@@ -263,13 +263,6 @@ def test_broadcast_every_dtype_round_trip_and_delta_rounds(broadcast: list[Any])
         assert sorted(rounds[4]["calls"][0]) == sorted(set(bc_model()) - set(rounds[0]["missing"]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an empty tensor (shape (0, 2)) has no piece in the schedule, so WeightReceiver.pull "
-    "never lists it in the changed wants and load_weights never receives it: a receiver that "
-    "wants everything cannot complete a ModuleAdapter coverage for a model with an empty "
-    "parameter (the broadcast engine handed it over in the first round)",
-)
 def test_broadcast_hands_every_tensor_to_load_weights_in_the_first_round(
     broadcast: list[Any],
 ) -> None:
@@ -460,9 +453,9 @@ def _bad_input_trainer(ports: list[int], marks: str) -> dict[str, Any]:
         sender = sync.WeightSender(group, bucket_bytes=4096)
         if phase == "gloo-slow-vote":
 
-            def slow_vote(self: SyncGroup, seq: int, reason: str | None) -> str | None:
+            def slow_vote(self: SyncGroup, seq: int, *args: Any, **kw: Any) -> str | None:
                 time.sleep(0.3)
-                return real_vote(self, seq, reason)
+                return real_vote(self, seq, *args, **kw)
 
             SyncGroup.vote = slow_vote  # type: ignore[method-assign]
         out: list[Any] = []
@@ -551,29 +544,12 @@ def test_bad_sender_input_aborts_every_rank_and_the_next_round_works(
     _check_bad_input(bad_input, "gloo")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sender that failed packing raises SyncError with the vote's first abort reason "
-    "(WeightSender.push: 'not committed: {reason}'), not its own failure: when a receiver's "
-    "abort key lands first (it only saw the stub), the trainer's message is 'rank 1: rank 0 "
-    "aborted the round (its error is raised there)' and the packing error (the bad input) "
-    "appears on no rank",
-)
 def test_failing_sender_names_its_own_error(bad_input: list[Any]) -> None:
     _check_bad_input(bad_input, "gloo-slow-vote")
     _, message = bad_input[0]["gloo-slow-vote"][0]
     assert "failed packing bucket 0" in message and "meta" in message, message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SyncGroup.vote returns as soon as the abort key is set, without waiting for every "
-    "rank's vote, so after a failed round the trainer starts the next one at once and, on shm "
-    "links, publishes it into the slot (ShmLinks.publish: cell = next seq) whose abort stub a "
-    "slower receiver has not copied out yet; that receiver waits in ShmLinks._wait_copy for a "
-    "cell that now names the next round until the group timeout: PeerLostError ('not published "
-    "within 3 s'), a broken group on both ranks, and the next round fails too",
-)
 def test_failed_round_on_shm_does_not_strand_a_slower_receiver(bad_input: list[Any]) -> None:
     _check_bad_input(bad_input, "shm-slow-receiver")
 
@@ -609,14 +585,6 @@ def _non_tensor_receiver(port: int) -> list[Any]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="WeightSender.push([('w', [1.0, 2.0])]) raises AttributeError (\"'list' object has "
-    "no attribute 'shape'\", schedule_decl.held_from called from WeightSender._setup) before the "
-    "declaration exchange: not a SyncError, and nothing tells the receivers, which wait in "
-    "SyncGroup.exchange until the group timeout (SyncTimeoutError) and are left broken, so the "
-    "next round fails too",
-)
 def test_non_tensor_sender_input_aborts_every_rank_with_a_typed_error() -> None:
     port = free_port()
     outs = spawn(
@@ -629,6 +597,86 @@ def test_non_tensor_sender_input_aborts_every_rank_with_a_typed_error() -> None:
     assert "(name: str, tensor)" in trainer[0][1] or "tensor" in trainer[0][1]
     assert receiver[0] is not None and receiver[0][0] == "RoundAbortedError", receiver[0]
     assert trainer[1] is None and receiver[1] is None and receiver[2] == 1
+
+
+INTO_LINKS = ("gloo", "shm")
+INTO_TIMEOUT = 20.0
+
+
+def _into_trainer(ports: list[int]) -> dict[str, Any]:
+    from deltackpt import sync
+
+    res = {}
+    for links, port in zip(INTO_LINKS, ports, strict=True):
+        group = _group(port, 0, 3, [0], links, timeout=INTO_TIMEOUT)
+        sender = sync.WeightSender(group, bucket_bytes=4096)
+        out: list[Any] = []
+        for _ in range(2):  # the first setup fails on rank 2; the retry commits
+            t0 = time.monotonic()
+            try:
+                out.append(("ok", sender.push({"w": torch.arange(4.0)}, version=1).version))
+            except sync.SyncError as e:
+                out.append(_err(e))
+            out.append(time.monotonic() - t0)
+        group.pg.barrier().wait()
+        group.close()
+        res[links] = out
+    return res
+
+
+def _into_receiver(rank: int, ports: list[int]) -> dict[str, Any]:
+    from deltackpt import sync
+
+    res = {}
+    for links, port in zip(INTO_LINKS, ports, strict=True):
+        group = _group(port, rank, 3, [0], links, timeout=INTO_TIMEOUT)
+        out: list[Any] = []
+        for attempt in range(2):
+            # rank 2 first passes a parameter of the wrong shape, then the right one
+            into = torch.zeros(3 if rank == 2 and attempt == 0 else 4)
+            receiver = sync.WeightReceiver(group, [sync.Want("w", into=into)], bucket_bytes=4096)
+            t0 = time.monotonic()
+            try:
+                receiver.pull()
+                out.append(None)
+            except sync.SyncError as e:
+                out.append(_err(e))
+            out.append((time.monotonic() - t0, receiver.version, into.tolist()))
+        group.pg.barrier().wait()
+        group.close()
+        res[links] = out
+    return res
+
+
+@pytest.fixture(scope="module")
+def wrong_into() -> list[Any]:
+    ports = [free_port() for _ in INTO_LINKS]
+    targets: list[Any] = [(_into_trainer, (ports,))]
+    targets += [(_into_receiver, (r, ports)) for r in (1, 2)]
+    return [o.unwrap() for o in spawn(targets, timeout=90, fast_exit=True)]
+
+
+@pytest.mark.parametrize("links", INTO_LINKS)
+def test_receiver_with_a_wrong_into_shape_fails_every_rank_fast(
+    wrong_into: list[Any], links: str
+) -> None:
+    """A receiver whose ``Want.into`` does not fit its box fails the setup with PlanError; the
+    trainer and the other receiver, which had finished their part of the setup, get a typed
+    error at once (not the group timeout), and the next attempt plans and commits."""
+    trainer, good, bad = (o[links] for o in wrong_into)
+    name, message = bad[0]
+    assert name == "PlanError" and "into has shape [3]" in message, (name, message)
+    for who, (name, message), seconds in (
+        ("trainer", trainer[0], trainer[1]),
+        ("receiver 1", good[0], good[1][0]),
+    ):
+        assert name == "RoundAbortedError", (who, name, message)
+        assert "rank 2" in message and "into has shape [3]" in message, (who, message)
+        assert seconds < INTO_TIMEOUT / 4, (who, seconds)
+    assert good[1][1:] == (None, [0.0] * 4) and bad[1][1:] == (None, [0.0] * 3)
+    assert trainer[2] == ("ok", 1)
+    for rec in (good, bad):
+        assert rec[2] is None and rec[3][1:] == (1, [0.0, 1.0, 2.0, 3.0])
 
 
 def _halves(rank: int, state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -712,14 +760,6 @@ def test_senders_must_agree_on_version_sharded(versions: list[Any]) -> None:
     _check_versions(versions, "sharded")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with replicated tensors the schedule takes every piece from one holder (trainer 0), "
-    "so trainer 1 has no link to the receiver and its version 6 is never compared: the round "
-    "commits as version 5 on the receiver and trainer 0 while trainer 1 reports version 6 "
-    "(versions are only compared by receivers, from bucket headers: receiver.py pull, "
-    "'senders sent different versions')",
-)
 def test_senders_must_agree_on_version_replicated(versions: list[Any]) -> None:
     _check_versions(versions, "replicated")
 
@@ -874,8 +914,8 @@ def _after_receiver(port: int) -> list[dict[str, Any]]:
     window: Window | None = None
     real_vote, real_wait = SyncGroup.vote, ShmLinks._wait_copy
 
-    def vote_then_write(self: SyncGroup, seq: int, reason: str | None) -> str | None:
-        out = real_vote(self, seq, reason)
+    def vote_then_write(self: SyncGroup, seq: int, *args: Any, **kw: Any) -> str | None:
+        out = real_vote(self, seq, *args, **kw)
         assert window is not None
         window.flip()  # every slot, after the round was verified and voted
         return out
@@ -1044,15 +1084,6 @@ def test_window_written_while_the_sender_packs_is_detected(packing: list[Any]) -
     _check_packing(packing, "nocast")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on shm links the sender packs straight into the link window, and wire.pack's cast / "
-    "strided path hashes each chunk from the destination after copy_into (h.update(out[pos:pos "
-    "+ n]) in deltackpt/sync/wire.py), i.e. from the shared window, not from its own memory: "
-    "a write landing between the copy and the hash is hashed as if the trainer sent it, the "
-    "receiver verifies it and load_weights gets bytes the trainer never sent (docs/sync.md, "
-    "Untrusted shared memory, promises the sender never hashes from the window)",
-)
 def test_window_written_while_the_sender_casts_is_detected(packing: list[Any]) -> None:
     _check_packing(packing, "cast")
 

@@ -116,3 +116,36 @@ def test_direct_tags_are_distinct_from_bucket_tags() -> None:
     }
     assert len(tags) == 9
     assert min(tags) >= 1 << 30 and max(tags) < 1 << 31  # above every bucket index, an int32
+
+
+@pytest.mark.parametrize(
+    ("src", "dt"),
+    [
+        (torch.randn(300, 1000), torch.bfloat16),  # a cast, several chunks
+        (torch.randn(64, 40).t(), torch.float32),  # strided, no cast
+        (torch.tensor(1.5), torch.float16),  # a scalar
+        (torch.zeros(0, 2), torch.float16),  # empty
+    ],
+)
+def test_pack_digest_names_the_bytes_meant_for_dst(
+    src: torch.Tensor, dt: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways of packing a cast or strided piece write the same bytes and return the digest
+    ``hash_piece`` computes; through the scratch (``shared``, a link window) a write into
+    ``dst`` right after each copy is not in the digest."""
+    want = src.to(dt).contiguous().reshape(-1).view(torch.uint8)
+    scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
+    expect = wire.hash_piece(src, dt, scratch)
+    for shared in (True, False):
+        dst = torch.empty(want.numel(), dtype=torch.uint8)
+        assert wire.pack(src, dst, dt, None, scratch, shared=shared) == expect
+        assert torch.equal(dst, want)
+    real = wire.copy_into
+
+    def copy_then_write(d: torch.Tensor, s: torch.Tensor) -> None:
+        real(d, s)
+        d.view(-1).view(torch.uint8)[0] ^= 0xFF  # another process writes the window
+
+    monkeypatch.setattr(wire, "copy_into", copy_then_write)
+    dst = torch.empty(want.numel(), dtype=torch.uint8)
+    assert wire.pack(src, dst, dt, None, scratch) == expect
