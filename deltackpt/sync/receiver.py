@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from deltackpt.sync import patches, wire
+from deltackpt.sync.apply import Staged, apply_round
 from deltackpt.sync.dtypes import DtypeSpec, wire_dtype, wire_name
 from deltackpt.sync.errors import (
     DigestMismatchError,
@@ -54,7 +55,6 @@ __all__ = ["Want", "WeightReceiver"]
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 # a verified bucket: its slot, piece offsets and flags
-_Staged = tuple[LinkBucket, torch.Tensor, list[int | None], list[int]]
 
 
 @dataclass
@@ -218,7 +218,7 @@ class WeightReceiver:
             raise RoundAbortedError(
                 f"rank {g.rank}: round not committed: {why}; version stays {self.version}"
             )
-        changed = self._apply(sched, st.staged)
+        changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool)
         npieces = sum(len(b.pieces) for b in self._buckets)
         present = sum(sum(o is not None for o in offs) for _, _, offs, _ in st.staged)
         if present == npieces:  # a full round hands over every want, those without bytes too
@@ -384,37 +384,6 @@ class WeightReceiver:
                 )
         return None
 
-    def _apply(self, sched: Schedule, staged: list[_Staged]) -> set[int]:
-        """Copy every staged piece into its target tensor; returns the wants touched. The
-        copies run on ``apply_threads`` threads (a copy releases the GIL): after the vote the
-        senders are idle, so this rank may use the cores they used."""
-        boxes = sched.wanted[self.group.rank]
-        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        changed: set[int] = set()
-        for bk, slot, offsets, _ in staged:
-            for p, off in zip(bk.pieces, offsets, strict=True):
-                if off is None:
-                    continue
-                dt = wire_dtype(p.dtype)
-                src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
-                jobs.append((self._targets[p.want][p.box.within(boxes[p.want][2])], src))
-                changed.add(p.want)
-        if self._pool is None or len(jobs) < 2:
-            _copy_all(jobs)
-        else:  # split into runs of about equal bytes, one per thread
-            n = self._pool._max_workers  # type: ignore[attr-defined]
-            total = sum(src.numel() * src.element_size() for _, src in jobs)
-            runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
-            acc = 0
-            for dst, src in jobs:
-                if acc >= total * len(runs) / n and len(runs) < n:
-                    runs.append([])
-                runs[-1].append((dst, src))
-                acc += src.numel() * src.element_size()
-            for f in [self._pool.submit(_copy_all, r) for r in runs]:
-                f.result()
-        return changed
-
 
 @dataclass
 class _Round:
@@ -428,7 +397,7 @@ class _Round:
     wire_bytes: int = 0
     patched: int = 0
     versions: set[int] = field(default_factory=set)
-    staged: list[_Staged] = field(default_factory=list)
+    staged: list[Staged] = field(default_factory=list)
     per_link: dict[int, int] = field(default_factory=dict)
 
     def fail(self, why: str) -> None:
@@ -446,9 +415,3 @@ class _Arrived:
     header: wire.Header | None = None
     offsets: list[int | None] = field(default_factory=list)
     works: list[Any] = field(default_factory=list)
-
-
-def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for dst, src in jobs:
-            wire.copy_into(dst, src)

@@ -32,32 +32,35 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from deltackpt.sync import wire
-from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
+from deltackpt.sync import delta_codec, wire
+from deltackpt.sync.detect import DETECTS, Detector
+from deltackpt.sync.dtypes import DtypeSpec
 from deltackpt.sync.errors import PeerLostError, PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line
-from deltackpt.sync.patches import Bases, base_key
+from deltackpt.sync.packer import Packed, Packer
+from deltackpt.sync.patches import Bases
 from deltackpt.sync.rounds import (
     RoundStats,
     link_slots,
     message_bytes,
-    payload_start,
     setup_schedule,
 )
-from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
+from deltackpt.sync.schedule import LinkBucket, Schedule
 from deltackpt.sync.schedule_decl import Decl, Held, held_from
 
 __all__ = ["WeightSender"]
 
 _RING = 3
-# encode= -> the link kind whose changed pieces go as patches ("patch": every link, "dense":
-# none); "auto" patches gloo links and sends whole pieces on shared memory, where a copy is
-# faster than any encoder on this machine (measured: docs/sync.md, Delta rounds)
-ENCODES = {"auto": "gloo", "patch": "*", "dense": ""}
+# encode= -> (the link kind whose changed pieces go as patches, what a patch may be: kinds
+# and the share of changed elements up to which the list of changes is tried). "auto" patches
+# gloo links with the list of changes only when at most 1/16 of a piece changed (measured:
+# encoding more costs more time than the link saves on this machine) and sends whole pieces on
+# shared memory, where a copy beats any encoder; "patch" patches every link with the smallest
+# payload (zstd planes included); "dense" never patches. docs/sync.md, "Which links patch".
+_FAST = (frozenset({delta_codec.PACKED, delta_codec.SPARSE}), 1 / 16)
+_SMALL = (delta_codec.ALL, delta_codec.PACKED_BELOW)
+ENCODES = {"auto": ("gloo", _FAST), "patch": ("*", _SMALL), "dense": ("", _SMALL)}
 _ABORT_CHECK = 0.05  # seconds between looks at the abort key while sending
-
-# message bytes, digests, payload bytes, zero-copy pieces (flat bytes of the source, tag)
-Packed = tuple[int, list[tuple[int, int] | None], int, list[tuple[torch.Tensor, int]]]
 
 
 class WeightSender:
@@ -86,23 +89,19 @@ class WeightSender:
     ) -> None:
         if group.rank not in group.trainers:
             raise SyncError(f"rank {group.rank} is not a trainer of the group; use WeightReceiver")
-        if detect not in ("hash", "version"):
+        if detect not in DETECTS:
             raise SyncError(f"detect={detect!r}: choose 'hash' or 'version'")
         if encode not in ENCODES:
             raise SyncError(f"encode={encode!r}: choose one of {sorted(ENCODES)}")
         if full_every is not None and int(full_every) < 1:
             raise SyncError(f"full_every={full_every!r}: pass a number of rounds >= 1, or None")
-        self.detect = detect
+        self._detector = Detector(detect)
         self.dtype = dtype
         self.encode = encode
         self.full_every = None if full_every is None else int(full_every)
         self._since_full = 0
         self._bases = Bases()
-        self._patch_links: set[int] = set()
         self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
-        # name -> (data_ptr, _version, the tensor: keeps its memory from being reused)
-        self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
-        self._round_vers: dict[str, tuple[int, int, torch.Tensor]] = {}
         self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
         self.version: int | None = None
         self.schedule: Schedule | None = None
@@ -112,13 +111,21 @@ class WeightSender:
         self._boxes: dict[str, Held] = {}
         self._buckets: list[LinkBucket] = []
         self._ring: list[torch.Tensor] = []
-        self._committed: dict[tuple[int, int, int], tuple[int, int]] = {}
-        # name -> digest of the local tensor's raw bytes at the last commit, and this round's
-        # (see _changed): one in-place pass per contiguous source tensor per delta round
-        self._tcommitted: dict[str, tuple[int, int]] = {}
-        self._tround: dict[str, tuple[int, int] | None] = {}
         self._dirty = True
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mxn-pack")
+        self._packer = Packer(group, self.align, self.zero_copy_min, self._detector, self._bases)
+
+    @property
+    def detect(self) -> str:
+        """``"hash"`` or ``"version"`` (see :mod:`deltackpt.sync.detect`); may change between
+        rounds."""
+        return self._detector.mode
+
+    @detect.setter
+    def detect(self, mode: str) -> None:
+        if mode not in DETECTS:
+            raise SyncError(f"detect={mode!r}: choose 'hash' or 'version'")
+        self._detector.mode = mode
 
     def _setup(self, named_tensors: Mapping[str, torch.Tensor] | Iterable) -> None:
         if self.schedule is not None and self._epoch == self.group.epoch:
@@ -153,8 +160,7 @@ class WeightSender:
         )
         size = max((message_bytes(b, self.align) for b in self._buckets), default=0)
         self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(_RING)]
-        self._committed.clear()
-        self._tcommitted.clear()
+        self._detector.clear()
         self._bases.clear()
         self._dirty = True
         self._epoch = g.epoch
@@ -179,19 +185,16 @@ class WeightSender:
         full = full or self._dirty or anchor
         self._dirty = True
         self._bases.start_round()
-        patch_links = (
-            {r for r in sched.receivers if ENCODES[self.encode] in ("*", g.links)}
-            if self.encode in ENCODES
-            else set()
-        )
-        if patch_links != self._patch_links:  # bases of links that stopped patching go stale
-            self._bases.clear()
-            self._patch_links = patch_links
+        kind, (self._bases.allow, self._bases.packed_below) = ENCODES[self.encode]
+        patch_links = {r for r in sched.receivers if kind in ("*", g.links)}
+        if patch_links != self._packer.patch_links:  # bases of links that stopped patching
+            self._bases.clear()  # go stale
+            self._packer.patch_links = patch_links
+        self._packer.local, self._packer.boxes = self._local, self._boxes
+        self._packer.base_version = self.version
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
-        self._tround = {}
-        if self.detect == "version":  # before reading anything: a later write shows next round
-            self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in self._local.items()}
+        self._detector.start_round(self._local)
         failure, cause, lost, wire_bytes, sent, zero_copy = self._send_all(
             sched, seq, int(version), full, digests, per_link
         )
@@ -221,18 +224,9 @@ class WeightSender:
                 f"rank {g.rank}: round {version} was not committed: {reason}; the receivers "
                 f"keep version {self.version}, the next push is a full round"
             )
-        if full:
-            self._committed.clear()
-            self._tcommitted.clear()
         self._bases.commit()
         self._since_full = 0 if full else self._since_full + 1
-        self._committed.update(digests)
-        for n, d in self._tround.items():  # None: not known now (do not keep an old one)
-            if d is None:
-                self._tcommitted.pop(n, None)
-            else:
-                self._tcommitted[n] = d
-        self._vers = self._round_vers if self.detect == "version" else {}
+        self._detector.commit(full, digests)
         self._dirty = False
         self.version = int(version)
         payload = sum(per_link.values())
@@ -299,11 +293,11 @@ class WeightSender:
             if not full and self._untouched(sched, bk):  # a header only: no thread hand-off
                 done: Future[Packed] = Future()
                 try:
-                    done.set_result(self._pack(*args))
+                    done.set_result(self._packer.message(*args))
                 except Exception as e:
                     done.set_exception(e)
                 return done
-            return self._pool.submit(self._pack, *args)
+            return self._pool.submit(self._packer.message, *args)
 
         fut = submit(0)
         for i, bk in enumerate(self._buckets):
@@ -369,188 +363,11 @@ class WeightSender:
         lost = lost or drained
         return failure, cause, lost, wire_bytes, len(self._buckets), zero_copy_bytes
 
-    def _pack(
-        self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
-    ) -> Packed:
-        """Fill ``buf`` with the message of ``bk``: changed (or all) pieces, then the header;
-        zero-copy pieces are hashed in place and returned to be sent on their own."""
-        srcs: list[tuple[torch.Tensor, torch.dtype] | None] = []
-        flags: list[int] = []
-        # shm: buf is the link window, writable by other processes; else this rank's ring
-        shared = self.group.window(bk.receiver, bk.index) is not None
-        zero_copy = (
-            self.zero_copy_min is not None and not shared and bk.index < wire.MAX_DIRECT_BUCKETS
-        )
-        ndirect = 0
-        scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
-        for k, p in enumerate(bk.pieces):
-            name = sched.tensors[p.tensor].name
-            src = self._local[name][p.box.within(self._boxes[name].box)]
-            dt = wire_dtype(p.dtype)
-            if not full and not self._piece_changed(
-                name, (bk.receiver, bk.index, k), src, dt, scratch
-            ):
-                srcs.append(None)
-                flags.append(0)
-                continue
-            direct = (
-                zero_copy
-                and p.nbytes >= max(1, self.zero_copy_min or 0)
-                and ndirect < wire.MAX_DIRECT
-                and src.dtype == dt
-                and src.device.type == "cpu"
-                and src.is_contiguous()
-            )
-            ndirect += direct
-            srcs.append((src, dt))
-            flags.append(wire.DIRECT if direct else wire.IN_MESSAGE)
-        patching = not full and self._patching(sched, bk)
-        if patching:  # patches and zero-copy pieces never share a message (patches.expand)
-            flags = [wire.IN_MESSAGE if f else 0 for f in flags]
-        start = payload_start(bk, self.align)
-        heads: list[wire.Piece | None] = [None] * len(bk.pieces)
-        sends: list[tuple[torch.Tensor, int]] = []
-        pos = start
-        for want in (wire.IN_MESSAGE, wire.DIRECT):  # the order of wire.layout
-            if want == wire.DIRECT:
-                msg_end = pos
-            for k, (p, sd) in enumerate(zip(bk.pieces, srcs, strict=True)):
-                if sd is None or flags[k] != want:
-                    continue
-                src, dt = sd
-                name = sched.tensors[p.tensor].name
-                whole = p.box == self._boxes[name].box and dt == self._local[name].dtype
-                # the piece is the whole local tensor, same bytes: a digest taken of it this
-                # round (change detection) is the piece's; no second read of the tensor
-                known = None if full or not whole else self._tround.get(name)
-                pos = -(-pos // self.align) * self.align
-                kind, length = wire.RAW, p.nbytes
-                if want == wire.DIRECT:
-                    d = known or wire.hash_piece(src, dt, scratch)  # contiguous, no cast: in place
-                    sends.append(
-                        (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
-                    )
-                else:
-                    room = buf[pos : pos + p.nbytes]
-                    got = self._pack_piece(p, src, dt, room, known, patching, scratch, shared)
-                    if got is None:  # no byte of it changed since the last commit
-                        continue
-                    d, kind, length = got
-                if full and whole:
-                    self._tround.setdefault(name, d)
-                if self._keeps_base(sched, bk, p):
-                    self._bases.sent(base_key(p), src, dt)
-                heads[k] = wire.Piece(want, kind, length, d)
-                pos += length
-        patched = any(h is not None and h.kind != wire.RAW for h in heads)
-        wire.write_header(
-            buf,
-            seq,
-            version,
-            bk.index,
-            wire.OK,
-            heads,
-            pos - start,
-            self.version if patched else None,
-        )
-        present = [None if h is None else h.digest for h in heads]
-        payload = sum(h.length for h in heads if h is not None)
-        return msg_end, present, payload, sends
-
-    def _pack_piece(
-        self,
-        p: Transfer,
-        src: torch.Tensor,
-        dt: torch.dtype,
-        dst: torch.Tensor,
-        known: tuple[int, int] | None,
-        patching: bool,
-        scratch: torch.Tensor,
-        shared: bool,
-    ) -> tuple[tuple[int, int], int, int] | None:
-        """Write piece ``p`` into ``dst`` (its whole room in the message): as a patch against
-        its base when that is smaller, else raw. Returns (digest of the new bytes, kind,
-        payload length), or None when the piece equals its base. A contiguous source in the
-        wire dtype is compared and hashed where it lies; others are packed (cast) first, hashed
-        from this rank's memory (``shared``: ``dst`` is a shared-memory window; ``wire.pack``)."""
-        key = base_key(p)
-        if not (patching and self._bases.has(key)):
-            return wire.pack(src, dst, dt, known, scratch, shared=shared), wire.RAW, p.nbytes
-        in_place = src.dtype == dt and src.is_contiguous() and src.device.type == "cpu"
-        if in_place:
-            new = src.reshape(-1).view(torch.uint8)
-            d = known or wire.hash_tensor(src)
-        else:
-            new, d = dst, wire.pack(src, dst, dt, known, scratch, shared=shared)
-        patch = self._bases.encode(key, new, dt.itemsize)
-        if patch is not None and patch[0] == 0:
-            return None
-        if patch is None:  # raw is smaller
-            if in_place:
-                wire.pack(src, dst, dt, d)
-            return d, wire.RAW, p.nbytes
-        dst[: patch[1].size].copy_(torch.from_numpy(patch[1]))
-        return d, patch[0], patch[1].size
-
-    def _patching(self, sched: Schedule, bk: LinkBucket) -> bool:
-        """Whether changed pieces of ``bk`` may go as patches: the link patches (``encode``)
-        and the receivers committed this sender's last version."""
-        return self.version is not None and bk.receiver in self._patch_links
-
-    def _keeps_base(self, sched: Schedule, bk: LinkBucket, p: Transfer) -> bool:
-        """Whether piece ``p`` needs a base: its link patches and its receiver holds the
-        piece in the wire dtype (``Want.patch``)."""
-        return bk.receiver in self._patch_links and sched.wanted[bk.receiver][p.want][0].patch
-
-    def _piece_changed(
-        self,
-        name: str,
-        key: tuple[int, int, int],
-        src: torch.Tensor,
-        dt: torch.dtype,
-        scratch: torch.Tensor,
-    ) -> bool:
-        """Whether a piece must be sent in a delta round (see ``detect``)."""
-        changed = self._moved(name, key)
-        if changed:  # sent unhashed: no digest of the tensor this round
-            self._tround[name] = None
-        if changed is None:
-            changed = self._changed(name, key)
-        if changed is None:  # no digest of the whole tensor to compare: this piece's
-            changed = wire.hash_piece(src, dt, scratch) != self._committed.get(key)
-        return changed
-
     def _untouched(self, sched: Schedule, bk: LinkBucket) -> bool:
         """``detect="version"``: no tensor of this bucket was written since the last commit,
         so its message is a header only (packed on the calling thread: handing such a bucket to
         the packing thread cost more than packing it, with both threads wanting the GIL)."""
         return all(
-            self._moved(sched.tensors[p.tensor].name, (bk.receiver, bk.index, k)) is False
+            self._detector.moved(sched.tensors[p.tensor].name, (bk.receiver, bk.index, k)) is False
             for k, p in enumerate(bk.pieces)
         )
-
-    def _moved(self, name: str, key: tuple[int, int, int]) -> bool | None:
-        """``detect="version"``: whether tensor ``name`` was written through torch (storage or
-        in-place version counter changed) since the last commit; None when that cannot tell
-        (hash detection, or piece ``key`` / the tensor not seen at a commit yet)."""
-        if self.detect != "version" or key not in self._committed or name not in self._vers:
-            return None
-        return self._vers[name][:2] != self._round_vers[name][:2]
-
-    def _changed(self, name: str, key: tuple[int, int, int]) -> bool | None:
-        """Whether tensor ``name`` changed since the last committed round, from one in-place
-        hash of its local bytes per round; None when that cannot tell (no digest of it was
-        committed yet, or its local tensor is not contiguous): then the piece is hashed.
-
-        Hashing the whole local tensor once reads every source byte once, in place, whatever
-        the pieces are (column slices of a row shard would each be hashed through a scratch
-        copy, row by row); the price is that a tensor that changed anywhere sends all its
-        pieces."""
-        if name not in self._tround:
-            t = self._local[name]
-            self._tround[name] = wire.hash_tensor(t) if t.is_contiguous() else None
-        now = self._tround[name]
-        before = self._tcommitted.get(name)
-        if now is None or before is None or key not in self._committed:
-            return None
-        return now != before

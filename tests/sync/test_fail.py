@@ -53,13 +53,13 @@ def _die_at(cls: Any, method: str, call: int) -> None:
 
 def _trainer(rank: int, port: int, port2: int, victim: int | None) -> dict[str, Any]:
     from deltackpt import sync
-    from deltackpt.sync import sender as sender_mod
+    from deltackpt.sync import packer as packer_mod
 
     group = sync.SyncGroup("127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
     sender = sync.WeightSender(group, bucket_bytes=BUCKET, zero_copy_min=0)
     sender.push(_shards(rank, 1), version=1)
     if victim == rank:
-        _die_at(sender_mod.WeightSender, "_pack", 2)  # 2 buckets: dies mid-round
+        _die_at(packer_mod.Packer, "message", 2)  # 2 buckets: dies mid-round
     out: dict[str, Any] = {}
     t0 = time.monotonic()
     try:

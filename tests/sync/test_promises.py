@@ -1152,12 +1152,12 @@ def kill_state(v: int) -> dict[str, torch.Tensor]:
 
 def _kill_trainer(port: int) -> None:
     from deltackpt import sync
-    from deltackpt.sync import sender as sender_mod
+    from deltackpt.sync import packer as packer_mod
 
     group = _group(port, 0, KILL_WORLD, [0], "shm")
     sender = sync.WeightSender(group, bucket_bytes=2048)
     sender.push(kill_state(1), version=1)
-    pack = sender_mod.WeightSender._pack
+    pack = packer_mod.Packer.message
     count = [0]
 
     def dying(*args: Any, **kw: Any) -> Any:
@@ -1166,7 +1166,7 @@ def _kill_trainer(port: int) -> None:
             os._exit(17)
         return pack(*args, **kw)
 
-    sender_mod.WeightSender._pack = dying  # type: ignore[method-assign]
+    packer_mod.Packer.message = dying  # type: ignore[method-assign]
     sender.push(kill_state(2), version=2, full=True)
     raise AssertionError("unreachable: the sender should have died")
 

@@ -1,0 +1,179 @@
+"""One bucket message of a trainer: which pieces go, raw or as patches, and the header that
+names them. :class:`Packer` runs on the sender's packing thread (and, for buckets with nothing
+to send, its calling thread); :class:`~deltackpt.sync.sender.WeightSender` owns it and sets
+its per-round state (the local tensors, the committed version patches apply to).
+
+A piece that changed goes in one of three ways: zero-copy (gloo, large, contiguous, no cast:
+sent from the tensor as its own message), raw (copied, cast, hashed chunk by chunk from this
+rank's memory), or as a patch against the base the sender keeps (``patches.Bases``) when that
+is smaller; a message with patches carries no zero-copy piece (``patches.expand`` relies on
+it). The digest in the header is always that of the piece's new bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltackpt.sync import wire
+from deltackpt.sync.detect import Detector
+from deltackpt.sync.dtypes import wire_dtype
+from deltackpt.sync.group import SyncGroup
+from deltackpt.sync.patches import Bases, base_key
+from deltackpt.sync.rounds import payload_start
+from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
+from deltackpt.sync.schedule_decl import Held
+
+__all__ = ["Packed", "Packer"]
+
+# message bytes, digests, payload bytes, zero-copy pieces (flat bytes of the source, tag)
+Packed = tuple[int, list[tuple[int, int] | None], int, list[tuple[torch.Tensor, int]]]
+
+
+@dataclass
+class Packer:
+    """Fills bucket messages of one trainer rank (see module doc)."""
+
+    group: SyncGroup
+    align: int
+    zero_copy_min: int | None
+    detector: Detector
+    bases: Bases
+    patch_links: set[int] = field(default_factory=set)
+    local: dict[str, torch.Tensor] = field(default_factory=dict)
+    boxes: dict[str, Held] = field(default_factory=dict)
+    base_version: int | None = None  # the version the receivers hold (patches apply to it)
+
+    def message(
+        self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
+    ) -> Packed:
+        """Fill ``buf`` with the message of ``bk``: changed (or all) pieces, then the header;
+        zero-copy pieces are hashed in place and returned to be sent on their own."""
+        srcs: list[tuple[torch.Tensor, torch.dtype] | None] = []
+        flags: list[int] = []
+        # shm: buf is the link window, writable by other processes; else this rank's ring
+        shared = self.group.window(bk.receiver, bk.index) is not None
+        zero_copy = (
+            self.zero_copy_min is not None and not shared and bk.index < wire.MAX_DIRECT_BUCKETS
+        )
+        ndirect = 0
+        scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
+        for k, p in enumerate(bk.pieces):
+            name = sched.tensors[p.tensor].name
+            src = self.local[name][p.box.within(self.boxes[name].box)]
+            dt = wire_dtype(p.dtype)
+            if not full and not self.detector.piece_changed(
+                name, (bk.receiver, bk.index, k), src, dt, scratch
+            ):
+                srcs.append(None)
+                flags.append(0)
+                continue
+            direct = (
+                zero_copy
+                and p.nbytes >= max(1, self.zero_copy_min or 0)
+                and ndirect < wire.MAX_DIRECT
+                and src.dtype == dt
+                and src.device.type == "cpu"
+                and src.is_contiguous()
+            )
+            ndirect += direct
+            srcs.append((src, dt))
+            flags.append(wire.DIRECT if direct else wire.IN_MESSAGE)
+        patching = not full and self._patching(sched, bk)
+        if patching:  # patches and zero-copy pieces never share a message (patches.expand)
+            flags = [wire.IN_MESSAGE if f else 0 for f in flags]
+        start = payload_start(bk, self.align)
+        heads: list[wire.Piece | None] = [None] * len(bk.pieces)
+        sends: list[tuple[torch.Tensor, int]] = []
+        pos = start
+        for want in (wire.IN_MESSAGE, wire.DIRECT):  # the order of wire.layout
+            if want == wire.DIRECT:
+                msg_end = pos
+            for k, (p, sd) in enumerate(zip(bk.pieces, srcs, strict=True)):
+                if sd is None or flags[k] != want:
+                    continue
+                src, dt = sd
+                name = sched.tensors[p.tensor].name
+                whole = p.box == self.boxes[name].box and dt == self.local[name].dtype
+                # the piece is the whole local tensor, same bytes: a digest taken of it this
+                # round (change detection) is the piece's; no second read of the tensor
+                known = None if full or not whole else self.detector.known(name)
+                pos = -(-pos // self.align) * self.align
+                kind, length = wire.RAW, p.nbytes
+                if want == wire.DIRECT:
+                    d = known or wire.hash_piece(src, dt, scratch)  # contiguous, no cast: in place
+                    sends.append(
+                        (src.reshape(-1).view(torch.uint8), wire.direct_tag(bk.index, len(sends)))
+                    )
+                else:
+                    room = buf[pos : pos + p.nbytes]
+                    got = self._piece(p, src, dt, room, known, patching, scratch, shared)
+                    if got is None:  # no byte of it changed since the last commit
+                        continue
+                    d, kind, length = got
+                if full and whole:
+                    self.detector.record(name, d)
+                if self._keeps_base(sched, bk, p):
+                    self.bases.sent(base_key(p), src, dt)
+                heads[k] = wire.Piece(want, kind, length, d)
+                pos += length
+        patched = any(h is not None and h.kind != wire.RAW for h in heads)
+        wire.write_header(
+            buf,
+            seq,
+            version,
+            bk.index,
+            wire.OK,
+            heads,
+            pos - start,
+            self.base_version if patched else None,
+        )
+        present = [None if h is None else h.digest for h in heads]
+        payload = sum(h.length for h in heads if h is not None)
+        return msg_end, present, payload, sends
+
+    def _piece(
+        self,
+        p: Transfer,
+        src: torch.Tensor,
+        dt: torch.dtype,
+        dst: torch.Tensor,
+        known: tuple[int, int] | None,
+        patching: bool,
+        scratch: torch.Tensor,
+        shared: bool,
+    ) -> tuple[tuple[int, int], int, int] | None:
+        """Write piece ``p`` into ``dst`` (its whole room in the message): as a patch against
+        its base when that is smaller, else raw. Returns (digest of the new bytes, kind,
+        payload length), or None when the piece equals its base. A contiguous source in the
+        wire dtype is compared and hashed where it lies; others are packed (cast) first, hashed
+        from this rank's memory (``shared``: ``dst`` is a shared-memory window; ``wire.pack``)."""
+        key = base_key(p)
+        if not (patching and self.bases.has(key)):
+            return wire.pack(src, dst, dt, known, scratch, shared=shared), wire.RAW, p.nbytes
+        in_place = src.dtype == dt and src.is_contiguous() and src.device.type == "cpu"
+        if in_place:
+            new = src.reshape(-1).view(torch.uint8)
+            d = known or wire.hash_tensor(src)
+        else:
+            new, d = dst, wire.pack(src, dst, dt, known, scratch, shared=shared)
+        patch = self.bases.encode(key, new, dt.itemsize)
+        if patch is not None and patch[0] == 0:
+            return None
+        if patch is None:  # raw is smaller
+            if in_place:
+                wire.pack(src, dst, dt, d)
+            return d, wire.RAW, p.nbytes
+        dst[: patch[1].size].copy_(torch.from_numpy(patch[1]))
+        return d, patch[0], patch[1].size
+
+    def _patching(self, sched: Schedule, bk: LinkBucket) -> bool:
+        """Whether changed pieces of ``bk`` may go as patches: the link patches (``encode``)
+        and the receivers committed this sender's last version."""
+        return self.base_version is not None and bk.receiver in self.patch_links
+
+    def _keeps_base(self, sched: Schedule, bk: LinkBucket, p: Transfer) -> bool:
+        """Whether piece ``p`` needs a base: its link patches and its receiver holds the
+        piece in the wire dtype (``Want.patch``)."""
+        return bk.receiver in self.patch_links and sched.wanted[bk.receiver][p.want][0].patch
