@@ -27,8 +27,8 @@ from deltackpt import rng as _rng
 from deltackpt.api import async_save, save
 from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
 from deltackpt.format.manifest import Manifest
-from deltackpt.loading.assemble import load_reusing
 from deltackpt.options import default_lock_timeout
+from deltackpt.resume import chosen_by_rank0, restore_state
 from deltackpt.saving.chains import bounded_chains
 from deltackpt.saving.engine import SaveHandle
 from deltackpt.store.lifecycle import _delete, gc
@@ -222,6 +222,10 @@ class Checkpointer:
                 return found[-1]  # manifests() is oldest first (by commit time)
         return None
 
+    def _latest_name(self) -> tuple[str, int] | None:
+        found = self._latest_own()
+        return None if found is None else (found[0].name, found[1])
+
     def _check_state(self, state: Any, what: str) -> None:
         if not isinstance(state, dict):
             raise InvalidArgumentError(
@@ -246,16 +250,23 @@ class Checkpointer:
         restored. Snapshots of older deltackpt versions (``{"step": N}`` metadata and this
         naming, no marker) are restored when no marked one exists. RNG state is put back last;
         anything drawn between this call and the next training step shifts the random stream.
+
+        DTensors (FSDP2 ``fully_shard``, tensor parallelism) are restored in place, each rank
+        reading only its own boxes, from a snapshot of any world size and placements; a fresh
+        optimizer gets its moments as DTensors like its parameters. With a ``process_group``
+        every rank calls this: rank 0 picks the snapshot for all, and if any rank fails every
+        rank raises (:class:`~deltackpt.errors.DistributedError` on the others).
         """
         self._check_state(state, "restore_latest")
-        found = self._latest_own()
+        pg = self.save_options.get("process_group")
+        found = chosen_by_rank0(pg, "Checkpointer.restore_latest", self._latest_name)
         if found is None:
             return 0
-        m, step = found
+        name, step = found
         # In place: the live modules' and optimizers' tensors are read into directly and come
         # back as themselves, so load_state_dict below copies nothing and no second copy of the
         # state is ever held.
-        loaded = load_reusing(self.store, m.name, to_saveable(state))
+        loaded = restore_state(self.store, name, state, to_saveable(state), pg)
         rng_state = loaded.pop(RNG_KEY, None) if isinstance(loaded, dict) else None
         # Validate the RNG state before anything changes; apply it after everything else.
         apply_rng = _rng.prepare(rng_state, RNG_KEY) if self.rng and rng_state is not None else None
@@ -264,7 +275,7 @@ class Checkpointer:
             apply_rng()
         elif self.rng:
             warnings.warn(
-                f"snapshot {m.name!r} holds no RNG state (saved with rng=False or by an older "
+                f"snapshot {name!r} holds no RNG state (saved with rng=False or by an older "
                 "deltackpt), so random draws after this resume differ from an uninterrupted run",
                 RuntimeWarning,
                 stacklevel=2,

@@ -17,7 +17,8 @@ every rank (in a world of one: the original exception, unchanged).
 
 :class:`FileRendezvous` is ``gather`` and ``broadcast`` through JSON objects under the store's
 ``tmp/`` (through its storage), for background threads, which never run collectives: an async
-save's ranks finish there, each waiting at most ``timeout`` seconds for the others.
+save's ranks finish there, each wait ending after the process group's timeout
+(:func:`group_timeout`), the same deadline torch enforces on the collectives.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class Group:
         return self.rank == 0
 
     @property
+    def timeout(self) -> float:
+        """Seconds this rank waits for any peer (the process group's timeout; see
+        :func:`group_timeout`); a world of one waits for nobody."""
+        return group_timeout(self.pg) if self.distributed else float("inf")
+
+    @property
     def key(self) -> int:
         """Names the process group for per-store caches (0: a world of one)."""
         return id(self.pg) if self.distributed else 0
@@ -119,33 +126,40 @@ class FileRendezvous:
     prefix ``where`` of the store's ``storage`` (a directory under ``tmp/``).
 
     Each rank writes ``rank-<r>.json``; rank 0 waits for all of them, then writes
-    ``outcome.json`` for the others. Every wait ends at the same deadline, ``timeout`` seconds
-    after this rank wrote its own file; a rank that missed it is reported as ``None``."""
+    ``outcome.json`` for the others, which first wait for rank 0's own ``rank-0.json`` (rank 0
+    got as far as they did), then for the outcome. Each of these waits ends ``timeout`` seconds
+    (the process group's timeout, :func:`group_timeout`) after it began; a document that did not
+    come by then is reported as ``None`` and its name kept in ``missing``."""
 
     def __init__(self, storage: Storage, where: str, group: Group, timeout: float) -> None:
         self.storage, self.where, self.group, self.timeout = storage, where, group, timeout
-        self.deadline = float("inf")
+        self.missing: str | None = None
 
     def gather(self, doc: dict[str, Any]) -> list[dict[str, Any] | None] | None:
         self._put(f"rank-{self.group.rank}.json", doc)
-        self.deadline = time.monotonic() + self.timeout
         if not self.group.coordinator:
             return None
-        return [self._wait(f"rank-{r}.json") for r in range(self.group.world)]
+        deadline = time.monotonic() + self.timeout  # one deadline for all of them
+        return [
+            doc if r == 0 else self._wait(f"rank-{r}.json", deadline)
+            for r in range(self.group.world)
+        ]
 
     def broadcast(self, doc: dict[str, Any] | None) -> dict[str, Any] | None:
         if self.group.coordinator:
             assert doc is not None
             self._put("outcome.json", doc)
             return doc
-        return self._wait("outcome.json")
+        if self._wait("rank-0.json", time.monotonic() + self.timeout) is None:
+            return None
+        return self._wait("outcome.json", time.monotonic() + self.timeout)
 
     def _put(self, name: str, doc: dict[str, Any]) -> None:
         # atomic and durable: a peer reads all of it or nothing
         self.storage.replace(f"{self.where}/{name}", json.dumps(doc).encode())
 
-    def _wait(self, name: str) -> dict[str, Any] | None:
-        """The document ``name`` once a peer wrote it; None after the deadline."""
+    def _wait(self, name: str, deadline: float) -> dict[str, Any] | None:
+        """The document ``name`` once a peer wrote it; None after ``deadline``."""
         delay = 0.005
         while True:
             try:
@@ -154,7 +168,29 @@ class FileRendezvous:
                 doc: dict[str, Any] = json.loads(data)
                 return doc
             except FileNotFoundError:
-                if time.monotonic() >= self.deadline:
+                if time.monotonic() >= deadline:
+                    self.missing = self.missing or name
                     return None
-                time.sleep(delay)
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.1)
+
+
+def group_timeout(process_group: Any) -> float:
+    """Seconds: the timeout of ``process_group``'s collectives, as given to
+    ``init_process_group(timeout=...)`` or ``new_group(timeout=...)`` (torch's default for the
+    backend otherwise). A distributed save or load waits at most this long for any peer: in a
+    collective (torch enforces it) and in a :class:`FileRendezvous` (we do)."""
+    import torch
+    import torch.distributed as dist
+
+    for device in getattr(process_group, "_device_types", ()):
+        try:  # the backend's options hold the timeout it enforces (no public getter)
+            options = process_group._get_backend(torch.device(device)).options
+            return float(options._timeout.total_seconds())
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    try:
+        c10d = dist.distributed_c10d
+        return float(c10d._get_default_timeout(dist.get_backend(process_group)).total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        return float(dist.constants.default_pg_timeout.total_seconds())

@@ -26,8 +26,14 @@ shards, replicated values), and if any rank fails every rank raises the same
    Each rank then keeps its next delta bases and plan cache (saving/engine.py).
 
 A rank that fails a step still takes part in the next collective with its failure, so the
-others raise at once; a rank that dies makes the collectives fail after the process group's
-timeout. Either way nothing is committed and earlier snapshots are untouched.
+others raise at once. One deadline bounds every wait for a peer: the process group's timeout
+(``init_process_group(timeout=...)`` / ``new_group(timeout=...)``; dist/collectives.py
+``group_timeout``). torch enforces it on the collectives; the file rendezvous of an async save's
+background phase enforces it on each of its waits. A rank that dies or hangs therefore makes
+every survivor raise a DistributedError naming it within about that timeout, after which the
+survivor releases the store lock. Nothing is committed (unless rank 0 vanished after its commit
+began: then the error says so) and earlier snapshots are untouched. Only the wait for the store
+lock itself (a gc, not a peer) is ``lock_timeout``.
 """
 
 from __future__ import annotations
@@ -46,12 +52,14 @@ from deltackpt.dist.save_plan import (
     Layout,
     PlanCache,
     RankMsg,
+    Resend,
     merge,
     plan_globally,
     rank_message,
     remember,
     remember_all,
     snapshot_parts,
+    stale_ranks,
 )
 from deltackpt.errors import DeltackptError, DistributedError, RankFailure
 from deltackpt.format.manifest import ChunkRecord
@@ -125,7 +133,12 @@ class SaveRun:
         # writes every chunk the store lacks. Every other rank takes part, failed or not.
         if g.distributed or self.p is None or self.p.digests is not None:
             gathered = g.gather(msg)
-            mine = g.scatter(self._decide(gathered) if gathered is not None else None)
+            mine = g.scatter(self._decide(gathered, True) if gathered is not None else None)
+            if isinstance(mine, Resend):  # rank 0 lacks the base of some rank's changes
+                if self.layout is not None and self.p is not None and self.p.digests is not None:
+                    msg = rank_message(g.rank, self.layout, self.p.digests, self.cache, full=True)
+                gathered = g.gather(msg)
+                mine = g.scatter(self._decide(gathered, False) if gathered is not None else None)
             if isinstance(mine, Failed):
                 self._fail(mine)
             assert self.p is not None
@@ -134,12 +147,15 @@ class SaveRun:
         assert self.p is not None
         self.p.blocked = time.perf_counter() - req.start
 
-    def _decide(self, msgs: list[RankMsg]) -> list[set[int] | Failed]:
-        """Rank 0, step 3: every rank's chunks to write, or the failures for every rank."""
+    def _decide(self, msgs: list[RankMsg], may_resend: bool) -> list[set[int] | Failed | Resend]:
+        """Rank 0, step 3: every rank's chunks to write, or the failures for every rank, or
+        (once per save) :class:`Resend` to every rank when a rank's changes cannot be applied."""
         g, p = self.group, self.p
         errors = tuple(m.error for m in msgs if m.error is not None)
         if errors or p is None:
             return [Failed(errors)] * g.world
+        if may_resend and stale_ranks(msgs, self.cache):
+            return [Resend()] * g.world
         try:
             index = p.index if p.index is not None else self.st.chunk_index()
             self.plan = plan_globally(msgs, self.cache, index, {g.rank: p.copies.new})
@@ -188,13 +204,13 @@ class SaveRun:
             results = g.gather(written)
             outcome = self._commit(results) if results is not None else None
             return self._settle(g.broadcast(outcome))
-        timeout = f"within {files.timeout:.0f}s (dead?)"
+        within = f"within {files.timeout:g} s (the process group's timeout): it died or hangs"
         docs = files.gather(written.to_json())
         if docs is not None:  # rank 0
             results = [
                 Written.from_json(d)
                 if d is not None
-                else Written(error=RankFailure(r, "write", "TimeoutError", f"no report {timeout}"))
+                else Written(error=RankFailure(r, "write", "TimeoutError", f"no report {within}"))
                 for r, d in enumerate(docs)
             ]
             outcome = self._commit(results)
@@ -205,7 +221,10 @@ class SaveRun:
             return self._settle(outcome)
         doc = files.broadcast(None)
         if doc is None:
-            lost = RankFailure(0, "commit", "TimeoutError", f"no commit of the snapshot {timeout}")
+            if files.missing == "rank-0.json":  # rank 0 never finished writing: no commit
+                lost = RankFailure(0, "write", "TimeoutError", f"no report {within}")
+            else:  # rank 0 may or may not have committed: _fail says nothing about that
+                lost = RankFailure(0, "commit", "TimeoutError", f"no outcome {within}")
             return self._settle(Failed((lost,)))
         if "failures" in doc:
             return self._settle(Failed.from_json(doc["failures"]))
@@ -320,7 +339,7 @@ def start_save(
     files = None
     if group.distributed:
         where = f"{TMP}/{req.name}.{epoch}.dist"  # swept by gc like any leftover in tmp/
-        files = FileRendezvous(req.store.storage, where, group, req.options.lock_timeout)
+        files = FileRendezvous(req.store.storage, where, group, group.timeout)
 
     def rest() -> SnapshotInfo:
         try:

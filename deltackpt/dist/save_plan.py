@@ -5,11 +5,17 @@ Every save runs it, a world of one included (deltackpt/dist/save.py runs the col
 * Every rank builds a :class:`RankMsg` (:func:`rank_message`). The first time (or when the
   rank's structure, i.e. keys, shapes, shard boxes and chunk layout, changed) it carries the
   rank's whole layout and digests; afterwards only the digests that changed since the last
-  committed save, so planning bytes scale with what changed, not with tensors x ranks.
+  committed save, so planning bytes scale with what changed, not with tensors x ranks. A delta
+  names the digests it applies to (``base``); if rank 0 holds other ones for that rank (a save
+  that failed on some ranks only), it answers :class:`Resend` and every rank sends its full
+  plan again in the same save, so the caches cannot drift apart.
 * Rank 0 (:func:`plan_globally`) rebuilds every rank's plan from the messages and its
   :class:`PlanCache`, merges them into one manifest layout and assigns every new digest to
   exactly one rank that holds it (chosen by the digest, so replicated data is spread over its
-  holders; a chunk the rank already staged is preferred). At commit, :func:`snapshot_parts`
+  holders; a chunk the rank already staged is preferred). It refuses, before anything is
+  written, ranks that disagree: other keys, shapes or dtypes, a key that is a DTensor on some
+  ranks only, or DTensor boxes that do not tile the tensor exactly once (the loader's own rule,
+  format/boxes.py). At commit, :func:`snapshot_parts`
   turns the merged plans and the ranks' written chunks into the plain inputs of the manifest
   builder (saving/commit.py).
 
@@ -26,6 +32,7 @@ from typing import Any
 import xxhash
 
 from deltackpt.errors import DistributedError, RankFailure
+from deltackpt.format.boxes import Box, tiling_problem
 from deltackpt.format.manifest import ChunkRecord, Shard, Slice, StorageView, TensorEntry
 from deltackpt.saving.commit import SnapshotParts
 from deltackpt.saving.plan import EntryPlan, SavePlan
@@ -63,7 +70,15 @@ class RankMsg:
     layout: Layout | None = None  # sent when the structure is new
     digests: list[str] | None = None  # all digests, with layout
     changed: dict[int, str] | None = None  # chunk index -> digest, when the structure is known
+    base: str = ""  # with ``changed``: digests_key() of the digests the changes apply to
     error: RankFailure | None = None  # the rank could not plan: why (nothing else is set)
+
+
+@dataclass(frozen=True)
+class Resend:
+    """Rank 0's answer, to every rank, when some rank sent only changes against a save rank 0
+    does not remember as that rank does (a save that failed on some ranks only, a restarted
+    rank): every rank sends its full plan again, in the same save."""
 
 
 @dataclass
@@ -73,21 +88,45 @@ class PlanCache:
 
     structure: str | None = None
     digests: list[str] = field(default_factory=list)
-    ranks: dict[int, tuple[str, Layout, list[str]]] = field(default_factory=dict)
+    base: str = ""  # digests_key(digests)
+    ranks: dict[int, tuple[str, Layout, list[str], str]] = field(default_factory=dict)
 
 
-def rank_message(rank: int, layout: Layout, digests: list[str], cache: PlanCache | None) -> RankMsg:
-    """This rank's plan: only the changed digests if ``cache`` knows its structure, else full
-    (always full without a cache: a world of one sends nothing anyway)."""
+def digests_key(digests: list[str]) -> str:
+    """Names one list of digests: a delta message says which list its changes apply to."""
+    return xxhash.xxh3_64_hexdigest("\n".join(digests).encode())
+
+
+def rank_message(
+    rank: int, layout: Layout, digests: list[str], cache: PlanCache | None, full: bool = False
+) -> RankMsg:
+    """This rank's plan: only the changed digests if ``cache`` knows its structure (and not
+    ``full``), else the whole plan (always whole without a cache: a world of one sends nothing
+    anyway)."""
     if cache is None:
         return RankMsg(rank, "", layout=layout, digests=list(digests))
     key = layout.key()
-    if cache.structure == key and len(cache.digests) == len(digests):
+    if not full and cache.structure == key and len(cache.digests) == len(digests):
         changed = {
             i: d for i, (d, old) in enumerate(zip(digests, cache.digests, strict=True)) if d != old
         }
-        return RankMsg(rank, key, changed=changed)
+        return RankMsg(rank, key, changed=changed, base=cache.base)
     return RankMsg(rank, key, layout=layout, digests=list(digests))
+
+
+def stale_ranks(msgs: list[RankMsg], cache: PlanCache | None) -> list[int]:
+    """Rank 0: the ranks that sent changes against digests rank 0 does not hold for them (rank 0
+    then answers :class:`Resend`). Checked by content, not by save: whatever made the caches
+    drift (a save that failed on some ranks only), a rank's changes are applied only to the very
+    digests it computed them against."""
+    out = []
+    for m in msgs:
+        if m.layout is not None or m.error is not None:
+            continue
+        prev = cache.ranks.get(m.rank) if cache is not None else None
+        if prev is None or prev[0] != m.structure or prev[3] != m.base:
+            out.append(m.rank)
+    return out
 
 
 def resolve(msgs: list[RankMsg], cache: PlanCache | None) -> list[tuple[Layout, list[str]]]:
@@ -98,11 +137,11 @@ def resolve(msgs: list[RankMsg], cache: PlanCache | None) -> list[tuple[Layout, 
             out.append((m.layout, m.digests))
             continue
         prev = cache.ranks.get(m.rank) if cache is not None else None
-        if prev is None or prev[0] != m.structure:
+        if prev is None or prev[0] != m.structure or prev[3] != m.base:
             raise DistributedError(
-                f"rank {m.rank} sent only changes against a save that rank 0 does not remember "
-                "(was rank 0 restarted alone?); the next save resends full plans. Restart every "
-                "rank together, or save again"
+                f"rank {m.rank} sent only changes against digests rank 0 does not hold for it, "
+                "even after rank 0 asked every rank for its full plan; nothing was committed and "
+                "the next save sends full plans. Save again (and report this as a bug)"
             )
         digests = list(prev[2])
         for i, d in (m.changed or {}).items():
@@ -114,13 +153,14 @@ def resolve(msgs: list[RankMsg], cache: PlanCache | None) -> list[tuple[Layout, 
 def remember(cache: PlanCache, layout: Layout, digests: list[str]) -> None:
     cache.structure = layout.key()
     cache.digests = list(digests)
+    cache.base = digests_key(cache.digests)
 
 
 def remember_all(
     cache: PlanCache, msgs: list[RankMsg], resolved: list[tuple[Layout, list[str]]]
 ) -> None:
     for m, (layout, digests) in zip(msgs, resolved, strict=True):
-        cache.ranks[m.rank] = (m.structure, layout, digests)
+        cache.ranks[m.rank] = (m.structure, layout, digests, digests_key(digests))
 
 
 @dataclass(frozen=True)
@@ -166,14 +206,17 @@ def merge(resolved: list[tuple[Layout, list[str]]]) -> Merged:
         needed.update(digests[ci] for ci, _, _ in layout.source_slices[source])
 
     for i, e in enumerate(base.entries):
+        _check_kinds(resolved, i)
         if e.shards is not None:
-            seen: dict[tuple[int, ...], ShardPiece] = {}
+            seen: dict[Box, ShardPiece] = {}  # a box several ranks hold (replicas) is kept once
             for r, (layout, _) in enumerate(resolved):
                 for offsets, shape, si in layout.entries[i].shards or ():
-                    if offsets not in seen:
-                        seen[offsets] = ShardPiece(offsets, shape, r, si)
+                    if (offsets, shape) not in seen:
+                        seen[(offsets, shape)] = ShardPiece(offsets, shape, r, si)
                         use(r, si)
-            shards.append(tuple(seen[k] for k in sorted(seen)))
+            pieces = tuple(seen[k] for k in sorted(seen))
+            _check_tiling(e, pieces)
+            shards.append(pieces)
             continue
         shards.append(None)
         if e.storage is None and e.source is not None:
@@ -181,6 +224,46 @@ def merge(resolved: list[tuple[Layout, list[str]]]) -> Merged:
     for sid in range(len(base.storage_sources)):
         use(0, base.storage_sources[sid])
     return Merged(shards, needed)
+
+
+def _check_kinds(resolved: list[tuple[Layout, list[str]]], i: int) -> None:
+    """Entry ``i`` is a DTensor (saved shards) on every rank or on none: a key sharded on some
+    ranks and plain on others would be saved from the shards alone, which do not cover it."""
+    sharded = [layout.entries[i].shards is not None for layout, _ in resolved]
+    if all(sharded) or not any(sharded):
+        return
+    e = resolved[0][0].entries[i]
+    on = [r for r, s in enumerate(sharded) if s]
+    off = [r for r, s in enumerate(sharded) if not s]
+    raise DistributedError(
+        f"key {e.path!r} ({e.dtype}{list(e.shape)}) is a DTensor on rank(s) {on} but a plain "
+        f"tensor on rank(s) {off}: expected the same kind of value on every rank. Pass a DTensor "
+        "with the same mesh and placements on every rank, or a plain (replicated) tensor on every "
+        "rank (dtensor.full_tensor())"
+    )
+
+
+def _check_tiling(e: EntryPlan, pieces: tuple[ShardPiece, ...]) -> None:
+    """The ranks' boxes of a DTensor tile its global shape exactly once: the check the loader
+    makes (format/boxes.py), made before anything is committed."""
+    problem = tiling_problem(e.shape, [(p.offsets, p.shape) for p in pieces])
+    if problem is None:
+        return
+    reason, a, b = problem
+
+    def held(p: ShardPiece) -> str:
+        return f"rank {p.rank} holds offsets {list(p.offsets)} shape {list(p.shape)}"
+
+    if a >= 0:
+        detail = f"{held(pieces[a])}, {held(pieces[b])}"
+    else:
+        detail = "; ".join(held(p) for p in pieces[:8])
+    raise DistributedError(
+        f"key {e.path!r} ({e.dtype}{list(e.shape)}): the ranks' shards do not tile the tensor "
+        f"exactly once ({reason}: {detail}); a snapshot of them could not be loaded. Expected "
+        "every rank to pass this key with the same device mesh and placements (e.g. Shard(0) "
+        "on every rank); check the DTensor placements each rank passes"
+    )
 
 
 def assign(

@@ -25,6 +25,7 @@ import torch
 
 from deltackpt.errors import DeltackptError, ManifestError
 from deltackpt.format import codecs
+from deltackpt.format.boxes import tiling_problem
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import ChunkRecord, Manifest, Slice
 
@@ -148,7 +149,6 @@ def _check_slices(c: _Check, data: tuple[Slice, ...], field: str, expected: int)
 def _check_shards(c: _Check, e: Any, field: str, itemsize: int) -> None:
     ndim = len(e.shape)
     boxes = []
-    volume = 0
     for i, sh in enumerate(e.shards):
         f = f"{field}.shards[{i}]"
         if len(sh.offsets) != ndim or len(sh.shape) != ndim:
@@ -162,27 +162,11 @@ def _check_shards(c: _Check, e: Any, field: str, itemsize: int) -> None:
                     f,
                     f"offsets {list(sh.offsets)} shape {list(sh.shape)} leave the tensor {list(e.shape)}",
                 )
-        n = math.prod(sh.shape)
-        _check_slices(c, sh.data, f"{f}.data", n * itemsize)
-        if n:
-            volume += n
-            boxes.append((sh.offsets, sh.shape, i))
-    numel = math.prod(e.shape)
-    if volume != numel:
-        raise c.fail(f"{field}.shards", f"cover {volume} of {numel} elements")
-    # Equal volume and no overlap == exact cover. Sweep along dim 0: only pieces whose dim-0
-    # ranges overlap are compared (linear for row sharding, small groups for grids).
-    boxes.sort()
-    active: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
-    for b in boxes:
-        active = [a for a in active if a[0][0] + a[1][0] > b[0][0]] if ndim else active
-        for a in active:
-            if all(
-                max(ao, bo) < min(ao + an, bo + bn)
-                for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True)
-            ):
-                raise c.fail(f"{field}.shards", f"pieces {a[2]} and {b[2]} overlap")
-        active.append(b)
+        _check_slices(c, sh.data, f"{f}.data", math.prod(sh.shape) * itemsize)
+        boxes.append((sh.offsets, sh.shape))
+    problem = tiling_problem(e.shape, boxes)  # the rule distributed saves check before commit
+    if problem is not None:
+        raise c.fail(f"{field}.shards", problem[0])
 
 
 def _check_view(c: _Check, e: Any, field: str, itemsize: int, sizes: list[int]) -> None:

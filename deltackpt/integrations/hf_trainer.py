@@ -51,7 +51,7 @@ from deltackpt.checkpointer import OWNER_KEY, RNG_KEY, Checkpointer, restore_int
 from deltackpt.errors import InvalidArgumentError, ManifestError, SnapshotNotFoundError
 from deltackpt.format.manifest import Manifest
 from deltackpt.format.tree import value_leaves
-from deltackpt.loading.assemble import load_reusing
+from deltackpt.resume import restore_state
 from deltackpt.store.store import Store, open_store
 
 __all__ = ["DEFAULT_NAME_FORMAT", "DeltaCheckpointCallback", "latest_checkpoint", "resume_trainer"]
@@ -292,7 +292,7 @@ def _loading_from(trainer: Trainer, st: Store, name: str) -> Iterator[None]:
             "optimizer": trainer.optimizer,
             "scheduler": trainer.lr_scheduler,
         }
-        loaded = load_reusing(st, name, to_saveable(live))
+        loaded = restore_state(st, name, live, to_saveable(live))
         rng_state = loaded.pop(RNG_KEY, None)
         if rng_state is not None:
             apply_rng.append(_rng.prepare(rng_state, RNG_KEY))  # validated before changing anything

@@ -75,7 +75,11 @@ def load_reusing(
     Used by ``Checkpointer.restore_latest``: the state dicts of live modules and optimizers are
     the ``reuse`` tree, so a resume needs no second copy of the state (peak memory = the state
     plus reader buffers, plus whatever the live objects do not hold yet, such as the moments of
-    a fresh optimizer)."""
+    a fresh optimizer).
+
+    A DTensor of ``reuse`` (FSDP2, tensor parallel) receives only its own box, read from the
+    saved pieces that overlap it, whatever placements and world size saved the snapshot; it
+    comes back as itself, so ``load_state_dict`` sees DTensors where the live object has them."""
     opts = options or LoadOptions()
     st = open_store(store, create=False)
     _, leaves = flatten(reuse, allow_pickle=True, check_tensors=False)
@@ -85,13 +89,14 @@ def load_reusing(
         wanted = [
             i
             for i, e in enumerate(m.tensors)
-            if e.storage is None and _reusable(targets.get(e.path), e)
+            if (e.storage is None or is_dtensor(targets.get(e.path)))
+            and _reusable(targets.get(e.path), e)
         ]
         with torch.no_grad():
             for i, t in _read_entries(st, m, opts, wanted, targets).items():
                 dst = targets[m.tensors[i].path]
                 if t is not dst:
-                    dst.copy_(t)
+                    _copy_into(dst, t, m.tensors[i].path)
         return _load_new(st, m, opts, {i: targets[m.tensors[i].path] for i in wanted})
 
     return _retrying(st, st.manifest(name), once)
@@ -100,11 +105,21 @@ def load_reusing(
 def _reusable(t: Any, e: TensorEntry) -> bool:
     return (
         isinstance(t, torch.Tensor)
-        and not is_dtensor(t)
-        and not t.is_meta
+        and not (local_tensor(t) if is_dtensor(t) else t).is_meta
         and tuple(t.shape) == e.shape
         and t.dtype == dtype_from_name(e.dtype)
     )
+
+
+def _copy_into(dst: torch.Tensor, t: torch.Tensor, path: str) -> None:
+    """Copy a whole tensor ``t`` into ``dst``: a DTensor takes only its own box of it."""
+    if is_dtensor(dst):  # saved as one shared storage: copy this rank's part
+        offsets, shape = local_box(dst, path)
+        for d, (o, n) in enumerate(zip(offsets, shape, strict=True)):
+            t = t.narrow(d, o, n)
+        local_tensor(dst).copy_(t)
+    else:
+        dst.copy_(t)
 
 
 def _retrying(st: Store, m: Manifest, fn: Callable[[Manifest], Any]) -> Any:
@@ -141,7 +156,15 @@ def _agree(pg: Any, fn: Callable[[], Any]) -> Any:
     except Exception as e:
         result, err = None, e
     errors: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(errors, f"{type(err).__name__}: {err}" if err else None, group=pg)
+    try:  # bounded by the process group's timeout, like every wait for a peer
+        dist.all_gather_object(errors, f"{type(err).__name__}: {err}" if err else None, group=pg)
+    except Exception as e:
+        raise DistributedError(
+            f"load: the collective that agrees on the outcome failed on rank "
+            f"{dist.get_rank(pg)} of {len(errors)} ({type(e).__name__}: {e}); a peer rank died or "
+            "the process group's timeout passed. This rank's state may be partly loaded: load "
+            "again once every rank is up"
+        ) from (err or e)
     if err is not None:
         raise err
     failed = [(r, e) for r, e in enumerate(errors) if e]
@@ -250,15 +273,8 @@ def _load_into(
     with torch.no_grad():
         for i, t in new.items():
             dst = targets[m.tensors[i].path]
-            if t is dst:
-                continue
-            if is_dtensor(dst):  # saved as one shared storage: copy this rank's part
-                offsets, shape = local_box(dst, m.tensors[i].path)
-                for d, (o, n) in enumerate(zip(offsets, shape, strict=True)):
-                    t = t.narrow(d, o, n)
-                local_tensor(dst).copy_(t)
-            else:
-                dst.copy_(t)
+            if t is not dst:
+                _copy_into(dst, t, m.tensors[i].path)
     _assign_values(m.tree, into, opts, select)
 
 
