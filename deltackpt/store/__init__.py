@@ -5,7 +5,9 @@ From the bottom up:
 - ``storage.py``: the :class:`Storage` seam (every operation the store asks of storage) and the
   store's keys; ``durable.py``: local fsync, atomic publish and the flock store lock;
   ``local.py``: :class:`LocalStorage`, a store in a local directory; ``objstore.py``:
-  :class:`FsspecStorage`, a store in an object store (``s3://``, ``gs://``, ``az://``, ``memory://``).
+  :class:`FsspecStorage`, a store in an object store (``s3://``, ``gs://``, ``az://``, ``memory://``),
+  whose calls run under deadlines (``objcalls.py``, :class:`StoreTimeouts`); ``objreads.py``
+  and ``uploads.py`` are its ranged reads and pack uploads.
 - ``packs.py``: pack objects (PackWriter, PackReaders, ``<id>.pack`` names, PACK_ALIGN);
   ``chunks.py``: read, decode and verify chunks.
 - ``config.py`` (STORE.json), ``location.py`` (what ``open_store``'s path names),
@@ -16,6 +18,7 @@ From the bottom up:
 from __future__ import annotations
 
 from deltackpt.store.local import LocalStorage
+from deltackpt.store.objcalls import StoreTimeouts
 from deltackpt.store.objstore import FsspecStorage, NoLockError
 from deltackpt.store.storage import Storage
 from deltackpt.store.store import SnapshotInfo, Store, open_store
@@ -27,5 +30,6 @@ __all__ = [
     "SnapshotInfo",
     "Storage",
     "Store",
+    "StoreTimeouts",
     "open_store",
 ]

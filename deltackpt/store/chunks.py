@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from deltackpt.errors import CodecError, CorruptChunkError, UnsafePathError
+from deltackpt.errors import CodecError, CorruptChunkError, StoreIOError, UnsafePathError
 from deltackpt.format import codecs
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
@@ -127,6 +127,8 @@ class ChunkReader:
             raise self._missing(d, where, rec.pack) from None
         except UnsafePathError as e:
             raise self._corrupt(d, where, str(e)) from e
+        except StoreIOError:  # an object store that failed or fell silent: not damage
+            raise
         except OSError as e:  # EIO, EISDIR, ...: this chunk is unreadable, the rest may be fine
             raise self._corrupt(d, where, f"its pack cannot be read ({e})") from e
         if n != out.size:
@@ -259,6 +261,8 @@ class ChunkReader:
             raise self._missing(job0.digest, job0.where, first.pack) from None
         except UnsafePathError as e:
             raise self._corrupt(job0.digest, job0.where, str(e)) from e
+        except StoreIOError:  # an object store that failed or fell silent: not damage
+            raise
         except OSError as e:  # EIO, EISDIR, ...: these chunks are unreadable, others may be fine
             raise self._corrupt(job0.digest, job0.where, f"its pack cannot be read ({e})") from e
         g = 0

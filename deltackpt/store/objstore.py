@@ -14,7 +14,13 @@ What each backend guarantees:
   (tested against a real S3 API server). GCS: ``ifGenerationMatch=0``; Azure: an upload without
   overwrite (``If-None-Match: *``): both through fsspec's ``pipe_file(mode="create")``, the
   same call, not run against a server here. ``memory://``: a lock-protected check-and-put,
-  exclusive within one process only (it is one process's memory).
+  exclusive within one process only (it is one process's memory). A create whose answer was
+  lost is retried and finds the object taken: ``publish`` then reads it back, and bytes equal
+  to its own mean it won (a lost answer must not turn a committed save into a failed one).
+- **Deadlines** (:mod:`deltackpt.store.objcalls`): every call runs under ``connect_timeout``,
+  ``read_timeout``, ``request_timeout`` and ``operation_timeout`` (``storage_options`` keys or
+  ``timeouts=``), so a dead or silent store raises :class:`~deltackpt.errors.StoreIOError`
+  naming the URL instead of hanging.
 - **Packs** (``create``, :mod:`deltackpt.store.uploads`): S3 streams a multipart upload of
   ``block_size`` parts, ``parts_in_flight`` at once; GCS a resumable upload and Azure staged
   blocks (the file system's writer). The object appears only when ``finish`` completes the
@@ -55,8 +61,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from deltackpt.errors import (
     SnapshotExistsError,
     StoreError,
@@ -64,6 +68,16 @@ from deltackpt.errors import (
     UnsafePathError,
     UnsupportedURLError,
 )
+from deltackpt.store.objcalls import (
+    Caller,
+    DeadlineExceeded,
+    StoreTimeouts,
+    deadline_error,
+    is_checksum_error,
+    precondition_failed,
+    split_options,
+)
+from deltackpt.store.objreads import FsspecReader
 from deltackpt.store.storage import (
     PACKS,
     SNAPSHOTS,
@@ -101,7 +115,10 @@ class FsspecStorage:
     which up to ``parts_in_flight`` upload at once per pack (memory per pack writer: about
     ``(parts_in_flight + 1) * block_size``); ``part_bytes`` is the size of each parallel ranged
     GET. ``no_concurrent_saves=True`` allows gc
-    (the exclusive lock) on the caller's promise that nothing else writes the store meanwhile."""
+    (the exclusive lock) on the caller's promise that nothing else writes the store meanwhile.
+    ``timeouts`` (or the ``storage_options`` keys ``connect_timeout``, ``read_timeout``,
+    ``request_timeout``, ``operation_timeout``, in seconds; not both) bound every call of the
+    store (:mod:`deltackpt.store.objcalls`)."""
 
     def __init__(
         self,
@@ -112,6 +129,7 @@ class FsspecStorage:
         block_size: int = 64 << 20,
         part_bytes: int = 16 << 20,
         parts_in_flight: int = 4,
+        timeouts: StoreTimeouts | None = None,
     ) -> None:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
         protocol = SCHEMES.get(scheme)
@@ -126,6 +144,9 @@ class FsspecStorage:
             )
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
+        self.timeouts, fs_options = split_options(
+            self.storage_options, timeouts, s3=protocol == "s3"
+        )
         self.no_concurrent_saves = bool(no_concurrent_saves)
         self.block_size = max(int(block_size), 5 << 20)
         self.part_bytes = max(int(part_bytes), 1 << 20)
@@ -135,7 +156,7 @@ class FsspecStorage:
         try:
             import fsspec
 
-            self.fs = fsspec.filesystem(protocol, **self.storage_options)
+            self.fs = fsspec.filesystem(protocol, **fs_options)
         except ImportError as e:
             pkg = _PIP.get(protocol, protocol)
             raise UnsupportedURLError(
@@ -147,6 +168,7 @@ class FsspecStorage:
                 f"store={url!r}: cannot set up {protocol}:// with storage_options="
                 f"{sorted(self.storage_options)}: {type(e).__name__}: {e}"
             ) from e
+        self.call = Caller(self.fs, self.timeouts)
         self.root = self.fs._strip_protocol(self.url).rstrip("/")
         self._uploads: ThreadPoolExecutor | None = None
         self._uploads_lock = threading.Lock()
@@ -163,15 +185,29 @@ class FsspecStorage:
 
     @contextlib.contextmanager
     def _io(self, what: str, key: str = "") -> Iterator[None]:
-        """Errors of the client library (credentials, network, HTTP) as StoreIOError naming
-        the URL; OSErrors (FileNotFoundError, FileExistsError, ...) and ours pass through."""
+        """Errors of the client library (credentials, network, HTTP, a missed deadline) as
+        StoreIOError naming the URL; OSErrors (FileNotFoundError, FileExistsError, ...) and ours
+        pass through."""
         try:
             yield
-        except (OSError, StoreError):
+        except DeadlineExceeded as e:
+            raise deadline_error(e, what, self.where(key), self.timeouts) from e
+        except StoreError:
             raise
         except Exception as e:
+            if is_checksum_error(e):
+                raise StoreIOError(
+                    errno.EIO,
+                    f"{what} {self.where(key)} failed: the bytes received do not match the "
+                    f"checksum the store keeps for that object ({type(e).__name__}: {e}). The "
+                    "object is corrupt, or was corrupted on the way: retry; if it persists the "
+                    "object is damaged (run `deltackpt verify`; a damaged manifest loses only its "
+                    "snapshot: delete it and load another)",
+                ) from e
+            if isinstance(e, OSError) and not isinstance(e, TimeoutError):
+                raise
             raise StoreIOError(
-                errno.EIO,
+                errno.ETIMEDOUT if isinstance(e, TimeoutError) else errno.EIO,
                 f"{what} {self.where(key)} failed: {type(e).__name__}: {e}. Check the URL, the "
                 "credentials (storage_options or the environment) and the network",
             ) from e
@@ -180,7 +216,7 @@ class FsspecStorage:
         path = self.path(key)
         with self._io("reading", key):
             self.fs.invalidate_cache(path)
-            info = self.fs.info(path)
+            info = self.call("info", path)
         if info.get("type") != "file":
             if key == "" or info.get("type") == "directory":
                 raise FileNotFoundError(errno.ENOENT, "not an object", self.where(key))
@@ -208,7 +244,7 @@ class FsspecStorage:
         if version == known and tag:
             return Blob(None, version, size)
         with self._io("reading", key):
-            data = self.fs.cat_file(self.path(key))
+            data = self.call("cat_file", self.path(key))
         return Blob(bytes(data), version, len(data))
 
     def exists(self, key: str) -> bool:
@@ -217,14 +253,14 @@ class FsspecStorage:
         path = self.path(key)
         with self._io("checking", key):
             self.fs.invalidate_cache(path)
-            return bool(self.fs.exists(path))
+            return bool(self.call("exists", path))
 
     def list(self, prefix: str) -> list[Entry]:
         path = self.path(prefix)
         with self._io("listing", prefix):
             self.fs.invalidate_cache(path)
             try:
-                infos = self.fs.ls(path, detail=True)
+                infos = self.call("ls", path, detail=True)
             except FileNotFoundError:
                 return []
         out: list[Entry] = []
@@ -274,20 +310,39 @@ class FsspecStorage:
                     raise SnapshotExistsError(f"{self.where(key)} already exists")
                 self.fs.pipe_file(path, bytes(data))
             return
+        data = bytes(data)
         try:
             with self._io("publishing", key):
-                self.fs.pipe_file(path, bytes(data), mode="create")
+                self.call("pipe_file", path, data, mode="create", body=True)
+            return
         except FileExistsError:
-            raise SnapshotExistsError(f"{self.where(key)} already exists") from None
+            pass
         except OSError as e:
-            if _precondition_failed(e):
-                raise SnapshotExistsError(f"{self.where(key)} already exists") from None
-            raise self._write_error(e, key) from e
+            if not precondition_failed(e):
+                raise self._write_error(e, key) from e
+        # Taken: by another writer, or by this one when the answer to a try that landed was
+        # lost and the retry found our own object. Its bytes tell: a manifest holds its name,
+        # its creation time in ns and the digest of every chunk, so no other save's equals it.
+        try:
+            with self._io("reading back", key):
+                theirs = bytes(self.call("cat_file", path))
+        except OSError as e:
+            raise StoreIOError(
+                e.errno or errno.EIO,
+                f"publishing {self.where(key)}: the store answered that it already exists, and "
+                f"reading it back to tell whether it is this save's failed: {e}. Check with "
+                "`deltackpt ls`",
+            ) from e
+        if theirs != data:
+            raise SnapshotExistsError(
+                f"{self.where(key)} already exists ({len(theirs)} bytes written by another "
+                "save); save under another name or pass overwrite=True"
+            )
 
     def replace(self, key: str, data: bytes) -> None:
         try:
             with self._io("writing", key):
-                self.fs.pipe_file(self.path(key), bytes(data))
+                self.call("pipe_file", self.path(key), bytes(data), body=True)
         except OSError as e:
             raise self._write_error(e, key) from e
 
@@ -312,14 +367,16 @@ class FsspecStorage:
         with self._io("deleting", key):
             self.fs.invalidate_cache(path)
             if recursive:
-                found = [p for p in self.fs.find(path) if p.startswith(path + "/") or p == path]
+                found = [
+                    p for p in self.call("find", path) if p.startswith(path + "/") or p == path
+                ]
                 if not found:
                     raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
-                self.fs.rm(found)
+                self.call("rm", found)
             else:
-                if not self.fs.isfile(path):  # S3 deletes of absent keys succeed silently
+                if not self.call("isfile", path):  # S3 deletes of absent keys succeed silently
                     raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
-                self.fs.rm_file(path)
+                self.call("rm_file", path)
             self.fs.invalidate_cache(path)
 
     def sync(self, prefix: str) -> None:
@@ -339,7 +396,7 @@ class FsspecStorage:
         kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
         with self._io("listing the multipart uploads of"):
             while True:
-                out = self.fs.call_s3("list_multipart_uploads", **kw)
+                out = self.call("call_s3", "list_multipart_uploads", **kw)
                 for u in out.get("Uploads", []):
                     started = u.get("Initiated")
                     ts = started.timestamp() if hasattr(started, "timestamp") else 0.0
@@ -352,8 +409,12 @@ class FsspecStorage:
         if not dry_run:
             for key, upload_id in found:
                 with self._io("aborting", key[len(prefix) :]), contextlib.suppress(OSError):
-                    self.fs.call_s3(  # OSError: completed or aborted meanwhile
-                        "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id
+                    self.call(  # OSError: completed or aborted meanwhile
+                        "call_s3",
+                        "abort_multipart_upload",
+                        Bucket=bucket,
+                        Key=key,
+                        UploadId=upload_id,
                     )
         return [k[len(prefix) :] for k, _ in found]
 
@@ -367,70 +428,3 @@ class FsspecStorage:
                 "storage_options, no_concurrent_saves=True))"
             )
         yield
-
-
-def _precondition_failed(e: BaseException) -> bool:
-    """Whether ``e`` (or its cause) is S3's answer to a lost If-None-Match race."""
-    seen: BaseException | None = e
-    while seen is not None:
-        resp = getattr(seen, "response", None)
-        if isinstance(resp, dict):
-            code = str(resp.get("Error", {}).get("Code", ""))
-            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-class FsspecReader:
-    """Ranged reads of one object, shared by a load's threads; large reads go out in parallel."""
-
-    def __init__(self, storage: FsspecStorage, key: str, size: int) -> None:
-        self._s = storage
-        self._key = key
-        self._path = storage.path(key)
-        self.size = size
-
-    def read_into(self, offset: int, bufs: Sequence[memoryview]) -> int:
-        total = sum(len(b) for b in bufs)
-        end = min(offset + total, self.size)
-        if end <= offset:
-            return 0
-        step = self._s.part_bytes
-        starts = list(range(offset, end, step))
-        ends = [min(s + step, end) for s in starts]
-        with self._s._io("reading", self._key):
-            if len(starts) == 1:
-                pieces = [self._s.fs.cat_file(self._path, start=offset, end=end)]
-            else:
-                pieces = self._s.fs.cat_ranges([self._path] * len(starts), starts, ends)
-        for p in pieces:
-            if isinstance(p, BaseException):
-                if isinstance(p, OSError):
-                    raise p
-                raise StoreIOError(errno.EIO, f"reading {self._s.where(self._key)}: {p}") from p
-        return _scatter(pieces, bufs)
-
-    def close(self) -> None:
-        pass
-
-
-def _scatter(pieces: Sequence[bytes], bufs: Sequence[memoryview]) -> int:
-    """Copy ``pieces`` (consecutive bytes) into ``bufs`` in order; return the bytes copied."""
-    done = 0
-    bi, bpos = 0, 0
-    for p in pieces:
-        src = np.frombuffer(p, dtype=np.uint8)
-        spos = 0
-        while spos < src.size and bi < len(bufs):
-            b = bufs[bi]
-            n = min(len(b) - bpos, src.size - spos)
-            np.asarray(b)[bpos : bpos + n] = src[spos : spos + n]
-            spos += n
-            bpos += n
-            done += n
-            if bpos == len(b):
-                bi, bpos = bi + 1, 0
-        if len(p) == 0:
-            break
-    return done

@@ -6,6 +6,7 @@ completes, and ``abort`` leaves nothing listed."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -32,8 +33,11 @@ class PartsUpload:
         self._open = True
 
     def _call(self, what: str, method: str, **kw: Any) -> dict[str, Any]:
+        body = "Body" in kw  # a try that sends bytes gets request_timeout (objcalls.py)
         with self._s._io(what, self._key):
-            return self._s.fs.call_s3(method, Bucket=self._bucket, Key=self._obj, **kw)
+            return self._s.call(
+                "call_s3", method, Bucket=self._bucket, Key=self._obj, body=body, **kw
+            )
 
     def write(self, bufs: Sequence[memoryview]) -> None:
         assert self._open, "write after finish or abort"
@@ -79,12 +83,16 @@ class PartsUpload:
                 if self._buf:
                     self._send(bytes(self._buf))
                 done = [f.result() for f in self._parts]
-                self._call(
-                    "uploading",
-                    "complete_multipart_upload",
-                    UploadId=self._upload_id,
-                    MultipartUpload={"Parts": done},
-                )
+                try:
+                    self._call(
+                        "uploading",
+                        "complete_multipart_upload",
+                        UploadId=self._upload_id,
+                        MultipartUpload={"Parts": done},
+                    )
+                except FileNotFoundError:  # NoSuchUpload: gone, or completed by a lost try
+                    if not self._completed(done):
+                        raise
         except OSError as e:
             self.abort()
             raise self._s._write_error(e, self._key) from e
@@ -93,6 +101,18 @@ class PartsUpload:
             raise
         self._open = False
         self._buf = bytearray()
+
+    def _completed(self, done: list[dict[str, Any]]) -> bool:
+        """Whether the object is this upload, completed: a retried complete whose first try
+        landed (its answer lost) finds the upload gone. S3 names a multipart object by the MD5
+        of its parts' MD5s and their count, so the ETag tells whether the object is ours."""
+        try:
+            head = self._call("checking", "head_object")
+        except OSError:
+            return False
+        md5s = b"".join(bytes.fromhex(str(p["ETag"]).strip('"')) for p in done)
+        want = f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(done)}"
+        return str(head.get("ETag", "")).strip('"') == want
 
     def abort(self) -> None:
         if not self._open:

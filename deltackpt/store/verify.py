@@ -128,7 +128,7 @@ def verify(
                 raw = np.empty(rec.size, dtype=np.uint8) if kids else scratch("verify", rec.size)
                 try:
                     ChunkReader(packs, {d: rec}, verify=True).decode_into(
-                        d, raw, "verify", base_raw=base_raw
+                        d, raw, _where(users[node]), base_raw=base_raw
                     )
                 except CorruptChunkError as e:
                     out.append((node, str(e)))
@@ -172,3 +172,12 @@ def verify(
         time.perf_counter() - t0,
         [m.name for m in ms if not m.has_digest],
     )
+
+
+def _where(users: list[tuple[str, str]]) -> str:
+    """Which snapshot and key a chunk belongs to, for its error message (the first user; a
+    chunk deduped across snapshots names how many more)."""
+    who = list(dict.fromkeys(users))
+    snap, key = who[0]
+    more = f" (and {len(who) - 1} more)" if len(who) > 1 else ""
+    return f"snapshot {snap!r} key {key!r}{more}"

@@ -33,19 +33,19 @@ CHUNK = 1 << 20
 # the server holds a first part of it. Every later part stalls first, so the kill always lands
 # mid-upload (parts go out several at once: unstalled, the upload could complete in between).
 CHILD = """
-import json, sys, time, torch, deltackpt
+import asyncio, json, sys, torch, deltackpt
 from deltackpt.store.objstore import FsspecStorage
 url, opts = sys.argv[1], json.loads(sys.argv[2])
 storage = FsspecStorage(url, opts, block_size=5 << 20)
-call, done = storage.fs.call_s3, []
-def stalling(method, *a, **kw):
+call, done = storage.fs._call_s3, []
+async def stalling(method, *a, **kw):
     if method == "upload_part" and done:
-        time.sleep(60)
-    out = call(method, *a, **kw)
+        await asyncio.sleep(60)
+    out = await call(method, *a, **kw)
     if method == "upload_part":
         done.append(1)
     return out
-storage.fs.call_s3 = stalling
+storage.fs._call_s3 = stalling
 st = deltackpt.open_store(url, storage=storage)
 g = torch.Generator().manual_seed(7)
 sd = {"w": torch.randn(12 << 20, generator=g), "b": torch.randn(1000, generator=g)}

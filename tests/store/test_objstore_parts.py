@@ -27,19 +27,20 @@ MiB = 1 << 20
 
 
 class _CallSpy:
-    """Wraps a storage's ``fs.call_s3``: counts the upload_part calls running at once, and can
-    fail the ``fail_part``-th one (a network error mid-upload)."""
+    """Wraps a storage's ``fs._call_s3`` (the coroutine every S3 call of FsspecStorage awaits):
+    counts the upload_part calls running at once, and can fail the ``fail_part``-th one (a
+    network error mid-upload)."""
 
     def __init__(self, storage: FsspecStorage, fail_part: int = 0) -> None:
-        self.inner = storage.fs.call_s3
+        self.inner = storage.fs._call_s3
         self.fail_part = fail_part
         self.running = self.peak = self.parts = 0
         self.lock = threading.Lock()
-        storage.fs.call_s3 = self  # an instance attribute: only this storage's calls
+        storage.fs._call_s3 = self  # an instance attribute: only this storage's calls
 
-    def __call__(self, method: str, *args: Any, **kw: Any) -> Any:
+    async def __call__(self, method: str, *args: Any, **kw: Any) -> Any:
         if method != "upload_part":
-            return self.inner(method, *args, **kw)
+            return await self.inner(method, *args, **kw)
         with self.lock:
             self.parts += 1
             n = self.parts
@@ -48,7 +49,7 @@ class _CallSpy:
         try:
             if n == self.fail_part:
                 raise ConnectionResetError("injected: connection reset during a part")
-            return self.inner(method, *args, **kw)
+            return await self.inner(method, *args, **kw)
         finally:
             with self.lock:
                 self.running -= 1
