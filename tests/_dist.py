@@ -27,7 +27,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Outcome", "free_port", "run_ranks", "spawn"]
+__all__ = ["Outcome", "free_port", "init_gloo", "run_ranks", "spawn"]
+
+
+def init_gloo(rank: int, world: int, port: int, timeout: float = 30.0) -> Any:
+    """Join the default gloo process group of ``world`` ranks on 127.0.0.1:``port`` (in a
+    child); returns it. ``timeout`` bounds every collective."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )  # fmt: skip
+    return dist.group.WORLD
 
 
 def free_port() -> int:

@@ -14,6 +14,8 @@ Measured in the same processes, best of ``--repeats``:
   round is the same change (v0 -> v1 -> v0 ...), sent as patches against the committed version;
 * delta round, ``encode="dense"``: the same rounds sending every changed piece whole (what a
   delta round did before patches);
+* delta round, ``encode="auto"`` (the default): patches on gloo links when at most 1/16 of a
+  piece changed, whole pieces otherwise and on shared memory;
 * the reference size of the change: xor of the two versions' bytes, zstd level 1 (one frame
   per local tensor, no byte grouping), summed over the trainers;
 * codec speeds on trainer 0, one thread, over its local tensors: ``delta_codec.encode`` and
@@ -184,7 +186,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
     fulls = [timed(lambda: round_(True), 0) for _ in range(cfg["repeats"])]
     out["full_s"] = min(t for t, _ in fulls)
     out["full_payload"] = fulls[-1][1].payload_bytes
-    for enc in ("patch", "dense"):
+    for enc in ("auto", "patch", "dense"):
         if rank < m:
             endpoint.encode = enc
         timed(lambda: round_(True), 0)  # an anchor, bases recorded
@@ -194,7 +196,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
         out[f"{enc}_payload"] = runs[-1][1].payload_bytes
         if rank >= m:
             out[f"{enc}_patched"] = runs[-1][1].patched
-        elif enc == "patch":
+        elif enc == "patch":  # the sender's bases: one copy of the pieces it sends
             out["base_bytes"] = endpoint._bases.nbytes
     group.close()
     return out
@@ -213,7 +215,14 @@ def bench_steps(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"step benchmark failed: {errors or 'timeout / crashed process'}")
     out = dict(results[0])
     trainers = [results[r] for r in range(m)]
-    for key in ("full_payload", "patch_payload", "dense_payload", "ref_bytes", "base_bytes"):
+    for key in (
+        "full_payload",
+        "auto_payload",
+        "patch_payload",
+        "dense_payload",
+        "ref_bytes",
+        "base_bytes",
+    ):
         out[key] = sum(t[key] for t in trainers)
     out["state_bytes"] = 2 * sum(
         math.prod(s) for _, s in C.qwen2_shapes(C.qwen2_scale(cfg["params"]))
@@ -223,16 +232,17 @@ def bench_steps(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def steps_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| MxN | link | step | changed | full s | delta s: patch / dense | patch / full: time "
-        "· bytes | dense / full: time · bytes | xor+zstd-1 / full | patch bytes / xor+zstd-1 "
-        "| sender base MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MxN | link | step | changed | full s | delta s: auto / patch / dense "
+        "| auto / full: time · bytes | patch / full: time · bytes | dense / full: time · bytes "
+        "| xor+zstd-1 / full | patch bytes / xor+zstd-1 | sender base MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         full = r["full_payload"]
         lines.append(
             f"| {r['m']}x{r['n']} | {r['links']} | {r['step']} | {r['changed_frac']:.1%} "
-            f"| {r['full_s']:.3f} | {r['patch_s']:.3f} / {r['dense_s']:.3f} "
+            f"| {r['full_s']:.3f} | {r['auto_s']:.3f} / {r['patch_s']:.3f} / {r['dense_s']:.3f} "
+            f"| {r['auto_s'] / r['full_s']:.2f} · {r['auto_payload'] / full:.3f} "
             f"| {r['patch_s'] / r['full_s']:.2f} · {r['patch_payload'] / full:.3f} "
             f"| {r['dense_s'] / r['full_s']:.2f} · {r['dense_payload'] / full:.3f} "
             f"| {r['ref_bytes'] / full:.3f} | {r['patch_payload'] / r['ref_bytes']:.2f} "

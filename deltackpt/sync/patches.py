@@ -12,7 +12,10 @@ nearly every tensor, so sending the changed *tensors* re-sends almost everything
   broadcast) is encoded once per round. The encoder updates the base right away (the k changed
   elements); after the commit vote, every piece the round sent whole is copied into its base
   from the source tensor (unchanged until ``push`` returns). A failed round may leave bases
-  ahead of the receivers: the next round is full and rewrites them all.
+  ahead of the receivers: the next round is full and rewrites them all. Under the time-first
+  policy (``encode="auto"``) a piece with too many changes to patch drops its base and goes
+  whole for ``REST_ROUNDS`` rounds (no diff, no base copy: a pre-training-like step costs what
+  a whole-piece delta round costs), then its base is recorded again.
   Memory: one copy of the pieces this rank sends on patching links, in the wire dtype (for a
   bf16 wire from fp32 master weights: half the master shard), allocated by the first round.
 * **Receiver** (:func:`expand`): a bucket with patches is laid out compactly on the wire. Its
@@ -38,7 +41,10 @@ from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.errors import SyncError
 from deltackpt.sync.schedule import LinkBucket
 
-__all__ = ["BaseKey", "Bases", "expand"]
+__all__ = ["REST_ROUNDS", "BaseKey", "Bases", "expand"]
+
+#: Rounds a piece goes without a base after it changed too much to patch (time-first policy).
+REST_ROUNDS = 8
 
 #: A piece as bases know it: (tensor index, box offset, box size, wire dtype name).
 BaseKey = tuple[int, tuple[int, ...], tuple[int, ...], str]
@@ -61,6 +67,7 @@ class Bases:
         self._sent: dict[BaseKey, tuple[torch.Tensor, torch.dtype]] = {}
         self._cache: dict[BaseKey, tuple[int, np.ndarray] | None] = {}
         self._updated: set[BaseKey] = set()  # bases already brought to this round's bytes
+        self._resting: dict[BaseKey, int] = {}  # pieces without a base for that many rounds
         self._scratch = delta_codec.Scratch()
 
     @property
@@ -74,6 +81,7 @@ class Bases:
 
     def clear(self) -> None:
         self._base.clear()
+        self._resting.clear()
         self.start_round()
 
     def has(self, key: BaseKey) -> bool:
@@ -100,6 +108,13 @@ class Bases:
             if enc is None:
                 self._cache[key] = (0, np.empty(0, np.uint8))  # unchanged
                 return self._cache[key]
+            if enc.kind == delta_codec.DENSE and delta_codec.PLANES not in self.allow:
+                # too many changes for the time-first policy: stop keeping this base for a
+                # while (no copy, no diff) instead of paying for both every round
+                del self._base[key]
+                self._resting[key] = REST_ROUNDS
+                self._cache[key] = None
+                return None
             if enc.changes is not None:
                 idx, vals = enc.changes
                 base.view(vals.dtype)[idx] = vals
@@ -114,8 +129,10 @@ class Bases:
         return self._cache[key]
 
     def sent(self, key: BaseKey, src: torch.Tensor, dtype: torch.dtype) -> None:
-        """Piece ``key`` (``src`` cast to ``dtype``) was sent this round: its base after commit."""
-        self._sent[key] = (src, dtype)
+        """Piece ``key`` (``src`` cast to ``dtype``) was sent this round: its base after commit
+        (unless the piece is resting: it changed too much to patch lately)."""
+        if key not in self._resting:
+            self._sent[key] = (src, dtype)
 
     def commit(self) -> None:
         """After the vote: every piece sent this round becomes its base (from the sources)."""
@@ -127,6 +144,10 @@ class Bases:
             if base is None or base.numel() != n:
                 base = self._base[key] = torch.empty(n, dtype=torch.uint8)
             wire.fill(base, src, dt)
+        for key in list(self._resting):  # one more committed round without a base
+            self._resting[key] -= 1
+            if self._resting[key] <= 0:  # sent whole next time, its base recorded again
+                del self._resting[key]
         self.start_round()
 
 

@@ -9,7 +9,6 @@ snapshot of 1 process resumes the 2-rank FSDP2 model (1 -> 2).
 
 from __future__ import annotations
 
-import datetime
 import warnings
 from typing import Any
 
@@ -18,19 +17,10 @@ import pytest
 import torch
 
 import deltackpt
-from tests._dist import free_port, run_ranks
+from tests._dist import free_port, init_gloo, run_ranks
+from tests.distributed._models import MLP
 
 pytestmark = pytest.mark.multiproc
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = torch.nn.Linear(16, 32)
-        self.l2 = torch.nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(x)))
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -70,14 +60,8 @@ def _fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _init(rank: int, world: int, port: int) -> Any:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    return dist.group.WORLD
+def _init(rank: int, world: int, port: int, timeout: float = 60.0) -> Any:
+    return init_gloo(rank, world, port, timeout)
 
 
 def _ckpt(store: str, pg: Any, **kw: Any) -> deltackpt.Checkpointer:

@@ -10,7 +10,6 @@ save failed on one rank only.
 
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Any
 
@@ -32,7 +31,7 @@ from deltackpt.dist.save_plan import (
 )
 from deltackpt.errors import DistributedError
 from deltackpt.format.boxes import tiling_problem
-from tests._dist import free_port, run_ranks
+from tests._dist import free_port, init_gloo, run_ranks
 
 SHAPE = (8, 6)
 
@@ -41,14 +40,8 @@ def _full(step: int) -> torch.Tensor:
     return torch.randn(*SHAPE, generator=torch.Generator().manual_seed(step))
 
 
-def _init(rank: int, world: int, port: int) -> Any:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    return dist.group.WORLD
+def _init(rank: int, world: int, port: int, timeout: float = 60.0) -> Any:
+    return init_gloo(rank, world, port, timeout)
 
 
 def _sharded(full: torch.Tensor, dim: int, rank: int, world: int) -> Any:

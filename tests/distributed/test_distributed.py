@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 
@@ -10,18 +9,14 @@ import pytest
 import torch
 
 import deltackpt
-from tests._dist import free_port, run_ranks
+from tests._dist import free_port, init_gloo, run_ranks
+from tests.distributed._models import MLP
 
 pytestmark = pytest.mark.multiproc
 
 
-def _init(rank: int, world: int, port: int, timeout: float = 30.0) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=timeout),
-    )  # fmt: skip
+def _init(rank: int, world: int, port: int, timeout: float = 30.0) -> object:
+    return init_gloo(rank, world, port, timeout)
 
 
 def full_state(step: int = 0) -> dict[str, torch.Tensor]:
@@ -292,16 +287,6 @@ def test_every_rank_raises_the_same_typed_failures(tmp_path):
     for k, v in full_state(1).items():
         assert torch.equal(got[k], v), k
     assert deltackpt.verify(store).ok
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = torch.nn.Linear(16, 32)
-        self.l2 = torch.nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(x)))
 
 
 def _batch(step: int) -> torch.Tensor:

@@ -4,7 +4,6 @@ from storage per rank, and failures (a corrupt chunk, a dead reader, a dead rece
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 
@@ -12,18 +11,13 @@ import pytest
 import torch
 
 import deltackpt
-from tests._dist import free_port, run_ranks, spawn
+from tests._dist import free_port, init_gloo, run_ranks, spawn
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
-def _init(rank: int, world: int, port: int, timeout: float = 30.0) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=timeout),
-    )  # fmt: skip
+def _init(rank: int, world: int, port: int, timeout: float = 30.0) -> object:
+    return init_gloo(rank, world, port, timeout)
 
 
 def full_state() -> dict[str, torch.Tensor]:
