@@ -32,30 +32,19 @@ receiver copies them out (write + read, as a round through the link windows does
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import time
 from typing import Any
 
 import _common as C
 
+from _sync.job import run_job
+
 
 def _box_all(shape: tuple[int, ...]) -> Any:
     from deltackpt.sync import Box
 
     return Box((0,) * len(shape), shape)
-
-
-def _worker(rank: int, m: int, n: int, cfg: dict[str, Any], port: int, q: Any) -> None:
-    try:
-        q.put((rank, _run(rank, m, n, cfg, port)))
-    except BaseException as e:
-        import traceback
-
-        q.put((rank, {"error": f"{e!r}\n{traceback.format_exc()}"}))
-    q.close()
-    q.join_thread()  # the result is in the pipe
-    os._exit(0)  # skip teardown: gloo's threads may still be waiting on peers that left
 
 
 def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
@@ -230,16 +219,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
 
 
 def bench_mxn(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = C.free_port()
-    procs = [ctx.Process(target=_worker, args=(r, m, n, cfg, port, q)) for r in range(m + n)]
-    for p in procs:
-        p.start()
-    results = C.collect(procs, q, cfg["timeout"])
-    errors = [res["error"] for res in results.values() if "error" in res]
-    if errors or len(results) < m + n:
-        raise SystemExit(f"MxN benchmark failed: {errors or 'timeout / crashed process'}")
+    results = run_job(_run, m, n, cfg, "MxN")
     out = dict(results[0])
     out["payload_total"] = sum(out["links"].values())
     # CPU of the whole job per phase (every rank), and the wall time the machine's cores

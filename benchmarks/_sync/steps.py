@@ -25,26 +25,14 @@ Measured in the same processes, best of ``--repeats``:
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
 import time
 from typing import Any
 
 import _common as C
 
+from _sync.job import run_job
+
 STEPS = {"rl-1e-6": (1e-6, 2), "rl-1e-5": (1e-5, 2), "pretrain": (5e-6, 0)}  # lr, warm-up
-
-
-def _worker(rank: int, m: int, n: int, cfg: dict[str, Any], port: int, q: Any) -> None:
-    try:
-        q.put((rank, _run(rank, m, n, cfg, port)))
-    except BaseException as e:
-        import traceback
-
-        q.put((rank, {"error": f"{e!r}\n{traceback.format_exc()}"}))
-    q.close()
-    q.join_thread()
-    os._exit(0)
 
 
 def _versions(shapes: list[tuple[str, tuple[int, ...]]], step: str, rank: int, m: int) -> Any:
@@ -203,16 +191,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
 
 
 def bench_steps(m: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = C.free_port()
-    procs = [ctx.Process(target=_worker, args=(r, m, n, cfg, port, q)) for r in range(m + n)]
-    for p in procs:
-        p.start()
-    results = C.collect(procs, q, cfg["timeout"])
-    errors = [res["error"] for res in results.values() if "error" in res]
-    if errors or len(results) < m + n:
-        raise SystemExit(f"step benchmark failed: {errors or 'timeout / crashed process'}")
+    results = run_job(_run, m, n, cfg, "step")
     out = dict(results[0])
     trainers = [results[r] for r in range(m)]
     for key in (
