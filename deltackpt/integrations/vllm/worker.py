@@ -1,0 +1,180 @@
+"""Worker side of the ``deltackpt`` vLLM backend: one :class:`~deltackpt.sync.WeightReceiver`
+round per ``update_weights`` call, loaded through the model's own ``load_weights``.
+
+Why the model's ``load_weights`` and vLLM's layerwise reload, not writes into the parameters:
+vLLM fuses and reorders checkpoint tensors (``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj``
+into ``gate_up_proj``), shards them under tensor parallelism, and on CPU repacks every linear
+weight into a kernel layout after loading and drops the parameter (``remove_weight=True``). So
+every tensor goes the checkpoint path: ``initialize_layerwise_reload``, ``model.load_weights``,
+``finalize_layerwise_reload`` (what vLLM's own nccl engine runs), and the kernels are rebuilt.
+
+Why all of that happens inside ``receive_weights`` and ``start_weight_update`` /
+``finish_weight_update`` are no-ops: the layerwise reload takes every layer off its storage
+until it is finalized, and a round that fails makes vLLM drop the update session without
+calling ``finish_weight_update``. Here the reload starts only after every rank voted to commit,
+and is finalized in the same call, so a failed round never touches the model (transactional:
+weights and ``version`` stay those of the last committed round).
+
+Why a delta round loads whole decoder layers: a layer whose reload loads some of its tensors
+is rebuilt from those alone, so every tensor of a decoder layer (the names sharing the
+outermost index, ``model.layers.<i>.``) that had a changed tensor is handed over again, from
+the receiver's committed copies; the tensors outside the layers (embeddings, final norm,
+``lm_head``) form one more group. The wire still carries only the changed elements.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from deltackpt.sync import RoundStats, SyncGroup, WeightReceiver
+
+__all__ = [
+    "DeltackptInitInfo",
+    "DeltackptUpdateInfo",
+    "DeltackptWeightTransferEngine",
+    "layer_key",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeltackptInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join the trainer's :class:`~deltackpt.sync.SyncGroup` (sent by
+    the trainer engine at ``init_weight_transfer_engine``). A worker's rank in the group is
+    ``rank_offset`` + its global vLLM worker rank (data-parallel index x world size + rank)."""
+
+    master_addr: str
+    master_port: int
+    world_size: int
+    trainers: list[int] = field(default_factory=lambda: [0])
+    rank_offset: int = 1
+    links: str = "gloo"
+    timeout: float = 60.0
+    bucket_bytes: int = 64 << 20
+
+
+@dataclass
+class DeltackptUpdateInfo(WeightTransferUpdateInfo):
+    """One round: ``version`` is the trainer's (checked against the committed round)."""
+
+    version: int | None = None
+
+
+def layer_key(name: str) -> str:
+    """The group a checkpoint tensor reloads with: the name up to and including its outermost
+    integer segment (``model.layers.3``), or ``""`` for tensors outside the layer stacks."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, DeltackptUpdateInfo]):
+    """``WeightTransferConfig(backend="deltackpt")`` on the workers (see module doc)."""
+
+    init_info_cls = DeltackptInitInfo
+    update_info_cls = DeltackptUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: SyncGroup | None = None
+        self.receiver: WeightReceiver | None = None
+        self.last_stats: RoundStats | None = None
+        # the receiver's committed copies, by trainer name: the same buffers every round of a
+        # schedule (refreshed by each full round, which hands over every tensor)
+        self._held: dict[str, torch.Tensor] = {}
+
+    def _rank(self, info: DeltackptInitInfo) -> int:
+        from vllm.distributed.parallel_state import get_world_group
+
+        pc = self.parallel_config
+        dp = int(getattr(pc, "data_parallel_index", 0) or 0)
+        return info.rank_offset + dp * pc.world_size + get_world_group().rank_in_group
+
+    def init_transfer_engine(self, init_info: DeltackptInitInfo) -> None:
+        self.shutdown()
+        self.group = SyncGroup(
+            init_info.master_addr,
+            init_info.master_port,
+            self._rank(init_info),
+            init_info.world_size,
+            init_info.trainers,
+            timeout=init_info.timeout,
+            links=init_info.links,
+        )
+        # the wire carries the engine's dtype: the cast runs on the trainer
+        dtype = self.model_config.dtype
+        self.receiver = WeightReceiver(self.group, dtype=dtype, bucket_bytes=init_info.bucket_bytes)
+        self._held = {}
+
+    def start_weight_update(self) -> None:
+        """Nothing: the reload runs inside the round, after its commit (module doc)."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing: a committed round is already loaded and finalized."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":  # the base class's sync, where there is a device
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: DeltackptUpdateInfo) -> None:
+        if self.receiver is None:
+            raise RuntimeError(
+                "deltackpt: update_weights before init_weight_transfer_engine; the trainer "
+                "engine's trainer_init sends the init info"
+            )
+        self.last_stats = self.receiver.pull(self._load)
+        want = update_info.version
+        if want is not None and self.receiver.version != int(want):
+            log.warning(
+                "deltackpt: the trainer announced version %s but the round committed %s",
+                want,
+                self.receiver.version,
+            )
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The committed round's changed tensors, widened to whole layers, into the model."""
+        changed = list(weights)
+        self._held.update(changed)
+        touched = {layer_key(n) for n, _ in changed}
+        batch = [(n, t) for n, t in self._held.items() if layer_key(n) in touched]
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(iter(batch))
+        finally:  # layers that got nothing get their old kernels back
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    # ---- helpers for collective_rpc (tests, monitoring) -----------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The last committed round's version (None before the first)."""
+        return None if self.receiver is None else self.receiver.version
+
+    def committed(self) -> dict[str, torch.Tensor]:
+        """Copies of the tensors of the last committed round, by trainer name."""
+        return {n: t.detach().clone() for n, t in self._held.items()}
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self.receiver = None, None

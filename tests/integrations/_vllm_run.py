@@ -1,0 +1,204 @@
+"""Run by tests/integrations/test_vllm.py in the ``.venv-vllm`` interpreter (vLLM is not in the
+project's test environment): a real CPU vLLM engine with ``backend="deltackpt"``, a trainer in
+this process, several RL-like rounds; writes what it saw as JSON to ``argv[1]``.
+
+Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+PROMPTS = [[1, 2, 3, 4], [17, 300, 5], [400, 9, 9, 2, 77]]
+
+
+def tiny_qwen2(seed: int) -> torch.nn.Module:
+    """A random-initialised two-layer Qwen2 (head_dim 64: CPU attention kernels need it)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine(model_dir: str, transfer: bool) -> Any:
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    kw: dict[str, Any] = {}
+    if transfer:
+        kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
+    return LLM(
+        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+        max_model_len=256, max_num_seqs=4, **kw,
+    )  # fmt: skip
+
+
+def greedy(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=12, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# ---- run on the worker through collective_rpc (cloudpickled by value) ---------------------
+
+
+def _pack(obj: Any) -> bytes:
+    """Tensors as bytes: collective_rpc's serializer turns nested tensors into lists."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(raw: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(raw))
+
+
+def _committed(worker: Any) -> bytes:
+    eng = worker.weight_transfer_engine
+    return _pack((eng.version, eng.committed()))
+
+
+def _readable(worker: Any) -> bytes:
+    """The model's parameters that still hold their values (on CPU vLLM repacks the linear
+    weights into kernels and leaves empty parameters)."""
+    model = worker.model_runner.get_model()
+    return _pack({n: p.detach().clone() for n, p in model.named_parameters() if p.numel()})
+
+
+def _last(worker: Any) -> dict[str, Any]:
+    st = worker.weight_transfer_engine.last_stats
+    return {"full": st.full, "patched": st.patched, "payload": st.payload_bytes}
+
+
+def _tamper(worker: Any) -> None:
+    """Change one committed tensor behind the receiver's back."""
+    held = worker.weight_transfer_engine._held
+    held["model.layers.0.mlp.down_proj.weight"].view(-1)[:8] += 1
+
+
+# ---- checks -------------------------------------------------------------------------------
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(-1), b.view(-1))
+
+
+def expected_readable(sd: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """What vLLM's Qwen2 holds under ``names``, from the trainer's state dict."""
+    out = {}
+    for n in names:
+        if n.endswith("qkv_proj.bias"):
+            p = n.removesuffix("qkv_proj.bias")
+            out[n] = torch.cat([sd[f"{p}{x}_proj.bias"] for x in "qkv"])
+        else:
+            out[n] = sd[n]
+    return out
+
+
+def rl_step(model: torch.nn.Module, share: float, gen: torch.Generator) -> None:
+    """Change about ``share`` of every tensor's elements, a little (an RL step in bf16)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            mask = torch.rand(p.shape, generator=gen) < share
+            p[mask] += (torch.randn(p.shape, generator=gen) * 0.01).to(p.dtype)[mask]
+
+
+def main(out_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
+    from deltackpt.sync import SyncError
+
+    tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-")
+    tiny_qwen2(0).save_pretrained(f"{tmp}/start")  # the engine starts from other weights
+    trainer = tiny_qwen2(1)
+    llm = engine(f"{tmp}/start", transfer=True)
+    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+    res: dict[str, Any] = {"rounds": []}
+    gen = torch.Generator().manual_seed(2)
+
+    def check(tag: str, stats: Any) -> None:
+        sd = {k: v.detach() for k, v in trainer.state_dict().items()}
+        version, got = _unpack(llm.collective_rpc(_committed)[0])
+        readable = _unpack(llm.collective_rpc(_readable)[0])
+        want = expected_readable(sd, list(readable))
+        res["rounds"].append(
+            {
+                "tag": tag,
+                "version": version,
+                "engine_version": llm.get_weight_version(),
+                "full": stats.full,
+                "sent": stats.payload_bytes,
+                "worker": llm.collective_rpc(_last)[0],
+                "committed_identical": got.keys() == sd.keys()
+                and all(same(got[k], sd[k]) for k in sd),
+                "readable_identical": all(same(readable[k], want[k]) for k in readable),
+                "readable": sorted(readable),
+            }
+        )
+
+    check("full", eng.send_weights(trainer.state_dict(), version=1))
+    rl_step(trainer, 0.02, gen)
+    check("delta", eng.send_weights(trainer.state_dict(), version=2))
+    rl_step(trainer, 0.02, gen)
+    check("delta2", eng.send_weights(trainer.state_dict(), version=3))
+    tokens_v3 = greedy(llm)
+    # a worker whose copy changed behind its back: the round fails everywhere, nothing applied
+    llm.collective_rpc(_tamper)
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    rl_step(trainer, 0.02, gen)
+    try:
+        eng.send_weights(trainer.state_dict(), version=4)
+        res["tampered"] = {"raised": None}
+    except SyncError as e:
+        res["tampered"] = {"raised": type(e).__name__}
+    res["tampered"]["engine_version"] = llm.get_weight_version()
+    res["tampered"]["worker_version"] = _unpack(llm.collective_rpc(_committed)[0])[0]
+    res["tampered"]["tokens_unchanged"] = greedy(llm) == tokens_v3
+    del before
+    check("heal", eng.send_weights(trainer.state_dict(), version=5))
+    rl_step(trainer, 0.02, gen)
+    check("delta3", eng.send_weights(trainer.state_dict(), version=6))
+    res["tokens"] = greedy(llm)
+    trainer.save_pretrained(f"{tmp}/final")
+    fresh = engine(f"{tmp}/final", transfer=False)
+    res["fresh_tokens"] = greedy(fresh)
+    fr = _unpack(fresh.collective_rpc(_readable)[0])
+    mine = _unpack(llm.collective_rpc(_readable)[0])
+    res["readable_same_as_fresh"] = fr.keys() == mine.keys() and all(
+        same(fr[k], mine[k]) for k in fr
+    )
+    eng.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

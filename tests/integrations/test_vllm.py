@@ -1,0 +1,77 @@
+"""The ``deltackpt`` vLLM weight-transfer backend against a real CPU vLLM engine.
+
+vLLM is not in the project's test environment (it pins its own transformers, setuptools, ...):
+the engine runs in ``.venv-vllm`` (made by ``.ci/vllm-env``), in a subprocess that runs
+``_vllm_run.py`` and reports what it saw as JSON. Skipped when that environment is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = Path(os.environ.get("DELTACKPT_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.multiproc,
+    pytest.mark.skipif(not PY.exists(), reason=f"no vLLM environment at {PY} (.ci/vllm-env)"),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("vllm") / "out.json"
+    script = Path(__file__).with_name("_vllm_run.py")
+    proc = subprocess.run(
+        [str(PY), str(script), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        pytest.fail(f"the vLLM run failed (exit {proc.returncode}); its output is above")
+    return json.loads(out.read_text())
+
+
+def rounds(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["tag"]: r for r in run["rounds"]}
+
+
+def test_every_round_commits_the_trainers_bits(run):
+    for r in run["rounds"]:
+        assert r["committed_identical"], r["tag"]
+        assert r["readable_identical"], r["tag"]  # embeddings, norms, fused qkv bias, lm_head
+        assert r["engine_version"] == str(r["version"]), r["tag"]
+
+
+def test_first_round_is_full_then_element_sparse_patches(run):
+    rs = rounds(run)
+    assert rs["full"]["full"] and rs["full"]["worker"]["patched"] == 0
+    for tag in ("delta", "delta2", "delta3"):
+        assert not rs[tag]["full"]
+        assert rs[tag]["worker"]["patched"] > 0
+        assert rs[tag]["sent"] < rs["full"]["sent"] / 10  # 2% of the elements changed
+
+
+def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(run):
+    t = run["tampered"]
+    assert t["raised"] == "RoundAbortedError"
+    assert t["engine_version"] == "3" and t["worker_version"] == 3
+    assert t["tokens_unchanged"]
+    heal = rounds(run)["heal"]
+    assert heal["full"] and heal["committed_identical"]
+
+
+def test_greedy_tokens_equal_a_fresh_engine_on_the_same_weights(run):
+    assert run["tokens"] == run["fresh_tokens"]
+    assert run["readable_same_as_fresh"]
