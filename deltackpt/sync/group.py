@@ -1,4 +1,4 @@
-"""The connection of an MxN sync job: a gloo group for point-to-point bucket links, and a
+"""The connection of a sync job (M trainer ranks, N inference ranks): a gloo group for point-to-point bucket links, and a
 TCPStore for setup, the commit vote, aborts and heartbeats.
 
 Why not collectives for control: with a dead rank, a gloo all-reduce fails fast only on the
@@ -49,7 +49,7 @@ def cause_line(e: BaseException) -> str:
 
 
 class SyncGroup:
-    """Every rank of an MxN job (trainers and inference ranks) constructs one with the same
+    """Every rank of a sync job (trainers and inference ranks) constructs one with the same
     ``master_addr``/``master_port``, ``world_size`` and ``trainers`` (ranks that send); rank 0
     hosts the store. ``timeout`` bounds every wait on a live but silent peer; a dead peer is
     detected within ``dead_after`` seconds."""
@@ -95,7 +95,7 @@ class SyncGroup:
             )
         except RuntimeError as e:
             raise PeerLostError(
-                f"rank {self.rank}: cannot join the MxN group at {self.addr}:{port} ({e}); "
+                f"rank {self.rank}: cannot join the sync group at {self.addr}:{port} ({e}); "
                 "every rank must call SyncGroup/reconnect with the same address and port"
             ) from e
         self.seq = 0
@@ -104,7 +104,7 @@ class SyncGroup:
         self._stop = threading.Event()
         hb = dist.TCPStore(self.addr, port, is_master=False, timeout=td, wait_for_workers=False)
         self._beater = threading.Thread(
-            target=self._beat_loop, args=(hb, self._stop), name="mxn-heartbeat", daemon=True
+            target=self._beat_loop, args=(hb, self._stop), name="sync-heartbeat", daemon=True
         )
         self._beater.start()
         self._seen: dict[int, tuple[bytes, float]] = {}
@@ -172,7 +172,7 @@ class SyncGroup:
         """Run a store or gloo call; a failure breaks the connection (PeerLostError)."""
         if self._broken is not None:
             raise PeerLostError(
-                f"rank {self.rank}: the MxN group is broken since {self._broken}; call "
+                f"rank {self.rank}: the sync group is broken since {self._broken}; call "
                 "group.reconnect(new_port) on every surviving rank first"
             )
         try:
@@ -361,7 +361,7 @@ class SyncGroup:
                     errors.append(f"sending to rank {dst} failed ({cause_line(e)})")
             done.set()
 
-        threading.Thread(target=wait_all, name="mxn-drain", daemon=True).start()
+        threading.Thread(target=wait_all, name="sync-drain", daemon=True).start()
         lost: list[str] = []
 
         def ready() -> bool:

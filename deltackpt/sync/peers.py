@@ -1,5 +1,5 @@
-"""Whether a peer process on this host is still alive: the shared-memory transports and the
-MxN heartbeat use it to tell a dead peer from a slow one without waiting for a timeout."""
+"""Whether a peer process on this host is still alive: the shared-memory links and the
+heartbeat of a sync group use it to tell a dead peer from a slow one without waiting for a timeout."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ class WeightReceiver:
         self._targets: list[torch.Tensor] = []
         self._empty: set[int] = set()
         n = min(4, os.cpu_count() or 1) if apply_threads is None else int(apply_threads)
-        self._pool = ThreadPoolExecutor(n, thread_name_prefix="mxn-apply") if n > 1 else None
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="sync-apply") if n > 1 else None
 
     def _decl(self) -> Decl:
         if self.every:

@@ -1,4 +1,4 @@
-"""The MxN transfer schedule: which trainer rank sends which box of which tensor to which
+"""The transfer schedule of weight sync (M trainer ranks -> N inference ranks): which trainer rank sends which box of which tensor to which
 inference rank, computed once at setup from every rank's declaration (``schedule_decl.py``).
 
 Pure and deterministic: every rank builds the same :class:`Schedule` from the same declarations
@@ -105,7 +105,7 @@ def split_box(box: Box, itemsize: int, limit: int) -> list[Box]:
 
 
 class Schedule:
-    """The schedule of one MxN job. Build with :func:`build_schedule`."""
+    """The schedule of one sync job. Build with :func:`build_schedule`."""
 
     def __init__(self, decls: Sequence[Decl], bucket_bytes: int, align: int) -> None:
         if bucket_bytes < align or align < 16 or align & (align - 1):
@@ -122,7 +122,7 @@ class Schedule:
         self.trainers = tuple(d.rank for d in ds if d.trainer)
         self.receivers = tuple(d.rank for d in ds if not d.trainer)
         if not self.trainers or not self.receivers:
-            raise PlanError("an MxN schedule needs at least one trainer and one receiver rank")
+            raise PlanError("a sync schedule needs at least one trainer and one receiver rank")
         self._pos = {r: i for i, r in enumerate(self.receivers)}
         self.tensors = self._collect(ds)
         self._by_name = {t.name: t for t in self.tensors}

@@ -1,4 +1,4 @@
-"""What the ranks of an MxN sync declare: the shards trainers hold, the layout receivers need.
+"""What the ranks of a sync job declare: the shards trainers hold, the layout receivers need.
 
 A trainer rank declares, per tensor, a :class:`Held`: global dtype and shape and the box
 (``offset`` + ``size``) of its local shard — from a DTensor's placements (:func:`held_from`),
@@ -235,7 +235,7 @@ def decl_from_json(data: bytes) -> Decl:
         doc = json.loads(data)
         if doc.get("format") != DECL_FORMAT:
             raise PlanError(
-                f"MxN declaration format {doc.get('format')!r}, this version reads "
+                f"sync declaration format {doc.get('format')!r}, this version reads "
                 f"{DECL_FORMAT}; run the same deltackpt on every rank"
             )
         held = tuple(
@@ -262,5 +262,5 @@ def decl_from_json(data: bytes) -> Decl:
         if isinstance(e, PlanError):
             raise
         raise PlanError(
-            f"malformed MxN declaration ({e}); every rank must run the same deltackpt"
+            f"malformed sync declaration ({e}); every rank must run the same deltackpt"
         ) from e

@@ -112,7 +112,7 @@ class WeightSender:
         self._buckets: list[LinkBucket] = []
         self._ring: list[torch.Tensor] = []
         self._dirty = True
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mxn-pack")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sync-pack")
         self._packer = Packer(group, self.align, self.zero_copy_min, self._detector, self._bases)
 
     @property

@@ -1,4 +1,4 @@
-"""Shared-memory links for MxN sync on one host (``SyncGroup(..., links="shm")``).
+"""Shared-memory links of weight sync on one host (``SyncGroup(..., links="shm")``).
 
 One file per (trainer, receiver) link under ``/dev/shm`` (``deltackpt-mxn-<job>-<s>-<r>``):
 a cell per bucket of the link (the round that published it and its message bytes) and a slot

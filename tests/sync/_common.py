@@ -1,4 +1,4 @@
-"""Shared pieces of the MxN sync tests: the trainer state, its shards and the receiver layouts.
+"""Shared pieces of the sync tests: the trainer state, its shards and the receiver layouts.
 
 World layouts (<= 4 processes): ranks 0 and 1 are trainers holding ``Shard(0)`` of every tensor
 (fp32); the other ranks are inference ranks: ``("tp", i, n)`` holds part ``i`` of ``n`` of each

@@ -1,4 +1,4 @@
-"""Change detection of MxN delta rounds: one trainer -> one receiver holding a column slice
+"""Change detection of delta rounds: one trainer -> one receiver holding a column slice
 (every piece strided in the trainer's tensor), one push per state below; after every round the
 receiver's tensors equal the trainer's and the payload is exactly the changed tensors' pieces.
 

@@ -1,4 +1,4 @@
-"""MxN sync when a rank dies mid-round: every surviving peer raises PeerLostError (not a
+"""Weight sync when a rank dies mid-round: every surviving peer raises PeerLostError (not a
 timeout: the group timeout is 60 s), nothing is applied, and after ``group.reconnect`` with a
 replacement process the next round succeeds bit-exact.
 

@@ -1,4 +1,4 @@
-"""MxN sync end to end: 2 trainer ranks holding DTensor ``Shard(0)`` shards -> inference ranks
+"""Weight sync end to end: 2 trainer ranks holding DTensor ``Shard(0)`` shards -> inference ranks
 in their own layouts (tensor-parallel slices in bf16, or a replicated full copy), over gloo
 point-to-point links and over shared-memory links, in the same processes. Bit-exact after every round, versions advance, bytes per link equal the
 schedule's minimum (the sum of the intersections), delta rounds send only changed pieces.

@@ -1,4 +1,4 @@
-"""The MxN schedule alone (pure, no processes): minimum bytes per link, every receiver element
+"""The sync schedule alone (pure, no processes): minimum bytes per link, every receiver element
 covered exactly once, deterministic buckets both ends agree on, validation errors, and a
 simulated 256 trainer -> 128 inference rank plan (sizes only)."""
 

@@ -1,4 +1,4 @@
-"""MxN shared-memory links are writable by any process that can open their files: a window
+"""Shared-memory links are writable by any process that can open their files: a window
 changed after the trainer published a bucket (its payload; a header flag claiming a
 zero-copy piece, which shm links never carry; the payload length) fails the round on every rank, nothing reaches
 the model, and the next round (full) is bit-exact.

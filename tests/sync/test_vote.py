@@ -1,4 +1,4 @@
-"""The MxN commit vote must never commit a round another rank rejected, whatever the
+"""The commit vote must never commit a round another rank rejected, whatever the
 interleaving: a rejecting rank writes the abort key, then its vote; a rank waiting for the vote
 must read the votes before the abort key (reading "no abort", then every vote, would commit).
 
