@@ -41,10 +41,13 @@ from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.errors import SyncError
 from deltackpt.sync.schedule import LinkBucket
 
-__all__ = ["REST_ROUNDS", "BaseKey", "Bases", "expand"]
+__all__ = ["REST_ROUNDS", "BaseKey", "Bases", "Changes", "expand"]
 
 #: Rounds a piece goes without a base after it changed too much to patch (time-first policy).
 REST_ROUNDS = 8
+
+#: The changed elements of a piece: flat element indices and their new values (raw uints).
+Changes = tuple[np.ndarray, np.ndarray]
 
 #: A piece as bases know it: (tensor index, box offset, box size, wire dtype name).
 BaseKey = tuple[int, tuple[int, ...], tuple[int, ...], str]
@@ -159,10 +162,12 @@ def expand(
     start: int,
     align: int,
     base_of: Callable[[int], torch.Tensor],
-) -> list[int | None]:
+) -> tuple[list[int | None], dict[int, Changes]]:
     """Turn a received bucket with patches into its pieces' new bytes, each whole at its own
-    offset (returned); ``base_of(k)`` is the receiver's current bytes of piece ``k`` (its
-    target box, in the wire dtype). Raises :class:`SyncError` on a malformed patch."""
+    offset; ``base_of(k)`` is the receiver's current bytes of piece ``k`` (its target box, in
+    the wire dtype). Returns the offsets and, per ``PACKED`` piece, its changed elements (flat
+    indices, new values): at commit those are written into the target instead of copying the
+    whole piece. Raises :class:`SyncError` on a malformed patch."""
     flags = header.flags
     if wire.DIRECT in flags:
         raise SyncError("a bucket with patches has zero-copy pieces; the sender never sends both")
@@ -171,6 +176,7 @@ def expand(
     if end > slot.numel():
         raise SyncError(f"its pieces take {end} bytes, the slot holds {slot.numel()}")
     raw = slot.numpy()
+    changes: dict[int, Changes] = {}
     for k in reversed(range(len(bk.pieces))):
         piece, c, d = header.pieces[k], offsets[k], whole[k]
         if piece is None or c is None or d is None:
@@ -189,5 +195,10 @@ def expand(
             )
         wire.copy_into(slot[d : d + n].view(dt).view(base.shape), base)
         out = raw[d : d + n]
-        delta_decode.decode_into(piece.kind, payload, out, dt.itemsize, out)
-    return whole
+        if piece.kind == delta_codec.PACKED:
+            idx, vals = delta_decode.packed_changes(payload, dt.itemsize, n // dt.itemsize)
+            out.view(vals.dtype)[idx] = vals
+            changes[k] = (idx, vals)
+        else:
+            delta_decode.decode_into(piece.kind, payload, out, dt.itemsize, out)
+    return whole, changes

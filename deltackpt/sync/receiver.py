@@ -220,7 +220,7 @@ class WeightReceiver:
             )
         changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool)
         npieces = sum(len(b.pieces) for b in self._buckets)
-        present = sum(sum(o is not None for o in offs) for _, _, offs, _ in st.staged)
+        present = sum(sum(o is not None for o in offs) for _, _, offs, _, _ in st.staged)
         if present == npieces:  # a full round hands over every want, those without bytes too
             changed |= self._empty
         if load_weights is not None:
@@ -236,7 +236,7 @@ class WeightReceiver:
         payload = sum(st.per_link.values())
         zero_copy = sum(
             p.nbytes
-            for bk, _, offs, flags in st.staged
+            for bk, _, offs, flags, _ in st.staged
             for p, o, f in zip(bk.pieces, offs, flags, strict=True)
             if o is not None and f == wire.DIRECT
         )
@@ -323,6 +323,7 @@ class WeightReceiver:
             return
         st.versions.add(h.version)
         offsets = got.offsets
+        changes: dict[int, patches.Changes] = {}
         if h.base is not None:  # patches against the version this rank holds
             if h.base != self.version:
                 st.fail(
@@ -332,7 +333,7 @@ class WeightReceiver:
                 st.mismatch = st.failure
                 return
             try:
-                offsets = patches.expand(
+                offsets, changes = patches.expand(
                     bk,
                     got.slot,
                     h,
@@ -352,7 +353,7 @@ class WeightReceiver:
             st.fail(f"round {h.version}: bucket {bk.index} from rank {bk.sender}: {bad}")
             st.mismatch = st.failure
             return
-        st.staged.append((bk, got.slot, offsets, h.flags))
+        st.staged.append((bk, got.slot, offsets, h.flags, changes))
         st.per_link[bk.sender] = st.per_link.get(bk.sender, 0) + sum(h.lengths)
         st.wire_bytes += payload_start(bk, self.align) + h.payload
 
