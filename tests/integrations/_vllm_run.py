@@ -12,9 +12,11 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from typing import Any
 
 import torch
+from _vllm_kill import kill_round
 
 PROMPTS = [[1, 2, 3, 4], [17, 300, 5], [400, 9, 9, 2, 77]]
 
@@ -186,6 +188,35 @@ def main(out_path: str) -> None:
     check("heal", eng.send_weights(trainer.state_dict(), version=5))
     rl_step(trainer, 0.02, gen)
     check("delta3", eng.send_weights(trainer.state_dict(), version=6))
+    eng.shutdown()
+    tokens_v6 = greedy(llm)
+    # a trainer process killed mid-round (os._exit): the engine stays on what it committed
+    killed = kill_round(llm, trainer.state_dict(), free_port(), 7, lambda: greedy(llm))
+    killed["engine_version"] = llm.get_weight_version()
+    killed["worker_version"] = _unpack(llm.collective_rpc(_committed)[0])[0]
+    killed["tokens_unchanged"] = greedy(llm) == killed["marked"]
+    killed["tokens_moved"] = killed["marked"] != tokens_v6
+    res["killed"] = killed
+    # a replacement trainer joins on a new port (init_weight_transfer_engine again): full round
+    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+    rl_step(trainer, 0.02, gen)
+    check("replaced", eng.send_weights(trainer.state_dict(), version=8))
+    rl_step(trainer, 0.02, gen)
+    check("replaced_delta", eng.send_weights(trainer.state_dict(), version=9))
+    # a trainer that refuses its tensors (not what the schedule was built for) before a round
+    bad = dict(trainer.state_dict())
+    del bad["lm_head.weight"]
+    t0 = time.monotonic()
+    try:
+        eng.send_weights(bad, version=10)
+        res["refused"] = {"raised": None}
+    except SyncError as e:
+        res["refused"] = {"raised": type(e).__name__}
+    res["refused"]["seconds"] = time.monotonic() - t0
+    res["refused"]["engine_version"] = llm.get_weight_version()
+    rl_step(trainer, 0.02, gen)
+    check("after_refusal", eng.send_weights(trainer.state_dict(), version=10))
     res["tokens"] = greedy(llm)
     trainer.save_pretrained(f"{tmp}/final")
     fresh = engine(f"{tmp}/final", transfer=False)

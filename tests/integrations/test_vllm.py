@@ -57,7 +57,7 @@ def test_every_round_commits_the_trainers_bits(run):
 def test_first_round_is_full_then_element_sparse_patches(run):
     rs = rounds(run)
     assert rs["full"]["full"] and rs["full"]["worker"]["patched"] == 0
-    for tag in ("delta", "delta2", "delta3"):
+    for tag in ("delta", "delta2", "delta3", "replaced_delta", "after_refusal"):
         assert not rs[tag]["full"]
         assert rs[tag]["worker"]["patched"] > 0
         assert rs[tag]["sent"] < rs["full"]["sent"] / 10  # 2% of the elements changed
@@ -75,3 +75,30 @@ def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(run):
 def test_greedy_tokens_equal_a_fresh_engine_on_the_same_weights(run):
     assert run["tokens"] == run["fresh_tokens"]
     assert run["readable_same_as_fresh"]
+
+
+def test_a_trainer_killed_mid_round_leaves_the_previous_version(run):
+    k = run["killed"]
+    assert k["exitcode"] == 17  # died in Packer.message, 2nd bucket of its second round
+    assert k["calls"][-2:] == ["start_weight_update", "update_weights"]
+    failed = k["failed"]
+    assert failed["call"] == "update_weights"
+    # vLLM hands the driver a plain Exception with the worker's message, which names the type
+    assert "deltackpt PeerLostError" in failed["message"]
+    assert failed["seconds"] < 10  # the group timeout is 60 s
+    assert k["engine_version"] == "7" and k["worker_version"] == 7
+    assert k["tokens_moved"] and k["tokens_unchanged"]  # still the tokens of version 7
+
+
+def test_a_replacement_trainer_reconnects_and_a_full_round_heals(run):
+    rs = rounds(run)
+    assert rs["replaced"]["full"] and rs["replaced"]["committed_identical"]
+    assert rs["replaced"]["engine_version"] == "8"
+    assert not rs["replaced_delta"]["full"] and rs["replaced_delta"]["committed_identical"]
+
+
+def test_a_trainer_refusing_its_tensors_fails_fast_and_leaves_the_engine(run):
+    r = run["refused"]
+    assert r["raised"] == "PlanError"
+    assert r["seconds"] < 5 and r["engine_version"] == "9"
+    assert rounds(run)["after_refusal"]["committed_identical"]

@@ -27,7 +27,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltackpt.integrations.vllm import BACKEND, register
-from deltackpt.sync import RoundStats, SyncGroup, WeightSender
+from deltackpt.sync import PlanError, RoundStats, SyncGroup, WeightSender
+from deltackpt.sync.schedule_decl import Held, held_from
 
 __all__ = ["DeltackptTrainerEngine", "DeltackptTrainerInitInfo", "LocalLLMClient"]
 
@@ -86,6 +87,9 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: SyncGroup | None = None
         self.sender: WeightSender | None = None
+        # what the schedule was built for (names, dtypes, shapes, boxes): checked before the
+        # engine is asked into a round (see send_weights)
+        self._declared: tuple[Held, ...] | None = None
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-vllm-rpc")
 
     @classmethod
@@ -158,18 +162,50 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             tensors = dict(iter(self.source))
         if version is None:
             version = (self.sender.version or 0) + 1
+        if not isinstance(tensors, Mapping):
+            tensors = dict(tensors)
+        self._check_declared(tensors)
         if not self.is_sender:
-            return self.sender.push(tensors, version=version, full=full)
+            return self._push(tensors, version, full)
         self.client.start_weight_update()
         rpc = self._rpc.submit(self.client.update_weights, {"version": int(version)})
         try:
-            stats = self.sender.push(tensors, version=version, full=full)
+            stats = self._push(tensors, version, full)
         except BaseException:
             rpc.exception()  # the workers fail the same round; wait for their answer
             raise
         rpc.result()
         self.client.finish_weight_update(str(version))
         return stats
+
+    def _check_declared(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse tensors the schedule was not built for before ``start_weight_update``: the
+        sender would refuse them on this rank alone, before the round, and the workers would
+        wait in ``update_weights`` until the group timeout. (With several trainer ranks, a
+        rank other than 0 that refuses still leaves them waiting.)"""
+        if self._declared is None:
+            return  # the first round: a setup failure fails every rank at once
+        assert self.sender is not None
+        held, _ = held_from(tensors, self.sender.dtype)
+        if tuple(held) != self._declared:
+            mine = {h.name: h for h in self._declared}
+            diff = sorted({h.name for h in held} ^ set(mine)) or [
+                h.name for h in held if mine.get(h.name) != h
+            ]
+            raise PlanError(
+                "send_weights got different tensors (names, dtypes, shapes or shard boxes) "
+                f"than the schedule was built for (first: {diff[:3]}); nothing was sent and "
+                "the engine keeps its weights. Start a new trainer engine (trainer_init) to "
+                "re-plan"
+            )
+
+    def _push(self, tensors: Mapping[str, torch.Tensor], version: int, full: bool) -> RoundStats:
+        assert self.sender is not None
+        try:
+            return self.sender.push(tensors, version=version, full=full)
+        finally:
+            if self._declared is None and self.sender.schedule is not None:
+                self._declared = tuple(held_from(tensors, self.sender.dtype)[0])
 
     def shutdown(self) -> None:
         if self.group is not None:

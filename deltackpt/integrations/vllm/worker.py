@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltackpt.sync import RoundStats, SyncGroup, WeightReceiver
+from deltackpt.sync import RoundStats, SyncError, SyncGroup, WeightReceiver
 
 __all__ = [
     "DeltackptInitInfo",
@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+# groups this worker left (a new trainer, a lost one): kept referenced, never destroyed, since
+# tearing down a gloo group with receives still posted (a round its trainer died in) blocks
+# until the group timeout
+_RETIRED: list[SyncGroup] = []
 
 
 @dataclass
@@ -137,7 +141,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
                 "deltackpt: update_weights before init_weight_transfer_engine; the trainer "
                 "engine's trainer_init sends the init info"
             )
-        self.last_stats = self.receiver.pull(self._load)
+        try:
+            self.last_stats = self.receiver.pull(self._load)
+        except SyncError as e:  # vLLM hands the driver str(e) only: name the type in it
+            raise type(e)(f"deltackpt {type(e).__name__}: {e}") from e
         want = update_info.version
         if want is not None and self.receiver.version != int(want):
             log.warning(
@@ -177,4 +184,5 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.close()
+            _RETIRED.append(self.group)
         self.group, self.receiver = None, None
