@@ -219,10 +219,15 @@ class SyncGroup:
         failed: list[str] = []
 
         def ready() -> bool:
+            # every rank's data first: when it all arrived, this rank checks it itself and
+            # raises its own error for a disagreement every rank sees (the same PlanError on
+            # every rank, whichever rank posted its failure first)
+            if self.store.check(keys):
+                return True
             if self.store.check([fail]):
                 failed.append(bytes(self.store.get(fail)).decode(errors="replace"))
                 return True
-            return bool(self.store.check(keys))
+            return False
 
         self.wait_until(ready, f"waiting for every rank's {key}", None)
         if failed:
