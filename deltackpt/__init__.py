@@ -14,6 +14,7 @@ from deltackpt.dist.load import load
 from deltackpt.interop import ExportReport, export_hf, import_checkpoint
 from deltackpt.interop.peft import export_peft
 from deltackpt.loading.lazy import SnapshotReader, open_snapshot
+from deltackpt.loading.stats import LoadStats
 from deltackpt.options import LoadOptions, SaveOptions
 from deltackpt.rng import capture as get_rng_state
 from deltackpt.rng import restore as set_rng_state
@@ -28,6 +29,7 @@ __all__ = [
     "ExportReport",
     "GcReport",
     "LoadOptions",
+    "LoadStats",
     "SaveHandle",
     "SaveOptions",
     "SnapshotInfo",

@@ -101,6 +101,22 @@ class StateMismatchError(DeltackptError, ValueError):
     """``load(into=...)`` found keys, shapes or dtypes that differ from the snapshot."""
 
 
+class HeldVersionMismatchError(StateMismatchError):
+    """``load(into=..., since=held)`` found that ``into`` does not hold snapshot ``held`` where
+    the incremental load would rely on it (a chunk it would skip or patch hashes differently).
+    Raised before anything is written: ``into`` is unchanged. ``key`` is a key path of ``into``
+    whose bytes differ (one of ``keys`` when the chunk holds several small tensors)."""
+
+    def __init__(
+        self, message: str, *, key: str, keys: tuple[str, ...] = (), snapshot: str, held: str
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.keys = keys or (key,)
+        self.snapshot = snapshot
+        self.held = held
+
+
 class CorruptChunkError(DeltackptError, ValueError):
     """A chunk's bytes do not match its digest, or its pack is missing or short.
 

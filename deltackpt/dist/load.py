@@ -42,6 +42,8 @@ from deltackpt.loading import assemble
 from deltackpt.loading.plan import Reads, np_bytes, storage_view
 from deltackpt.loading.reshard import intersect, sub_slices
 from deltackpt.loading.select import KeySelection, Select, key_filter
+from deltackpt.loading.since import catch_up
+from deltackpt.loading.stats import LoadStats
 from deltackpt.options import LoadOptions
 from deltackpt.store.chunks import fresh_u8
 from deltackpt.store.local import LocalStorage
@@ -59,6 +61,8 @@ def load(
     process_group: Any = None,
     mode: str = "all_ranks",
     keys: KeySelection = None,
+    since: str | None = None,
+    stats: LoadStats | None = None,
     **kwargs: Any,
 ) -> Any:
     """Load snapshot ``name`` (default: the latest committed one).
@@ -89,9 +93,28 @@ def load(
       and every rank needs every byte (no ``into``, or ``into`` holding only plain tensors and
       fully replicated DTensors, on every rank); ``all_ranks`` otherwise.
 
+    ``since`` (with ``into``) is an incremental load: ``into`` holds snapshot ``since`` and is
+    brought to ``name`` reading only what differs. A chunk with the same digest at the same bytes
+    of the same key in both is not read; an xor chunk whose delta chain reaches the chunk
+    ``into`` holds there is applied in place from its payloads; anything else (and tied storages,
+    saved shards, targets that are not contiguous CPU tensors) is read whole. It fails closed:
+    every chunk of ``since`` the load relies on is rebuilt from ``into``'s bytes and hashed
+    first (all of them with ``verify=True``, the default; only the patched ones otherwise), every
+    patched result is checked against its digest, and new bytes are staged and written only once
+    all checks passed, so :class:`~deltackpt.errors.HeldVersionMismatchError` (``into`` does not
+    hold ``since``; it names the key) or any read error leaves ``into`` unchanged. The staging
+    costs memory the size of the changed chunks. A missing ``since`` raises
+    :class:`~deltackpt.errors.SnapshotNotFoundError`; only its manifest is read, never its packs.
+    With ``process_group`` use ``mode="all_ranks"`` (``"auto"`` picks it): every rank stages
+    its own part, and no rank writes unless every rank's checks passed.
+
+    ``stats`` (a :class:`~deltackpt.LoadStats`, filled in place) counts the bytes read from the
+    store and the chunks read, left unchanged or patched (``all_ranks`` loads: this rank's).
+
     >>> state = deltackpt.load("ckpts")                                            # doctest: +SKIP
     >>> deltackpt.load("ckpts", into=sd, process_group=pg, mode="broadcast")        # doctest: +SKIP
     >>> deltackpt.load("ckpts", keys=lambda k: ".experts.3." in k)                 # doctest: +SKIP
+    >>> deltackpt.load("ckpts", "step-200", into=sd, since="step-100")              # doctest: +SKIP
     """
     opts = LoadOptions.from_kwargs(options, kwargs)
     if mode not in MODES:
@@ -101,12 +124,20 @@ def load(
             "sends) or 'auto'"
         )
     select = key_filter(keys)  # a bad keys= fails here, on every rank, before any collective
+    if since is not None:
+        if mode == "broadcast":
+            raise InvalidArgumentError(
+                f"load(since={since!r}, mode='broadcast') is not supported: an incremental load "
+                "reads on every rank what that rank's into= lacks. Pass mode='all_ranks' (or "
+                "'auto')"
+            )
+        return catch_up(store, name, since, into, opts, select, process_group, stats)
     if process_group is not None and mode != "all_ranks":
         group = Group(process_group)
         if mode == "broadcast" or _auto_broadcasts(group, store, into):
             return BroadcastLoad(group, name, opts, select).run(store, into)
     return assemble.load(
-        store, name, into=into, options=opts, process_group=process_group, keys=keys
+        store, name, into=into, options=opts, process_group=process_group, keys=keys, stats=stats
     )
 
 

@@ -26,13 +26,14 @@ from deltackpt.errors import (
 )
 from deltackpt.format.dcp_nesting import nested_manifest
 from deltackpt.format.dcp_values import decode_byte_values
-from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
+from deltackpt.format.dtensor import is_dtensor, local_tensor
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest, TensorEntry
 from deltackpt.format.tree import Node, _key_segment, flatten, tensor_paths, unflatten, value_leaves
 from deltackpt.loading.homes import storage_homes
-from deltackpt.loading.plan import Reads, read_entry
+from deltackpt.loading.plan import Reads, copy_into, read_entry
 from deltackpt.loading.select import KeySelection, Select, key_filter, prune_tree
+from deltackpt.loading.stats import LoadStats, pack_readers
 from deltackpt.options import LoadOptions
 from deltackpt.store.store import LATEST, Store, open_store
 
@@ -45,20 +46,23 @@ def load(
     options: LoadOptions | None = None,
     process_group: Any = None,
     keys: KeySelection = None,
+    stats: LoadStats | None = None,
     **kwargs: Any,
 ) -> Any:
     """One process's load of snapshot ``name``: the ``all_ranks`` path of the public
     :func:`deltackpt.load` (``deltackpt/dist/load.py``, which documents the arguments and adds
     ``mode=``). Every rank reads the saved pieces overlapping its own ``into`` shards (or the
     whole state without ``into``); ``process_group`` makes every rank raise if any rank fails;
-    ``keys`` filters before any planning or read (:mod:`deltackpt.loading.select`).
+    ``keys`` filters before any planning or read (:mod:`deltackpt.loading.select`); ``stats``
+    (a :class:`~deltackpt.loading.stats.LoadStats`) counts what was read.
     """
     opts = LoadOptions.from_kwargs(options, kwargs)
     select = key_filter(keys)
     if process_group is not None:
-        return _agree(process_group, lambda: load(store, name, into=into, options=opts, keys=keys))
+        again = lambda: load(store, name, into=into, options=opts, keys=keys, stats=stats)  # noqa: E731
+        return _agree(process_group, again)
     st = open_store(store, create=False)
-    return _retrying(st, st.manifest(name), lambda m: _load_once(st, m, into, opts, select))
+    return _retrying(st, st.manifest(name), lambda m: _load_once(st, m, into, opts, select, stats))
 
 
 def load_reusing(
@@ -96,7 +100,7 @@ def load_reusing(
             for i, t in _read_entries(st, m, opts, wanted, targets).items():
                 dst = targets[m.tensors[i].path]
                 if t is not dst:
-                    _copy_into(dst, t, m.tensors[i].path)
+                    copy_into(dst, t, m.tensors[i].path)
         return _load_new(st, m, opts, {i: targets[m.tensors[i].path] for i in wanted})
 
     return _retrying(st, st.manifest(name), once)
@@ -109,17 +113,6 @@ def _reusable(t: Any, e: TensorEntry) -> bool:
         and tuple(t.shape) == e.shape
         and t.dtype == dtype_from_name(e.dtype)
     )
-
-
-def _copy_into(dst: torch.Tensor, t: torch.Tensor, path: str) -> None:
-    """Copy a whole tensor ``t`` into ``dst``: a DTensor takes only its own box of it."""
-    if is_dtensor(dst):  # saved as one shared storage: copy this rank's part
-        offsets, shape = local_box(dst, path)
-        for d, (o, n) in enumerate(zip(offsets, shape, strict=True)):
-            t = t.narrow(d, o, n)
-        local_tensor(dst).copy_(t)
-    else:
-        dst.copy_(t)
 
 
 def _retrying(st: Store, m: Manifest, fn: Callable[[Manifest], Any]) -> Any:
@@ -137,12 +130,17 @@ def _retrying(st: Store, m: Manifest, fn: Callable[[Manifest], Any]) -> Any:
 
 
 def _load_once(
-    st: Store, m: Manifest, into: Any, opts: LoadOptions, select: Select | None = None
+    st: Store,
+    m: Manifest,
+    into: Any,
+    opts: LoadOptions,
+    select: Select | None = None,
+    stats: LoadStats | None = None,
 ) -> Any:
     m = nested_manifest(m)  # a DCP-written snapshot: the nesting DCP flattened
     if into is None:
-        return _load_new(st, m, opts, select=select)
-    _load_into(st, m, into, opts, select)
+        return _load_new(st, m, opts, select=select, stats=stats)
+    _load_into(st, m, into, opts, select, stats)
     return into
 
 
@@ -209,6 +207,7 @@ def _read_entries(
     opts: LoadOptions,
     wanted: list[int],
     targets: dict[str, torch.Tensor] | None = None,
+    stats: LoadStats | None = None,
 ) -> dict[int, torch.Tensor]:
     """One read pass over the entries ``wanted`` (indices into ``m.tensors``): new tensors, or
     with ``targets`` (by key path) the tensors to read in place where they can be (see
@@ -223,8 +222,10 @@ def _read_entries(
         i: read_entry(r, m.tensors[i], None if targets is None else targets[m.tensors[i].path])
         for i in wanted
     }
-    with st.pack_readers() as packs:
+    with pack_readers(st, stats) as packs:
         r.run(packs, opts.verify, opts.threads, "deltackpt-load")
+    if stats is not None:
+        stats.chunks_read += len(r.jobs)
     return out
 
 
@@ -234,6 +235,7 @@ def _load_new(
     opts: LoadOptions,
     provided: dict[int, torch.Tensor] | None = None,
     select: Select | None = None,
+    stats: LoadStats | None = None,
 ) -> Any:
     """The snapshot (its ``select``-ed leaves) as new CPU tensors; tensors in ``provided`` (by
     index, already filled) are used as they are instead of being read."""
@@ -242,7 +244,7 @@ def _load_new(
     if select is not None:
         tree, wanted = prune_tree(m.tree, select)
     _check_memory(m, provided, wanted)
-    new = _read_entries(st, m, opts, [i for i in sorted(wanted) if i not in provided])
+    new = _read_entries(st, m, opts, [i for i in sorted(wanted) if i not in provided], None, stats)
     tensors = [
         provided[i] if i in provided else _finish(new[i], e) if i in new else None
         for i, e in enumerate(m.tensors)
@@ -260,7 +262,12 @@ def _finish(t: torch.Tensor, e: TensorEntry) -> torch.Tensor:
 
 
 def _load_into(
-    st: Store, m: Manifest, into: Any, opts: LoadOptions, select: Select | None = None
+    st: Store,
+    m: Manifest,
+    into: Any,
+    opts: LoadOptions,
+    select: Select | None = None,
+    stats: LoadStats | None = None,
 ) -> None:
     _, leaves = flatten(into, allow_pickle=True, check_tensors=False)
     targets = {leaf.path: leaf.tensor for leaf in leaves if select is None or select(leaf.path)}
@@ -269,12 +276,12 @@ def _load_into(
 
     # Read every needed tensor into fresh buffers (or straight into CPU targets), then copy_.
     wanted = [i for p, i in saved.items() if p in targets]
-    new = _read_entries(st, m, opts, wanted, targets)
+    new = _read_entries(st, m, opts, wanted, targets, stats)
     with torch.no_grad():
         for i, t in new.items():
             dst = targets[m.tensors[i].path]
             if t is not dst:
-                _copy_into(dst, t, m.tensors[i].path)
+                copy_into(dst, t, m.tensors[i].path)
     _assign_values(m.tree, into, opts, select)
 
 

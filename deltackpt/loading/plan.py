@@ -78,6 +78,17 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def copy_into(dst: torch.Tensor, t: torch.Tensor, path: str) -> None:
+    """Copy a whole tensor ``t`` into ``dst``: a DTensor takes only its own box of it."""
+    if is_dtensor(dst):  # saved as one shared storage: copy this rank's part
+        offsets, shape = local_box(dst, path)
+        for d, (o, n) in enumerate(zip(offsets, shape, strict=True)):
+            t = t.narrow(d, o, n)
+        local_tensor(dst).copy_(t)
+    else:
+        dst.copy_(t)
+
+
 def _takes_bytes(dst: torch.Tensor) -> bool:
     """A target a whole entry's bytes can be read into in place."""
     return (

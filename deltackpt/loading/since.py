@@ -1,0 +1,371 @@
+"""``load(into=..., since=held)``: catch up from the snapshot ``into`` holds to another one.
+
+Why: a follower (an evaluation worker, an inference engine, a restarted rollout worker) holds
+snapshot ``held`` and wants a later one; most of the state is unchanged, and the store keeps
+changed chunks as xor deltas against the previous save. So each chunk the target snapshot puts
+into ``into`` (for the key paths ``into`` receives) is one of:
+
+* **unchanged**: ``held`` has the same chunk at the same bytes of the same key: not read;
+* **patched**: an xor chunk whose delta chain reaches the chunk ``held`` has there: only the
+  payloads above that chunk are read, and xor-ed onto the bytes ``into`` holds;
+* **read**: anything else, read whole (decoded down its chain) as a plain load reads it. So are
+  the entries this cannot address byte by byte: views of a shared storage (tied weights), saved
+  shards, and targets that are not contiguous CPU tensors (DTensors, GPU tensors).
+
+Fail closed, in two phases. :func:`prepare` writes nothing into ``into``: it rebuilds, from
+``into``'s own bytes, every chunk of ``held`` that a skipped or patched chunk relies on and hashes
+it against ``held``'s digest (:class:`~deltackpt.errors.HeldVersionMismatchError` otherwise),
+hashes every patched result against the target's digest, lets the read engine verify what it
+reads, and stages all new bytes in fresh buffers. :meth:`CatchUp.commit` then only copies them in.
+A failure anywhere in :func:`prepare` therefore leaves ``into`` as it was; the price is staging
+memory the size of the changed chunks (the whole state when everything changed). Unchanged
+chunks are hashed only with ``verify=True`` (the default): with ``verify=False`` they are
+trusted, as a plain load trusts what it reads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from deltackpt.errors import (
+    CodecError,
+    CorruptChunkError,
+    HeldVersionMismatchError,
+    InvalidArgumentError,
+)
+from deltackpt.format import codecs
+from deltackpt.format.dcp_nesting import nested_manifest
+from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
+from deltackpt.format.dtypes import dtype_from_name
+from deltackpt.format.hashing import digest
+from deltackpt.format.manifest import Manifest, TensorEntry
+from deltackpt.format.tree import flatten
+from deltackpt.loading.assemble import _agree, _assign_values, _check_into, _retrying
+from deltackpt.loading.plan import Reads, copy_into, np_bytes, plain_cpu, read_entry
+from deltackpt.loading.select import Select
+from deltackpt.loading.stats import LoadStats, pack_readers
+from deltackpt.options import LoadOptions
+from deltackpt.store.chunks import ChunkReader
+from deltackpt.store.store import Store, open_store
+
+Ref = tuple[str, int, int, int]  # (key path, byte offset in the tensor, start in chunk, length)
+_T = TypeVar("_T")
+_U = TypeVar("_U")
+
+
+@dataclass
+class HeldIndex:
+    """Where snapshot ``held`` keeps which chunk: by (key path, byte offset in the tensor), and
+    per chunk every place ``held`` uses it (what rebuilding it from ``into`` needs)."""
+
+    at: dict[tuple[str, int], tuple[str, int, int]]
+    refs: dict[str, list[Ref]]
+    opaque: set[str]  # chunks held also uses in shared storages or saved shards
+
+    @staticmethod
+    def of(h: Manifest) -> HeldIndex:
+        at: dict[tuple[str, int], tuple[str, int, int]] = {}
+        refs: dict[str, list[Ref]] = {}
+        opaque: set[str] = set()
+        for e in h.tensors:
+            if e.data is None:  # shards; a storage view's bytes are in h.storages
+                opaque.update(d for d, _, _ in e.all_slices())
+                continue
+            pos = 0
+            for d, s, n in e.data:
+                at[(e.path, pos)] = (d, s, n)
+                refs.setdefault(d, []).append((e.path, pos, s, n))
+                pos += n
+        for _, data in h.storages:
+            opaque.update(d for d, _, _ in data)
+        return HeldIndex(at, refs, opaque)
+
+
+@dataclass
+class CatchUp:
+    """One prepared incremental load: new bytes staged, and where each goes in ``into``."""
+
+    mem: dict[str, np.ndarray]  # into's bytes by key path (contiguous CPU targets)
+    chunks: dict[str, np.ndarray] = field(default_factory=dict)  # digest -> new raw bytes
+    refs: dict[str, list[Ref]] = field(default_factory=dict)  # digest -> its places in into
+    copies: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
+
+    def commit(self) -> None:
+        """Copy the staged bytes into ``into`` (memory copies only: nothing left can fail on
+        CPU targets; a GPU target's ``copy_`` is the one step that still could)."""
+        for d, new in self.chunks.items():
+            for p, pos, s, n in self.refs[d]:
+                self.mem[p][pos : pos + n] = new[s : s + n]
+        with torch.no_grad():
+            for dst, t, path in self.copies:
+                copy_into(dst, t, path)
+
+
+def held_bytes(h: Manifest, leaves: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The bytes of every tensor of ``into`` that can hold ``h``'s entry at its key path: a
+    contiguous CPU tensor with that entry's dtype and shape (whatever is selected for loading:
+    a chunk of small tensors is rebuilt from all of them)."""
+    out: dict[str, np.ndarray] = {}
+    for e in h.tensors:
+        t = leaves.get(e.path)
+        if (
+            e.data is not None
+            and isinstance(t, torch.Tensor)
+            and plain_cpu(t)
+            and t.is_contiguous()
+            and t.numel() > 0
+            and tuple(t.shape) == e.shape
+            and t.dtype == dtype_from_name(e.dtype)
+        ):
+            out[e.path] = np_bytes(t.detach().reshape(-1).view(torch.uint8))
+    return out
+
+
+class _Planner:
+    """Sorts the target snapshot's chunks into unchanged / patched / read (see the module)."""
+
+    def __init__(self, h: Manifest, mem: dict[str, np.ndarray]) -> None:
+        self.h, self.mem, self.index = h, mem, HeldIndex.of(h)
+        self._rebuildable: dict[str, bool] = {}
+
+    def rebuildable(self, b: str) -> bool:
+        """``held``'s chunk ``b`` can be rebuilt from ``into``: every place ``held`` uses it is a
+        contiguous CPU target, and those places are disjoint ranges of the chunk (or the same
+        range twice: identical tensors) -- the rest of a group chunk is zero padding."""
+        ok = self._rebuildable.get(b)
+        if ok is None:
+            refs = self.index.refs.get(b)
+            ok = bool(refs) and b not in self.index.opaque and b in self.h.chunks
+            if ok and refs:
+                ok = all(p in self.mem for p, _, _, _ in refs)
+                end = 0
+                for s, n in sorted({(s, n) for _, _, s, n in refs}):
+                    ok = ok and s >= end
+                    end = s + n
+            self._rebuildable[b] = ok
+        return ok
+
+    def placed(self, b: str, refs: list[Ref]) -> bool:
+        """``into`` holds ``held``'s chunk ``b`` exactly where the target wants ``refs``."""
+        at = self.index.at
+        return self.rebuildable(b) and all(at.get((p, pos)) == (b, s, n) for p, pos, s, n in refs)
+
+    def base_in_chain(self, m: Manifest, d: str, refs: list[Ref]) -> tuple[str, list[str]] | None:
+        """For an xor chunk ``d``: the first chunk down its chain that ``into`` holds in place,
+        and the chain members above it (``d`` first); None when the chain never reaches one."""
+        above, cur = [d], m.chunks[d]
+        while cur.base is not None and len(above) <= 64:  # validated: chains end within 64
+            if self.placed(cur.base, refs):
+                return cur.base, above
+            above.append(cur.base)
+            cur = m.chunks[cur.base]
+        return None
+
+    def rebuild(self, b: str) -> tuple[np.ndarray, str | None]:
+        """``held``'s chunk ``b`` as ``into`` holds it, and the key of a duplicate place whose
+        bytes disagree with the first (None: consistent)."""
+        refs, size = self.index.refs[b], self.h.chunks[b].size
+        if len(refs) == 1 and refs[0][2] == 0 and refs[0][3] == size:
+            p, pos, _, n = refs[0]
+            return self.mem[p][pos : pos + n], None  # one tensor's bytes: no copy
+        buf = np.zeros(size, dtype=np.uint8)  # group chunks: gaps are zero (format.md)
+        placed: set[tuple[int, int]] = set()
+        for p, pos, s, n in refs:
+            src = self.mem[p][pos : pos + n]
+            if (s, n) in placed:
+                if not np.array_equal(buf[s : s + n], src):
+                    return buf, p
+            else:
+                buf[s : s + n] = src
+                placed.add((s, n))
+        return buf, None
+
+
+def _each(fn: Callable[[_T], _U], items: list[_T], threads: int) -> list[_U]:
+    """``fn`` over ``items`` on up to ``threads`` threads (hashing and zstd release the GIL)."""
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="deltackpt-since") as ex:
+        return list(ex.map(fn, items))
+
+
+def _stage_entry(r: Reads, e: TensorEntry, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan a whole entry's read into fresh memory: (where it goes, what will hold it)."""
+    if is_dtensor(dst) and e.storage is None:  # only this rank's box of the saved pieces
+        local = local_tensor(dst)
+        buf = torch.empty(local.shape, dtype=local.dtype)
+        r.box(e, buf, local_box(dst, e.path))
+        return local, buf
+    return dst, read_entry(r, e)
+
+
+def prepare(
+    st: Store,
+    m: Manifest,
+    h: Manifest,
+    wanted: list[int],
+    targets: dict[str, torch.Tensor],
+    leaves: dict[str, torch.Tensor],
+    opts: LoadOptions,
+    stats: LoadStats | None = None,
+) -> CatchUp:
+    """Stage the catch-up of ``into`` from snapshot ``h`` to ``m`` without writing into it.
+
+    ``wanted`` indexes the entries of ``m`` to load, ``targets`` their tensors in ``into`` by key
+    path (already checked for shape and dtype); ``leaves`` are all of ``into``'s tensors, whose
+    bytes rebuild ``h``'s chunks."""
+    stats = stats if stats is not None else LoadStats()
+    up = CatchUp(held_bytes(h, leaves))
+    plan = _Planner(h, up.mem)
+    want: dict[str, list[Ref]] = {}  # target chunk -> its places in contiguous CPU targets
+    whole: list[int] = []
+    for i in wanted:
+        e = m.tensors[i]
+        if e.data is None or e.path not in up.mem:  # read whole, copied in at commit
+            whole.append(i)
+            continue
+        pos = 0
+        for d, s, n in e.data:
+            want.setdefault(d, []).append((e.path, pos, s, n))
+            pos += n
+    up.refs = want
+
+    unchanged: list[str] = []
+    patches: list[tuple[str, str, list[str]]] = []  # (target chunk, held base, chain above it)
+    read: list[str] = []
+    for d, refs in want.items():
+        if plan.placed(d, refs):
+            unchanged.append(d)
+        elif m.chunks[d].codec == codecs.XOR and (found := plan.base_in_chain(m, d, refs)):
+            patches.append((d, *found))
+        else:
+            read.append(d)
+
+    # 1. into holds held wherever we rely on it: checked before anything is read or written.
+    check = sorted({b for _, b, _ in patches} | (set(unchanged) if opts.verify else set()))
+
+    def verify_held(b: str) -> tuple[str, np.ndarray]:
+        buf, odd = plan.rebuild(b)
+        actual = digest(buf) if odd is None else "(two copies that differ)"
+        if actual != b:
+            keys = sorted({p for p, _, _, _ in plan.index.refs[b]})
+            key = odd or keys[0]
+            raise HeldVersionMismatchError(
+                f"load({m.name!r}, since={h.name!r}): into does not hold snapshot {h.name!r} at "
+                f"key {key!r}" + (f" (chunk shared with keys {keys[:5]})" if len(keys) > 1 else "")
+                + f": its bytes hash to {actual}, expected {b}, the digest {h.name!r} has there. "
+                "Nothing was written (into is unchanged). Load without since= to read the whole "
+                f"snapshot, or pass since= the snapshot into actually holds",
+                key=key, keys=tuple(keys), snapshot=m.name, held=h.name,
+            )  # fmt: skip
+        return b, buf
+
+    bases = dict(_each(verify_held, check, opts.threads))
+    stats.bytes_checked += sum(b.size for b in bases.values())
+    keep = {b for _, b, _ in patches}
+    bases = {b: buf for b, buf in bases.items() if b in keep}
+
+    with pack_readers(st, stats) as packs:
+        # 2. xor deltas onto the held bytes, each result checked against the target's digest.
+        reader = ChunkReader(packs, m.chunks, verify=True)
+
+        def patch(item: tuple[str, str, list[str]]) -> tuple[str, np.ndarray]:
+            d, b, above = item
+            where = f"snapshot {m.name!r} key {want[d][0][0]!r}"
+            size = m.chunks[d].size
+            levels: list[tuple[str, codecs.Buffer, int]] = [(codecs.RAW, bases[b], 1)]
+            for c in reversed(above):
+                rec = m.chunks[c]
+                levels.append((rec.codec, reader.payload(c, where), rec.itemsize))
+            out = np.empty(size, dtype=np.uint8)
+            try:
+                codecs.decode_chain(levels, size, out)
+            except CodecError as e:
+                raise CorruptChunkError(
+                    f"chunk {d} of {where}: its xor deltas onto {h.name!r}'s chunk {b} do not "
+                    f"decode ({e}). Run `deltackpt verify`; load without since= to read it whole"
+                ) from e
+            if (actual := digest(out)) != d:
+                raise CorruptChunkError(
+                    f"chunk {d} of {where}: patching {h.name!r}'s chunk {b} with {len(above)} xor "
+                    f"delta(s) gives bytes hashing to {actual}, expected {d}; a payload is "
+                    "corrupt. Nothing was written. Run `deltackpt verify`; load without since= "
+                    "to read it whole"
+                )
+            return d, out
+
+        up.chunks.update(_each(patch, patches, opts.threads))
+        bases.clear()
+
+        # 3. everything else, read whole into fresh memory and verified by the read engine.
+        r = Reads(m)
+        for d in read:
+            buf = np.empty(m.chunks[d].size, dtype=np.uint8)
+            r.want(want[d][0][0], ((d, 0, buf.size),), buf)
+            up.chunks[d] = buf
+        for i in whole:
+            e = m.tensors[i]
+            dst, t = _stage_entry(r, e, targets[e.path])
+            up.copies.append((dst, t, e.path))
+        stats.chunks_read += len(r.jobs)
+        r.run(packs, opts.verify, opts.threads, "deltackpt-since")
+
+    for d in unchanged:
+        del want[d]  # nothing to copy: into holds it already
+    stats.chunks_unchanged += len(unchanged)
+    stats.chunks_patched += len(patches)
+    stats.bytes_patched += sum(n for d, _, _ in patches for _, _, _, n in want[d])
+    return up
+
+
+def catch_up(
+    store: str | os.PathLike[str] | Store,
+    name: str,
+    since: str,
+    into: Any,
+    opts: LoadOptions,
+    select: Select | None,
+    process_group: Any = None,
+    stats: LoadStats | None = None,
+) -> Any:
+    """``load(store, name, into=into, since=since)``: stage the catch-up (:func:`prepare`), then
+    write it. With ``process_group`` every rank stages first and the ranks agree before any rank
+    writes, so a rank whose ``into`` does not hold ``since`` stops every rank with ``into``
+    unchanged everywhere."""
+    if into is None or not isinstance(since, str):
+        raise InvalidArgumentError(
+            f"load(since={since!r}) needs into= (the state that holds snapshot since=) and a "
+            "snapshot name; pass e.g. load(store, 'step-200', into=sd, since='step-100')"
+        )
+
+    def stage(m: Manifest) -> Callable[[], None]:
+        m = nested_manifest(m)  # a DCP-written snapshot: the nesting DCP flattened
+        _, found = flatten(into, allow_pickle=True, check_tensors=False)
+        leaves = {leaf.path: leaf.tensor for leaf in found}
+        targets = {p: t for p, t in leaves.items() if select is None or select(p)}
+        saved = {e.path: i for i, e in enumerate(m.tensors) if select is None or select(e.path)}
+        _check_into(m, into, targets, saved, opts, select)
+        wanted = [i for p, i in saved.items() if p in targets]
+        up = prepare(st, m, held, wanted, targets, leaves, opts, stats)
+
+        def commit() -> None:
+            up.commit()
+            _assign_values(m.tree, into, opts, select)
+
+        return commit
+
+    st = open_store(store, create=False)
+    held = nested_manifest(st.manifest(since))
+    if process_group is None:
+        _retrying(st, st.manifest(name), stage)()
+    else:
+        commit = _agree(process_group, lambda: _retrying(st, st.manifest(name), stage))
+        _agree(process_group, commit)
+    return into
