@@ -134,6 +134,15 @@ class ChunkReader:
         if n != out.size:
             raise self._corrupt(d, where, f"pack is truncated: read {n} of {out.size} bytes")
 
+    def payload(self, d: str, where: str) -> np.ndarray:
+        """The stored payload of chunk ``d`` (encoded, as in its pack), in a new array."""
+        rec = self.records.get(d)
+        if rec is None:
+            raise self._corrupt(d, where, "the manifest has no location for it")
+        out = np.empty(rec.length, dtype=np.uint8)
+        self._read_payload(d, rec, out, where)
+        return out
+
     def _check(self, d: str, raw: np.ndarray, where: str) -> None:
         if self.verify:
             actual = digest(raw)
