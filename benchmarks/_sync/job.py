@@ -14,6 +14,20 @@ import _common as C
 Run = Callable[[int, int, int, dict[str, Any], int], dict[str, Any]]
 
 
+def tp_wants(shapes: list[tuple[str, tuple[int, ...]]], j: int, n: int) -> list[Any]:
+    """Inference rank ``j`` of ``n``: ``Shard(1)`` column blocks of every matrix and ``Shard(0)``
+    of every vector, in bf16, written into preallocated parameters."""
+    import torch
+
+    from deltackpt import sync
+
+    out = []
+    for name, s in shapes:
+        box = sync.shard_box(s, 1 if len(s) == 2 else 0, j, n)
+        out.append(sync.Want(name, box=box, into=torch.zeros(box.size, dtype=torch.bfloat16)))
+    return out
+
+
 def _worker(run: Run, rank: int, m: int, n: int, cfg: dict[str, Any], port: int, q: Any) -> None:
     try:
         q.put((rank, run(rank, m, n, cfg, port)))

@@ -38,7 +38,7 @@ from typing import Any
 
 import _common as C
 
-from _sync.job import run_job
+from _sync.job import run_job, tp_wants
 
 
 def _box_all(shape: tuple[int, ...]) -> Any:
@@ -95,11 +95,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
             group, bucket_bytes=bucket, **({} if zc else {"zero_copy_min": None})
         )
     else:
-        j = rank - m
-        wants = []
-        for name, s in shapes:
-            box = sync.shard_box(s, 1 if len(s) == 2 else 0, j, n)
-            wants.append(sync.Want(name, box=box, into=torch.zeros(box.size, dtype=torch.bfloat16)))
+        wants = tp_wants(shapes, rank - m, n)
         endpoint = sync.WeightReceiver(group, wants, bucket_bytes=bucket)
     version = 0
     stats: list[Any] = []

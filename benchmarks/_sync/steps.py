@@ -30,7 +30,7 @@ from typing import Any
 
 import _common as C
 
-from _sync.job import run_job
+from _sync.job import run_job, tp_wants
 
 STEPS = {"rl-1e-6": (1e-6, 2), "rl-1e-5": (1e-5, 2), "pretrain": (5e-6, 0)}  # lr, warm-up
 
@@ -141,11 +141,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
             out["codec"] = _codec_speeds(local0, local1)
         endpoint: Any = sync.WeightSender(group, bucket_bytes=bucket)
     else:
-        j = rank - m
-        wants = []
-        for name, s in shapes:
-            box = sync.shard_box(s, 1 if len(s) == 2 else 0, j, n)
-            wants.append(sync.Want(name, box=box, into=torch.zeros(box.size, dtype=torch.bfloat16)))
+        wants = tp_wants(shapes, rank - m, n)
         endpoint = sync.WeightReceiver(group, wants, bucket_bytes=bucket)
     version = 0
 

@@ -193,6 +193,15 @@ class SyncGroup:
     def mark_broken(self, why: str) -> None:
         self._broken = why
 
+    def lost_error(self, what: str) -> PeerLostError:
+        """A peer was lost (``what`` says where): the group is broken until ``reconnect``;
+        returns the error for the caller to raise."""
+        self.mark_broken(what)
+        return PeerLostError(
+            f"rank {self.rank}: {what}; call group.reconnect(new_port) on the survivors and "
+            "restart the lost rank"
+        )
+
     # ---- setup ----------------------------------------------------------------------------
 
     def begin_setup(self) -> int:

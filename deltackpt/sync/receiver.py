@@ -204,11 +204,7 @@ class WeightReceiver:
         reason = g.vote(seq, mine)
         if reason is not None:
             if reason.startswith("lost: "):
-                g.mark_broken(reason)
-                raise PeerLostError(
-                    f"rank {g.rank}: round failed: {reason[6:]}; version stays {self.version}; "
-                    "call group.reconnect(new_port) on the survivors and restart the lost rank"
-                )
+                raise g.lost_error(f"round failed: {reason[6:]}; version stays {self.version}")
             if st.mismatch is not None:
                 raise DigestMismatchError(
                     f"rank {g.rank}: {st.mismatch}; nothing was applied, version stays {self.version}"

@@ -35,7 +35,7 @@ import torch
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
 from deltackpt.sync.dtypes import DtypeSpec
-from deltackpt.sync.errors import PeerLostError, PlanError, RoundAbortedError, SyncError
+from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line
 from deltackpt.sync.packer import Packed, Packer
 from deltackpt.sync.patches import Bases
@@ -200,21 +200,13 @@ class WeightSender:
         )
         if lost is not None:
             g.abort(seq, "lost: " + lost)
-            g.mark_broken(lost)
-            raise PeerLostError(
-                f"rank {g.rank}: round {version}: {lost}; call group.reconnect(new_port) on the "
-                "survivors and restart the lost rank"
-            ) from cause
+            raise g.lost_error(f"round {version}: {lost}") from cause
         reason = g.vote(seq, failure, int(version))
         if reason is None and failure is not None:  # the abort key could not be written
             reason = failure
         if reason is not None:
             if reason.startswith("lost: "):
-                g.mark_broken(reason)
-                raise PeerLostError(
-                    f"rank {g.rank}: round {version} failed: {reason[6:]}; call "
-                    "group.reconnect(new_port) on the survivors and restart the lost rank"
-                ) from cause
+                raise g.lost_error(f"round {version} failed: {reason[6:]}") from cause
             if failure is not None:  # this rank's own step failed: its cause, whoever aborted first
                 raise SyncError(
                     f"rank {g.rank}: round {version} was not committed: {failure}; the "
