@@ -10,7 +10,7 @@ from __future__ import annotations
 from deltackpt import errors
 from deltackpt.api import async_save, save
 from deltackpt.checkpointer import Checkpointer
-from deltackpt.dist.load import load
+from deltackpt.distributed.load import load
 from deltackpt.interop import ExportReport, export_hf, import_checkpoint
 from deltackpt.interop.peft import export_peft
 from deltackpt.loading.lazy import SnapshotReader, open_snapshot

@@ -1,7 +1,7 @@
 """The public save functions: ``deltackpt.save`` and ``deltackpt.async_save``.
 
 Both check their arguments here, before anything is touched, then run the one save sequence of
-``deltackpt/dist/save.py`` through the store's :class:`~deltackpt.saving.engine.StoreSaver`: in a
+``deltackpt/distributed/save.py`` through the store's :class:`~deltackpt.saving.engine.StoreSaver`: in a
 world of one without ``process_group``, over the group's ranks with one.
 """
 
@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from deltackpt.dist.collectives import Group
-from deltackpt.dist.save import run_save, start_save
+from deltackpt.distributed.collectives import Group
+from deltackpt.distributed.save import run_save, start_save
 from deltackpt.errors import InvalidArgumentError
 from deltackpt.options import SaveOptions
 from deltackpt.saving.engine import SaveHandle, SaveRequest, saver_for

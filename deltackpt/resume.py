@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from deltackpt.dist.collectives import Failed, Group
+from deltackpt.distributed.collectives import Failed, Group
 from deltackpt.errors import DistributedError, RankFailure
 from deltackpt.format.dtensor import is_dtensor
 from deltackpt.format.dtypes import dtype_from_name

@@ -24,7 +24,7 @@ LAYERS: dict[str, set[str]] = {
     "store": {"errors", "options", "format"},
     "saving": {"errors", "options", "format", "store"},
     "loading": {"errors", "options", "format", "store"},
-    "dist": {"errors", "options", "format", "store", "saving", "loading"},
+    "distributed": {"errors", "options", "format", "store", "saving", "loading"},
     "sync": {"errors", "format", "_native"},  # _native: the optional C loop of delta_codec
 }
 

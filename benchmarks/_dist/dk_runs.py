@@ -145,7 +145,7 @@ class DeltackptRuns(RankBase):
         )
         self.rec("deltackpt", "async_save after step: total (result())", tot)
         # the saved layout, to check the simulation's inputs
-        from deltackpt.dist.save_plan import Layout
+        from deltackpt.distributed.save_plan import Layout
         from deltackpt.saving.plan import plan_state
 
         st = deltackpt.open_store(store)

@@ -4,7 +4,7 @@ No processes and no data: for N ranks holding the Qwen2-0.5B-shaped state sharde
 tied lm_head as a second key, as ``model.state_dict()`` has it), build exactly what each system's
 ranks would exchange and what rank 0 computes, using the systems' own code:
 
-* deltackpt: per rank a :class:`deltackpt.dist.save_plan.Layout` built like ``plan_state`` builds it
+* deltackpt: per rank a :class:`deltackpt.distributed.save_plan.Layout` built like ``plan_state`` builds it
   for DTensor shards (``EntryPlan`` with ``shards``, chunks from ``deltackpt.saving.plan.layout_chunks``
   with the store defaults 4 MiB / 1 MiB), synthetic digests (random 32-hex, as xxh3-128). Each
   save: ``rank_message`` per rank (gathered), rank 0 ``resolve`` + ``merge`` + ``assign``
@@ -75,7 +75,7 @@ def dk_layout(
     cache: dict[Any, Any],
 ) -> tuple[Any, list[int]]:
     """Rank r's Layout as plan_state would build it for its bf16 DTensor shards; (layout, chunk sizes)."""
-    from deltackpt.dist.save_plan import Layout
+    from deltackpt.distributed.save_plan import Layout
     from deltackpt.saving.plan import EntryPlan, layout_chunks
 
     entries = []
@@ -138,8 +138,8 @@ def sim_deltackpt(
     small_bytes: int = 1 * MiB,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    from deltackpt.dist.save import Written
-    from deltackpt.dist.save_plan import (
+    from deltackpt.distributed.save import Written
+    from deltackpt.distributed.save_plan import (
         PlanCache,
         plan_globally,
         rank_message,

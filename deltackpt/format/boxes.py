@@ -1,7 +1,7 @@
 """Do a tensor's saved pieces tile it exactly once? One rule for both sides of the format.
 
 The loader (:mod:`deltackpt.format.validate`) refuses a manifest whose shards overlap or leave a
-gap; a distributed save (:mod:`deltackpt.dist.save_plan`) must refuse the same layout *before*
+gap; a distributed save (:mod:`deltackpt.distributed.save_plan`) must refuse the same layout *before*
 it commits, or ranks that disagree on a DTensor's placements publish a snapshot nobody can load.
 Both call :func:`tiling_problem`, so what a save accepts is exactly what a load accepts.
 """

@@ -50,7 +50,7 @@ def load(
     **kwargs: Any,
 ) -> Any:
     """One process's load of snapshot ``name``: the ``all_ranks`` path of the public
-    :func:`deltackpt.load` (``deltackpt/dist/load.py``, which documents the arguments and adds
+    :func:`deltackpt.load` (``deltackpt/distributed/load.py``, which documents the arguments and adds
     ``mode=``). Every rank reads the saved pieces overlapping its own ``into`` shards (or the
     whole state without ``into``); ``process_group`` makes every rank raise if any rank fails;
     ``keys`` filters before any planning or read (:mod:`deltackpt.loading.select`); ``stats``

@@ -2,7 +2,7 @@
 
 Every save of a store (sync or async, one process or a process group, and the DCP writer's
 thread pool) goes through that store's StoreSaver. On every rank, in the caller's thread, it runs
-steps 1-2 of the save sequence (``deltackpt/dist/save.py`` numbers all six): take the store's
+steps 1-2 of the save sequence (``deltackpt/distributed/save.py`` numbers all six): take the store's
 save slot and lock, check, plan (saving/plan.py), hash in place and stage (saving/stage.py). Its
 background thread runs steps 4-6 of async saves.
 

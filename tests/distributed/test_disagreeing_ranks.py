@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt.dist.save_plan import (
+from deltackpt.distributed.save_plan import (
     Layout,
     PlanCache,
     RankMsg,

@@ -204,7 +204,7 @@ def test_a_rank_dying_mid_save_fails_the_others_in_bounded_time(tmp_path):
 
 
 def test_a_world_of_one_runs_the_same_collectives_without_a_process_group():
-    from deltackpt.dist.collectives import Failed, Group
+    from deltackpt.distributed.collectives import Failed, Group
     from deltackpt.errors import RankFailure
 
     g = Group()

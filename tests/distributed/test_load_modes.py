@@ -169,7 +169,7 @@ def test_modes_reshard_bit_exact_and_only_the_reader_reads(saved: str, world: in
 def _broken(rank: int, world: int, port: int, store: str, how: str) -> dict:
     import torch.distributed as dist
 
-    from deltackpt.dist import load as dl
+    from deltackpt.distributed import load as dl
 
     _init(rank, world, port, timeout=10)
     pg = dist.group.WORLD

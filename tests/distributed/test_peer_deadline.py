@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt.dist.collectives import Group, group_timeout
+from deltackpt.distributed.collectives import Group, group_timeout
 from tests._dist import free_port, spawn
 
 pytestmark = pytest.mark.multiproc

@@ -46,8 +46,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from deltackpt.dist.collectives import Failed, FileRendezvous, Group
-from deltackpt.dist.save_plan import (
+from deltackpt.distributed.collectives import Failed, FileRendezvous, Group
+from deltackpt.distributed.save_plan import (
     GlobalPlan,
     Layout,
     PlanCache,

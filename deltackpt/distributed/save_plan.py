@@ -1,6 +1,6 @@
 """Save step 3, agree (pure: no I/O, no collectives): what each rank sends, what rank 0 decides.
 
-Every save runs it, a world of one included (deltackpt/dist/save.py runs the collectives).
+Every save runs it, a world of one included (deltackpt/distributed/save.py runs the collectives).
 
 * Every rank builds a :class:`RankMsg` (:func:`rank_message`). The first time (or when the
   rank's structure, i.e. keys, shapes, shard boxes and chunk layout, changed) it carries the

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt.dist.collectives import Failed, Group
-from deltackpt.dist.load_plan import Piece, Plan, make_plan, row_data, rows_of, rows_shape
+from deltackpt.distributed.collectives import Failed, Group
+from deltackpt.distributed.load_plan import Piece, Plan, make_plan, row_data, rows_of, rows_shape
 from deltackpt.errors import DistributedError, InvalidArgumentError, RankFailure
 from deltackpt.format.dcp_values import decode_byte_values
 from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor

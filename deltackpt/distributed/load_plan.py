@@ -1,4 +1,4 @@
-"""The plan of a ``load(mode="broadcast")`` (:mod:`deltackpt.dist.load`): which bytes travel in
+"""The plan of a ``load(mode="broadcast")`` (:mod:`deltackpt.distributed.load`): which bytes travel in
 which bucket. Rank 0 of the group builds it from the manifest and sends it to every rank in one
 collective; every rank then knows, for each bucket, which rows of which tensor (or which bytes of
 a shared storage) lie where, and copies out the parts its own targets hold.
