@@ -11,6 +11,7 @@ from deltackpt import errors
 from deltackpt.api import async_save, save
 from deltackpt.checkpointer import Checkpointer
 from deltackpt.distributed.load import load
+from deltackpt.follow import Follower, FollowStats
 from deltackpt.interop import ExportReport, export_hf, import_checkpoint
 from deltackpt.interop.peft import export_peft
 from deltackpt.loading.lazy import SnapshotReader, open_snapshot
@@ -27,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpointer",
     "ExportReport",
+    "FollowStats",
+    "Follower",
     "GcReport",
     "LoadOptions",
     "LoadStats",

@@ -31,6 +31,7 @@ from deltackpt.options import default_lock_timeout
 from deltackpt.resume import chosen_by_rank0, restore_state
 from deltackpt.saving.chains import bounded_chains
 from deltackpt.saving.engine import SaveHandle
+from deltackpt.store.leases import scan_leases
 from deltackpt.store.lifecycle import _delete, gc
 from deltackpt.store.location import store_root
 from deltackpt.store.objstore import FsspecStorage, NoLockError
@@ -374,6 +375,7 @@ class Checkpointer:
         keep = {n for n, _ in ours[-self.keep_last :]} if self.keep_last else set()
         if self.keep_every:
             keep |= {n for n, s in ours if (s + 1) % self.keep_every == 0}
+        keep |= scan_leases(self.store.storage).leased()  # followers' leases (store/leases.py)
         doomed = [n for n, _ in ours if n not in keep]
         for n in doomed:
             with contextlib.suppress(SnapshotNotFoundError):  # lockless: another rank did

@@ -117,6 +117,18 @@ class HeldVersionMismatchError(StateMismatchError):
         self.held = held
 
 
+class FollowerBehindError(SnapshotNotFoundError):
+    """A :class:`deltackpt.Follower` with ``fallback="raise"`` holds a snapshot that retention
+    deleted (it fell behind): it cannot catch up incrementally. ``held`` is the snapshot it
+    holds, ``latest`` the one it wanted. A full load (``Follower.reload()``) brings it back; a
+    lease (``lease_ttl=``) keeps the held snapshot alive while the follower renews it."""
+
+    def __init__(self, message: str, *, held: str, latest: str) -> None:
+        super().__init__(message)
+        self.held = held
+        self.latest = latest
+
+
 class CorruptChunkError(DeltackptError, ValueError):
     """A chunk's bytes do not match its digest, or its pack is missing or short.
 
@@ -197,6 +209,12 @@ class ImportFormatError(DeltackptError, ValueError):
 
 class OutputExistsError(DeltackptError, FileExistsError):
     """An export would replace files that already exist; pass ``overwrite=True`` to replace."""
+
+
+class LeaseWarning(UserWarning):
+    """A follower could not write or renew its lease (the store lock was busy, or a write
+    failed): it keeps following and tries again at its next poll; meanwhile retention may
+    delete the snapshot it holds (it then falls back to a full load)."""
 
 
 class DamagedSnapshotWarning(UserWarning):

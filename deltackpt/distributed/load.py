@@ -97,7 +97,10 @@ def load(
     brought to ``name`` reading only what differs. A chunk with the same digest at the same bytes
     of the same key in both is not read; an xor chunk whose delta chain reaches the chunk
     ``into`` holds there is applied in place from its payloads; anything else (and tied storages,
-    saved shards, targets that are not contiguous CPU tensors) is read whole. It fails closed:
+    saved shards, GPU targets, DTensors not sharded by whole leading rows) is read whole. A
+    DTensor of whole leading rows (``Shard(0)``, ``Replicate``) is incremental inside its rows
+    (the chunks straddling their edges are read whole). ``open_snapshot(...).load(into=...,
+    since=...)`` is the same load; :class:`deltackpt.Follower` applies it as a trainer publishes. It fails closed:
     every chunk of ``since`` the load relies on is rebuilt from ``into``'s bytes and hashed
     first (all of them with ``verify=True``, the default; only the patched ones otherwise), every
     patched result is checked against its digest, and new bytes are staged and written only once

@@ -11,6 +11,11 @@ covering it (a saved shard's bytes are C-order rows), then keeps the asked part.
 >>> with deltackpt.open_snapshot("ckpts") as f:                     # doctest: +SKIP
 ...     w = f.get_tensor("model/embed.weight")
 ...     rows = f.get_slice("model/lm_head.weight")[1000:2000]
+
+A reader also loads its snapshot whole into existing tensors, or incrementally from a snapshot
+they already hold (:meth:`SnapshotReader.load` with ``since=``, as ``deltackpt.load``), and says
+which keys changed since another snapshot without reading any tensor bytes
+(:meth:`SnapshotReader.changed_since`).
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ from deltackpt.errors import InvalidArgumentError, KeyNotInSnapshotError
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest, TensorEntry
 from deltackpt.format.tree import unflatten, value_leaves
+from deltackpt.loading import assemble
 from deltackpt.loading.plan import Reads, read_entry, storage_view
 from deltackpt.loading.reshard import Box
+from deltackpt.loading.select import KeySelection, key_filter
+from deltackpt.loading.since import catch_up, changed_keys
+from deltackpt.loading.stats import LoadStats
 from deltackpt.options import LoadOptions
 from deltackpt.store.store import LATEST, Store, open_store
 
@@ -134,6 +143,45 @@ class SnapshotReader:
         r.box(e, out, box)
         self._run(r)
         return out
+
+    def load(
+        self,
+        into: Any = None,
+        *,
+        since: str | None = None,
+        keys: KeySelection = None,
+        process_group: Any = None,
+        stats: LoadStats | None = None,
+    ) -> Any:
+        """Load this snapshot as ``deltackpt.load(store, name, into=..., keys=...)`` does (same
+        checks, same result), with this reader's options.
+
+        ``since`` (with ``into``): ``into`` holds snapshot ``since``, and only what differs is
+        read (an incremental load; unchanged chunks are not read, xor chunks whose chain reaches
+        the held chunk are patched in place, the rest is read whole). It fails closed with
+        :class:`~deltackpt.errors.HeldVersionMismatchError` before anything is written when
+        ``into`` does not hold ``since``. With ``process_group`` every rank calls it (each with
+        its own ``into``: plain tensors or DTensors of any placement); no rank writes unless
+        every rank's checks passed. See ``deltackpt.load`` for the details.
+
+        >>> with deltackpt.open_snapshot("ckpts") as f:                 # doctest: +SKIP
+        ...     f.load(into=sd, since=held, stats=(st := deltackpt.LoadStats()))
+        """
+        if since is None:
+            return assemble.load(
+                self.store, self.name, into=into, options=self.options,
+                process_group=process_group, keys=keys, stats=stats,
+            )  # fmt: skip
+        select = key_filter(keys)
+        return catch_up(
+            self.store, self.name, since, into, self.options, select, process_group, stats
+        )
+
+    def changed_since(self, held: str, keys: KeySelection = None) -> list[str]:
+        """Key paths of this snapshot's tensors whose bytes may differ from snapshot ``held``'s
+        (new keys included), from the two manifests only: a chunk list equal to ``held``'s means
+        equal bytes. A small tensor grouped in one chunk with a changed one is listed too."""
+        return changed_keys(self.manifest, self.store.manifest(held), key_filter(keys))
 
     def _run(self, r: Reads) -> None:
         o = self.options

@@ -10,7 +10,13 @@ into ``into`` (for the key paths ``into`` receives) is one of:
   payloads above that chunk are read, and xor-ed onto the bytes ``into`` holds;
 * **read**: anything else, read whole (decoded down its chain) as a plain load reads it. So are
   the entries this cannot address byte by byte: views of a shared storage (tied weights), saved
-  shards, and targets that are not contiguous CPU tensors (DTensors, GPU tensors).
+  shards (a snapshot saved by several ranks), and targets whose bytes are not one contiguous
+  CPU range of the tensor (GPU tensors, DTensors sharded on another dimension than the first).
+
+A DTensor whose local piece is a contiguous CPU tensor of whole leading rows (``Shard(0)``,
+``Replicate``: what FSDP2 holds) is a *window* of the tensor's bytes: chunks inside it are
+skipped or patched as above, chunks outside it are not this rank's business, and the (at most
+two) chunks that straddle its edges are read whole and clipped.
 
 Fail closed, in two phases. :func:`prepare` writes nothing into ``into``: it rebuilds, from
 ``into``'s own bytes, every chunk of ``held`` that a skipped or patched chunk relies on and hashes
@@ -25,6 +31,7 @@ trusted, as a plain load trusts what it reads.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +44,7 @@ import torch
 from deltackpt.errors import (
     CodecError,
     CorruptChunkError,
+    DeltackptError,
     HeldVersionMismatchError,
     InvalidArgumentError,
 )
@@ -93,6 +101,7 @@ class CatchUp:
     """One prepared incremental load: new bytes staged, and where each goes in ``into``."""
 
     mem: dict[str, np.ndarray]  # into's bytes by key path (contiguous CPU targets)
+    lo: dict[str, int] = field(default_factory=dict)  # where mem[path] starts in its tensor
     chunks: dict[str, np.ndarray] = field(default_factory=dict)  # digest -> new raw bytes
     refs: dict[str, list[Ref]] = field(default_factory=dict)  # digest -> its places in into
     copies: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
@@ -102,55 +111,85 @@ class CatchUp:
         CPU targets; a GPU target's ``copy_`` is the one step that still could)."""
         for d, new in self.chunks.items():
             for p, pos, s, n in self.refs[d]:
-                self.mem[p][pos : pos + n] = new[s : s + n]
+                lo, mem = self.lo.get(p, 0), self.mem[p]
+                a, b = max(pos, lo), min(pos + n, lo + mem.size)  # clipped to into's window
+                if a < b:
+                    mem[a - lo : b - lo] = new[s + a - pos : s + b - pos]
         with torch.no_grad():
             for dst, t, path in self.copies:
                 copy_into(dst, t, path)
 
 
-def held_bytes(h: Manifest, leaves: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """The bytes of every tensor of ``into`` that can hold ``h``'s entry at its key path: a
-    contiguous CPU tensor with that entry's dtype and shape (whatever is selected for loading:
-    a chunk of small tensors is rebuilt from all of them)."""
+def held_bytes(
+    h: Manifest, leaves: dict[str, torch.Tensor]
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """The bytes ``into`` holds of each of ``h``'s entries, by key path, and where they start in
+    the tensor: a contiguous CPU tensor of the entry's dtype and shape holds all of them (start
+    0), a DTensor of whole leading rows (see the module) a window (whatever is selected for
+    loading: a chunk of small tensors is rebuilt from all of them)."""
     out: dict[str, np.ndarray] = {}
+    lo: dict[str, int] = {}
     for e in h.tensors:
         t = leaves.get(e.path)
         if (
             e.data is not None
             and isinstance(t, torch.Tensor)
-            and plain_cpu(t)
-            and t.is_contiguous()
-            and t.numel() > 0
             and tuple(t.shape) == e.shape
             and t.dtype == dtype_from_name(e.dtype)
+            and (win := _window(t, e)) is not None
         ):
-            out[e.path] = np_bytes(t.detach().reshape(-1).view(torch.uint8))
-    return out
+            out[e.path], lo[e.path] = win
+    return out, lo
+
+
+def _window(t: torch.Tensor, e: TensorEntry) -> tuple[np.ndarray, int] | None:
+    """``t``'s bytes of entry ``e`` and their byte offset in the tensor, or None when they are
+    not one contiguous CPU range of it."""
+    if is_dtensor(t):
+        local = local_tensor(t)
+        if not e.shape or not plain_cpu(local) or not local.is_contiguous() or not local.numel():
+            return None
+        try:
+            off, shape = local_box(t, e.path)
+        except DeltackptError:  # a Partial placement: checked (and refused) elsewhere
+            return None
+        if any(off[1:]) or tuple(shape[1:]) != e.shape[1:]:
+            return None  # not whole rows: its bytes are strided in the tensor's
+        row = local.element_size() * math.prod(e.shape[1:])
+        return np_bytes(local.detach().reshape(-1).view(torch.uint8)), off[0] * row
+    if plain_cpu(t) and t.is_contiguous() and t.numel() > 0:
+        return np_bytes(t.detach().reshape(-1).view(torch.uint8)), 0
+    return None
 
 
 class _Planner:
     """Sorts the target snapshot's chunks into unchanged / patched / read (see the module)."""
 
-    def __init__(self, h: Manifest, mem: dict[str, np.ndarray]) -> None:
-        self.h, self.mem, self.index = h, mem, HeldIndex.of(h)
+    def __init__(self, h: Manifest, mem: dict[str, np.ndarray], lo: dict[str, int]) -> None:
+        self.h, self.mem, self.lo, self.index = h, mem, lo, HeldIndex.of(h)
         self._rebuildable: dict[str, bool] = {}
 
     def rebuildable(self, b: str) -> bool:
-        """``held``'s chunk ``b`` can be rebuilt from ``into``: every place ``held`` uses it is a
-        contiguous CPU target, and those places are disjoint ranges of the chunk (or the same
+        """``held``'s chunk ``b`` can be rebuilt from ``into``: every place ``held`` uses it is in
+        the bytes ``into`` holds (``mem``), and those places are disjoint ranges of the chunk (or the same
         range twice: identical tensors) -- the rest of a group chunk is zero padding."""
         ok = self._rebuildable.get(b)
         if ok is None:
             refs = self.index.refs.get(b)
             ok = bool(refs) and b not in self.index.opaque and b in self.h.chunks
             if ok and refs:
-                ok = all(p in self.mem for p, _, _, _ in refs)
+                ok = all(self.holds(p, pos, n) for p, pos, _, n in refs)
                 end = 0
                 for s, n in sorted({(s, n) for _, _, s, n in refs}):
                     ok = ok and s >= end
                     end = s + n
             self._rebuildable[b] = ok
         return ok
+
+    def holds(self, p: str, pos: int, n: int) -> bool:
+        """``into`` holds bytes ``[pos, pos + n)`` of the tensor at key ``p``."""
+        lo = self.lo.get(p, 0)
+        return p in self.mem and lo <= pos and pos + n <= lo + self.mem[p].size
 
     def placed(self, b: str, refs: list[Ref]) -> bool:
         """``into`` holds ``held``'s chunk ``b`` exactly where the target wants ``refs``."""
@@ -174,11 +213,13 @@ class _Planner:
         refs, size = self.index.refs[b], self.h.chunks[b].size
         if len(refs) == 1 and refs[0][2] == 0 and refs[0][3] == size:
             p, pos, _, n = refs[0]
-            return self.mem[p][pos : pos + n], None  # one tensor's bytes: no copy
+            at = pos - self.lo.get(p, 0)
+            return self.mem[p][at : at + n], None  # one tensor's bytes: no copy
         buf = np.zeros(size, dtype=np.uint8)  # group chunks: gaps are zero (format.md)
         placed: set[tuple[int, int]] = set()
         for p, pos, s, n in refs:
-            src = self.mem[p][pos : pos + n]
+            at = pos - self.lo.get(p, 0)
+            src = self.mem[p][at : at + n]
             if (s, n) in placed:
                 if not np.array_equal(buf[s : s + n], src):
                     return buf, p
@@ -222,8 +263,8 @@ def prepare(
     path (already checked for shape and dtype); ``leaves`` are all of ``into``'s tensors, whose
     bytes rebuild ``h``'s chunks."""
     stats = stats if stats is not None else LoadStats()
-    up = CatchUp(held_bytes(h, leaves))
-    plan = _Planner(h, up.mem)
+    up = CatchUp(*held_bytes(h, leaves))
+    plan = _Planner(h, up.mem, up.lo)
     want: dict[str, list[Ref]] = {}  # target chunk -> its places in contiguous CPU targets
     whole: list[int] = []
     for i in wanted:
@@ -231,9 +272,12 @@ def prepare(
         if e.data is None or e.path not in up.mem:  # read whole, copied in at commit
             whole.append(i)
             continue
+        lo = up.lo.get(e.path, 0)
+        hi = lo + up.mem[e.path].size
         pos = 0
         for d, s, n in e.data:
-            want.setdefault(d, []).append((e.path, pos, s, n))
+            if pos < hi and pos + n > lo:  # a chunk of the bytes this rank holds
+                want.setdefault(d, []).append((e.path, pos, s, n))
             pos += n
     up.refs = want
 
@@ -286,7 +330,11 @@ def prepare(
                 levels.append((rec.codec, reader.payload(c, where), rec.itemsize))
             out = np.empty(size, dtype=np.uint8)
             try:
-                codecs.decode_chain(levels, size, out)
+                if len(levels) == 2:  # one delta: ungroup it and xor (no regrouping of the base)
+                    codec, payload, k = levels[1]
+                    codecs.decode(codec, payload, size, k, out, base=bases[b])
+                else:  # a chain: combined in the grouped domain, ungrouped once
+                    codecs.decode_chain(levels, size, out)
             except CodecError as e:
                 raise CorruptChunkError(
                     f"chunk {d} of {where}: its xor deltas onto {h.name!r}'s chunk {b} do not "
@@ -323,6 +371,30 @@ def prepare(
     stats.chunks_patched += len(patches)
     stats.bytes_patched += sum(n for d, _, _ in patches for _, _, _, n in want[d])
     return up
+
+
+def changed_keys(m: Manifest, h: Manifest, select: Select | None = None) -> list[str]:
+    """Key paths of ``m``'s tensors whose bytes may differ from ``h``'s, from the manifests only
+    (nothing is read): new keys, another dtype or shape, other chunks. Equal chunk lists mean
+    equal bytes (chunks are named by their digest); a small tensor that shares a group chunk with
+    a changed one is listed too, as is a view of a shared storage whose storage changed."""
+    m, h = nested_manifest(m), nested_manifest(h)
+    before = {e.path: _signature(h, e) for e in h.tensors}
+    return [
+        e.path
+        for e in m.tensors
+        if (select is None or select(e.path)) and before.get(e.path) != _signature(m, e)
+    ]
+
+
+def _signature(m: Manifest, e: TensorEntry) -> tuple[Any, ...]:
+    """What determines entry ``e``'s bytes: equal signatures, equal bytes."""
+    if e.storage is not None:
+        view = (e.storage.offset, e.storage.stride, m.storages[e.storage.id])
+        return (e.dtype, e.shape, view)
+    if e.shards is not None:
+        return (e.dtype, e.shape, e.shards)
+    return (e.dtype, e.shape, e.data)
 
 
 def catch_up(

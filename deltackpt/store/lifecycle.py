@@ -28,6 +28,7 @@ from deltackpt.errors import (
 )
 from deltackpt.format.manifest import ChunkRecord, Manifest
 from deltackpt.options import default_lock_timeout
+from deltackpt.store.leases import LeaseScan, scan_leases, sweep_expired
 from deltackpt.store.packs import PACK_ALIGN, pack_id_of, pack_key
 from deltackpt.store.storage import PACKS, SNAPSHOTS, TMP, Entry, manifest_key
 from deltackpt.store.store import LATEST, SnapshotInfo, Store, open_store
@@ -98,6 +99,12 @@ class GcReport:
     # entries gc left alone because they are not what a save writes (symlinks, odd names)
     refused: list[str] = field(default_factory=list)
     dry_run: bool = False
+    # followers' leases (deltackpt/store/leases.py): snapshots retention kept only because an
+    # unexpired lease names them; holders whose expired lease gc removed (would remove, in a dry
+    # run); bad lease objects, ignored and left in place ("leases/<name>: why")
+    leased: list[str] = field(default_factory=list)
+    leases_expired: list[str] = field(default_factory=list)
+    bad_leases: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -110,6 +117,8 @@ class _GcPlan:
     remove: list[tuple[str, int]]  # (pack id, size)
     compact: list[tuple[str, int, int]]  # (pack id, size, size after the rewrite)
     live: dict[str, dict[str, ChunkRecord]]  # pack -> digest -> record
+    leases: LeaseScan = field(default_factory=LeaseScan)
+    leased: list[str] = field(default_factory=list)
 
 
 def _check_gc_args(
@@ -187,8 +196,11 @@ def gc(
 ) -> GcReport:
     """Apply retention, then delete pack data no committed snapshot references.
 
-    ``keep_last=N`` keeps the N newest snapshots plus those named in ``keep`` and deletes the
-    rest; ``None`` deletes no snapshot and only collects garbage. A pack whose live bytes are below
+    ``keep_last=N`` keeps the N newest snapshots plus those named in ``keep`` and those named
+    by a follower's unexpired lease (``GcReport.leased``; see :mod:`deltackpt.store.leases`),
+    and deletes the rest; ``None`` deletes no snapshot and only collects garbage. Expired leases
+    are removed (``GcReport.leases_expired``); bad ones are reported (``GcReport.bad_leases``),
+    ignored and left in place. A pack whose live bytes are below
     ``compact_below`` of its size is rewritten with only its live chunks (the manifests that point
     into it are rewritten atomically), so the space of dead chunks really comes back.
 
@@ -213,12 +225,14 @@ def gc(
     _check_keep_exists(st, keep)
     if dry_run:
         plan = _plan_gc(st, keep_last, keep, compact_below)
-        return _report(plan, t0, dry_run=True, uploads=_abandon(st, dry_run=True))
+        expired = [lease.holder for lease in plan.leases.expired]
+        return _report(plan, t0, dry_run=True, uploads=_abandon(st, dry_run=True), expired=expired)
     timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
     with st.lock(exclusive=True, timeout=timeout, what="gc"):
         plan = _plan_gc(st, keep_last, keep, compact_below)
         for name in plan.doomed:
             _delete(st, name)  # we hold the lock exclusively
+        expired = sweep_expired(st.storage, plan.leases.expired)
         _sweep_leftovers(st, plan.leftovers)
         uploads = _abandon(st, dry_run=False)  # exclusive: no save is uploading
         compacted: list[tuple[str, int, int]] = []
@@ -236,7 +250,7 @@ def gc(
         if plan.remove or compacted:
             st.storage.sync(PACKS)
         plan.compact = compacted
-    return _report(plan, t0, dry_run=False, uploads=uploads)
+    return _report(plan, t0, dry_run=False, uploads=uploads, expired=expired)
 
 
 def _abandon(st: Store, dry_run: bool) -> list[str]:
@@ -245,7 +259,9 @@ def _abandon(st: Store, dry_run: bool) -> list[str]:
     return list(st.storage.abandon_uploads(0.0, dry_run=dry_run))
 
 
-def _report(plan: _GcPlan, t0: float, dry_run: bool, uploads: list[str]) -> GcReport:
+def _report(
+    plan: _GcPlan, t0: float, dry_run: bool, uploads: list[str], expired: list[str]
+) -> GcReport:
     freed = sum(n for _, n in plan.remove) + sum(a - b for _, a, b in plan.compact)
     return GcReport(
         deleted=plan.doomed,
@@ -258,6 +274,9 @@ def _report(plan: _GcPlan, t0: float, dry_run: bool, uploads: list[str]) -> GcRe
         damaged=plan.damaged,
         refused=plan.refused,
         dry_run=dry_run,
+        leased=plan.leased,
+        leases_expired=expired,
+        bad_leases=plan.leases.bad,
     )
 
 
@@ -266,6 +285,8 @@ def _plan_gc(st: Store, keep_last: int | None, keep: Any, compact_below: float) 
     manifests, damaged = st.scan()
     refused = [f"snapshots/{d.name}" for d in damaged if "symlink" in d.reason]
     doomed: list[str] = []
+    leases = scan_leases(st.storage)  # never raises on a bad lease: listed in leases.bad
+    leased: list[str] = []
     if keep_last is not None:
         newest = (
             {m.name for m in manifests[max(0, len(manifests) - keep_last) :]}
@@ -273,7 +294,9 @@ def _plan_gc(st: Store, keep_last: int | None, keep: Any, compact_below: float) 
             else set()
         )
         keep_set = set(keep) | newest
-        doomed = [m.name for m in manifests if m.name not in keep_set]
+        held = leases.leased()
+        leased = [m.name for m in manifests if m.name not in keep_set and m.name in held]
+        doomed = [m.name for m in manifests if m.name not in keep_set | held]
         manifests = [m for m in manifests if m.name not in doomed]
     leftovers: list[tuple[str, str]] = []
     for sub in (TMP, SNAPSHOTS):
@@ -322,7 +345,16 @@ def _plan_gc(st: Store, keep_last: int | None, keep: Any, compact_below: float) 
         if live_bytes < compact_below * size:
             compact.append((pack, size, live_bytes))
     return _GcPlan(
-        doomed, manifests, [d.name for d in damaged], refused, leftovers, remove, compact, live
+        doomed,
+        manifests,
+        [d.name for d in damaged],
+        refused,
+        leftovers,
+        remove,
+        compact,
+        live,
+        leases,
+        leased,
     )
 
 
