@@ -135,6 +135,13 @@ def cmd_gc(args: argparse.Namespace, out: Console) -> int:
     t.add_row("packs to compact" if dry else "packs compacted", str(r.packs_compacted))
     t.add_row("bytes to free (about)" if dry else "bytes freed", human_bytes(r.bytes_freed))
     t.add_row("leftovers to remove" if dry else "leftovers removed", str(r.leftovers_removed))
+    if r.leased:
+        t.add_row("kept for followers' leases", ", ".join(r.leased))
+    if r.leases_expired:
+        t.add_row(
+            "expired leases to remove" if dry else "expired leases removed",
+            ", ".join(r.leases_expired),
+        )
     if not dry:
         t.add_row("seconds", f"{r.seconds:.3f}")
     out.print(t)
@@ -149,6 +156,11 @@ def cmd_gc(args: argparse.Namespace, out: Console) -> int:
             f"[yellow]note:[/] left alone (not written by deltackpt): "
             f"{escape(', '.join(r.refused[:10]))}"
         )
+    if r.bad_leases:
+        out.print(
+            f"[yellow]note:[/] {len(r.bad_leases)} bad lease(s) ignored and left in place: "
+            f"{escape('; '.join(r.bad_leases[:5]))}"
+        )
     if busy:
         out.print(
             "[yellow]note:[/] a save is in flight: its new packs and temp files count as garbage "
@@ -162,7 +174,8 @@ def _gc_doc(args: argparse.Namespace, r: GcReport, busy: bool) -> dict[str, Any]
     ``packs_removed``, ``packs_compacted``, ``bytes_freed`` (about, for a dry run),
     ``leftovers_removed``, ``uploads_aborted``, ``seconds``, ``damaged`` (while any, no pack data
     is collected), ``refused`` (entries left alone), ``save_in_flight`` (dry run: a save held the
-    store lock; null otherwise)."""
+    store lock; null otherwise), ``leased`` (snapshots kept only for a follower's lease),
+    ``leases_expired`` (holders whose expired lease was removed), ``bad_leases`` (ignored)."""
     return {
         "store": str(args.store),
         "dry_run": r.dry_run,
@@ -176,6 +189,9 @@ def _gc_doc(args: argparse.Namespace, r: GcReport, busy: bool) -> dict[str, Any]
         "damaged": list(r.damaged),
         "refused": list(r.refused),
         "save_in_flight": busy if r.dry_run else None,
+        "leased": list(r.leased),
+        "leases_expired": list(r.leases_expired),
+        "bad_leases": list(r.bad_leases),
     }
 
 

@@ -4,6 +4,7 @@ fields (sizes in bytes, times ISO-8601 UTC), checked against the store it descri
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timezone
 
 import pytest
@@ -203,3 +204,21 @@ def test_json_error_document(capsys, store, tmp_path):
     assert "usage:" in err
     code, out, _ = run(capsys, "ls", "--bogus")  # without --json: nothing on stdout
     assert code == 2 and out == ""
+
+
+def test_gc_json_and_table_name_followers_leases(capsys, store):
+    from deltackpt.store.leases import write_lease
+
+    st = deltackpt.open_store(store)
+    write_lease(st.storage, "eval-0", ["a"], ttl=600)
+    write_lease(st.storage, "gone", ["b"], ttl=0.01)
+    time.sleep(0.05)
+    (store / "leases" / "junk.json").write_text("{not json")
+    code, doc, _ = run_json(capsys, "gc", store, "--keep-last", "1", "--dry-run")
+    assert code == 0 and doc["deleted"] == [] and doc["leased"] == ["a"]
+    assert doc["leases_expired"] == ["gone"] and len(doc["bad_leases"]) == 1
+    assert "junk" in doc["bad_leases"][0]
+    code, out, _ = run(capsys, "gc", store, "--keep-last", "1")
+    assert code == 0 and "kept for followers' leases" in out
+    assert "bad lease" in out and "expired leases removed" in out and "gone" in out
+    assert [s.name for s in deltackpt.snapshots(store)] == ["a", "b"]
