@@ -199,7 +199,8 @@ class Follower:
 
     def poll(self) -> FollowStats | None:
         """Apply the newest committed snapshot if it is not the one held; None when it is (or
-        the store has none yet, or retention deleted the newest while it was being loaded). Raises what the load raises when it cannot fall back; on any
+        the store has none yet, or retention deleted the newest while it was being loaded).
+        Raises what the load raises when it cannot fall back; on any
         error the held version is unchanged (with ``into``: ``into`` is unchanged, except after
         a failed *full* load, which sets ``version`` to None so the next poll loads whole)."""
         if self._resend and self._held is not None and self.version is not None:
@@ -283,7 +284,8 @@ class Follower:
             )
         self._renew([held, target], force=True)  # keep both alive while loading
         stats = LoadStats()
-        try:
+        try:  # both manifests first: once into is patched, held may go (retention) any time
+            m_target, m_held = self.store.manifest(target), self.store.manifest(held)
             load(self.store, target, into=self.state, since=held, keys=self.keys,
                  options=self.options, stats=stats)  # fmt: skip
         except HeldVersionMismatchError as e:
@@ -295,7 +297,7 @@ class Follower:
                 raise  # the target went: poll() returns None, the next poll takes the newest
             why = f"held snapshot {held!r} was deleted (or saved again)"
             return self._fall_back(target, held, why, t0)
-        changed = changed_keys(self.store.manifest(target), self.store.manifest(held), self._select)
+        changed = changed_keys(m_target, m_held, self._select)
         return self._hand_over(target, held, "incremental", "", changed, stats, t0)
 
     def _fall_back(self, target: str, held: str, why: str, t0: float) -> FollowStats:

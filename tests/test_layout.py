@@ -20,12 +20,13 @@ MAX_LINES = 450
 # knobs and option dataclasses) are shared leaves; format is pure: no store, no threads, no
 # collectives.
 LAYERS: dict[str, set[str]] = {
-    "format": {"errors"},
+    "format": {"errors", "_native"},  # _native: the optional C loop of format/changes.py
     "store": {"errors", "options", "format"},
     "saving": {"errors", "options", "format", "store"},
     "loading": {"errors", "options", "format", "store"},
     "distributed": {"errors", "options", "format", "store", "saving", "loading"},
-    "sync": {"errors", "format", "_native"},  # _native: the optional C loop of delta_codec
+    "sync": {"errors", "format"},
+    "tiers": {"errors", "format", "store", "distributed", "api", "checkpointer", "resume"},
 }
 
 

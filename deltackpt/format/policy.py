@@ -15,14 +15,21 @@ from deltackpt.errors import CodecError, InvalidArgumentError
 RAW = "raw"
 ZSTD = "zstd"
 XOR = "xor"
-CODECS: tuple[str, ...] = (RAW, ZSTD, XOR)
+PATCH = "patch"
+CODECS: tuple[str, ...] = (RAW, ZSTD, XOR, PATCH)
+#: The codecs whose payload is a delta against a base chunk (the record names it): ``xor``
+#: decodes to the whole chunk; ``patch`` lists the changed elements and applies by scatter.
+DELTAS: tuple[str, ...] = (XOR, PATCH)
 
 
 @dataclass(frozen=True)
 class EncodePolicy:
     """How :func:`deltackpt.format.codecs.encode` chooses an encoding.
 
-    ``codecs`` lists the allowed codecs; ``(RAW,)`` turns encoding off. If ``RAW`` is not listed,
+    ``codecs`` lists the allowed codecs; ``(RAW,)`` turns encoding off. A delta against the
+    previous version may be written as ``xor`` or ``patch`` (:data:`DELTAS`) when either is
+    listed: the smaller wins, ``patch`` also when it is up to ``PATCH_PREFERENCE`` times the
+    ``xor`` size, since it applies by scatter where ``xor`` decodes the whole chunk. If ``RAW`` is not listed,
     the best allowed encoding is used even when it does not meet ``min_gain``.
     ``force`` always uses that codec, ignoring ``codecs`` and ``min_gain`` (``XOR`` falls back to
     ``ZSTD`` when no usable base is given). ``probe_bytes=0`` disables the probe (every candidate

@@ -102,8 +102,10 @@ def _check_chunks(c: _Check, chunks: dict[str, ChunkRecord], max_chunk: int) -> 
             raise c.fail(f"{field}.length", f"is {r.length}, impossible for size {r.size}")
         if r.offset + r.length > _MAX_BYTES:
             raise c.fail(f"{field}.offset", f"is {r.offset}, over the limit")
-        if (r.codec == codecs.XOR) != (r.base is not None):
-            raise c.fail(f"{field}.base", f"must be set exactly for xor chunks (codec {r.codec})")
+        if (r.codec in codecs.DELTAS) != (r.base is not None):
+            raise c.fail(
+                f"{field}.base", f"must be set exactly for xor/patch chunks (codec {r.codec})"
+            )
         if r.base is not None:
             base = chunks.get(r.base)
             if base is None:

@@ -2,12 +2,12 @@
 
 Why: a follower (an evaluation worker, an inference engine, a restarted rollout worker) holds
 snapshot ``held`` and wants a later one; most of the state is unchanged, and the store keeps
-changed chunks as xor deltas against the previous save. So each chunk the target snapshot puts
-into ``into`` (for the key paths ``into`` receives) is one of:
+changed chunks as deltas against the previous save. Each chunk the target puts into ``into`` is:
 
 * **unchanged**: ``held`` has the same chunk at the same bytes of the same key: not read;
-* **patched**: an xor chunk whose delta chain reaches the chunk ``held`` has there: only the
-  payloads above that chunk are read, and xor-ed onto the bytes ``into`` holds;
+* **patched**: a delta chunk (xor or patch) whose chain reaches the chunk ``held`` has there:
+  only the payloads above it are read and applied onto a copy of the bytes ``into`` holds (a
+  ``patch`` payload scatters its changed elements; an ``xor`` one decodes the whole chunk);
 * **read**: anything else, read whole (decoded down its chain) as a plain load reads it. So are
   the entries this cannot address byte by byte: views of a shared storage (tied weights), saved
   shards (a snapshot saved by several ranks), and targets whose bytes are not one contiguous
@@ -15,8 +15,7 @@ into ``into`` (for the key paths ``into`` receives) is one of:
 
 A DTensor whose local piece is a contiguous CPU tensor of whole leading rows (``Shard(0)``,
 ``Replicate``: what FSDP2 holds) is a *window* of the tensor's bytes: chunks inside it are
-skipped or patched as above, chunks outside it are not this rank's business, and the (at most
-two) chunks that straddle its edges are read whole and clipped.
+skipped or patched, chunks outside it are not read, the (<= 2) straddling ones read and clipped.
 
 Fail closed, in two phases. :func:`prepare` writes nothing into ``into``: it rebuilds, from
 ``into``'s own bytes, every chunk of ``held`` that a skipped or patched chunk relies on and hashes
@@ -33,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -287,7 +287,7 @@ def prepare(
     for d, refs in want.items():
         if plan.placed(d, refs):
             unchanged.append(d)
-        elif m.chunks[d].codec == codecs.XOR and (found := plan.base_in_chain(m, d, refs)):
+        elif m.chunks[d].codec in codecs.DELTAS and (found := plan.base_in_chain(m, d, refs)):
             patches.append((d, *found))
         else:
             read.append(d)
@@ -314,6 +314,7 @@ def prepare(
     bases = dict(_each(verify_held, check, opts.threads))
     stats.bytes_checked += sum(b.size for b in bases.values())
     keep = {b for _, b, _ in patches}
+    uses = Counter(b for _, b, _ in patches)
     bases = {b: buf for b, buf in bases.items() if b in keep}
 
     with pack_readers(st, stats) as packs:
@@ -328,21 +329,27 @@ def prepare(
             for c in reversed(above):
                 rec = m.chunks[c]
                 levels.append((rec.codec, reader.payload(c, where), rec.itemsize))
-            out = np.empty(size, dtype=np.uint8)
             try:
-                if len(levels) == 2:  # one delta: ungroup it and xor (no regrouping of the base)
+                if all(c == codecs.PATCH for c, _, _ in levels[1:]):
+                    # a fresh copy of held's bytes, patched in place (copied again when shared)
+                    out = bases[b] if uses[b] == 1 else bases[b].copy()
+                    for _, payload, k in levels[1:]:
+                        codecs.patch_in_place(payload, size, k, out)
+                elif len(levels) == 2:  # one xor: ungroup it and xor (no regrouping of the base)
+                    out = np.empty(size, dtype=np.uint8)
                     codec, payload, k = levels[1]
                     codecs.decode(codec, payload, size, k, out, base=bases[b])
-                else:  # a chain: combined in the grouped domain, ungrouped once
+                else:  # a chain: xor levels combined in the grouped domain, ungrouped once
+                    out = np.empty(size, dtype=np.uint8)
                     codecs.decode_chain(levels, size, out)
             except CodecError as e:
                 raise CorruptChunkError(
-                    f"chunk {d} of {where}: its xor deltas onto {h.name!r}'s chunk {b} do not "
+                    f"chunk {d} of {where}: its deltas onto {h.name!r}'s chunk {b} do not "
                     f"decode ({e}). Run `deltackpt verify`; load without since= to read it whole"
                 ) from e
             if (actual := digest(out)) != d:
                 raise CorruptChunkError(
-                    f"chunk {d} of {where}: patching {h.name!r}'s chunk {b} with {len(above)} xor "
+                    f"chunk {d} of {where}: patching {h.name!r}'s chunk {b} with {len(above)} "
                     f"delta(s) gives bytes hashing to {actual}, expected {d}; a payload is "
                     "corrupt. Nothing was written. Run `deltackpt verify`; load without since= "
                     "to read it whole"

@@ -120,7 +120,7 @@ def write_chunks(
                 size=spec.size,
                 codec=enc.codec,
                 itemsize=enc.itemsize,
-                base=ref.digest if enc.codec == codecs.XOR and ref is not None else None,
+                base=ref.digest if enc.codec in codecs.DELTAS and ref is not None else None,
             )
             with lock:
                 new_records[d] = rec

@@ -166,7 +166,7 @@ class ChunkReader:
             raise self._corrupt(d, where, f"manifest size {rec.size} != expected {out.size}")
         if rec.codec == codecs.RAW:
             self._read_payload(d, rec, out, where)
-        elif rec.codec == codecs.XOR and base_raw is None:
+        elif rec.codec in codecs.DELTAS and base_raw is None:
             self._decode_chain(d, rec, out, where)
         else:
             payload = (

@@ -86,6 +86,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
+from deltackpt.format.changes import UINT as _UINT
+from deltackpt.format.changes import changed_elements, pack_changes
 from deltackpt.format.codecs import _group, _sample
 from deltackpt.sync.errors import SyncError
 
@@ -107,17 +109,10 @@ KIND_NAMES = {DENSE: "dense", SPARSE: "sparse", PLANES: "planes", PACKED: "packe
 # PACKED is tried when at most this share of the elements changed (``encode(packed_below=)``):
 # above it zstd over the list costs more than over the xor planes (measured, module doc)
 PACKED_BELOW = 0.25
-_PACKED_HEADER = struct.Struct("<Q")  # count k; then one zstd frame of k * (4 + itemsize)
-
-try:  # the fused extraction loop (setup.py builds it; numpy below does the same, slower)
-    from deltackpt._native import diff_sparse as _native_diff
-except ImportError:  # pragma: no cover - depends on the install
-    _native_diff = None
 
 BITMAP = 0  # SPARSE mode byte; index modes are the index width in bytes (2, 4, 8)
 _INDEX_MODES = (2, 4, 8)
 _HEADER = struct.Struct("<B7xQ")  # mode, count
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 _TINY = 64  # skip zstd when the best exact payload is <= nbytes / _TINY
 _PROBE_BYTES = 64 << 10  # sample compressed to predict the PLANES size
@@ -300,47 +295,18 @@ def _changed(
     new: np.ndarray, base: np.ndarray, itemsize: int, cap: int, work: Scratch
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(element indices as uint32, their new values) of the elements that differ, or None when
-    more than ``cap`` do. One fused pass in C (``deltackpt._native``), else numpy: compare
-    8-byte words, then look at the elements of the words that differ."""
-    uint = _UINT[itemsize]
-    if _native_diff is not None:
-        room = cap + 8  # the loop checks room a word at a time
-        idx = work.take("idx", 4 * room).view(np.uint32)
-        vals = work.take("vals", itemsize * room).view(uint)
-        k = _native_diff(new, base, itemsize, idx, vals)
-        return None if k < 0 else (idx[:k], vals[:k])
-    words = new.size // 8
-    wi = np.flatnonzero(new[: 8 * words].view(np.uint64) != base[: 8 * words].view(np.uint64))
-    per = 8 // itemsize
-    if wi.size > cap:  # every differing word holds at least one changed element
-        return None
-    e_new = new[: 8 * words].view(uint).reshape(-1, per)[wi].reshape(-1)
-    e_base = base[: 8 * words].view(uint).reshape(-1, per)[wi].reshape(-1)
-    sub = np.flatnonzero(e_new != e_base)
-    idx = (wi[sub // per] * per + sub % per).astype(np.uint32)
-    vals = e_new[sub]
-    tail_new, tail_base = new[8 * words :].view(uint), base[8 * words :].view(uint)
-    t = np.flatnonzero(tail_new != tail_base)
-    if t.size:
-        idx = np.concatenate([idx, (t + words * per).astype(np.uint32)])
-        vals = np.concatenate([vals, tail_new[t]])
-    return None if idx.size > cap else (idx, vals)
+    more than ``cap`` do (:func:`deltackpt.format.changes.changed_elements`)."""
+    room = cap + 8
+    return changed_elements(
+        new, base, itemsize, cap, work.take("idx", 4 * room), work.take("vals", itemsize * room)
+    )
 
 
 def _encode_packed(idx: np.ndarray, vals: np.ndarray, itemsize: int) -> Encoded:
-    """PACKED: the changed elements' index gaps (uint32) and new values, each grouped by byte
-    significance (gaps are small: their high bytes are zero runs; values share exponent
-    bytes), in one zstd frame. zstd runs over ~(4 + itemsize) / itemsize x the changed share
-    of the piece, not over the piece."""
-    k = idx.size
-    raw = np.empty(k * (4 + itemsize), dtype=np.uint8)
-    gaps = np.empty(k, dtype=np.uint32)
-    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
-    gaps[:1] = idx[:1]
-    _group(gaps.view(np.uint8), 4, raw[: 4 * k])
-    _group(vals.view(np.uint8), itemsize, raw[4 * k :])
-    frame = _compressor().compress(raw)
-    payload = _PACKED_HEADER.pack(k) + frame
+    """PACKED: the changed elements' index gaps and new values in one zstd frame (the layout of
+    :mod:`deltackpt.format.changes`). zstd runs over ~(4 + itemsize) / itemsize x the changed
+    share of the piece, not over the piece."""
+    payload = pack_changes(idx, vals, itemsize, _compressor())
     return Encoded(PACKED, payload, len(payload))
 
 

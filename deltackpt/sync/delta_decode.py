@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from deltackpt.format.codecs import _decompressor, _ungroup
+from deltackpt.format.changes import decompress_exact, unpack_changes
+from deltackpt.format.codecs import _ungroup
 from deltackpt.sync.delta_codec import (
     _HEADER,
     _INDEX_MODES,
-    _PACKED_HEADER,
     _UINT,
     BITMAP,
     DENSE,
@@ -130,31 +130,7 @@ def packed_changes(
     """(element indices, new values) of a PACKED payload for a piece of ``n`` elements,
     validated (count, frame size, strictly increasing indices below ``n``)."""
     work = work if work is not None else _thread_scratch()
-    if data.size < _PACKED_HEADER.size:
-        raise SyncError(f"packed payload has {data.size} bytes, expected >= {_PACKED_HEADER.size}")
-    (k,) = _PACKED_HEADER.unpack_from(data, 0)
-    if not 0 < k <= n:
-        raise SyncError(f"packed payload claims {k} changed elements, the piece has {n}")
-    frame = data[_PACKED_HEADER.size :]
-    size = k * (4 + itemsize)
-    try:
-        declared = zstandard.frame_content_size(frame)
-    except zstandard.ZstdError as exc:
-        raise SyncError(f"packed payload ({frame.size} bytes) is not a zstd frame: {exc}") from exc
-    if declared != size:
-        raise SyncError(f"packed zstd frame declares {declared} bytes, expected {size}")
-    raw = work.take("packed", size)
-    _decompress_exact(frame, raw)
-    gaps = np.empty(k, dtype=np.uint32)
-    _ungroup(raw[: 4 * k], 4, gaps.view(np.uint8))
-    vals = np.empty(k, dtype=_UINT[itemsize])
-    _ungroup(raw[4 * k :], itemsize, vals.view(np.uint8))
-    if k > 1 and int(gaps[1:].min()) == 0:
-        raise SyncError("packed payload names an element twice (a zero index gap)")
-    idx = np.cumsum(gaps, dtype=np.uint64)
-    if int(idx[-1]) >= n:
-        raise SyncError(f"packed payload index {int(idx[-1])} is out of range for {n} elements")
-    return idx, vals
+    return unpack_changes(data, itemsize, n, lambda size: work.take("packed", size), SyncError)
 
 
 def _bitmap_indices(bitmap: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -186,22 +162,4 @@ def _decode_planes(
 
 
 def _decompress_exact(frame: np.ndarray, dst: np.ndarray) -> None:
-    """Decompress one frame into ``dst``: exactly ``len(dst)`` bytes, nothing after them.
-
-    ``stream_reader().readinto`` into a kept buffer: 3x faster than ``decompress()``, which
-    returns a fresh bytes object whose pages fault in on every call.
-    """
-    got = 0
-    try:
-        with _decompressor().stream_reader(frame) as reader:
-            while got < dst.size:
-                step = reader.readinto(dst[got:])
-                if step == 0:
-                    break
-                got += step
-            extra = len(reader.read(1))
-    except zstandard.ZstdError as exc:
-        raise SyncError(f"planes payload failed to decompress: {exc}") from exc
-    if got != dst.size or extra:
-        more = " and more" if extra else ""
-        raise SyncError(f"planes zstd frame decoded to {got}{more} bytes, expected {dst.size}")
+    decompress_exact(frame, dst, SyncError, "planes")

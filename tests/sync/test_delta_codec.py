@@ -256,11 +256,11 @@ def test_packed_without_the_native_loop_gives_the_same_bytes(
 ) -> None:
     """The numpy fallback of the C loop (installs without a compiler) lists the same changes:
     the same payload, the same decoded piece, the same refusal when too many changed."""
-    from deltackpt.sync import delta_codec
+    from deltackpt.format import changes
 
     cases = [pair(n, itemsize, frac, seed=n) for n in (3, 1001, 40_000) for frac in (0.01, 0.3)]
     native = [encode(new, base, itemsize) for new, base in cases]
-    monkeypatch.setattr(delta_codec, "_native_diff", None)
+    monkeypatch.setattr(changes, "_native_diff", None)
     for (new, base), want in zip(cases, native, strict=True):
         got = encode(new, base, itemsize)
         assert (got is None) == (want is None)
