@@ -11,11 +11,15 @@ same model, per model size (a random-initialised Qwen2 written with ``transforme
   (vLLM's in-place layerwise reload from disk: ``Worker.reload_weights``); bytes = the file.
 
 Steps: ``rl`` = bf16 copies of fp32 masters before/after one AdamW step at lr 1e-6 after 2
-warm-up steps; ``pretrain`` = one AdamW step at lr 5e-6 (``_harness/rl_step.py``). The full
-round sends the "before" weights, the delta round the "after" ones; the baseline writes and
-reloads the "after" weights, and the greedy tokens of both paths are compared.
+warm-up steps; ``pretrain`` = one AdamW step at lr 5e-6 (``_harness/rl_step.py``, run tensor by
+tensor so a 0.5B model's optimizer state never sits in memory at once). Each repeat: a full
+round of the "before" weights, a delta round of the "after" ones, then the baseline writes and
+reloads the "after" weights; the greedy tokens of both paths are compared. The first round of
+an engine (schedule setup) is reported on its own; the rows give the median and the range of
+``--repeats`` runs. This machine's memcpy, xxh3 and disk-write ceilings are measured in the
+same run.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py                 # tiny and ~100M
+    .venv-vllm/bin/python benchmarks/bench_vllm.py                 # tiny, ~100M and ~0.5B
     .venv-vllm/bin/python benchmarks/bench_vllm.py --sizes tiny    # quick
 """
 
@@ -32,6 +36,7 @@ import time
 from typing import Any
 
 import torch
+from _harness.limits import median, timed
 from _harness.report import fmt_bytes, md_table
 from _harness.rl_step import PRETRAIN_LR, changed_fraction, rl_like_versions
 
@@ -41,6 +46,8 @@ SIZES: dict[str, dict[str, int]] = {
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                  num_attention_heads=12, num_key_value_heads=4),
     "300m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=16,
+                 num_attention_heads=16, num_key_value_heads=4),
+    "500m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=16, num_key_value_heads=4),
 }  # fmt: skip
 PROMPTS = [[1, 2, 3, 4], [17, 300, 5], [400, 9, 9, 2, 77]]
@@ -87,7 +94,41 @@ def reload_from_safetensors(llm: Any, sd: dict[str, torch.Tensor], tmp: str) -> 
     return dt, size
 
 
-def bench_size(size: str, tmp: str) -> list[list[Any]]:
+def versions(
+    shapes: dict[str, tuple[int, ...]], lr: float, warmup: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    """(before, after, changed fraction): the AdamW recipe tensor by tensor (bounded memory)."""
+    before, after, changed, total = {}, {}, 0.0, 0
+    for i, (name, shape) in enumerate(shapes.items()):
+        (v0,), (v1,) = rl_like_versions([shape], lr=lr, warmup=warmup, seed=1 + i)
+        before[name], after[name] = v0, v1
+        changed += changed_fraction([v0], [v1]) * v0.numel()
+        total += v0.numel()
+    return before, after, changed / total
+
+
+def machine_limits(nbytes: int = 512 << 20, reps: int = 3) -> list[str]:
+    """The ceilings a round runs against, measured now: memcpy and xxh3-128 (what a round
+    does to every byte it sends and checks). Not the disk: the baseline's file stays in the
+    page cache on one host, and dropping caches would disturb the other users of the box."""
+    import xxhash
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    cp = median([timed(lambda: dst.copy_(src))[0] for _ in range(reps)])
+    arr = src.numpy()
+    xx = median([timed(lambda: xxhash.xxh3_128_hexdigest(arr))[0] for _ in range(reps)])
+    return [
+        f"memcpy {nbytes / cp / 1e9:.2f} GB/s (torch copy_, {torch.get_num_threads()} threads)",
+        f"xxh3-128 {nbytes / xx / 1e9:.2f} GB/s (one thread)",
+    ]
+
+
+def spread(xs: list[float]) -> str:
+    return f"{median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -95,7 +136,6 @@ def bench_size(size: str, tmp: str) -> list[list[Any]]:
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
 
     shapes = write_model(size, f"{tmp}/start")
-    names = list(shapes)
     nparams = sum(torch.Size(s).numel() for s in shapes.values())
     llm = LLM(
         model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
@@ -108,23 +148,39 @@ def bench_size(size: str, tmp: str) -> list[list[Any]]:
     rows: list[list[Any]] = []
     version = 0
     for step, lr, warmup in (("rl", 1e-6, 2), ("pretrain", PRETRAIN_LR, 0)):
-        v0, v1 = rl_like_versions([shapes[n] for n in names], lr=lr, warmup=warmup, seed=1)
-        changed = f"{100 * changed_fraction(v0, v1):.1f}%"
-        before, after = dict(zip(names, v0, strict=True)), dict(zip(names, v1, strict=True))
-        del v0, v1
-        for tag, sd, full in (("full", before, True), ("delta", after, False)):
+        before, after, frac = versions(shapes, lr, warmup)
+        changed = f"{100 * frac:.1f}%"
+        if version == 0:  # the engine's first round builds the schedule: on its own
             version += 1
             t0 = time.perf_counter()
-            st = eng.send_weights(sd, version=version, full=full)
-            dt = time.perf_counter() - t0
-            assert st.full == full, (tag, st.full)
-            rows.append([label, step, changed, f"deltackpt {tag}", f"{dt:.3f}",
-                         fmt_bytes(st.payload_bytes)])  # fmt: skip
-        tokens = greedy(llm)
-        dt, nbytes = reload_from_safetensors(llm, after, tmp)
-        same = "same tokens" if greedy(llm) == tokens else "TOKENS DIFFER"
-        rows.append([label, step, changed, f"safetensors + reload_weights ({same})", f"{dt:.3f}",
-                     fmt_bytes(nbytes)])  # fmt: skip
+            st = eng.send_weights(before, version=version, full=True)
+            rows.append([label, step, changed, "deltackpt full, first round (setup)",
+                         f"{time.perf_counter() - t0:.3f}", fmt_bytes(st.payload_bytes), ""])  # fmt: skip
+        secs: dict[str, list[float]] = {"full": [], "delta": [], "base": []}
+        sent: dict[str, int] = {}
+        same = True
+        for _ in range(repeats):
+            for tag, sd, full in (("full", before, True), ("delta", after, False)):
+                version += 1
+                t0 = time.perf_counter()
+                st = eng.send_weights(sd, version=version, full=full)
+                secs[tag].append(time.perf_counter() - t0)
+                assert st.full == full, (tag, st.full)
+                sent[tag] = st.payload_bytes
+            tokens = greedy(llm)
+            dt, nbytes = reload_from_safetensors(llm, after, tmp)
+            secs["base"].append(dt)
+            sent["base"] = nbytes
+            same = same and greedy(llm) == tokens
+        base = median(secs["base"])
+        for tag, what in (("full", "deltackpt full"), ("delta", "deltackpt delta"),
+                          ("base", f"safetensors + reload_weights ({'same tokens' if same else 'TOKENS DIFFER'})")):  # fmt: skip
+            ratio = "" if tag == "base" else (
+                f"{base / median(secs[tag]):.2f}x time, {sent['base'] / max(sent[tag], 1):.1f}x bytes"
+            )  # fmt: skip
+            rows.append(
+                [label, step, changed, what, spread(secs[tag]), fmt_bytes(sent[tag]), ratio]
+            )
         print(md_table(HEADER, rows[-3:]), flush=True)
         del before, after
         gc.collect()
@@ -134,24 +190,32 @@ def bench_size(size: str, tmp: str) -> list[list[Any]]:
     return rows
 
 
-HEADER = ["model", "step", "bf16 elements changed", "update", "seconds (pause to resume)", "bytes"]
+HEADER = ["model", "step", "bf16 elements changed", "update",
+          "seconds, median [range] (pause to resume)", "bytes", "baseline / this"]  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="tiny,100m", help=f"comma-separated, of {sorted(SIZES)}")
+    ap.add_argument(
+        "--sizes", default="tiny,100m,500m", help=f"comma-separated, of {sorted(SIZES)}"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median, range)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    limits = machine_limits()
     rows: list[list[Any]] = []
     for size in args.sizes.split(","):
         tmp = tempfile.mkdtemp(prefix=f"deltackpt-bench-vllm-{size}-")
         try:
-            rows += bench_size(size, tmp)
+            rows += bench_size(size, tmp, args.repeats)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
     print(f"`{' '.join([os.path.relpath(sys.executable), *sys.argv])}`, torch threads "
-          f"{torch.get_num_threads()}, {os.cpu_count()} cores\n")  # fmt: skip
+          f"{torch.get_num_threads()}, {os.cpu_count()} cores, {args.repeats} repeats\n")  # fmt: skip
+    for line in limits:
+        print(f"- {line}")
+    print()
     print(md_table(HEADER, rows))
 
 

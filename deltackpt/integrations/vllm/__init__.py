@@ -14,6 +14,10 @@ importing ``deltackpt`` (or this package) never imports vLLM.
   ``TrainerWeightTransferEngine`` around a :class:`~deltackpt.sync.WeightSender`), its init info
   and :class:`~deltackpt.integrations.vllm.trainer.LocalLLMClient` (an in-process ``LLM`` as a
   ``VLLMWeightSyncClient``).
+- ``extension``: :class:`~deltackpt.integrations.vllm.extension.DeltackptWorkerExtension`
+  (``worker_extension_cls``): digests of what each worker committed, the per-parameter path
+  report and the end of a stale update session, through ``collective_rpc`` or the server's
+  ``/collective_rpc`` route.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 HTTP and Ray clients, or :class:`LocalLLMClient` for an ``LLM`` in this process).
 
 Every trainer rank calls :meth:`DeltackptTrainerEngine.trainer_init` and ``send_weights`` (each
-pushes its own shards, DTensor shards as they are: no gather); trainer rank 0 also drives the
-engine's RPCs. Why the RPCs run beside the push: ``init_weight_transfer_engine`` and
+pushes its own shards, DTensor shards as they are: no gather, also from vLLM's ``ModuleSource``
+and ``DTensorModuleSource``: :func:`source_tensors`); trainer rank 0 also drives the engine's
+RPCs. With several trainer ranks, every ``send_weights`` first agrees through the group's store
+that every rank accepts its tensors, so a refusal anywhere fails every rank before a round. Why the RPCs run beside the push: ``init_weight_transfer_engine`` and
 ``update_weights`` block until the workers have joined the group / finished the round, which
 needs the trainers at the same time, so rank 0 issues them from a helper thread.
 
@@ -14,6 +16,7 @@ vLLM engine to load the plugin for it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
+    ModuleSource,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightSource,
@@ -30,7 +34,38 @@ from deltackpt.integrations.vllm import BACKEND, register
 from deltackpt.sync import PlanError, RoundStats, SyncGroup, WeightSender
 from deltackpt.sync.schedule_decl import Held, held_from
 
-__all__ = ["DeltackptTrainerEngine", "DeltackptTrainerInitInfo", "LocalLLMClient"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DeltackptTrainerEngine",
+    "DeltackptTrainerInitInfo",
+    "LocalLLMClient",
+    "source_tensors",
+]
+
+
+def _module_sources() -> tuple[type, ...]:
+    """vLLM's sources over ``module.named_parameters()`` (``DTensorModuleSource``: nccl_m2n's)."""
+    try:
+        from vllm.distributed.weight_transfer.m2n_source import DTensorModuleSource
+    except ImportError:  # a vLLM without nccl_m2n
+        return (ModuleSource,)
+    return (ModuleSource, DTensorModuleSource)
+
+
+def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:
+    """This rank's tensors of ``source``, by name.
+
+    ``ModuleSource`` / ``DTensorModuleSource``: the module's parameters as they are (DTensor
+    shards stay shards: no ``full_tensor()`` gather, the schedule sends each rank's boxes),
+    limited to ``held_names()``. Any other ``WeightSource``: its iteration (materialized
+    tensors), without the ``None`` of names another rank holds."""
+    module = getattr(source, "_module", None) if isinstance(source, _module_sources()) else None
+    if isinstance(module, torch.nn.Module):
+        held = source.held_names()
+        keep = None if held is None else set(held)
+        return {n: p.detach() for n, p in module.named_parameters() if keep is None or n in keep}
+    return {name: t for name, t in source if t is not None}
 
 
 @dataclass
@@ -39,7 +74,9 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     ``master_addr:master_port``); ``num_trainers`` trainer ranks, ``num_workers`` vLLM workers
     (all data-parallel replicas x tensor/pipeline ranks). ``dtype``: the dtype floating tensors
     are declared as (cast on the trainer; the workers ask for the engine's dtype anyway);
-    ``full_every``: every n-th round is full."""
+    ``full_every``: every n-th round is full. ``end_stale_update``: when vLLM refuses
+    ``start_weight_update`` and there is one worker, end the update session a dead trainer
+    left open and start again, once (:meth:`DeltackptTrainerEngine._start`)."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -52,6 +89,7 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int = 64 << 20
     dtype: str | None = None
     full_every: int | None = None
+    end_stale_update: bool = True
 
 
 class LocalLLMClient:
@@ -91,6 +129,9 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         # engine is asked into a round (see send_weights)
         self._declared: tuple[Held, ...] | None = None
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-vllm-rpc")
+        self.num_trainers = 1
+        self._end_stale = False
+        self._checks = 0  # send_weights calls on this group: names their agreement keys
 
     @classmethod
     def trainer_init(
@@ -103,7 +144,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         if not init_info.master_port:
             raise ValueError("DeltackptTrainerInitInfo: pass master_port (a free TCP port)")
         eng = cls(client=client, source=source, is_sender=init_info.is_sender)
-        n = int(init_info.num_trainers)
+        n = eng.num_trainers = int(init_info.num_trainers)
+        eng._end_stale = init_info.end_stale_update and int(init_info.num_workers) == 1
         worker_info = {
             "master_addr": init_info.master_addr,
             "master_port": int(init_info.master_port),
@@ -159,15 +201,15 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         if tensors is None:
             if self.source is None:
                 raise ValueError("send_weights: pass the tensors or a source at trainer_init")
-            tensors = dict(iter(self.source))
+            tensors = source_tensors(self.source)
         if version is None:
             version = (self.sender.version or 0) + 1
         if not isinstance(tensors, Mapping):
             tensors = dict(tensors)
-        self._check_declared(tensors)
+        self._agree(self._check_declared(tensors))
         if not self.is_sender:
             return self._push(tensors, version, full)
-        self.client.start_weight_update()
+        self._start()
         rpc = self._rpc.submit(self.client.update_weights, {"version": int(version)})
         try:
             stats = self._push(tensors, version, full)
@@ -178,25 +220,81 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         self.client.finish_weight_update(str(version))
         return stats
 
-    def _check_declared(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Refuse tensors the schedule was not built for before ``start_weight_update``: the
-        sender would refuse them on this rank alone, before the round, and the workers would
-        wait in ``update_weights`` until the group timeout. (With several trainer ranks, a
-        rank other than 0 that refuses still leaves them waiting.)"""
+    def _start(self) -> None:
+        """``start_weight_update``; when vLLM refuses it because a trainer that died between
+        ``start_weight_update`` and its ``update_weights`` left the session open ("a weight
+        update is already active": only a failed ``update_weights`` or a
+        ``finish_weight_update`` ends one), end that session and start again, once. Safe for
+        this backend: its ``finish_weight_update`` applies nothing, and no version is set.
+
+        Only with one worker: with several, vLLM 0.32's multiprocessing executor raises on the
+        first worker's error reply and leaves the others' queued, so every later RPC reads the
+        previous call's reply. There, end a stale session with the worker extension's
+        ``collective_rpc("deltackpt_end_stale_update")``, which never fails."""
+        try:
+            self.client.start_weight_update()
+            return
+        except Exception as e:
+            if not self._end_stale:
+                raise
+            refused = e
+        try:
+            self.client.finish_weight_update(None)
+        except Exception:  # no session was open: start failed for another reason
+            raise refused from None
+        log.warning("deltackpt: ended a weight update a dead trainer left open (%s)", refused)
+        self.client.start_weight_update()
+
+    def _check_declared(self, tensors: Mapping[str, torch.Tensor]) -> str | None:
+        """Why this rank refuses ``tensors`` (None: it accepts them): not what the schedule
+        was built for. The sender would refuse them on this rank alone, before the round,
+        and the workers would wait in ``update_weights`` until the group timeout."""
         if self._declared is None:
-            return  # the first round: a setup failure fails every rank at once
+            return None  # the first round: a setup failure fails every rank at once
         assert self.sender is not None
         held, _ = held_from(tensors, self.sender.dtype)
-        if tuple(held) != self._declared:
-            mine = {h.name: h for h in self._declared}
-            diff = sorted({h.name for h in held} ^ set(mine)) or [
-                h.name for h in held if mine.get(h.name) != h
-            ]
+        if tuple(held) == self._declared:
+            return None
+        mine = {h.name: h for h in self._declared}
+        diff = sorted({h.name for h in held} ^ set(mine)) or [
+            h.name for h in held if mine.get(h.name) != h
+        ]
+        return (
+            "send_weights got different tensors (names, dtypes, shapes or shard boxes) than "
+            f"the schedule was built for (first: {diff[:3]})"
+        )
+
+    def _agree(self, refusal: str | None) -> None:
+        """Raise :class:`PlanError` on every trainer rank when any of them refuses its tensors,
+        before rank 0 asks the engine into a round: with several trainer ranks each writes its
+        answer to the group's store and waits for the others' (a dead rank fails this wait
+        within the group's ``dead_after``, a hung one at its timeout)."""
+        fix = (
+            "nothing was sent and the engine keeps its weights. Pass the tensors the schedule "
+            "was built for, or start a new trainer engine (trainer_init) to re-plan"
+        )
+        g = self.group
+        assert g is not None
+        if self.num_trainers <= 1:
+            if refusal is not None:
+                raise PlanError(f"{refusal}; {fix}")
+            return
+        self._checks += 1
+        base = f"vllm/check/{g.epoch}/{self._checks}"
+        g.guard("store set", lambda: g.store.set(f"{base}/{g.rank}", refusal or ""))
+        keys = [f"{base}/{r}" for r in range(self.num_trainers)]
+        g.wait_until(
+            lambda: bool(g.store.check(keys)),
+            f"send_weights call {self._checks}: waiting for every trainer rank's answer",
+            None,
+        )
+        vals = g.guard("store multi_get", lambda: g.store.multi_get(keys))
+        refused = [(r, bytes(v).decode()) for r, v in enumerate(vals) if v]
+        if refused:
+            r, why = refused[0]
             raise PlanError(
-                "send_weights got different tensors (names, dtypes, shapes or shard boxes) "
-                f"than the schedule was built for (first: {diff[:3]}); nothing was sent and "
-                "the engine keeps its weights. Start a new trainer engine (trainer_init) to "
-                "re-plan"
+                f"trainer rank {r} refused its tensors ({len(refused)} of "
+                f"{self.num_trainers} ranks refused): {why}; {fix}"
             )
 
     def _push(self, tensors: Mapping[str, torch.Tensor], version: int, full: bool) -> RoundStats:

@@ -181,6 +181,45 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         """Copies of the tensors of the last committed round, by trainer name."""
         return {n: t.detach().clone() for n, t in self._held.items()}
 
+    def param_paths(self) -> dict[str, dict[str, str]]:
+        """How each tensor of the last committed round reaches this worker's model, by trainer
+        name: ``param`` (the vLLM parameter it lands in), ``path`` (always ``load_weights``:
+        the model's own loader, inside vLLM's layerwise reload) and ``layout``: ``fused into
+        <param> as <part>`` (qkv, gate_up), ``tensor-parallel shard <shape> of <shape>`` or
+        ``whole`` (for a parameter vLLM emptied: its module's kind, shard or whole), with
+        ``, then repacked into a CPU kernel`` where vLLM empties the parameter after loading.
+        Why no direct writes into the shards: see docs/sync.md, "Into vLLM"."""
+        params = dict(self.model.named_parameters())
+        packed: dict[str, list[str]] = getattr(self.model, "packed_modules_mapping", {}) or {}
+        tp = int(self.parallel_config.tensor_parallel_size)
+        out: dict[str, dict[str, str]] = {}
+        for name, t in self._held.items():
+            parts = name.split(".")
+            target, layout = name, ""
+            for fused, subs in packed.items():
+                if len(parts) >= 2 and parts[-2] in subs:
+                    target = ".".join([*parts[:-2], fused, parts[-1]])
+                    layout = f"fused into {fused} as {parts[-2]}"
+                    if tp > 1:
+                        layout += ", its tensor-parallel shard"
+                    break
+            p = params.get(target)
+            if p is None:
+                layout = layout or "no parameter of that name (tied or skipped by the model)"
+            elif not layout and p.numel():
+                shape, full = tuple(p.shape), tuple(t.shape)
+                layout = "whole" if shape == full else (
+                    f"tensor-parallel shard {list(shape)} of {list(full)}"
+                )  # fmt: skip
+            elif not layout:  # emptied: the module's kind says whether it is split
+                kind = type(self.model.get_submodule(target.rpartition(".")[0])).__name__
+                split = tp > 1 and "Parallel" in kind and kind != "ReplicatedLinear"
+                layout = f"{kind}, its tensor-parallel shard" if split else f"{kind}, whole"
+            if p is not None and not p.numel():
+                layout += ", then repacked into a CPU kernel (the parameter is left empty)"
+            out[name] = {"param": target, "path": "load_weights", "layout": layout}
+        return out
+
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.close()

