@@ -43,6 +43,7 @@ __all__ = [
     "DeltackptUpdateInfo",
     "DeltackptWeightTransferEngine",
     "layer_key",
+    "reload_layers",
 ]
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,30 @@ def layer_key(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return ""
+
+
+def reload_layers(
+    model: Any,
+    model_config: Any,
+    held: dict[str, torch.Tensor],
+    changed: list[tuple[str, torch.Tensor]],
+) -> None:
+    """Load ``changed`` into a vLLM ``model`` through its own ``load_weights``, inside vLLM's
+    layerwise reload, widened to whole layers from ``held`` (every tensor last loaded, by
+    checkpoint name; updated here with ``changed``): see the module doc for why."""
+    held.update(changed)
+    touched = {layer_key(n) for n, _ in changed}
+    batch = [(n, t) for n, t in held.items() if layer_key(n) in touched]
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    try:
+        model.load_weights(iter(batch))
+    finally:  # layers that got nothing get their old kernels back
+        finalize_layerwise_reload(model, model_config)
 
 
 class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, DeltackptUpdateInfo]):
@@ -155,20 +180,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The committed round's changed tensors, widened to whole layers, into the model."""
-        changed = list(weights)
-        self._held.update(changed)
-        touched = {layer_key(n) for n, _ in changed}
-        batch = [(n, t) for n, t in self._held.items() if layer_key(n) in touched]
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        initialize_layerwise_reload(self.model)
-        try:
-            self.model.load_weights(iter(batch))
-        finally:  # layers that got nothing get their old kernels back
-            finalize_layerwise_reload(self.model, self.model_config)
+        reload_layers(self.model, self.model_config, self._held, list(weights))
 
     # ---- helpers for collective_rpc (tests, monitoring) -----------------------------------
 

@@ -1,0 +1,63 @@
+"""Refit through the store into a real CPU vLLM engine: the trainer publishes versions to a
+store, the engine's workers pull them (``deltackpt_follow`` of the worker extension),
+incrementally after the first, fail closed on a held copy changed behind their back. The engine
+runs ``_vllm_store.py`` in ``.venv-vllm``; skipped when that environment is absent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.test_vllm import PY, ROOT
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.multiproc,
+    pytest.mark.skipif(not PY.exists(), reason=f"no vLLM environment at {PY} (.ci/vllm-env)"),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("vllm-store") / "out.json"
+    script = Path(__file__).with_name("_vllm_store.py")
+    proc = subprocess.run(
+        [str(PY), str(script), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        pytest.fail(f"the vLLM store run failed (exit {proc.returncode}); its output is above")
+    return json.loads(out.read_text())
+
+
+def pulls(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {p["tag"]: p for p in run["pulls"]}
+
+
+def test_first_pull_is_full_then_incremental_and_bit_exact(run):
+    p = pulls(run)
+    assert p["v0"]["mode"] == "full" and p["v0"]["identical"] and p["v0"]["version"] == "v0"
+    for tag in ("v1", "v2", "v3", "v5"):
+        assert p[tag]["mode"] == "incremental", p[tag]
+        assert p[tag]["identical"] and p[tag]["version"] == tag
+        assert 0 < p[tag]["bytes_read"] < run["full_bytes"] / 4  # 2% of elements changed
+
+
+def test_nothing_new_is_a_no_op(run):
+    p = pulls(run)["nothing new"]
+    assert p["mode"] is None and p["version"] == "v3" and p["bytes_read"] == 0
+
+
+def test_a_held_copy_changed_behind_its_back_is_reloaded_whole(run):
+    p = pulls(run)["tampered"]
+    assert p["mode"] == "full" and "does not match" in p["reason"], p
+    assert p["identical"] and p["version"] == "v4"
+
+
+def test_greedy_tokens_equal_a_fresh_engine_on_the_same_weights(run):
+    assert run["tokens"] == run["fresh_tokens"]
