@@ -7,40 +7,18 @@ the engine runs in ``.venv-vllm`` (made by ``.ci/vllm-env``), in a subprocess th
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PY = Path(os.environ.get("DELTACKPT_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+from tests.integrations._vllm_env import MARKS, run_script
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.multiproc,
-    pytest.mark.skipif(not PY.exists(), reason=f"no vLLM environment at {PY} (.ci/vllm-env)"),
-]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("vllm") / "out.json"
-    script = Path(__file__).with_name("_vllm_run.py")
-    proc = subprocess.run(
-        [str(PY), str(script), str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        pytest.fail(f"the vLLM run failed (exit {proc.returncode}); its output is above")
-    return json.loads(out.read_text())
+    return run_script(tmp_path_factory, "_vllm_run.py")
 
 
 def rounds(run: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -5,34 +5,18 @@ runs ``_vllm_store.py`` in ``.venv-vllm``; skipped when that environment is abse
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integrations.test_vllm import PY, ROOT
+from tests.integrations._vllm_env import MARKS, run_script
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.multiproc,
-    pytest.mark.skipif(not PY.exists(), reason=f"no vLLM environment at {PY} (.ci/vllm-env)"),
-]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("vllm-store") / "out.json"
-    script = Path(__file__).with_name("_vllm_store.py")
-    proc = subprocess.run(
-        [str(PY), str(script), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        pytest.fail(f"the vLLM store run failed (exit {proc.returncode}); its output is above")
-    return json.loads(out.read_text())
+    return run_script(tmp_path_factory, "_vllm_store.py")
 
 
 def pulls(run: dict[str, Any]) -> dict[str, dict[str, Any]]:

