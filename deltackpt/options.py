@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from deltackpt.errors import InvalidArgumentError
 from deltackpt.format.codecs import ENCODINGS, EncodePolicy
-from deltackpt.format.policy import AUTO_REMOTE
+from deltackpt.format.policy import AUTO_REMOTE, MAX_CHAIN
 
 _OVERRIDES: dict[str, str] = {}
 _TRUE = ("1", "true", "yes", "on")
@@ -140,6 +140,10 @@ _ENCODING_HINT = (
 )
 
 
+DEFAULT_CHAIN_BUDGET = 1.0
+DEFAULT_KEYFRAME_EVERY = 32
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """How a save runs. Chunk size lives in the store (STORE.json), not here: it must not change
@@ -153,9 +157,15 @@ class SaveOptions:
     # "auto" | "fast-restore" | "smallest" (deltackpt.format.codecs.ENCODINGS) or an EncodePolicy;
     # a name is replaced by its policy on construction
     encoding: EncodePolicy = field(default_factory=lambda: ENCODINGS["auto"])
-    # xor deltas: a full chunk at least every K saves of a key, so a restore decodes at most K
-    # payloads per chunk (measured: restore time grows ~linearly with the chain depth)
-    keyframe_every: int = 4
+    # xor deltas (encodings "smallest", or "auto" on an object store): a chunk's next version is
+    # a keyframe (raw or zstd) when its chain's xor payloads, the new one included, would exceed
+    # chain_budget x the chunk's raw size, so a reader at the end of a chain reads at most
+    # (1 + chain_budget) x its raw bytes; 0 writes no deltas. keyframe_every additionally caps
+    # the versions per chain (keyframe + K-1 deltas), because every link costs a full-chunk
+    # decode whatever its size. Whichever cuts first wins. Defaults measured in BENCHMARKS.md
+    # ("Catch-up and refit through the store").
+    chain_budget: float = DEFAULT_CHAIN_BUDGET
+    keyframe_every: int = DEFAULT_KEYFRAME_EVERY
     # Bytes of host staging buffers a store may hold (None: half the machine's RAM). xor deltas
     # need two copies of the state (this save and the bases); one copy for plain async saves;
     # a state larger than the budget is written from the live tensors and the call blocks.
@@ -195,13 +205,25 @@ class SaveOptions:
                 f"one of {sorted(ENCODINGS)} or a deltackpt.codecs.EncodePolicy",
                 _ENCODING_HINT,
             )
-        if not _is_int(self.keyframe_every) or self.keyframe_every < 1:
+        k = self.keyframe_every
+        if not _is_int(k) or not 1 <= k <= MAX_CHAIN:
             raise _bad(
                 owner,
                 "keyframe_every",
-                self.keyframe_every,
-                "an int >= 1",
-                "Pass e.g. keyframe_every=4 (1 writes every changed chunk in full, no xor chains)",
+                k,
+                f"an int between 1 and {MAX_CHAIN} (the most xor links a manifest may hold)",
+                f"Pass e.g. keyframe_every={DEFAULT_KEYFRAME_EVERY} (1 writes every changed chunk "
+                "in full, no xor chains); chain_budget cuts chains by their bytes",
+            )
+        b = self.chain_budget
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b <= MAX_CHAIN:
+            raise _bad(
+                owner,
+                "chain_budget",
+                b,
+                f"a number between 0 and {MAX_CHAIN} (xor bytes of a chain / its chunk's size)",
+                f"Pass e.g. chain_budget={DEFAULT_CHAIN_BUDGET} (a reader at the end of a chain "
+                "reads at most 1 + chain_budget times the raw bytes), or 0 for no xor deltas",
             )
         mb = self.memory_budget
         if mb is not None and (not _is_int(mb) or mb < 0):

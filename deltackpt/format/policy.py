@@ -12,6 +12,12 @@ from dataclasses import dataclass
 
 from deltackpt.errors import CodecError, InvalidArgumentError
 
+#: The most xor links a chain may have on its keyframe: the validator refuses a manifest with a
+#: longer chain (deltackpt/format/validate.py) and writers never write one. Writers cut chains
+#: much earlier (``SaveOptions.chain_budget`` by bytes, ``keyframe_every`` by links); 64 only
+#: bounds what a forged or foreign manifest can make a reader walk (64 decodes of one chunk).
+MAX_CHAIN = 64
+
 RAW = "raw"
 ZSTD = "zstd"
 XOR = "xor"
@@ -119,6 +125,6 @@ ENCODINGS: dict[str, EncodePolicy] = {
 #: crosses a network, so ``auto`` writes what ``smallest`` writes. Measured against a loopback S3
 #: server (BENCHMARKS.md, object stores): a save after a dense bf16 step moved 384 kB in 0.19 s
 #: with xor deltas against 67 MB in 0.81 s raw, for a load 1.2x slower at the end of a chain
-#: (``keyframe_every`` bounds it). The price is host memory: the delta bases (one copy of the
-#: state, within ``memory_budget``). Pass ``encoding="fast-restore"`` to opt out.
+#: (``SaveOptions.chain_budget`` and ``keyframe_every`` bound it). The price is host memory:
+#: the delta bases (one copy of the state, within ``memory_budget``). Pass ``encoding="fast-restore"`` to opt out.
 AUTO_REMOTE = ENCODINGS["smallest"]

@@ -28,9 +28,9 @@ from deltackpt.format import codecs
 from deltackpt.format.boxes import tiling_problem
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import ChunkRecord, Manifest, Slice
+from deltackpt.format.policy import MAX_CHAIN  # xor links on one keyframe (writers stay below)
 
 MAX_TREE_DEPTH = 100  # containers inside containers; state dicts are ~5-10 deep
-MAX_CHAIN = 64  # xor deltas on one keyframe; writers keep it at keyframe_every (4)
 _MAX_BYTES = 1 << 62  # no tensor or storage is larger than this (and its products never overflow)
 _DEVICE_RE = re.compile(r"^[a-z_]{1,16}(:\d{1,6})?$")
 _SCALARS = (str, int, bool, type(None))

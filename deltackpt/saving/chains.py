@@ -1,30 +1,51 @@
-"""Retention-aware xor chains for ``Checkpointer``: the longest delta chain and the delta gain
-that keep ``keep_last`` retained snapshots within ``keep_last`` times the state on disk."""
+"""Retention-aware xor chains for ``Checkpointer``: the chain byte budget that keeps the
+``keep_last`` retained snapshots within a stated multiple of the state on disk."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Any
 
-from deltackpt.format.codecs import XOR
 from deltackpt.options import SaveOptions
 
-__all__ = ["bounded_chains"]
+__all__ = ["RETAINED_SLACK", "bounded_chains", "retained_bound"]
+
+#: keep_last=K keeps at most K x (1 + RETAINED_SLACK) states on disk when the Checkpointer chose
+#: the chain budget (see :func:`bounded_chains`).
+RETAINED_SLACK = 0.25
+
+
+def retained_bound(keep_last: int, chain_budget: float) -> float:
+    """The most bytes, in states, that ``keep_last`` retained snapshots can hold in chunk
+    payloads when chains are cut at ``chain_budget`` (proof in :func:`bounded_chains`)."""
+    return keep_last + chain_budget
 
 
 def bounded_chains(save_options: dict[str, Any], keep_last: int | None) -> dict[str, Any]:
-    """Choose the xor chain length and gain so that the ``keep_last`` newest snapshots never
-    hold more than ``keep_last`` times the state on disk.
+    """Choose the xor chain byte budget so that the ``keep_last`` newest snapshots never hold
+    more than ``keep_last + chain_budget`` states on disk, and lower the budget to
+    ``(keep_last - 1) * RETAINED_SLACK`` so that this is at most ``keep_last x 1.25`` states
+    (``keep_last=1``: no deltas, exactly one state). A ``chain_budget`` the caller set is kept
+    (the bound is then ``keep_last + chain_budget``); ``keyframe_every`` never matters to it.
 
-    A kept delta keeps its chain alive back to the keyframe, so the snapshots retained cost, per
-    key, one keyframe per chain they touch plus every delta up to the newest one kept; each delta
-    is at most ``min_gain`` of a chunk (the encoder stores raw otherwise). :func:`_worst` is that
-    cost for the worst window; the longest chain (up to ``keyframe_every``) whose affordable
-    ``min_gain`` still admits typical bf16 deltas (<= 0.25) is chosen, and ``min_gain`` is
-    lowered to what it affords. keep_last 1 or 2 then means no deltas (a kept delta plus the
-    next keyframe already costs more than two states); 3 means chains of 4 with deltas of at most
-    a quarter of a chunk. An explicit ``keyframe_every`` is left as the caller chose it."""
-    if keep_last is None or "keyframe_every" in save_options:
+    Proof, per chunk position (a chunk of ``S`` raw bytes; the state is the sum of them, and
+    dedupe between positions only lowers the total). Retention runs gc with pack compaction
+    after every deletion (``RETENTION_COMPACT_BELOW``), so what stays on disk is the payloads
+    the retained snapshots reach: each retained version's own payload, plus, through xor
+    bases, its chain down to the keyframe. Every payload is at most ``S``: a keyframe is raw
+    (``S``) or zstd only where smaller; a delta is written only if its chain's xor payloads,
+    its own included, stay within ``chain_budget * S`` (saving/write.py re-encodes it as a
+    keyframe otherwise). Let the retained versions be ``v_a .. v_{a+K-1}``. Every chain that
+    starts at or after ``v_a`` holds only retained versions, so all payloads not themselves
+    retained belong to the chain of ``v_a``: its keyframe and the deltas below ``v_a``. Hence
+    the total is at most (that chain's keyframe, ``S``) + (that chain's deltas, the retained
+    ones among them included, ``<= chain_budget * S``) + (the other retained versions, at most
+    ``K - 1`` payloads of ``<= S``) ``= (K + chain_budget) * S``. If ``v_a`` is a keyframe the
+    middle terms vanish and the total is ``<= K * S``. Summed over positions:
+    ``(K + chain_budget) x state``. The bound is tight only when ``K - 1`` keyframes follow a
+    full chain (big changes after small ones); steady RL-like steps stay near ``K`` states, and
+    manifests come on top."""
+    if keep_last is None or "chain_budget" in save_options:
         return save_options
     known = {f.name for f in fields(SaveOptions)}
     base = save_options.get("options")
@@ -32,41 +53,8 @@ def bounded_chains(save_options: dict[str, Any], keep_last: int | None) -> dict[
         base if isinstance(base, SaveOptions) else None,
         {k: v for k, v in save_options.items() if k in known},
     )
-    policy = opts.encoding
-    if XOR not in policy.codecs or policy.force is not None:
+    # not conditioned on the encoding: "auto" turns xor on where the store is remote
+    budget = min(opts.chain_budget, (keep_last - 1) * RETAINED_SLACK)
+    if budget == opts.chain_budget:
         return save_options
-    for chain in range(opts.keyframe_every, 1, -1):
-        gain = min(policy.min_gain, _affordable_gain(chain, keep_last))
-        if gain >= min(policy.min_gain, 0.25):
-            return {
-                **save_options,
-                "keyframe_every": chain,
-                "encoding": replace(policy, min_gain=gain),
-            }
-    return {**save_options, "keyframe_every": 1}
-
-
-def _worst(chain: int, keep: int) -> list[tuple[int, int]]:
-    """Per window start: (keyframes, deltas) that ``keep`` consecutive snapshots keep alive."""
-    out = []
-    for start in range(chain):
-        last = start + keep - 1
-        frames = deltas = 0
-        for c0 in range(0, last + 1, chain):
-            if c0 + chain - 1 < start:
-                continue  # a chain that ends before the window: not needed
-            frames += 1
-            deltas += min(last, c0 + chain - 1) - c0
-        out.append((frames, deltas))
-    return out
-
-
-def _affordable_gain(chain: int, keep: int) -> float:
-    """The largest delta ratio r with frames + deltas * r <= keep for every window."""
-    r = float("inf")
-    for frames, deltas in _worst(chain, keep):
-        if frames > keep or (frames == keep and deltas):
-            return 0.0
-        if deltas:
-            r = min(r, (keep - frames) / deltas)
-    return r
+    return {**save_options, "chain_budget": budget}

@@ -317,16 +317,17 @@ class StoreSaver:
         p: Prepared,
         before: Mapping[str, DeltaRef],
         records: Mapping[str, ChunkRecord],
-        keyframe_every: int,
+        keyframe_every: int | None = None,
     ) -> None:
-        """After a commit: the next save's delta bases (``before`` were this save's), and what
-        changed, for the next plan's groups."""
+        """After a commit: the next save's delta bases (``before`` were this save's), with each
+        chain's links and bytes read from ``records``, and what changed, for the next plan's
+        groups. ``keyframe_every`` is accepted for callers of the depth-only policy and unused:
+        the writer applies the link cap and the byte budget (saving/write.py)."""
+        del keyframe_every
         if p.digests is not None:
             self._history.learn(p.plan, p.digests, p.group_bufs)
         if p.use_refs and p.digests is not None:
-            self._delta_refs = next_refs(
-                p.plan, p.digests, before, p.copies.refs, records, keyframe_every
-            )
+            self._delta_refs = next_refs(p.plan, p.digests, before, p.copies.refs, records)
 
     def drop_delta_bases(self) -> None:
         self._delta_refs = {}

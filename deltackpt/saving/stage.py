@@ -25,6 +25,7 @@ import torch
 
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
+from deltackpt.format.policy import MAX_CHAIN
 from deltackpt.saving.hooks import hooks
 from deltackpt.saving.plan import SavePlan, chunk_view
 
@@ -127,6 +128,19 @@ class DeltaRef:
     data: np.ndarray
     depth: int  # how many xor links lead from this chunk to a keyframe
     arena: int = 0  # which staging arena holds ``data`` (the next change goes to the other)
+    # xor payload bytes from the keyframe (excluded) up to this chunk (included): what a fresh
+    # reader reads for this chunk beyond its keyframe. The write policy keeps it within
+    # ``SaveOptions.chain_budget`` x the chunk's raw size (saving/write.py).
+    chain_bytes: int = 0
+    last_delta: int = 0  # payload bytes of this chunk's own xor link (0: it is a keyframe)
+
+    def due(self, size: int, keyframe_every: int, chain_budget: float) -> bool:
+        """Whether the next version of this chunk must be a keyframe before even trying a delta:
+        the link cap is reached, or another delta as large as the last one would overflow the
+        byte budget (a delta that is tried and overflows is re-encoded as a keyframe)."""
+        if self.depth + 1 >= min(keyframe_every, MAX_CHAIN + 1):
+            return True
+        return self.chain_bytes + max(self.last_delta, 1) > chain_budget * size
 
 
 @dataclass
@@ -206,16 +220,28 @@ def prefault(plan: SavePlan, arenas: tuple[Arena, ...]) -> None:
                 arena.buffer(src.key, src.nbytes, pin=False).zero_()
 
 
-def chain_depth(d: str, records: Mapping[str, ChunkRecord]) -> int | None:
-    """How many xor links lead from chunk ``d`` to its keyframe (None: not known here)."""
-    n = 0
+def chain_cost(d: str, records: Mapping[str, ChunkRecord]) -> tuple[int, int, int] | None:
+    """(xor links, their payload bytes, the newest link's payload bytes) from chunk ``d`` down
+    to its keyframe; None where that is not known here (a record missing, or a chain longer
+    than the validator's MAX_CHAIN, which no committed manifest has)."""
+    links = nbytes = 0
+    last = -1
     while True:
         rec = records.get(d)
-        if rec is None:
+        if rec is None or links > MAX_CHAIN:
             return None
         if rec.base is None:
-            return n
-        d, n = rec.base, n + 1
+            return links, nbytes, max(last, 0)
+        links, nbytes = links + 1, nbytes + rec.length
+        if last < 0:
+            last = rec.length
+        d = rec.base
+
+
+def chain_depth(d: str, records: Mapping[str, ChunkRecord]) -> int | None:
+    """How many xor links lead from chunk ``d`` to its keyframe (None: not known here)."""
+    cost = chain_cost(d, records)
+    return None if cost is None else cost[0]
 
 
 def next_refs(
@@ -224,11 +250,11 @@ def next_refs(
     refs: Mapping[str, DeltaRef],
     staged: dict[int, tuple[np.ndarray, int]],
     records: Mapping[str, ChunkRecord],
-    keyframe_every: int,
 ) -> dict[str, DeltaRef]:
     """Delta bases for the next save: unchanged chunks keep their base where it is, changed ones
-    point at their staged copy. Chunks whose chain depth is unknown here count as due for a
-    keyframe."""
+    point at their staged copy, with their chain's links and bytes read back from ``records``
+    (so the first save of a process continues the chains the store already holds). Chunks whose
+    chain is unknown here count as due for a keyframe."""
     out: dict[str, DeltaRef] = {}
     for ci, spec in enumerate(plan.chunks):
         key = spec.ref_key
@@ -240,6 +266,9 @@ def next_refs(
             out[key] = prior
         elif ci in staged:
             view, arena = staged[ci]
-            depth = chain_depth(d, records)
-            out[key] = DeltaRef(d, view, keyframe_every if depth is None else depth, arena)
+            cost = chain_cost(d, records)
+            if cost is None:  # due: the cap of links is reached
+                out[key] = DeltaRef(d, view, MAX_CHAIN, arena, 0, 0)
+            else:
+                out[key] = DeltaRef(d, view, cost[0], arena, cost[1], cost[2])
     return out

@@ -70,7 +70,6 @@ def write_chunks(
     lock = threading.Lock()
     writers: dict[int, PackWriter] = {}
     group_bufs = {} if group_bufs is None else group_bufs
-    policy = opts.encoding
 
     def writer() -> PackWriter:
         tid = threading.get_ident()
@@ -102,16 +101,7 @@ def write_chunks(
             claimed.add(d)
         if fresh:
             assert view is not None  # owned chunks always have bytes
-            base = None
-            if (
-                ref is not None
-                and codecs.XOR in policy.codecs
-                and ref.depth + 1 < opts.keyframe_every
-                and ref.data.size == view.size
-                and (ref.digest in index or ref.digest in new_records)
-            ):
-                base = ref.data
-            enc = codecs.encode(view, spec.itemsize, base=base, policy=policy)
+            enc = _encode(view, spec.itemsize, spec.size, ref, opts, index, new_records)
             offset, length = writer().append(enc.payload)
             rec = ChunkRecord(
                 pack=writer().pack_id,
@@ -170,6 +160,36 @@ def write_chunks(
         packs=tuple(w.pack_id for w in writers.values()),
         written=new_records,
     )
+
+
+def _encode(
+    view: np.ndarray,
+    itemsize: int,
+    size: int,
+    ref: DeltaRef | None,
+    opts: SaveOptions,
+    index: Mapping[str, ChunkRecord],
+    new_records: Mapping[str, ChunkRecord],
+) -> codecs.Encoded:
+    """Encode one changed chunk: a delta (xor or patch) against ``ref`` while its chain stays
+    within the link cap (``keyframe_every``) and the byte budget (the chain's delta payloads,
+    this one included, at most ``chain_budget`` x the chunk's raw size), else a keyframe (raw
+    or zstd).
+    A delta that would overflow the budget is re-encoded as a keyframe; a chain whose last delta
+    already predicts an overflow is not tried (see :meth:`DeltaRef.due`)."""
+    policy = opts.encoding
+    if (
+        ref is None
+        or not any(c in policy.codecs for c in codecs.DELTAS)
+        or ref.data.size != view.size
+        or ref.due(size, opts.keyframe_every, opts.chain_budget)
+        or not (ref.digest in index or ref.digest in new_records)
+    ):
+        return codecs.encode(view, itemsize, policy=policy)
+    enc = codecs.encode(view, itemsize, base=ref.data, policy=policy)
+    if enc.codec in codecs.DELTAS and ref.chain_bytes + len(enc.payload) > opts.chain_budget * size:
+        return codecs.encode(view, itemsize, policy=policy)  # over budget: a keyframe
+    return enc
 
 
 def hash_chunks(
