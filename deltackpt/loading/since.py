@@ -331,8 +331,8 @@ def prepare(
                 levels.append((rec.codec, reader.payload(c, where), rec.itemsize))
             try:
                 if all(c == codecs.PATCH for c, _, _ in levels[1:]):
-                    # a fresh copy of held's bytes, patched in place (copied again when shared)
-                    out = bases[b] if uses[b] == 1 else bases[b].copy()
+                    own = uses[b] == 1 and bases[b].base is None  # else: a view of into
+                    out = bases[b] if own else bases[b].copy()  # never patch into itself
                     for _, payload, k in levels[1:]:
                         codecs.patch_in_place(payload, size, k, out)
                 elif len(levels) == 2:  # one xor: ungroup it and xor (no regrouping of the base)

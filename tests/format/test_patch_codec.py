@@ -161,3 +161,29 @@ def test_saved_rl_steps_write_patches_and_load_and_catch_up_bit_exact(tmp_path) 
     deltackpt.load(tmp_path, "s3", into=held, since="s1", stats=stats)
     assert torch.equal(held["w"], states[3]["w"])
     assert stats.bytes_read < 0.25 * w.numel() * 2  # two patches, not the tensor
+
+
+def test_a_corrupt_patch_after_good_ones_leaves_into_unchanged(tmp_path) -> None:
+    """Patches are applied onto copies, never onto into's own bytes before every chunk checked
+    out: the last chunk's payload is damaged, the earlier ones were fine."""
+    from deltackpt.errors import CorruptChunkError
+    from deltackpt.store.packs import pack_name
+
+    st = deltackpt.open_store(tmp_path)
+    v0 = {f"w{i}": _weights(1 << 19, seed=i) for i in range(4)}
+    v1 = {k: _step(t, 0.03, seed=20 + i) for i, (k, t) in enumerate(v0.items())}
+    deltackpt.save({"m": v0}, st, "s0", encoding="smallest")
+    deltackpt.save({"m": v1}, st, "s1", encoding="smallest")
+    m = st.manifest("s1")
+    recs = [m.chunks[e.data[0][0]] for e in m.tensors]
+    assert all(r.codec == PATCH for r in recs)
+    last = recs[-1]
+    with open(tmp_path / "packs" / pack_name(last.pack), "r+b") as f:
+        f.seek(last.offset + last.length // 2)
+        b = f.read(1)
+        f.seek(last.offset + last.length // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    into = {"m": {k: t.clone() for k, t in v0.items()}}
+    with pytest.raises(CorruptChunkError, match="m/w3"):
+        deltackpt.load(st, "s1", into=into, since="s0", threads=1)
+    assert all(torch.equal(into["m"][k], v0[k]) for k in v0)
