@@ -71,8 +71,8 @@ from deltackpt.errors import (
 )
 from deltackpt.format.manifest import Manifest
 from deltackpt.format.tree import flatten
+from deltackpt.loading.changed import changed_keys
 from deltackpt.loading.select import KeySelection, key_filter
-from deltackpt.loading.since import changed_keys
 from deltackpt.loading.stats import LoadStats
 from deltackpt.options import LoadOptions
 from deltackpt.store.leases import MAX_TTL_S, check_holder, drop_lease, write_lease

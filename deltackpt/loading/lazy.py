@@ -32,10 +32,11 @@ from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest, TensorEntry
 from deltackpt.format.tree import unflatten, value_leaves
 from deltackpt.loading import assemble
+from deltackpt.loading.changed import changed_keys
 from deltackpt.loading.plan import Reads, read_entry, storage_view
 from deltackpt.loading.reshard import Box
 from deltackpt.loading.select import KeySelection, key_filter
-from deltackpt.loading.since import catch_up, changed_keys
+from deltackpt.loading.since import catch_up
 from deltackpt.loading.stats import LoadStats
 from deltackpt.options import LoadOptions
 from deltackpt.store.store import LATEST, Store, open_store

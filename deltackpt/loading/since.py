@@ -6,8 +6,7 @@ changed chunks as deltas against the previous save. Each chunk the target puts i
 
 * **unchanged**: ``held`` has the same chunk at the same bytes of the same key: not read;
 * **patched**: a delta chunk (xor or patch) whose chain reaches the chunk ``held`` has there:
-  only the payloads above it are read and applied onto a copy of the bytes ``into`` holds (a
-  ``patch`` payload scatters its changed elements; an ``xor`` one decodes the whole chunk);
+  only the payloads above it are read and applied to the bytes ``into`` holds;
 * **read**: anything else, read whole (decoded down its chain) as a plain load reads it. So are
   the entries this cannot address byte by byte: views of a shared storage (tied weights), saved
   shards (a snapshot saved by several ranks), and targets whose bytes are not one contiguous
@@ -17,15 +16,17 @@ A DTensor whose local piece is a contiguous CPU tensor of whole leading rows (``
 ``Replicate``: what FSDP2 holds) is a *window* of the tensor's bytes: chunks inside it are
 skipped or patched, chunks outside it are not read, the (<= 2) straddling ones read and clipped.
 
-Fail closed, in two phases. :func:`prepare` writes nothing into ``into``: it rebuilds, from
-``into``'s own bytes, every chunk of ``held`` that a skipped or patched chunk relies on and hashes
-it against ``held``'s digest (:class:`~deltackpt.errors.HeldVersionMismatchError` otherwise),
-hashes every patched result against the target's digest, lets the read engine verify what it
-reads, and stages all new bytes in fresh buffers. :meth:`CatchUp.commit` then only copies them in.
-A failure anywhere in :func:`prepare` therefore leaves ``into`` as it was; the price is staging
-memory the size of the changed chunks (the whole state when everything changed). Unchanged
-chunks are hashed only with ``verify=True`` (the default): with ``verify=False`` they are
-trusted, as a plain load trusts what it reads.
+Fail closed. :func:`prepare` rebuilds from ``into``'s bytes every chunk of ``held`` that a
+skipped or patched chunk relies on and hashes it against ``held``'s digest
+(:class:`~deltackpt.errors.HeldVersionMismatchError` otherwise), decodes patched chunks into
+fresh buffers and hashes them, lets the read engine verify what it reads, stages all new bytes,
+and last applies the chains of ``patch`` payloads on chunks ``into`` holds as one tensor's bytes
+in place (:mod:`deltackpt.loading.inplace`: only the changed elements written, old ones kept,
+each result hashed, all undone on any failure or by :meth:`CatchUp.abort`). :meth:`CatchUp.commit`
+then only copies. So a failure leaves ``into`` as it was; the price is staging memory the size of
+the changed chunks that are not patched in place. Unchanged chunks are hashed only with
+``verify=True`` (the default); with ``verify=False`` they are trusted, as a plain load trusts
+what it reads.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import compress
 from typing import Any, TypeVar
 
 import numpy as np
@@ -55,6 +58,7 @@ from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import Manifest, TensorEntry
 from deltackpt.format.tree import flatten
+from deltackpt.loading import inplace
 from deltackpt.loading.assemble import _agree, _assign_values, _check_into, _retrying
 from deltackpt.loading.plan import Reads, copy_into, np_bytes, plain_cpu, read_entry
 from deltackpt.loading.select import Select
@@ -105,6 +109,10 @@ class CatchUp:
     chunks: dict[str, np.ndarray] = field(default_factory=dict)  # digest -> new raw bytes
     refs: dict[str, list[Ref]] = field(default_factory=dict)  # digest -> its places in into
     copies: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
+    in_place: list[inplace.InPlace] = field(default_factory=list)  # applied; abort() undoes
+
+    def abort(self) -> None:  # undo the in-place patches (another rank failed, say)
+        inplace.revert_all(self.in_place)
 
     def commit(self) -> None:
         """Copy the staged bytes into ``into`` (memory copies only: nothing left can fail on
@@ -329,18 +337,12 @@ def prepare(
             for c in reversed(above):
                 rec = m.chunks[c]
                 levels.append((rec.codec, reader.payload(c, where), rec.itemsize))
+            out = np.empty(size, dtype=np.uint8)  # never written into into's own bytes
             try:
-                if all(c == codecs.PATCH for c, _, _ in levels[1:]):
-                    own = uses[b] == 1 and bases[b].base is None  # else: a view of into
-                    out = bases[b] if own else bases[b].copy()  # never patch into itself
-                    for _, payload, k in levels[1:]:
-                        codecs.patch_in_place(payload, size, k, out)
-                elif len(levels) == 2:  # one xor: ungroup it and xor (no regrouping of the base)
-                    out = np.empty(size, dtype=np.uint8)
+                if len(levels) == 2:  # one delta: no regrouping of the base
                     codec, payload, k = levels[1]
                     codecs.decode(codec, payload, size, k, out, base=bases[b])
                 else:  # a chain: xor levels combined in the grouped domain, ungrouped once
-                    out = np.empty(size, dtype=np.uint8)
                     codecs.decode_chain(levels, size, out)
             except CodecError as e:
                 raise CorruptChunkError(
@@ -356,8 +358,16 @@ def prepare(
                 )
             return d, out
 
-        up.chunks.update(_each(patch, patches, opts.threads))
-        bases.clear()
+        def lift(x: tuple[str, str, list[str]]) -> inplace.InPlace:
+            where = f"snapshot {m.name!r} key {want[x[0]][0][0]!r}"
+            read = partial(reader.payload, where=where)
+            return inplace.lift(*x, m.chunks, bases[x[1]], read, where)
+
+        ok = inplace.eligible
+        fits = [uses[b] == 1 and ok(d, a, m.chunks, bases[b], len(want[d])) for d, b, a in patches]
+        up.in_place = _each(lift, list(compress(patches, fits)), opts.threads)
+        rest = list(compress(patches, [not f for f in fits]))
+        up.chunks.update(_each(patch, rest, opts.threads))
 
         # 3. everything else, read whole into fresh memory and verified by the read engine.
         r = Reads(m)
@@ -371,6 +381,9 @@ def prepare(
             up.copies.append((dst, t, e.path))
         stats.chunks_read += len(r.jobs)
         r.run(packs, opts.verify, opts.threads, "deltackpt-since")
+    # 4. last, once everything else is staged and verified: the in-place patches (undone on failure)
+    inplace.apply_all(up.in_place, lambda fn, xs: _each(fn, xs, opts.threads), h.name)
+    bases.clear()
 
     for d in unchanged:
         del want[d]  # nothing to copy: into holds it already
@@ -378,30 +391,6 @@ def prepare(
     stats.chunks_patched += len(patches)
     stats.bytes_patched += sum(n for d, _, _ in patches for _, _, _, n in want[d])
     return up
-
-
-def changed_keys(m: Manifest, h: Manifest, select: Select | None = None) -> list[str]:
-    """Key paths of ``m``'s tensors whose bytes may differ from ``h``'s, from the manifests only
-    (nothing is read): new keys, another dtype or shape, other chunks. Equal chunk lists mean
-    equal bytes (chunks are named by their digest); a small tensor that shares a group chunk with
-    a changed one is listed too, as is a view of a shared storage whose storage changed."""
-    m, h = nested_manifest(m), nested_manifest(h)
-    before = {e.path: _signature(h, e) for e in h.tensors}
-    return [
-        e.path
-        for e in m.tensors
-        if (select is None or select(e.path)) and before.get(e.path) != _signature(m, e)
-    ]
-
-
-def _signature(m: Manifest, e: TensorEntry) -> tuple[Any, ...]:
-    """What determines entry ``e``'s bytes: equal signatures, equal bytes."""
-    if e.storage is not None:
-        view = (e.storage.offset, e.storage.stride, m.storages[e.storage.id])
-        return (e.dtype, e.shape, view)
-    if e.shards is not None:
-        return (e.dtype, e.shape, e.shards)
-    return (e.dtype, e.shape, e.data)
 
 
 def catch_up(
@@ -433,18 +422,29 @@ def catch_up(
         _check_into(m, into, targets, saved, opts, select)
         wanted = [i for p, i in saved.items() if p in targets]
         up = prepare(st, m, held, wanted, targets, leaves, opts, stats)
+        prepared.append(up)
 
         def commit() -> None:
-            up.commit()
+            try:
+                up.commit()
+            except BaseException:
+                up.abort()  # the in-place patches, at least, are undone
+                raise
             _assign_values(m.tree, into, opts, select)
 
         return commit
 
     st = open_store(store, create=False)
     held = nested_manifest(st.manifest(since))
+    prepared: list[CatchUp] = []
     if process_group is None:
         _retrying(st, st.manifest(name), stage)()
-    else:
+        return into
+    try:
         commit = _agree(process_group, lambda: _retrying(st, st.manifest(name), stage))
-        _agree(process_group, commit)
+    except BaseException:  # another rank failed: undo what this rank patched in place
+        for up in prepared:
+            up.abort()
+        raise
+    _agree(process_group, commit)
     return into

@@ -187,3 +187,26 @@ def test_a_corrupt_patch_after_good_ones_leaves_into_unchanged(tmp_path) -> None
     with pytest.raises(CorruptChunkError, match="m/w3"):
         deltackpt.load(st, "s1", into=into, since="s0", threads=1)
     assert all(torch.equal(into["m"][k], v0[k]) for k in v0)
+
+
+def test_in_place_patches_are_all_undone_when_one_result_is_wrong() -> None:
+    """loading/inplace.py: the first patch applies and checks out, the second's result does not
+    hash to its digest: both buffers get their old bytes back."""
+    from deltackpt.errors import CorruptChunkError
+    from deltackpt.format.hashing import digest
+    from deltackpt.loading.inplace import InPlace, apply_all
+
+    bufs = [np.arange(1000, dtype=np.uint16).view(np.uint8).copy() for _ in range(2)]
+    before = [b.copy() for b in bufs]
+    idx, vals = np.array([3, 500], np.uint64), np.array([7, 9], np.uint16)
+    good = bufs[0].copy()
+    good.view(np.uint16)[idx] = vals
+    items = [
+        InPlace(digest(good), "b0", bufs[0].view(), 2, [(idx, vals)], "first"),
+        InPlace("0" * 32, "b1", bufs[1].view(), 2, [(idx, vals)], "second"),
+    ]
+    with pytest.raises(CorruptChunkError, match="second"):
+        apply_all(items, lambda fn, xs: [fn(x) for x in xs], "s0")
+    assert all(np.array_equal(b, o) for b, o in zip(bufs, before, strict=True))
+    apply_all(items[:1], lambda fn, xs: [fn(x) for x in xs], "s0")
+    assert np.array_equal(bufs[0], good)
