@@ -50,7 +50,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from deltackpt.errors import DeltackptError, SaveFailedError
-from deltackpt.format.codecs import XOR
+from deltackpt.format.codecs import DELTAS
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import SaveOptions, default_memory_budget
 from deltackpt.saving.commit import check_can_save
@@ -270,8 +270,9 @@ class StoreSaver:
                     background = False
                 return Prepared(plan, staged, False, locks, waited, background)
             live = Staged([s.data.numpy() for s in plan.sources], None)
-            xor_on = XOR in opts.encoding.codecs and opts.encoding.force in (None, XOR)
-            use_refs = xor_on and 2 * need <= budget
+            pol = opts.encoding  # delta bases are kept for xor and for patch deltas
+            deltas_on = any(c in pol.codecs for c in DELTAS) and pol.force in (None, *DELTAS)
+            use_refs = deltas_on and 2 * need <= budget
             if not use_refs:
                 self.drop_delta_bases()
             if background and not use_refs and need > budget:

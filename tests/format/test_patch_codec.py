@@ -210,3 +210,22 @@ def test_in_place_patches_are_all_undone_when_one_result_is_wrong() -> None:
     assert all(np.array_equal(b, o) for b, o in zip(bufs, before, strict=True))
     apply_all(items[:1], lambda fn, xs: [fn(x) for x in xs], "s0")
     assert np.array_equal(bufs[0], good)
+
+
+def test_a_policy_with_patch_but_not_xor_keeps_delta_bases_and_writes_patches(tmp_path) -> None:
+    """EncodePolicy(codecs=(RAW, PATCH)): the saver keeps delta bases for patch deltas too (it
+    kept them only when xor was allowed, so such a policy never wrote a delta)."""
+    st = deltackpt.open_store(tmp_path)
+    w = _weights(1 << 20, seed=7)
+    policy = EncodePolicy(codecs=(RAW, PATCH))
+    saved = []
+    for step in range(3):
+        if step:
+            w = _step(w, 0.02, seed=30 + step)
+        saved.append(w.clone())
+        deltackpt.save({"w": w}, st, f"s{step}", encoding=policy)
+    m = st.manifest("s2")
+    used = {m.chunks[d].codec for e in m.tensors for d, _, _ in (e.data or [])}
+    assert used == {PATCH}
+    for step, want in enumerate(saved):
+        assert torch.equal(deltackpt.load(st, f"s{step}")["w"], want)
