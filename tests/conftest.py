@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +11,13 @@ from tests._s3 import new_bucket, s3_options, s3_server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # pytest-xdist workers must collect the same ids: an id made from a default repr
+    # ("<object object at 0x...>") differs per process and stops `pytest -n` from collecting.
+    unstable = [item.nodeid for item in items if re.search(r" at 0x[0-9a-f]+", item.nodeid)]
+    if unstable:
+        raise pytest.UsageError(
+            f"test ids that differ per process (give them stable ids): {unstable}"
+        )
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")

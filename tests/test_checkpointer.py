@@ -326,7 +326,14 @@ def _set(node: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
     return node
 
 
-_DROP = object()
+class _Dropped:
+    """Marks a field the test removes; its repr is the test id, the same in every pytest worker."""
+
+    def __repr__(self) -> str:
+        return "<dropped>"
+
+
+_DROP = _Dropped()
 _B64_ZEROS = "A" * 6744  # 5058 zero bytes: the wrong length for a CPU generator
 
 HOSTILE: list[tuple[str, tuple[Any, ...], Any]] = [
