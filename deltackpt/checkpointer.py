@@ -19,6 +19,7 @@ import contextlib
 import operator
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,6 +78,11 @@ def restore_into(state: dict[str, Any], loaded: dict[str, Any]) -> None:
 # that are mostly dead bounds it at the cost of copying their live chunks once.
 RETENTION_COMPACT_BELOW = 1.0
 
+# ``Checkpointer(Tiers(...), ...)`` makes a tiered checkpointer. deltackpt.tiers sits above this
+# module (its durable tier is a Checkpointer), so it registers its constructor here when it is
+# imported, keyed by the Tiers class: whoever holds a Tiers has imported it.
+TIERED: dict[type, Callable[..., Any]] = {}
+
 
 class Checkpointer:
     """Save a training state every ``every`` steps, keep the last ``keep_last``, resume latest.
@@ -115,7 +121,19 @@ class Checkpointer:
     opened with ``FsspecStorage(..., no_concurrent_saves=True)`` and retention also runs gc and
     compaction, as on a local disk (its own saves never overlap its retention). It needs no
     ``process_group`` (every rank would run gc) and a URL, not an opened Store.
+
+    **Tiers**: ``Checkpointer(deltackpt.tiers.Tiers(local=..., durable=..., replicas=1), every,
+    process_group=pg)`` returns a :class:`deltackpt.tiers.TieredCheckpointer` (same calls, plus
+    ``persist`` and ``flush``): every save to a node-local tier, replicas on peers, durable
+    versions every ``Tiers.persist_every`` steps (docs/tiers.md). Retention is then set in the
+    ``Tiers`` (``keep_last``, ``durable_keep_last``).
     """
+
+    def __new__(cls, store: Any = None, *args: Any, **kwargs: Any) -> Any:
+        make = TIERED.get(type(store)) if cls is Checkpointer else None
+        if make is not None:  # Checkpointer(Tiers(...)): a TieredCheckpointer, same calls
+            return make(store, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from deltackpt.api import async_save, save
 from deltackpt.checkpointer import (
     RETENTION_COMPACT_BELOW,
+    TIERED,
     Checkpointer,
     restore_into,
     to_saveable,
@@ -351,3 +352,41 @@ class TieredCheckpointer:
 
 def _moment_paths(state: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"/{k}/state/" for k in optimizer_keys(state))
+
+
+def from_checkpointer(
+    tiers: Tiers,
+    every: int = 100,
+    keep_last: int | None = None,
+    async_: bool = True,
+    *,
+    process_group: Any = None,
+    name_format: str = "step-{step:08d}",
+    handle_sigterm: bool = False,
+    rng: bool | None = None,
+    **other: Any,
+) -> TieredCheckpointer:
+    """``deltackpt.Checkpointer(Tiers(...), ...)``: the Checkpointer's arguments that apply."""
+    if keep_last is not None:
+        raise InvalidArgumentError(
+            f"Checkpointer(Tiers(...), keep_last={keep_last!r}): a tiered checkpointer keeps "
+            "what its Tiers say; pass Tiers(keep_last=..., durable_keep_last=...) instead"
+        )
+    if rng:
+        raise InvalidArgumentError(
+            "Checkpointer(Tiers(...), rng=True): a tiered checkpointer does not save RNG state "
+            "(each rank has its own generators); pass rng=False or leave it out"
+        )
+    if other:
+        raise InvalidArgumentError(
+            f"Checkpointer(Tiers(...)) does not take {sorted(other)}: a tiered checkpointer "
+            "takes every, async_, process_group, name_format and handle_sigterm "
+            "(storage_options go in Tiers(storage_options=...))"
+        )
+    return TieredCheckpointer(
+        tiers, every, process_group=process_group, async_=async_, name_format=name_format,
+        handle_sigterm=handle_sigterm,
+    )  # fmt: skip
+
+
+TIERED[Tiers] = from_checkpointer

@@ -149,8 +149,12 @@ def restore_local(
     rank = link.rank if link is not None else 0
     world = len(sources)
     name = local_name(step)
-    own = open_store(tiers.own_dir(rank))
     problem: str | None = None
+    own: Store | None = None
+    try:
+        own = open_store(tiers.own_dir(rank))
+    except Exception as e:  # still answer every peer below: none may wait for a timeout
+        problem = f"own local tier {tiers.own_dir(rank)} cannot be opened: {type(e).__name__}: {e}"
     for q, src in enumerate(sources):
         if not src.startswith("peer "):
             continue
@@ -166,9 +170,9 @@ def restore_local(
             transfer(link, (q, held, name if held is not None else None), None)
         else:
             moved = transfer(link, None, (h, own, Expect(q, step, world, layout)), recheck=True)
-            if moved.committed is None:
+            if moved.committed is None and problem is None:
                 problem = "; ".join(moved.problems) or f"replica of {name!r} from rank {h} refused"
-    if problem is not None:
+    if problem is not None or own is None:
         return problem
     if sources[rank] == LOCAL:
         report = verify(own, [name])

@@ -230,14 +230,16 @@ def _read_chunks(store: Store, m: Manifest, batch: list[str], scratch: np.ndarra
 def transfer(
     link: Link,
     send: tuple[int, Store | None, str | None] | None,
-    recv: tuple[int, Store, Expect] | None,
+    recv: tuple[int, Store | None, Expect] | None,
     *,
     recheck: bool = False,
 ) -> Moved:
     """Send snapshot ``name`` of ``store`` to rank ``dst`` (``send=(dst, store, name)``; store
     or name None: nothing to offer this time) while receiving one from rank ``src`` into ``store``
-    (``recv=(src, store, expect)``). Both peers must call this with matching arguments. Never
-    raises for a refused or damaged offer: the reasons are in ``Moved.problems``.
+    (``recv=(src, store, expect)``; store None: take part, refuse whatever is offered: a rank
+    whose store cannot be opened still answers, so its peer never waits for a timeout). Both
+    peers must call this with matching arguments. Never raises for a refused or damaged offer:
+    the reasons are in ``Moved.problems``.
 
     The receiver asks for the chunks its store lacks; with ``recheck`` also for those it holds
     but whose bytes no longer match their digest (a restore repairing a damaged local tier)."""
@@ -254,7 +256,9 @@ def transfer(
     got = link.exchange(dst, offer, src)
     theirs: Manifest | None = None
     wants: list[str] = []
-    if recv is not None and got is not None and len(got):
+    if recv is not None and recv[1] is None:
+        moved.problems.append(f"refused from rank {src}: the receiving store could not be opened")
+    elif recv is not None and got is not None and len(got):
         try:
             theirs = _accept(got.tobytes(), recv[1], recv[2])
             have = recv[1].chunk_index()
@@ -269,7 +273,7 @@ def transfer(
         asked_for = []  # nothing offered (a peer asking anyway gets nothing; it will refuse)
     out_batches = _batches(asked_for, mine.chunks) if mine is not None else []
     in_batches = _batches(wants, theirs.chunks) if theirs is not None else []
-    writer = recv[1].pack_writer() if (recv is not None and wants) else None
+    writer = recv[1].pack_writer() if (recv is not None and recv[1] is not None and wants) else None
     new: dict[str, ChunkRecord] = {}
     ok = theirs is not None
     out_max = max((sum(mine.chunks[d].length for d in b) for b in out_batches), default=0)
@@ -306,7 +310,7 @@ def transfer(
                     break
                 off, n = writer.append(piece)
                 new[d] = replace(rec, pack=writer.pack_id, offset=off, length=n)
-        if ok and recv is not None and theirs is not None:
+        if ok and recv is not None and recv[1] is not None and theirs is not None:
             moved.committed = _commit(recv[1], theirs, new, writer, recv[0])
     finally:
         if writer is not None and moved.committed is None:

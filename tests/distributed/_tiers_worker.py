@@ -122,6 +122,11 @@ def run(rank: int, world: int, port: int, root: str, cfg: dict[str, Any]) -> dic
     ckpt = TieredCheckpointer(
         tiers, every=1, process_group=pg, handle_sigterm=cfg.get("sigterm") is not None
     )
+    if cfg.get("damage_own") == rank:  # the local tier breaks after the checkpointer opened it
+        import shutil
+
+        shutil.rmtree(tiers.own_dir(rank))
+        tiers.own_dir(rank).write_text("not a store")
     state = blank_state(mesh)
     start = ckpt.restore_latest(state)
     out: dict[str, Any] = {

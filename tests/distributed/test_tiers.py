@@ -125,6 +125,19 @@ def test_a_damaged_own_snapshot_is_replaced_by_the_peers_replica(tmp_path: Path)
     assert verify(tmp_path / "node1" / "rank-00003", _steps(3)).ok  # healed from the replica
 
 
+def test_a_rank_whose_local_tier_cannot_be_opened_falls_back_without_a_timeout(
+    tmp_path: Path,
+) -> None:
+    _run(tmp_path, 4, steps=4, persist_every=2)
+    shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3 must fetch from their peers, but ...
+    out = _run(tmp_path, 4, timeout=60, damage_own=3)  # ... rank 3 cannot open its own tier
+    for o in out:
+        rep = o["report"]
+        assert rep.step == 3 and rep.sources == ("durable",) * 4 and o["restored_ok"]
+        refused = [r for r in rep.refused if "rank 3, peer 1" in r]
+        assert len(refused) == 1 and "cannot be opened" in refused[0], rep
+
+
 def test_a_crash_mid_replication_leaves_no_half_replica(tmp_path: Path) -> None:
     port = free_port()
     cfg = {"steps": 4, "keep_last": 3, "timeout": 10.0, "crash_replica": (2, "step-00000003")}
