@@ -135,6 +135,16 @@ def run(rank: int, world: int, port: int, root: str, cfg: dict[str, Any]) -> dic
         "restored_ok": start == 0 or matches(state, start - 1),
         "sent": [],
     }
+    if cfg.get("dcp_check") and start:  # DCP's own load reads the durable tier too, resharded
+        import torch.distributed.checkpoint as dcp
+
+        from deltackpt.dcp import StoreReader
+
+        other = blank_state(mesh)
+        sd = {"model": other["model"], "bias": other["bias"]}
+        dcp.load(sd, storage_reader=StoreReader(tiers.durable, f"step-{start - 1:08d}"))
+        other["step"] = start - 1
+        out["dcp_ok"] = matches(other, start - 1)
     if start == 0:
         state = make_state(mesh, -1)
     for step in range(start, cfg.get("steps", 0)):

@@ -162,10 +162,11 @@ def test_a_crash_mid_persist_keeps_the_previous_durable_version(tmp_path: Path) 
     assert _names(tmp_path / "durable") == _steps(1)
     assert verify(tmp_path / "durable").ok
     # another world size: only the durable tier applies (local snapshots are of 4 ranks)
-    out = _run(tmp_path, 2, ranks_per_node=1)  # 2 nodes of 1 rank now
+    out = _run(tmp_path, 2, ranks_per_node=1, dcp_check=True)  # 2 nodes of 1 rank now
     for o in out:
         assert o["report"].step == 1 and o["report"].sources == ("durable", "durable")
         assert o["restored_ok"]  # resharded from 4 shards to 2
+        assert o["dcp_ok"]  # and torch.distributed.checkpoint.load of it, with StoreReader
 
 
 def test_sigterm_flushes_to_durable_and_another_world_size_resumes(tmp_path: Path) -> None:
