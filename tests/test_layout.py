@@ -26,7 +26,7 @@ LAYERS: dict[str, set[str]] = {
     "loading": {"errors", "options", "format", "store"},
     "distributed": {"errors", "options", "format", "store", "saving", "loading"},
     "sync": {"errors", "format"},
-    "tiers": {"errors", "format", "store", "distributed", "api", "checkpointer", "resume"},
+    "tiers": {"errors", "format", "store", "distributed", "api", "checkpointer", "resume", "dcp"},
 }
 
 

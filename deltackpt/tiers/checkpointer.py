@@ -29,6 +29,7 @@ import datetime
 import signal
 import socket
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,7 @@ from deltackpt.store.lifecycle import gc
 from deltackpt.store.store import Store, open_store
 from deltackpt.tiers.config import TIER_KEY, Tiers, local_name
 from deltackpt.tiers.localize import delocalize, localize, moments_as_dtensors, optimizer_keys
-from deltackpt.tiers.restore import RestoreReport, restore
+from deltackpt.tiers.restore import DURABLE, RestoreReport, restore
 from deltackpt.tiers.transfer import Expect, Link, transfer
 
 if TYPE_CHECKING:
@@ -192,11 +193,13 @@ class TieredCheckpointer:
         self._fg.dist.all_reduce(flag, op=self._fg.dist.ReduceOp.MAX, group=self._fg.group)
         return bool(flag.item())
 
-    def save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
+    def save(
+        self, step: int, state: dict[str, Any], *, metadata: dict[str, Any] | None = None
+    ) -> SaveHandle | None:
         """Save ``state`` to this rank's local tier now (async unless ``async_=False``), then
         replicate it in the background; the async save's handle (None with ``async_=False``,
         which returns once the replicas are committed too). Every rank calls it for the same
-        steps."""
+        steps. ``metadata``: extra JSON kept in the local snapshot's manifest."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgumentError(
                 f"TieredCheckpointer.save(step={step!r}) is invalid: expected an int >= 0"
@@ -209,7 +212,7 @@ class TieredCheckpointer:
         name = local_name(step)
         sd, layout, _ = localize(to_saveable(state), _moment_paths(state))
         mark = {"step": step, "rank": self.rank, "world": self.world, "layout": layout}
-        opts: dict[str, Any] = dict(metadata={TIER_KEY: mark}, overwrite=True)
+        opts: dict[str, Any] = dict(metadata={**(metadata or {}), TIER_KEY: mark}, overwrite=True)
         opts["encoding"] = "fast-restore"  # raw chunks: a replica checks each one on receipt
         h: Any
         if self.async_:
@@ -302,13 +305,7 @@ class TieredCheckpointer:
                 f"{type(state).__name__}"
             )
         self._collect()
-        durable_steps: list[int] = []
-        if self.durable is not None and self.rank == 0:
-            d = self.durable
-            durable_steps = sorted(
-                s for m in d.store.manifests() if (s := d._owned_step(m)) is not None
-            )
-
+        durable_steps = self._durable_steps()
         local_sd, layout, back = localize(to_saveable(state), _moment_paths(state))
 
         def load_local(store: Store, name: str) -> None:
@@ -324,6 +321,35 @@ class TieredCheckpointer:
         report = restore(self._fg, self.tiers, durable_steps, load_local, load_durable, layout)
         self.last_restore = report
         return 0 if report.step is None else report.step + 1
+
+    def _durable_steps(self) -> list[int]:
+        """The durable tier's versions (on rank 0; [] elsewhere: restore shares rank 0's)."""
+        d = self.durable
+        if d is None or self.rank != 0:
+            return []
+        return sorted(s for m in d.store.manifests() if (s := d._owned_step(m)) is not None)
+
+    def _restore_durable_only(
+        self, durable: list[int], load: Callable[[int], None]
+    ) -> RestoreReport:
+        """Restore the newest durable version on every rank (rank 0's list decides)."""
+        steps = self._fg.all_gather(durable)[0] if self._fg is not None else durable
+        if not steps:
+            return RestoreReport(None, ())
+        load(max(steps))
+        return RestoreReport(max(steps), (DURABLE,) * self.world)
+
+    def _after_local_committed(self, step: int, name: str, done: Future[Any]) -> None:
+        """A local snapshot committed by another writer (the DCP plug-in): replicate it and
+        apply retention in the background, as after :meth:`save`."""
+        self._collect()
+        self._job = self._pool.submit(self._after_local, step, name, done)
+
+    def stop_requested(self) -> bool:
+        """With ``handle_sigterm=True``: whether any rank got SIGTERM (every rank calls it at
+        the same point; one tiny all-reduce). For loops that save through the DCP plug-in:
+        ``dcp.save(..., storage_writer=TieredWriter(ckpt, step, persist=True))``, then stop."""
+        return self._agree_sigterm()
 
     # ------------------------------------------------------------------------ lifetime
 
