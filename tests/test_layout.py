@@ -26,7 +26,17 @@ LAYERS: dict[str, set[str]] = {
     "loading": {"errors", "options", "format", "store"},
     "distributed": {"errors", "options", "format", "store", "saving", "loading"},
     "sync": {"errors", "format"},
-    "tiers": {"errors", "format", "store", "distributed", "api", "checkpointer", "resume", "dcp"},
+    "tiers": {
+        "errors",
+        "format",
+        "store",
+        "loading",
+        "distributed",
+        "api",
+        "checkpointer",
+        "resume",
+        "dcp",
+    },
 }
 
 
