@@ -36,7 +36,7 @@ from deltackpt.errors import (
     UnsupportedValueError,
 )
 from deltackpt.format import rng_state
-from deltackpt.format.dtensor import is_dtensor
+from deltackpt.format.dtensor import Piece, is_dtensor
 from deltackpt.format.dtypes import dtype_from_name, dtype_name
 
 Node = Any  # a JSON value
@@ -80,6 +80,9 @@ class _Flattener:
         # Exact type checks: a subclass (namedtuple, defaultdict, a Parameter subclass with
         # extra attributes) would not come back as itself, so it is refused or pickled.
         t = type(obj)
+        if t is Piece:  # a piece of a global tensor without a DTensor (format/dtensor.py)
+            self.leaves.append(Leaf(self._unique(path or "."), obj))  # type: ignore[arg-type]
+            return {"tensor": len(self.leaves) - 1}
         if isinstance(obj, torch.Tensor):
             if is_dtensor(obj):  # a shard of a global tensor: planned by the distributed layer
                 self.leaves.append(Leaf(self._unique(path or "."), obj))

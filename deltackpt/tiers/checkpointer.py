@@ -48,7 +48,15 @@ from deltackpt.resume import restore_state
 from deltackpt.store.lifecycle import gc
 from deltackpt.store.store import Store, open_store
 from deltackpt.tiers.config import TIER_KEY, Tiers, local_name
-from deltackpt.tiers.localize import delocalize, localize, moments_as_dtensors, optimizer_keys
+from deltackpt.tiers.localize import (
+    Box,
+    delocalize,
+    dtensor_boxes,
+    localize,
+    moments_as_dtensors,
+    optimizer_keys,
+)
+from deltackpt.tiers.persist import persist_local
 from deltackpt.tiers.restore import DURABLE, RestoreReport, restore
 from deltackpt.tiers.transfer import Expect, Link, transfer
 
@@ -128,11 +136,18 @@ class TieredCheckpointer:
         tiers.root.mkdir(parents=True, exist_ok=True)
         self.own: Store = open_store(tiers.own_dir(self.rank))
         self.durable: Checkpointer | None = None
+        self._persister: Checkpointer | None = None
         if tiers.durable is not None:
             self.durable = Checkpointer(
                 tiers.durable, every=1, keep_last=tiers.durable_keep_last, async_=async_,
                 rng=False, name_format=name_format, storage_options=tiers.storage_options,
                 process_group=process_group,
+            )  # fmt: skip
+            # the background persists: a synchronous distributed save on the tiers' own group
+            self._persister = Checkpointer(
+                tiers.durable, every=1, keep_last=tiers.durable_keep_last, async_=False,
+                rng=False, name_format=name_format, storage_options=tiers.storage_options,
+                process_group=None if self._bg is None else self._bg.group,
             )  # fmt: skip
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-tiers")
         self._job: Future[None] | None = None
@@ -178,11 +193,11 @@ class TieredCheckpointer:
             self.flush(step, state)
             self.stopped = True
             return None
-        h = self.save(step, state) if (step + 1) % self.every == 0 else None
         pe = self.tiers.persist_every
-        if pe is not None and (step + 1) % pe == 0:
-            self.persist(step, state)
-        return h
+        persist = pe is not None and (step + 1) % pe == 0
+        if persist or (step + 1) % self.every == 0:
+            return self.save(step, state, persist=persist)
+        return None
 
     def _agree_sigterm(self) -> bool:
         if self._fg is None:
@@ -194,12 +209,19 @@ class TieredCheckpointer:
         return bool(flag.item())
 
     def save(
-        self, step: int, state: dict[str, Any], *, metadata: dict[str, Any] | None = None
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        metadata: dict[str, Any] | None = None,
+        persist: bool = False,
     ) -> SaveHandle | None:
         """Save ``state`` to this rank's local tier now (async unless ``async_=False``), then
         replicate it in the background; the async save's handle (None with ``async_=False``,
         which returns once the replicas are committed too). Every rank calls it for the same
-        steps. ``metadata``: extra JSON kept in the local snapshot's manifest."""
+        steps. ``metadata``: extra JSON kept in the local snapshot's manifest. ``persist``:
+        then also persist that local snapshot to the durable tier, in the background
+        (:meth:`persist`)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgumentError(
                 f"TieredCheckpointer.save(step={step!r}) is invalid: expected an int >= 0"
@@ -208,9 +230,16 @@ class TieredCheckpointer:
             raise InvalidArgumentError(
                 f"TieredCheckpointer.save(state=...) needs a dict, got {type(state).__name__}"
             )
+        if persist and self.durable is None:
+            raise InvalidArgumentError(
+                "TieredCheckpointer: persisting needs a durable tier; Tiers(durable=None) has "
+                "none. Pass Tiers(durable=<dir or s3://...>)"
+            )
         self._collect()
         name = local_name(step)
-        sd, layout, _ = localize(to_saveable(state), _moment_paths(state))
+        saveable = to_saveable(state)
+        boxes = dtensor_boxes(saveable) if persist else None
+        sd, layout, _ = localize(saveable, _moment_paths(state))
         mark = {"step": step, "rank": self.rank, "world": self.world, "layout": layout}
         opts: dict[str, Any] = dict(metadata={**(metadata or {}), TIER_KEY: mark}, overwrite=True)
         opts["encoding"] = "fast-restore"  # raw chunks: a replica checks each one on receipt
@@ -225,36 +254,30 @@ class TieredCheckpointer:
             except Exception as e:
                 fut.set_exception(e)
             h = fut
-        self._job = self._pool.submit(self._after_local, step, name, h)
+        self._job = self._pool.submit(self._after_local, step, name, h, boxes)
         if not self.async_:
             self._collect()
             return None
         return h
 
     def persist(self, step: int, state: dict[str, Any]) -> None:
-        """Save ``state`` to the durable tier as step ``step`` (a distributed save, async unless
-        ``async_=False``; every rank calls it)."""
-        if self.durable is None:
-            raise InvalidArgumentError(
-                "TieredCheckpointer.persist: Tiers(durable=None) has no durable tier; pass "
-                "Tiers(durable=<dir or s3://...>)"
-            )
-        self.durable.save(step, state)
-        self.stats.persisted += 1
+        """Save ``state`` as step ``step`` to the local tier (blocking only while staging, as
+        :meth:`save`) and, in the background once it is committed and replicated, persist that
+        local snapshot to the durable tier: a distributed save of its pieces over the tiers'
+        own gloo group, writing only chunks the durable store lacks. Every rank calls it."""
+        self.save(step, state, persist=True)
 
     def flush(self, step: int, state: dict[str, Any]) -> None:
         """Persist ``state`` as step ``step`` now and wait until the durable tier committed it
         (the SIGTERM path; every rank calls it). Without a durable tier: save it to the local
         tier (and its replicas) and wait for that."""
         self._collect()
-        if self.durable is None:
-            self.save(step, state)
-            self._collect()
-            return
-        self.persist(step, state)
-        self.durable.wait()
+        self.save(step, state, persist=self.durable is not None)
+        self._collect()
 
-    def _after_local(self, step: int, name: str, h: Any) -> None:
+    def _after_local(
+        self, step: int, name: str, h: Any, persist: dict[str, Box] | None = None
+    ) -> None:
         err: BaseException | None = None
         try:
             info = h.result()
@@ -264,6 +287,10 @@ class TieredCheckpointer:
             err = e
         if self._bg is not None and self.tiers.replicas:
             self._replicate(step, None if err else name)
+        if persist is not None:
+            assert self._persister is not None
+            if persist_local(self._bg, self.own, name, persist, err is None, self._persister):
+                self.stats.persisted += 1
         keep = self.tiers.keep_last
         gc(self.own, keep_last=keep, compact_below=RETENTION_COMPACT_BELOW)
         if err is not None:
@@ -338,12 +365,6 @@ class TieredCheckpointer:
             return RestoreReport(None, ())
         load(max(steps))
         return RestoreReport(max(steps), (DURABLE,) * self.world)
-
-    def _after_local_committed(self, step: int, name: str, done: Future[Any]) -> None:
-        """A local snapshot committed by another writer (the DCP plug-in): replicate it and
-        apply retention in the background, as after :meth:`save`."""
-        self._collect()
-        self._job = self._pool.submit(self._after_local, step, name, done)
 
     def stop_requested(self) -> bool:
         """With ``handle_sigterm=True``: whether any rank got SIGTERM (every rank calls it at

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from deltackpt.format.dtensor import is_dtensor, local_box
+from deltackpt.format.dtensor import Piece, is_dtensor, local_box
 from deltackpt.format.hashing import digest
 
 
@@ -65,6 +65,48 @@ def delocalize(tree: Any, back: dict[int, Any]) -> Any:
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
         return tuple(delocalize(x, back) for x in tree)
     return tree
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...], bool]  # global offsets, global shape, grad
+
+
+def dtensor_boxes(tree: Any) -> dict[str, Box]:
+    """Path (as :func:`localize` walks it) -> where each DTensor's local piece sits."""
+    out: dict[str, Box] = {}
+
+    def walk(v: Any, path: str) -> None:
+        if is_dtensor(v):
+            offsets, _ = local_box(v, path)
+            out[path] = (tuple(offsets), tuple(v.shape), bool(v.requires_grad))
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{path}/{k}")
+        elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            for i, x in enumerate(v):
+                walk(x, f"{path}/{i}")
+
+    walk(tree, "")
+    return out
+
+
+def as_pieces(tree: Any, boxes: dict[str, Box]) -> Any:
+    """``tree`` (a local snapshot loaded back) with each tensor at a path of ``boxes`` made a
+    :class:`~deltackpt.format.dtensor.Piece` again, so a distributed save tiles it as the
+    DTensor it came from."""
+
+    def walk(v: Any, path: str) -> Any:
+        b = boxes.get(path)
+        if b is not None and isinstance(v, torch.Tensor):
+            return Piece(v, b[0], b[1], b[2])
+        if isinstance(v, dict):
+            return {k: walk(x, f"{path}/{k}") for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x, f"{path}/{i}") for i, x in enumerate(v)]
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return tuple(walk(x, f"{path}/{i}") for i, x in enumerate(v))
+        return v
+
+    return walk(tree, "")
 
 
 def is_dtensor_loaded() -> bool:
