@@ -1,0 +1,238 @@
+"""Tiered checkpoints for the Hugging Face ``Trainer``: the part of ``DeltaCheckpointCallback`` and
+``resume_trainer`` that runs over a :class:`deltackpt.tiers.Tiers` instead of a store.
+
+>>> tiers = Tiers(local="/dev/shm/run", durable="ckpts", replicas=0, persist_every=100)  # doctest: +SKIP
+>>> trainer = Trainer(..., callbacks=[DeltaCheckpointCallback(tiers)])                   # doctest: +SKIP
+>>> resume_trainer(trainer)             # from the newest step some tier holds, or from scratch  # doctest: +SKIP
+
+**Saving.** At each save the Trainer decides on, *every* rank saves its own state (model,
+optimizer, scheduler, ``TrainerState`` text and the RNG states of all ranks, gathered) to its
+node's local tier through a :class:`~deltackpt.tiers.TieredCheckpointer` (async: the call
+blocks while the state is staged), which replicates it to ``Tiers.replicas`` peers in the
+background. The first save at or after each multiple of ``Tiers.persist_every`` (global steps)
+also goes to the durable tier (a distributed snapshot named like the store path's,
+``checkpoint-<global_step>``), in the background too. The checkpointer is made on the first
+``on_train_begin`` (or by ``resume_trainer``), when the Trainer has set up ``torch.distributed``;
+its process group is the default one.
+
+**Resuming.** ``TieredCheckpointer.restore_latest`` picks the step and loads it in one call, and
+the Trainer needs the ``trainer_state.json`` of that step before ``train`` builds its optimizer.
+So the restore runs up front: the model is read in place into the Trainer's model (no copy), the
+rest (optimizer moments, scheduler, RNG, ``TrainerState``) comes back as a loaded tree that the
+Trainer's loaders hand to ``load_state_dict`` once the optimizer exists, as the store path does
+with the moments of a fresh optimizer. The cost is that tree held from before ``train`` until
+the optimizer is built: one transient host copy of the optimizer state (of the whole state with
+``model_init``, whose model only exists inside ``train``).
+
+**RNG.** Each rank has its own generators. Every saved version holds all ranks' states as a list
+(one ``all_gather_object`` per save, a few KiB per rank), so the durable tier, a distributed
+snapshot whose plain values come from rank 0, restores every rank's own state too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deltackpt import rng as _rng
+from deltackpt.errors import InvalidArgumentError, ManifestError
+from deltackpt.tiers import TieredCheckpointer, Tiers
+
+__all__ = [
+    "RNG_BY_RANK",
+    "TierSaves",
+    "pop_rng_state",
+    "rank_rng_state",
+    "restore_for_trainer",
+]
+
+# Saved key holding [rng state of rank 0, rank 1, ...] (deltackpt.get_rng_state() dicts).
+RNG_BY_RANK = "deltackpt.rng_by_rank"
+
+
+def _default_group() -> Any:
+    """The default process group when ``torch.distributed`` is set up, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def gathered_rng(process_group: Any) -> list[Any]:
+    """Every rank's RNG state (``deltackpt.get_rng_state()``), in rank order, on every rank."""
+    mine = _rng.capture()
+    if process_group is None:
+        return [mine]
+    import torch.distributed as dist
+
+    world = dist.get_world_size(process_group)
+    if world == 1:
+        return [mine]
+    out: list[Any] = [None] * world
+    # as numpy arrays: all_gather_object cannot unpickle a torch tensor here (torch 2.13:
+    # "UntypedStorage has no attribute dtype")
+    dist.all_gather_object(out, _tree_map(mine, torch.Tensor, _Array.of), group=process_group)
+    return [_tree_map(x, _Array, _Array.tensor) for x in out]
+
+
+@dataclass(frozen=True)
+class _Array:
+    array: Any
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _Array:
+        return _Array(t.detach().cpu().numpy().copy())
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.array)
+
+
+def _tree_map(tree: Any, kind: type, f: Any) -> Any:
+    if isinstance(tree, kind):
+        return f(tree)
+    if isinstance(tree, dict):
+        return {k: _tree_map(v, kind, f) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_tree_map(v, kind, f) for v in tree]
+    return tree
+
+
+def rank_rng_state(saved: Any, rank: int, world: int) -> Any:
+    """This rank's entry of a saved :data:`RNG_BY_RANK` list (None and a warning when the saves
+    had another world size: the random streams then cannot continue as they were)."""
+    if not isinstance(saved, list) or not saved or len(saved) > 1 << 20:
+        got = type(saved).__name__ if not isinstance(saved, list) else f"{len(saved)} entries"
+        raise ManifestError(
+            f"{RNG_BY_RANK!r}: expected a non-empty list of per-rank RNG states (one per rank "
+            f"of the saving job), got {got}; the snapshot is damaged or not written by "
+            "DeltaCheckpointCallback: resume from another one",
+            field=RNG_BY_RANK,
+        )
+    if len(saved) != world:
+        warnings.warn(
+            f"resume_trainer: the checkpoint holds the RNG states of {len(saved)} rank(s) and "
+            f"this job has {world}; the RNG is not restored, so random draws after this resume "
+            "differ from an uninterrupted run",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return saved[rank]
+
+
+def pop_rng_state(loaded: dict[str, Any], key: str, args: Any) -> Any:
+    """Pop the RNG state of this rank (``args``: the ``TrainingArguments``) from a loaded tree:
+    a store path snapshot's ``key``, else this rank's entry of :data:`RNG_BY_RANK` (None if
+    neither is there)."""
+    state = loaded.pop(key, None)
+    by_rank = loaded.pop(RNG_BY_RANK, None)
+    if state is None and by_rank is not None:
+        state = rank_rng_state(by_rank, args.process_index, args.world_size)
+    return state
+
+
+@dataclass
+class TierSaves:
+    """The callback's tiered checkpointer, made on first use; its saves and its restore.
+
+    ``persisted_at``: the global step of the newest durable version (or of the step resumed
+    from); the next one goes out at the first save at or after the next multiple of
+    ``Tiers.persist_every``."""
+
+    tiers: Tiers
+    async_: bool = True
+    name_format: str = "checkpoint-{step}"
+    persisted_at: int = 0
+    _ckpt: TieredCheckpointer | None = field(default=None, repr=False)
+
+    @property
+    def checkpointer(self) -> TieredCheckpointer:
+        if self._ckpt is None:
+            self._ckpt = TieredCheckpointer(
+                self.tiers, process_group=_default_group(), async_=self.async_,
+                name_format=self.name_format,
+            )  # fmt: skip
+        return self._ckpt
+
+    def persist_due(self, step: int) -> bool:
+        pe = self.tiers.persist_every
+        return pe is not None and step // pe > self.persisted_at // pe
+
+    def save(self, step: int, live: dict[str, Any]) -> None:
+        """Save ``live`` (plus every rank's RNG state) as global step ``step``: to the local tier
+        and its replicas, and to the durable tier when a persist is due. Every rank calls it."""
+        ckpt = self.checkpointer
+        live = {**live, RNG_BY_RANK: gathered_rng(ckpt.pg)}
+        persist = self.persist_due(step)
+        ckpt.save(step, live, persist=persist)  # persisted from the local tier, in the background
+        if persist:
+            self.persisted_at = step
+
+    def restore(self, model: Any) -> tuple[int, dict[str, Any]] | None:
+        """Restore the newest step some tier holds: ``model`` (None: it is made later, by
+        ``model_init``) in place, the rest as a loaded tree. Returns the step and the tree (with
+        ``"model"`` only when ``model`` is None), or None when no tier holds a step."""
+        ckpt = self.checkpointer
+        state: dict[str, Any] = {} if model is None else {"model": model}
+        ckpt.restore_latest(state)
+        report = ckpt.last_restore
+        if report is None or report.step is None:
+            return None
+        if model is not None:
+            state.pop("model")
+        self.persisted_at = report.step
+        return report.step, state
+
+    def wait(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.wait()
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+
+
+def restore_for_trainer(
+    trainer: Any, tiers: Tiers, ours: TierSaves | None, name: str | None, name_format: str
+) -> tuple[int, dict[str, Any]] | None:
+    """``resume_trainer``'s tiered restore (see :meth:`TierSaves.restore`): through the
+    callback's own checkpointer ``ours`` when it serves these ``tiers``, else through one made
+    for this restore only."""
+    if name is not None:
+        raise InvalidArgumentError(
+            f"resume_trainer(trainer, Tiers(...), name={name!r}): a tiered restore picks the "
+            "newest step every rank can assemble itself; drop name="
+        )
+    mine = ours is None or ours.tiers != tiers
+    saves = TierSaves(tiers, name_format=name_format) if mine or ours is None else ours
+    try:
+        return saves.restore(trainer.model if trainer.model_init is None else None)
+    finally:
+        if mine:
+            saves.close()
+
+
+def refuse_store_options(
+    keep_last: Any, storage_options: Any, save_options: dict[str, Any]
+) -> None:
+    """The store path's options that a ``Tiers`` sets itself (or that do not apply)."""
+    if keep_last is not None:
+        raise InvalidArgumentError(
+            f"DeltaCheckpointCallback(Tiers(...), keep_last={keep_last!r}): retention of the "
+            "tiers is set in the Tiers; pass Tiers(keep_last=..., durable_keep_last=...) instead"
+        )
+    if storage_options is not None:
+        raise InvalidArgumentError(
+            "DeltaCheckpointCallback(Tiers(...), storage_options=...): the durable tier's "
+            "options belong in Tiers(storage_options=...)"
+        )
+    if save_options:
+        raise InvalidArgumentError(
+            f"DeltaCheckpointCallback(Tiers(...)) does not take {sorted(save_options)}: the "
+            "tiers choose their own save options; drop them (or save to a store instead)"
+        )
