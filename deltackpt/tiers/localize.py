@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,22 @@ def optimizer_keys(state: dict[str, Any]) -> list[str]:
     return [k for k, v in state.items() if isinstance(getattr(v, "param_groups", None), list)]
 
 
+def map_leaves(tree: Any, fn: Callable[[Any, str], Any]) -> Any:
+    """``tree`` (dicts, lists, plain tuples) rebuilt with ``fn(value, path)`` applied to every
+    value that is not a container; paths are ``/key/index/...`` (``""`` for the root)."""
+
+    def walk(v: Any, path: str) -> Any:
+        if isinstance(v, dict):
+            return {k: walk(x, f"{path}/{k}") for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x, f"{path}/{i}") for i, x in enumerate(v)]
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return tuple(walk(x, f"{path}/{i}") for i, x in enumerate(v))
+        return fn(v, path)
+
+    return walk(tree, "")
+
+
 def localize(tree: Any, skip: tuple[str, ...] = ()) -> tuple[Any, str, dict[int, Any]]:
     """``tree`` with DTensors replaced by their local tensors, its layout digest, and the map
     from ``id(local tensor)`` back to its DTensor (for :func:`delocalize`). DTensors under a
@@ -34,37 +51,23 @@ def localize(tree: Any, skip: tuple[str, ...] = ()) -> tuple[Any, str, dict[int,
     boxes: list[Any] = []
     back: dict[int, Any] = {}
 
-    def walk(v: Any, path: str) -> Any:
-        if is_dtensor(v):
-            offsets, shape = local_box(v, path)
-            local = v.to_local()
-            if not path.startswith(skip):
-                boxes.append([path, list(v.shape), list(offsets), list(shape), str(v.dtype)])
-            back[id(local)] = v
-            return local
-        if isinstance(v, dict):
-            return {k: walk(x, f"{path}/{k}") for k, x in v.items()}
-        if isinstance(v, list):
-            return [walk(x, f"{path}/{i}") for i, x in enumerate(v)]
-        if isinstance(v, tuple) and not hasattr(v, "_fields"):
-            return tuple(walk(x, f"{path}/{i}") for i, x in enumerate(v))
-        return v
+    def leaf(v: Any, path: str) -> Any:
+        if not is_dtensor(v):
+            return v
+        offsets, shape = local_box(v, path)
+        local = v.to_local()
+        if not path.startswith(skip):
+            boxes.append([path, list(v.shape), list(offsets), list(shape), str(v.dtype)])
+        back[id(local)] = v
+        return local
 
-    out = walk(tree, "")
+    out = map_leaves(tree, leaf)
     return out, digest(json.dumps(boxes).encode()), back
 
 
 def delocalize(tree: Any, back: dict[int, Any]) -> Any:
     """``tree`` with each local tensor of ``back`` replaced by its DTensor again."""
-    if id(tree) in back:
-        return back[id(tree)]
-    if isinstance(tree, dict):
-        return {k: delocalize(x, back) for k, x in tree.items()}
-    if isinstance(tree, list):
-        return [delocalize(x, back) for x in tree]
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(delocalize(x, back) for x in tree)
-    return tree
+    return map_leaves(tree, lambda v, _: back.get(id(v), v))
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...], bool]  # global offsets, global shape, grad
@@ -74,18 +77,13 @@ def dtensor_boxes(tree: Any) -> dict[str, Box]:
     """Path (as :func:`localize` walks it) -> where each DTensor's local piece sits."""
     out: dict[str, Box] = {}
 
-    def walk(v: Any, path: str) -> None:
+    def leaf(v: Any, path: str) -> Any:
         if is_dtensor(v):
             offsets, _ = local_box(v, path)
             out[path] = (tuple(offsets), tuple(v.shape), bool(v.requires_grad))
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, f"{path}/{k}")
-        elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            for i, x in enumerate(v):
-                walk(x, f"{path}/{i}")
+        return v
 
-    walk(tree, "")
+    map_leaves(tree, leaf)
     return out
 
 
@@ -94,19 +92,11 @@ def as_pieces(tree: Any, boxes: dict[str, Box]) -> Any:
     :class:`~deltackpt.format.dtensor.Piece` again, so a distributed save tiles it as the
     DTensor it came from."""
 
-    def walk(v: Any, path: str) -> Any:
+    def leaf(v: Any, path: str) -> Any:
         b = boxes.get(path)
-        if b is not None and isinstance(v, torch.Tensor):
-            return Piece(v, b[0], b[1], b[2])
-        if isinstance(v, dict):
-            return {k: walk(x, f"{path}/{k}") for k, x in v.items()}
-        if isinstance(v, list):
-            return [walk(x, f"{path}/{i}") for i, x in enumerate(v)]
-        if isinstance(v, tuple) and not hasattr(v, "_fields"):
-            return tuple(walk(x, f"{path}/{i}") for i, x in enumerate(v))
-        return v
+        return Piece(v, b[0], b[1], b[2]) if b is not None and isinstance(v, torch.Tensor) else v
 
-    return walk(tree, "")
+    return map_leaves(tree, leaf)
 
 
 def is_dtensor_loaded() -> bool:

@@ -123,6 +123,17 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
+class CallAt(TrainerCallback):
+    """Calls ``action()`` when global step ``step`` begins (a kill point, a stop)."""
+
+    def __init__(self, step: int, action: Any) -> None:
+        self.step, self.action = step, action
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.step:
+            self.action()
+
+
 class Interrupt(Exception):
     pass
 

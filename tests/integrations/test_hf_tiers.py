@@ -13,7 +13,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import TrainerCallback
 
 import deltackpt
 from deltackpt.errors import InvalidArgumentError, ManifestError
@@ -23,6 +22,7 @@ from deltackpt.tiers import Tiers
 from tests.integrations._fork import run_and_kill
 from tests.integrations._hf_run import (
     MAX_STEPS,
+    CallAt,
     Interrupt,
     StopAtStep,
     TinyNet,
@@ -32,15 +32,6 @@ from tests.integrations._hf_run import (
 from tests.integrations.conftest import same_bits
 
 pytestmark = pytest.mark.slow
-
-
-class _CallAt(TrainerCallback):
-    def __init__(self, step: int, action: Any) -> None:
-        self.step, self.action = step, action
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if state.global_step == self.step:
-            self.action()
 
 
 PERSIST_EVERY = 8  # saves every 4 steps (_hf_run.SAVE_STEPS): 4, 8, 12; durable: 8 only
@@ -86,7 +77,7 @@ def test_sigkill_then_resume_from_the_local_tier(tmp_path: Path, reference: Any)
             cb.checkpointer.wait()  # step 4's async save committed (else the tier holds nothing)
             at_kill_point()
 
-        make_trainer(out, [cb, _CallAt(6, kill)]).train()
+        make_trainer(out, [cb, CallAt(6, kill)]).train()
 
     run_and_kill(crashing)  # saved step 4 to the local tier, killed in step 7
     assert _names(tmp_path / "local" / "rank-00000") == ["step-00000004"]

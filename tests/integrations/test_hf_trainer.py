@@ -24,6 +24,7 @@ from deltackpt.integrations.hf_trainer import (
 from tests.integrations._fork import run_and_kill
 from tests.integrations._hf_run import (
     MAX_STEPS,
+    CallAt,
     Interrupt,
     StopAtStep,
     make_trainer,
@@ -39,15 +40,6 @@ _same = same_bits
 
 def _names(store: Path) -> list[str]:
     return [s.name for s in deltackpt.snapshots(store)]
-
-
-class _CallAt(TrainerCallback):
-    def __init__(self, step: int, action: Any) -> None:
-        self.step, self.action = step, action
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if state.global_step == self.step:
-            self.action()
 
 
 def _reference(tmp_path: Path, **overrides: Any) -> dict[str, torch.Tensor]:
@@ -67,7 +59,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path) -> Non
 
     def crashing(at_kill_point):  # type: ignore[no-untyped-def]
         cb = DeltaCheckpointCallback(store, keep_last=2)
-        make_trainer(out, [cb, _CallAt(6, at_kill_point)]).train()  # saves at 4, killed in 7
+        make_trainer(out, [cb, CallAt(6, at_kill_point)]).train()  # saves at 4, killed in 7
 
     run_and_kill(crashing)
     assert _names(store) == ["by-hand", "checkpoint-4"]
