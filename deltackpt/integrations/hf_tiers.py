@@ -146,7 +146,9 @@ class TierSaves:
     tiers: Tiers
     async_: bool = True
     name_format: str = "checkpoint-{step}"
+    handle_sigterm: bool = False
     persisted_at: int = 0
+    stopping: bool = False  # a SIGTERM was agreed on: this step is saved and persisted
     _ckpt: TieredCheckpointer | None = field(default=None, repr=False)
 
     @property
@@ -154,7 +156,7 @@ class TierSaves:
         if self._ckpt is None:
             self._ckpt = TieredCheckpointer(
                 self.tiers, process_group=_default_group(), async_=self.async_,
-                name_format=self.name_format,
+                name_format=self.name_format, handle_sigterm=self.handle_sigterm,
             )  # fmt: skip
         return self._ckpt
 
@@ -167,10 +169,22 @@ class TierSaves:
         and its replicas, and to the durable tier when a persist is due. Every rank calls it."""
         ckpt = self.checkpointer
         live = {**live, RNG_BY_RANK: gathered_rng(ckpt.pg)}
-        persist = self.persist_due(step)
+        persist = self.stopping or self.persist_due(step)
         ckpt.save(step, live, persist=persist)  # persisted from the local tier, in the background
         if persist:
             self.persisted_at = step
+        if self.stopping:
+            ckpt.wait()  # the SIGTERM path: committed before the Trainer stops
+
+    def check_stop(self, control: Any) -> None:
+        """With ``handle_sigterm``: every rank agrees (one tiny all-reduce per step) whether any
+        got SIGTERM; if so, this step is saved and persisted and training stops after it."""
+        if not self.handle_sigterm or self.stopping:
+            return
+        if self.checkpointer.stop_requested():
+            self.stopping = True
+            control.should_save = True
+            control.should_training_stop = True
 
     def restore(self, model: Any) -> tuple[int, dict[str, Any]] | None:
         """Restore the newest step some tier holds: ``model`` (None: it is made later, by
@@ -215,6 +229,18 @@ def restore_for_trainer(
     finally:
         if mine:
             saves.close()
+
+
+def check_sigterm_option(handle_sigterm: Any, tiered: bool) -> None:
+    if not isinstance(handle_sigterm, bool):
+        raise InvalidArgumentError(
+            f"DeltaCheckpointCallback(handle_sigterm={handle_sigterm!r}): expected True or False"
+        )
+    if handle_sigterm and not tiered:
+        raise InvalidArgumentError(
+            "DeltaCheckpointCallback(handle_sigterm=True) needs tiers: pass a "
+            "deltackpt.tiers.Tiers as the store (a SIGTERM then persists that step durably)"
+        )
 
 
 def refuse_store_options(

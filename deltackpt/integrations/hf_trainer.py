@@ -88,7 +88,8 @@ class DeltaCheckpointCallback(TrainerCallback):
     its node's local tier (replicas to peers, durable versions every ``Tiers.persist_every``
     global steps; see :mod:`deltackpt.integrations.hf_tiers`); retention and storage options
     are set in the ``Tiers``. ``checkpointer`` is then the
-    :class:`~deltackpt.tiers.TieredCheckpointer` (made on first use).
+    :class:`~deltackpt.tiers.TieredCheckpointer` (made on first use). ``handle_sigterm=True``
+    (tiers only): on a SIGTERM every rank saves and persists that step, and training stops.
     """
 
     def __init__(
@@ -100,8 +101,10 @@ class DeltaCheckpointCallback(TrainerCallback):
         name_format: str = DEFAULT_NAME_FORMAT,
         replace_trainer_saves: bool = True,
         storage_options: dict[str, Any] | None = None,
+        handle_sigterm: bool = False,
         **save_options: Any,
     ) -> None:
+        _tiers.check_sigterm_option(handle_sigterm, isinstance(store, Tiers))
         if not isinstance(replace_trainer_saves, bool):
             raise InvalidArgumentError(
                 f"DeltaCheckpointCallback(replace_trainer_saves={replace_trainer_saves!r}): "
@@ -117,7 +120,7 @@ class DeltaCheckpointCallback(TrainerCallback):
         if isinstance(store, Tiers):
             _tiers.refuse_store_options(keep_last, storage_options, save_options)
             async_ = True if async_save is None else async_save
-            self.tiers = _tiers.TierSaves(store, async_=async_, name_format=name_format)
+            self.tiers = _tiers.TierSaves(store, async_, name_format, handle_sigterm)
         else:
             self._checkpointer = Checkpointer(
                 store,
@@ -163,6 +166,8 @@ class DeltaCheckpointCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
+        if self.tiers is not None:
+            self.tiers.check_stop(control)  # SIGTERM: save, persist and stop at this step
         return self._maybe_save(args, state, control, kw)
 
     def on_epoch_end(

@@ -4,6 +4,7 @@ wiped, what each tier holds, and a 2-rank gloo DDP run resumed from a peer's rep
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,26 @@ def test_resume_from_the_durable_tier_with_the_local_tier_wiped(
     assert same_bits(weights(trainer), reference)
     assert _names(tmp_path / "durable") == ["checkpoint-8"]  # 12: not a persist step
     assert _names(tmp_path / "local" / "rank-00000") == ["step-00000012"]
+
+
+def test_sigterm_saves_and_persists_that_step_then_stops(tmp_path: Path, reference: Any) -> None:
+    tiers = _tiers(tmp_path)
+    cb = DeltaCheckpointCallback(tiers, handle_sigterm=True)
+    trainer = make_trainer(tmp_path / "run", [cb, CallAt(6, lambda: os.kill(os.getpid(), 15))])
+    try:
+        assert trainer.train().global_step == 7  # the signal came in step 7: it stopped after it
+    finally:
+        cb.close()  # puts the previous SIGTERM handler back
+    assert _names(tmp_path / "durable") == ["checkpoint-7"]  # not a persist step: the signal
+    shutil.rmtree(tmp_path / "local")
+    cb = DeltaCheckpointCallback(tiers)
+    trainer = make_trainer(tmp_path / "run", [cb], init_seed=4)
+    resume_trainer(trainer)
+    report = cb.checkpointer.last_restore
+    assert report is not None and (report.step, report.sources) == (7, ("durable",))
+    assert same_bits(weights(trainer), reference)
+    with pytest.raises(InvalidArgumentError, match="needs tiers"):
+        DeltaCheckpointCallback(tmp_path / "store", handle_sigterm=True)
 
 
 def test_a_newer_local_step_wins_and_a_plain_store_resume_reads_the_durable_tier(
