@@ -43,6 +43,10 @@ a removal that overtakes the save of that path in its queue is applied when that
 but the RNG state is then captured on its thread, later than the checkpoint's step (a warning
 says so): prefer ``async_save=True``, which captures it on the training thread.
 
+Tiers: ``DeltaCheckpointIO(Tiers(local=..., durable=..., replicas=0, persist_every=...))`` saves
+through :class:`~deltackpt.tiers.TieredCheckpointer` instead (a
+:class:`~deltackpt.integrations.lightning_tiers.TieredCheckpointIO`; see that module).
+
 Space: deleted snapshots free their chunks at the next garbage collection, which runs (holding
 the store lock) after a removal once no save of this plug-in is in flight, and at ``teardown``.
 """
@@ -55,8 +59,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from deltackpt import rng as _rng
 from deltackpt.api import async_save, save
 from deltackpt.checkpointer import RETENTION_COMPACT_BELOW, RNG_KEY
@@ -66,6 +68,7 @@ from deltackpt.errors import (
     SnapshotNotFoundError,
     UnsupportedValueError,
 )
+from deltackpt.integrations.lightning_tiers import TieredCheckpointIO, to_device
 from deltackpt.integrations.markers import (
     canonical,
     read_marker,
@@ -78,6 +81,7 @@ from deltackpt.options import SaveOptions
 from deltackpt.saving.engine import SaveHandle
 from deltackpt.store.lifecycle import delete, gc
 from deltackpt.store.store import SnapshotInfo, Store, open_store
+from deltackpt.tiers.config import Tiers
 
 try:
     from lightning.fabric.plugins import CheckpointIO
@@ -108,6 +112,12 @@ class DeltaCheckpointIO(CheckpointIO):
     (default on) reclaims the space of removed checkpoints. ``infos`` lists the
     :class:`~deltackpt.SnapshotInfo` of every committed save (bytes written, blocking time).
     """
+
+    def __new__(cls, store: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if cls is DeltaCheckpointIO and isinstance(store, Tiers):
+            # DeltaCheckpointIO(Tiers(...)): lightning_tiers.py (async by default)
+            return TieredCheckpointIO(store, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -342,7 +352,7 @@ class DeltaCheckpointIO(CheckpointIO):
         rng_state = loaded.pop(RNG_KEY, None)
         if self.rng and rng_state is not None:
             _rng.prepare(rng_state, RNG_KEY)()
-        return _to_device(loaded, map_location) if map_location is not None else loaded
+        return to_device(loaded, map_location) if map_location is not None else loaded
 
     def _resolve(self, path: Any) -> str:
         """The snapshot for ``path``: the one written for it, else the one its marker names
@@ -381,24 +391,3 @@ class DeltaCheckpointIO(CheckpointIO):
 def _delete_shared(st: Store, name: str) -> None:
     with contextlib.suppress(SnapshotNotFoundError):  # gone meanwhile: nothing to do
         delete(st, name)
-
-
-def _to_device(obj: Any, map_location: Any) -> Any:
-    if not isinstance(map_location, (str, torch.device)):
-        raise InvalidArgumentError(
-            f"DeltaCheckpointIO.load_checkpoint(map_location={map_location!r}): expected None, a "
-            "device string or a torch.device (the snapshot loads to CPU; Lightning moves tensors "
-            "to the module's device itself)"
-        )
-    if isinstance(obj, torch.Tensor):
-        return obj.to(map_location)
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) is not AttributeDict else AttributeDict()
-        for k, v in obj.items():
-            out[k] = _to_device(v, map_location)
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, map_location) for v in obj)
-    return obj

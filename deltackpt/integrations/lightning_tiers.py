@@ -1,0 +1,430 @@
+"""``DeltaCheckpointIO(Tiers(...))``: Lightning checkpoints through tiered checkpoints.
+
+>>> from deltackpt.tiers import Tiers                                           # doctest: +SKIP
+>>> io = DeltaCheckpointIO(Tiers(local="/dev/shm/run", durable="ckpts", replicas=0,
+...                              persist_every=100))                            # doctest: +SKIP
+>>> L.Trainer(plugins=[io]).fit(model, ckpt_path="last")                        # doctest: +SKIP
+
+Every checkpoint Lightning saves goes to the local tier (async: ``save_checkpoint`` returns once
+the state is staged), as the tier snapshot of its ``global_step`` (``step-<global_step:08d>``;
+the several files ``ModelCheckpoint`` writes for one step, ``last.ckpt`` and ``epoch=..``, are
+one tier snapshot, the newest dict saved for that step). The first save at or past each multiple
+of ``persist_every`` global steps also goes to the durable tier (in the background; once per
+step: that version holds the first file's dict, whose weights, optimizer, loops and RNG are those
+of the later files, only ``ModelCheckpoint``'s own bookkeeping can differ). A JSON
+marker file (:mod:`deltackpt.integrations.markers`) is left at each path once the local save
+committed, naming the tier step: that is what ``ckpt_path="last"`` and ``ModelCheckpoint``'s
+version counter look for.
+
+Loading: a ``last*.ckpt`` path (what ``ckpt_path="last"`` resolves to) restores the newest step
+any tier can give (:meth:`TieredCheckpointer.restore_latest`: verified local snapshot, else the
+durable tier), which may be newer than the marker (a crash after a commit, before its marker) or
+older (the local tier was wiped; a ``RuntimeWarning`` says so). Any other path restores exactly
+its step, from the local tier or else the durable tier; if no tier holds it any more,
+:class:`~deltackpt.errors.SnapshotNotFoundError` names the path and the steps each tier holds.
+Retention is the tiers' (``Tiers.keep_last``, ``durable_keep_last``): ``remove_checkpoint``
+removes the marker only, never a tier snapshot.
+
+Ranks: Lightning calls ``save_checkpoint`` on global rank 0 only (single device, DDP, FSDP with
+full state dicts), so there are no peers to hold replicas: ``Tiers(replicas=0)`` is required.
+Every rank calls ``load_checkpoint``; under an initialised process group of several ranks rank 0
+restores and broadcasts the checkpoint dict to the others.
+
+Values and RNG are as for the store form of :class:`DeltaCheckpointIO`, except that nothing is
+ever pickled (``allow_pickle`` is refused). The RNG state and the names of ``AttributeDict``
+values travel inside the saved state under the reserved key ``"deltackpt.lightning"``.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from deltackpt import rng as _rng
+from deltackpt.errors import (
+    DistributedError,
+    InvalidArgumentError,
+    SnapshotNotFoundError,
+    UnsupportedValueError,
+)
+from deltackpt.integrations.markers import canonical, read_marker, remove_path, write_marker
+from deltackpt.loading.assemble import load
+from deltackpt.tiers import RestoreReport, TieredCheckpointer, Tiers
+from deltackpt.tiers.config import local_name
+from deltackpt.tiers.restore import local_steps
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.fabric.utilities.data import AttributeDict
+except ImportError:  # the standalone pytorch_lightning package
+    from lightning_fabric.plugins import CheckpointIO  # type: ignore[no-redef]
+    from lightning_fabric.utilities.data import AttributeDict  # type: ignore[no-redef]
+
+__all__ = ["EXTRA_KEY", "TieredCheckpointIO", "to_device"]
+
+EXTRA_KEY = "deltackpt.lightning"  # in the saved state: {"rng": ..., "attribute_dicts": [...]}
+_STEP_NAME = re.compile(r"^step-(\d{8,})$")
+
+
+def _last_prefix() -> str:
+    """The name ``ModelCheckpoint`` gives its ``last`` files (``CHECKPOINT_NAME_LAST``)."""
+    try:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+    except ImportError:  # pragma: no cover - lightning.fabric without lightning.pytorch
+        return "last"
+    return str(ModelCheckpoint.CHECKPOINT_NAME_LAST or "last")
+
+
+class TieredCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` over :class:`~deltackpt.tiers.Tiers` (see the module
+    docstring); ``DeltaCheckpointIO(Tiers(...))`` makes one. ``last_restore`` is the
+    :class:`~deltackpt.tiers.RestoreReport` of the last ``last*.ckpt`` load."""
+
+    def __init__(
+        self, tiers: Tiers, *, async_save: bool = True, rng: bool = True, **other: Any
+    ) -> None:
+        super().__init__()
+        if not isinstance(tiers, Tiers):
+            raise InvalidArgumentError(
+                f"TieredCheckpointIO(tiers={tiers!r}) is invalid: expected a deltackpt.tiers."
+                "Tiers, e.g. Tiers(local='/dev/shm/run', durable='ckpts', replicas=0)"
+            )
+        for flag, value in (("async_save", async_save), ("rng", rng)):
+            if not isinstance(value, bool):
+                raise InvalidArgumentError(
+                    f"DeltaCheckpointIO(Tiers(...), {flag}={value!r}) is invalid: expected True "
+                    "or False"
+                )
+        if other:
+            raise InvalidArgumentError(
+                f"DeltaCheckpointIO(Tiers(...), {', '.join(f'{k}=...' for k in sorted(other))}) "
+                "is invalid: with tiers it takes only async_save= and rng= (nothing is pickled; "
+                "storage options go in Tiers(storage_options=...); retention is Tiers(keep_last="
+                "..., durable_keep_last=...)); leave the others out"
+            )
+        if tiers.replicas:
+            raise InvalidArgumentError(
+                f"DeltaCheckpointIO(Tiers(replicas={tiers.replicas})) is invalid: Lightning calls "
+                "CheckpointIO on global rank 0 only (single device, DDP, FSDP full state dicts), "
+                "so no peer rank can hold a replica. Pass Tiers(replicas=0); the durable tier "
+                "(durable=..., persist_every=...) covers the loss of the node"
+            )
+        self.tiers = tiers
+        self.async_save = async_save
+        self.rng = rng
+        self.last_restore: RestoreReport | None = None
+        self._ck: TieredCheckpointer | None = None
+        self._lock = threading.Lock()
+        self._marks: ThreadPoolExecutor | None = None
+        self._marking: list[Future[None]] = []
+        self._generation: dict[str, int] = {}  # per path: bumped by each save and removal
+        self._persisted: int | None = None  # global_step // persist_every of the last persist
+        self._warned = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``ddp_spawn`` sends the plug-in to its processes): the configuration only;
+        a save in flight stays with the original."""
+        return {"tiers": self.tiers, "async_save": self.async_save, "rng": self.rng}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["tiers"], async_save=state["async_save"], rng=state["rng"])  # type: ignore[misc]
+
+    # ------------------------------------------------------------------------ helpers
+
+    def _checkpointer(self) -> TieredCheckpointer:
+        if self._ck is None:  # made on first use: only rank 0 ever saves
+            self._ck = TieredCheckpointer(
+                self.tiers, every=1, process_group=None, async_=self.async_save
+            )
+        return self._ck
+
+    def _drain(self) -> None:
+        """Wait for the local save, its marker writes and any durable save; raise their error."""
+        with self._lock:
+            marking, self._marking = self._marking, []
+        try:
+            if self._ck is not None:
+                self._ck.wait()
+        finally:
+            for f in marking:
+                f.result()
+
+    def _held(self) -> str:
+        """The steps each tier holds, for error messages."""
+        ck = self._checkpointer()
+        local = sorted(local_steps(ck.own, 0, 1))
+        durable: list[int] = []
+        if ck.durable is not None:
+            for m in ck.durable.store.manifests():
+                step = m.metadata.get("step") if isinstance(m.metadata, dict) else None
+                if type(step) is int and m.name == ck.durable.name(step):
+                    durable.append(step)
+        return f"local tier {str(self.tiers.root)!r}: {local}; durable tier: " + (
+            f"{sorted(durable)}" if ck.durable is not None else "none (Tiers(durable=None))"
+        )
+
+    # ------------------------------------------------------------------------ save
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise InvalidArgumentError(
+                f"DeltaCheckpointIO(Tiers(...)).save_checkpoint(storage_options="
+                f"{storage_options!r}): per-save storage options are not supported; pass "
+                "Tiers(storage_options=...)"
+            )
+        if not isinstance(checkpoint, dict):
+            raise InvalidArgumentError(
+                "DeltaCheckpointIO(Tiers(...)).save_checkpoint: expected Lightning's checkpoint "
+                f"dict, got {type(checkpoint).__name__}"
+            )
+        step = checkpoint.get("global_step")
+        if type(step) is not int or step < 0:
+            raise InvalidArgumentError(
+                f"DeltaCheckpointIO(Tiers(...)).save_checkpoint({str(path)!r}): the checkpoint's "
+                f"'global_step' is {step!r}, expected an int >= 0 (tier snapshots are named by "
+                "step); save Lightning's own checkpoint dict"
+            )
+        where = canonical(path)
+        ck = self._checkpointer()
+        with self._lock:  # marker errors of earlier saves surface here, once
+            done = [f for f in self._marking if f.done()]
+            self._marking = [f for f in self._marking if not f.done()]
+        for f in done:
+            f.result()
+        state = self._to_state(checkpoint)
+        try:
+            pe = self.tiers.persist_every
+            persist = pe is not None and step // pe > (self._persisted or 0)
+            # persisted from the local tier in the background; once per step (its first file)
+            handle = ck.save(step, state, persist=persist)
+            if persist:
+                self._persisted = step // pe
+        except UnsupportedValueError as e:
+            raise UnsupportedValueError(
+                f"Lightning's checkpoint for {str(path)!r} cannot be stored in tiers: {e}. "
+                "Tiers never pickle: turn that value into tensors, numbers, strings, lists or "
+                "dicts (or leave it out of the checkpoint in on_save_checkpoint)"
+            ) from e
+        with self._lock:
+            gen = self._generation[where] = self._generation.get(where, 0) + 1
+        if handle is None:  # a blocking save: committed already
+            self._mark(None, where, step, gen)
+            return
+        with self._lock:
+            if self._marks is None:
+                self._marks = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-marker")
+            self._marking.append(self._marks.submit(self._mark, handle, where, step, gen))
+
+    def _to_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        if EXTRA_KEY in checkpoint:
+            raise InvalidArgumentError(
+                f"Lightning's checkpoint has a key {EXTRA_KEY!r}, which DeltaCheckpointIO(Tiers"
+                "(...)) reserves for the RNG state; rename it in on_save_checkpoint"
+            )
+        state: dict[str, Any] = {}
+        converted: list[str] = []
+        for k, v in checkpoint.items():
+            if type(v) is AttributeDict:
+                v = dict(v)
+                converted.append(k)
+            state[k] = v
+        extra: dict[str, Any] = {"attribute_dicts": converted}
+        if self.rng:
+            if threading.current_thread() is not threading.main_thread() and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "DeltaCheckpointIO(Tiers(...), rng=True) saves on a background thread "
+                    "(Lightning's AsyncCheckpointIO?): the RNG state it records is that of this "
+                    "moment, not of the checkpoint's step. Drop the wrapper: tier saves are "
+                    "already async",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            extra["rng"] = _rng.capture()
+        state[EXTRA_KEY] = extra
+        return state
+
+    def _mark(self, handle: Any, where: str, step: int, gen: int) -> None:
+        """After the local commit: the marker, unless the path was saved again or removed."""
+        if handle is not None:
+            handle.result()  # a failed save leaves no marker (its error comes from wait())
+        with self._lock:
+            if self._generation.get(where) == gen:
+                write_marker(where, str(self.tiers.root), local_name(step), step)
+
+    # ------------------------------------------------------------------------ remove
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the marker at ``path`` (and cancel its pending write). Tier snapshots are
+        kept or dropped by the tiers' own retention (``Tiers.keep_last``, ``durable_keep_last``)."""
+        where = canonical(path)
+        with self._lock:
+            self._generation[where] = self._generation.get(where, 0) + 1
+            remove_path(where)
+
+    # ------------------------------------------------------------------------ load
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Lightning's dict for ``path`` (see the module docstring), with the RNG state saved
+        with it restored (``rng=True``)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            loaded = self._broadcast_load(path, dist)
+        else:
+            loaded = self._load(path)
+        extra = loaded.pop(EXTRA_KEY, None)
+        extra = extra if isinstance(extra, dict) else {}
+        names = extra.get("attribute_dicts")
+        for k in names if isinstance(names, list) else []:
+            if isinstance(k, str) and isinstance(loaded.get(k), dict):
+                loaded[k] = AttributeDict(loaded[k])
+        if self.rng and extra.get("rng") is not None:
+            _rng.prepare(extra["rng"], f"{EXTRA_KEY}/rng")()
+        return loaded if map_location is None else to_device(loaded, map_location)
+
+    def _broadcast_load(self, path: Any, dist: Any) -> dict[str, Any]:
+        """Rank 0 loads, every other rank receives its dict (or its failure). The dict travels
+        as ``torch.save`` bytes read back with ``weights_only=True`` (tensors, numbers, strings,
+        lists and dicts: all a tier snapshot can hold)."""
+        payload: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                buf = io.BytesIO()
+                torch.save(self._load(path), buf)
+                payload[0] = ("ok", buf.getvalue())
+            except Exception as e:
+                payload[0] = ("error", e)
+        dist.broadcast_object_list(payload, src=0)
+        kind, value = payload[0]
+        if kind == "ok":
+            return torch.load(io.BytesIO(value), weights_only=True)  # type: ignore[no-any-return]
+        if dist.get_rank() == 0:
+            raise value
+        raise DistributedError(
+            f"DeltaCheckpointIO(Tiers(...)).load_checkpoint({str(path)!r}) failed on rank 0: "
+            f"{type(value).__name__}: {value}"
+        )
+
+    def _load(self, path: Any) -> dict[str, Any]:
+        self._drain()
+        where = canonical(path)
+        named, exists = read_marker(where)
+        m = _STEP_NAME.match(named) if named is not None else None
+        if exists and m is None:
+            raise InvalidArgumentError(
+                f"{str(path)!r} is not a marker of DeltaCheckpointIO(Tiers(...)) (a file of "
+                "Lightning's TorchCheckpointIO, or of DeltaCheckpointIO(store)?); load it with "
+                "the CheckpointIO that saved it"
+            )
+        if not exists:
+            raise SnapshotNotFoundError(
+                f"no checkpoint at {str(path)!r} (no marker file there); the tiers hold: "
+                f"{self._held()}"
+            )
+        assert m is not None
+        step = int(m.group(1))
+        ck = self._checkpointer()
+        if _base(where).startswith(_last_prefix()):
+            state: dict[str, Any] = {}
+            ck.restore_latest(state)
+            report = self.last_restore = ck.last_restore
+            if report is None or report.step is None:
+                raise SnapshotNotFoundError(
+                    f"{str(path)!r} names step {step}, but no tier holds any usable step: "
+                    f"{self._held()}; refused: {list(report.refused) if report else []}"
+                )
+            if report.step < step:
+                warnings.warn(
+                    f"{str(path)!r} names step {step}; the newest step the tiers can give is "
+                    f"{report.step} (from {report.tier}), which is restored. Refused or "
+                    f"missing: {list(report.refused) or 'the local tier holds nothing newer'}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            self._persisted = self._bucket(report.step)
+            return state
+        loaded = self._load_step(ck, step, path)
+        self._persisted = self._bucket(step)
+        return loaded
+
+    def _bucket(self, step: int) -> int | None:
+        pe = self.tiers.persist_every
+        return None if pe is None else step // pe
+
+    def _load_step(self, ck: TieredCheckpointer, step: int, path: Any) -> dict[str, Any]:
+        """Exactly ``step``: the local tier (every digest checked on read), else the durable."""
+        problems: list[str] = []
+        if step in local_steps(ck.own, 0, 1):
+            try:
+                return _as_dict(load(ck.own, local_name(step)), path)
+            except Exception as e:  # damaged: try the durable tier
+                problems.append(f"local: {type(e).__name__}: {e}")
+        d = ck.durable
+        if d is not None and d.store.has(d.name(step)):
+            return _as_dict(load(d.store, d.name(step)), path)
+        raise SnapshotNotFoundError(
+            f"{str(path)!r} is step {step}, which no tier holds any more ({self._held()}"
+            f"{'; refused: ' + '; '.join(problems) if problems else ''}). Tier retention is "
+            "Tiers(keep_last=..., durable_keep_last=...); load a newer checkpoint (ckpt_path="
+            "'last')"
+        )
+
+    # ------------------------------------------------------------------------ lifetime
+
+    def teardown(self) -> None:
+        """End of a fit/validate/...: wait for the local save, the markers and the durable
+        save, then release the tiers' threads (the next use opens them again)."""
+        try:
+            self._drain()
+        finally:
+            ck, self._ck = self._ck, None
+            marks, self._marks = self._marks, None
+            if ck is not None:
+                ck.close()
+            if marks is not None:
+                marks.shutdown(wait=True)
+
+
+def _base(where: str) -> str:
+    return where.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _as_dict(loaded: Any, path: Any) -> dict[str, Any]:
+    if not isinstance(loaded, dict):
+        raise InvalidArgumentError(
+            f"the tier snapshot for {str(path)!r} holds a {type(loaded).__name__}, not a "
+            "Lightning checkpoint dict"
+        )
+    return loaded
+
+
+def to_device(obj: Any, map_location: Any) -> Any:
+    if not isinstance(map_location, (str, torch.device)):
+        raise InvalidArgumentError(
+            f"DeltaCheckpointIO.load_checkpoint(map_location={map_location!r}): expected None, a "
+            "device string or a torch.device (the snapshot loads to CPU; Lightning moves tensors "
+            "to the module's device itself)"
+        )
+    if isinstance(obj, torch.Tensor):
+        return obj.to(map_location)
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not AttributeDict else AttributeDict()
+        for k, v in obj.items():
+            out[k] = to_device(v, map_location)
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, map_location) for v in obj)
+    return obj
