@@ -191,6 +191,12 @@ def main() -> None:
         default=240,
         help="seconds to wait for free RAM before shrinking the train state",
     )
+    ap.add_argument(
+        "--stage-order",
+        choices=("auto", "hash-first", "copy-first"),
+        help="the blocking phase's order of deltackpt's saves without delta bases "
+        "(DELTACKPT_STAGE_ORDER; deltackpt/saving/order.py); default: auto",
+    )
     ap.add_argument("--out", default=str(C.OUT_DIR / "async.md"))
     ap.add_argument(
         "--report-from",
@@ -199,6 +205,8 @@ def main() -> None:
     )
     ap.add_argument("--total-seconds", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.stage_order:  # read by each store's saver when it is created
+        os.environ["DELTACKPT_STAGE_ORDER"] = args.stage_order
     if args.report_from:
         saved = json.loads(Path(args.report_from).read_text())
         if args.total_seconds:

@@ -9,10 +9,13 @@ Timed on each rank, the max over ranks reported, median of ``--reps``:
 
 * **warm copy**: ``dst.copy_(src)`` of every tensor into buffers allocated and touched before:
   one warm copy of the local state, the floor of any blocking capture;
-* **blocking** of ``TieredCheckpointer.save`` after a dense step (every element changed) and a
-  sparse step (one row of 1 in 8 tensors changed): until it returns (staged; the previous save's
-  replication finished first, outside the timing); "paired": the median of each save's time over
-  a warm copy timed right before it (the machine is shared: its load moves both alike);
+* **blocking** of ``TieredCheckpointer.save`` after a dense step (every element changed), a
+  sparse step (one row of 1 in 8 tensors changed) and no step (unchanged): until it returns
+  (staged; the previous save's replication finished first, outside the timing); "paired": the
+  median of each save's time over a warm copy timed right before it (the machine is shared: its
+  load moves both alike); "commit": the local save's call-to-commit time (``SnapshotInfo.seconds``).
+  Once per stage order of the async save (``--orders``; deltackpt/saving/order.py): ``auto``
+  (the default), ``hash-first``, ``copy-first``, side by side in one run;
 * **bytes** per step: written to the local tier, sent to the peer (only chunks it lacks), and
   written to the durable tier by ``persist`` (a distributed save), after a dense and a sparse
   step;
@@ -25,6 +28,7 @@ Timed on each rank, the max over ranks reported, median of ``--reps``:
 
     python benchmarks/bench_tiers.py                  # 256 MB per rank, 3 reps (~1-2 min)
     python benchmarks/bench_tiers.py --mb 64 --reps 2 # quick
+    python benchmarks/bench_tiers.py --blocking-only  # blocking rows only (~30 s)
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common as C
 
+from deltackpt.saving.order import STAGE_ORDERS
+
 TENSOR_MB = 16
 
 
@@ -54,6 +60,16 @@ def _state(rank: int, mb: int) -> dict[str, Any]:
     n = TENSOR_MB * (1 << 20) // 4
     g = torch.Generator().manual_seed(1000 + rank)
     return {f"t{i:03d}": torch.randn(n, generator=g) for i in range(max(1, mb // TENSOR_MB))}
+
+
+KINDS = ("dense", "sparse", "unchanged")
+
+
+def _step(state: dict[str, Any], kind: str, step: int) -> None:
+    if kind == "dense":
+        _dense(state)
+    elif kind == "sparse":
+        _sparse(state, step)
 
 
 def _dense(state: dict[str, Any]) -> None:
@@ -107,6 +123,7 @@ class Rank:
         return self.max_over_ranks(time.perf_counter() - t0)
 
     def main(self) -> dict[str, Any]:
+        from deltackpt.saving.engine import saver_for
         from deltackpt.tiers import TieredCheckpointer
 
         reps, mb = self.cfg["reps"], self.cfg["mb"]
@@ -125,23 +142,39 @@ class Rank:
         ck.wait()
         first = (ck.stats.local_bytes_written, ck.stats.replicated_bytes_sent)
         self.rows["first_local_bytes"], self.rows["first_sent_bytes"] = first
-        for kind in ("dense", "sparse"):
-            blocking, paired, local_b, sent_b = [], [], [], []
+        order = saver_for(ck.own).order
+        # the orders interleaved save by save (the machine's load moves them alike); in auto, the
+        # previous save (another order's, of the same kind of step) is what the choice learns from
+        copies: list[float] = []
+        for kind in KINDS:
+            got: dict[str, dict[str, list[float]]] = {}
             for _ in range(reps):
-                step += 1
-                _dense(state) if kind == "dense" else _sparse(state, step)
-                ck.wait()
-                s0 = (ck.stats.local_bytes_written, ck.stats.replicated_bytes_sent)
-                copy_s = self.timed(warm_copy)  # paired: the same moment's load on the box
-                blocking.append(self.timed(lambda s=step: ck.save(s, state)))
-                paired.append(blocking[-1] / copy_s)
-                ck.wait()
-                local_b.append(ck.stats.local_bytes_written - s0[0])
-                sent_b.append(ck.stats.replicated_bytes_sent - s0[1])
-            self.rows[f"{kind}_blocking_s"] = statistics.median(blocking)
-            self.rows[f"{kind}_paired"] = statistics.median(paired)
-            self.rows[f"{kind}_local_bytes"] = statistics.median(local_b)
-            self.rows[f"{kind}_sent_bytes"] = statistics.median(sent_b)
+                for mode in self.cfg["orders"]:
+                    order.mode = mode
+                    x = got.setdefault(mode, {})
+                    step += 1
+                    _step(state, kind, step)
+                    ck.wait()
+                    s0 = (ck.stats.local_bytes_written, ck.stats.replicated_bytes_sent)
+                    copy_s = self.timed(warm_copy)  # paired: the same moment's load on the box
+                    copies.append(copy_s)
+                    hs: list[Any] = []
+                    block = self.timed(lambda s=step, hs=hs: hs.append(ck.save(s, state)))
+                    x.setdefault("blocking_s", []).append(block)
+                    x.setdefault("paired", []).append(block / copy_s)
+                    x.setdefault("commit_s", []).append(self.max_over_ranks(hs[0].result().seconds))
+                    ck.wait()
+                    x.setdefault("local_bytes", []).append(ck.stats.local_bytes_written - s0[0])
+                    x.setdefault("sent_bytes", []).append(ck.stats.replicated_bytes_sent - s0[1])
+            for mode, x in got.items():
+                for key, values in x.items():
+                    self.rows[f"{mode}_{kind}_{key}"] = statistics.median(values)
+        order.mode = "auto"
+        self.rows["warm_copy_s"] = statistics.median(copies)  # over the whole blocking part
+        if self.cfg["blocking_only"]:
+            ck.close()
+            self.rows["state_bytes"] = nbytes
+            return self.rows
         # durable: a first persist, then one after a dense and one after a sparse step
         assert ck.durable is not None
         persisted: dict[str, int] = {}
@@ -151,7 +184,9 @@ class Rank:
                 _dense(state) if kind == "dense" else _sparse(state, step)
             ck.save(step, state)
             ck.flush(step, state)
-            persisted[kind] = int(ck.durable.infos[-1].bytes_written)
+            # persists go through the tiers' own Checkpointer on the durable store (tiers/persist.py)
+            persister = getattr(ck, "_persister", None) or ck.durable
+            persisted[kind] = int(persister.infos[-1].bytes_written)
         self.rows["persisted_bytes"] = persisted
         ck.close()
         want = {k: v.clone() for k, v in state.items()}
@@ -211,26 +246,37 @@ def _child(rank: int, world: int, port: int, cfg: dict[str, Any], q: Any) -> Non
         q.put((rank, traceback.format_exc()))
 
 
-def _table(r: dict[str, Any], limits: dict[str, Any]) -> list[str]:
+def _table(r: dict[str, Any], limits: dict[str, Any], orders: list[str]) -> list[str]:
     gb = C.fmt_bytes
     warm = r["warm_copy_s"]
-    p = r["persisted_bytes"]
-    rows = [
-        ["warm copy of the local state (floor)", f"{warm * 1e3:.1f} ms", "1.00x", ""],
-        *[
-            [
-                f"blocking `save` after a {k} step",
-                f"{r[f'{k}_blocking_s'] * 1e3:.1f} ms",
-                f"{r[f'{k}_blocking_s'] / warm:.2f}x (paired {r[f'{k}_paired']:.2f}x)",
-                f"local {gb(r[f'{k}_local_bytes'])}, replicated {gb(r[f'{k}_sent_bytes'])}, "
-                f"persisted {gb(p[k])}",
-            ]
-            for k in ("dense", "sparse")
-        ],
-    ]
+    p = r.get("persisted_bytes", {})
+    rows = [["warm copy of the local state (floor)", "", f"{warm * 1e3:.1f} ms", "1.00x", "", ""]]
+    for mode in orders:
+        for k in KINDS:
+            x = f"{mode}_{k}"
+            step = "no step (unchanged)" if k == "unchanged" else f"a {k} step"
+            persisted = f", persisted {gb(p[k])}" if k in p else ""
+            rows.append(
+                [
+                    f"blocking `save` after {step}",
+                    mode,
+                    f"{r[f'{x}_blocking_s'] * 1e3:.1f} ms",
+                    f"{r[f'{x}_blocking_s'] / warm:.2f}x (paired {r[f'{x}_paired']:.2f}x)",
+                    f"{r[f'{x}_commit_s'] * 1e3:.0f} ms",
+                    f"local {gb(r[f'{x}_local_bytes'])}, replicated {gb(r[f'{x}_sent_bytes'])}"
+                    + persisted,
+                ]
+            )
+    lim = ", ".join(
+        f"{k} {v['gbps']:.1f} GB/s" for k, v in limits.items() if k in ("memcpy", "xxh3")
+    )
+    head = ["per rank", "stage order", "blocking", "ratio to warm copy", "commit", "bytes per step"]
+    out = [C.md_table(head, rows), "", f"Machine limits measured in the same run: {lim}."]
+    if "restore_dcp_s" not in r:
+        return out
     first = (
-        f"first save: local {gb(r['first_local_bytes'])}, replicated "
-        f"{gb(r['first_sent_bytes'])}, persisted {gb(p['first'])} (2 ranks)"
+        f"First save: local {gb(r['first_local_bytes'])}, replicated "
+        f"{gb(r['first_sent_bytes'])}, persisted {gb(p['first'])} (2 ranks)."
     )
     link = [
         "gloo send of one rank's state, rank 0 -> 1 (the link's ceiling)",
@@ -251,13 +297,10 @@ def _table(r: dict[str, Any], limits: dict[str, Any]) -> list[str]:
             ("dcp", "`dcp.load` (FileSystemReader) of the same state"),
         )
     ]
-    lim = ", ".join(
-        f"{k} {v['gbps']:.1f} GB/s" for k, v in limits.items() if k in ("memcpy", "xxh3")
-    )
     return [
-        C.md_table(["per rank", "time", "ratio", "bytes per step / sources"], rows),
+        *out,
         "",
-        first + ". Machine limits measured in the same run: " + lim + ".",
+        first,
         "",
         C.md_table(["restore (2 ranks)", "time", "ratio", "sources"], restore),
     ]
@@ -270,13 +313,26 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256, help="MB of state per rank")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument(
+        "--orders",
+        default="auto,hash-first,copy-first",
+        help="stage orders of the local async save to time, comma-separated",
+    )
+    ap.add_argument("--blocking-only", action="store_true", help="skip persist and restores")
     ap.add_argument("--out", default=str(C.OUT_DIR / "tiers.md"))
     args = ap.parse_args()
     cmd = "python " + " ".join([os.path.relpath(__file__, C.REPO), *sys.argv[1:]])
     info = C.machine_info()
     work = C.OUT_DIR / f"tiers-work-{os.getpid()}"
     shm = Path("/dev/shm") / f"deltackpt-bench-tiers-{os.getpid()}"
-    cfg = {"mb": args.mb, "reps": args.reps, "timeout": args.timeout}
+    orders = [o.strip() for o in args.orders.split(",") if o.strip()]
+    bad = [o for o in orders if o not in STAGE_ORDERS]
+    if bad or not orders:
+        raise SystemExit(
+            f"--orders={args.orders!r}: expected a comma-separated subset of {STAGE_ORDERS}"
+        )
+    cfg = {"mb": args.mb, "reps": args.reps, "timeout": args.timeout, "orders": orders}
+    cfg["blocking_only"] = args.blocking_only
     cfg.update(workdir=str(work), shm=str(shm))
     try:
         limits = C.measure_limits(work / "limits", args.mb << 20, reps=args.reps)
@@ -298,7 +354,7 @@ def main() -> None:
         f"Command: `{cmd}`; {args.mb} MB of fp32 per rank, 2 ranks as 2 nodes, median of "
         f"{args.reps}; times are the max over ranks.",
         "",
-        *_table(results[0], limits),
+        *_table(results[0], limits, orders),
     ]
     text = "\n".join(md) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -175,11 +175,12 @@ class SaveRun:
             p.staged.wait()
             pool = self.saver.pool(opts.threads)
             arrays = p.staged.arrays.__getitem__
-            if self.mine is None:  # a world of one on CUDA: hash and dedupe here, in one pass
+            if self.mine is None:  # a world of one on CUDA or copied first: hash and dedupe here
                 index = self.st.chunk_index()
                 self.wr = write_chunks(
-                    self.st, p.plan, arrays, opts, pool, index, None, name=req.name
-                )
+                    self.st, p.plan, arrays, opts, pool, index, None, name=req.name,
+                    group_bufs=p.group_bufs,
+                )  # fmt: skip
                 p.digests, p.index = self.wr.digests, index
             else:
                 bases = self.saver.delta_bases if p.use_refs else None

@@ -55,12 +55,14 @@ from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import SaveOptions, default_memory_budget
 from deltackpt.saving.commit import check_can_save
 from deltackpt.saving.grouping import ChangeHistory
+from deltackpt.saving.order import StageOrder
 from deltackpt.saving.plan import SavePlan, plan_state
 from deltackpt.saving.stage import (
     Arena,
     DeltaRef,
     Staged,
     StagedChunks,
+    copy_state,
     hash_and_stage,
     next_refs,
     prefault,
@@ -162,6 +164,7 @@ class StoreSaver:
         self._delta_refs: dict[str, DeltaRef] = {}
         self._group_caches: dict[int, object] = {}
         self._history = ChangeHistory()
+        self.order = StageOrder()  # hash-first or copy-first (saving/order.py)
 
     @property
     def arenas(self) -> tuple[Arena, Arena]:
@@ -233,6 +236,7 @@ class StoreSaver:
             self._arenas[0].buffers.clear()
             self._group_caches.clear()
             self._history = ChangeHistory()
+            self.order = StageOrder()
         self._bg.shutdown(wait=False)
         for p in self._pools.values():
             p.shutdown(wait=False)
@@ -243,7 +247,9 @@ class StoreSaver:
         """Steps 1-2 of every save: wait for the previous save, lock, check, plan, and hash every
         chunk straight from the live tensors (on CPU; on CUDA the state is first copied to pinned
         host buffers and hashed later). ``stage_new`` (a world of one) copies the chunks the store
-        lacks in the same pass; a rank of N copies its assigned ones in :meth:`stage_owned`."""
+        lacks in the same pass; a rank of N copies its assigned ones in :meth:`stage_owned`. An
+        async save of a world of one without delta bases may instead copy the whole state and
+        leave the hashing to step 4, as on CUDA (copy-first, saving/order.py)."""
         st, opts = self.store, req.options
         waited = self.wait_previous()
         locks = contextlib.ExitStack()
@@ -280,6 +286,10 @@ class StoreSaver:
             keys = {(src.key, src.nbytes) for src in plan.sources}
             for arena in self._arenas:
                 arena.retain(keys)
+            if background and stage_new and not use_refs and self.order.copy_first():
+                pool = self.pool(opts.threads)  # need <= budget: checked above
+                staged = copy_state(plan, self._arenas[0], pool, opts.threads)
+                return Prepared(plan, staged, False, locks, waited, True)
             index = st.chunk_index()
             p = Prepared(plan, live, use_refs, locks, waited, background, index=index)
             p.digests, p.copies = hash_and_stage(
@@ -327,6 +337,8 @@ class StoreSaver:
         del keyframe_every
         if p.digests is not None:
             self._history.learn(p.plan, p.digests, p.group_bufs)
+            if p.background and not p.use_refs and p.index is not None:
+                self.order.learn(p.plan, p.digests, p.index)
         if p.use_refs and p.digests is not None:
             self._delta_refs = next_refs(p.plan, p.digests, before, p.copies.refs, records)
 

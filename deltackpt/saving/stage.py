@@ -9,8 +9,11 @@ save (the delta bases), the other receives the next save.
 On CUDA the buffers are pinned and the device-to-host copies are issued non-blocking on a side
 stream; ``staged`` completes when the stream's event fires. On CPU staging is synchronous, and
 :func:`hash_and_stage` hashes each chunk and copies only what must outlive the call, in one pass
-while the bytes are cache-warm. The arenas and the delta bases (:class:`DeltaRef`) belong to the
-store's :class:`~deltackpt.saving.engine.StoreSaver`; this module only fills them.
+while the bytes are cache-warm; or (an async save of a world of one without delta bases, after a
+save that found most of the state new: saving/order.py) :func:`copy_state` copies every source
+and leaves the hashing to the background write. The arenas and the delta bases
+(:class:`DeltaRef`) belong to the store's :class:`~deltackpt.saving.engine.StoreSaver`; this
+module only fills them.
 """
 
 from __future__ import annotations
@@ -90,6 +93,60 @@ def stage(plan: SavePlan, arena: Arena) -> Staged:
         event = torch.cuda.Event()
         event.record(stream)
     return Staged(arrays, event)
+
+
+COPY_PIECE = (16 << 20, 64 << 20)  # bounds of a copy job's bytes (copy_state)
+
+
+def copy_state(plan: SavePlan, arena: Arena, pool: ThreadPoolExecutor, threads: int) -> Staged:
+    """Copy-first staging (CPU, saving/order.py): every source of ``plan`` into ``arena`` on
+    ``threads`` (the caller's and ``threads - 1`` of ``pool``'s), in jobs of 16-64 MiB
+    (:data:`COPY_PIECE`; about 4 a thread where the state is large enough; small sources
+    batched, so thousands of tiny tensors are not thousands of jobs). Large pieces copy faster:
+    2 threads copy 256 MB in 0.53x a single thread's time in 16-128 MiB pieces, 0.61x in 4 MiB
+    ones, 0.88x in 1 MiB ones. Returns once everything is copied."""
+    lo_piece, hi_piece = COPY_PIECE
+    piece = max(lo_piece, min(hi_piece, state_nbytes(plan) // (4 * max(1, threads))))
+    arrays: list[np.ndarray] = []
+    jobs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+    size = 0
+    for s in plan.sources:
+        n = s.nbytes
+        if n == 0:
+            arrays.append(np.empty(0, dtype=np.uint8))
+            continue
+        buf = arena.buffer(s.key, n, pin=False)
+        arrays.append(buf.numpy())
+        for lo in range(0, n, piece):
+            hi = min(n, lo + piece)
+            batch.append((buf[lo:hi], s.data[lo:hi]))
+            size += hi - lo
+            if size >= piece:
+                jobs.append(batch)
+                batch, size = [], 0
+    if batch:
+        jobs.append(batch)
+
+    todo = iter(jobs)  # the caller's thread copies too, beside threads - 1 of the pool's
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                job = next(todo, None)
+            if job is None:
+                return
+            for dst, src in job:
+                dst.copy_(src)  # releases the GIL
+
+    helpers = [pool.submit(work) for _ in range(min(threads, len(jobs)) - 1)]
+    try:
+        work()
+    finally:
+        for f in helpers:
+            f.result()
+    return Staged(arrays, None)
 
 
 def state_nbytes(plan: SavePlan) -> int:
