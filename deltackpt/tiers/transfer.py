@@ -123,6 +123,12 @@ class Link:
             return None
         return np.empty(0, dtype=np.uint8) if buf is None else buf.numpy()
 
+    def isend(self, t: torch.Tensor, dst: int) -> Any:
+        return self.dist.isend(t, self._glob(dst), group=self.group)
+
+    def irecv(self, t: torch.Tensor, src: int) -> Any:
+        return self.dist.irecv(t, self._glob(src), group=self.group)
+
     def _both(self, out: Any, dst: int | None, into: Any, src: int | None) -> None:
         reqs = []
         if out is not None and dst is not None:
@@ -278,26 +284,42 @@ def transfer(
     ok = theirs is not None
     out_max = max((sum(mine.chunks[d].length for d in b) for b in out_batches), default=0)
     in_max = max((sum(theirs.chunks[d].length for d in b) for b in in_batches), default=0)
-    scratch = np.empty(out_max, dtype=np.uint8)  # mine is not None when out_max > 0
-    into = torch.empty(in_max, dtype=torch.uint8)
+    # two buffers each way: batch k+1 is read and in flight while batch k is checked and written
+    scratch = [np.empty(out_max, dtype=np.uint8) for _ in range(2 if out_batches else 0)]
+    into = [torch.empty(in_max, dtype=torch.uint8) for _ in range(2 if in_batches else 0)]
+    sends: list[Any] = []  # at most two in flight
+    recvs: list[tuple[Any, torch.Tensor]] = []
+
+    def post(k: int) -> None:
+        if k < len(out_batches):
+            assert send is not None and send[1] is not None and mine is not None
+            if len(sends) == 2:
+                sends.pop(0).wait()  # batch k-2, whose scratch buffer is this batch's
+            data = _read_chunks(send[1], mine, out_batches[k], scratch[k % 2])
+            moved.sent_bytes += len(data)
+            sends.append(link.isend(torch.from_numpy(data), dst))  # type: ignore[arg-type]
+        if k < len(in_batches):
+            assert theirs is not None
+            size = sum(theirs.chunks[d].length for d in in_batches[k])
+            buf = into[k % 2][:size]
+            recvs.append((link.irecv(buf, src), buf))  # type: ignore[arg-type]
+
     try:
-        for k in range(max(len(out_batches), len(in_batches))):
-            data = None
-            if k < len(out_batches):
-                assert send is not None and send[1] is not None and mine is not None
-                data = _read_chunks(send[1], mine, out_batches[k], scratch)
-                moved.sent_bytes += len(data)
-            buf = link.exchange(
-                dst if k < len(out_batches) else None,
-                data,
-                src if k < len(in_batches) else None,
-                into,
-            )
-            if k >= len(in_batches) or not ok:
+        n = max(len(out_batches), len(in_batches))
+        if n:
+            post(0)
+        for k in range(n):
+            if k + 1 < n:
+                post(k + 1)  # batch k's receive buffer is not batch k+1's
+            if k >= len(in_batches):
                 continue
-            assert theirs is not None and writer is not None and buf is not None
-            moved.received_bytes += len(buf)
-            view, pos = memoryview(buf), 0
+            work, tbuf = recvs[k]
+            work.wait()
+            if not ok:
+                continue  # still received: the sender sends every batch it was asked for
+            assert theirs is not None and writer is not None
+            moved.received_bytes += tbuf.numel()
+            view, pos = memoryview(tbuf.numpy()), 0
             for d in in_batches[k]:
                 rec = theirs.chunks[d]
                 piece = view[pos : pos + rec.length]
@@ -308,8 +330,10 @@ def transfer(
                     )
                     ok = False
                     break
-                off, n = writer.append(piece)
-                new[d] = replace(rec, pack=writer.pack_id, offset=off, length=n)
+                off, nb = writer.append(piece)
+                new[d] = replace(rec, pack=writer.pack_id, offset=off, length=nb)
+        for w in sends:  # the last two (a gloo work waited twice blocks for good)
+            w.wait()
         if ok and recv is not None and recv[1] is not None and theirs is not None:
             moved.committed = _commit(recv[1], theirs, new, writer, recv[0])
     finally:
