@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +67,12 @@ from deltackpt.errors import (
     SnapshotNotFoundError,
     UnsupportedValueError,
 )
-from deltackpt.integrations.lightning_tiers import TieredCheckpointIO, to_device
+from deltackpt.integrations.lightning_tiers import (
+    TieredCheckpointIO,
+    plain_dicts,
+    rng_now,
+    to_device,
+)
 from deltackpt.integrations.markers import (
     canonical,
     read_marker,
@@ -228,26 +232,12 @@ class DeltaCheckpointIO(CheckpointIO):
                 f"Lightning's checkpoint has a key {RNG_KEY!r}, which DeltaCheckpointIO reserves "
                 "for the RNG state; rename it in on_save_checkpoint, or pass rng=False"
             )
-        state: dict[str, Any] = {}
-        converted: list[str] = []
-        for k, v in checkpoint.items():
-            if type(v) is AttributeDict:
-                v = dict(v)
-                converted.append(k)
-            state[k] = v
+        state, converted = plain_dicts(checkpoint)
         if self.rng:
-            if threading.current_thread() is not threading.main_thread() and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    "DeltaCheckpointIO(rng=True) saves on a background thread (Lightning's "
-                    "AsyncCheckpointIO?): the RNG state it records is the one of that moment, not "
-                    "of the checkpoint's step, so random draws after a resume may differ from an "
-                    "uninterrupted run. Use DeltaCheckpointIO(store, async_save=True) instead, "
-                    "which captures it on the training thread",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            state[RNG_KEY] = _rng.capture()
+            state[RNG_KEY] = rng_now(
+                self, "Use DeltaCheckpointIO(store, async_save=True) instead, which captures it "
+                "on the training thread",
+            )  # fmt: skip
         return state, converted
 
     def _refuse_foreign(self, name: str) -> None:

@@ -229,26 +229,10 @@ class TieredCheckpointIO(CheckpointIO):
                 f"Lightning's checkpoint has a key {EXTRA_KEY!r}, which DeltaCheckpointIO(Tiers"
                 "(...)) reserves for the RNG state; rename it in on_save_checkpoint"
             )
-        state: dict[str, Any] = {}
-        converted: list[str] = []
-        for k, v in checkpoint.items():
-            if type(v) is AttributeDict:
-                v = dict(v)
-                converted.append(k)
-            state[k] = v
+        state, converted = plain_dicts(checkpoint)
         extra: dict[str, Any] = {"attribute_dicts": converted}
         if self.rng:
-            if threading.current_thread() is not threading.main_thread() and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    "DeltaCheckpointIO(Tiers(...), rng=True) saves on a background thread "
-                    "(Lightning's AsyncCheckpointIO?): the RNG state it records is that of this "
-                    "moment, not of the checkpoint's step. Drop the wrapper: tier saves are "
-                    "already async",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            extra["rng"] = _rng.capture()
+            extra["rng"] = rng_now(self, "Drop the wrapper: tier saves are already async")
         state[EXTRA_KEY] = extra
         return state
 
@@ -407,6 +391,34 @@ def _as_dict(loaded: Any, path: Any) -> dict[str, Any]:
             "Lightning checkpoint dict"
         )
     return loaded
+
+
+def plain_dicts(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A shallow copy of Lightning's dict with ``AttributeDict`` values as plain dicts, and the
+    keys converted (Lightning's dict itself is never changed)."""
+    state: dict[str, Any] = {}
+    converted: list[str] = []
+    for k, v in checkpoint.items():
+        if type(v) is AttributeDict:
+            v = dict(v)
+            converted.append(k)
+        state[k] = v
+    return state, converted
+
+
+def rng_now(owner: Any, advice: str) -> Any:
+    """The global RNG state now; warns once per ``owner`` when called off the main thread."""
+    if threading.current_thread() is not threading.main_thread() and not owner._warned:
+        owner._warned = True
+        warnings.warn(
+            f"{type(owner).__name__}(rng=True) saves on a background thread (Lightning's "
+            "AsyncCheckpointIO?): the RNG state it records is that of this moment, not of the "
+            "checkpoint's step, so random draws after a resume may differ from an "
+            f"uninterrupted run. {advice}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return _rng.capture()
 
 
 def to_device(obj: Any, map_location: Any) -> Any:
