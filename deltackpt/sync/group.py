@@ -234,6 +234,8 @@ class SyncGroup:
             if self.store.check(keys):
                 return True
             if self.store.check([fail]):
+                if self.store.check(keys):  # the last data arrived between the two checks
+                    return True
                 failed.append(bytes(self.store.get(fail)).decode(errors="replace"))
                 return True
             return False
