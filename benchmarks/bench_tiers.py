@@ -189,7 +189,7 @@ class Rank:
             block = self.timed(lambda s=step: ck.persist(s, state))
             self.rows[f"persist_{kind}_blocking_s"] = block
             ck.wait()
-            persisted[kind] = int(ck._persister.infos[-1].bytes_written)
+            persisted[kind] = int(ck.durable.infos[-1].bytes_written)
         self.rows["persisted_bytes"] = persisted
         ck.close()
         want = {k: v.clone() for k, v in state.items()}

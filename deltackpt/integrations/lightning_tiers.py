@@ -159,14 +159,8 @@ class TieredCheckpointIO(CheckpointIO):
         """The steps each tier holds, for error messages."""
         ck = self._checkpointer()
         local = sorted(local_steps(ck.own, 0, 1))
-        durable: list[int] = []
-        if ck.durable is not None:
-            for m in ck.durable.store.manifests():
-                step = m.metadata.get("step") if isinstance(m.metadata, dict) else None
-                if type(step) is int and m.name == ck.durable.name(step):
-                    durable.append(step)
         return f"local tier {str(self.tiers.root)!r}: {local}; durable tier: " + (
-            f"{sorted(durable)}" if ck.durable is not None else "none (Tiers(durable=None))"
+            f"{ck.durable_steps()}" if ck.durable is not None else "none (Tiers(durable=None))"
         )
 
     # ------------------------------------------------------------------------ save

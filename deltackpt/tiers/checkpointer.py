@@ -135,16 +135,11 @@ class TieredCheckpointer:
             tiers.check_world(self.world, self.jump)
         tiers.root.mkdir(parents=True, exist_ok=True)
         self.own: Store = open_store(tiers.own_dir(self.rank))
+        # the durable tier: its names, ownership marker and retention; its saves are the
+        # background persists, synchronous distributed saves on the tiers' own gloo group
         self.durable: Checkpointer | None = None
-        self._persister: Checkpointer | None = None
         if tiers.durable is not None:
             self.durable = Checkpointer(
-                tiers.durable, every=1, keep_last=tiers.durable_keep_last, async_=async_,
-                rng=False, name_format=name_format, storage_options=tiers.storage_options,
-                process_group=process_group,
-            )  # fmt: skip
-            # the background persists: a synchronous distributed save on the tiers' own group
-            self._persister = Checkpointer(
                 tiers.durable, every=1, keep_last=tiers.durable_keep_last, async_=False,
                 rng=False, name_format=name_format, storage_options=tiers.storage_options,
                 process_group=None if self._bg is None else self._bg.group,
@@ -288,8 +283,8 @@ class TieredCheckpointer:
         if self._bg is not None and self.tiers.replicas:
             self._replicate(step, None if err else name)
         if persist is not None:
-            assert self._persister is not None
-            if persist_local(self._bg, self.own, name, persist, err is None, self._persister):
+            assert self.durable is not None
+            if persist_local(self._bg, self.own, step, persist, err is None, self.durable):
                 self.stats.persisted += 1
         keep = self.tiers.keep_last
         gc(self.own, keep_last=keep, compact_below=RETENTION_COMPACT_BELOW)
@@ -332,7 +327,7 @@ class TieredCheckpointer:
                 f"{type(state).__name__}"
             )
         self._collect()
-        durable_steps = self._durable_steps()
+        durable_steps = self.durable_steps() if self.rank == 0 else []
         local_sd, layout, back = localize(to_saveable(state), _moment_paths(state))
 
         def load_local(store: Store, name: str) -> None:
@@ -349,10 +344,10 @@ class TieredCheckpointer:
         self.last_restore = report
         return 0 if report.step is None else report.step + 1
 
-    def _durable_steps(self) -> list[int]:
-        """The durable tier's versions (on rank 0; [] elsewhere: restore shares rank 0's)."""
+    def durable_steps(self) -> list[int]:
+        """The steps of the durable tier's versions, oldest first ([] without one)."""
         d = self.durable
-        if d is None or self.rank != 0:
+        if d is None:
             return []
         return sorted(s for m in d.store.manifests() if (s := d._owned_step(m)) is not None)
 
@@ -375,11 +370,9 @@ class TieredCheckpointer:
     # ------------------------------------------------------------------------ lifetime
 
     def wait(self) -> None:
-        """Block until the pending local save, its replication and any durable save are done
+        """Block until the pending local save, its replication and its persist are done
         (raising their error, once)."""
         self._collect()
-        if self.durable is not None:
-            self.durable.wait()
 
     def close(self) -> None:
         try:

@@ -42,7 +42,7 @@ rank's copy: that is what the durable tier gives back too); the writer holds pro
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -76,12 +76,10 @@ from deltackpt.errors import (
 from deltackpt.format.dtypes import dtype_from_name, dtype_name
 from deltackpt.loading.lazy import SnapshotReader, open_snapshot
 from deltackpt.store.store import Store
+from deltackpt.tiers.checkpointer import TieredCheckpointer
 from deltackpt.tiers.config import local_name
 from deltackpt.tiers.localize import localize
 from deltackpt.tiers.restore import DURABLE, restore
-
-if TYPE_CHECKING:
-    from deltackpt.tiers.checkpointer import TieredCheckpointer
 
 # A DCP local snapshot holds plain pieces (no DTensor), so its layout digest is that of an
 # empty layout; whether the pieces fit the live state is checked in prepare_local_plan.
@@ -90,7 +88,7 @@ PIECES_KEY = "deltackpt.tiers.dcp"  # local snapshot metadata: what each piece i
 
 
 def _check_ckpt(ckpt: Any, what: str) -> None:
-    if type(ckpt).__name__ != "TieredCheckpointer" or not hasattr(ckpt, "tiers"):
+    if not isinstance(ckpt, TieredCheckpointer):
         raise InvalidArgumentError(
             f"{what}(ckpt={ckpt!r:.60}) is invalid: expected a deltackpt.tiers."
             "TieredCheckpointer, e.g. TieredCheckpointer(Tiers(local='/dev/shm/run'), "
@@ -304,7 +302,7 @@ class TieredReader(StorageReader):
         ck = self.ckpt
         ck._collect()
         self.reset()
-        durable = ck._durable_steps()
+        durable = ck.durable_steps() if ck.rank == 0 else []
         local_md: dict[str, Any] = {}
 
         def at_local(store: Store, name: str) -> None:

@@ -18,17 +18,19 @@ from deltackpt.checkpointer import Checkpointer
 from deltackpt.distributed.load import load
 from deltackpt.errors import SaveFailedError
 from deltackpt.store.store import Store
+from deltackpt.tiers.config import local_name
 from deltackpt.tiers.localize import Box, as_pieces
 
 
 def persist_local(
-    link: Any, own: Store, name: str, boxes: dict[str, Box], ok: bool, persister: Checkpointer
+    link: Any, own: Store, step: int, boxes: dict[str, Box], ok: bool, persister: Checkpointer
 ) -> bool:
-    """Persist local snapshot ``name`` of ``own`` (every rank calls it, in the same order as
+    """Persist the local snapshot of ``step`` in ``own`` (every rank calls it, in the same order as
     the other background work on ``link``); True once committed. ``ok``: whether this rank's
     local save succeeded. When some rank's failed, every rank skips the persist: the failed
     ones return False (their own save error is raised by the caller), the others raise
     :class:`~deltackpt.errors.SaveFailedError`."""
+    name = local_name(step)
     oks = link.all_gather(ok) if link is not None else [ok]
     if not ok:
         return False
@@ -39,6 +41,5 @@ def persist_local(
             f"{failed} failed (their errors are raised there). The previous durable version "
             "stands"
         )
-    step = int(name.rsplit("-", 1)[1])
     persister.save(step, as_pieces(load(own, name), boxes))
     return True
