@@ -27,12 +27,25 @@ MARKS = [
 
 
 def run_script(
-    tmp_path_factory: pytest.TempPathFactory, script: str, env: dict[str, str] | None = None
+    tmp_path_factory: pytest.TempPathFactory,
+    script: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    linear: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``tests/integrations/<script>`` in the vLLM interpreter; its JSON report."""
-    out = tmp_path_factory.mktemp(script.removesuffix(".py").lstrip("_")) / "out.json"
+    """Run ``tests/integrations/<script> OUT.json *args`` in the vLLM interpreter; its JSON
+    report. ``linear`` (``"keep"`` or ``"repack"``) forces how vLLM's CPU build keeps linear
+    weights in every engine process (``_vllm_linear/sitecustomize.py``); None: as this
+    processor has it."""
+    env = dict(os.environ if env is None else env)
+    if linear is not None:
+        folder = str(Path(__file__).with_name("_vllm_linear"))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
+        env["DELTACKPT_TEST_VLLM_LINEAR"] = linear
+    tag = script.removesuffix(".py").lstrip("_") + (f"-{linear}" if linear else "")
+    out = tmp_path_factory.mktemp(tag) / "out.json"
     proc = subprocess.run(
-        [str(PY), str(Path(__file__).with_name(script)), str(out)],
+        [str(PY), str(Path(__file__).with_name(script)), str(out), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

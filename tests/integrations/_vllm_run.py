@@ -2,7 +2,9 @@
 project's test environment): a real CPU vLLM engine with ``backend="deltackpt"``, a trainer in
 this process, several RL-like rounds; writes what it saw as JSON to ``argv[1]``.
 
-Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json``
+Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json [--short]``
+(``--short``: the rounds, the tampered worker and the fresh engine only; no killed, replaced or
+refusing trainer: the run with the other linear-weight layout forced, ``_vllm_linear/``).
 """
 
 from __future__ import annotations
@@ -85,10 +87,21 @@ def _committed(worker: Any) -> bytes:
 
 
 def _readable(worker: Any) -> bytes:
-    """The model's parameters that still hold their values (on CPU vLLM repacks the linear
-    weights into kernels and leaves empty parameters)."""
+    """The model's parameters that still hold their values (vLLM's CPU build repacks the linear
+    weights into kernels and leaves the parameters empty where the processor has the kernels,
+    AVX-512 or AMX; on AVX2 it keeps them)."""
     model = worker.model_runner.get_model()
     return _pack({n: p.detach().clone() for n, p in model.named_parameters() if p.numel()})
+
+
+def _emptied(worker: Any) -> list[str]:
+    """The model's parameters vLLM left empty (their values live in a CPU kernel)."""
+    model = worker.model_runner.get_model()
+    return sorted(n for n, p in model.named_parameters() if not p.numel())
+
+
+def _paths(worker: Any) -> dict[str, dict[str, str]]:
+    return worker.weight_transfer_engine.param_paths()  # type: ignore[no-any-return]
 
 
 def _last(worker: Any) -> dict[str, Any]:
@@ -109,13 +122,18 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(-1), b.view(-1))
 
 
+# how vLLM's Qwen2 fuses checkpoint tensors (its ``packed_modules_mapping``)
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 def expected_readable(sd: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-    """What vLLM's Qwen2 holds under ``names``, from the trainer's state dict."""
+    """What vLLM's Qwen2 (TP=1) holds under ``names``, from the trainer's state dict: fused
+    parameters are their parts stacked along dim 0, the rest the tensor of the same name."""
     out = {}
     for n in names:
-        if n.endswith("qkv_proj.bias"):
-            p = n.removesuffix("qkv_proj.bias")
-            out[n] = torch.cat([sd[f"{p}{x}_proj.bias"] for x in "qkv"])
+        *mod, fused, leaf = n.split(".")
+        if fused in FUSED:
+            out[n] = torch.cat([sd[".".join([*mod, part, leaf])] for part in FUSED[fused]])
         else:
             out[n] = sd[n]
     return out
@@ -129,7 +147,7 @@ def rl_step(model: torch.nn.Module, share: float, gen: torch.Generator) -> None:
             p[mask] += (torch.randn(p.shape, generator=gen) * 0.01).to(p.dtype)[mask]
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, short: bool = False) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -188,6 +206,12 @@ def main(out_path: str) -> None:
     check("heal", eng.send_weights(trainer.state_dict(), version=5))
     rl_step(trainer, 0.02, gen)
     check("delta3", eng.send_weights(trainer.state_dict(), version=6))
+    res["emptied"] = llm.collective_rpc(_emptied)[0]
+    res["paths"] = llm.collective_rpc(_paths)[0]
+    if short:
+        finish(res, llm, trainer, tmp, out_path)
+        eng.shutdown()
+        return
     eng.shutdown()
     tokens_v6 = greedy(llm)
     # a trainer process killed mid-round (os._exit): the engine stays on what it committed
@@ -217,6 +241,13 @@ def main(out_path: str) -> None:
     res["refused"]["engine_version"] = llm.get_weight_version()
     rl_step(trainer, 0.02, gen)
     check("after_refusal", eng.send_weights(trainer.state_dict(), version=10))
+    finish(res, llm, trainer, tmp, out_path)
+    eng.shutdown()
+
+
+def finish(res: dict[str, Any], llm: Any, trainer: torch.nn.Module, tmp: str, out: str) -> None:
+    """Greedy tokens and readable parameters against a fresh engine started from the trainer's
+    weights (the same layout: it runs in this process's environment); the report to ``out``."""
     res["tokens"] = greedy(llm)
     trainer.save_pretrained(f"{tmp}/final")
     fresh = engine(f"{tmp}/final", transfer=False)
@@ -226,10 +257,9 @@ def main(out_path: str) -> None:
     res["readable_same_as_fresh"] = fr.keys() == mine.keys() and all(
         same(fr[k], mine[k]) for k in fr
     )
-    eng.shutdown()
-    with open(out_path, "w") as f:
+    with open(out, "w") as f:
         json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], short="--short" in sys.argv[2:])

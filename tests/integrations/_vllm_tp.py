@@ -19,11 +19,17 @@ import tempfile
 from typing import Any
 
 import torch
-from _vllm_run import _committed, _unpack, free_port, greedy, rl_step, same, tiny_qwen2
-
-
-def _paths(worker: Any) -> dict[str, dict[str, str]]:
-    return worker.weight_transfer_engine.param_paths()  # type: ignore[no-any-return]
+from _vllm_run import (
+    _committed,
+    _emptied,
+    _paths,
+    _unpack,
+    free_port,
+    greedy,
+    rl_step,
+    same,
+    tiny_qwen2,
+)
 
 
 def tp_engine(model_dir: str, transfer: bool) -> Any:
@@ -78,6 +84,7 @@ def main(out_path: str) -> None:
             }
         )
     res["paths"] = llm.collective_rpc(_paths)
+    res["emptied"] = llm.collective_rpc(_emptied)
     res["tokens"] = greedy(llm)
     eng.shutdown()
     del llm  # free the two bound cores before the fresh engine starts

