@@ -9,6 +9,10 @@ DELTACKPT_THREADS          worker threads for hashing, encoding and I/O     min(
 DELTACKPT_LOCK_TIMEOUT     seconds to wait for the store lock               600
 DELTACKPT_FSYNC            0 skips fsync (benchmarks of page-cache speed)   1
 DELTACKPT_MEMORY_BUDGET    bytes of staging buffers per store               RAM / 2
+DELTACKPT_DEVICE_SCAN      how a sync save of CUDA state finds what changed: auto
+                           ``auto`` (fingerprints on the device, only changed
+                           chunks copied), ``off`` (copy all, hash on the
+                           host), ``always`` (CPU state too: the test suite)
 =========================  ==============================================  ================
 
 Every field is validated when an options object is built (``save(..., threads=0)`` raises
@@ -89,6 +93,17 @@ def default_fsync() -> bool:
     if value not in _TRUE + _FALSE:
         raise _bad_env("DELTACKPT_FSYNC", raw, f"one of {_TRUE + _FALSE}", "1")
     return value in _TRUE
+
+
+DEVICE_SCANS = ("auto", "off", "always")
+
+
+def default_device_scan() -> str:
+    raw = _env("DELTACKPT_DEVICE_SCAN", "auto")
+    value = raw.strip().lower()
+    if value not in DEVICE_SCANS:
+        raise _bad_env("DELTACKPT_DEVICE_SCAN", raw, f"one of {DEVICE_SCANS}", "auto")
+    return value
 
 
 def default_memory_budget() -> int:

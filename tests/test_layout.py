@@ -16,18 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "deltackpt"
 MAX_LINES = 450
 
-# Each layer may import only itself and the layers listed for it. errors and options (the env
-# knobs and option dataclasses) are shared leaves; format is pure: no store, no threads, no
-# collectives.
+# Each layer may import only itself and the layers listed for it. errors, options (the env
+# knobs and option dataclasses) and cuda (what only CUDA has: pinned memory, streams) are shared
+# leaves; format is pure: no store, no threads, no collectives.
 LAYERS: dict[str, set[str]] = {
+    "cuda": set(),  # torch only
     "format": {"errors", "_native"},  # _native: the optional C loop of format/changes.py
     "store": {"errors", "options", "format"},
-    "saving": {"errors", "options", "format", "store"},
-    "loading": {"errors", "options", "format", "store"},
-    "distributed": {"errors", "options", "format", "store", "saving", "loading"},
-    "sync": {"errors", "format"},
+    "saving": {"errors", "options", "cuda", "format", "store"},
+    "loading": {"errors", "options", "cuda", "format", "store"},
+    "distributed": {"errors", "options", "cuda", "format", "store", "saving", "loading"},
+    "sync": {"errors", "cuda", "format"},
     "tiers": {
         "errors",
+        "cuda",
         "format",
         "store",
         "loading",

@@ -49,12 +49,14 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
+from deltackpt.cuda import is_device
 from deltackpt.errors import DeltackptError, SaveFailedError
 from deltackpt.format.codecs import DELTAS
 from deltackpt.format.manifest import ChunkRecord
-from deltackpt.options import SaveOptions, default_memory_budget
+from deltackpt.options import SaveOptions, default_device_scan, default_memory_budget
 from deltackpt.saving.commit import check_can_save
 from deltackpt.saving.grouping import ChangeHistory
+from deltackpt.saving.on_device import Fingerprint, FingerprintKey, scan
 from deltackpt.saving.order import StageOrder
 from deltackpt.saving.plan import SavePlan, plan_state
 from deltackpt.saving.stage import (
@@ -101,6 +103,8 @@ class Prepared:
     group_bufs: dict[int, np.ndarray] = field(default_factory=dict)
     copies: StagedChunks = field(default_factory=StagedChunks)
     blocked: float = 0.0  # seconds the caller was blocked (set when step 3 ends)
+    # device saves (saving/on_device.py): the chunks' fingerprints, kept once the save commits
+    fingerprints: dict[FingerprintKey, tuple[Fingerprint, str]] | None = None
 
 
 class SaveHandle:
@@ -165,6 +169,8 @@ class StoreSaver:
         self._group_caches: dict[int, object] = {}
         self._history = ChangeHistory()
         self.order = StageOrder()  # hash-first or copy-first (saving/order.py)
+        # the last committed device save's chunk fingerprints and digests (saving/on_device.py)
+        self._fingerprints: dict[FingerprintKey, tuple[Fingerprint, str]] = {}
 
     @property
     def arenas(self) -> tuple[Arena, Arena]:
@@ -234,6 +240,7 @@ class StoreSaver:
                     del _SAVERS[id(self.store)]
             self.drop_delta_bases()
             self._arenas[0].buffers.clear()
+            self._fingerprints = {}
             self._group_caches.clear()
             self._history = ChangeHistory()
             self.order = StageOrder()
@@ -265,16 +272,16 @@ class StoreSaver:
             budget = (
                 opts.memory_budget if opts.memory_budget is not None else default_memory_budget()
             )
-            if any(s.data.is_cuda for s in plan.sources):
-                # Device memory cannot be hashed in place: copy it all to pinned buffers (async
-                # on a side stream); hashing and writing happen behind. No xor deltas here.
+            on_device = any(is_device(s.data) for s in plan.sources)
+            how = default_device_scan()
+            if on_device and background and need <= budget:
+                # An async save: copy it all to pinned buffers (on a side stream); hashing and
+                # writing happen behind the caller. No xor deltas on device state.
                 self.drop_delta_bases()
-                if background and need <= budget:
-                    staged = stage(plan, self._arenas[0])
-                else:
-                    staged = Staged([s.data.cpu().numpy() for s in plan.sources], None)
-                    background = False
+                staged = stage(plan, self._arenas[0])
                 return Prepared(plan, staged, False, locks, waited, background)
+            if on_device or (how == "always" and not background):
+                return self._prepare_scan(plan, req, locks, waited, trust=how != "off")
             live = Staged([s.data.numpy() for s in plan.sources], None)
             pol = opts.encoding  # delta bases are kept for xor and for patch deltas
             deltas_on = any(c in pol.codecs for c in DELTAS) and pol.force in (None, *DELTAS)
@@ -308,6 +315,22 @@ class StoreSaver:
                 ) from e
             raise
 
+    def _prepare_scan(self, plan: SavePlan, req: SaveRequest, locks: Any, waited: float,
+                      trust: bool) -> Prepared:  # fmt: skip
+        """Step 2 of a sync save of device state (saving/on_device.py): fingerprints on the
+        device, only changed chunks copied and hashed; every chunk where not ``trust``
+        (``DELTACKPT_DEVICE_SCAN=off``). No xor deltas on this path."""
+        self.drop_delta_bases()
+        self._arenas[0].retain({(src.key, src.nbytes) for src in plan.sources})
+        index, bufs = self.store.chunk_index(), {}
+        pool = self.pool(req.options.threads)
+        known = self._fingerprints if trust else None
+        found = scan(plan, self.store.chunk_bytes, known, index, self._arenas[0], pool, bufs)
+        p = Prepared(plan, Staged(found.arrays, None), False, locks, waited, False, found.digests,
+                     index, bufs, found.copies)  # fmt: skip
+        p.fingerprints = found.fingerprints if trust else {}
+        return p
+
     def stage_owned(self, p: Prepared, owned: set[int]) -> None:
         """End of step 3 (async saves): copy the chunks this rank must write that the hash pass
         did not copy, so the caller may mutate its state once this returns."""
@@ -335,6 +358,8 @@ class StoreSaver:
         groups. ``keyframe_every`` is accepted for callers of the depth-only policy and unused:
         the writer applies the link cap and the byte budget (saving/write.py)."""
         del keyframe_every
+        if p.fingerprints is not None:
+            self._fingerprints = p.fingerprints
         if p.digests is not None:
             self._history.learn(p.plan, p.digests, p.group_bufs)
             if p.background and not p.use_refs and p.index is not None:

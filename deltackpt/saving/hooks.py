@@ -16,7 +16,8 @@ hook                      called                                                
                           coordinator); an OSError raised here is handled as a
                           failed publish (packs removed, StoreIOError)
 ``on_stage_copy(chunk)``  each time the hash pass copies a chunk into a staging  no-op
-                          arena (step 2; any thread)
+                          arena (step 2; any thread), or a save of device state
+                          copies a changed chunk to the host (saving/on_device)
 ========================  =====================================================  ===============
 
 Every kind of save (local, distributed, DCP's ``StoreWriter``) commits through

@@ -19,7 +19,7 @@ module only fills them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -58,7 +58,7 @@ class Arena:
 
 @dataclass
 class Staged:
-    arrays: list[np.ndarray]  # per source: its bytes (a view of an arena buffer)
+    arrays: Sequence[np.ndarray]  # per source: its bytes (a view of an arena buffer)
     event: torch.cuda.Event | None  # CUDA copies still in flight until this fires
 
     def wait(self) -> None:

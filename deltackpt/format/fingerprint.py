@@ -1,0 +1,130 @@
+"""Chunk fingerprints computed where the bytes live (CPU or CUDA) by torch integer operations
+that give the same 128 bits on every device: how a save of device state finds what changed
+without copying unchanged chunks to the host.
+
+Hashing needs the bytes on the host, and a copy of CUDA state to the host costs PCIe time (or
+~1 GB/s through pageable memory) for every chunk, changed or not. So a save of device state
+fingerprints every chunk on its device, compares with the fingerprint the same chunk had at the
+last save of this process, and copies and hashes only the chunks whose fingerprint moved
+(saving/device.py). The fingerprint of a chunk of 8-byte words ``w_i`` (the chunk's tail
+zero-padded to a word) is two wrapping 64-bit sums::
+
+    m_i = mix(w_i ^ P_i)        mix: splitmix64's finaliser, a bijection of 64-bit words
+    a   = sum(m_i)        mod 2**64
+    b   = sum(m_i * Q_i)  mod 2**64
+
+``P_i`` and ``Q_i`` (odd) are fixed pseudo-random words per position in a chunk, made once per
+device by the same operations. A wrapping integer sum does not depend on the order of the
+reduction, so CPU and CUDA give identical results (the gpu tests check it).
+
+What it detects: a change of one word, always (``mix`` is a bijection, so ``m_i`` moves and so
+does ``a``); a word moved to another position, always with probability ~1 - 2**-64 (``P``). A
+change of several words is missed only when both sums collide: treating ``mix`` as a random
+function, about 2**-120 per changed chunk. It is not collision-resistant against someone who
+knows ``P`` and ``Q`` and crafts the state (neither is xxh3, which names chunks in the store).
+
+Cost: ~20 elementwise passes over the bytes on the device (a few ms per GB on an H100; on CPU it
+is slower than xxh3, so CPU state is hashed directly and this runs on CPU only when asked for,
+as the test suite does). Device memory: ``P`` and ``Q`` (2 x chunk_bytes) kept per device, and two
+work buffers of at most :data:`SLAB_BYTES` while it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["SLAB_BYTES", "source_fingerprints"]
+
+SLAB_BYTES = 64 << 20  # bytes fingerprinted per pass (bounds the work buffers)
+
+
+def _signed(x: int) -> int:
+    """A 64-bit constant as the int64 torch stores it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_C1 = _signed(0xBF58476D1CE4E5B9)
+_C2 = _signed(0x94D049BB133111EB)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_SEED_P = _signed(0x243F6A8885A308D3)  # digits of pi: nothing up the sleeve
+_SEED_Q = _signed(0x13198A2E03707344)
+_SHIFTS = (30, 27, 31)
+_MASKS = {s: (1 << (64 - s)) - 1 for s in _SHIFTS}  # logical right shift of an int64
+
+
+def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser in place on int64 ``z`` (``tmp``: a work buffer like ``z``)."""
+    for s, c in ((30, _C1), (27, _C2), (31, None)):
+        torch.bitwise_right_shift(z, s, out=tmp)
+        tmp.bitwise_and_(_MASKS[s])
+        z.bitwise_xor_(tmp)
+        if c is not None:
+            z.mul_(c)
+    return z
+
+
+_KEYS: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_KEYS_LOCK = threading.Lock()
+
+
+def position_keys(device: torch.device, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P, Q)``: int64 vectors of ``words`` pseudo-random words on ``device`` (``Q`` odd),
+    made once per (device, length) from fixed seeds, identical on every device."""
+    key = (str(device), words)
+    with _KEYS_LOCK:
+        got = _KEYS.get(key)
+        if got is None:
+            i = torch.arange(words, dtype=torch.int64, device=device).mul_(_GOLDEN)
+            tmp = torch.empty_like(i)
+            p = _mix_(i.add(_SEED_P), tmp)
+            q = _mix_(i.add_(_SEED_Q), tmp).bitwise_or_(1)
+            got = _KEYS[key] = (p, q)
+        return got
+
+
+def _words(data: torch.Tensor) -> torch.Tensor:
+    """``data`` (1-D uint8, a multiple of 8 bytes) as int64 words; a copy if it is not 8-byte
+    aligned."""
+    if data.data_ptr() % 8:
+        data = data.clone()
+    return data.view(torch.int64)
+
+
+def _fingerprint_rows(words: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``words`` [rows, n] (n <= len(p)) -> [rows, 2] fingerprints."""
+    n = words.shape[1]
+    z = torch.bitwise_xor(words, p[:n])
+    tmp = torch.empty_like(z)
+    _mix_(z, tmp)
+    a = z.sum(dim=1)
+    b = torch.mul(z, q[:n], out=tmp).sum(dim=1)
+    return torch.stack([a, b], dim=1)
+
+
+def source_fingerprints(data: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """Fingerprints of the chunks of one source: ``data`` (1-D uint8, on any device) cut at
+    multiples of ``chunk_bytes`` (a multiple of 8, as the store's always is). Returns an int64
+    tensor [chunks, 2] on ``data``'s device; nothing is copied to the host."""
+    if chunk_bytes <= 0 or chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
+    n = data.numel()
+    device = data.device
+    words_per_chunk = chunk_bytes // 8
+    p, q = position_keys(device, words_per_chunk)
+    full = n // chunk_bytes
+    out: list[torch.Tensor] = []
+    rows = max(1, SLAB_BYTES // chunk_bytes)
+    for lo in range(0, full, rows):
+        hi = min(full, lo + rows)
+        slab = _words(data[lo * chunk_bytes : hi * chunk_bytes]).view(hi - lo, words_per_chunk)
+        out.append(_fingerprint_rows(slab, p, q))
+    tail = n - full * chunk_bytes
+    if tail:
+        padded = torch.zeros(-(-tail // 8) * 8, dtype=torch.uint8, device=device)
+        padded[:tail] = data[full * chunk_bytes :]
+        out.append(_fingerprint_rows(padded.view(torch.int64).view(1, -1), p, q))
+    if not out:
+        return torch.zeros(0, 2, dtype=torch.int64, device=device)
+    return torch.cat(out)

@@ -1,0 +1,249 @@
+"""Saves of device state: chunk fingerprints found where the state lives, only changed chunks
+copied to the host (saving/on_device.py, format/fingerprint.py).
+
+The CPU suite runs the device path on CPU tensors (``DELTACKPT_DEVICE_SCAN=always``): the same
+torch operations a GPU runs. The ``gpu`` tests check that CUDA gives the same fingerprints and
+that CUDA state takes this path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+
+import deltackpt
+from deltackpt.errors import InvalidArgumentError
+from deltackpt.format.fingerprint import source_fingerprints
+from deltackpt.options import overrides
+from deltackpt.saving.engine import saver_for
+from deltackpt.saving.hooks import hooks
+from tests._dist import free_port, init_gloo, run_ranks
+
+M64 = (1 << 64) - 1
+
+
+def _mix(z: int) -> int:
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & M64
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >> 63 else x
+
+
+def reference(data: bytes, chunk: int) -> list[list[int]]:
+    """format/fingerprint.py's definition, in plain Python integers."""
+    out = []
+    for lo in range(0, len(data), chunk):
+        c = data[lo : lo + chunk]
+        c += bytes(-len(c) % 8)
+        a = b = 0
+        for i in range(len(c) // 8):
+            w = int.from_bytes(c[8 * i : 8 * i + 8], "little")
+            p = _mix((i * 0x9E3779B97F4A7C15 + 0x243F6A8885A308D3) & M64)
+            q = _mix((i * 0x9E3779B97F4A7C15 + 0x13198A2E03707344) & M64) | 1
+            m = _mix(w ^ p)
+            a, b = (a + m) & M64, (b + m * q) & M64
+        out.append([_signed(a), _signed(b)])
+    return out
+
+
+def _bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 200, 1000])
+def test_fingerprints_follow_their_definition(n):
+    data = _bytes(n)
+    assert source_fingerprints(data, 64).tolist() == reference(bytes(data.tolist()), 64)
+
+
+def test_unaligned_bytes_give_the_fingerprint_of_their_values():
+    data = _bytes(301)
+    for offset in (1, 3, 5):
+        view = data[offset:]  # data_ptr not 8-byte aligned: fingerprinted from a copy
+        assert source_fingerprints(view, 64).tolist() == reference(bytes(view.tolist()), 64)
+
+
+def test_chunk_bytes_must_be_whole_words():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        source_fingerprints(_bytes(64), 12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=hst.integers(1, 600),
+    pos=hst.integers(0, 10**6),
+    flip=hst.integers(1, 255),
+    seed=hst.integers(0, 1000),
+)
+def test_a_changed_byte_always_changes_its_chunks_fingerprint(n, pos, flip, seed):
+    data = _bytes(n, seed)
+    before = source_fingerprints(data, 128)
+    i = pos % n
+    data[i] ^= flip
+    after = source_fingerprints(data, 128)
+    changed = (before != after).any(dim=1).tolist()
+    assert changed == [c == i // 128 for c in range(len(changed))]
+
+
+def test_swapped_words_change_the_fingerprint():
+    data = _bytes(64, 3)
+    words = data.view(torch.int64).clone()
+    swapped = words[[1, 0, *range(2, 8)]].contiguous().view(torch.uint8)
+    assert source_fingerprints(data, 64).tolist() != source_fingerprints(swapped, 64).tolist()
+
+
+# ---- saves through the device path, on CPU tensors ------------------------------------------
+
+
+def _state(seed: int = 0) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(300_000, generator=g),  # 1.2 MB: 5 chunks of 256 KiB
+        "h": torch.randn(100_000, generator=g).to(torch.bfloat16)[1:],  # unaligned bytes
+        "small": torch.randn(10, generator=g),  # grouped with other small tensors
+        "step": 7,
+    }
+
+
+def _save(state, store, name: str) -> tuple[deltackpt.SnapshotInfo, int]:
+    copied: list[int] = []
+    with overrides(DELTACKPT_DEVICE_SCAN="always"), hooks.override(on_stage_copy=copied.append):
+        info = deltackpt.save(state, store, name)
+    return info, len(copied)
+
+
+def _same(out: dict, state: dict) -> bool:
+    return all(
+        torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v
+        for k, v in state.items()
+    )
+
+
+def test_unchanged_chunks_are_not_copied_and_changes_are(store_dir):
+    store = deltackpt.open_store(store_dir, chunk_bytes=256 << 10)
+    state = _state()
+    info, copied = _save(state, store, "a")
+    chunks = info.chunks_new
+    assert copied == chunks and chunks >= 7  # first save: every chunk
+    info, copied = _save(state, store, "b")
+    assert copied == 1 and info.chunks_new == 0  # only the group of small tensors
+    state["w"][299_000] += 1  # the last chunk of "w"
+    state["h"][:3] = 0  # its first chunk
+    info, copied = _save(state, store, "c")
+    assert copied == 3 and info.chunks_new == 2
+    assert _same(deltackpt.load(store, "c"), state)
+    assert not torch.equal(deltackpt.load(store, "b")["w"], state["w"])
+
+
+def test_a_chunk_gc_removed_is_copied_and_written_again(store_dir):
+    store = deltackpt.open_store(store_dir, chunk_bytes=256 << 10)
+    state = _state(1)
+    _save(state, store, "a")
+    deltackpt.delete(store, "a")
+    deltackpt.gc(store)
+    info, copied = _save(state, store, "b")  # same fingerprints, but the store lost the chunks
+    assert copied == info.chunks_new and info.chunks_new >= 7
+    assert _same(deltackpt.load(store, "b"), state)
+
+
+def test_a_failed_save_leaves_nothing_that_a_later_save_trusts(store_dir):
+    store = deltackpt.open_store(store_dir, chunk_bytes=256 << 10)
+    state = _state(2)
+    _save(state, store, "a")
+    state["w"][0] = 42.0
+
+    def fail(name: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    with hooks.override(before_commit=fail), pytest.raises(deltackpt.errors.StoreIOError):
+        _save(state, store, "b")
+    info, copied = _save(state, store, "c")  # "w"'s first chunk is new to the store again
+    assert info.chunks_new == 1 and copied == 2
+    assert _same(deltackpt.load(store, "c"), state)
+
+
+def test_a_resized_tensor_is_not_matched_by_an_old_fingerprint(store_dir):
+    store = deltackpt.open_store(store_dir, chunk_bytes=256 << 10)
+    state = {"w": torch.zeros(1000)}
+    _save(state, store, "a")
+    state["w"] = torch.zeros(1002)  # the same words plus zeros: the same fingerprint
+    info, copied = _save(state, store, "b")
+    assert copied == 1 and info.chunks_new == 1
+    assert torch.equal(deltackpt.load(store, "b")["w"], state["w"])
+
+
+def test_the_knob_is_validated(store_dir):
+    with (
+        overrides(DELTACKPT_DEVICE_SCAN="sometimes"),
+        pytest.raises(InvalidArgumentError, match="DELTACKPT_DEVICE_SCAN"),
+    ):
+        deltackpt.save({"x": torch.ones(2)}, store_dir, "a")
+
+
+def _two_ranks(rank: int, world: int, port: int, path: str) -> list[tuple[int, int, bool]]:
+    pg = init_gloo(rank, world, port)
+    store = deltackpt.open_store(path, chunk_bytes=256 << 10)
+    state = _state()  # the same on both ranks: replicated
+    out = []
+    for name in ("a", "b", "c"):
+        if name == "c":
+            state["w"][5] = 1.0
+        info, copied = _save_pg(state, store, name, pg)
+        out.append((copied, info.chunks_new, _same(deltackpt.load(store, name), state)))
+    return out
+
+
+def _save_pg(state, store, name, pg):
+    copied: list[int] = []
+    with overrides(DELTACKPT_DEVICE_SCAN="always"), hooks.override(on_stage_copy=copied.append):
+        info = deltackpt.save(state, store, name, process_group=pg)
+    return info, len(copied)
+
+
+@pytest.mark.multiproc
+def test_a_distributed_save_takes_the_device_path_on_every_rank(tmp_path):
+    results = run_ranks(_two_ranks, 2, free_port(), str(tmp_path / "s"), timeout=120)
+    for a, b, c in results:
+        assert a[0] >= 7 and a[2]
+        assert b[0] == 1 and b[1] == 0 and b[2]  # the group of small tensors only
+        assert c[0] == 2 and c[1] == 1 and c[2]
+
+
+# ---- on a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_fingerprints_equal_the_cpu_ones():
+    for n, chunk in ((1, 64), (1000, 64), (3 << 20, 1 << 20), ((5 << 20) + 3, 4 << 20)):
+        data = _bytes(n, n)
+        cpu = source_fingerprints(data, chunk)
+        assert torch.equal(source_fingerprints(data.cuda(), chunk).cpu(), cpu)
+        assert torch.equal(source_fingerprints(data.cuda()[1:], chunk).cpu(),
+                           source_fingerprints(data[1:], chunk))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_an_unchanged_save_of_cuda_state_copies_nothing(store_dir):
+    store = deltackpt.open_store(store_dir, chunk_bytes=1 << 20)
+    state = {"w": torch.randn(1 << 20, device="cuda"), "m": torch.randn(1 << 20, device="cuda")}
+    copied: list[int] = []
+    with hooks.override(on_stage_copy=copied.append):
+        deltackpt.save(state, store, "a")
+        first = len(copied)
+        deltackpt.save(state, store, "b")
+        assert len(copied) == first  # fingerprints on the device: nothing crossed
+        state["w"][7] += 1
+        deltackpt.save(state, store, "c")
+        assert len(copied) == first + 1
+    out = deltackpt.load(store, "c")
+    assert all(torch.equal(out[k], v.cpu()) for k, v in state.items())
+    arena = saver_for(store).arenas[0]
+    assert all(b.is_pinned() for b in arena.buffers.values())
