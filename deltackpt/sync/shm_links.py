@@ -18,15 +18,17 @@ every 20 ms whether the round was aborted (store key) or the sender's process di
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import shutil
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from deltackpt.sync.errors import PeerLostError, SyncTimeoutError
+from deltackpt.sync.errors import PeerLostError, PlanError, SyncTimeoutError
 
 if TYPE_CHECKING:
     from deltackpt.sync.group import SyncGroup
@@ -38,6 +40,25 @@ _CHECK = 0.02
 
 def _dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Allocate the window's pages now: on a full RAM disk (Docker's default /dev/shm is 64 MB)
+    a sparse file maps fine and the first write into it kills the process with SIGBUS; this
+    fails here instead, with a typed error that says what to do."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without fallocate
+            return
+        free = shutil.disk_usage(os.path.dirname(path)).free
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise PlanError(
+            f"shared-memory link {path!r} needs {size} bytes, and {os.path.dirname(path)} "
+            f"has {free} free ({e.strerror}). Give it more room (e.g. docker run "
+            "--shm-size=8g), lower bucket_bytes, or use links='gloo'"
+        ) from e
 
 
 class _Done:
@@ -76,6 +97,7 @@ class ShmLinks:
             try:
                 if os.fstat(fd).st_size != size:
                     os.ftruncate(fd, size)
+                    _reserve(fd, size, self.path(s, r))
                 mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)

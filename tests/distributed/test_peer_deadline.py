@@ -86,7 +86,7 @@ def test_a_peer_dying_in_the_background_phase_fails_the_survivor_within_the_pg_t
     assert f"on rank(s) {dying} of 2" in message and "process group's timeout" in message
     assert "Nothing was committed" in message, message
     assert got["seconds"] < PG_TIMEOUT + 30, got  # not lock_timeout (600 s)
-    assert got["gc_seconds"] < 10, got
+    assert got["gc_seconds"] < 60, got  # the lock was released (a busy machine adds seconds)
     # the store: nothing of the doomed save is listed, the earlier snapshot loads, gc runs
     assert [s.name for s in deltackpt.snapshots(store)] == ["good"]
     deltackpt.gc(store, lock_timeout=5)

@@ -110,7 +110,7 @@ def test_a_trainer_killed_mid_round_leaves_the_previous_version(run):
     assert failed["call"] == "update_weights"
     # vLLM hands the driver a plain Exception with the worker's message, which names the type
     assert "deltackpt PeerLostError" in failed["message"]
-    assert failed["seconds"] < 10  # the group timeout is 60 s
+    assert failed["seconds"] < 30  # seen, not waited for: the group timeout is 60 s
     assert k["engine_version"] == "7" and k["worker_version"] == 7
     assert k["tokens_moved"] and k["tokens_unchanged"]  # still the tokens of version 7
 
@@ -125,5 +125,5 @@ def test_a_replacement_trainer_reconnects_and_a_full_round_heals(run):
 def test_a_trainer_refusing_its_tensors_fails_fast_and_leaves_the_engine(run):
     r = run["refused"]
     assert r["raised"] == "PlanError"
-    assert r["seconds"] < 5 and r["engine_version"] == "9"
+    assert r["seconds"] < 30 and r["engine_version"] == "9"  # the group timeout is 60 s
     assert rounds(run)["after_refusal"]["committed_identical"]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from deltackpt.sync import PlanError
 from tests._dist import free_port, spawn
 from tests.sync._common import make_state, mismatches, wants_for
 
@@ -117,3 +118,22 @@ def test_window_written_after_publish_fails_the_round_everywhere(
     # round 2 left the model at version 1, bit for bit; round 3 (full) is exact
     assert rec["versions"] == [1, 1, 3]
     assert rec["bad"] == [[], [], []]
+
+
+def test_a_full_ram_disk_fails_the_link_setup_with_a_typed_error(monkeypatch):
+    """A window that does not fit in /dev/shm (Docker's default is 64 MB) is refused when the
+    links open, not by a SIGBUS at the first write into a sparse mapping."""
+    import errno
+    import os
+
+    from deltackpt.sync import shm_links
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm_links.os, "posix_fallocate", full)
+    links = shm_links.ShmLinks(None, f"full-{os.getpid()}")  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="shm-size") as e:
+        links.open({(0, 1): (2, 1 << 20)})
+    assert "needs 2101248 bytes" in str(e.value) and "links='gloo'" in str(e.value)
+    assert not os.path.exists(links.path(0, 1))

@@ -3,8 +3,9 @@ round per ``update_weights`` call, loaded through the model's own ``load_weights
 
 Why the model's ``load_weights`` and vLLM's layerwise reload, not writes into the parameters:
 vLLM fuses and reorders checkpoint tensors (``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj``
-into ``gate_up_proj``), shards them under tensor parallelism, and on CPU repacks every linear
-weight into a kernel layout after loading and drops the parameter (``remove_weight=True``). So
+into ``gate_up_proj``), shards them under tensor parallelism, and on CPUs with the kernels for it (AVX-512, AMX)
+repacks every linear weight into a kernel layout after loading and drops the parameter
+(``remove_weight=True``; on AVX2 it keeps the parameter). So
 every tensor goes the checkpoint path: ``initialize_layerwise_reload``, ``model.load_weights``,
 ``finalize_layerwise_reload`` (what vLLM's own nccl engine runs), and the kernels are rebuilt.
 
