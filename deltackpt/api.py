@@ -42,7 +42,10 @@ def save(
 
     With ``process_group`` every rank of the group calls ``save`` with its local state: DTensor
     shards are stored as pieces of their global tensors, other values are taken as replicated
-    (rank 0's copy, as torch.distributed.checkpoint does), each rank writes its own packs and
+    and stored once; if the ranks hold a plain value differently the save raises
+    :class:`~deltackpt.errors.ReplicaMismatchError` naming the key and the ranks, unless
+    ``replicated="rank0"`` asks for rank 0's copy (torch.distributed.checkpoint's behaviour).
+    Each rank writes its own packs and
     rank 0 commits one manifest once every rank's data is durable.
 
     ``storage_options`` configure an object-store URL (``s3://bucket/prefix``: s3fs's ``key``,

@@ -189,6 +189,12 @@ class DistributedError(DeltackptError, RuntimeError):
         return (type(self), (str(self), self.failures))
 
 
+class ReplicaMismatchError(DistributedError, ValueError):
+    """A distributed save refused plain values that the ranks hold differently (it would keep
+    only rank 0's copy); the message names each key and rank, and the fixes. Nothing was
+    written."""
+
+
 class InsufficientMemoryError(DeltackptError, MemoryError):
     """A load would need more memory than this machine has; nothing was allocated."""
 

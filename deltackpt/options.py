@@ -96,6 +96,7 @@ def default_fsync() -> bool:
 
 
 DEVICE_SCANS = ("auto", "off", "always")
+REPLICATED = ("check", "rank0")
 
 
 def default_device_scan() -> str:
@@ -185,6 +186,10 @@ class SaveOptions:
     # need two copies of the state (this save and the bases); one copy for plain async saves;
     # a state larger than the budget is written from the live tensors and the call blocks.
     memory_budget: int | None = None
+    # With a process group: "check" (the default) refuses plain (non-DTensor) values that the
+    # ranks hold differently, since one copy (rank 0's) is kept; "rank0" keeps rank 0's copy
+    # without looking (torch.distributed.checkpoint's behaviour). distributed/replicas.py.
+    replicated: str = "check"
 
     def for_storage(self, *, remote: bool) -> SaveOptions:
         """These options for a store whose storage is ``remote`` (an object store): there
@@ -199,6 +204,15 @@ class SaveOptions:
         for name in ("allow_pickle", "overwrite", "fsync"):
             _check_bool(owner, self, name)
         _check_threads(owner, self.threads)
+        if self.replicated not in REPLICATED:
+            raise _bad(
+                owner,
+                "replicated",
+                self.replicated,
+                f"one of {REPLICATED}",
+                "Pass replicated='check' (refuse plain values that differ between ranks) or "
+                "replicated='rank0' (keep rank 0's copy, as torch.distributed.checkpoint does)",
+            )
         t = self.lock_timeout
         # inf is allowed (wait forever); nan and negatives would make the deadline meaningless
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t >= 0:

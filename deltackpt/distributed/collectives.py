@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from deltackpt.errors import DistributedError, RankFailure
+from deltackpt.errors import DistributedError, RankFailure, ReplicaMismatchError
 from deltackpt.store.storage import Storage
 
 
@@ -116,9 +116,10 @@ class Group:
         steps = "/".join(dict.fromkeys(f.step for f in failure.failures))
         detail = "; ".join(str(f) for f in failure.failures)
         message = f"{what} failed at step {steps!r} on rank(s) {ranks} of {self.world}: {detail}"
-        raise DistributedError(
-            f"{message}. {after}" if after else message, failure.failures
-        ) from cause
+        kind = DistributedError
+        if all(f.error == "ReplicaMismatchError" for f in failure.failures):
+            kind = ReplicaMismatchError
+        raise kind(f"{message}. {after}" if after else message, failure.failures) from cause
 
 
 class FileRendezvous:

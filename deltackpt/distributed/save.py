@@ -14,8 +14,9 @@ shards, replicated values), and if any rank fails every rank raises the same
    what must outlive the call (delta bases; in a world of one, an async save's new chunks);
 3. agree (collective; dist/save_plan.py): ``gather`` -> rank 0 each rank's plan message (full,
    or only the changed digests); rank 0 merges the plans, checks the store's index and assigns
-   every new chunk to one holder; ``scatter`` -> each rank its chunks, or every rank the
-   failures. An async save then copies its assigned chunks: the caller is unblocked here;
+   every new chunk to one holder, and checks that plain values are the same on every rank
+   (dist/replicas.py; if not, one more gather of per-key hashes names them); ``scatter`` ->
+   each rank its chunks, or every rank the failures. An async save then copies its assigned chunks: the caller is unblocked here;
 4. write (every rank, any thread, no collectives; saving/write.py): encode, append and fsync
    the assigned chunks into this rank's own pack files;
 5. gather (collective; for async saves over a group, files under the store's tmp/, since
@@ -47,6 +48,13 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from deltackpt.distributed.collectives import Failed, FileRendezvous, Group
+from deltackpt.distributed.replicas import (
+    Compare,
+    detail,
+    mismatch_failure,
+    suspects,
+    values_digest,
+)
 from deltackpt.distributed.save_plan import (
     GlobalPlan,
     Layout,
@@ -110,6 +118,7 @@ class SaveRun:
         self.wr: WriteResult | None = None
         self.bases_before: Mapping[str, DeltaRef] = {}
         self.cause: BaseException | None = None  # this rank's own failure, if any
+        self._differ: dict[str, list[int]] = {}  # rank 0: plain tensors that differ by rank
 
     # ------------------------------------------------------------ steps 1-3 (caller's thread)
 
@@ -126,6 +135,7 @@ class SaveRun:
             if p.digests is not None:
                 self.layout = Layout.of(p.plan)
                 msg = rank_message(g.rank, self.layout, p.digests, self.cache)
+                msg.values = values_digest(p.plan.tree) if g.distributed else ""
         except Exception as e:
             self.cause = e
             msg = RankMsg(g.rank, "", error=RankFailure.of(g.rank, "plan", e))
@@ -136,9 +146,14 @@ class SaveRun:
             mine = g.scatter(self._decide(gathered, True) if gathered is not None else None)
             if isinstance(mine, Resend):  # rank 0 lacks the base of some rank's changes
                 if self.layout is not None and self.p is not None and self.p.digests is not None:
+                    values = msg.values if msg is not None else ""
                     msg = rank_message(g.rank, self.layout, self.p.digests, self.cache, full=True)
+                    msg.values = values
                 gathered = g.gather(msg)
                 mine = g.scatter(self._decide(gathered, False) if gathered is not None else None)
+            if isinstance(mine, Compare):  # some plain values may differ: which (replicas.py)
+                details = g.gather(detail(self.p.plan, mine.keys) if self.p is not None else {})
+                mine = g.scatter(self._judge(details) if details is not None else None)
             if isinstance(mine, Failed):
                 self._fail(mine)
             assert self.p is not None
@@ -164,6 +179,20 @@ class SaveRun:
         except Exception as e:
             self.cause = e
             return [Failed((RankFailure.of(g.rank, "plan", e),))] * g.world
+        if g.distributed and self.req.options.replicated == "check":
+            self._differ, unsure = suspects(self.plan.resolved, [m.values for m in msgs])
+            if unsure:
+                return [Compare(unsure)] * g.world
+            return self._judge(None)
+        return list(self.plan.owned)
+
+    def _judge(self, details: list[dict[str, str]] | None) -> list[set[int] | Failed]:
+        """Rank 0: every rank's chunks to write, or every rank the keys whose plain values
+        differ between ranks (distributed/replicas.py)."""
+        failure = mismatch_failure(self._differ, details)
+        if failure is not None:
+            return [Failed((failure,))] * self.group.world
+        assert self.plan is not None
         return list(self.plan.owned)
 
     # ------------------------------------------------------------ step 4 (any thread)

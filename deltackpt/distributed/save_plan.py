@@ -72,6 +72,7 @@ class RankMsg:
     changed: dict[int, str] | None = None  # chunk index -> digest, when the structure is known
     base: str = ""  # with ``changed``: digests_key() of the digests the changes apply to
     error: RankFailure | None = None  # the rank could not plan: why (nothing else is set)
+    values: str = ""  # digest of the rank's inline values (distributed/replicas.py)
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ class Merged:
 
 def merge(resolved: list[tuple[Layout, list[str]]]) -> Merged:
     """Combine the ranks' layouts: shards of one global tensor from every rank (each box once),
-    everything else (replicated by convention, as in torch.distributed.checkpoint) from rank 0."""
+    everything else (replicated: distributed/replicas.py checks that it is) from rank 0."""
     base = resolved[0][0]
     for r, (layout, _) in enumerate(resolved[1:], start=1):
         if [(e.path, e.dtype, e.shape) for e in layout.entries] != [
