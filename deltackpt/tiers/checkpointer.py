@@ -25,6 +25,7 @@ does not count on it).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import signal
 import socket
@@ -33,6 +34,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from deltackpt.api import async_save, save
 from deltackpt.checkpointer import (
@@ -150,6 +153,7 @@ class TieredCheckpointer:
         self.last_restore: RestoreReport | None = None
         self.stopped = False
         self._sigterm = False
+        self._handle_sigterm = handle_sigterm  # the same on every rank (one all-reduce a call)
         self._old_sigterm: Any = None
         if handle_sigterm:  # restored by close()
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -195,12 +199,14 @@ class TieredCheckpointer:
         return None
 
     def _agree_sigterm(self) -> bool:
-        if self._fg is None:
+        if self._fg is None or not self._handle_sigterm:
             return self._sigterm
-        import torch
 
         flag = torch.tensor([1 if self._sigterm else 0], dtype=torch.int32)
-        self._fg.dist.all_reduce(flag, op=self._fg.dist.ReduceOp.MAX, group=self._fg.group)
+        try:
+            self._fg.dist.all_reduce(flag, op=self._fg.dist.ReduceOp.MAX, group=self._fg.group)
+        except RuntimeError as e:  # gloo's own error when a peer died or timed out
+            raise self._fg.lost("the SIGTERM agreement of maybe_save", e) from e
         return bool(flag.item())
 
     def save(
@@ -329,8 +335,14 @@ class TieredCheckpointer:
         self._collect()
         durable_steps = self.durable_steps() if self.rank == 0 else []
         local_sd, layout, back = localize(to_saveable(state), _moment_paths(state))
+        # An attempt loads in place, and another rank may fail the same step: if no step ends
+        # up restored, every rank is put back as it was (never a mix of steps and zeros). The
+        # cost: one copy of the state, taken before this rank's first attempt.
+        before: list[dict[str, Any]] = []
 
         def load_local(store: Store, name: str) -> None:
+            if not before:
+                before.append(_copy_tree(to_saveable(state)))
             loaded = delocalize(restore_state(store, name, state, local_sd, None), back)
             moments_as_dtensors(state, loaded)
             restore_into(state, loaded)
@@ -341,6 +353,8 @@ class TieredCheckpointer:
             restore_into(state, restore_state(st, name, state, to_saveable(state), self.pg))
 
         report = restore(self._fg, self.tiers, durable_steps, load_local, load_durable, layout)
+        if report.step is None and before:
+            restore_into(state, before[0])
         self.last_restore = report
         return 0 if report.step is None else report.step + 1
 
@@ -430,3 +444,14 @@ def from_checkpointer(
 
 
 TIERED[Tiers] = from_checkpointer
+
+
+def _copy_tree(obj: Any) -> Any:
+    """A copy of a state tree whose tensors are clones (what restore_into puts back)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copy_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_tree(v) for v in obj)
+    return copy.deepcopy(obj)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt.errors import DeltackptError, ManifestError
+from deltackpt.errors import DeltackptError, DistributedError, ManifestError
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord, Manifest
 from deltackpt.format.validate import validate_manifest
@@ -140,8 +140,20 @@ class Link:
 
     def all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
-        self.dist.all_gather_object(out, obj, group=self.group)
+        try:
+            self.dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:  # gloo's own error when a peer died or timed out
+            raise self.lost("an all-gather", e) from e
         return out
+
+    def lost(self, what: str, e: BaseException, peers: str = "a peer") -> DistributedError:
+        """The typed error for a collective of the tiers' group that failed: a peer died or
+        did not answer within the group's timeout."""
+        return DistributedError(
+            f"tiers: {what} on rank {self.rank} of {self.world} failed: {peers} died or did not "
+            f"answer within the group's timeout ({type(e).__name__}: {e}). Committed snapshots "
+            "in every tier are intact; restart the job and restore_latest() to resume"
+        )
 
 
 def _batches(wants: list[str], chunks: dict[str, ChunkRecord]) -> list[list[str]]:
@@ -234,6 +246,23 @@ def _read_chunks(store: Store, m: Manifest, batch: list[str], scratch: np.ndarra
 
 
 def transfer(
+    link: Link,
+    send: tuple[int, Store | None, str | None] | None,
+    recv: tuple[int, Store | None, Expect] | None,
+    *,
+    recheck: bool = False,
+) -> Moved:
+    """:func:`_transfer`, with a peer's death raised as a typed DistributedError naming it."""
+    try:
+        return _transfer(link, send, recv, recheck=recheck)
+    except DeltackptError:
+        raise
+    except RuntimeError as e:  # gloo: "Connection reset by peer", a timeout
+        peers = " or ".join(f"rank {x[0]}" for x in (send, recv) if x is not None) or "a peer"
+        raise link.lost("a tier transfer", e, peers) from e
+
+
+def _transfer(
     link: Link,
     send: tuple[int, Store | None, str | None] | None,
     recv: tuple[int, Store | None, Expect] | None,
