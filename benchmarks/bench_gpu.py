@@ -1,0 +1,271 @@
+"""Checkpoints of CUDA state, side by side with torch.save and DCP, with the limits of the
+machine measured in the same run (issue 35's table).
+
+State: ``{"model": fp32 params, "optim": AdamW.state_dict()}`` of a stack of Linear layers on
+the device (``--gb`` of state in all, 3x the parameters). A "step" is one real AdamW step with
+fresh gradients (every element changes); a "sparse step" changes one tensor.
+
+Rows (every save fsyncs; torch.save is followed by an fsync):
+
+* limits: pinned device-to-host copy, pageable ``.cpu()``, pinned host-to-device copy,
+  write+fsync of the state's bytes, device fingerprints (format/fingerprint.py);
+* ``torch.save`` of the state, ``dcp.save`` (one-rank gloo group);
+* ``deltackpt.save``: first (cold), nothing changed, after a step, after a sparse step;
+* ``deltackpt.async_save``: blocking of the first and of a warm one (after a step);
+* ``load(into=)`` the state's own CUDA tensors, warm, vs ``dcp.load``.
+
+Without CUDA it runs the same rows on CPU tensors with the device path forced
+(``DELTACKPT_DEVICE_SCAN=always``), as a check that the script works, not as figures.
+
+    python benchmarks/bench_gpu.py --gb 2.4 --out $OUT       # on one GPU, ~3 min
+    python benchmarks/bench_gpu.py --gb 0.05                 # here, a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _common as C
+import torch
+
+import deltackpt
+from deltackpt.options import overrides
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def clock(fn: Any) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def build(gb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    width = 4096 if gb >= 1 else 512
+    layers = max(1, int(gb * 1e9 / 3 / 4 / (width * width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step(model, opt)  # the optimizer state exists from here on
+    return model, opt
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def limits(tensors: list[torch.Tensor], work: Path) -> dict[str, float]:
+    n = sum(t.numel() * t.element_size() for t in tensors)
+    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
+    pinned = [torch.empty_like(f, device="cpu", pin_memory=DEV.type == "cuda") for f in flat]
+    out: dict[str, float] = {"state_gb": n / 1e9}
+
+    def d2h() -> None:
+        for dst, src in zip(pinned, flat, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    def h2d() -> None:
+        for dst, src in zip(flat, pinned, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    d2h()
+    out["pinned_d2h_s"] = min(clock(d2h) for _ in range(3))
+    out["pageable_cpu_s"] = clock(lambda: [f.cpu() for f in flat])
+    out["pinned_h2d_s"] = min(clock(h2d) for _ in range(3))
+    path = work / "limit.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for p in pinned:
+            f.write(p.numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    out["write_fsync_s"] = time.perf_counter() - t0
+    path.unlink()
+    from deltackpt.format.fingerprint import source_fingerprints
+
+    out["fingerprint_s"] = min(
+        clock(lambda: [source_fingerprints(f, 4 << 20) for f in flat]) for _ in range(2)
+    )
+    out["gb"] = n / 1e9
+    return out
+
+
+def run(gb: float, work: Path) -> dict[str, Any]:
+    model, opt = build(gb)
+    state = state_of(model, opt)
+    tensors = [t for t in C.flat_tensors(state).values() if t.is_floating_point()]
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"}
+    res["limits"] = lim = limits(tensors, work)
+    C_log(f"limits {lim}")
+
+    def torch_save() -> None:
+        p = work / "torch.pt"
+        with open(p, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    res["torch_save_s"] = clock(torch_save)
+    res["dcp_save_s"], res["dcp_load_s"] = dcp_rows(state, work)
+    store = deltackpt.open_store(work / "dk")
+    rows: dict[str, float] = {}
+    rows["first"] = clock(lambda: deltackpt.save(state, store, "s0"))
+    rows["unchanged"] = min(
+        clock(lambda n=n: deltackpt.save(state, store, f"u{n}")) for n in range(2)
+    )
+    step(model, opt)
+    rows["after_step"] = clock(lambda: deltackpt.save(state, store, "s1"))
+    with torch.no_grad():
+        next(iter(model.parameters())).add_(1e-3)
+    rows["sparse_step"] = clock(lambda: deltackpt.save(state, store, "s2"))
+    res["save"] = rows
+    res["async"] = async_rows(model, opt, work)
+    res["load_into_warm_s"] = min(
+        clock(lambda: deltackpt.load(store, "s2", into=state)) for _ in range(2)
+    )
+    return res
+
+
+def async_rows(model: torch.nn.Module, opt: torch.optim.Optimizer, work: Path) -> dict[str, float]:
+    store = deltackpt.open_store(work / "dk-async")
+    state = state_of(model, opt)
+    out = {}
+    for i in range(3):
+        t0 = time.perf_counter()
+        h = deltackpt.async_save(state, store, f"a{i}")
+        h.staged.result()
+        out[f"blocking_{i}"] = time.perf_counter() - t0
+        h.result()
+        step(model, opt)
+    return out
+
+
+def dcp_rows(state: dict[str, Any], work: Path) -> tuple[float, float]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{C.free_port()}", rank=0, world_size=1
+        )
+    path = str(work / "dcp")
+
+    def save() -> None:
+        dcp.save(state, checkpoint_id=path)
+        fsync_tree(path)
+
+    s = clock(save)
+    load = min(clock(lambda: dcp.load(state, checkpoint_id=path)) for _ in range(2))
+    return s, load
+
+
+def C_log(msg: str) -> None:
+    print(f"[bench_gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def report(res: dict[str, Any]) -> str:
+    lim, sv, a = res["limits"], res["save"], res["async"]
+    gb = lim["gb"]
+    rows = [
+        [
+            "unchanged save",
+            f"{sv['unchanged']:.3f} s",
+            f"{sv['unchanged'] / res['torch_save_s']:.3f}x torch.save",
+            "<= 0.05x",
+        ],
+        [
+            "save after a step",
+            f"{gb / sv['after_step']:.2f} GB/s",
+            f"{(gb / sv['after_step']) / (gb / lim['write_fsync_s']):.2f} of write+fsync",
+            ">= 0.8",
+        ],
+        [
+            "save after a sparse step",
+            f"{sv['sparse_step']:.3f} s",
+            f"{sv['sparse_step'] / res['torch_save_s']:.3f}x torch.save",
+            "-",
+        ],
+        [
+            "first save",
+            f"{sv['first']:.2f} s",
+            f"{sv['first'] / res['torch_save_s']:.2f}x torch.save",
+            "-",
+        ],
+        [
+            "load(into=) warm",
+            f"{res['load_into_warm_s']:.3f} s",
+            f"{res['load_into_warm_s'] / res['dcp_load_s']:.2f}x dcp.load",
+            "<= 0.2x",
+        ],
+        ["first async_save blocking", f"{a['blocking_0']:.3f} s", "-", "<= 0.1 s"],
+        [
+            "warm async_save blocking",
+            f"{a['blocking_2']:.3f} s",
+            f"{a['blocking_2'] / lim['pinned_d2h_s']:.2f}x pinned D2H",
+            "keep",
+        ],
+    ]
+    head = (
+        f"device {res['device']}, state {gb:.2f} GB; limits: pinned D2H {gb / lim['pinned_d2h_s']:.1f} GB/s, "
+        f"pageable .cpu() {gb / lim['pageable_cpu_s']:.2f} GB/s, pinned H2D {gb / lim['pinned_h2d_s']:.1f} GB/s, "
+        f"write+fsync {gb / lim['write_fsync_s']:.2f} GB/s, fingerprints {gb / lim['fingerprint_s']:.1f} GB/s; "
+        f"torch.save {res['torch_save_s']:.2f} s, dcp.save {res['dcp_save_s']:.2f} s, dcp.load {res['dcp_load_s']:.2f} s\n\n"
+    )
+    return head + C.md_table(["figure", "deltackpt", "ratio", "goal"], rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--gb", type=float, default=2.4 if DEV.type == "cuda" else 0.05)
+    ap.add_argument("--out", default=str(C.OUT_DIR))
+    ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    knobs = {} if DEV.type == "cuda" else {"DELTACKPT_DEVICE_SCAN": "always"}
+    with overrides(**knobs):
+        res = run(args.gb, work)
+    res["machine"] = C.machine_info()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_gpu.json").write_text(json.dumps(res, indent=1, default=str))
+    text = report(res)
+    (out / "bench_gpu.md").write_text(text + "\n")
+    print(text)
+    C.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
