@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench-out/gpu}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
+if ! python3 -c "import zstandard, jsonschema" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site

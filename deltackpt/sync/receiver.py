@@ -78,7 +78,14 @@ class WeightReceiver:
     as the dtype ``dtype`` picks (a dtype for floating tensors or ``f(name, dtype) -> dtype |
     None``; default: the trainer's), handed to ``load_weights``; ``wants`` lists them after the
     first round. ``apply_threads``: threads copying the committed pieces into the targets (default: up to 4,
-    one per core); ``bucket_bytes``/``align`` must be the same on every rank of the group."""
+    one per core); ``bucket_bytes``/``align`` must be the same on every rank of the group.
+
+    ``verify``: ``"sent"`` (default) checks every piece a round brings against the digest of
+    its new bytes; pieces a delta round does not send are kept as they are, unchecked, so a
+    hand edit of an ``into=`` target survives until the next full round. ``"all"`` also
+    re-hashes every kept piece against the digest it was committed with, before voting: an
+    edit fails the round on every rank (nothing applied) and the next round, full, heals it;
+    the cost is one xxh3 pass over the whole held state per round (docs/sync.md)."""
 
     def __init__(
         self,
@@ -89,9 +96,15 @@ class WeightReceiver:
         bucket_bytes: int = 64 << 20,
         align: int = 64,
         apply_threads: int | None = None,
+        verify: str = "sent",
     ) -> None:
         if group.rank in group.trainers:
             raise SyncError(f"rank {group.rank} is a trainer of the group; use WeightSender")
+        if verify not in ("sent", "all"):
+            raise PlanError(f"WeightReceiver(verify={verify!r}): expected 'sent' or 'all'")
+        self.verify = verify
+        # (bucket index, sender, piece) -> the digest its committed bytes had (verify="all")
+        self._kept: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
         self.every = wants is None
         self.wants = [] if wants is None else list(wants)
@@ -200,6 +213,11 @@ class WeightReceiver:
             self._settle(st, pending)
         if len(st.versions) > 1:
             st.fail(f"senders sent different versions {sorted(st.versions)} in one round")
+        if self.verify == "all" and st.failure is None:
+            bad = self._check_kept(st)
+            if bad is not None:
+                st.fail(bad)
+                st.mismatch = st.failure
         mine = None if st.failure is None else f"rank {g.rank}: {st.failure}"
         reason = g.vote(seq, mine)
         if reason is not None:
@@ -215,6 +233,11 @@ class WeightReceiver:
                 f"rank {g.rank}: round not committed: {why}; version stays {self.version}"
             )
         changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool)
+        if self.verify == "all":
+            for bk, _, offs, _, _ in st.staged:
+                for k, d in enumerate(st.digests[(bk.index, bk.sender)]):
+                    if offs[k] is not None and d is not None:
+                        self._kept[(bk.index, bk.sender, k)] = d
         npieces = sum(len(b.pieces) for b in self._buckets)
         present = sum(sum(o is not None for o in offs) for _, _, offs, _, _ in st.staged)
         if present == npieces:  # a full round hands over every want, those without bytes too
@@ -344,6 +367,7 @@ class WeightReceiver:
                 return
             st.patched += sum(p is not None and p.kind != wire.RAW for p in h.pieces)
         present = [None if p is None else p.digest for p in h.pieces]
+        st.digests[(bk.index, bk.sender)] = present
         bad = self._verify(bk, got.slot, present, offsets)
         if bad is not None:
             st.fail(f"round {h.version}: bucket {bk.index} from rank {bk.sender}: {bad}")
@@ -352,6 +376,33 @@ class WeightReceiver:
         st.staged.append((bk, got.slot, offsets, h.flags, changes))
         st.per_link[bk.sender] = st.per_link.get(bk.sender, 0) + sum(h.lengths)
         st.wire_bytes += payload_start(bk, self.align) + h.payload
+
+    def _check_kept(self, st: _Round) -> str | None:
+        """verify="all": every piece this round does not bring, re-hashed in its target against
+        the digest it was committed with."""
+        assert self.schedule is not None
+        sent = {
+            (bk.index, bk.sender, k)
+            for bk, _, offs, _, _ in st.staged
+            for k, o in enumerate(offs)
+            if o is not None
+        }
+        for bk in self._buckets:
+            for k, p in enumerate(bk.pieces):
+                key = (bk.index, bk.sender, k)
+                want = self._kept.get(key)
+                if key in sent or want is None:
+                    continue
+                held = self._target_box(p).to(wire_dtype(p.dtype)).contiguous()
+                got = wire.verify(held.view(-1).view(torch.uint8))
+                if got != want:
+                    name = self.schedule.tensors[p.tensor].name
+                    return (
+                        f"the kept piece {name} box {p.box} (not sent this round) has digest "
+                        f"{got} but was committed as {want}: this rank's copy changed since "
+                        "(edited by hand, or memory corrupted); the next round sends it whole"
+                    )
+        return None
 
     def _target_box(self, p: Transfer) -> torch.Tensor:
         """The bytes this rank holds of piece ``p`` (the base a patch applies to)."""
@@ -395,6 +446,8 @@ class _Round:
     patched: int = 0
     versions: set[int] = field(default_factory=set)
     staged: list[Staged] = field(default_factory=list)
+    # (bucket index, sender) -> the digests its header announced (None: piece not sent)
+    digests: dict[tuple[int, int], list[tuple[int, int] | None]] = field(default_factory=dict)
     per_link: dict[int, int] = field(default_factory=dict)
 
     def fail(self, why: str) -> None:
