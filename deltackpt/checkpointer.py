@@ -393,7 +393,10 @@ class Checkpointer:
         keep = {n for n, _ in ours[-self.keep_last :]} if self.keep_last else set()
         if self.keep_every:
             keep |= {n for n, s in ours if (s + 1) % self.keep_every == 0}
-        keep |= scan_leases(self.store.storage).leased()  # followers' leases (store/leases.py)
+        leases = scan_leases(self.store.storage)  # followers' leases (store/leases.py)
+        if not leases.complete:  # a lease it could not read may keep any snapshot
+            return []
+        keep |= leases.leased()
         doomed = [n for n, _ in ours if n not in keep]
         for n in doomed:
             with contextlib.suppress(SnapshotNotFoundError):  # lockless: another rank did

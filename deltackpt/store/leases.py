@@ -25,8 +25,11 @@ file, is over :data:`MAX_LEASE_BYTES`, is not valid JSON of the shape above, nam
 snapshot name, or expires further than :data:`MAX_TTL_S` ahead is *bad*: reported
 (``GcReport.bad_leases``), ignored (it keeps nothing) and left in place (gc deletes only leases
 that were valid and expired). Expiry is judged by the clock of the process that reads the lease
-(gc): give ``ttl`` a margin well above the clock skew between machines. gc reads at most
-:data:`MAX_LEASES` lease objects (by name; the rest are reported as bad and ignored).
+(gc): give ``ttl`` a margin well above the clock skew between machines. Entries whose names
+are not lease names (``<holder>.json``) are reported in one line and never read, so junk cannot
+crowd real leases out. gc reads at most :data:`MAX_LEASES` lease objects; with more, the scan is
+*incomplete* and retention fails closed: it deletes no snapshot (reported) until ``leases/`` is
+cleaned up. A lease whose JSON repeats a field is bad.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class LeaseScan:
     live: list[Lease] = field(default_factory=list)
     expired: list[Lease] = field(default_factory=list)
     bad: list[str] = field(default_factory=list)
+    # False when not every lease could be read (over MAX_LEASES): retention then deletes no
+    # snapshot, since an unread lease may keep any of them
+    complete: bool = True
 
     def leased(self) -> set[str]:
         """The snapshot names the live leases keep."""
@@ -128,12 +134,16 @@ def drop_lease(storage: Storage, holder: str) -> None:
         storage.delete(lease_key(holder))
 
 
+def _is_lease_name(name: str) -> bool:
+    return name.endswith(_SUFFIX) and bool(_HOLDER_RE.match(name[: -len(_SUFFIX)]))
+
+
 def parse_lease(name: str, data: bytes, now: float) -> Lease:
     """The lease in object ``leases/<name>``; ValueError saying why it is bad."""
     if not name.endswith(_SUFFIX) or not _HOLDER_RE.match(name[: -len(_SUFFIX)]):
         raise ValueError("not a name a follower writes (<holder>.json)")
     try:
-        d = json.loads(data.decode("utf-8"))
+        d = json.loads(data.decode("utf-8"), object_pairs_hook=_no_repeats)
     except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"not JSON ({e})"[:200]) from None
     if not isinstance(d, dict) or d.get("format") != LEASE_FORMAT:
@@ -165,6 +175,15 @@ def parse_lease(name: str, data: bytes, now: float) -> Lease:
     return Lease(holder, tuple(snaps), float(exp))
 
 
+def _no_repeats(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        again = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"field {again[:40]!r} appears more than once")
+    return d
+
+
 def scan_leases(storage: Storage, now: float | None = None) -> LeaseScan:
     """Read and sort every lease of the store; never raises on a bad lease (it is listed in
     ``bad``). An unreadable ``leases/`` itself (a symlink, an I/O error) is one bad entry."""
@@ -175,12 +194,20 @@ def scan_leases(storage: Storage, now: float | None = None) -> LeaseScan:
     except (OSError, ValueError) as e:  # UnsafePathError is a ValueError
         out.bad.append(f"{LEASES}: cannot be listed ({type(e).__name__}: {e})"[:300])
         return out
-    entries = sorted(entries, key=lambda e: e.name)
+    named = [e for e in entries if _is_lease_name(e.name)]
+    if len(named) < len(entries):
+        junk = sorted(e.name for e in entries if not _is_lease_name(e.name))
+        out.bad.append(
+            f"{LEASES}: {len(junk)} entries are not lease names (<holder>.json) and were not "
+            f"read, e.g. {junk[0][:80]!r}"
+        )
+    entries = sorted(named, key=lambda e: e.name)
     if len(entries) > MAX_LEASES:
         out.bad.append(
-            f"{LEASES}: {len(entries)} entries, over the {MAX_LEASES} read; the "
-            f"{len(entries) - MAX_LEASES} after {entries[MAX_LEASES - 1].name[:80]!r} are ignored"
+            f"{LEASES}: {len(entries)} leases, over the {MAX_LEASES} read; retention deletes no "
+            "snapshot until leases/ is cleaned up (an unread lease may keep any of them)"
         )
+        out.complete = False
         entries = entries[:MAX_LEASES]
     for e in entries:
         where = f"{LEASES}/{e.name[:120]}"

@@ -294,7 +294,8 @@ def _plan_gc(st: Store, keep_last: int | None, keep: Any, compact_below: float) 
             else set()
         )
         keep_set = set(keep) | newest
-        held = leases.leased()
+        # an incomplete lease scan may hide a lease on any snapshot: delete none (fail closed)
+        held = leases.leased() if leases.complete else {m.name for m in manifests}
         leased = [m.name for m in manifests if m.name not in keep_set and m.name in held]
         doomed = [m.name for m in manifests if m.name not in keep_set | held]
         manifests = [m for m in manifests if m.name not in doomed]

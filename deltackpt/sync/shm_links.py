@@ -13,6 +13,12 @@ and copies the message out into the receiver's private staging, where it is veri
 where it is applied: the window is writable by any process that can open the file, so it is
 never the staging (see docs/sync.md, Untrusted shared memory). While polling, ``wait`` checks
 every 20 ms whether the round was aborted (store key) or the sender's process died.
+
+Cleanup: ``SyncGroup.close`` and ``reconnect`` remove this rank's link files, and so does the
+interpreter's exit when neither was called (an exception that ended the job). A process killed
+with SIGKILL cannot: its files stay until the peer on the same link closes or reconnects, or
+the host reboots; they are named ``deltackpt-mxn-<job>-<sender>-<receiver>`` and hold no state
+anyone needs once every process of that job is gone (``rm /dev/shm/deltackpt-mxn-*``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import mmap
 import os
 import shutil
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +47,13 @@ _CHECK = 0.02
 
 def _dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def _unlink_all(paths: set[str]) -> None:
+    for p in list(paths):
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+    paths.clear()
 
 
 def _reserve(fd: int, size: int, path: str) -> None:
@@ -83,6 +97,9 @@ class ShmLinks:
     def __init__(self, group: SyncGroup, job: str) -> None:
         self.g, self.job = group, job
         self._maps: dict[tuple[int, int], tuple[mmap.mmap, np.ndarray, torch.Tensor, int]] = {}
+        # remove the files at interpreter exit if close()/reconnect() never ran
+        self._paths: set[str] = set()
+        self._at_exit = weakref.finalize(self, _unlink_all, self._paths)
 
     def path(self, s: int, r: int) -> str:
         return os.path.join(_dir(), f"deltackpt-mxn-{self.job}-{s}-{r}")
@@ -93,6 +110,7 @@ class ShmLinks:
         for (s, r), (n, slot) in links.items():
             cells = -(-n * 16 // 4096) * 4096
             size = cells + n * slot
+            self._paths.add(self.path(s, r))
             fd = os.open(self.path(s, r), os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 if os.fstat(fd).st_size != size:
@@ -161,6 +179,5 @@ class ShmLinks:
 
     def unlink(self) -> None:
         """Remove this rank's link files (call once no peer uses them)."""
-        for s, r in list(self._maps):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path(s, r))
+        self._paths.update(self.path(s, r) for s, r in self._maps)
+        _unlink_all(self._paths)

@@ -101,6 +101,8 @@ BAD = {
     "bool.json": _lease("bool", ["s0"], True),
     "forever.json": _lease("forever", ["s0"], time.time() + 10 * MAX_TTL_S),
     "huge.json": b" " * (MAX_LEASE_BYTES + 1),
+    "repeat.json": b'{"format": "deltackpt-lease", "version": 1, "holder": "repeat", '
+    b'"snapshots": ["s0"], "expires_unix": 1, "expires_unix": 1e12}',
     "no-suffix": _lease("no-suffix", ["s0"], 1e12),
     ".hidden.json": _lease(".hidden", ["s0"], 1e12),
 }
@@ -117,7 +119,9 @@ def test_bad_leases_are_reported_ignored_and_left_alone(tmp_path: Path) -> None:
     report = deltackpt.gc(st, keep_last=1)
     assert report.deleted == ["s0"] and report.leased == [] and report.leases_expired == []
     bad = {b.split(":")[0].removeprefix(f"{LEASES}/") for b in report.bad_leases}
-    assert bad == set(BAD) | {"dir.json", "link.json"}
+    junk = {"no-suffix", ".hidden.json"}  # not lease names: reported in one line, never read
+    assert bad == (set(BAD) - junk) | {"dir.json", "link.json", LEASES}
+    assert any("2 entries are not lease names" in b for b in report.bad_leases)
     assert any("over the" in b for b in report.bad_leases if "huge" in b)
     for name in BAD:  # gc deletes only leases that were valid and expired
         assert (tmp_path / "s" / LEASES / name).exists()
@@ -174,4 +178,27 @@ def test_lease_count_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         write_lease(st.storage, h, [snap], ttl=600)
     scan = scan_leases(st.storage)
     assert [x.holder for x in scan.live] == ["a", "b"] and "over the 2 read" in scan.bad[0]
-    assert deltackpt.gc(st, keep_last=1).deleted == ["s1"]  # c's lease was not read
+    assert not scan.complete
+    # c's lease was not read, so it may keep anything: retention deletes nothing (fail closed)
+    report = deltackpt.gc(st, keep_last=1)
+    assert report.deleted == [] and any("deletes no snapshot" in b for b in report.bad_leases)
+    with deltackpt.Checkpointer(st, every=1, keep_last=1, async_=False) as ckpt:
+        ckpt.maybe_save(0, {"w": torch.ones(2)})
+    assert [s.name for s in deltackpt.snapshots(st)] == ["s0", "s1", "s2", "step-00000000"]
+
+
+def test_junk_in_leases_cannot_crowd_out_a_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import deltackpt.store.leases as leases
+
+    st = _store(tmp_path, 3)
+    monkeypatch.setattr(leases, "MAX_LEASES", 2)
+    for i in range(5):  # sort before the real lease, and are not lease names
+        _raw(tmp_path, f"0junk-{i}", b"x")
+    write_lease(st.storage, "z", ["s0"], ttl=600)
+    scan = scan_leases(st.storage)
+    assert [x.holder for x in scan.live] == ["z"] and scan.complete
+    assert len(scan.bad) == 1 and "5 entries are not lease names" in scan.bad[0]
+    report = deltackpt.gc(st, keep_last=1)
+    assert report.deleted == ["s1"] and report.leased == ["s0"]

@@ -137,3 +137,26 @@ def test_a_full_ram_disk_fails_the_link_setup_with_a_typed_error(monkeypatch):
         links.open({(0, 1): (2, 1 << 20)})
     assert "needs 2101248 bytes" in str(e.value) and "links='gloo'" in str(e.value)
     assert not os.path.exists(links.path(0, 1))
+
+
+def test_link_files_are_removed_when_the_process_exits_without_close():
+    """A job that ends by an exception never calls group.close(): the interpreter's exit removes
+    its link files (only SIGKILL leaves them, as documented in sync/shm_links.py)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        from deltackpt.sync.shm_links import ShmLinks
+        links = ShmLinks(None, "exit-{os.getpid()}")
+        links.open({{(0, 1): (2, 4096)}})
+        print(links.path(0, 1), flush=True)
+        raise RuntimeError("the job failed")
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    path = p.stdout.strip()
+    assert p.returncode == 1 and path.startswith(("/dev/shm/", "/tmp/")), p.stderr
+    assert not os.path.exists(path)
