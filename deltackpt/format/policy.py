@@ -107,7 +107,7 @@ class EncodePolicy:
 
 DEFAULT_POLICY = EncodePolicy()
 
-#: The named choices of ``save(..., encoding=...)``; what each costs is measured in the README.
+#: The named choices of ``save(..., encoding=...)``; what each costs is measured in docs/api.md ("Bytes or speed").
 #: ``auto`` (the default) never writes xor deltas on a local disk: measured here, a bf16 delta
 #: (14% of the bytes) took 2.2x a raw save to encode and 10x a raw load to decode at the end of
 #: its chain, and under ``keep_last=3`` held 2.78x the state on disk against raw's 3x: it cost
