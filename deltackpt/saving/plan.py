@@ -15,12 +15,14 @@ writer (step 4) read chunks through it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.format.dtypes import dtype_name
@@ -65,6 +67,10 @@ class ChunkSpec:
     itemsize: int
     ref_key: str | None  # "<source key>#<chunk index>" for whole-source chunks; None for groups
     offsets: list[int] = field(default_factory=list)  # where each part starts in the chunk
+    # names this chunk's delta base across saves: ref_key, or for a group chunk its members
+    # (keys, sizes, offsets), so a group whose membership is unchanged xors against its last
+    # version too (a LoRA run's adapters live in groups)
+    base_key: str | None = None
 
 
 @dataclass
@@ -220,8 +226,9 @@ def layout_chunks(
             for ci, start in enumerate(range(0, n, chunk_bytes)):
                 length = min(chunk_bytes, n - start)
                 slices[si].append((len(chunks), 0, length))
+                key = f"{keys[si]}#{ci}"
                 chunks.append(
-                    ChunkSpec([(si, start, length)], length, itemsizes[si], f"{keys[si]}#{ci}", [0])
+                    ChunkSpec([(si, start, length)], length, itemsizes[si], key, [0], key)
                 )
             continue
         cls = bool(hot[si]) if hot is not None else False
@@ -237,6 +244,11 @@ def layout_chunks(
         group.parts.append((si, 0, n))
         group.offsets.append(pos)
         group.size = pos + n
+    for spec in chunks:
+        if spec.ref_key is None:
+            parts = zip(spec.parts, spec.offsets, strict=True)
+            members = [(keys[si], n, off) for (si, _, n), off in parts]
+            spec.base_key = "group:" + xxhash.xxh3_64_hexdigest(json.dumps(members).encode())
     return chunks, slices
 
 

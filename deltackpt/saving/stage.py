@@ -252,9 +252,12 @@ def hash_and_stage(
                 new = d not in claimed
                 claimed.add(d)
         if spec.ref_key is None:  # group chunk: gathered into a private buffer already
-            if new:
-                with lock:
+            prior = bases.get(spec.base_key) if spec.base_key else None
+            with lock:
+                if new:
                     out.new.add(ci)
+                if use_refs and spec.base_key and (prior is None or prior.digest != d):
+                    out.refs[ci] = (view, 0)  # its next base: the private buffer itself
             return d
         prior = bases.get(spec.ref_key)
         changed = use_refs and (prior is None or prior.digest != d)
@@ -314,7 +317,7 @@ def next_refs(
     chain is unknown here count as due for a keyframe."""
     out: dict[str, DeltaRef] = {}
     for ci, spec in enumerate(plan.chunks):
-        key = spec.ref_key
+        key = spec.base_key
         if key is None:
             continue
         d = digests[ci]

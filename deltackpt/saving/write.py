@@ -92,7 +92,7 @@ def write_chunks(
             assert view is not None  # every chunk has bytes when nothing was hashed before
             digests[ci] = digest(view)
         d = digests[ci]
-        ref = refs.get(spec.ref_key) if (refs is not None and spec.ref_key) else None
+        ref = refs.get(spec.base_key) if (refs is not None and spec.base_key) else None
         with lock:
             if owned is not None:
                 fresh = ci in owned and d not in claimed
