@@ -116,8 +116,32 @@ def limits(tensors: list[torch.Tensor], work: Path) -> dict[str, float]:
     out["fingerprint_s"] = min(
         clock(lambda: [source_fingerprints(f, 4 << 20) for f in flat]) for _ in range(2)
     )
+    out.update(delta_rows(flat))
     out["gb"] = n / 1e9
     return out
+
+
+def delta_rows(flat: list[torch.Tensor]) -> dict[str, float]:
+    """Issue 36's core: the changed elements of bf16 weights after an RL-like step (3% of the
+    elements), found on the device (format/device_changes.py) vs pulled to the host and diffed
+    there (format/changes.py), on up to 1 GB of the state as bf16."""
+    from deltackpt.format.changes import changed_elements
+    from deltackpt.format.device_changes import changed_elements_on
+
+    src = torch.cat([f.view(torch.float32).reshape(-1) for f in flat])[: 1 << 29]
+    base = src.to(torch.bfloat16)
+    new = base.clone()
+    g = torch.Generator(device=new.device).manual_seed(0)
+    mask = torch.rand(new.shape, generator=g, device=new.device) < 0.03
+    new[mask] += 0.01
+    nb, bb = new.view(torch.uint8), base.view(torch.uint8)
+    cap = new.numel()
+    dev = min(clock(lambda: changed_elements_on(nb, bb, 2, cap)) for _ in range(3))
+
+    def host() -> None:
+        changed_elements(nb.cpu().numpy(), bb.cpu().numpy(), 2, cap)
+
+    return {"delta_gb": nb.numel() / 1e9, "delta_on_device_s": dev, "delta_via_host_s": clock(host)}
 
 
 def run(gb: float, work: Path) -> dict[str, Any]:
@@ -233,6 +257,12 @@ def report(res: dict[str, Any]) -> str:
             f"{a['blocking_2']:.3f} s",
             f"{a['blocking_2'] / lim['pinned_d2h_s']:.2f}x pinned D2H",
             "keep",
+        ],
+        [
+            "find an RL step's change (3%, bf16)",
+            f"{lim['delta_on_device_s']:.4f} s for {lim['delta_gb']:.2f} GB",
+            f"{lim['delta_on_device_s'] / lim['delta_via_host_s']:.3f}x via the host",
+            "issue 36",
         ],
     ]
     head = (

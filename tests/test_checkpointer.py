@@ -39,7 +39,7 @@ from deltackpt.format.tree import flatten, unflatten
 from deltackpt.options import overrides
 from tests._workers import Child, assert_same_state
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "api.md"  # the recipes live there
 
 
 @pytest.fixture(autouse=True)
@@ -534,7 +534,7 @@ def _run_recipe(
     with monkeypatch.context() as m:
         m.setattr(torch, "randn", randn)
         with contextlib.suppress(_Interrupted):
-            exec(compile(code, "README.md", "exec"), namespace)
+            exec(compile(code, "docs/api.md", "exec"), namespace)
     return {k: v.clone() for k, v in namespace["model"].state_dict().items()}
 
 

@@ -51,6 +51,7 @@ __all__ = [
 
 # Saved key holding [rng state of rank 0, rank 1, ...] (deltackpt.get_rng_state() dicts).
 RNG_BY_RANK = "deltackpt.rng_by_rank"
+STATE_KEY = "trainer_state"  # the TrainerState's JSON text, a str value of the snapshot
 
 
 def _default_group() -> Any:
@@ -60,6 +61,21 @@ def _default_group() -> Any:
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
+
+
+def rank0_value(value: Any, process_group: Any) -> Any:
+    """Rank 0's ``value`` on every rank: what the Trainer itself writes once, from rank 0 (its
+    ``trainer_state.json``), so every rank saves the same plain value and a distributed save
+    (which refuses plain values that differ between ranks) keeps it."""
+    if process_group is None:
+        return value
+    import torch.distributed as dist
+
+    if dist.get_world_size(process_group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
+    return box[0]
 
 
 def gathered_rng(process_group: Any) -> list[Any]:
@@ -169,6 +185,8 @@ class TierSaves:
         and its replicas, and to the durable tier when a persist is due. Every rank calls it."""
         ckpt = self.checkpointer
         live = {**live, RNG_BY_RANK: gathered_rng(ckpt.pg)}
+        if STATE_KEY in live:  # the Trainer writes its state from rank 0: so do the tiers
+            live[STATE_KEY] = rank0_value(live[STATE_KEY], ckpt.pg)
         persist = self.stopping or self.persist_due(step)
         ckpt.save(step, live, persist=persist)  # persisted from the local tier, in the background
         if persist:

@@ -64,7 +64,7 @@ from deltackpt.tiers import TieredCheckpointer, Tiers
 __all__ = ["DEFAULT_NAME_FORMAT", "DeltaCheckpointCallback", "latest_checkpoint", "resume_trainer"]
 
 DEFAULT_NAME_FORMAT = "checkpoint-{step}"
-STATE_KEY = "trainer_state"  # the TrainerState's JSON text, a str value of the snapshot
+STATE_KEY = _tiers.STATE_KEY  # the TrainerState's JSON text, a str value of the snapshot
 TRAINER_STATE_NAME = "trainer_state.json"
 _LOADERS = (
     "_load_from_checkpoint",

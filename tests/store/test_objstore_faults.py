@@ -191,7 +191,7 @@ def test_deadline_defaults_and_options(opts: dict, bucket: str) -> None:
         60,
         90,
     )
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     for key, default in [("connect", 5), ("read", 15), ("request", 60), ("operation", 90)]:
         assert f"| `{key}_timeout` | {default} |" in readme, key  # what the docs promise
     s = FsspecStorage(url, opts)

@@ -1172,7 +1172,7 @@ def _kill_trainer(port: int) -> None:
     raise AssertionError("unreachable: the sender should have died")
 
 
-def _kill_receiver(rank: int, port: int, port2: int) -> dict[str, Any]:
+def _kill_receiver(rank: int, port: int, port2: int, marks: str) -> dict[str, Any]:
     from deltackpt import sync
 
     group = _group(port, rank, KILL_WORLD, [0], "shm")
@@ -1197,6 +1197,7 @@ def _kill_receiver(rank: int, port: int, port2: int) -> dict[str, Any]:
     out["seconds_to_error"] = time.monotonic() - t0
     out["version_after_failure"] = receiver.version
     out["bad_after_failure"] = bad(1)  # nothing applied
+    Path(marks, f"reconnect-{rank}").touch()  # the replacement joins now, not before
     group.reconnect(port2)
     adapter.reset()
     out["stats"] = receiver.pull(adapter)
@@ -1208,9 +1209,13 @@ def _kill_receiver(rank: int, port: int, port2: int) -> dict[str, Any]:
     return out
 
 
-def _kill_replacement(port2: int) -> dict[str, Any]:
+def _kill_replacement(port2: int, marks: str) -> dict[str, Any]:
     from deltackpt import sync
 
+    # a replacement started as the survivors reconnect (its store waits the group timeout for
+    # them: on a busy machine the first rounds and the failure can take longer than that)
+    for rank in (1, 2):
+        _wait_for(Path(marks, f"reconnect-{rank}"), 90)
     group = _group(port2, 0, KILL_WORLD, [0], "shm")
     st = sync.WeightSender(group, bucket_bytes=2048).push(kill_state(2), version=2)
     group.pg.barrier().wait()
@@ -1219,14 +1224,15 @@ def _kill_replacement(port2: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_sender_killed_mid_round_on_shm_links() -> None:
+def test_sender_killed_mid_round_on_shm_links(tmp_path: Path) -> None:
     port, port2 = free_port(), free_port()
+    marks = str(tmp_path)
     outcomes: list[Outcome] = spawn(
         [
             (_kill_trainer, (port,)),
-            (_kill_receiver, (1, port, port2)),
-            (_kill_receiver, (2, port, port2)),
-            (_kill_replacement, (port2,)),
+            (_kill_receiver, (1, port, port2, marks)),
+            (_kill_receiver, (2, port, port2, marks)),
+            (_kill_replacement, (port2, marks)),
         ],
         timeout=120,
         fast_exit=True,
