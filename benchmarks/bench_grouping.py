@@ -16,6 +16,7 @@ median wall time of the later ``deltackpt.save`` calls (what runs after the comm
 medians over ``--repeat`` interleaved runs.
 
     python benchmarks/bench_grouping.py --scale 0.05 --saves 8
+    python benchmarks/bench_grouping.py --scale 0.05 --saves 8 --only lora --encoding smallest
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ from deltackpt.saving.engine import saver_for
 Step = Callable[[int], dict[str, Any]]
 
 
-def lora_state(scale: float, named: bool, optim: bool, r: int = 16) -> tuple[Step, int]:
-    """A step function returning the state after ``step`` steps, and the adapter bytes."""
+def lora_state(
+    scale: float, named: bool, optim: bool, r: int = 16, share: float | None = None
+) -> tuple[Step, int]:
+    """A step function returning the state after ``step`` steps, and the adapter bytes.
+    ``share``: RL-like steps instead: bf16 adapters of which that share of the elements
+    changes a little at each step (``lora-rl``)."""
     base = qwen2_weights(torch.bfloat16, scale)
     g = torch.Generator().manual_seed(1)
     sd: dict[str, torch.Tensor] = {}
@@ -58,12 +63,20 @@ def lora_state(scale: float, named: bool, optim: bool, r: int = 16) -> tuple[Ste
                 adapters.append(t)
         else:
             sd[f"base_model.model.{k}"] = v
+    if share is not None:
+        for k in [k for k, v in sd.items() if any(v is a for a in adapters)]:
+            sd[k] = sd[k].to(torch.bfloat16)
+        adapters = [v for k, v in sd.items() if "lora_" in k or k.startswith("adapters.")]
     moments = [torch.zeros_like(t) for t in adapters for _ in range(2)] if optim else []
     nbytes = sum(t.numel() * t.element_size() for t in adapters)
 
     def step(i: int) -> dict[str, Any]:
         for t in adapters + moments:
-            t.add_(1e-3 * (i + 1))
+            if share is None:
+                t.add_(1e-3 * (i + 1))
+                continue
+            mask = torch.rand(t.shape, generator=g) < share
+            t[mask] += (torch.randn(t.shape, generator=g) * 0.01).to(t.dtype)[mask]
         state: dict[str, Any] = {"model": sd}
         if optim:
             state["optim"] = {
@@ -102,6 +115,9 @@ def many_small_state(n: int = 5000, numel: int = 2048) -> tuple[Step, int]:
     return step, n * numel * 4
 
 
+ENCODING = "auto"  # --encoding: "smallest" also xors each group against its last version
+
+
 def run(step: Step, saves: int, grouped: bool) -> dict[str, float]:
     saved = grouping.ChangeHistory.is_hot, grouping.ChangeHistory.learn
     if not grouped:  # the old layout: one class, no history
@@ -114,7 +130,7 @@ def run(step: Step, saves: int, grouped: bool) -> dict[str, float]:
             for i in range(saves):
                 state = step(i)
                 t0 = time.perf_counter()  # the call: includes what runs after the commit
-                infos.append(deltackpt.save(state, store, f"s{i}"))
+                infos.append(deltackpt.save(state, store, f"s{i}", encoding=ENCODING))
                 walls.append(time.perf_counter() - t0)
             saver_for(store).close()
     finally:
@@ -134,11 +150,15 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3, help="runs per layout, interleaved")
     ap.add_argument("--only", default=None, help="run one state (lora, lora+optim, ...)")
+    ap.add_argument("--encoding", default="auto", help="save encoding (auto, smallest, ...)")
     args = ap.parse_args()
+    global ENCODING
+    ENCODING = args.encoding
     cases: list[tuple[str, Callable[[], tuple[Step, int]]]] = [
         ("lora", lambda: lora_state(args.scale, True, False)),
         ("lora+optim", lambda: lora_state(args.scale, True, True)),
         ("lora-unnamed", lambda: lora_state(args.scale, False, False)),
+        ("lora-rl", lambda: lora_state(args.scale, True, False, share=0.03)),
         ("full", lambda: full_state(args.scale)),
         ("full, 5000 small tensors", many_small_state),
     ]
