@@ -12,7 +12,7 @@ keeps that digest and never crosses to the host. What a fingerprint can miss, an
 on the device: format/fingerprint.py. Group chunks (small tensors packed together) are always
 copied and hashed: they are small by construction.
 
-The same code runs on CPU tensors (``DELTACKPT_DEVICE_STAGING=always``), which is how the CPU
+The same code runs on CPU tensors (``DELTACKPT_DEVICE_SCAN=always``), which is how the CPU
 test suite covers it; CPU state is otherwise hashed in place (saving/stage.py), which is faster
 there. Sync saves take this path; an async save of device state copies everything to pinned
 buffers and hashes behind the caller (saving/stage.py :func:`stage`).
