@@ -26,6 +26,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLI output is not a terminal in tests: rich wraps it at $COLUMNS (120 by default), so a
+    long temporary path (pytest-xdist's, a deep $TMPDIR) would split the lines tests look for."""
+    monkeypatch.setenv("COLUMNS", "400")
+
+
 @pytest.fixture
 def store_dir(tmp_path):
     return tmp_path / "ckpts"

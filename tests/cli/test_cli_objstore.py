@@ -70,8 +70,13 @@ def test_gc_dry_run_then_gc_needs_the_promise(run: Any, capsys: Any) -> None:
 
 
 def test_aws_environment_alone(run: Any, endpoint: str, capsys: Any, monkeypatch: Any) -> None:
+    import s3fs
+
     url, _ = run  # s3_server set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    # as a fresh `deltackpt` process would: no s3fs instance cached by an earlier test (fsspec
+    # caches instances by their arguments, and one made without these variables has no keys)
+    s3fs.S3FileSystem.clear_instance_cache()
     code, out, err = _cli(capsys, "ls", url)
     assert code == 0 and "s2" in out, out + err
     code, out, err = _cli(capsys, "verify", url)
