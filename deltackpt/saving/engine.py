@@ -328,7 +328,7 @@ class StoreSaver:
         found = scan(plan, self.store.chunk_bytes, known, index, self._arenas[0], pool, bufs)
         p = Prepared(plan, Staged(found.arrays, None), False, locks, waited, False, found.digests,
                      index, bufs, found.copies)  # fmt: skip
-        p.fingerprints = found.fingerprints if trust else {}
+        p.fingerprints = found.fingerprints if trust else None  # keep the last table
         return p
 
     def stage_owned(self, p: Prepared, owned: set[int]) -> None:

@@ -247,3 +247,35 @@ def test_an_unchanged_save_of_cuda_state_copies_nothing(store_dir):
     assert all(torch.equal(out[k], v.cpu()) for k, v in state.items())
     arena = saver_for(store).arenas[0]
     assert all(b.is_pinned() for b in arena.buffers.values())
+
+
+@pytest.mark.gpu
+def test_mixed_cpu_and_cuda_state_and_the_off_switch(store_dir):
+    store = deltackpt.open_store(store_dir, chunk_bytes=1 << 20)
+    state = {
+        "w": torch.randn(1 << 20, device="cuda"),
+        "cpu": torch.randn(1 << 19),  # an RNG state or a counter kept on the host
+        "step": 3,
+    }
+    copied: list[int] = []
+    with hooks.override(on_stage_copy=copied.append):
+        deltackpt.save(state, store, "a")
+        first = len(copied)
+        with overrides(DELTACKPT_DEVICE_SCAN="off"):  # trust no fingerprint: copy every chunk
+            deltackpt.save(state, store, "b")
+        assert len(copied) == 2 * first
+        deltackpt.save(state, store, "c")  # the fingerprints of "a" were kept: nothing moved
+        assert len(copied) == 2 * first
+    out = deltackpt.load(store, "c")
+    assert torch.equal(out["w"], state["w"].cpu()) and torch.equal(out["cpu"], state["cpu"])
+
+
+@pytest.mark.gpu
+def test_cuda_state_round_trips_through_save_async_save_and_load_into(store_dir):
+    state = {"w": torch.randn(3 << 20, device="cuda").to(torch.bfloat16), "b": torch.ones(7).cuda()}
+    deltackpt.save(state, store_dir, "sync")
+    deltackpt.async_save(state, store_dir, "async").result(timeout=120)
+    for name in ("sync", "async"):
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        deltackpt.load(store_dir, name, into=into)
+        assert all(torch.equal(into[k], state[k]) for k in state), name
