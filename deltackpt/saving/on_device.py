@@ -69,7 +69,6 @@ class DeviceScan:
     copies: StagedChunks
     arrays: Unstaged  # per source: its host buffer (only the staged ranges hold its bytes)
     fingerprints: dict[FingerprintKey, tuple[Fingerprint, str]] = field(default_factory=dict)
-    copied_bytes: int = 0
 
 
 def fingerprints(plan: SavePlan, chunk_bytes: int) -> list[Fingerprint | None]:
@@ -122,13 +121,11 @@ def scan(
             ranges.setdefault(si, []).append((start, length))
     host: list[np.ndarray | None] = [None] * len(plan.sources)
     copies = HostCopies()
-    copied = 0
     for si, spans in ranges.items():
         src = plan.sources[si]
         buf = arena.buffer(src.key, src.nbytes, pin=is_device(src.data))
         for start, length in spans:
             copies.copy(buf[start : start + length], src.data[start : start + length])
-            copied += length
         host[si] = buf.numpy()
     copies.wait()
     for ci in todo:
@@ -149,4 +146,4 @@ def scan(
         spec, fp = plan.chunks[ci], fps[ci]
         if spec.ref_key is not None and fp is not None:
             remember[(spec.ref_key, spec.size)] = (fp, d)
-    return DeviceScan(digests, staged, arrays, remember, copied)
+    return DeviceScan(digests, staged, arrays, remember)

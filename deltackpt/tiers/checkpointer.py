@@ -56,6 +56,7 @@ from deltackpt.tiers.localize import (
     delocalize,
     dtensor_boxes,
     localize,
+    map_leaves,
     moments_as_dtensors,
     optimizer_keys,
 )
@@ -342,7 +343,7 @@ class TieredCheckpointer:
 
         def load_local(store: Store, name: str) -> None:
             if not before:
-                before.append(_copy_tree(to_saveable(state)))
+                before.append(map_leaves(to_saveable(state), _copy_leaf))
             loaded = delocalize(restore_state(store, name, state, local_sd, None), back)
             moments_as_dtensors(state, loaded)
             restore_into(state, loaded)
@@ -446,12 +447,6 @@ def from_checkpointer(
 TIERED[Tiers] = from_checkpointer
 
 
-def _copy_tree(obj: Any) -> Any:
-    """A copy of a state tree whose tensors are clones (what restore_into puts back)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _copy_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy_tree(v) for v in obj)
-    return copy.deepcopy(obj)
+def _copy_leaf(v: Any, _path: str) -> Any:
+    """A leaf of the state as restore_into puts it back: tensors cloned, values copied."""
+    return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
