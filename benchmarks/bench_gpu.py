@@ -128,7 +128,9 @@ def delta_rows(flat: list[torch.Tensor]) -> dict[str, float]:
     from deltackpt.format.changes import changed_elements
     from deltackpt.format.device_changes import changed_elements_on
 
-    src = torch.cat([f.view(torch.float32).reshape(-1) for f in flat])[: 1 << 29]
+    # the fp32 tensors on the device (AdamW's "step" counts stay on the host)
+    on_dev = [f for f in flat if f.device.type == DEV.type and f.numel() % 4 == 0]
+    src = torch.cat([f.view(torch.float32).reshape(-1) for f in on_dev])[: 1 << 29]
     base = src.to(torch.bfloat16)
     new = base.clone()
     g = torch.Generator(device=new.device).manual_seed(0)

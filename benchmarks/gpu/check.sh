@@ -4,7 +4,7 @@
 #   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 540)
 # 1. the gpu-marked tests; 2. benchmarks/bench_gpu.py (issue 35's table, limits in the same
 # run); 3. the rest of the suite on 14 workers, stopped at its time box. Logs and figures go to
-# $OUT (bench-out/gpu without one). Without CUDA it runs too: the gpu tests skip and say why,
+# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SUITE_S override the time boxes. Without CUDA it runs too: the gpu tests skip and say why,
 # the benchmark runs its CPU dry run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,15 +16,16 @@ if ! python3 -c "import zstandard, jsonschema" 2>/dev/null && compgen -G ".whl/*
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export DELTACKPT_TEST_FAILURES="$OUT/failures.log"  # each failure as it happens (tests/conftest.py)
 python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || echo "no C extension (numpy path)"
 { nvidia-smi || true; python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())"; } \
   >"$OUT/machine.txt" 2>&1
 rc=0
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests 2>&1 \
+timeout "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests 2>&1 \
   | tee "$OUT/gpu-tests.log" || rc=1
-timeout 200 python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+timeout "${BENCH_S:-200}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")
-timeout 180 python3 -m pytest -q -m "not gpu" $xdist -p no:cacheprovider -o addopts="-ra" \
+timeout "${SUITE_S:-180}" python3 -m pytest -v -m "not gpu" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
   tests >"$OUT/suite.log" 2>&1 || rc=1
-tail -n 30 "$OUT/suite.log"
+grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; tail -n 3 "$OUT/suite.log"
 exit $rc
