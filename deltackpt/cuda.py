@@ -5,15 +5,16 @@ code a GPU does; the functions here take CPU tensors as well and do the plain th
 as such: an ordinary host buffer where a pinned one would be, a synchronous copy where a side
 stream would carry it.
 
-Who calls this: ``saving/on_device.py`` (device-to-host copies of changed chunks). Nothing here
-runs a collective or starts a thread.
+Who calls this: ``saving/on_device.py`` (device-to-host copies of changed chunks) and
+``loading/to_device.py`` (host-to-device copies of loaded chunks). Nothing here runs a
+collective or starts a thread.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["HostCopies", "host_buffer", "is_device"]
+__all__ = ["DeviceCopies", "HostCopies", "host_buffer", "is_device"]
 
 
 def is_device(t: torch.Tensor) -> bool:
@@ -62,3 +63,51 @@ class HostCopies:
         for s in self._streams.values():
             s.synchronize()
         self._pending.clear()
+
+
+class DeviceCopies:
+    """Host-to-device copies out of reused host buffers (``slot`` numbers a buffer): on CUDA,
+    non-blocking on a side stream (one per device) that first waits for the device's current
+    stream, so kernels the caller queued on the targets come first; :meth:`release` records an
+    event per buffer and :meth:`reusable` waits for it before the buffer is refilled. On CPU (the
+    stand-in), plain synchronous copies. :meth:`wait` returns once every copy has landed; call it
+    (also on failure) before a host buffer is dropped or the targets are handed back."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._events: dict[int, list[torch.cuda.Event]] = {}
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+            s.wait_stream(torch.cuda.current_stream(device))
+        return s
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` (``src`` in a host buffer, ``dst`` on the device)."""
+        if not is_device(dst):
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self._stream(dst.device)):
+            dst.copy_(src, non_blocking=True)
+
+    def release(self, slot: int) -> None:
+        """Every copy queued so far out of buffer ``slot`` is its last until it is refilled."""
+        events = []
+        for s in self._streams.values():
+            ev = torch.cuda.Event()
+            ev.record(s)
+            events.append(ev)
+        self._events[slot] = events
+
+    def reusable(self, slot: int) -> None:
+        """Block until buffer ``slot``'s copies have landed, so it may be overwritten."""
+        for ev in self._events.pop(slot, []):
+            ev.synchronize()
+
+    def wait(self) -> None:
+        """Block until every queued copy is done."""
+        for s in self._streams.values():
+            s.synchronize()
+        self._events.clear()

@@ -34,7 +34,8 @@ from deltackpt.loading.homes import storage_homes
 from deltackpt.loading.plan import Reads, copy_into, read_entry
 from deltackpt.loading.select import KeySelection, Select, key_filter, prune_tree
 from deltackpt.loading.stats import LoadStats, pack_readers
-from deltackpt.options import LoadOptions
+from deltackpt.loading.to_device import read_to_device, takes
+from deltackpt.options import LoadOptions, default_device_scan
 from deltackpt.store.store import LATEST, Store, open_store
 
 
@@ -229,6 +230,19 @@ def _read_entries(
     return out
 
 
+def _read_to_device(
+    st: Store,
+    m: Manifest,
+    opts: LoadOptions,
+    items: list[tuple[TensorEntry, torch.Tensor]],
+    stats: LoadStats | None,
+) -> None:
+    with torch.no_grad(), pack_readers(st, stats) as packs:
+        jobs = read_to_device(packs, m, items, opts.verify, opts.threads)
+    if stats is not None:
+        stats.chunks_read += jobs
+
+
 def _load_new(
     st: Store,
     m: Manifest,
@@ -274,8 +288,17 @@ def _load_into(
     saved = {e.path: i for i, e in enumerate(m.tensors) if select is None or select(e.path)}
     _check_into(m, into, targets, saved, opts, select)
 
-    # Read every needed tensor into fresh buffers (or straight into CPU targets), then copy_.
+    # Device targets that take the saved bytes as they are: through pinned buckets
+    # (loading/to_device.py). The rest: read into fresh buffers (or straight into CPU
+    # targets), then copy_.
     wanted = [i for p, i in saved.items() if p in targets]
+    forced = default_device_scan() == "always"
+    dev = [i for i in wanted if takes(m.tensors[i], targets[m.tensors[i].path], forced)]
+    if dev:
+        _read_to_device(
+            st, m, opts, [(m.tensors[i], targets[m.tensors[i].path]) for i in dev], stats
+        )
+        wanted = [i for i in wanted if i not in set(dev)]
     new = _read_entries(st, m, opts, wanted, targets, stats)
     with torch.no_grad():
         for i, t in new.items():

@@ -1,0 +1,155 @@
+"""Loads into device tensors through reused host buckets (loading/to_device.py).
+
+The CPU suite runs the pipeline on CPU targets (``DELTACKPT_DEVICE_SCAN=always``): the same
+bucket planning, reads and copies a GPU runs, with ordinary buffers and synchronous copies. The
+``gpu`` tests load into CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import deltackpt
+from deltackpt.errors import CorruptChunkError
+from deltackpt.loading import assemble, to_device
+from deltackpt.loading.stats import LoadStats
+from deltackpt.options import overrides
+from tests.loading.test_keys import _corrupt_entry
+
+CHUNK = 16 << 10
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40_000, generator=g)  # 160 kB: 10 chunks
+    return {
+        "w": w,
+        "tied": w,  # the same tensor twice: one shared storage
+        "h": torch.randn(300, 70, generator=g).half(),
+        "b": torch.randn(9_000, generator=g).bfloat16(),
+        "i": torch.arange(12_345, dtype=torch.int64),
+        "t": torch.randn(64, 48, generator=g).t(),  # saved as a non-contiguous view
+        "empty": torch.empty(0, 3),
+        "step": 7,
+    }
+
+
+def _zeros_like(sd: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    return {
+        k: torch.zeros_like(v, device=device) if isinstance(v, torch.Tensor) else 0
+        for k, v in sd.items()
+    }
+
+
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The keys each device-pipeline load took that way."""
+    seen: list[list[str]] = []
+    real = assemble.read_to_device
+
+    def spy(packs: Any, m: Any, items: Any, *a: Any, **kw: Any) -> int:
+        seen.append([e.path for e, _ in items])
+        return real(packs, m, items, *a, **kw)
+
+    monkeypatch.setattr(assemble, "read_to_device", spy)
+    return seen
+
+
+@pytest.mark.parametrize("bucket", [1 << 20, 3 * CHUNK, 1])
+def test_bit_exact_through_buckets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spans: list[list[str]], bucket: int
+) -> None:
+    """One bucket for all, several (a tensor spanning three), and one chunk a bucket."""
+    monkeypatch.setattr(to_device, "BUCKET", bucket)
+    deltackpt.open_store(tmp_path / "s", chunk_bytes=CHUNK, small_bytes=1024)
+    sd = _state()
+    deltackpt.save(sd, tmp_path / "s", "x")
+    into = _zeros_like(sd)
+    stats = LoadStats()
+    with overrides(DELTACKPT_DEVICE_SCAN="always"):
+        deltackpt.load(tmp_path / "s", "x", into=into, stats=stats)
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(into[k], v), k
+    assert into["step"] == 7
+    # whole, contiguous targets went through the buckets; the tied pair is a shared storage,
+    # "t"'s target is strided like the saved view and the empty tensor has no bytes: the
+    # general way
+    assert sorted(spans[0]) == ["b", "h", "i"]
+    plain = LoadStats()
+    deltackpt.load(tmp_path / "s", "x", into=_zeros_like(sd), stats=plain)
+    assert stats.chunks_read == plain.chunks_read  # no chunk is read twice
+
+
+def test_off_by_default_on_cpu(tmp_path: Path, spans: list[list[str]]) -> None:
+    sd = _state()
+    deltackpt.save(sd, tmp_path / "s", "x")
+    deltackpt.load(tmp_path / "s", "x", into=_zeros_like(sd))
+    assert spans == []  # CPU targets are read into in place
+
+
+def test_a_strided_target_goes_the_general_way(
+    tmp_path: Path, spans: list[list[str]]
+) -> None:
+    sd = {"a": torch.randn(5000), "m": torch.randn(60, 80)}
+    deltackpt.save(sd, tmp_path / "s", "x")
+    into = {"a": torch.zeros(5000), "m": torch.zeros(80, 60).t()}
+    with overrides(DELTACKPT_DEVICE_SCAN="always"):
+        deltackpt.load(tmp_path / "s", "x", into=into)
+    assert torch.equal(into["a"], sd["a"]) and torch.equal(into["m"], sd["m"])
+    assert spans == [["a"]]
+
+
+def test_a_corrupt_chunk_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(to_device, "BUCKET", 2 * CHUNK)
+    deltackpt.open_store(tmp_path / "s", chunk_bytes=CHUNK, small_bytes=1024)
+    sd = {"a": torch.randn(20_000), "b": torch.randn(20_000), "c": torch.randn(20_000)}
+    deltackpt.save(sd, tmp_path / "s", "x")
+    _corrupt_entry(tmp_path / "s", "x", "b")
+    with (
+        overrides(DELTACKPT_DEVICE_SCAN="always"),
+        pytest.raises(CorruptChunkError, match="'b'"),
+    ):
+        deltackpt.load(tmp_path / "s", "x", into={k: torch.zeros(20_000) for k in sd})
+    # the other keys still load (damage is reported where it is)
+    into = {"a": torch.zeros(20_000)}
+    with overrides(DELTACKPT_DEVICE_SCAN="always"):
+        deltackpt.load(tmp_path / "s", "x", into=into, keys=["a"], strict=False)
+    assert torch.equal(into["a"], sd["a"])
+
+
+def test_buckets_hold_whole_chunks() -> None:
+    from deltackpt.format.manifest import TensorEntry
+
+    e = TensorEntry("w", "float32", (10,), data=(("d0", 0, 16), ("d1", 0, 16), ("d2", 0, 8)))
+    f = TensorEntry("v", "float32", (4,), data=(("d3", 0, 16),))
+    out = to_device._buckets([(e, torch.zeros(10)), (f, torch.zeros(4))], 32)
+    assert [b.nbytes for b in out] == [32, 24]
+    assert [[(s.path, s.start, s.offset, s.n) for s in b.spans] for b in out] == [
+        [("w", 0, 0, 32)],
+        [("w", 32, 0, 8), ("v", 0, 8, 16)],
+    ]
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+def test_load_into_cuda_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spans: Any
+) -> None:
+    monkeypatch.setattr(to_device, "BUCKET", 4 << 20)  # several buckets, both buffers reused
+    sd = {f"w{i}": torch.randn(1 << 20, device="cuda") for i in range(6)}
+    sd["half"] = torch.randn(3000, 7, device="cuda").half()
+    sd["cpu"] = torch.randn(1000)
+    deltackpt.save(sd, tmp_path / "s", "x")
+    into = {k: torch.zeros_like(v) for k, v in sd.items()}
+    deltackpt.load(tmp_path / "s", "x", into=into)
+    torch.cuda.synchronize()
+    for k, v in sd.items():
+        assert into[k].device == v.device and torch.equal(into[k], v), k
+    assert sorted(spans[0]) == sorted(k for k in sd if k != "cpu")
