@@ -50,13 +50,17 @@ def _values(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, np.
 
 
 def _fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     model = MLP()
-    fully_shard(model.l1)
-    fully_shard(model.l2)
-    fully_shard(model)
+    # a CPU mesh: without one FSDP2 shards onto CUDA wherever it is visible (gloo, CPU batches)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model.l1, mesh=mesh)
+    fully_shard(model.l2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

@@ -295,14 +295,17 @@ def _batch(step: int) -> torch.Tensor:
 
 def _fsdp_train(rank: int, world: int, port: int, store: str) -> dict:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _init(rank, world, port)
     torch.manual_seed(0)
     model = MLP()
-    fully_shard(model.l1)
-    fully_shard(model.l2)
-    fully_shard(model)
+    # a CPU mesh: without one FSDP2 shards onto CUDA wherever it is visible (gloo, CPU batches)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.l1, mesh=mesh)
+    fully_shard(model.l2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(5):
         model(_batch(step)).pow(2).mean().backward()  # same batch on every rank

@@ -211,7 +211,13 @@ def test_probe_disabled_still_chooses_best() -> None:
     raw = _float_bytes(1 << 20, torch.bfloat16)
     base = _adamw_step(raw, torch.bfloat16)
     enc = encode(raw, 2, base=base, policy=EncodePolicy(probe_bytes=0))
-    assert enc.codec == XOR
+    # the smallest of the allowed codecs, each compressed in full (which one that is depends on
+    # how many elements the simulated step changed: the draws differ by processor)
+    sizes = {
+        c: len(encode(raw, 2, base=base, policy=EncodePolicy(force=c)).payload)
+        for c in (RAW, ZSTD, XOR)
+    }
+    assert len(enc.payload) == min(sizes.values()) and enc.codec != RAW
     assert np.array_equal(_roundtrip(enc, raw, base), raw)
     assert encode(_random_bytes(1 << 20), 2, policy=EncodePolicy(probe_bytes=0)).codec == RAW
 
