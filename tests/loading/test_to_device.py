@@ -92,9 +92,7 @@ def test_off_by_default_on_cpu(tmp_path: Path, spans: list[list[str]]) -> None:
     assert spans == []  # CPU targets are read into in place
 
 
-def test_a_strided_target_goes_the_general_way(
-    tmp_path: Path, spans: list[list[str]]
-) -> None:
+def test_a_strided_target_goes_the_general_way(tmp_path: Path, spans: list[list[str]]) -> None:
     sd = {"a": torch.randn(5000), "m": torch.randn(60, 80)}
     deltackpt.save(sd, tmp_path / "s", "x")
     into = {"a": torch.zeros(5000), "m": torch.zeros(80, 60).t()}
