@@ -21,7 +21,7 @@ from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.schedule import LinkBucket
 from deltackpt.sync.schedule_decl import Box, Wanted
 
-__all__ = ["Staged", "apply_round"]
+__all__ = ["Staged", "Undo", "apply_round", "revert"]
 
 # a verified bucket: its slot, piece offsets (each piece whole there), flags, and the changed
 # elements of its PACKED pieces (patches.expand)
@@ -31,16 +31,23 @@ Staged = tuple[
 _SIGNED = {1: (torch.int8, np.int8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
 _SIGNED[8] = (torch.int64, np.int64)
 
+#: what :func:`apply_round` overwrote, to put back (:func:`revert`): a target region and its old
+#: bytes (a piece copied whole), or a target's flat elements, their indices and old values (a
+#: patch: only the changed elements are kept)
+Undo = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
 
 def apply_round(
     targets: Sequence[torch.Tensor],
     wanted: Sequence[tuple[Wanted, int, Box]],
     staged: list[Staged],
     pool: ThreadPoolExecutor | None,
+    undo: Undo | None = None,
 ) -> set[int]:
     """Copy every staged piece into its target; returns the wants touched. The copies run on
     ``pool`` (a copy releases the GIL): after the vote the senders are idle, so this rank may
-    use the cores they used."""
+    use the cores they used. With ``undo``, what is overwritten is kept there first (for a
+    patch, only the changed elements), so :func:`revert` can put the previous round back."""
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     changed: set[int] = set()
     for bk, slot, offsets, _, sparse in staged:
@@ -55,11 +62,14 @@ def apply_round(
                 as_torch, as_numpy = _SIGNED[dt.itemsize]
                 with torch.no_grad():  # raw bits: no cast, no NaN compare
                     flat = dst.view(-1).view(as_torch)
-                    flat[torch.from_numpy(idx.view(np.int64))] = torch.from_numpy(
-                        vals.view(as_numpy)
-                    )
+                    at = torch.from_numpy(idx.view(np.int64))
+                    if undo is not None:
+                        undo.append((flat, at, flat[at]))  # fancy indexing: a copy
+                    flat[at] = torch.from_numpy(vals.view(as_numpy))
                 continue
             src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
+            if undo is not None:
+                undo.append((dst, None, dst.detach().clone()))
             jobs.append((dst, src))
     if pool is None or len(jobs) < 2:
         _copy_all(jobs)
@@ -76,6 +86,17 @@ def apply_round(
     for f in [pool.submit(_copy_all, r) for r in runs]:
         f.result()
     return changed
+
+
+def revert(undo: Undo) -> None:
+    """Put back what :func:`apply_round` overwrote (newest first), bit for bit."""
+    with torch.no_grad():
+        while undo:
+            dst, at, old = undo.pop()
+            if at is None:
+                dst.copy_(old)
+            else:
+                dst[at] = old
 
 
 def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

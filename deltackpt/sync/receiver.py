@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from deltackpt.sync import patches, wire
-from deltackpt.sync.apply import Staged, apply_round
+from deltackpt.sync.apply import Staged, Undo, apply_round, revert
 from deltackpt.sync.dtypes import DtypeSpec, wire_dtype, wire_name
 from deltackpt.sync.errors import (
     DigestMismatchError,
@@ -118,6 +118,11 @@ class WeightReceiver:
         self._empty: set[int] = set()
         n = min(4, os.cpu_count() or 1) if apply_threads is None else int(apply_threads)
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="sync-apply") if n > 1 else None
+        # pull(undo=True): what the last round overwrote, the version and digests before it,
+        # and the wants it changed
+        self._undo: tuple[Undo, int | None, dict[tuple[int, int, int], tuple[int, int]]] | None
+        self._undo = None
+        self._changed: list[int] = []
 
     def _decl(self) -> Decl:
         if self.every:
@@ -185,13 +190,20 @@ class WeightReceiver:
         self.schedule, self._epoch = sched, g.epoch
         return sched
 
-    def pull(self, load_weights: LoadWeights | None = None) -> RoundStats:
+    def pull(self, load_weights: LoadWeights | None = None, *, undo: bool = False) -> RoundStats:
         """Take part in one round; on commit write the received boxes into the ``into``
         tensors and hand the others (whole local tensors, those that changed) to
         ``load_weights``; in a full round every one, zero-element tensors included (they have
         no bytes on the wire, so only a full round can say they exist). Raises :class:`SyncError` subclasses when the round fails (nothing is
         applied; ``version`` unchanged); after :class:`PeerLostError`,
-        ``group.reconnect(port)`` first."""
+        ``group.reconnect(port)`` first.
+
+        ``undo=True`` keeps what the round overwrites (for a patch only the changed elements,
+        for a piece sent whole its old bytes): if ``load_weights`` raises, the targets and
+        ``version`` are put back before the error propagates, and after a committed round
+        :meth:`revert` puts the previous version back until the next ``pull``. Without it a
+        ``load_weights`` that raises leaves the targets on the new round and ``version`` on the
+        old one (the next round's patches then fail their digests and it is resent whole)."""
         t0 = time.perf_counter()
         g = self.group
         sched = self._setup()
@@ -232,7 +244,10 @@ class WeightReceiver:
             raise RoundAbortedError(
                 f"rank {g.rank}: round not committed: {why}; version stays {self.version}"
             )
-        changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool)
+        self._undo = None
+        kept: Undo | None = [] if undo else None
+        before = (self.version, dict(self._kept)) if undo else (self.version, {})
+        changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool, kept)
         if self.verify == "all":
             for bk, _, offs, _, _ in st.staged:
                 for k, d in enumerate(st.digests[(bk.index, bk.sender)]):
@@ -249,9 +264,18 @@ class WeightReceiver:
                 if self.wants[i].into is None
             ]
             if out:
-                load_weights(out)
+                try:
+                    load_weights(out)
+                except BaseException:
+                    if kept is not None:  # the targets go back with the version
+                        revert(kept)
+                        self._kept = before[1]
+                    raise
         if st.versions:
             self.version = st.versions.pop()
+        self._changed = sorted(changed)
+        if kept is not None:
+            self._undo = (kept, before[0], before[1])
         payload = sum(st.per_link.values())
         zero_copy = sum(
             p.nbytes
@@ -270,6 +294,27 @@ class WeightReceiver:
             zero_copy,
             st.patched,
         )
+
+    def revert(self) -> list[tuple[str, torch.Tensor]]:
+        """Put the round before the last one back: its bytes into every target the last round
+        changed, its ``version`` (needs ``pull(undo=True)``; once per round). Returns the
+        ``(name, tensor)`` pairs of the wants without ``into`` that changed, now holding the
+        previous bytes: hand them to ``load_weights`` to put a model back. A
+        :class:`~deltackpt.sync.WeightSender` that committed the round still bases its next
+        patches on it, so send the next round whole (``push(..., full=True)``)."""
+        if self._undo is None:
+            raise SyncError(
+                "revert(): nothing to revert; pull(undo=True) keeps the previous version for "
+                "one revert after a committed round"
+            )
+        kept, self.version, self._kept = self._undo
+        self._undo = None
+        revert(kept)
+        return [
+            (self.wants[i].name, self._targets[i])
+            for i in self._changed
+            if self.wants[i].into is None
+        ]
 
     def _lost(self, st: _Round, bk: LinkBucket, e: SyncError) -> PeerLostError:
         why = f"receiving from rank {bk.sender} failed ({cause_line(e)})"
