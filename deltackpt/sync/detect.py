@@ -13,6 +13,11 @@ from its packing thread (and, for untouched buckets, its calling thread), one ro
   autograd's counter (``p.data.copy_``, ``.numpy()``, DLPack, foreign kernels) are not seen. The
   detector holds a reference to every committed tensor, so a freed tensor's memory cannot be
   reused by a new one at the same address.
+
+Either way, a sender with a host mirror (``host_mirror.py``: CUDA tensors, or the CPU stand-in)
+names the tensors whose bytes its device fingerprints found unchanged since the last commit
+(``start_round(unchanged=)``): their pieces are skipped unread, as ``"version"`` skips an
+untouched tensor, and the others go through the mode's own test on the mirror's host copy.
 """
 
 from __future__ import annotations
@@ -44,14 +49,21 @@ class Detector:
         self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._round_vers: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._local: dict[str, torch.Tensor] = {}
+        # tensors the sender's device fingerprints found unchanged since the last commit
+        self._unchanged: frozenset[str] = frozenset()
 
     def clear(self) -> None:
         """Forget everything (a new schedule)."""
         self.committed.clear()
         self._tcommitted.clear()
 
-    def start_round(self, local: dict[str, torch.Tensor]) -> None:
+    def start_round(
+        self, local: dict[str, torch.Tensor], unchanged: frozenset[str] = frozenset()
+    ) -> None:
+        """A round over ``local``; ``unchanged``: tensors known not to have changed since the
+        last commit (a host mirror's device fingerprints), skipped unread in a delta round."""
         self._local = local
+        self._unchanged = unchanged
         self._tround = {}
         if self.mode == "version":  # before reading anything: a later write shows next round
             self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in local.items()}
@@ -90,9 +102,13 @@ class Detector:
         return changed
 
     def moved(self, name: str, key: PieceKey) -> bool | None:
-        """``"version"``: whether tensor ``name`` was written through torch (storage or in-place
-        version counter changed) since the last commit; None when that cannot tell (hash
-        detection, or piece ``key`` / the tensor not seen at a commit yet)."""
+        """Whether tensor ``name`` changed since the last commit, when that is known unread:
+        False for a tensor the sender's device found unchanged; with ``"version"``, whether it
+        was written through torch (storage or in-place version counter changed); None when
+        that cannot tell (hash detection, or piece ``key`` / the tensor not seen at a commit
+        yet)."""
+        if name in self._unchanged and key in self.committed:
+            return False
         if self.mode != "version" or key not in self.committed or name not in self._vers:
             return None
         return self._vers[name][:2] != self._round_vers[name][:2]

@@ -22,7 +22,9 @@ class RoundStats:
     headers and alignment gaps. ``full``: every planned piece was sent/received.
     ``zero_copy_bytes``: the part of ``payload_bytes`` sent straight from the trainers' tensors
     (no packing copy; see ``WeightSender(zero_copy_min=)``). ``patched``: pieces a receiver
-    got as patches against the version it held (receivers only)."""
+    got as patches against the version it held (receivers only). ``mirrored_bytes``: bytes a
+    trainer copied from its device tensors into its host mirror this round (``host_mirror.py``;
+    only the chunks that changed since the last commit, all of them in a full round)."""
 
     version: int
     full: bool
@@ -33,6 +35,7 @@ class RoundStats:
     per_link: dict[int, int] = field(default_factory=dict)
     zero_copy_bytes: int = 0
     patched: int = 0
+    mirrored_bytes: int = 0
 
 
 def payload_start(bk: LinkBucket, align: int) -> int:

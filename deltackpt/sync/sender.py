@@ -18,7 +18,10 @@ committed round (``detect="version"``: tensors whose storage and in-place versio
 not change since that round are skipped unread, the others sent unhashed; see docs/sync.md). On shared-memory links the
 packing thread writes straight into the link's slot; a piece that needs a cast or a gather is
 cast chunk by chunk into a private scratch and hashed there before it is copied into the slot,
-which any process that opens the link file can write. Then the commit vote (store keys, see
+which any process that opens the link file can write. Local tensors on CUDA are first brought
+to a pinned host mirror (``host_mirror.py``): only the chunks whose device fingerprint moved
+since the last committed round are copied, in one batch of non-blocking copies, and the rest of
+the round runs on the mirror as on host tensors. Then the commit vote (store keys, see
 ``group.py``): it carries each trainer's version, so trainers that disagree fail the round on
 every rank, and a failed round still waits for every vote, so no rank publishes the next round
 into a slot a slower receiver still reads.
@@ -32,11 +35,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from deltackpt.options import default_device_scan
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
 from deltackpt.sync.dtypes import DtypeSpec
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line
+from deltackpt.sync.host_mirror import HostMirror, mirrored_names
 from deltackpt.sync.packer import Packed, Packer
 from deltackpt.sync.patches import Bases
 from deltackpt.sync.rounds import (
@@ -114,6 +119,8 @@ class WeightSender:
         self._dirty = True
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sync-pack")
         self._packer = Packer(group, self.align, self.zero_copy_min, self._detector, self._bases)
+        #: the host copy of CUDA local tensors (see host_mirror.py); allocated on first use
+        self.mirror = HostMirror()
 
     @property
     def detect(self) -> str:
@@ -162,6 +169,7 @@ class WeightSender:
         self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(_RING)]
         self._detector.clear()
         self._bases.clear()
+        self.mirror.clear()
         self._dirty = True
         self._epoch = g.epoch
 
@@ -190,21 +198,35 @@ class WeightSender:
         if patch_links != self._packer.patch_links:  # bases of links that stopped patching
             self._bases.clear()  # go stale
             self._packer.patch_links = patch_links
-        self._packer.local, self._packer.boxes = self._local, self._boxes
+        local: dict[str, torch.Tensor] = self._local
+        unchanged: frozenset[str] = frozenset()
+        staged: tuple[str, BaseException] | None = None
+        mirrored = 0
+        scan = default_device_scan()
+        if mirrored_names(local, scan):  # CUDA tensors (or the stand-in): packed from the mirror
+            try:
+                local, unchanged = self.mirror.stage(local, full, scan)
+                mirrored = self.mirror.last.copied_bytes
+            except Exception as e:  # told to every rank by the vote, as a packing failure
+                staged = (f"rank {g.rank} failed copying its tensors to the host mirror: {e!r}", e)
+                local = {}
+        self._packer.local, self._packer.boxes = local, self._boxes
         self._packer.base_version = self.version
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
-        self._detector.start_round(self._local)
+        self._detector.start_round(local, unchanged)
         failure, cause, lost, wire_bytes, sent, zero_copy = self._send_all(
-            sched, seq, int(version), full, digests, per_link
+            sched, seq, int(version), full, digests, per_link, staged
         )
         if lost is not None:
+            self.mirror.abandon()
             g.abort(seq, "lost: " + lost)
             raise g.lost_error(f"round {version}: {lost}") from cause
         reason = g.vote(seq, failure, int(version))
         if reason is None and failure is not None:  # the abort key could not be written
             reason = failure
         if reason is not None:
+            self.mirror.abandon()  # the next round compares with the last committed one
             if reason.startswith("lost: "):
                 raise g.lost_error(f"round {version} failed: {reason[6:]}") from cause
             if failure is not None:  # this rank's own step failed: its cause, whoever aborted first
@@ -217,6 +239,7 @@ class WeightSender:
                 f"keep version {self.version}, the next push is a full round"
             )
         self._bases.commit()
+        self.mirror.commit()
         self._since_full = 0 if full else self._since_full + 1
         self._detector.commit(full, digests)
         self._dirty = False
@@ -231,6 +254,7 @@ class WeightSender:
             wire_bytes,
             per_link,
             zero_copy,
+            mirrored_bytes=mirrored,
         )
 
     # ---- sending --------------------------------------------------------------------------
@@ -243,11 +267,13 @@ class WeightSender:
         full: bool,
         digests: dict[tuple[int, int, int], tuple[int, int]],
         per_link: dict[int, int],
+        staged: tuple[str, BaseException] | None = None,
     ) -> tuple[str | None, BaseException | None, str | None, int, int, int]:
         """Send every bucket (or a stub once the round failed); returns (this rank's own
         failure and its exception, lost peer, wire bytes, buckets sent, bytes sent zero-copy).
         Another rank's abort seen while sending only turns the rest into stubs: the vote
-        reports it."""
+        reports it. ``staged``: this rank failed before packing (the host mirror): every
+        message is a stub."""
         g = self.group
         works: list[tuple[int, object] | None] = [None] * _RING
         bufs: list[torch.Tensor] = list(self._ring)
@@ -256,6 +282,8 @@ class WeightSender:
         zero_copy_bytes = 0
         failure: str | None = None  # this rank's own: the error it raises
         cause: BaseException | None = None
+        if staged is not None:
+            failure, cause = staged
         aborted: str | None = None  # another rank's, seen while sending
         lost: str | None = None
         dead: set[int] = set()

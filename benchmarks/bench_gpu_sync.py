@@ -1,0 +1,364 @@
+"""Weight sync of CUDA weights through a host link (issue 36): one trainer and one receiver
+process on one machine, shared-memory link, bf16 weights on the device on both sides, with the
+ceilings measured in the same run.
+
+The trainer pushes its CUDA tensors (``WeightSender``: the pinned host mirror copies only what
+its device fingerprints say changed, deltackpt/sync/host_mirror.py); the receiver pulls every
+tensor whole and its ``load_weights`` copies the changed ones into its own CUDA tensors (as an
+inference engine's does). A round is timed on the receiver, from a barrier both processes leave
+together to the end of its ``load_weights`` (device synchronised); the trainer's ``push`` time
+and the bytes its mirror copied are reported beside it. Best of ``--repeats``.
+
+Rows:
+
+* first round (allocates the pinned mirror, plans, opens the link windows);
+* full round (``push(full=True)``);
+* delta round, 1 tensor changed (every element of one matrix);
+* RL-like round: ~3% of the elements of every tensor changed by a small add;
+* ceilings: one pinned D2H + H2D of the bytes (trainer's tensors -> pinned host buffers ->
+  fresh device tensors), and a raw CUDA IPC round (the receiver maps the trainer's tensors with
+  ``torch.multiprocessing`` and copies device to device; skipped without CUDA).
+
+Without CUDA it runs the same rounds on CPU tensors with the mirror's stand-in forced
+(``DELTACKPT_DEVICE_SCAN=always``): a check that the script works, not figures.
+
+    python benchmarks/bench_gpu_sync.py --out $OUT          # on one GPU, 2 GB, well under 90 s
+    python benchmarks/bench_gpu_sync.py --gb 0.02           # here, a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's deltackpt
+
+import _common as C
+import torch
+
+CUDA = torch.cuda.is_available()
+RL_SHARE = 0.03  # elements an RL-like step changes
+
+
+def _log(msg: str) -> None:
+    print(f"[bench_gpu_sync {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def shapes(gb: float) -> list[tuple[str, tuple[int, ...]]]:
+    """Square bf16 matrices with a norm vector each, ``gb`` GB in all (4096-wide from 0.5 GB:
+    32 MiB matrices)."""
+    width = 4096 if gb >= 0.5 else 512
+    mats = max(2, round(gb * 1e9 / (width * width * 2)))
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(mats):
+        out += [(f"layers.{i}.weight", (width, width)), (f"layers.{i}.norm", (width,))]
+    return out
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _state(cfg: dict[str, Any], dev: torch.device) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    return {
+        n: torch.randn(s, generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16)
+        for n, s in shapes(cfg["gb"])
+    }
+
+
+def _fingerprints(state: dict[str, torch.Tensor]) -> dict[str, list[list[int]]]:
+    """Per tensor, its chunk fingerprints computed where it lives (format/fingerprint.py): how
+    the two processes compare their final states without copying them to the host."""
+    from deltackpt.format.fingerprint import source_fingerprints
+
+    return {
+        n: source_fingerprints(t.reshape(-1).view(torch.uint8), 4 << 20).cpu().tolist()
+        for n, t in state.items()
+    }
+
+
+def _barrier(group: Any) -> None:
+    group.pg.barrier().wait()
+
+
+def _limits(state: dict[str, torch.Tensor], dev: torch.device, repeats: int) -> dict[str, float]:
+    """One pinned D2H + H2D of the state's bytes, best of ``repeats`` each."""
+    flat = [t.reshape(-1).view(torch.uint8) for t in state.values()]
+    pinned = [torch.empty_like(f, device="cpu", pin_memory=dev.type == "cuda") for f in flat]
+    back = [torch.empty_like(f) for f in flat]
+
+    def timed(fn: Any) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def d2h() -> None:
+        for dst, src in zip(pinned, flat, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    def h2d() -> None:
+        for dst, src in zip(back, pinned, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    return {"pinned_d2h_s": timed(d2h), "pinned_h2d_s": timed(h2d)}
+
+
+def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.options import overrides
+
+    dev = torch.device("cuda" if CUDA else "cpu")
+    state = _state(cfg, dev)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    res: dict[str, Any] = {"bytes": nbytes, "tensors": len(state)}
+    res.update(_limits(state, dev, cfg["repeats"]))
+    if ipc is not None:  # the raw CUDA IPC round: the receiver maps these tensors
+        ipc.put(state)
+    knobs = {} if CUDA else {"DELTACKPT_DEVICE_SCAN": "always"}
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links=cfg["links"])
+    sender = sync.WeightSender(group, bucket_bytes=cfg["bucket_mb"] << 20)
+    names = list(state)
+    g = torch.Generator(device=dev).manual_seed(1)
+    rows: dict[str, list[dict[str, float]]] = {}
+
+    def change(kind: str, i: int) -> None:
+        with torch.no_grad():
+            if kind == "delta_1":  # every element of one matrix
+                state[names[(2 * i) % len(names)]].add_(1.0 if i % 2 == 0 else -1.0)
+            elif kind == "rl":
+                for t in state.values():
+                    mask = torch.rand(t.shape, generator=g, device=dev) < RL_SHARE
+                    t.add_(mask.to(t.dtype) * 0.01)
+        _sync(dev)
+
+    plan = [("first", 1), ("full", cfg["repeats"]), ("delta_1", cfg["repeats"])]
+    plan.append(("rl", cfg["repeats"]))
+    version = 0
+    with overrides(**knobs):
+        for kind, n in plan:
+            for i in range(n):
+                change(kind, i)
+                version += 1
+                _barrier(group)
+                t0 = time.perf_counter()
+                st = sender.push(state, version=version, full=kind == "full")
+                rows.setdefault(kind, []).append(
+                    {
+                        "push_s": time.perf_counter() - t0,
+                        "mirror_s": sender.mirror.last.seconds,
+                        "mirrored_bytes": st.mirrored_bytes,
+                        "payload_bytes": st.payload_bytes,
+                        "full": st.full,
+                    }
+                )
+    res["rows"] = rows
+    res["fingerprints"] = _fingerprints(state)
+    res["mirror_bytes"] = sender.mirror.nbytes
+    res["mirror_pinned"] = all(s.is_pinned() for s in sender.mirror.segments)
+    if ipc is not None:
+        _barrier(group)  # the receiver's IPC rounds
+        _barrier(group)  # it dropped the mapped tensors
+    _barrier(group)
+    group.close()
+    return res
+
+
+def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
+    from deltackpt import sync
+
+    dev = torch.device("cuda" if CUDA else "cpu")
+    mine = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in shapes(cfg["gb"])}
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links=cfg["links"])
+    recv = sync.WeightReceiver(group, bucket_bytes=cfg["bucket_mb"] << 20)
+
+    def load(ws: list[tuple[str, torch.Tensor]]) -> None:
+        for n, t in ws:
+            mine[n].copy_(t)
+        _sync(dev)
+
+    plan = [("first", 1), ("full", cfg["repeats"]), ("delta_1", cfg["repeats"])]
+    plan.append(("rl", cfg["repeats"]))
+    rows: dict[str, list[dict[str, float]]] = {}
+    for kind, n in plan:
+        for _ in range(n):
+            _barrier(group)
+            t0 = time.perf_counter()
+            recv.pull(load)
+            rows.setdefault(kind, []).append({"round_s": time.perf_counter() - t0})
+    res: dict[str, Any] = {"rows": rows}
+    res["fingerprints"] = _fingerprints(mine)
+    if ipc is not None:
+        theirs = ipc.get(timeout=cfg["timeout"])
+        best = float("inf")
+        for _ in range(cfg["repeats"]):
+            _sync(dev)
+            t0 = time.perf_counter()
+            for n, t in theirs.items():
+                mine[n].copy_(t)
+            _sync(dev)
+            best = min(best, time.perf_counter() - t0)
+        res["ipc_round_s"] = best
+        _barrier(group)
+        del theirs
+        _barrier(group)
+    _barrier(group)
+    group.close()
+    return res
+
+
+def _worker(rank: int, cfg: dict[str, Any], port: int, q: Any, ipc: Any) -> None:
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+        fn = trainer if rank == 0 else receiver
+        q.put((rank, fn(cfg, port, ipc)))
+    except BaseException as e:
+        import traceback
+
+        q.put((rank, {"error": f"{e!r}\n{traceback.format_exc()}"}))
+    q.close()
+    q.join_thread()
+    os._exit(0)  # skip teardown: gloo's threads may still wait on the peer
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    ipc = ctx.Queue() if CUDA else None
+    port = C.free_port()
+    procs = [ctx.Process(target=_worker, args=(r, cfg, port, q, ipc)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = C.collect(procs, q, cfg["timeout"])
+    errors = [r["error"] for r in got.values() if "error" in r]
+    if errors or len(got) < 2:
+        raise SystemExit(f"bench_gpu_sync failed: {errors or 'timeout / crashed process'}")
+    return {"trainer": got[0], "receiver": got[1]}
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    t, r = res["trainer"], res["receiver"]
+    out: dict[str, Any] = {"gb": t["bytes"] / 1e9}
+    for kind, recs in r["rows"].items():
+        best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
+        out[kind] = {**t["rows"][kind][best], **recs[best]}
+    out["pinned_d2h_h2d_s"] = t["pinned_d2h_s"] + t["pinned_h2d_s"]
+    out["ipc_round_s"] = r.get("ipc_round_s")
+    # every round committed and the receiver's device tensors hold the trainer's bytes
+    out["exact"] = t.pop("fingerprints") == r.pop("fingerprints")
+    out["mirror_bytes"], out["mirror_pinned"] = t["mirror_bytes"], t["mirror_pinned"]
+    return out
+
+
+def report(s: dict[str, Any], device: str) -> str:
+    gb, ceil, ipc = s["gb"], s["pinned_d2h_h2d_s"], s["ipc_round_s"]
+    labels = {
+        "first": "first round (plans, allocates the mirror)",
+        "full": "full round",
+        "delta_1": "delta round, 1 tensor changed",
+        "rl": f"RL-like round ({RL_SHARE:.0%} of elements)",
+    }
+    rows = []
+    for kind, label in labels.items():
+        x = s[kind]
+        rows.append(
+            [
+                label,
+                f"{x['round_s']:.3f} s",
+                f"{x['push_s']:.3f} s",
+                C.fmt_bytes(x["mirrored_bytes"]),
+                C.fmt_bytes(x["payload_bytes"]),
+                f"{x['round_s'] / ceil:.2f}x",
+                "-" if ipc is None else f"{x['round_s'] / ipc:.1f}x",
+            ]
+        )
+    rows.append(["pinned D2H + H2D of the bytes", f"{ceil:.3f} s", "-", "-", "-", "1.00x", "-"])
+    rows.append(
+        [
+            "raw CUDA IPC round (D2D)",
+            "-" if ipc is None else f"{ipc:.4f} s",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ]
+    )
+    head = (
+        f"device {device}, {gb:.2f} GB bf16, 1 trainer -> 1 receiver, shm link; best of the "
+        "repeats; round = receiver's pull incl. load_weights into its device tensors; "
+        f"receiver bit-exact: {s['exact']}; trainer mirror {C.fmt_bytes(s['mirror_bytes'])} "
+        f"(pinned: {s['mirror_pinned']})\n\n"
+    )
+    return head + C.md_table(
+        [
+            "round",
+            "round time",
+            "trainer push",
+            "mirror copied",
+            "payload",
+            "vs pinned D2H+H2D",
+            "vs CUDA IPC",
+        ],
+        rows,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--gb", type=float, default=2.0 if CUDA else 0.02)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--links", default="shm", help="shm (default) or gloo")
+    ap.add_argument("--timeout", type=float, default=85 if CUDA else 60)
+    ap.add_argument("--out", default=str(C.OUT_DIR), help="directory for the JSON and table")
+    args = ap.parse_args()
+    cfg = {
+        "gb": args.gb,
+        "repeats": args.repeats,
+        "bucket_mb": args.bucket_mb,
+        "links": args.links,
+        "timeout": args.timeout,
+    }
+    t0 = time.perf_counter()
+    res = run(cfg)
+    s = summarize(res)
+    device = torch.cuda.get_device_name() if CUDA else "cpu (dry run: the mirror's stand-in)"
+    doc = {
+        "config": cfg,
+        "device": device,
+        "summary": s,
+        "raw": res,
+        "seconds": time.perf_counter() - t0,
+        "machine": C.machine_info(),
+    }
+    out = Path(args.out)  # a directory, or the JSON file itself
+    path = out if out.suffix == ".json" else out / "bench_gpu_sync.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    text = report(s, device)
+    path.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    _log(f"done in {doc['seconds']:.1f} s; {path}")
+    if not s["exact"]:
+        raise SystemExit("the receiver's tensors differ from the trainer's after the rounds")
+
+
+if __name__ == "__main__":
+    main()
