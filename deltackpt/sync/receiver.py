@@ -199,9 +199,11 @@ class WeightReceiver:
         ``group.reconnect(port)`` first.
 
         ``undo=True`` keeps what the round overwrites (for a patch only the changed elements,
-        for a piece sent whole its old bytes): if ``load_weights`` raises, the targets and
+        for a piece sent whole its old bytes; nothing in the first round, which has no previous
+        version): if ``load_weights`` raises, the targets and
         ``version`` are put back before the error propagates, and after a committed round
-        :meth:`revert` puts the previous version back until the next ``pull``. Without it a
+        :meth:`revert` puts the previous version back until the next ``pull`` or
+        :meth:`drop_undo`. Without it a
         ``load_weights`` that raises leaves the targets on the new round and ``version`` on the
         old one (the next round's patches then fail their digests and it is resent whole)."""
         t0 = time.perf_counter()
@@ -245,7 +247,8 @@ class WeightReceiver:
                 f"rank {g.rank}: round not committed: {why}; version stays {self.version}"
             )
         self._undo = None
-        kept: Undo | None = [] if undo else None
+        # nothing to go back to before the first round
+        kept: Undo | None = [] if undo and self.version is not None else None
         before = (self.version, dict(self._kept)) if undo else (self.version, {})
         changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool, kept)
         if self.verify == "all":
@@ -294,6 +297,11 @@ class WeightReceiver:
             zero_copy,
             st.patched,
         )
+
+    def drop_undo(self) -> None:
+        """Free what ``pull(undo=True)`` kept (once the round is final): for a round sent
+        whole that is a second copy of every changed target."""
+        self._undo = None
 
     def revert(self) -> list[tuple[str, torch.Tensor]]:
         """Put the round before the last one back: its bytes into every target the last round

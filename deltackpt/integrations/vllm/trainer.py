@@ -114,6 +114,10 @@ class LocalLLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the KV blocks the old weights computed (after a commit)."""
+        self.llm.reset_prefix_cache()
+
 
 class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInfo]):
     """Pushes versioned, transactional rounds (full, then element-sparse deltas) to the vLLM
@@ -132,6 +136,10 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         self.num_trainers = 1
         self._end_stale = False
         self._checks = 0  # send_weights calls on this group: names their agreement keys
+        self._commits = 0  # rounds sent to the engine: names the workers' commit votes
+        self._staged: int | None = None  # the version of a staged round awaiting commit()
+        self._full_next = False  # a round the workers took back: the next one goes whole
+        self._serving: int | None = None  # the version the engine serves, as far as we know
 
     @classmethod
     def trainer_init(
@@ -190,14 +198,23 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         *,
         version: int | None = None,
         full: bool = False,
+        stage: bool = False,
     ) -> RoundStats:
         """One round of ``tensors`` (default: the ``source`` given at ``trainer_init``) as
         ``version`` (default: the last one + 1); every rank the same version. Rank 0 runs
         ``start_weight_update``, ``update_weights`` (beside the push) and, once the round
-        committed, ``finish_weight_update(str(version))``. A failed round raises the push's
-        :class:`~deltackpt.sync.SyncError`; the workers keep their weights and version."""
+        committed, ``finish_weight_update(str(version))``, then drops the engine's prefix
+        cache (its KV blocks were computed with the old weights) where the client can. A failed
+        round raises the push's :class:`~deltackpt.sync.SyncError`; the workers keep their
+        weights and version. Returns the push's :class:`~deltackpt.sync.RoundStats`.
+
+        ``stage=True``: the workers receive, verify and apply the round to their own copies in
+        the background while the engine keeps serving; the model changes only at
+        :meth:`commit`, in a short pause (the reload of the changed layers)."""
         if self.sender is None:
             raise RuntimeError("send_weights before trainer_init")
+        if self._staged is not None:
+            raise RuntimeError(f"send_weights: version {self._staged} is staged; commit() it first")
         if tensors is None:
             if self.source is None:
                 raise ValueError("send_weights: pass the tensors or a source at trainer_init")
@@ -207,18 +224,85 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         if not isinstance(tensors, Mapping):
             tensors = dict(tensors)
         self._agree(self._check_declared(tensors))
-        if not self.is_sender:
-            return self._push(tensors, version, full)
+        full, self._full_next = full or self._full_next, False
+        self._commits += 1
+        if not self.is_sender:  # rank 0 drives the engine; every rank reads the verdict
+            stats = self._push(tensors, version, full)
+            if stage:
+                self._staged = int(version)
+            else:
+                self._verdict(version)
+            return stats
         self._start()
-        rpc = self._rpc.submit(self.client.update_weights, {"version": int(version)})
+        info = {"version": int(version), "commit": self._commits}
+        if stage:
+            info["stage"] = True
+        rpc = self._rpc.submit(self.client.update_weights, info)
         try:
             stats = self._push(tensors, version, full)
         except BaseException:
             rpc.exception()  # the workers fail the same round; wait for their answer
+            if stage:  # end the session: the workers' staged round failed with this one
+                self.client.finish_weight_update(None)
             raise
         rpc.result()
+        if stage:
+            self._staged = int(version)
+            return stats
+        try:
+            self._verdict(version)  # the workers reloaded inside update_weights
+        except BaseException:
+            self.client.finish_weight_update(None)  # end vLLM's session; no version set
+            raise
         self.client.finish_weight_update(str(version))
+        self._fresh_cache()
         return stats
+
+    def _verdict(self, version: int) -> None:
+        """Raise :class:`~deltackpt.sync.RoundAbortedError` when the workers took round
+        ``version`` back (a reload failed on any of them: module doc of the worker)."""
+        from deltackpt.integrations.vllm.worker import commit_verdict
+        from deltackpt.sync import RoundAbortedError
+
+        g = self.group
+        assert g is not None
+        why = commit_verdict(g, f"c{self._commits}", f"commit of version {version}")
+        if why is not None:
+            self._full_next = True
+            raise RoundAbortedError(
+                f"the commit of version {version} failed: {why}; every worker took it back "
+                f"and serves version {self._serving} (the next round is sent whole)"
+            )
+        self._serving = int(version)
+
+    def commit(self) -> int:
+        """Load the staged round into the engine (its pause: the model's reload of the changed
+        layers) and return its version. Every worker reloads, then they vote; if any reload
+        failed they all take the round back, bit-exact on the previous version, and this raises
+        :class:`~deltackpt.sync.RoundAbortedError` (the next round is sent whole). Every
+        trainer rank calls it (rank 0 drives the engine, the others read the verdict)."""
+        if self._staged is None:
+            raise RuntimeError("commit(): nothing is staged; send_weights(..., stage=True) first")
+        version, self._staged = self._staged, None
+        if not self.is_sender:
+            self._verdict(version)
+            return version
+        self.client.finish_weight_update(None)  # the workers commit, vote, never raise
+        self._verdict(version)
+        # an empty session to set the engine's version, now that every worker serves it
+        self.client.start_weight_update()
+        self.client.finish_weight_update(str(version))
+        self._fresh_cache()
+        return version
+
+    def _fresh_cache(self) -> None:
+        """Drop the prefix cache's KV blocks, computed with the old weights: else a request
+        whose prefix was cached before the update is served with them (logprobs that differ
+        from a fresh engine's). Clients without ``reset_prefix_cache`` (vLLM's HTTP route:
+        ``POST /reset_prefix_cache``): docs/sync.md says to call it."""
+        reset = getattr(self.client, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
 
     def _start(self) -> None:
         """``start_weight_update``; when vLLM refuses it because a trainer that died between

@@ -16,6 +16,26 @@ calling ``finish_weight_update``. Here the reload starts only after every rank v
 and is finalized in the same call, so a failed round never touches the model (transactional:
 weights and ``version`` stay those of the last committed round).
 
+**Staged rounds: prepared while the engine serves, committed in a short pause.** With
+``update_weights({"version": v, "stage": True})`` the call only starts the round on a
+background thread and returns, so the engine goes on generating while the round is received,
+verified and applied to the receiver's own copies (the model is not touched); the
+``finish_weight_update`` that follows is the **commit**: it waits for the staged round and runs
+the model's reload of the changed layers, the only part that needs the engine paused (vLLM runs a
+worker RPC between engine steps). A plain ``update_weights`` (no ``stage``) does both in one call,
+as before.
+
+**A commit that fails is rolled back, on every worker.** Each worker reloads, then the workers
+vote through the group's store (a dead worker is seen by its heartbeat); if any reload failed
+(an exception in ``load_weights``, at any layer) every worker takes the round back: the
+receiver puts the previous bytes back into its copies (``WeightReceiver.pull(undo=True)``
+kept what the round overwrote: for a patch only the changed elements) and the touched layers
+are reloaded from them, so every worker ends bit-exact on the previous version and says so in
+the error. The trainer sends the next round whole. The RPCs never raise for a commit taken back (a
+failing RPC on one of several workers desynchronizes vLLM 0.32's executor): the trainer reads
+the workers' vote. A reload that fails again during the rollback cannot be undone: the worker
+must be restarted (``broken``).
+
 Why a delta round loads whole decoder layers: a layer whose reload loads some of its tensors
 is rebuilt from those alone, so every tensor of a decoder layer (the names sharing the
 outermost index, ``model.layers.<i>.``) that had a changed tensor is handed over again, from
@@ -26,7 +46,8 @@ the receiver's committed copies; the tensors outside the layers (embeddings, fin
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +58,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltackpt.sync import RoundStats, SyncError, SyncGroup, WeightReceiver
+from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
 
 __all__ = [
     "DeltackptInitInfo",
     "DeltackptUpdateInfo",
     "DeltackptWeightTransferEngine",
+    "commit_verdict",
     "layer_key",
     "reload_layers",
 ]
@@ -72,9 +94,12 @@ class DeltackptInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class DeltackptUpdateInfo(WeightTransferUpdateInfo):
-    """One round: ``version`` is the trainer's (checked against the committed round)."""
+    """One round: ``version`` is the trainer's (checked against the committed round);
+    ``stage``: receive it in the background and load it at ``finish_weight_update``."""
 
     version: int | None = None
+    stage: bool = False
+    commit: int | None = None  # names the workers' commit vote (the trainer's count)
 
 
 def layer_key(name: str) -> str:
@@ -92,6 +117,7 @@ def reload_layers(
     model_config: Any,
     held: dict[str, torch.Tensor],
     changed: list[tuple[str, torch.Tensor]],
+    fail_at: str | None = None,
 ) -> None:
     """Load ``changed`` into a vLLM ``model`` through its own ``load_weights``, inside vLLM's
     layerwise reload, widened to whole layers from ``held`` (every tensor last loaded, by
@@ -106,9 +132,62 @@ def reload_layers(
 
     initialize_layerwise_reload(model)
     try:
-        model.load_weights(iter(batch))
+        model.load_weights(_failing_at(batch, fail_at))
     finally:  # layers that got nothing get their old kernels back
         finalize_layerwise_reload(model, model_config)
+    if fail_at == "end":
+        raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
+
+
+def _failing_at(
+    batch: list[tuple[str, torch.Tensor]], fail_at: str | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``batch``, raising at the first tensor of layer ``fail_at`` (a test hook: the extension's
+    ``deltackpt_fail_next_commit``)."""
+    for n, t in batch:
+        if fail_at is not None and layer_key(n) == fail_at:
+            raise RuntimeError(f"deltackpt test hook: the commit fails at layer {fail_at!r}")
+        yield n, t
+
+
+@dataclass
+class _Staged:
+    """A round received in the background (``update_weights`` with ``stage``)."""
+
+    version: int | None
+    key: str
+    changed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    error: BaseException | None = None
+    thread: threading.Thread = field(default_factory=threading.Thread)
+
+
+def commit_keys(group: SyncGroup, key: str) -> list[str]:
+    """The store keys of the workers' votes on commit ``key`` (one per worker rank)."""
+    base = f"vllm/commit/{group.epoch}/{key}"
+    return [f"{base}/{r}" for r in range(group.world_size) if r not in group.trainers]
+
+
+def commit_verdict(group: SyncGroup, key: str, what: str) -> str | None:
+    """Wait for every worker's vote on commit ``key``: None when every reload succeeded, else
+    the first failure (a dead worker: :class:`~deltackpt.sync.PeerLostError`, by heartbeat)."""
+    keys = commit_keys(group, key)
+    group.wait_until(lambda: bool(group.store.check(keys)), what, None)
+    vals = group.guard("store multi_get", lambda: group.store.multi_get(keys))
+    bad = [bytes(v).decode(errors="replace") for v in vals if v]
+    return None if not bad else f"{bad[0]} ({len(bad)} of {len(keys)} workers failed)"
+
+
+def commit_vote(group: SyncGroup, key: str, mine: str | None) -> str | None:
+    """Vote on commit ``key`` (``mine``: this worker's failure) and wait for the verdict."""
+    me = f"vllm/commit/{group.epoch}/{key}/{group.rank}"
+    group.guard("store set", lambda: group.store.set(me, mine or ""))
+    return commit_verdict(group, key, f"commit {key}: waiting for every worker's reload")
+
+
+def _previous(receiver: WeightReceiver) -> int | None:
+    """The version a staged round's revert goes back to."""
+    undo = receiver._undo
+    return None if undo is None else undo[1]
 
 
 class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, DeltackptUpdateInfo]):
@@ -126,6 +205,13 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         # the receiver's committed copies, by trainer name: the same buffers every round of a
         # schedule (refreshed by each full round, which hands over every tensor)
         self._held: dict[str, torch.Tensor] = {}
+        self._plain = 0  # update_weights calls on this group: name votes without a commit id
+        self._staged: _Staged | None = None
+        self._rollback: list[tuple[str, torch.Tensor]] | None = None
+        self._voted = False
+        self.last_commit: dict[str, Any] | None = None
+        self.broken: str | None = None  # a rollback failed: the model is mixed, restart
+        self.fail_next: str | None = None  # test hook (the extension's deltackpt_fail_next_commit)
 
     def _rank(self, info: DeltackptInitInfo) -> int:
         from vllm.distributed.parallel_state import get_world_group
@@ -149,12 +235,32 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         dtype = self.model_config.dtype
         self.receiver = WeightReceiver(self.group, dtype=dtype, bucket_bytes=init_info.bucket_bytes)
         self._held = {}
+        self._plain = 0
+        self._staged = None
 
     def start_weight_update(self) -> None:
-        """Nothing: the reload runs inside the round, after its commit (module doc)."""
+        """Nothing: the reload runs at the commit (module doc)."""
 
     def finish_weight_update(self) -> None:
-        """Nothing: a committed round is already loaded and finalized."""
+        """The commit of a staged round (module doc); nothing after a plain round, which is
+        already loaded and finalized. Never raises (a failing RPC on one of several workers
+        desynchronizes vLLM 0.32's executor): the outcome is the workers' vote in the group's
+        store, which the trainer reads, and ``last_commit`` here."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        staged.thread.join()
+        if staged.error is not None:  # the round itself failed: the model was never touched
+            self.last_commit = {"version": staged.version, "ok": False, "why": str(staged.error)}
+            return
+        assert self.receiver is not None
+        try:
+            self._commit(staged.changed, staged.version, staged.key, undo=self.receiver.revert)
+        except Exception as e:
+            self.last_commit = {"version": staged.version, "ok": False, "why": str(e)}
+            log.error("%s", e)
+            return
+        self.last_commit = {"version": staged.version, "ok": True, "why": ""}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -167,17 +273,116 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
                 "deltackpt: update_weights before init_weight_transfer_engine; the trainer "
                 "engine's trainer_init sends the init info"
             )
-        try:
-            self.last_stats = self.receiver.pull(self._load)
-        except SyncError as e:  # vLLM hands the driver str(e) only: name the type in it
-            raise type(e)(f"deltackpt {type(e).__name__}: {e}") from e
+        if self.broken is not None:
+            raise RuntimeError(f"deltackpt: {self.broken}")
+        if self._staged is not None:
+            raise RuntimeError(
+                "deltackpt: update_weights while a staged round waits for its commit; call "
+                "finish_weight_update first"
+            )
         want = update_info.version
+        self._plain += 1
+        key = f"c{update_info.commit}" if update_info.commit is not None else f"p{self._plain}"
+        if update_info.stage:  # prepare while the engine serves (module doc)
+            staged = self._staged = _Staged(want, key)
+            staged.thread = threading.Thread(
+                target=self._stage, args=(staged,), name="deltackpt-stage", daemon=True
+            )
+            staged.thread.start()
+            return
+        prev = self.receiver.version
+        self._voted = False
+        try:
+            self.last_stats = self.receiver.pull(
+                lambda ws: self._commit(list(ws), want, key, undo=None, prev=prev), undo=True
+            )
+        except SyncError as e:  # vLLM hands the driver str(e) only: name the type in it
+            back, self._rollback = self._rollback, None
+            if back is not None:  # pull put the receiver's copies back: now the model
+                self._reload_back(back)
+            if self._voted:  # a commit every worker took back: an outcome, read from the vote
+                self.last_commit = {"version": want, "ok": False, "why": str(e)}
+                log.error("deltackpt: %s", e)
+                return
+            raise type(e)(f"deltackpt {type(e).__name__}: {e}") from e
+        if not self._voted:  # nothing to reload here: vote all the same (the trainer waits)
+            commit_vote(self.group, key, None)
+        self.receiver.drop_undo()  # the round is final: free the old bytes kept for it
+        self.last_commit = {"version": want, "ok": True, "why": ""}
+        self._announced(want)
+
+    def _announced(self, want: int | None) -> None:
+        assert self.receiver is not None
         if want is not None and self.receiver.version != int(want):
             log.warning(
                 "deltackpt: the trainer announced version %s but the round committed %s",
                 want,
                 self.receiver.version,
             )
+
+    def _stage(self, staged: _Staged) -> None:
+        """The background half of a staged round: receive, verify, vote, apply to the
+        receiver's copies, keep the changed tensors for the commit."""
+        assert self.receiver is not None
+        try:
+            self.last_stats = self.receiver.pull(staged.changed.extend, undo=True)
+        except SyncError as e:
+            staged.error = type(e)(f"deltackpt {type(e).__name__}: {e}")
+        except BaseException as e:  # reported by finish_weight_update
+            staged.error = e
+
+    def _commit(
+        self,
+        changed: list[tuple[str, torch.Tensor]],
+        version: int | None,
+        key: str,
+        undo: Any,
+        prev: int | None = None,
+    ) -> None:
+        """Reload ``changed`` (widened to whole layers) into the model, vote with the other
+        workers, and on any failure anywhere take the round back (module doc). ``undo``: puts
+        the receiver's previous bytes back and returns the tensors to reload (a staged round);
+        None inside ``pull``, which puts them back itself once this raises."""
+        assert self.group is not None and self.receiver is not None
+        old = prev if undo is None else _previous(self.receiver)
+        names = sorted({layer_key(n) for n, _ in changed})
+        fail, self.fail_next = self.fail_next, None
+        mine: str | None = None
+        try:
+            reload_layers(self.model, self.model_config, self._held, changed, fail)
+        except Exception as e:  # voted on, then raised below
+            mine = f"rank {self.group.rank}: the model's reload failed ({type(e).__name__}: {e})"
+        why = commit_vote(self.group, key, mine)
+        self._voted = True
+        if why is None:
+            self._announced(version)
+            if undo is not None:  # a staged round: final now (pull(undo=True) kept its undo)
+                self.receiver.drop_undo()
+            return
+        if undo is not None:
+            undo()
+        # put the touched layers back from the receiver's copies, which hold the previous bytes
+        # again (revert() just did; inside pull, pull does it once this error leaves it)
+        back = [(n, t) for n, t in self._held.items() if layer_key(n) in names]
+        if undo is None:
+            self._rollback = back
+        else:
+            self._reload_back(back)
+        raise RoundAbortedError(
+            f"the commit of version {version} failed: {why}; every worker reloaded the layers "
+            f"it touched with their previous bytes and serves version {old} (nothing needs a "
+            "restart); the trainer sends the next round whole"
+        )
+
+    def _reload_back(self, back: list[tuple[str, torch.Tensor]]) -> None:
+        try:
+            reload_layers(self.model, self.model_config, self._held, back)
+        except Exception as e:
+            self.broken = (
+                f"a rollback reload failed ({type(e).__name__}: {e}): this worker's model "
+                "may mix versions; restart the engine"
+            )
+            raise RuntimeError(f"deltackpt: {self.broken}") from e
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The committed round's changed tensors, widened to whole layers, into the model."""
@@ -187,8 +392,15 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
 
     @property
     def version(self) -> int | None:
-        """The last committed round's version (None before the first)."""
-        return None if self.receiver is None else self.receiver.version
+        """The version the model serves: the last committed round's (None before the first;
+        while a round is staged, the one before it)."""
+        if self.receiver is None:
+            return None
+        st = self._staged
+        if st is not None and st.error is None and not st.thread.is_alive():
+            prev = _previous(self.receiver)  # None: the first round (nothing to go back to)
+            return prev if self.receiver._undo is not None else self.receiver.version
+        return self.receiver.version
 
     def committed(self) -> dict[str, torch.Tensor]:
         """Copies of the tensors of the last committed round, by trainer name."""

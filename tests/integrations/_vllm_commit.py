@@ -1,0 +1,204 @@
+"""Run by tests/integrations/test_vllm_commit.py in the ``.venv-vllm`` interpreter: staged
+rounds (prepared while the engine serves, committed in a short pause) and commits that fail on
+purpose at each layer boundary, on a real CPU vLLM engine; writes what it saw as JSON to
+``argv[1]``.
+
+Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_commit.py OUT.json [--tp 2]``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from _vllm_run import (
+    _committed,
+    _pack,
+    _unpack,
+    expected_readable,
+    free_port,
+    greedy,
+    rl_step,
+    same,
+    tiny_qwen2,
+)
+
+# where the commit fails: at the first tensor of the layers outside the stacks (embeddings,
+# before anything loaded), before layer 0, before layer 1, after the last layer
+POINTS = ["", "model.layers.0", "model.layers.1", "end"]
+LONG = [int(x) for x in torch.randint(3, 500, (200,), generator=torch.Generator().manual_seed(5))]
+
+
+def engine(model_dir: str, transfer: bool, tp: int) -> Any:
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    kw: dict[str, Any] = {}
+    if transfer:
+        kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
+    return LLM(
+        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+        max_model_len=256, max_num_seqs=4, enable_prefix_caching=True, **kw,
+    )  # fmt: skip
+
+
+def logprobs(llm: Any) -> list[float]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=1, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": LONG}], sp, use_tqdm=False)[0].outputs[0]
+    return [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+
+
+def _fail_next(point: str) -> Any:
+    """The commit fails on the first worker only: with TP=2 the other one's reload succeeds
+    and must be taken back too."""
+
+    def set_it(worker: Any) -> None:
+        if worker.rank == 0:
+            worker.weight_transfer_engine.fail_next = point
+
+    return set_it
+
+
+def _readable_all(worker: Any) -> bytes:
+    model = worker.model_runner.get_model()
+    return _pack({n: p.detach().clone() for n, p in model.named_parameters() if p.numel()})
+
+
+def _last_commit(worker: Any) -> Any:
+    return worker.weight_transfer_engine.last_commit
+
+
+def main(out_path: str, tp: int) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
+    from deltackpt.sync import RoundAbortedError
+
+    tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-commit-")
+    tiny_qwen2(0).save_pretrained(f"{tmp}/start")
+    trainer = tiny_qwen2(1)
+    llm = engine(f"{tmp}/start", transfer=True, tp=tp)
+    info = DeltackptTrainerInitInfo(
+        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=tp
+    )
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+    gen = torch.Generator().manual_seed(2)
+    res: dict[str, Any] = {"tp": tp, "failures": []}
+
+    def state() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in trainer.state_dict().items()}
+
+    def worker_state() -> tuple[list[Any], list[dict[str, torch.Tensor]], list[Any]]:
+        committed = [_unpack(c) for c in llm.collective_rpc(_committed)]
+        readable = [_unpack(r) for r in llm.collective_rpc(_readable_all)]
+        return [c[0] for c in committed], readable, [c[1] for c in committed]
+
+    def identical(sd: dict[str, torch.Tensor]) -> list[bool]:
+        """Per worker: its committed copies are the trainer's, and (TP=1) its readable
+        parameters are what the trainer's tensors make."""
+        _, readable, committed = worker_state()
+        out = []
+        for got, rd in zip(committed, readable, strict=True):
+            ok = got.keys() == sd.keys() and all(same(got[k], sd[k]) for k in sd)
+            if tp == 1:
+                want = expected_readable(sd, list(rd))
+                ok = ok and all(same(rd[k], want[k]) for k in rd)
+            out.append(ok)
+        return out
+
+    eng.send_weights(state(), version=1)
+    v = 1
+    # a staged round: the engine keeps serving the old version until the commit
+    rl_step(trainer, 0.02, gen)
+    before = greedy(llm)
+    t0 = time.perf_counter()
+    eng.send_weights(state(), version=2, stage=True)
+    staged_s = time.perf_counter() - t0
+    versions_staged = worker_state()[0]
+    served = greedy(llm)
+    t0 = time.perf_counter()
+    committed_version = eng.commit()
+    res["staged"] = {
+        "seconds": staged_s,
+        "commit_seconds": time.perf_counter() - t0,
+        "versions_while_staged": versions_staged,
+        "served_old_while_staged": served == before,
+        "committed": committed_version,
+        "identical": identical(state()),
+        "versions": worker_state()[0],
+        "engine_version": llm.get_weight_version(),
+    }
+    v = 2
+    for mode in ("stage", "plain"):
+        for point in POINTS if mode == "stage" else ["model.layers.1"]:
+            prev_sd = state()
+            _, prev_readable, _ = worker_state()
+            rl_step(trainer, 0.02, gen)
+            llm.collective_rpc(_fail_next(point))
+            raised = None
+            try:
+                if mode == "stage":
+                    eng.send_weights(state(), version=v + 1, stage=True)
+                    eng.commit()
+                else:
+                    eng.send_weights(state(), version=v + 1)
+            except RoundAbortedError as e:
+                raised = type(e).__name__ + ": " + str(e)
+            except Exception as e:  # the plain round's RPC: vLLM re-raises the worker's text
+                raised = type(e).__name__ + ": " + str(e)
+            versions, readable, _ = worker_state()
+            row = {
+                "mode": mode,
+                "point": point,
+                "raised": raised,
+                "versions": versions,
+                "engine_version": llm.get_weight_version(),
+                "previous": v,
+                "back_on_previous": identical(prev_sd),
+                "readable_unchanged": [
+                    rd.keys() == prev_readable[i].keys()
+                    and all(same(rd[k], prev_readable[i][k]) for k in rd)
+                    for i, rd in enumerate(readable)
+                ],
+                "last_commit": llm.collective_rpc(_last_commit) if mode == "stage" else None,
+            }
+            # the next round (sent whole) brings every worker to the trainer's state
+            v += 1
+            st = eng.send_weights(state(), version=v + 1, stage=mode == "stage")
+            if mode == "stage":
+                eng.commit()
+            v += 1
+            row["next_full"] = st.full
+            row["next_identical"] = identical(state())
+            row["next_versions"] = worker_state()[0]
+            res["failures"].append(row)
+    # the prefix cache: a long prompt served before the last commit and again after it
+    rl_step(trainer, 0.02, gen)
+    logprobs(llm)
+    eng.send_weights(state(), version=v + 1, stage=True)
+    eng.commit()
+    res["after_commit_logprobs"] = logprobs(llm)
+    # the same prompt with nothing cached (what a fresh engine computes: test_vllm.py checks
+    # tokens against one)
+    llm.reset_prefix_cache()
+    res["uncached_logprobs"] = logprobs(llm)
+    res["identical_at_end"] = identical(state())
+    eng.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    args = sys.argv[2:]
+    main(sys.argv[1], int(args[args.index("--tp") + 1]) if "--tp" in args else 1)
