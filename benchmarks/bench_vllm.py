@@ -6,6 +6,11 @@ same model, per model size (a random-initialised Qwen2 written with ``transforme
 * ``deltackpt full`` / ``deltackpt delta``: ``send_weights`` of the trainer engine, timed as the
   trainer sees it (``start_weight_update`` -> round -> ``finish_weight_update``: pause to
   resume); bytes = the round's payload (``RoundStats.payload_bytes``; gloo over 127.0.0.1).
+* ``deltackpt staged delta``: the same delta round with ``send_weights(..., stage=True)``
+  (prepared while the engine serves: received, verified and applied to the workers' copies on a
+  background thread; the engine is not paused) then ``commit()``: the **pause**, the model's
+  reload of the changed layers (issue 38). Beside it the reload alone: the worker's
+  ``load_weights`` of the same layers from its copies, timed inside the worker.
 * ``safetensors + reload_weights``: what a CPU vLLM user does without it: ``save_file`` of the
   new bf16 weights, then ``llm.collective_rpc("reload_weights", kwargs={"weights_path": d})``
   (vLLM's in-place layerwise reload from disk: ``Worker.reload_weights``); bytes = the file.
@@ -156,7 +161,9 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
             st = eng.send_weights(before, version=version, full=True)
             rows.append([label, step, changed, "deltackpt full, first round (setup)",
                          f"{time.perf_counter() - t0:.3f}", fmt_bytes(st.payload_bytes), ""])  # fmt: skip
-        secs: dict[str, list[float]] = {"full": [], "delta": [], "base": []}
+        secs: dict[str, list[float]] = {
+            "full": [], "delta": [], "base": [], "prepare": [], "commit": [], "reload": []
+        }  # fmt: skip
         sent: dict[str, int] = {}
         same = True
         for _ in range(repeats):
@@ -168,6 +175,18 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
                 assert st.full == full, (tag, st.full)
                 sent[tag] = st.payload_bytes
             tokens = greedy(llm)
+            version += 1  # back to "before", then the same delta staged: prepare, commit
+            eng.send_weights(before, version=version, full=True)
+            version += 1
+            t0 = time.perf_counter()
+            st = eng.send_weights(after, version=version, stage=True)
+            secs["prepare"].append(time.perf_counter() - t0)
+            sent["prepare"] = st.payload_bytes
+            t0 = time.perf_counter()
+            eng.commit()
+            secs["commit"].append(time.perf_counter() - t0)
+            secs["reload"].append(llm.collective_rpc(_reload_alone)[0])
+            same = same and greedy(llm) == tokens
             dt, nbytes = reload_from_safetensors(llm, after, tmp)
             secs["base"].append(dt)
             sent["base"] = nbytes
@@ -181,13 +200,33 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
             rows.append(
                 [label, step, changed, what, spread(secs[tag]), fmt_bytes(sent[tag]), ratio]
             )
-        print(md_table(HEADER, rows[-3:]), flush=True)
+        one_call = median(secs["delta"])
+        for tag, what in (
+            ("prepare", "deltackpt staged delta: prepare (engine serving)"),
+            ("commit", "deltackpt staged delta: commit (the pause)"),
+            ("reload", "the workers' reload of the changed layers alone"),
+        ):
+            ratio = f"{median(secs[tag]) / one_call:.2f} of the one-call delta"
+            nbytes = fmt_bytes(sent["prepare"]) if tag == "prepare" else ""
+            rows.append([label, step, changed, what, spread(secs[tag]), nbytes, ratio])
+        print(md_table(HEADER, rows[-6:]), flush=True)
         del before, after
         gc.collect()
     eng.shutdown()
     del llm
     gc.collect()
     return rows
+
+
+def _reload_alone(worker: Any) -> float:
+    """Seconds of the worker's reload of every layer from its copies (run on the worker)."""
+    from deltackpt.integrations.vllm.worker import reload_layers
+
+    eng = worker.weight_transfer_engine
+    model = worker.model_runner.get_model()
+    t0 = time.perf_counter()
+    reload_layers(model, eng.model_config, eng._held, list(eng._held.items()))
+    return time.perf_counter() - t0
 
 
 HEADER = ["model", "step", "bf16 elements changed", "update",
@@ -202,6 +241,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median, range)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
     limits = machine_limits()
     rows: list[list[Any]] = []
     for size in args.sizes.split(","):

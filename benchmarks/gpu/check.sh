@@ -3,7 +3,8 @@
 #   here:  bash benchmarks/gpu/wheels.sh
 #   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 540)
 # 1. the gpu-marked tests; 2. benchmarks/bench_gpu.py (issue 35's table, limits in the same
-# run); 3. the rest of the suite on 14 workers, stopped at its time box. Logs and figures go to
+# run) and benchmarks/bench_gpu_sync.py (issue 36's); 3. the rest of the suite on 14 workers,
+# stopped at its time box. Logs and figures go to
 # $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SUITE_S override the time boxes. Without CUDA it runs too: the gpu tests skip and say why,
 # the benchmark runs its CPU dry run.
 set -uo pipefail
@@ -25,7 +26,12 @@ timeout "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -o
   | tee "$OUT/gpu-tests.log" || rc=1
 timeout "${BENCH_S:-200}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")
+if [ -f benchmarks/bench_gpu_sync.py ]; then
+  timeout "${SYNC_BENCH_S:-120}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" 2>&1 \
+    | tee "$OUT/bench_gpu_sync.log" || rc=1
+fi
+# SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time)
 timeout "${SUITE_S:-180}" python3 -m pytest -v -m "not gpu" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
-  tests >"$OUT/suite.log" 2>&1 || rc=1
+  ${SUITE_TESTS:-tests} >"$OUT/suite.log" 2>&1 || rc=1
 grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; tail -n 3 "$OUT/suite.log"
 exit $rc
