@@ -13,6 +13,11 @@ DELTACKPT_DEVICE_SCAN      how a sync save of CUDA state finds what changed: aut
                            ``auto`` (fingerprints on the device, only changed
                            chunks copied), ``off`` (copy all, hash on the
                            host), ``always`` (CPU state too: the test suite)
+DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
+                           no pinned buffer yet: ``auto`` (copied on the
+                           device, pinned behind the caller, where the
+                           device has room), ``off`` (pinned in the call),
+                           ``always`` (CPU state too: the test suite)
 =========================  ==============================================  ================
 
 Every field is validated when an options object is built (``save(..., threads=0)`` raises
@@ -104,6 +109,17 @@ def default_device_scan() -> str:
     value = raw.strip().lower()
     if value not in DEVICE_SCANS:
         raise _bad_env("DELTACKPT_DEVICE_SCAN", raw, f"one of {DEVICE_SCANS}", "auto")
+    return value
+
+
+STAGE_DEFERS = ("auto", "off", "always")
+
+
+def default_stage_defer() -> str:
+    raw = _env("DELTACKPT_STAGE_DEFER", "auto")
+    value = raw.strip().lower()
+    if value not in STAGE_DEFERS:
+        raise _bad_env("DELTACKPT_STAGE_DEFER", raw, f"one of {STAGE_DEFERS}", "auto")
     return value
 
 

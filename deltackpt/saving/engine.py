@@ -53,7 +53,12 @@ from deltackpt.cuda import is_device
 from deltackpt.errors import DeltackptError, SaveFailedError
 from deltackpt.format.codecs import DELTAS
 from deltackpt.format.manifest import ChunkRecord
-from deltackpt.options import SaveOptions, default_device_scan, default_memory_budget
+from deltackpt.options import (
+    SaveOptions,
+    default_device_scan,
+    default_memory_budget,
+    default_stage_defer,
+)
 from deltackpt.saving.commit import check_can_save
 from deltackpt.saving.grouping import ChangeHistory
 from deltackpt.saving.on_device import Fingerprint, FingerprintKey, scan
@@ -273,12 +278,14 @@ class StoreSaver:
                 opts.memory_budget if opts.memory_budget is not None else default_memory_budget()
             )
             on_device = any(is_device(s.data) for s in plan.sources)
-            how = default_device_scan()
-            if on_device and background and need <= budget:
+            how, defer = default_device_scan(), default_stage_defer()
+            if (on_device or (defer == "always" and stage_new)) and background and need <= budget:
                 # An async save: copy it all to pinned buffers (on a side stream); hashing and
-                # writing happen behind the caller. No xor deltas on device state.
+                # writing happen behind the caller. No xor deltas on device state. Sources with
+                # no pinned buffer yet may be held on the device and pinned behind the caller
+                # (stage's deferred step); not over a group, whose ranks hash in the call.
                 self.drop_delta_bases()
-                staged = stage(plan, self._arenas[0])
+                staged = stage(plan, self._arenas[0], defer if stage_new else "off")
                 return Prepared(plan, staged, False, locks, waited, background)
             if on_device or (how == "always" and not background):
                 return self._prepare_scan(plan, req, locks, waited, trust=how != "off")
@@ -380,7 +387,8 @@ class StoreSaver:
 
     def submit(self, name: str, job: Callable[[], SnapshotInfo], staged: Staged) -> SaveHandle:
         """Run ``job`` (steps 4-6) on the background thread as this store's save in flight; its
-        failure is kept until someone sees it. ``handle.staged`` completes with ``staged``."""
+        failure is kept until someone sees it. ``handle.staged`` completes once ``staged`` is
+        held (its deferred step, if any, runs in ``job``: ``staged.wait()`` in step 4)."""
         staged_future: Future[None] = Future()
         if staged.event is None:
             staged_future.set_result(None)
@@ -389,7 +397,7 @@ class StoreSaver:
             try:
                 if not staged_future.done():
                     try:
-                        staged.wait()
+                        staged.held()
                         staged_future.set_result(None)
                     except BaseException as e:
                         staged_future.set_exception(e)
