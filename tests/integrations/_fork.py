@@ -3,6 +3,12 @@
 Forking (instead of a fresh interpreter) spares the child the import of Lightning/transformers
 (tens of seconds on a loaded machine). The child uses one intra-op thread, as the parent's test
 does, so both compute the very same floats.
+
+Where CUDA devices exist the child is a fresh interpreter instead (``spawn``, the target sent
+with cloudpickle, closures by value): once the parent has run a backward pass there, PyTorch's
+autograd refuses to run in a forked child ("Unable to handle autograd's threading in
+combination with fork-based multiprocessing": its per-device threads). ``DELTACKPT_TEST_SPAWN=1``
+takes that path on any machine (tests/integrations/test_fork_harness.py).
 """
 
 from __future__ import annotations
@@ -34,12 +40,34 @@ def _child(target: Callable[[Callable[[], None]], None], conn: Any) -> None:
     os._exit(0)
 
 
+def _spawned(payload: bytes, conn: Any) -> None:
+    import cloudpickle
+
+    _child(cloudpickle.loads(payload), conn)
+
+
+def spawns() -> bool:
+    """Whether :func:`run_and_kill` starts a fresh interpreter instead of forking."""
+    import torch
+
+    return bool(os.environ.get("DELTACKPT_TEST_SPAWN")) or torch.cuda.is_available()
+
+
 def run_and_kill(target: Callable[[Callable[[], None]], None], timeout: float = 120.0) -> None:
-    """Fork; the child runs ``target(at_kill_point)``; SIGKILL it when it calls ``at_kill_point``.
-    Raises AssertionError if it never gets there (with the child's traceback)."""
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(target, child), daemon=True)
+    """Fork (or spawn: module doc); the child runs ``target(at_kill_point)``; SIGKILL it when it
+    calls ``at_kill_point``. Raises AssertionError if it never gets there (with the child's
+    traceback)."""
+    if spawns():
+        import cloudpickle
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_spawned, args=(cloudpickle.dumps(target), child), daemon=True)
+        timeout += 60  # the fresh interpreter imports torch and the framework again
+    else:
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_child, args=(target, child), daemon=True)
     proc.start()
     try:
         if not parent.poll(timeout):
