@@ -8,9 +8,11 @@ same model, per model size (a random-initialised Qwen2 written with ``transforme
   resume); bytes = the round's payload (``RoundStats.payload_bytes``; gloo over 127.0.0.1).
 * ``deltackpt staged delta``: the same delta round with ``send_weights(..., stage=True)``
   (prepared while the engine serves: received, verified and applied to the workers' copies on a
-  background thread; the engine is not paused) then ``commit()``: the **pause**, the model's
-  reload of the changed layers (issue 38). Beside it the reload alone: the worker's
-  ``load_weights`` of the same layers from its copies, timed inside the worker.
+  background thread; the engine is not paused; ``send_weights`` returns once every worker has)
+  then ``commit()``, timed as the trainer sees it (its RPCs, the workers' vote, the version
+  label, the prefix-cache reset) and inside the worker (its ``finish_weight_update``: the
+  **pause**, the model's reload of the changed layers and the vote; issue 38). Beside it the
+  reload alone: the worker's ``load_weights`` of the same layers from its copies.
 * ``safetensors + reload_weights``: what a CPU vLLM user does without it: ``save_file`` of the
   new bf16 weights, then ``llm.collective_rpc("reload_weights", kwargs={"weights_path": d})``
   (vLLM's in-place layerwise reload from disk: ``Worker.reload_weights``); bytes = the file.
@@ -162,7 +164,8 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
             rows.append([label, step, changed, "deltackpt full, first round (setup)",
                          f"{time.perf_counter() - t0:.3f}", fmt_bytes(st.payload_bytes), ""])  # fmt: skip
         secs: dict[str, list[float]] = {
-            "full": [], "delta": [], "base": [], "prepare": [], "commit": [], "reload": []
+            "full": [], "delta": [], "base": [], "prepare": [], "commit": [], "inside": [],
+            "reload": [],
         }  # fmt: skip
         sent: dict[str, int] = {}
         same = True
@@ -185,6 +188,7 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
             t0 = time.perf_counter()
             eng.commit()
             secs["commit"].append(time.perf_counter() - t0)
+            secs["inside"].append(llm.collective_rpc(_commit_inside)[0])
             secs["reload"].append(llm.collective_rpc(_reload_alone)[0])
             same = same and greedy(llm) == tokens
             dt, nbytes = reload_from_safetensors(llm, after, tmp)
@@ -203,19 +207,25 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
         one_call = median(secs["delta"])
         for tag, what in (
             ("prepare", "deltackpt staged delta: prepare (engine serving)"),
-            ("commit", "deltackpt staged delta: commit (the pause)"),
+            ("commit", "deltackpt staged delta: commit() as the trainer sees it"),
+            ("inside", "the commit inside the worker: the engine's pause"),
             ("reload", "the workers' reload of the changed layers alone"),
         ):
             ratio = f"{median(secs[tag]) / one_call:.2f} of the one-call delta"
             nbytes = fmt_bytes(sent["prepare"]) if tag == "prepare" else ""
             rows.append([label, step, changed, what, spread(secs[tag]), nbytes, ratio])
-        print(md_table(HEADER, rows[-6:]), flush=True)
+        print(md_table(HEADER, rows[-7:]), flush=True)
         del before, after
         gc.collect()
     eng.shutdown()
     del llm
     gc.collect()
     return rows
+
+
+def _commit_inside(worker: Any) -> float:
+    """Seconds the worker's last commit took (its finish_weight_update: reload and vote)."""
+    return float(worker.weight_transfer_engine.last_commit["seconds"])
 
 
 def _reload_alone(worker: Any) -> float:

@@ -229,6 +229,7 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         if not self.is_sender:  # rank 0 drives the engine; every rank reads the verdict
             stats = self._push(tensors, version, full)
             if stage:
+                self._wait_staged(version)
                 self._staged = int(version)
             else:
                 self._verdict(version)
@@ -247,6 +248,7 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             raise
         rpc.result()
         if stage:
+            self._wait_staged(version)
             self._staged = int(version)
             return stats
         try:
@@ -257,6 +259,14 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         self.client.finish_weight_update(str(version))
         self._fresh_cache()
         return stats
+
+    def _wait_staged(self, version: int) -> None:
+        """Until every worker applied the staged round to its copies (after the vote they
+        still copy it in: that belongs to the preparation, not to the commit's pause)."""
+        from deltackpt.integrations.vllm.worker import wait_staged
+
+        assert self.group is not None
+        wait_staged(self.group, f"c{self._commits}", f"staging of version {version}")
 
     def _verdict(self, version: int) -> None:
         """Raise :class:`~deltackpt.sync.RoundAbortedError` when the workers took round

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,7 @@ __all__ = [
     "commit_verdict",
     "layer_key",
     "reload_layers",
+    "wait_staged",
 ]
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,17 @@ class _Staged:
     changed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     error: BaseException | None = None
     thread: threading.Thread = field(default_factory=threading.Thread)
+
+
+def _staged_base(group: SyncGroup, key: str) -> str:
+    return f"vllm/staged/{group.epoch}/{key}"
+
+
+def wait_staged(group: SyncGroup, key: str, what: str) -> None:
+    """Wait until every worker applied the staged round ``key`` to its copies."""
+    base = _staged_base(group, key)
+    keys = [f"{base}/{r}" for r in range(group.world_size) if r not in group.trainers]
+    group.wait_until(lambda: bool(group.store.check(keys)), what, None)
 
 
 def commit_keys(group: SyncGroup, key: str) -> list[str]:
@@ -254,13 +267,16 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             self.last_commit = {"version": staged.version, "ok": False, "why": str(staged.error)}
             return
         assert self.receiver is not None
+        t0 = time.perf_counter()
         try:
             self._commit(staged.changed, staged.version, staged.key, undo=self.receiver.revert)
         except Exception as e:
             self.last_commit = {"version": staged.version, "ok": False, "why": str(e)}
             log.error("%s", e)
             return
-        self.last_commit = {"version": staged.version, "ok": True, "why": ""}
+        self.last_commit = {
+            "version": staged.version, "ok": True, "why": "", "seconds": time.perf_counter() - t0
+        }  # fmt: skip
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -323,9 +339,14 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
     def _stage(self, staged: _Staged) -> None:
         """The background half of a staged round: receive, verify, vote, apply to the
         receiver's copies, keep the changed tensors for the commit."""
-        assert self.receiver is not None
+        assert self.receiver is not None and self.group is not None
+        g = self.group
         try:
             self.last_stats = self.receiver.pull(staged.changed.extend, undo=True)
+            # applied to the copies: the trainer's send_weights(stage=True) returns once every
+            # worker is here, so the commit is the reload alone
+            me = f"{_staged_base(g, staged.key)}/{g.rank}"
+            g.guard("store set", lambda: g.store.set(me, ""))
         except SyncError as e:
             staged.error = type(e)(f"deltackpt {type(e).__name__}: {e}")
         except BaseException as e:  # reported by finish_weight_update
