@@ -12,7 +12,8 @@ Rows (every save fsyncs; torch.save is followed by an fsync):
 * ``torch.save`` of the state, ``dcp.save`` (one-rank gloo group);
 * ``deltackpt.save``: first (cold), nothing changed, after a step, after a sparse step;
 * ``deltackpt.async_save``: blocking of the first and of a warm one (after a step);
-* ``load(into=)`` the state's own CUDA tensors, warm, vs ``dcp.load``.
+* ``load(into=)`` the state's own CUDA tensors, warm and cold (page cache dropped: on CUDA
+  only, as root; skipped otherwise), vs ``dcp.load``.
 
 Without CUDA it runs the same rows on CPU tensors with the device path forced
 (``DELTACKPT_DEVICE_SCAN=always``), as a check that the script works, not as figures.
@@ -179,7 +180,39 @@ def run(gb: float, work: Path) -> dict[str, Any]:
     res["load_into_warm_s"] = min(
         clock(lambda: deltackpt.load(store, "s2", into=state)) for _ in range(2)
     )
+    # cold rows on the device machine only: dropping the page cache of a shared box here would
+    # slow everyone else's work
+    res["cold"] = cold_rows(state, store, work) if DEV.type == "cuda" else None
     return res
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root on Linux: the device machine runs as root); False if not
+    allowed here, then the cold rows are skipped."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def cold_rows(state: dict[str, Any], store: Any, work: Path) -> dict[str, float] | None:
+    """``load(into=)`` and ``dcp.load`` (of the checkpoint dcp_rows wrote) from a cold page
+    cache, each after dropping it."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    for name, fn in (
+        ("load_into_cold_s", lambda: deltackpt.load(store, "s2", into=state)),
+        ("dcp_load_cold_s", lambda: dcp.load(state, checkpoint_id=str(work / "dcp"))),
+    ):
+        if not drop_caches():
+            C_log("cold rows skipped: cannot drop the page cache here (needs root)")
+            return None
+        out[name] = clock(fn)
+    return out
 
 
 def async_rows(model: torch.nn.Module, opt: torch.optim.Optimizer, work: Path) -> dict[str, float]:
@@ -252,6 +285,15 @@ def report(res: dict[str, Any]) -> str:
             f"{res['load_into_warm_s']:.3f} s",
             f"{res['load_into_warm_s'] / res['dcp_load_s']:.2f}x dcp.load",
             "<= 0.2x",
+        ],
+        [
+            "load(into=) cold",
+            "-" if res["cold"] is None else f"{res['cold']['load_into_cold_s']:.3f} s",
+            "-"
+            if res["cold"] is None
+            else f"{res['cold']['load_into_cold_s'] / res['cold']['dcp_load_cold_s']:.2f}x "
+            "dcp.load cold",
+            "<= 0.6x",
         ],
         ["first async_save blocking", f"{a['blocking_0']:.3f} s", "-", "<= 0.1 s"],
         [
