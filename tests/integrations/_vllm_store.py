@@ -16,7 +16,7 @@ import tempfile
 from typing import Any
 
 import torch
-from _vllm_run import greedy, rl_step, tiny_qwen2
+from _vllm_run import _readable, _unpack, greedy, rl_step, same, tiny_qwen2
 
 
 def _tamper(worker: Any) -> None:
@@ -68,8 +68,25 @@ def main(out_path: str) -> None:
     pull("tampered", publish("v4"))
     rl_step(trainer, 0.02, gen)
     pull("v5", publish("v5"))
+    # staged: prepared while the engine serves v5, loaded at the commit
+    before = greedy(llm)
+    params = _unpack(llm.collective_rpc(_readable)[0])
+    rl_step(trainer, 0.02, gen)
+    want = publish("v6")
+    staged = llm.collective_rpc("deltackpt_follow", args=(store,), kwargs={"stage": True})[0]
+    served = greedy(llm)  # the staged poll may still run: the model is v5 until the commit
+    while_staged = _unpack(llm.collective_rpc(_readable)[0])
+    got = llm.collective_rpc("deltackpt_follow_commit")[0]
+    dig = llm.collective_rpc("deltackpt_follow_digests")[0]
+    after = _unpack(llm.collective_rpc(_readable)[0])
+    got.update(tag="v6 staged", identical=dig["digests"] == want, staged=staged["staged"])
+    got["served_v5_while_staged"] = served == before and all(
+        same(params[k], while_staged[k]) for k in params
+    )
+    got["moved"] = not all(same(params[k], after[k]) for k in params)
+    res["pulls"].append(got)
     stats = deltackpt.LoadStats()
-    deltackpt.load(store, "v5", stats=stats)
+    deltackpt.load(store, "v6", stats=stats)
     res["full_bytes"] = stats.bytes_read
     res["tokens"] = greedy(llm)
     trainer.save_pretrained(f"{tmp}/final")

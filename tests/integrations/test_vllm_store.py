@@ -45,3 +45,10 @@ def test_a_held_copy_changed_behind_its_back_is_reloaded_whole(run):
 
 def test_greedy_tokens_equal_a_fresh_engine_on_the_same_weights(run):
     assert run["tokens"] == run["fresh_tokens"]
+
+
+def test_a_staged_follow_serves_the_old_version_until_its_commit(run):
+    p = pulls(run)["v6 staged"]
+    assert p["staged"] and p["served_v5_while_staged"]
+    assert p["mode"] == "incremental" and p["version"] == "v6" and p["identical"], p
+    assert p["moved"] and p["seconds"] > 0  # the commit loaded the new weights

@@ -55,6 +55,16 @@ def state_digests(
     return out
 
 
+def _follow_report(f: Any, s: Any) -> dict[str, Any]:
+    return {
+        "version": f.version,
+        "mode": None if s is None else s.mode,
+        "reason": None if s is None else s.reason,
+        "bytes_read": 0 if s is None else s.load.bytes_read,
+        "changed": 0 if s is None else len(s.changed),
+    }
+
+
 class DeltackptWorkerExtension:
     """Mixed into vLLM's worker class by ``worker_extension_cls`` (see module doc); its
     methods run on every worker through ``collective_rpc``."""
@@ -93,6 +103,7 @@ class DeltackptWorkerExtension:
         key: str | None = "model",
         storage_options: dict[str, Any] | None = None,
         lease_ttl: float | None = 600.0,
+        stage: bool = False,
     ) -> dict[str, Any]:
         """Bring this worker's model to the newest committed snapshot of ``store`` (one poll of
         a :class:`deltackpt.Follower` kept on the worker; the first call loads whole, later
@@ -102,21 +113,39 @@ class DeltackptWorkerExtension:
         version retention deleted, mean a full load. Memory: the follower's CPU copy of the
         followed tensors (the model's own parameters are fused, sharded or repacked).
         Returns ``{"version", "mode" (None: nothing newer), "reason", "bytes_read",
-        "changed"}``."""
+        "changed"}``.
+
+        ``stage=True``: prepare while the engine serves. The poll (reads, patches, checks) runs
+        on a background thread and this returns ``{"staged": True}`` at once; the model is
+        untouched until :meth:`deltackpt_follow_commit`, the pause (the reload of the changed
+        layers)."""
         import socket
+        import threading
 
         from deltackpt.follow import Follower
         from deltackpt.integrations.vllm.worker import reload_layers
 
+        if getattr(self, "_deltackpt_follow_staged", None) is not None:
+            raise RuntimeError(
+                "deltackpt_follow: a staged version waits for deltackpt_follow_commit"
+            )
         f = getattr(self, "_deltackpt_follower", None)
         if f is None or getattr(self, "_deltackpt_follow_args", None) != (store, key):
             model, cfg = self.model_runner.get_model(), self.model_config  # type: ignore[attr-defined]
             loaded: dict[str, Any] = {}
             prefix = "" if key is None else f"{key}/"
             rank = int(getattr(self, "rank", 0))
+            sink: list[Any] = [None]  # a staged poll collects here instead of reloading
+
+            def load_weights(w: Any) -> None:
+                if sink[0] is not None:
+                    sink[0].extend(w)
+                else:
+                    reload_layers(model, cfg, loaded, list(w))
+
             f = Follower(
                 store,
-                load_weights=lambda w: reload_layers(model, cfg, loaded, list(w)),
+                load_weights=load_weights,
                 keys=None if key is None else [key],
                 rename=lambda k: k.removeprefix(prefix),
                 holder=f"vllm-{socket.gethostname()}-{os.getpid()}-rank{rank}",
@@ -124,15 +153,55 @@ class DeltackptWorkerExtension:
                 storage_options=storage_options,
             )
             self._deltackpt_follower, self._deltackpt_follow_args = f, (store, key)
-            self._deltackpt_loaded = loaded
-        s = f.poll()
-        return {
-            "version": f.version,
-            "mode": None if s is None else s.mode,
-            "reason": None if s is None else s.reason,
-            "bytes_read": 0 if s is None else s.load.bytes_read,
-            "changed": 0 if s is None else len(s.changed),
-        }
+            self._deltackpt_loaded, self._deltackpt_follow_sink = loaded, sink
+        if stage:
+            staged: dict[str, Any] = {"weights": [], "stats": None, "error": None}
+
+            def prepare() -> None:
+                self._deltackpt_follow_sink[0] = staged["weights"]
+                try:
+                    staged["stats"] = f.poll()
+                except BaseException as e:  # reported by deltackpt_follow_commit
+                    staged["error"] = e
+                finally:
+                    self._deltackpt_follow_sink[0] = None
+
+            staged["thread"] = threading.Thread(target=prepare, name="deltackpt-follow-stage")
+            staged["thread"].start()
+            self._deltackpt_follow_staged = staged
+            return {"staged": True, "version": f.version}
+        return _follow_report(f, f.poll())
+
+    def deltackpt_follow_commit(self) -> dict[str, Any]:
+        """Load what the staged ``deltackpt_follow(..., stage=True)`` prepared (the pause: the
+        reload of the changed layers); the same answer as ``deltackpt_follow`` plus
+        ``"seconds"`` (of the reload), or ``{"error": ...}`` when the poll failed (the model is
+        untouched). A reload that fails is not rolled back on this path: the follower then
+        hands every tensor over at the next ``deltackpt_follow`` (its resend), which brings the
+        model to the newest version; the error is raised."""
+        import time
+
+        from deltackpt.integrations.vllm.worker import reload_layers
+
+        staged = getattr(self, "_deltackpt_follow_staged", None)
+        if staged is None:
+            raise RuntimeError("deltackpt_follow_commit: nothing is staged")
+        staged["thread"].join()
+        self._deltackpt_follow_staged = None
+        f = self._deltackpt_follower
+        if staged["error"] is not None:
+            return {"error": f"{type(staged['error']).__name__}: {staged['error']}"}
+        t0 = time.perf_counter()
+        if staged["weights"]:
+            model, cfg = self.model_runner.get_model(), self.model_config  # type: ignore[attr-defined]
+            try:
+                reload_layers(model, cfg, self._deltackpt_loaded, staged["weights"])
+            except BaseException:
+                f._resend = True  # the next poll hands every tensor over again
+                raise
+        out = _follow_report(f, staged["stats"])
+        out["seconds"] = time.perf_counter() - t0
+        return out
 
     def deltackpt_follow_digests(self) -> dict[str, Any]:
         """``{"version": ..., "digests": {name: xxh3-128 hex}}`` of the tensors the store link
