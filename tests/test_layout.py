@@ -25,7 +25,7 @@ LAYERS: dict[str, set[str]] = {
     "saving": {"errors", "options", "cuda", "format", "store"},
     "loading": {"errors", "options", "cuda", "format", "store"},
     "distributed": {"errors", "options", "cuda", "format", "store", "saving", "loading"},
-    "sync": {"errors", "cuda", "format"},
+    "sync": {"errors", "options", "cuda", "format"},
     "tiers": {
         "errors",
         "cuda",

@@ -566,6 +566,9 @@ def _non_tensor_trainer(port: int) -> list[Any]:
             out.append(None)
         except Exception as e:  # the promise is a SyncError: whatever comes is reported
             out.append(_err(e))
+    # the store lives in this rank: leave only once the receiver is done reading it (with
+    # fast_exit an early exit reset the receiver's last store read: a PeerLostError, under load)
+    group.pg.barrier().wait()
     return out
 
 
@@ -582,6 +585,7 @@ def _non_tensor_receiver(port: int) -> list[Any]:
         except Exception as e:
             out.append(_err(e))
     out.append(receiver.version)
+    group.pg.barrier().wait()
     return out
 
 
