@@ -1,52 +1,21 @@
-"""Run by tests/integrations/test_vllm_commit.py in the ``.venv-vllm`` interpreter: staged
-rounds (prepared while the engine serves, committed in a short pause) and commits that fail on
-purpose at each layer boundary, on a real CPU vLLM engine; writes what it saw as JSON to
-``argv[1]``.
-
-Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_commit.py OUT.json [--tp 2]``
+"""Staged rounds (prepared while the engine serves, committed in a short pause) and commits
+that fail on purpose at each layer boundary, on a real CPU vLLM engine: run at the end of
+``_vllm_run.py`` (one worker) and ``_vllm_tp.py`` (TP=2) on the engine they already started
+(an engine start is most of such a test's time), checked by test_vllm.py and test_vllm_tp.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
-from _vllm_run import (
-    _committed,
-    _pack,
-    _unpack,
-    expected_readable,
-    free_port,
-    greedy,
-    rl_step,
-    same,
-    tiny_qwen2,
-)
+from _vllm_run import _committed, _pack, _unpack, expected_readable, greedy, rl_step, same
 
 # where the commit fails: at the first tensor of the layers outside the stacks (embeddings,
 # before anything loaded), before layer 0, before layer 1, after the last layer
 POINTS = ["", "model.layers.0", "model.layers.1", "end"]
 LONG = [int(x) for x in torch.randint(3, 500, (200,), generator=torch.Generator().manual_seed(5))]
-
-
-def engine(model_dir: str, transfer: bool, tp: int) -> Any:
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
-    kw: dict[str, Any] = {}
-    if transfer:
-        kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
-    if tp > 1:
-        kw["tensor_parallel_size"] = tp
-    return LLM(
-        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, max_num_seqs=4, enable_prefix_caching=True, **kw,
-    )  # fmt: skip
 
 
 def logprobs(llm: Any) -> list[float]:
@@ -77,27 +46,15 @@ def _last_commit(worker: Any) -> Any:
     return worker.weight_transfer_engine.last_commit
 
 
-def main(out_path: str, tp: int) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
-    from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
+def commit_scenarios(llm: Any, eng: Any, trainer: Any, gen: Any, tp: int, v: int) -> dict:
+    """The staged round, the failed commits and the prefix cache on a running engine whose
+    trainer engine ``eng`` last committed version ``v`` of ``trainer``'s weights."""
     from deltackpt.sync import RoundAbortedError
 
-    tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-commit-")
-    tiny_qwen2(0).save_pretrained(f"{tmp}/start")
-    trainer = tiny_qwen2(1)
-    llm = engine(f"{tmp}/start", transfer=True, tp=tp)
-    info = DeltackptTrainerInitInfo(
-        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=tp
-    )
-    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
-    gen = torch.Generator().manual_seed(2)
     res: dict[str, Any] = {"tp": tp, "failures": []}
 
     def state() -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in trainer.state_dict().items()}
+        return {k: t.detach().clone() for k, t in trainer.state_dict().items()}
 
     def worker_state() -> tuple[list[Any], list[dict[str, torch.Tensor]], list[Any]]:
         committed = [_unpack(c) for c in llm.collective_rpc(_committed)]
@@ -117,13 +74,11 @@ def main(out_path: str, tp: int) -> None:
             out.append(ok)
         return out
 
-    eng.send_weights(state(), version=1)
-    v = 1
     # a staged round: the engine keeps serving the old version until the commit
     rl_step(trainer, 0.02, gen)
     before = greedy(llm)
     t0 = time.perf_counter()
-    eng.send_weights(state(), version=2, stage=True)
+    eng.send_weights(state(), version=v + 1, stage=True)
     staged_s = time.perf_counter() - t0
     versions_staged = worker_state()[0]
     served = greedy(llm)
@@ -132,6 +87,7 @@ def main(out_path: str, tp: int) -> None:
     res["staged"] = {
         "seconds": staged_s,
         "commit_seconds": time.perf_counter() - t0,
+        "previous": v,
         "versions_while_staged": versions_staged,
         "served_old_while_staged": served == before,
         "committed": committed_version,
@@ -139,7 +95,7 @@ def main(out_path: str, tp: int) -> None:
         "versions": worker_state()[0],
         "engine_version": llm.get_weight_version(),
     }
-    v = 2
+    v += 1
     for mode in ("stage", "plain"):
         for point in POINTS if mode == "stage" else ["model.layers.1"]:
             prev_sd = state()
@@ -194,11 +150,5 @@ def main(out_path: str, tp: int) -> None:
     llm.reset_prefix_cache()
     res["uncached_logprobs"] = logprobs(llm)
     res["identical_at_end"] = identical(state())
-    eng.shutdown()
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
-
-
-if __name__ == "__main__":
-    args = sys.argv[2:]
-    main(sys.argv[1], int(args[args.index("--tp") + 1]) if "--tp" in args else 1)
+    res["last_version"] = v + 1
+    return res

@@ -51,7 +51,7 @@ def engine(model_dir: str, transfer: bool) -> Any:
         kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, max_num_seqs=4, **kw,
+        max_model_len=256, max_num_seqs=4, enable_prefix_caching=True, **kw,
     )  # fmt: skip
 
 
@@ -241,6 +241,10 @@ def main(out_path: str, short: bool = False) -> None:
     res["refused"]["engine_version"] = llm.get_weight_version()
     rl_step(trainer, 0.02, gen)
     check("after_refusal", eng.send_weights(trainer.state_dict(), version=10))
+    # staged rounds, commits failed on purpose, the prefix cache (_vllm_commit.py)
+    from _vllm_commit import commit_scenarios
+
+    res["commit"] = commit_scenarios(llm, eng, trainer, gen, 1, 10)
     finish(res, llm, trainer, tmp, out_path)
     eng.shutdown()
 

@@ -41,7 +41,8 @@ def tp_engine(model_dir: str, transfer: bool) -> Any:
         kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, max_num_seqs=4, tensor_parallel_size=2, **kw,
+        max_model_len=256, max_num_seqs=4, tensor_parallel_size=2, enable_prefix_caching=True,
+        **kw,
     )  # fmt: skip
 
 
@@ -85,6 +86,10 @@ def main(out_path: str) -> None:
         )
     res["paths"] = llm.collective_rpc(_paths)
     res["emptied"] = llm.collective_rpc(_emptied)
+    # staged rounds, commits failed on purpose on one worker, the prefix cache
+    from _vllm_commit import commit_scenarios
+
+    res["commit"] = commit_scenarios(llm, eng, trainer, gen, 2, 3)
     res["tokens"] = greedy(llm)
     eng.shutdown()
     del llm  # free the two bound cores before the fresh engine starts

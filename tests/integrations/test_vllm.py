@@ -16,6 +16,11 @@ from typing import Any
 
 import pytest
 
+from tests.integrations._commit_checks import (
+    check_failed_commits,
+    check_prefix_cache,
+    check_staged_round,
+)
 from tests.integrations._vllm_env import MARKS, run_script
 
 pytestmark = MARKS
@@ -127,3 +132,18 @@ def test_a_trainer_refusing_its_tensors_fails_fast_and_leaves_the_engine(run):
     assert r["raised"] == "PlanError"
     assert r["seconds"] < 30 and r["engine_version"] == "9"  # the group timeout is 60 s
     assert rounds(run)["after_refusal"]["committed_identical"]
+
+
+# ---- staged rounds and failed commits (_vllm_commit.py, at the end of the main run) --------
+
+
+def test_a_staged_round_serves_the_old_version_until_its_commit(run):
+    check_staged_round(run["commit"])
+
+
+def test_a_failed_commit_at_any_layer_leaves_the_previous_version(run):
+    check_failed_commits(run["commit"])
+
+
+def test_after_a_commit_requests_are_served_by_the_new_weights_only(run):
+    check_prefix_cache(run["commit"])

@@ -13,6 +13,11 @@ from typing import Any
 
 import pytest
 
+from tests.integrations._commit_checks import (
+    check_failed_commits,
+    check_prefix_cache,
+    check_staged_round,
+)
 from tests.integrations._vllm_env import MARKS, run_script
 
 pytestmark = [
@@ -62,3 +67,18 @@ def test_every_parameter_reports_its_path(run):
     emb = p0["model.embed_tokens.weight"]["layout"]
     assert emb == "tensor-parallel shard [256, 128] of [512, 128]"
     assert p0["model.norm.weight"]["layout"] == "whole"
+
+
+# ---- staged rounds and failed commits on one of the two workers (_vllm_commit.py) ----------
+
+
+def test_a_staged_round_serves_the_old_version_on_both_workers_until_its_commit(run):
+    check_staged_round(run["commit"])
+
+
+def test_a_commit_failing_on_one_worker_is_taken_back_on_both(run):
+    check_failed_commits(run["commit"])
+
+
+def test_after_a_commit_both_workers_serve_the_new_weights_only(run):
+    check_prefix_cache(run["commit"])
