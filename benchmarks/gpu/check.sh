@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared device check (issues 35 and 36), one command on one GPU machine, ~6 minutes:
 #   here:  bash benchmarks/gpu/wheels.sh
-#   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 540)
+#   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 560)
 # 1. the gpu-marked tests; 2. benchmarks/bench_gpu.py (issue 35's table, limits in the same
 # run) and benchmarks/bench_gpu_sync.py (issue 36's); 3. the rest of the suite on 14 workers,
 # stopped at its time box. Logs and figures go to
@@ -22,17 +22,17 @@ python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || echo "no C ext
 { nvidia-smi || true; python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())"; } \
   >"$OUT/machine.txt" 2>&1
 rc=0
-timeout "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests 2>&1 \
+timeout "${GPU_TESTS_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests 2>&1 \
   | tee "$OUT/gpu-tests.log" || rc=1
-timeout "${BENCH_S:-200}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+timeout "${BENCH_S:-150}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
 if [ -f benchmarks/bench_gpu_sync.py ]; then
-  timeout "${SYNC_BENCH_S:-120}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" 2>&1 \
+  timeout "${SYNC_BENCH_S:-90}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" 2>&1 \
     | tee "$OUT/bench_gpu_sync.log" || rc=1
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order)
-timeout "${SUITE_S:-180}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
+timeout "${SUITE_S:-240}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
   ${SUITE_TESTS:-tests} >"$OUT/suite.log" 2>&1 || rc=1
 grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; tail -n 3 "$OUT/suite.log"
 exit $rc
