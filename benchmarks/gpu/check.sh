@@ -18,17 +18,20 @@ if ! python3 -c "import zstandard, jsonschema" 2>/dev/null && compgen -G ".whl/*
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export DELTACKPT_TEST_FAILURES="$OUT/failures.log"  # each failure as it happens (tests/conftest.py)
-python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || echo "no C extension (numpy path)"
+# at most 8 files come back from $OUT: the machine, the build, the gpu tests and both benchmarks'
+# output go to one check.log; the benchmarks write their .json and .md; suite.log; failures.log
+LOG="$OUT/check.log"
+python3 setup.py -q build_ext --inplace >>"$LOG" 2>&1 || echo "no C extension (numpy path)" | tee -a "$LOG"
 { nvidia-smi || true; python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())"; } \
-  >"$OUT/machine.txt" 2>&1
+  >>"$LOG" 2>&1
 rc=0
 timeout "${GPU_TESTS_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests 2>&1 \
-  | tee "$OUT/gpu-tests.log" || rc=1
-timeout "${BENCH_S:-150}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+  | tee -a "$LOG" || rc=1
+timeout "${BENCH_S:-150}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
 if [ -f benchmarks/bench_gpu_sync.py ]; then
   timeout "${SYNC_BENCH_S:-90}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" 2>&1 \
-    | tee "$OUT/bench_gpu_sync.log" || rc=1
+    | tee -a "$LOG" || rc=1
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order)
