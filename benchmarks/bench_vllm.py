@@ -13,6 +13,9 @@ same model, per model size (a random-initialised Qwen2 written with ``transforme
   label, the prefix-cache reset) and inside the worker (its ``finish_weight_update``: the
   **pause**, the model's reload of the changed layers and the vote; issue 38). Beside it the
   reload alone: the worker's ``load_weights`` of the same layers from its copies.
+* worker memory: the worker process's peak and current RSS (``/proc/self/status``) at the end,
+  against the model's bf16 bytes (the engine's own weights, the receiver's copies, its staging
+  arena, and for a round sent whole the rollback's copy until the commit).
 * ``safetensors + reload_weights``: what a CPU vLLM user does without it: ``save_file`` of the
   new bf16 weights, then ``llm.collective_rpc("reload_weights", kwargs={"weights_path": d})``
   (vLLM's in-place layerwise reload from disk: ``Worker.reload_weights``); bytes = the file.
@@ -152,6 +155,7 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     label = f"{size} ({nparams / 1e6:.3g}M params, {fmt_bytes(2 * nparams)} bf16)"
+    mem0 = llm.collective_rpc(_rss)[0]  # the engine with its model, before any round
     rows: list[list[Any]] = []
     version = 0
     for step, lr, warmup in (("rl", 1e-6, 2), ("pretrain", PRETRAIN_LR, 0)):
@@ -217,10 +221,28 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
         print(md_table(HEADER, rows[-7:]), flush=True)
         del before, after
         gc.collect()
+    mem = llm.collective_rpc(_rss)[0]
+    model_bytes = 2 * nparams
+    extra, held = mem["VmHWM"] - mem0["VmRSS"], mem["VmRSS"] - mem0["VmRSS"]
+    rows.append([label, "-", "-", "worker memory above the engine before its first round: "
+                 f"peak / at the end (model {fmt_bytes(model_bytes)} bf16)", "-",
+                 f"{fmt_bytes(extra)} / {fmt_bytes(held)}",
+                 f"{extra / model_bytes:.2f}x / {held / model_bytes:.2f}x the model"])  # fmt: skip
+    print(md_table(HEADER, rows[-1:]), flush=True)
     eng.shutdown()
     del llm
     gc.collect()
     return rows
+
+
+def _rss(worker: Any) -> dict[str, int]:
+    """The worker process's resident memory now and at its peak (bytes, /proc/self/status)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
 
 
 def _commit_inside(worker: Any) -> float:
