@@ -19,10 +19,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             f"test ids that differ per process (give them stable ids): {unstable}"
         )
-    # the vLLM engine files first: each is one work unit of a minute or more under pytest-xdist's
-    # --dist loadfile (an engine start is most of it), and the longest units first keep one
-    # worker from finishing long after the other (stable: the rest keep collection order)
-    items.sort(key=lambda item: 0 if "integrations/test_vllm" in item.nodeid else 1)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
