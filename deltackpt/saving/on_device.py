@@ -20,7 +20,7 @@ buffers and hashes behind the caller (saving/stage.py :func:`stage`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -28,36 +28,15 @@ import numpy as np
 import torch
 
 from deltackpt.cuda import HostCopies, is_device
-from deltackpt.errors import DeltackptError
 from deltackpt.format.fingerprint import source_fingerprints
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.saving.hooks import hooks
 from deltackpt.saving.plan import SavePlan, chunk_view
-from deltackpt.saving.stage import Arena, StagedChunks
+from deltackpt.saving.stage import Arena, StagedChunks, Unfilled
 
 Fingerprint = tuple[int, int]
 FingerprintKey = tuple[str, int]  # (chunk ref_key, chunk size)
-
-
-class Unstaged(Sequence[np.ndarray]):
-    """Per-source host bytes where only the staged chunks are valid: reading a source that was
-    never staged is a bug (its chunk would be written from stale bytes), so it raises."""
-
-    def __init__(self, arrays: list[np.ndarray | None]) -> None:
-        self._arrays = arrays
-
-    def __len__(self) -> int:
-        return len(self._arrays)
-
-    def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
-        a = self._arrays[i]
-        if a is None:
-            raise DeltackptError(
-                f"internal error: source {i} of a device save was read but never copied to the "
-                "host; nothing was written. Please report this"
-            )
-        return a
 
 
 @dataclass
@@ -67,7 +46,7 @@ class DeviceScan:
 
     digests: list[str]
     copies: StagedChunks
-    arrays: Unstaged  # per source: its host buffer (only the staged ranges hold its bytes)
+    arrays: Unfilled  # per source: its host buffer (only the staged ranges hold its bytes)
     fingerprints: dict[FingerprintKey, tuple[Fingerprint, str]] = field(default_factory=dict)
 
 
@@ -130,7 +109,7 @@ def scan(
     copies.wait()
     for ci in todo:
         hooks.on_stage_copy(ci)
-    arrays = Unstaged(host)
+    arrays = Unfilled(host, "of a device save was read but never copied to the host")
 
     staged = StagedChunks()
 

@@ -68,13 +68,15 @@ class Arena:
                 del self.buffers[k]
 
 
-class Pending(Sequence[np.ndarray]):
-    """Per-source host bytes of an async save where the deferred step has yet to copy some
-    sources to the host (:func:`stage`): reading one of those before :meth:`Staged.wait` is a
-    bug (its chunks would be written from a buffer that does not hold them yet), so it raises."""
+class Unfilled(Sequence[np.ndarray]):
+    """Per-source host bytes where some sources hold none yet (None): reading one of those is
+    a bug (its chunks would be written from bytes that are not there), so it raises, saying
+    ``why`` the source is empty. Async saves whose deferred step has yet to copy some sources
+    (:func:`stage`) and device saves that copy only the changed chunks (saving/on_device.py)."""
 
-    def __init__(self, arrays: list[np.ndarray | None]) -> None:
+    def __init__(self, arrays: list[np.ndarray | None], why: str) -> None:
         self._arrays = arrays
+        self._why = why
 
     def __len__(self) -> int:
         return len(self._arrays)
@@ -83,9 +85,7 @@ class Pending(Sequence[np.ndarray]):
         a = self._arrays[i]
         if a is None:
             raise DeltackptError(
-                f"internal error: source {i} of an async save was read before its deferred "
-                "staging step (Staged.wait) copied it to the host; nothing was written. Please "
-                "report this"
+                f"internal error: source {i} {self._why}; nothing was written. Please report this"
             )
         return a
 
@@ -100,7 +100,7 @@ class Staged:
     ``event`` (None: nothing in flight) fires once the sources' bytes are copied or held, so the
     caller may change its tensors (``handle.staged``). :meth:`wait` waits for it and then runs the
     deferred step, if :func:`stage` left one (``deferred`` sources held on the device): only then
-    may ``arrays`` be read (:class:`Pending` raises before). The background writer calls it."""
+    may ``arrays`` be read (:class:`Unfilled` raises before). The background writer calls it."""
 
     def __init__(
         self,
@@ -179,7 +179,11 @@ def stage(plan: SavePlan, arena: Arena, defer: str = "off") -> Staged:
     event = copies.mark()
     if not held:
         return Staged(cast(list[np.ndarray], arrays), event)
-    pending = Pending(arrays)
+    pending = Unfilled(
+        arrays,
+        "of an async save was read before its deferred staging step (Staged.wait) copied it "
+        "to the host",
+    )
 
     nbytes = sum(t.numel() for t in held.values())
 
