@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common as C
 import torch
+from _harness.files import drop_caches
 
 import deltackpt
 from deltackpt.options import overrides
@@ -184,18 +185,6 @@ def run(gb: float, work: Path) -> dict[str, Any]:
     # slow everyone else's work
     res["cold"] = cold_rows(state, store, work) if DEV.type == "cuda" else None
     return res
-
-
-def drop_caches() -> bool:
-    """Drop the page cache (root on Linux: the device machine runs as root); False if not
-    allowed here, then the cold rows are skipped."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def cold_rows(state: dict[str, Any], store: Any, work: Path) -> dict[str, float] | None:

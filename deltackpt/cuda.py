@@ -52,6 +52,26 @@ def device_room(device: torch.device, nbytes: int) -> bool:
     return free >= nbytes + int(total * share) + extra
 
 
+class _SideStreams:
+    """One side stream per device, made on first use, that first waits for the device's current
+    stream (so the copies queued on it see every kernel the caller queued before)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+            s.wait_stream(torch.cuda.current_stream(device))
+        return s
+
+    def synchronize(self) -> None:
+        """Block until every copy queued so far is done."""
+        for s in self._streams.values():
+            s.synchronize()
+
+
 class Events:
     """One event per device, recorded after the copies queued so far (:meth:`StageCopies.mark`)."""
 
@@ -64,7 +84,7 @@ class Events:
             ev.synchronize()
 
 
-class StageCopies:
+class StageCopies(_SideStreams):
     """The copies of an async save's staging step (saving/stage.py), on one side stream per
     device that first waits for the device's current stream, so they see every kernel the caller
     queued before:
@@ -80,15 +100,8 @@ class StageCopies:
     buffer. :meth:`synchronize` returns once every queued copy has landed."""
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        super().__init__()
         self._holding: set[torch.device] = set()
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        s = self._streams.get(device)
-        if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device=device)
-            s.wait_stream(torch.cuda.current_stream(device))
-        return s
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)`` (``dst`` on the host; ``src`` live or held)."""
@@ -128,48 +141,22 @@ class StageCopies:
             events.append(ev)
         return Events(events)
 
-    def synchronize(self) -> None:
-        """Block until every queued copy is done."""
-        for s in self._streams.values():
-            s.synchronize()
 
-
-class HostCopies:
-    """Device-to-host copies issued as one batch: on CUDA, non-blocking on a side stream (one
-    per device) that first waits for the device's current stream, so they see every kernel the
-    caller queued before; on CPU (the stand-in), plain synchronous copies. :meth:`wait` returns
-    once every copy has landed. The sources must not be modified before that (the caller's
-    thread waits before it returns to the user)."""
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._pending: list[torch.Tensor] = []
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        s = self._streams.get(device)
-        if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device=device)
-            s.wait_stream(torch.cuda.current_stream(device))
-        return s
+class HostCopies(StageCopies):
+    """Device-to-host copies issued as one batch (:meth:`StageCopies.to_host` as ``copy``);
+    :meth:`wait` returns once every copy has landed. The sources must not be modified before
+    that (the caller's thread waits before it returns to the user)."""
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)`` (``dst`` on the host)."""
-        if not is_device(src):
-            dst.copy_(src)
-            return
-        with torch.cuda.stream(self._stream(src.device)):
-            dst.copy_(src, non_blocking=True)
-        src.record_stream(self._streams[src.device])
-        self._pending.append(src)
+        self.to_host(dst, src)
 
     def wait(self) -> None:
         """Block until every queued copy is done."""
-        for s in self._streams.values():
-            s.synchronize()
-        self._pending.clear()
+        self.synchronize()
 
 
-class DeviceCopies:
+class DeviceCopies(_SideStreams):
     """Host-to-device copies out of reused host buffers (``slot`` numbers a buffer): on CUDA,
     non-blocking on a side stream (one per device) that first waits for the device's current
     stream, so kernels the caller queued on the targets come first; :meth:`release` records an
@@ -178,15 +165,8 @@ class DeviceCopies:
     (also on failure) before a host buffer is dropped or the targets are handed back."""
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        super().__init__()
         self._events: dict[int, list[torch.cuda.Event]] = {}
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        s = self._streams.get(device)
-        if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device=device)
-            s.wait_stream(torch.cuda.current_stream(device))
-        return s
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)`` (``src`` in a host buffer, ``dst`` on the device)."""
@@ -212,6 +192,5 @@ class DeviceCopies:
 
     def wait(self) -> None:
         """Block until every queued copy is done."""
-        for s in self._streams.values():
-            s.synchronize()
+        self.synchronize()
         self._events.clear()
