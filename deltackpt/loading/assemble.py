@@ -293,12 +293,11 @@ def _load_into(
     # targets), then copy_.
     wanted = [i for p, i in saved.items() if p in targets]
     forced = default_device_scan() == "always"
-    dev = [i for i in wanted if takes(m.tensors[i], targets[m.tensors[i].path], forced)]
+    dev = {i for i in wanted if takes(m.tensors[i], targets[m.tensors[i].path], forced)}
     if dev:
-        _read_to_device(
-            st, m, opts, [(m.tensors[i], targets[m.tensors[i].path]) for i in dev], stats
-        )
-        wanted = [i for i in wanted if i not in set(dev)]
+        items = [(m.tensors[i], targets[m.tensors[i].path]) for i in wanted if i in dev]
+        _read_to_device(st, m, opts, items, stats)
+        wanted = [i for i in wanted if i not in dev]
     new = _read_entries(st, m, opts, wanted, targets, stats)
     with torch.no_grad():
         for i, t in new.items():
