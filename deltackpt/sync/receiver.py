@@ -298,6 +298,11 @@ class WeightReceiver:
             st.patched,
         )
 
+    @property
+    def reverts_to(self) -> int | None:
+        """The version :meth:`revert` would go back to (None: nothing is kept to revert)."""
+        return None if self._undo is None else self._undo[1]
+
     def drop_undo(self) -> None:
         """Free what ``pull(undo=True)`` kept (once the round is final): for a round sent
         whole that is a second copy of every changed target."""

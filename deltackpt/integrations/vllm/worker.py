@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,12 +195,6 @@ def commit_vote(group: SyncGroup, key: str, mine: str | None) -> str | None:
     me = f"vllm/commit/{group.epoch}/{key}/{group.rank}"
     group.guard("store set", lambda: group.store.set(me, mine or ""))
     return commit_verdict(group, key, f"commit {key}: waiting for every worker's reload")
-
-
-def _previous(receiver: WeightReceiver) -> int | None:
-    """The version a staged round's revert goes back to."""
-    undo = receiver._undo
-    return None if undo is None else undo[1]
 
 
 class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, DeltackptUpdateInfo]):
@@ -365,7 +359,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         the receiver's previous bytes back and returns the tensors to reload (a staged round);
         None inside ``pull``, which puts them back itself once this raises."""
         assert self.group is not None and self.receiver is not None
-        old = prev if undo is None else _previous(self.receiver)
+        old = prev if undo is None else self.receiver.reverts_to
         names = sorted({layer_key(n) for n, _ in changed})
         fail, self.fail_next = self.fail_next, None
         mine: str | None = None
@@ -405,10 +399,6 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             )
             raise RuntimeError(f"deltackpt: {self.broken}") from e
 
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The committed round's changed tensors, widened to whole layers, into the model."""
-        reload_layers(self.model, self.model_config, self._held, list(weights))
-
     # ---- helpers for collective_rpc (tests, monitoring) -----------------------------------
 
     @property
@@ -418,9 +408,9 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         if self.receiver is None:
             return None
         st = self._staged
-        if st is not None and st.error is None and not st.thread.is_alive():
-            prev = _previous(self.receiver)  # None: the first round (nothing to go back to)
-            return prev if self.receiver._undo is not None else self.receiver.version
+        back = self.receiver.reverts_to  # None for a first round: nothing to go back to
+        if st is not None and st.error is None and not st.thread.is_alive() and back is not None:
+            return back
         return self.receiver.version
 
     def committed(self) -> dict[str, torch.Tensor]:
