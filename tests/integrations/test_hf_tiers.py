@@ -1,6 +1,6 @@
-"""``DeltaCheckpointCallback(Tiers(...))`` and ``resume_trainer`` over tiers, under a real
-``transformers.Trainer`` (CPU): local tier after a SIGKILL, durable tier with the local tier
-wiped, what each tier holds, and a 2-rank gloo DDP run resumed from a peer's replica."""
+"""``DeltaCheckpointCallback`` and ``resume_trainer`` given a ``Tiers`` instead of a store, under
+a real ``transformers.Trainer`` (CPU): local tier after a SIGKILL, durable tier with the local
+tier wiped, what each tier holds, and a 2-rank gloo DDP run resumed from a peer's replica."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 
 import deltackpt
 from deltackpt.errors import InvalidArgumentError, ManifestError
-from deltackpt.integrations.hf_tiers import RNG_BY_RANK, rank_rng_state
-from deltackpt.integrations.hf_trainer import DeltaCheckpointCallback, resume_trainer
+from deltackpt.integrations._hf_resume import rank_rng_state
+from deltackpt.integrations.hf_trainer import RNG_BY_RANK, DeltaCheckpointCallback, resume_trainer
 from deltackpt.tiers import Tiers
 from tests.integrations._fork import run_and_kill
 from tests.integrations._hf_run import (
@@ -211,6 +211,7 @@ def test_errors(tmp_path: Path) -> None:
     cb = DeltaCheckpointCallback(tiers)
     with pytest.raises(InvalidArgumentError, match="no single store"):
         _ = cb.store
+    assert cb.tiers is tiers
     t = make_trainer(tmp_path / "run", [cb])
     with pytest.raises(InvalidArgumentError, match="drop name="):
         resume_trainer(t, tiers, "checkpoint-4")

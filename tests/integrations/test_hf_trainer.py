@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 from transformers import TrainerCallback
 
 import deltackpt
+from deltackpt import rng
 from deltackpt.errors import InvalidArgumentError, SnapshotNotFoundError
-from deltackpt.integrations import hf_trainer
 from deltackpt.integrations.hf_trainer import (
     DeltaCheckpointCallback,
     latest_checkpoint,
@@ -79,7 +79,7 @@ def test_resume_without_the_rng_state_differs(tmp_path: Path, monkeypatch: Any) 
     store = tmp_path / "store"
     with pytest.raises(Interrupt):
         make_trainer(tmp_path / "run", [DeltaCheckpointCallback(store), StopAtStep(6)]).train()
-    monkeypatch.setattr(hf_trainer._rng, "prepare", lambda state, where: lambda: None)
+    monkeypatch.setattr(rng, "prepare", lambda state, where: lambda: None)
     trainer = make_trainer(tmp_path / "run", [DeltaCheckpointCallback(store)], init_seed=9)
     resume_trainer(trainer)
     assert trainer.state.global_step == MAX_STEPS

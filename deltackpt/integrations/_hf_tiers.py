@@ -1,14 +1,10 @@
-"""Tiered checkpoints for the Hugging Face ``Trainer``: the part of ``DeltaCheckpointCallback`` and
-``resume_trainer`` that runs over a :class:`deltackpt.tiers.Tiers` instead of a store.
-
->>> tiers = Tiers(local="/dev/shm/run", durable="ckpts", replicas=0, persist_every=100)  # doctest: +SKIP
->>> trainer = Trainer(..., callbacks=[DeltaCheckpointCallback(tiers)])                   # doctest: +SKIP
->>> resume_trainer(trainer)             # from the newest step some tier holds, or from scratch  # doctest: +SKIP
+"""``DeltaCheckpointCallback`` over :class:`deltackpt.tiers.Tiers`: the saves and the resume
+point of ``resume_trainer``.
 
 **Saving.** At each save the Trainer decides on, *every* rank saves its own state (model,
 optimizer, scheduler, ``TrainerState`` text and the RNG states of all ranks, gathered) to its
-node's local tier through a :class:`~deltackpt.tiers.TieredCheckpointer` (async: the call
-blocks while the state is staged), which replicates it to ``Tiers.replicas`` peers in the
+node's local tier through a :class:`~deltackpt.tiers.TieredCheckpointer` (async by default: the
+call blocks while the state is staged), which replicates it to ``Tiers.replicas`` peers in the
 background. The first save at or after each multiple of ``Tiers.persist_every`` (global steps)
 also goes to the durable tier (a distributed snapshot named like the store path's,
 ``checkpoint-<global_step>``), in the background too. The checkpointer is made on the first
@@ -19,39 +15,30 @@ its process group is the default one.
 the Trainer needs the ``trainer_state.json`` of that step before ``train`` builds its optimizer.
 So the restore runs up front: the model is read in place into the Trainer's model (no copy), the
 rest (optimizer moments, scheduler, RNG, ``TrainerState``) comes back as a loaded tree that the
-Trainer's loaders hand to ``load_state_dict`` once the optimizer exists, as the store path does
-with the moments of a fresh optimizer. The cost is that tree held from before ``train`` until
-the optimizer is built: one transient host copy of the optimizer state (of the whole state with
+Trainer's loaders hand to ``load_state_dict`` once the optimizer exists, as the store does with
+the moments of a fresh optimizer. The cost is that tree held from before ``train`` until the
+optimizer is built: one transient host copy of the optimizer state (of the whole state with
 ``model_init``, whose model only exists inside ``train``).
 
 **RNG.** Each rank has its own generators. Every saved version holds all ranks' states as a list
-(one ``all_gather_object`` per save, a few KiB per rank), so the durable tier, a distributed
-snapshot whose plain values come from rank 0, restores every rank's own state too.
+(:data:`~deltackpt.integrations._hf_resume.RNG_BY_RANK`, one ``all_gather_object`` per save, a
+few KiB per rank), so the durable tier, a distributed snapshot whose plain values come from
+rank 0, restores every rank's own state too.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from deltackpt import rng as _rng
-from deltackpt.errors import InvalidArgumentError, ManifestError
+from deltackpt.errors import InvalidArgumentError
+from deltackpt.integrations._hf_resume import RNG_BY_RANK, STATE_KEY, ResumePoint, checked_text
 from deltackpt.tiers import TieredCheckpointer, Tiers
 
-__all__ = [
-    "RNG_BY_RANK",
-    "TierSaves",
-    "pop_rng_state",
-    "rank_rng_state",
-    "restore_for_trainer",
-]
-
-# Saved key holding [rng state of rank 0, rank 1, ...] (deltackpt.get_rng_state() dicts).
-RNG_BY_RANK = "deltackpt.rng_by_rank"
-STATE_KEY = "trainer_state"  # the TrainerState's JSON text, a str value of the snapshot
+__all__ = ["TierSaves", "resume_point"]
 
 
 def _default_group() -> Any:
@@ -63,7 +50,7 @@ def _default_group() -> Any:
     return None
 
 
-def rank0_value(value: Any, process_group: Any) -> Any:
+def _rank0_value(value: Any, process_group: Any) -> Any:
     """Rank 0's ``value`` on every rank: what the Trainer itself writes once, from rank 0 (its
     ``trainer_state.json``), so every rank saves the same plain value and a distributed save
     (which refuses plain values that differ between ranks) keeps it."""
@@ -78,7 +65,7 @@ def rank0_value(value: Any, process_group: Any) -> Any:
     return box[0]
 
 
-def gathered_rng(process_group: Any) -> list[Any]:
+def _gathered_rng(process_group: Any) -> list[Any]:
     """Every rank's RNG state (``deltackpt.get_rng_state()``), in rank order, on every rank."""
     mine = _rng.capture()
     if process_group is None:
@@ -117,40 +104,6 @@ def _tree_map(tree: Any, kind: type, f: Any) -> Any:
     return tree
 
 
-def rank_rng_state(saved: Any, rank: int, world: int) -> Any:
-    """This rank's entry of a saved :data:`RNG_BY_RANK` list (None and a warning when the saves
-    had another world size: the random streams then cannot continue as they were)."""
-    if not isinstance(saved, list) or not saved or len(saved) > 1 << 20:
-        got = type(saved).__name__ if not isinstance(saved, list) else f"{len(saved)} entries"
-        raise ManifestError(
-            f"{RNG_BY_RANK!r}: expected a non-empty list of per-rank RNG states (one per rank "
-            f"of the saving job), got {got}; the snapshot is damaged or not written by "
-            "DeltaCheckpointCallback: resume from another one",
-            field=RNG_BY_RANK,
-        )
-    if len(saved) != world:
-        warnings.warn(
-            f"resume_trainer: the checkpoint holds the RNG states of {len(saved)} rank(s) and "
-            f"this job has {world}; the RNG is not restored, so random draws after this resume "
-            "differ from an uninterrupted run",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    return saved[rank]
-
-
-def pop_rng_state(loaded: dict[str, Any], key: str, args: Any) -> Any:
-    """Pop the RNG state of this rank (``args``: the ``TrainingArguments``) from a loaded tree:
-    a store path snapshot's ``key``, else this rank's entry of :data:`RNG_BY_RANK` (None if
-    neither is there)."""
-    state = loaded.pop(key, None)
-    by_rank = loaded.pop(RNG_BY_RANK, None)
-    if state is None and by_rank is not None:
-        state = rank_rng_state(by_rank, args.process_index, args.world_size)
-    return state
-
-
 @dataclass
 class TierSaves:
     """The callback's tiered checkpointer, made on first use; its saves and its restore.
@@ -166,6 +119,39 @@ class TierSaves:
     persisted_at: int = 0
     stopping: bool = False  # a SIGTERM was agreed on: this step is saved and persisted
     _ckpt: TieredCheckpointer | None = field(default=None, repr=False)
+    every_rank = True  # every rank saves its own state
+
+    @classmethod
+    def open(
+        cls,
+        tiers: Tiers,
+        *,
+        keep_last: int | None,
+        async_save: bool | None,
+        name_format: str,
+        storage_options: dict[str, Any] | None,
+        handle_sigterm: bool,
+        save_options: dict[str, Any],
+    ) -> TierSaves:
+        """Refuses the store's options that a ``Tiers`` sets itself (or that do not apply)."""
+        if keep_last is not None:
+            raise InvalidArgumentError(
+                f"DeltaCheckpointCallback(Tiers(...), keep_last={keep_last!r}): retention of the "
+                "tiers is set in the Tiers; pass Tiers(keep_last=..., durable_keep_last=...) "
+                "instead"
+            )
+        if storage_options is not None:
+            raise InvalidArgumentError(
+                "DeltaCheckpointCallback(Tiers(...), storage_options=...): the durable tier's "
+                "options belong in Tiers(storage_options=...)"
+            )
+        if save_options:
+            raise InvalidArgumentError(
+                f"DeltaCheckpointCallback(Tiers(...)) does not take {sorted(save_options)}: the "
+                "tiers choose their own save options; drop them (or save to a store instead)"
+            )
+        async_ = True if async_save is None else async_save  # default: on
+        return cls(tiers, async_, name_format, handle_sigterm)
 
     @property
     def checkpointer(self) -> TieredCheckpointer:
@@ -176,6 +162,9 @@ class TierSaves:
             )  # fmt: skip
         return self._ckpt
 
+    def begin(self) -> None:
+        _ = self.checkpointer  # made now on every rank (it makes process groups)
+
     def persist_due(self, step: int) -> bool:
         pe = self.tiers.persist_every
         return pe is not None and step // pe > self.persisted_at // pe
@@ -184,9 +173,9 @@ class TierSaves:
         """Save ``live`` (plus every rank's RNG state) as global step ``step``: to the local tier
         and its replicas, and to the durable tier when a persist is due. Every rank calls it."""
         ckpt = self.checkpointer
-        live = {**live, RNG_BY_RANK: gathered_rng(ckpt.pg)}
+        live = {**live, RNG_BY_RANK: _gathered_rng(ckpt.pg)}
         if STATE_KEY in live:  # the Trainer writes its state from rank 0: so do the tiers
-            live[STATE_KEY] = rank0_value(live[STATE_KEY], ckpt.pg)
+            live[STATE_KEY] = _rank0_value(live[STATE_KEY], ckpt.pg)
         persist = self.stopping or self.persist_due(step)
         ckpt.save(step, live, persist=persist)  # persisted from the local tier, in the background
         if persist:
@@ -220,63 +209,38 @@ class TierSaves:
         return report.step, state
 
     def wait(self) -> None:
+        """The local save, its replicas and a durable version (nothing when none was made)."""
         if self._ckpt is not None:
             self._ckpt.wait()
 
     def close(self) -> None:
+        """Shut the checkpointer down (the next training run makes a new one)."""
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
 
 
-def restore_for_trainer(
+def resume_point(
     trainer: Any, tiers: Tiers, ours: TierSaves | None, name: str | None, name_format: str
-) -> tuple[int, dict[str, Any]] | None:
-    """``resume_trainer``'s tiered restore (see :meth:`TierSaves.restore`): through the
+) -> ResumePoint | None:
+    """``resume_trainer``'s tiered restore (see :meth:`TierSaves.restore`), through the
     callback's own checkpointer ``ours`` when it serves these ``tiers``, else through one made
-    for this restore only."""
+    for this restore only; None when no tier holds a step."""
     if name is not None:
         raise InvalidArgumentError(
             f"resume_trainer(trainer, Tiers(...), name={name!r}): a tiered restore picks the "
             "newest step every rank can assemble itself; drop name="
         )
     mine = ours is None or ours.tiers != tiers
-    saves = TierSaves(tiers, name_format=name_format) if mine or ours is None else ours
+    saves = ours if ours is not None and not mine else TierSaves(tiers, name_format=name_format)
     try:
-        return saves.restore(trainer.model if trainer.model_init is None else None)
+        got = saves.restore(trainer.model if trainer.model_init is None else None)
     finally:
         if mine:
             saves.close()
-
-
-def check_sigterm_option(handle_sigterm: Any, tiered: bool) -> None:
-    if not isinstance(handle_sigterm, bool):
-        raise InvalidArgumentError(
-            f"DeltaCheckpointCallback(handle_sigterm={handle_sigterm!r}): expected True or False"
-        )
-    if handle_sigterm and not tiered:
-        raise InvalidArgumentError(
-            "DeltaCheckpointCallback(handle_sigterm=True) needs tiers: pass a "
-            "deltackpt.tiers.Tiers as the store (a SIGTERM then persists that step durably)"
-        )
-
-
-def refuse_store_options(
-    keep_last: Any, storage_options: Any, save_options: dict[str, Any]
-) -> None:
-    """The store path's options that a ``Tiers`` sets itself (or that do not apply)."""
-    if keep_last is not None:
-        raise InvalidArgumentError(
-            f"DeltaCheckpointCallback(Tiers(...), keep_last={keep_last!r}): retention of the "
-            "tiers is set in the Tiers; pass Tiers(keep_last=..., durable_keep_last=...) instead"
-        )
-    if storage_options is not None:
-        raise InvalidArgumentError(
-            "DeltaCheckpointCallback(Tiers(...), storage_options=...): the durable tier's "
-            "options belong in Tiers(storage_options=...)"
-        )
-    if save_options:
-        raise InvalidArgumentError(
-            f"DeltaCheckpointCallback(Tiers(...)) does not take {sorted(save_options)}: the "
-            "tiers choose their own save options; drop them (or save to a store instead)"
-        )
+    if got is None:
+        return None
+    step, tree = got
+    text = checked_text(tree.get(STATE_KEY), f"tier step {step}", f"step {step}")
+    model = tree.pop("model", None)  # only with model_init: loaded once train() made it
+    return ResumePoint(text, lambda live: tree, model)
