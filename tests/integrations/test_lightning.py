@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import pickle
 import threading
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from deltackpt.errors import (
     SnapshotExistsError,
     UnsupportedValueError,
 )
-from deltackpt.integrations import lightning as lightning_io
+from deltackpt.integrations import _lightning_store
 from deltackpt.integrations.lightning import OWNER_KEY, DeltaCheckpointIO
 from deltackpt.integrations.markers import snapshot_name
 from deltackpt.store.store import validate_name
@@ -90,14 +91,14 @@ def test_sigkill_between_commit_and_marker(tmp_path: Path) -> None:
     store, root = tmp_path / "store", tmp_path / "run"
 
     def crashing(at_kill_point):  # type: ignore[no-untyped-def]
-        real = lightning_io.write_marker
+        real = _lightning_store.write_marker
 
         def write_marker(path, store_root, name, step):  # type: ignore[no-untyped-def]
             if name == "epoch=1-step=16.ckpt":
                 at_kill_point()
             real(path, store_root, name, step)
 
-        lightning_io.write_marker = write_marker  # in the forked child only
+        _lightning_store.write_marker = write_marker  # in the forked child only
         fit(root, [DeltaCheckpointIO(store)])
 
     run_and_kill(crashing)
@@ -220,6 +221,9 @@ def test_names_markers_and_foreign_snapshots(tmp_path: Path) -> None:
     store = tmp_path / "s"
     deltackpt.save({"w": torch.ones(1)}, store, "last.ckpt")  # not ours
     io = DeltaCheckpointIO(store)
+    assert io.tiers is None and io.checkpointer is None and not io.async_save
+    io = pickle.loads(pickle.dumps(io))  # ddp_spawn pickles the plug-in: its configuration
+    assert io.store.root == deltackpt.open_store(store).root
     with pytest.raises(SnapshotExistsError, match="did not write"):
         io.save_checkpoint({"global_step": 1}, tmp_path / "d" / "last.ckpt")
     io.remove_checkpoint(tmp_path / "d" / "last.ckpt")  # Lightning asks: not ours, kept

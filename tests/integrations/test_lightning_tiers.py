@@ -25,8 +25,7 @@ from lightning.pytorch.callbacks import Callback
 
 import deltackpt
 from deltackpt.errors import InvalidArgumentError, SnapshotNotFoundError, UnsupportedValueError
-from deltackpt.integrations.lightning import DeltaCheckpointIO
-from deltackpt.integrations.lightning_tiers import EXTRA_KEY, TieredCheckpointIO
+from deltackpt.integrations.lightning import OWNER_KEY, DeltaCheckpointIO
 from deltackpt.tiers import Tiers
 from tests._dist import free_port, run_ranks
 from tests.integrations._fork import run_and_kill
@@ -85,7 +84,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     """An uninterrupted run through the tiers: what every resume must reproduce, bit for bit."""
     tmp = tmp_path_factory.mktemp("ref")
     io = DeltaCheckpointIO(_tiers(tmp))
-    assert isinstance(io, TieredCheckpointIO)
+    assert isinstance(io.tiers, Tiers) and io.async_save  # tiers: async by default
     _, module, mc = fit(tmp / "run", [io])
     kept = {Path(p).name for p in mc.best_k_models} | {"last.ckpt"}
     assert _files(tmp / "run") == kept  # removed paths lose their marker
@@ -104,7 +103,7 @@ def test_sigkill_then_resume_last_from_the_local_tier(
         io = DeltaCheckpointIO(_tiers(tmp_path))
 
         def drained_then_killed() -> None:
-            io._drain()  # the step-16 save and its markers are committed: a deterministic kill
+            io.wait()  # the step-16 save and its markers are committed: a deterministic kill
             at_kill_point()
 
         fit(root, [io], extra=[StopAt(19, drained_then_killed)])
@@ -133,7 +132,7 @@ def test_sigkill_with_saves_in_flight_resumes_from_what_committed(
     root = tmp_path / "run"
 
     def crashing(at_kill_point):  # type: ignore[no-untyped-def]
-        class Killed(TieredCheckpointIO):
+        class Killed(DeltaCheckpointIO):
             def save_checkpoint(self, checkpoint, path, storage_options=None):  # type: ignore[no-untyped-def]
                 super().save_checkpoint(checkpoint, path, storage_options)
                 if checkpoint["global_step"] == 16 and Path(path).name == "last.ckpt":
@@ -212,7 +211,7 @@ def test_values_and_attribute_dicts_round_trip(tmp_path: Path) -> None:
     io.save_checkpoint(ckpt, tmp_path / "c" / "last.ckpt")
     back = io.load_checkpoint(tmp_path / "c" / "last.ckpt")  # waits for the async save
     assert type(back["hyper_parameters"]) is AttributeDict and back["hyper_parameters"].lr == 0.1
-    assert torch.equal(back["x"], torch.arange(3)) and EXTRA_KEY not in back
+    assert torch.equal(back["x"], torch.arange(3)) and OWNER_KEY not in back
     t = threading.Thread(target=io.save_checkpoint, args=({"global_step": 9}, tmp_path / "b"))
     with pytest.warns(RuntimeWarning, match="background thread"):
         t.start()
@@ -231,10 +230,12 @@ def test_bad_combinations_are_typed_errors(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="expected True or False"):
         DeltaCheckpointIO(_tiers(tmp_path), async_save="yes")
     io = DeltaCheckpointIO(_tiers(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="no single store"):
+        _ = io.store
     with pytest.raises(InvalidArgumentError, match="global_step"):
         io.save_checkpoint({"state_dict": {}}, tmp_path / "a.ckpt")
     with pytest.raises(InvalidArgumentError, match="reserves"):
-        io.save_checkpoint({"global_step": 1, EXTRA_KEY: 1}, tmp_path / "a.ckpt")
+        io.save_checkpoint({"global_step": 1, OWNER_KEY: 1}, tmp_path / "a.ckpt")
     with pytest.raises(InvalidArgumentError, match="storage options"):
         io.save_checkpoint({"global_step": 1}, tmp_path / "a.ckpt", storage_options={"a": 1})
     io.teardown()

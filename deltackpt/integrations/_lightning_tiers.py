@@ -1,10 +1,5 @@
 """``DeltaCheckpointIO(Tiers(...))``: Lightning checkpoints through tiered checkpoints.
 
->>> from deltackpt.tiers import Tiers                                           # doctest: +SKIP
->>> io = DeltaCheckpointIO(Tiers(local="/dev/shm/run", durable="ckpts", replicas=0,
-...                              persist_every=100))                            # doctest: +SKIP
->>> L.Trainer(plugins=[io]).fit(model, ckpt_path="last")                        # doctest: +SKIP
-
 Every checkpoint Lightning saves goes to the local tier (async: ``save_checkpoint`` returns once
 the state is staged), as the tier snapshot of its ``global_step`` (``step-<global_step:08d>``;
 the several files ``ModelCheckpoint`` writes for one step, ``last.ckpt`` and ``epoch=..``, are
@@ -22,17 +17,17 @@ durable tier), which may be newer than the marker (a crash after a commit, befor
 older (the local tier was wiped; a ``RuntimeWarning`` says so). Any other path restores exactly
 its step, from the local tier or else the durable tier; if no tier holds it any more,
 :class:`~deltackpt.errors.SnapshotNotFoundError` names the path and the steps each tier holds.
-Retention is the tiers' (``Tiers.keep_last``, ``durable_keep_last``): ``remove_checkpoint``
-removes the marker only, never a tier snapshot.
+Retention is the tiers' (``Tiers.keep_last``, ``durable_keep_last``): ``remove`` removes the
+marker only, never a tier snapshot.
 
 Ranks: Lightning calls ``save_checkpoint`` on global rank 0 only (single device, DDP, FSDP with
 full state dicts), so there are no peers to hold replicas: ``Tiers(replicas=0)`` is required.
 Every rank calls ``load_checkpoint``; under an initialised process group of several ranks rank 0
 restores and broadcasts the checkpoint dict to the others.
 
-Values and RNG are as for the store form of :class:`DeltaCheckpointIO`, except that nothing is
-ever pickled (``allow_pickle`` is refused). The RNG state and the names of ``AttributeDict``
-values travel inside the saved state under the reserved key ``"deltackpt.lightning"``.
+Nothing is ever pickled (``allow_pickle`` is refused). The RNG state and the names of
+``AttributeDict`` values travel inside the saved state under the reserved key
+``"deltackpt.lightning"``.
 """
 
 from __future__ import annotations
@@ -46,29 +41,21 @@ from typing import Any
 
 import torch
 
-from deltackpt import rng as _rng
 from deltackpt.errors import (
     DistributedError,
     InvalidArgumentError,
     SnapshotNotFoundError,
     UnsupportedValueError,
 )
+from deltackpt.integrations._lightning_state import OWNER_KEY, Extras
 from deltackpt.integrations.markers import canonical, read_marker, remove_path, write_marker
 from deltackpt.loading.assemble import load
 from deltackpt.tiers import RestoreReport, TieredCheckpointer, Tiers
 from deltackpt.tiers.config import local_name
 from deltackpt.tiers.restore import local_steps
 
-try:
-    from lightning.fabric.plugins import CheckpointIO
-    from lightning.fabric.utilities.data import AttributeDict
-except ImportError:  # the standalone pytorch_lightning package
-    from lightning_fabric.plugins import CheckpointIO  # type: ignore[no-redef]
-    from lightning_fabric.utilities.data import AttributeDict  # type: ignore[no-redef]
+__all__ = ["TierBackend"]
 
-__all__ = ["EXTRA_KEY", "TieredCheckpointIO", "to_device"]
-
-EXTRA_KEY = "deltackpt.lightning"  # in the saved state: {"rng": ..., "attribute_dicts": [...]}
 _STEP_NAME = re.compile(r"^step-(\d{8,})$")
 
 
@@ -81,26 +68,31 @@ def _last_prefix() -> str:
     return str(ModelCheckpoint.CHECKPOINT_NAME_LAST or "last")
 
 
-class TieredCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` over :class:`~deltackpt.tiers.Tiers` (see the module
-    docstring); ``DeltaCheckpointIO(Tiers(...))`` makes one. ``last_restore`` is the
-    :class:`~deltackpt.tiers.RestoreReport` of the last ``last*.ckpt`` load."""
+class TierBackend:
+    """Tier snapshots named by ``global_step`` (see the module docstring). ``last_restore`` is
+    the :class:`~deltackpt.tiers.RestoreReport` of the last ``last*.ckpt`` load."""
+
+    reserved = OWNER_KEY  # a key of Lightning's dict that this backend stores its extras under
+    rng_advice = "Drop the wrapper: tier saves are already async"
 
     def __init__(
-        self, tiers: Tiers, *, async_save: bool = True, rng: bool = True, **other: Any
+        self,
+        tiers: Tiers,
+        *,
+        async_save: bool | None,
+        allow_pickle: bool | None,
+        gc_on_remove: bool | None,
+        storage_options: dict[str, Any] | None,
+        save_options: dict[str, Any],
     ) -> None:
-        super().__init__()
-        if not isinstance(tiers, Tiers):
-            raise InvalidArgumentError(
-                f"TieredCheckpointIO(tiers={tiers!r}) is invalid: expected a deltackpt.tiers."
-                "Tiers, e.g. Tiers(local='/dev/shm/run', durable='ckpts', replicas=0)"
-            )
-        for flag, value in (("async_save", async_save), ("rng", rng)):
-            if not isinstance(value, bool):
-                raise InvalidArgumentError(
-                    f"DeltaCheckpointIO(Tiers(...), {flag}={value!r}) is invalid: expected True "
-                    "or False"
-                )
+        other = dict(save_options)
+        for k, v in (
+            ("allow_pickle", allow_pickle),
+            ("gc_on_remove", gc_on_remove),
+            ("storage_options", storage_options),
+        ):
+            if v is not None:
+                other[k] = v
         if other:
             raise InvalidArgumentError(
                 f"DeltaCheckpointIO(Tiers(...), {', '.join(f'{k}=...' for k in sorted(other))}) "
@@ -116,8 +108,7 @@ class TieredCheckpointIO(CheckpointIO):
                 "(durable=..., persist_every=...) covers the loss of the node"
             )
         self.tiers = tiers
-        self.async_save = async_save
-        self.rng = rng
+        self.async_save = async_save is not False  # default: on
         self.last_restore: RestoreReport | None = None
         self._ck: TieredCheckpointer | None = None
         self._lock = threading.Lock()
@@ -125,26 +116,17 @@ class TieredCheckpointIO(CheckpointIO):
         self._marking: list[Future[None]] = []
         self._generation: dict[str, int] = {}  # per path: bumped by each save and removal
         self._persisted: int | None = None  # global_step // persist_every of the last persist
-        self._warned = False
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (``ddp_spawn`` sends the plug-in to its processes): the configuration only;
-        a save in flight stays with the original."""
-        return {"tiers": self.tiers, "async_save": self.async_save, "rng": self.rng}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["tiers"], async_save=state["async_save"], rng=state["rng"])  # type: ignore[misc]
 
     # ------------------------------------------------------------------------ helpers
 
-    def _checkpointer(self) -> TieredCheckpointer:
+    def checkpointer(self) -> TieredCheckpointer:
         if self._ck is None:  # made on first use: only rank 0 ever saves
             self._ck = TieredCheckpointer(
                 self.tiers, every=1, process_group=None, async_=self.async_save
             )
         return self._ck
 
-    def _drain(self) -> None:
+    def wait(self) -> None:
         """Wait for the local save, its marker writes and any durable save; raise their error."""
         with self._lock:
             marking, self._marking = self._marking, []
@@ -157,7 +139,7 @@ class TieredCheckpointIO(CheckpointIO):
 
     def _held(self) -> str:
         """The steps each tier holds, for error messages."""
-        ck = self._checkpointer()
+        ck = self.checkpointer()
         local = sorted(local_steps(ck.own, 0, 1))
         return f"local tier {str(self.tiers.root)!r}: {local}; durable tier: " + (
             f"{ck.durable_steps()}" if ck.durable is not None else "none (Tiers(durable=None))"
@@ -165,20 +147,9 @@ class TieredCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------------ save
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise InvalidArgumentError(
-                f"DeltaCheckpointIO(Tiers(...)).save_checkpoint(storage_options="
-                f"{storage_options!r}): per-save storage options are not supported; pass "
-                "Tiers(storage_options=...)"
-            )
-        if not isinstance(checkpoint, dict):
-            raise InvalidArgumentError(
-                "DeltaCheckpointIO(Tiers(...)).save_checkpoint: expected Lightning's checkpoint "
-                f"dict, got {type(checkpoint).__name__}"
-            )
+    def check(self, checkpoint: dict[str, Any], path: Any) -> None:
+        """Before the state is made: a step to name the snapshot by; marker errors of earlier
+        saves surface here, once."""
         step = checkpoint.get("global_step")
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(
@@ -186,19 +157,27 @@ class TieredCheckpointIO(CheckpointIO):
                 f"'global_step' is {step!r}, expected an int >= 0 (tier snapshots are named by "
                 "step); save Lightning's own checkpoint dict"
             )
-        where = canonical(path)
-        ck = self._checkpointer()
-        with self._lock:  # marker errors of earlier saves surface here, once
+        self.checkpointer()
+        with self._lock:
             done = [f for f in self._marking if f.done()]
             self._marking = [f for f in self._marking if not f.done()]
         for f in done:
             f.result()
-        state = self._to_state(checkpoint)
+
+    def save(self, state: dict[str, Any], extras: Extras, path: Any) -> None:
+        """Save ``state`` (Lightning's dict, made storable) as the tier step of its
+        ``global_step``; the marker at ``path`` follows the local commit."""
+        step: int = state["global_step"]
+        where = canonical(path)
+        extra: dict[str, Any] = {"attribute_dicts": extras.attribute_dicts}
+        if extras.rng is not None:
+            extra["rng"] = extras.rng
+        state[OWNER_KEY] = extra
         try:
             pe = self.tiers.persist_every
             persist = pe is not None and step // pe > (self._persisted or 0)
             # persisted from the local tier in the background; once per step (its first file)
-            handle = ck.save(step, state, persist=persist)
+            handle = self.checkpointer().save(step, state, persist=persist)
             if persist:
                 self._persisted = step // pe
         except UnsupportedValueError as e:
@@ -217,19 +196,6 @@ class TieredCheckpointIO(CheckpointIO):
                 self._marks = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-marker")
             self._marking.append(self._marks.submit(self._mark, handle, where, step, gen))
 
-    def _to_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        if EXTRA_KEY in checkpoint:
-            raise InvalidArgumentError(
-                f"Lightning's checkpoint has a key {EXTRA_KEY!r}, which DeltaCheckpointIO(Tiers"
-                "(...)) reserves for the RNG state; rename it in on_save_checkpoint"
-            )
-        state, converted = plain_dicts(checkpoint)
-        extra: dict[str, Any] = {"attribute_dicts": converted}
-        if self.rng:
-            extra["rng"] = rng_now(self, "Drop the wrapper: tier saves are already async")
-        state[EXTRA_KEY] = extra
-        return state
-
     def _mark(self, handle: Any, where: str, step: int, gen: int) -> None:
         """After the local commit: the marker, unless the path was saved again or removed."""
         if handle is not None:
@@ -240,7 +206,7 @@ class TieredCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------------ remove
 
-    def remove_checkpoint(self, path: Any) -> None:
+    def remove(self, path: Any) -> None:
         """Remove the marker at ``path`` (and cancel its pending write). Tier snapshots are
         kept or dropped by the tiers' own retention (``Tiers.keep_last``, ``durable_keep_last``)."""
         where = canonical(path)
@@ -250,26 +216,20 @@ class TieredCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------------ load
 
-    def load_checkpoint(
-        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """Lightning's dict for ``path`` (see the module docstring), with the RNG state saved
-        with it restored (``rng=True``)."""
+    def load(self, path: Any, weights_only: bool | None) -> tuple[dict[str, Any], Extras]:
+        """Lightning's dict for ``path`` (see the module docstring) and its extras; with several
+        ranks, rank 0's. Nothing is pickled, whatever ``weights_only``."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             loaded = self._broadcast_load(path, dist)
         else:
             loaded = self._load(path)
-        extra = loaded.pop(EXTRA_KEY, None)
+        extra = loaded.pop(OWNER_KEY, None)
         extra = extra if isinstance(extra, dict) else {}
         names = extra.get("attribute_dicts")
-        for k in names if isinstance(names, list) else []:
-            if isinstance(k, str) and isinstance(loaded.get(k), dict):
-                loaded[k] = AttributeDict(loaded[k])
-        if self.rng and extra.get("rng") is not None:
-            _rng.prepare(extra["rng"], f"{EXTRA_KEY}/rng")()
-        return loaded if map_location is None else to_device(loaded, map_location)
+        names = names if isinstance(names, list) else []
+        return loaded, Extras(names, extra.get("rng"), f"{OWNER_KEY}/rng")
 
     def _broadcast_load(self, path: Any, dist: Any) -> dict[str, Any]:
         """Rank 0 loads, every other rank receives its dict (or its failure). The dict travels
@@ -295,7 +255,7 @@ class TieredCheckpointIO(CheckpointIO):
         )
 
     def _load(self, path: Any) -> dict[str, Any]:
-        self._drain()
+        self.wait()
         where = canonical(path)
         named, exists = read_marker(where)
         m = _STEP_NAME.match(named) if named is not None else None
@@ -312,7 +272,7 @@ class TieredCheckpointIO(CheckpointIO):
             )
         assert m is not None
         step = int(m.group(1))
-        ck = self._checkpointer()
+        ck = self.checkpointer()
         if _base(where).startswith(_last_prefix()):
             state: dict[str, Any] = {}
             ck.restore_latest(state)
@@ -328,7 +288,7 @@ class TieredCheckpointIO(CheckpointIO):
                     f"{report.step} (from {report.tier}), which is restored. Refused or "
                     f"missing: {list(report.refused) or 'the local tier holds nothing newer'}",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             self._persisted = self._bucket(report.step)
             return state
@@ -364,7 +324,7 @@ class TieredCheckpointIO(CheckpointIO):
         """End of a fit/validate/...: wait for the local save, the markers and the durable
         save, then release the tiers' threads (the next use opens them again)."""
         try:
-            self._drain()
+            self.wait()
         finally:
             ck, self._ck = self._ck, None
             marks, self._marks = self._marks, None
@@ -385,52 +345,3 @@ def _as_dict(loaded: Any, path: Any) -> dict[str, Any]:
             "Lightning checkpoint dict"
         )
     return loaded
-
-
-def plain_dicts(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """A shallow copy of Lightning's dict with ``AttributeDict`` values as plain dicts, and the
-    keys converted (Lightning's dict itself is never changed)."""
-    state: dict[str, Any] = {}
-    converted: list[str] = []
-    for k, v in checkpoint.items():
-        if type(v) is AttributeDict:
-            v = dict(v)
-            converted.append(k)
-        state[k] = v
-    return state, converted
-
-
-def rng_now(owner: Any, advice: str) -> Any:
-    """The global RNG state now; warns once per ``owner`` when called off the main thread."""
-    if threading.current_thread() is not threading.main_thread() and not owner._warned:
-        owner._warned = True
-        warnings.warn(
-            f"{type(owner).__name__}(rng=True) saves on a background thread (Lightning's "
-            "AsyncCheckpointIO?): the RNG state it records is that of this moment, not of the "
-            "checkpoint's step, so random draws after a resume may differ from an "
-            f"uninterrupted run. {advice}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return _rng.capture()
-
-
-def to_device(obj: Any, map_location: Any) -> Any:
-    if not isinstance(map_location, (str, torch.device)):
-        raise InvalidArgumentError(
-            f"DeltaCheckpointIO.load_checkpoint(map_location={map_location!r}): expected None, a "
-            "device string or a torch.device (the snapshot loads to CPU; Lightning moves tensors "
-            "to the module's device itself)"
-        )
-    if isinstance(obj, torch.Tensor):
-        return obj.to(map_location)
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) is not AttributeDict else AttributeDict()
-        for k, v in obj.items():
-            out[k] = to_device(v, map_location)
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, map_location) for v in obj)
-    return obj
