@@ -1,4 +1,4 @@
-/* deltackpt._native: the one loop of an element-sparse delta that numpy cannot fuse.
+/* deltackpt._native: the loops numpy cannot fuse (an element-sparse delta; a linear digest).
  *
  * diff_sparse(new, base, itemsize, idx_out, val_out) -> k
  *   Walks two equal-length byte buffers 8 bytes at a time; for every element whose bytes
@@ -19,7 +19,7 @@
 
 static int get(PyObject *obj, Py_buffer *view, int writable, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
-        PyErr_Format(PyExc_TypeError, "diff_sparse: %s must be a C-contiguous%s buffer", what,
+        PyErr_Format(PyExc_TypeError, "_native: %s must be a C-contiguous%s buffer", what,
                      writable ? " writable" : "");
         return -1;
     }
@@ -111,10 +111,95 @@ static PyObject *diff_sparse(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(k);
 }
 
+/* The linear digest (deltackpt.format.lindigest): two 64-bit lanes, each the sum mod 2**64 over
+ * the 8-byte little-endian words w_i of a buffer (its tail zero-padded) of
+ * fmix64(w_i ^ (i * M + S)), murmur3's finalizer. A sum, so a patch updates it from the old and
+ * new values of the words it touched alone. */
+#define LIN_M0 0x9E3779B97F4A7C15ULL
+#define LIN_S0 0x243F6A8885A308D3ULL
+#define LIN_M1 0xD6E8FEB86659FD93ULL
+#define LIN_S1 0x13198A2E03707344ULL
+
+static inline uint64_t fmix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDULL;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static void lin_words(const uint8_t *buf, Py_ssize_t n, uint64_t *s0, uint64_t *s1) {
+    uint64_t a = 0, b = 0, k0 = LIN_S0, k1 = LIN_S1;
+    const Py_ssize_t words = n / 8;
+    for (Py_ssize_t i = 0; i < words; i++) {
+        uint64_t w;
+        memcpy(&w, buf + 8 * i, 8);
+        a += fmix64(w ^ k0);
+        b += fmix64(w ^ k1);
+        k0 += LIN_M0;
+        k1 += LIN_M1;
+    }
+    if (n > words * 8) {
+        uint64_t w = 0;
+        memcpy(&w, buf + 8 * words, (size_t)(n - 8 * words));
+        a += fmix64(w ^ k0);
+        b += fmix64(w ^ k1);
+    }
+    *s0 = a;
+    *s1 = b;
+}
+
+static PyObject *lin_sum(PyObject *self, PyObject *args) {
+    PyObject *o;
+    if (!PyArg_ParseTuple(args, "O", &o)) return NULL;
+    Py_buffer v;
+    if (get(o, &v, 0, "buf") < 0) return NULL;
+    uint64_t a, b;
+    Py_BEGIN_ALLOW_THREADS
+    lin_words((const uint8_t *)v.buf, v.len, &a, &b);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v);
+    return Py_BuildValue("(KK)", (unsigned long long)a, (unsigned long long)b);
+}
+
+/* lin_terms(idx, words) -> (lane 0, lane 1): the terms of the words words[j] at word indices
+ * idx[j] (int64, uint64 arrays of one length), summed. */
+static PyObject *lin_terms(PyObject *self, PyObject *args) {
+    PyObject *oi, *ow;
+    if (!PyArg_ParseTuple(args, "OO", &oi, &ow)) return NULL;
+    Py_buffer vi, vw;
+    if (get(oi, &vi, 0, "idx") < 0) return NULL;
+    if (get(ow, &vw, 0, "words") < 0) { PyBuffer_Release(&vi); return NULL; }
+    if (vi.len != vw.len || vi.len % 8 != 0) {
+        PyErr_Format(PyExc_ValueError, "lin_terms: idx has %zd bytes, words %zd: expected two "
+                     "arrays of 8-byte items of one length", vi.len, vw.len);
+        PyBuffer_Release(&vi); PyBuffer_Release(&vw);
+        return NULL;
+    }
+    uint64_t a = 0, b = 0;
+    const Py_ssize_t n = vi.len / 8;
+    const uint8_t *pi = (const uint8_t *)vi.buf, *pw = (const uint8_t *)vw.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t i, w;
+        memcpy(&i, pi + 8 * j, 8);
+        memcpy(&w, pw + 8 * j, 8);
+        a += fmix64(w ^ (LIN_S0 + i * LIN_M0));
+        b += fmix64(w ^ (LIN_S1 + i * LIN_M1));
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vi); PyBuffer_Release(&vw);
+    return Py_BuildValue("(KK)", (unsigned long long)a, (unsigned long long)b);
+}
+
 static PyMethodDef methods[] = {
     {"diff_sparse", diff_sparse, METH_VARARGS,
      "diff_sparse(new, base, itemsize, idx_out, val_out) -> changed elements, or -1 if they "
      "do not fit"},
+    {"lin_sum", lin_sum, METH_VARARGS, "lin_sum(buf) -> (lane0, lane1): the linear digest's sums"},
+    {"lin_terms", lin_terms, METH_VARARGS,
+     "lin_terms(idx, words) -> (lane0, lane1): the terms of the given words, summed"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -288,7 +288,10 @@ class SaveOptions:
 
 @dataclass(frozen=True)
 class LoadOptions:
-    verify: bool = True  # re-hash every chunk read and compare with its digest
+    # True: re-hash every chunk read and compare with its digest; a catch-up (since=) checks
+    # what it patches at the cost of the change (docs/loading.md). "full": a catch-up also
+    # hashes every chunk of into it relies on, and each patched result whole. False: trust reads
+    verify: bool | str = True
     strict: bool = True  # into=: keys, shapes and dtypes must match exactly
     allow_pickle: bool = False
     threads: int = field(default_factory=default_threads)
@@ -297,8 +300,14 @@ class LoadOptions:
     bucket_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        for name in ("verify", "strict", "allow_pickle"):
+        for name in ("strict", "allow_pickle"):
             _check_bool("LoadOptions", self, name)
+        if self.verify not in (True, False, "full") or type(self.verify) not in (bool, str):
+            raise _bad(
+                "LoadOptions", "verify", self.verify, 'True, False or "full"',
+                'Pass verify=True (the default), verify="full" for a catch-up (since=) that also '
+                "hashes every chunk of into it relies on, or verify=False to trust what is read",
+            )  # fmt: skip
         _check_threads("LoadOptions", self.threads)
         if not _is_int(self.bucket_bytes) or self.bucket_bytes < 4096:
             raise _bad(

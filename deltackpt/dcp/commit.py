@@ -32,7 +32,7 @@ from deltackpt.saving.commit import SnapshotParts, Timing, check_can_save, commi
 from deltackpt.saving.write import WriteResult as WrittenChunks
 from deltackpt.store.store import SnapshotInfo, Store
 
-_Rec = tuple[str, int, int, int, str, int, "str | None"]  # ChunkRecord as a small tuple
+_Rec = tuple[str, int, int, int, str, int, "str | None", "str | None"]  # ChunkRecord as a tuple
 
 
 def _json_path(path: Any) -> list[Any] | None:
@@ -57,7 +57,7 @@ class RankInfo:
         return RankInfo(
             rank=rank,
             records={
-                d: (r.pack, r.offset, r.length, r.size, r.codec, r.itemsize, r.base)
+                d: (r.pack, r.offset, r.length, r.size, r.codec, r.itemsize, r.base, r.lin)
                 for d, r in wr.records.items()
             },
             new=sorted(d for d in wr.records if d not in index),

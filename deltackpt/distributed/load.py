@@ -101,9 +101,9 @@ def load(
     DTensor of whole leading rows (``Shard(0)``, ``Replicate``) is incremental inside its rows
     (the chunks straddling their edges are read whole). ``open_snapshot(...).load(into=...,
     since=...)`` is the same load; :class:`deltackpt.Follower` applies it as a trainer publishes. It fails closed:
-    every chunk of ``since`` the load relies on is rebuilt from ``into``'s bytes and hashed
-    first (all of them with ``verify=True``, the default; only the patched ones otherwise), every
-    patched result is checked against its digest, and new bytes are staged and written only once
+    every patched result is checked (by its linear digest where the save recorded one: work in
+    proportion to the change; ``verify="full"`` also hashes every chunk of ``since`` the load
+    relies on, rebuilt from ``into``), and new bytes are staged and written only once
     all checks passed, so :class:`~deltackpt.errors.HeldVersionMismatchError` (``into`` does not
     hold ``since``; it names the key) or any read error leaves ``into`` unchanged. The staging
     costs memory the size of the changed chunks. A missing ``since`` raises

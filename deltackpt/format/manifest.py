@@ -43,6 +43,9 @@ class ChunkRecord:
     codec: str = "raw"
     itemsize: int = 1  # byte-grouping width for the zstd/xor codecs
     base: str | None = None  # xor codec: digest of the chunk this one is a delta against
+    # the raw bytes' linear digest (format/lindigest.py), where the save computed one: what a
+    # catch-up checks a patched chunk against at the cost of the patch
+    lin: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -56,11 +59,13 @@ class ChunkRecord:
             d["itemsize"] = self.itemsize
         if self.base is not None:
             d["base"] = self.base
+        if self.lin is not None:
+            d["lin"] = self.lin
         return d
 
     @staticmethod
     def from_json(d: Any, where: str = "chunk") -> ChunkRecord:
-        _obj(d, where, {"pack", "offset", "length", "size", "codec", "itemsize", "base"})
+        _obj(d, where, {"pack", "offset", "length", "size", "codec", "itemsize", "base", "lin"})
         pack = _str(d.get("pack"), f"{where}.pack")
         if not PACK_ID_RE.match(pack):
             raise ManifestError(
@@ -71,6 +76,9 @@ class ChunkRecord:
         base = d.get("base")
         if base is not None:
             _digest(base, f"{where}.base")
+        lin = d.get("lin")
+        if lin is not None:
+            _digest(lin, f"{where}.lin")
         return ChunkRecord(
             pack=pack,
             offset=_int(d.get("offset"), f"{where}.offset"),
@@ -79,6 +87,7 @@ class ChunkRecord:
             codec=_str(d.get("codec", "raw"), f"{where}.codec"),
             itemsize=_int(d.get("itemsize", 1), f"{where}.itemsize", lo=1, hi=64),
             base=base,
+            lin=lin,
         )
 
 

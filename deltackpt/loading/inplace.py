@@ -22,6 +22,7 @@ import numpy as np
 from deltackpt.errors import CodecError, CorruptChunkError
 from deltackpt.format.changes import UINT, unpack_changes
 from deltackpt.format.hashing import digest
+from deltackpt.format.lindigest import changed_words, lin_update, words_at
 from deltackpt.format.policy import PATCH
 
 __all__ = ["InPlace", "apply_all", "eligible", "lift", "revert_all"]
@@ -37,15 +38,25 @@ class InPlace:
     itemsize: int
     levels: list[tuple[np.ndarray, np.ndarray]]  # validated (indices, new values), oldest first
     where: str
+    # (held chunk's, target chunk's) linear digests: the result is checked by updating the held
+    # one from the words the levels touch (work in proportion to the change) instead of hashing
+    # the whole chunk; None: hashed whole against ``d``
+    lin: tuple[str, str] | None = None
     undo: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
-    def apply(self) -> str:
-        """Write every level's values (keeping the old ones); the digest of the result."""
+    def apply(self) -> bool:
+        """Write every level's values (keeping the old ones); whether the result checks out."""
         elems = self.view.view(UINT[self.itemsize])
+        words = old = None
+        if self.lin is not None:
+            words = changed_words([idx for idx, _ in self.levels], self.itemsize)
+            old = words_at(self.view, words)
         for idx, vals in self.levels:
             self.undo.append((idx, elems[idx]))  # fancy indexing: a copy of the old values
             elems[idx] = vals
-        return digest(self.view)
+        if self.lin is None or words is None or old is None:
+            return digest(self.view) == self.d
+        return lin_update(self.lin[0], words, old, words_at(self.view, words)) == self.lin[1]
 
     def revert(self) -> None:
         elems = self.view.view(UINT[self.itemsize])
@@ -63,25 +74,32 @@ def apply_all(
     items: list[InPlace],
     each: Callable[[Callable[[InPlace], Any], list[InPlace]], list[Any]],
     held: str,
+    held_error: Callable[[str, str], Exception],
 ) -> None:
-    """Apply every patch (through ``each``, a parallel map) and check every result against its
-    digest; on any failure revert them all and raise (a mismatch: :class:`CorruptChunkError`)."""
+    """Apply every patch (through ``each``, a parallel map) and check every result; on any
+    failure revert them all and raise. A result that does not check out is told apart once
+    reverted: held bytes that do not hash to the held chunk's digest are ``held_error(chunk,
+    their digest)`` (into does not hold ``held`` there), else a payload is corrupt
+    (:class:`CorruptChunkError`)."""
 
-    def one(p: InPlace) -> tuple[str | None, BaseException | None]:
+    def one(p: InPlace) -> tuple[bool, BaseException | None]:
         try:
             return p.apply(), None
         except Exception as e:  # reverted below with the others
-            return None, e
+            return False, e
 
     results = each(one, items)
-    for p, (actual, err) in zip(items, results, strict=True):
-        if err is not None or actual != p.d:
+    for p, (ok, err) in zip(items, results, strict=True):
+        if err is not None or not ok:
             revert_all(items)
             if err is not None:
                 raise err
+            if (was := digest(p.view)) != p.b:
+                raise held_error(p.b, was)
+            how = "linear digest" if p.lin is not None else "digest"
             raise CorruptChunkError(
                 f"chunk {p.d} of {p.where}: patching {held!r}'s chunk {p.b} with "
-                f"{len(p.levels)} delta(s) gives bytes hashing to {actual}, expected {p.d}; a "
+                f"{len(p.levels)} delta(s) gives bytes whose {how} differs from {p.d}'s; a "
                 "payload is corrupt. Nothing was kept (into is unchanged). Run `deltackpt "
                 "verify`; load without since= to read it whole"
             )
@@ -110,8 +128,10 @@ def lift(
     view: np.ndarray,
     payload: Callable[[str], np.ndarray],
     where: str,
+    lin: tuple[str, str] | None = None,
 ) -> InPlace:
-    """The validated levels of an :func:`eligible` chain (read through ``payload``)."""
+    """The validated levels of an :func:`eligible` chain (read through ``payload``); ``lin``:
+    see :class:`InPlace`."""
     k = chunks[d].itemsize
     try:
         levels = [unpack_changes(payload(c), k, view.size // k) for c in reversed(above)]
@@ -120,4 +140,4 @@ def lift(
             f"chunk {d} of {where}: its patches onto the held chunk {b} do not decode ({e}). "
             "Run `deltackpt verify`; load without since= to read it whole"
         ) from e
-    return InPlace(d, b, view, k, levels, where)
+    return InPlace(d, b, view, k, levels, where, lin)

@@ -16,17 +16,30 @@ A DTensor whose local piece is a contiguous CPU tensor of whole leading rows (``
 ``Replicate``: what FSDP2 holds) is a *window* of the tensor's bytes: chunks inside it are
 skipped or patched, chunks outside it are not read, the (<= 2) straddling ones read and clipped.
 
-Fail closed. :func:`prepare` rebuilds from ``into``'s bytes every chunk of ``held`` that a
-skipped or patched chunk relies on and hashes it against ``held``'s digest
-(:class:`~deltackpt.errors.HeldVersionMismatchError` otherwise), decodes patched chunks into
-fresh buffers and hashes them, lets the read engine verify what it reads, stages all new bytes,
-and last applies the chains of ``patch`` payloads on chunks ``into`` holds as one tensor's bytes
-in place (:mod:`deltackpt.loading.inplace`: only the changed elements written, old ones kept,
-each result hashed, all undone on any failure or by :meth:`CatchUp.abort`). :meth:`CatchUp.commit`
-then only copies. So a failure leaves ``into`` as it was; the price is staging memory the size of
-the changed chunks that are not patched in place. Unchanged chunks are hashed only with
-``verify=True`` (the default); with ``verify=False`` they are trusted, as a plain load trusts
-what it reads.
+Fail closed, at the cost of the change. :func:`prepare` rebuilds from ``into``'s bytes every
+chunk of ``held`` that a patched chunk starts from, decodes the patches and checks each result;
+the read engine verifies what it reads; all new bytes are staged, and last the chains of
+``patch`` payloads on chunks ``into`` holds as one tensor's bytes are applied in place
+(:mod:`deltackpt.loading.inplace`: only the changed elements written, old ones kept, all undone on
+any failure or by :meth:`CatchUp.abort`). :meth:`CatchUp.commit` then only copies. So a failure
+leaves ``into`` as it was; the price is staging memory the size of the changed chunks that are
+not patched in place.
+
+What is checked (``verify``, docs/loading.md):
+
+* ``True`` (default): a chunk patched in place is checked by its *linear digest*
+  (:mod:`deltackpt.format.lindigest`), updated from the held chunk's by the words the patch
+  rewrites (work in proportion to the change); a chunk decoded into fresh memory (xor, or a
+  patch on a chunk ``into`` holds in pieces) is hashed whole; a chunk without a linear digest
+  (written by a save that wrote no deltas) too. Detected: a corrupt payload, and ``into``
+  differing from ``held`` where a patch writes (:class:`HeldVersionMismatchError`, told apart by
+  hashing the held bytes once the result failed). Not detected: ``into`` differing from
+  ``held`` in bytes no patch touches (a flipped bit elsewhere, an ``into`` that holds another
+  version there): those bytes are kept as they are.
+* ``"full"``: first hashes every chunk of ``into`` the catch-up relies on (unchanged and patch
+  bases) against ``held``'s digests, and every patched result whole: two passes over the state,
+  detecting any byte of ``into`` that differs from ``held``.
+* ``False``: as ``True`` for patched chunks; what is read whole is not re-hashed.
 """
 
 from __future__ import annotations
@@ -300,27 +313,36 @@ def prepare(
         else:
             read.append(d)
 
-    # 1. into holds held wherever we rely on it: checked before anything is read or written.
-    check = sorted({b for _, b, _ in patches} | (set(unchanged) if opts.verify else set()))
+    # 1. into holds held wherever we rely on it. verify="full" hashes all of it before anything
+    # is read or written. By default only what the catch-up touches is checked: each patched
+    # result (by its linear digest where the save recorded one, else whole) fails if into's
+    # bytes differ from held's where the patch writes (module doc: what each mode detects)
+    full = opts.verify == "full"
+    check = sorted({b for _, b, _ in patches} | set(unchanged)) if full else []
 
-    def verify_held(b: str) -> tuple[str, np.ndarray]:
+    def held_error(b: str, actual: str, odd: str | None = None) -> HeldVersionMismatchError:
+        keys = sorted({p for p, _, _, _ in plan.index.refs[b]})
+        key = odd or keys[0]
+        return HeldVersionMismatchError(
+            f"load({m.name!r}, since={h.name!r}): into does not hold snapshot {h.name!r} at "
+            f"key {key!r}" + (f" (chunk shared with keys {keys[:5]})" if len(keys) > 1 else "")
+            + f": its bytes hash to {actual}, expected {b}, the digest {h.name!r} has there. "
+            "Nothing was written (into is unchanged). Load without since= to read the whole "
+            f"snapshot, or pass since= the snapshot into actually holds",
+            key=key, keys=tuple(keys), snapshot=m.name, held=h.name,
+        )  # fmt: skip
+
+    def rebuilt(b: str) -> tuple[str, np.ndarray]:
         buf, odd = plan.rebuild(b)
-        actual = digest(buf) if odd is None else "(two copies that differ)"
-        if actual != b:
-            keys = sorted({p for p, _, _, _ in plan.index.refs[b]})
-            key = odd or keys[0]
-            raise HeldVersionMismatchError(
-                f"load({m.name!r}, since={h.name!r}): into does not hold snapshot {h.name!r} at "
-                f"key {key!r}" + (f" (chunk shared with keys {keys[:5]})" if len(keys) > 1 else "")
-                + f": its bytes hash to {actual}, expected {b}, the digest {h.name!r} has there. "
-                "Nothing was written (into is unchanged). Load without since= to read the whole "
-                f"snapshot, or pass since= the snapshot into actually holds",
-                key=key, keys=tuple(keys), snapshot=m.name, held=h.name,
-            )  # fmt: skip
+        if odd is not None:  # two places of one chunk that differ: never the held chunk
+            raise held_error(b, "(two copies that differ)", odd)
+        if b in checked and (actual := digest(buf)) != b:
+            raise held_error(b, actual)
         return b, buf
 
-    bases = dict(_each(verify_held, check, opts.threads))
-    stats.bytes_checked += sum(b.size for b in bases.values())
+    checked = set(check)
+    bases = dict(_each(rebuilt, sorted(set(check) | {b for _, b, _ in patches}), opts.threads))
+    stats.bytes_checked += sum(bases[b].size for b in check)
     keep = {b for _, b, _ in patches}
     uses = Counter(b for _, b, _ in patches)
     bases = {b: buf for b, buf in bases.items() if b in keep}
@@ -350,6 +372,8 @@ def prepare(
                     f"decode ({e}). Run `deltackpt verify`; load without since= to read it whole"
                 ) from e
             if (actual := digest(out)) != d:
+                if b not in checked and (was := digest(bases[b])) != b:
+                    raise held_error(b, was)
                 raise CorruptChunkError(
                     f"chunk {d} of {where}: patching {h.name!r}'s chunk {b} with {len(above)} "
                     f"delta(s) gives bytes hashing to {actual}, expected {d}; a payload is "
@@ -361,7 +385,9 @@ def prepare(
         def lift(x: tuple[str, str, list[str]]) -> inplace.InPlace:
             where = f"snapshot {m.name!r} key {want[x[0]][0][0]!r}"
             read = partial(reader.payload, where=where)
-            return inplace.lift(*x, m.chunks, bases[x[1]], read, where)
+            lb, ld = h.chunks[x[1]].lin, m.chunks[x[0]].lin
+            lin = None if full or lb is None or ld is None else (lb, ld)
+            return inplace.lift(*x, m.chunks, bases[x[1]], read, where, lin)
 
         ok = inplace.eligible
         fits = [uses[b] == 1 and ok(d, a, m.chunks, bases[b], len(want[d])) for d, b, a in patches]
@@ -382,7 +408,7 @@ def prepare(
         stats.chunks_read += len(r.jobs)
         r.run(packs, opts.verify, opts.threads, "deltackpt-since")
     # 4. last, once everything else is staged and verified: the in-place patches (undone on failure)
-    inplace.apply_all(up.in_place, lambda fn, xs: _each(fn, xs, opts.threads), h.name)
+    inplace.apply_all(up.in_place, lambda fn, xs: _each(fn, xs, opts.threads), h.name, held_error)
     bases.clear()
 
     for d in unchanged:

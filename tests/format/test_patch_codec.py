@@ -201,14 +201,19 @@ def test_in_place_patches_are_all_undone_when_one_result_is_wrong() -> None:
     idx, vals = np.array([3, 500], np.uint64), np.array([7, 9], np.uint16)
     good = bufs[0].copy()
     good.view(np.uint16)[idx] = vals
+    b = digest(before[0])
     items = [
-        InPlace(digest(good), "b0", bufs[0].view(), 2, [(idx, vals)], "first"),
-        InPlace("0" * 32, "b1", bufs[1].view(), 2, [(idx, vals)], "second"),
+        InPlace(digest(good), b, bufs[0].view(), 2, [(idx, vals)], "first"),
+        InPlace("0" * 32, b, bufs[1].view(), 2, [(idx, vals)], "second"),
     ]
+
+    def held_error(chunk: str, actual: str) -> Exception:
+        return AssertionError(f"held bytes were right: {chunk} {actual}")
+
     with pytest.raises(CorruptChunkError, match="second"):
-        apply_all(items, lambda fn, xs: [fn(x) for x in xs], "s0")
+        apply_all(items, lambda fn, xs: [fn(x) for x in xs], "s0", held_error)
     assert all(np.array_equal(b, o) for b, o in zip(bufs, before, strict=True))
-    apply_all(items[:1], lambda fn, xs: [fn(x) for x in xs], "s0")
+    apply_all(items[:1], lambda fn, xs: [fn(x) for x in xs], "s0", held_error)
     assert np.array_equal(bufs[0], good)
 
 

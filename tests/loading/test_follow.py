@@ -115,12 +115,16 @@ def test_follow_load_weights_failure_resends_everything(tmp_path: Path) -> None:
     assert f.poll() is None
 
 
-@pytest.mark.parametrize("key", ["w0", "w3"])  # w0: patched or read, w3: skipped as unchanged
-def test_follow_held_mismatch_reloads_whole_or_raises(tmp_path: Path, key: str) -> None:
+# w0: patched or read (checked by default where it changes); w3: skipped as unchanged (only
+# verify="full" hashes it)
+@pytest.mark.parametrize("key,verify", [("w0", True), ("w3", "full")])
+def test_follow_held_mismatch_reloads_whole_or_raises(
+    tmp_path: Path, key: str, verify: bool | str
+) -> None:
     st = new_store(tmp_path / "s")
     publish(st, 0)
     into = state_at(0)
-    f = deltackpt.Follower(st, into=into, since="s0", lease_ttl=None)
+    f = deltackpt.Follower(st, into=into, since="s0", lease_ttl=None, verify=verify)
     publish(st, 1)
     into["model"][key].view(-1)[7] += 1  # someone changed the weights behind its back
     s = f.poll()
@@ -128,7 +132,9 @@ def test_follow_held_mismatch_reloads_whole_or_raises(tmp_path: Path, key: str) 
     assert same(into, state_at(1))
 
     strict = state_at(1)
-    g = deltackpt.Follower(st, into=strict, since="s1", fallback="raise", lease_ttl=None)
+    g = deltackpt.Follower(
+        st, into=strict, since="s1", fallback="raise", lease_ttl=None, verify=verify
+    )
     publish(st, 2)
     strict["model"][key].view(-1)[7] += 1
     before = {n: t.clone() for n, t in strict["model"].items()}

@@ -108,10 +108,10 @@ def test_same_snapshot_reads_nothing(tmp_path: Path) -> None:
     assert stats.bytes_read == 0 and _same(into, saved[3])
 
 
-@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("verify", [True, "full", False])
 @pytest.mark.parametrize("key", ["w0", "w3", "norm"])
 def test_into_not_holding_held_raises_and_writes_nothing(
-    tmp_path: Path, key: str, verify: bool
+    tmp_path: Path, key: str, verify: bool | str
 ) -> None:
     st, saved = _history(tmp_path / "s", "smallest")
     into = _copy(saved[0])
@@ -121,8 +121,8 @@ def test_into_not_holding_held_raises_and_writes_nothing(
         deltackpt.load(st, "s2", into=into, since="s0", verify=verify)
         assert _same(into, saved[2])
         return
-    if not verify and key == "w3":  # unchanged chunks are trusted without verify
-        deltackpt.load(st, "s2", into=into, since="s0", verify=False)
+    if verify != "full" and key == "w3":  # unchanged chunks are hashed only by verify="full"
+        deltackpt.load(st, "s2", into=into, since="s0", verify=verify)
         assert not _same(into, saved[2])
         return
     with pytest.raises(HeldVersionMismatchError) as err:
@@ -141,8 +141,9 @@ def test_mismatch_in_a_chunk_of_small_tensors_names_its_keys(tmp_path: Path) -> 
     into = _copy(saved[2])
     into["model"]["norm"][3] += 1
     before = _copy(into)
+    deltackpt.load(st, "s4", into=_copy(into), since="s2")  # unchanged: trusted by default
     with pytest.raises(HeldVersionMismatchError, match="model/scale") as err:
-        deltackpt.load(st, "s4", into=into, since="s2")
+        deltackpt.load(st, "s4", into=into, since="s2", verify="full")
     assert set(err.value.keys) == {"model/norm", "model/scale"}
     assert _same(into, before)
 
