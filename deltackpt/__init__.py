@@ -20,6 +20,7 @@ from deltackpt.options import LoadOptions, SaveOptions
 from deltackpt.rng import capture as get_rng_state
 from deltackpt.rng import restore as set_rng_state
 from deltackpt.saving.engine import SaveHandle
+from deltackpt.store.fold import FoldReport, fold
 from deltackpt.store.lifecycle import GcReport, VerifyReport, delete, gc, snapshots, verify
 from deltackpt.store.store import SnapshotInfo, Store, open_store
 
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpointer",
     "ExportReport",
+    "FoldReport",
     "FollowStats",
     "Follower",
     "GcReport",
@@ -44,6 +46,7 @@ __all__ = [
     "errors",
     "export_hf",
     "export_peft",
+    "fold",
     "gc",
     "get_rng_state",
     "import_checkpoint",
