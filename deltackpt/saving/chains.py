@@ -1,14 +1,28 @@
-"""Retention-aware xor chains for ``Checkpointer``: the chain byte budget that keeps the
-``keep_last`` retained snapshots within a stated multiple of the state on disk."""
+"""The write side's chain policy beyond the per-chunk rule in saving/write.py: retention-aware
+chain budgets for ``Checkpointer`` (the byte budget that keeps the ``keep_last`` retained
+snapshots within a stated multiple of the state on disk), staggered keyframes (each chunk
+position has its own keyframe slot, so no version pays every keyframe), and delta bases that
+follow a fold (store/fold.py) instead of counting links the store no longer has."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from collections.abc import Mapping
+from dataclasses import fields, replace
 from typing import Any
 
-from deltackpt.options import SaveOptions
+import xxhash
 
-__all__ = ["RETAINED_SLACK", "bounded_chains", "retained_bound"]
+from deltackpt.format.manifest import ChunkRecord
+from deltackpt.options import SaveOptions
+from deltackpt.saving.stage import DeltaRef, chain_cost
+
+__all__ = [
+    "RETAINED_SLACK",
+    "bounded_chains",
+    "retained_bound",
+    "slot_offset",
+    "stagger",
+]
 
 #: keep_last=K keeps at most K x (1 + RETAINED_SLACK) states on disk when the Checkpointer chose
 #: the chain budget (see :func:`bounded_chains`).
@@ -58,3 +72,43 @@ def bounded_chains(save_options: dict[str, Any], keep_last: int | None) -> dict[
     if budget == opts.chain_budget:
         return save_options
     return {**save_options, "chain_budget": budget}
+
+
+def slot_offset(key: str, keyframe_every: int) -> int:
+    """Chunk position ``key``'s keyframe offset, in ``[0, keyframe_every // 2]``: its slots are
+    the saves ``n > 0`` with ``(n + offset) % keyframe_every == 0``. Half the cap at most, so the
+    first chain of a process runs at least ``keyframe_every / 2`` saves before its slot."""
+    return xxhash.xxh3_64_intdigest(key.encode()) % (keyframe_every // 2 + 1)
+
+
+def stagger(
+    refs: Mapping[str, DeltaRef],
+    index: Mapping[str, ChunkRecord],
+    save_no: int,
+    keyframe_every: int,
+) -> dict[str, DeltaRef]:
+    """The delta bases of save number ``save_no`` (0: this process's first save of the store),
+    from the last save's ``refs`` and the store's chunk ``index``.
+
+    Staggered keyframes: without them every chunk that changes each save keyframes on the same
+    saves (multiples of ``keyframe_every`` after the first), and those saves write the whole
+    state. Here a position's chain is also cut at its slot (:func:`slot_offset`), once it holds a
+    delta; at the cap a chain is ``keyframe_every`` versions long, so from its first slot on a
+    position keyframes on its own slots and each save pays about ``2 / keyframe_every`` of the
+    keyframes. A chain cut early (the byte budget, a pretraining-like step that keyframes every
+    chunk at once) is staggered again at the position's next slot, at the cost of one shorter
+    chain.
+
+    Fold: a base whose chain in ``index`` is shorter than the links the ref counts was folded
+    (store/fold.py repointed the newest snapshot at a keyframe); its links and bytes are taken
+    from ``index``, so the next deltas build on the short chain instead of keyframing early."""
+    k = keyframe_every
+    out: dict[str, DeltaRef] = {}
+    for key, ref in refs.items():
+        if ref.depth:
+            cost = chain_cost(ref.digest, index)
+            if cost is not None and cost[0] < ref.depth:
+                ref = replace(ref, depth=cost[0], chain_bytes=cost[1], last_delta=cost[2])
+        slot = k > 1 and save_no > 0 and (save_no + slot_offset(key, k)) % k == 0
+        out[key] = replace(ref, slot=slot) if ref.slot != slot else ref
+    return out

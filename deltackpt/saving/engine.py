@@ -59,6 +59,7 @@ from deltackpt.options import (
     default_memory_budget,
     default_stage_defer,
 )
+from deltackpt.saving.chains import stagger
 from deltackpt.saving.commit import check_can_save
 from deltackpt.saving.grouping import ChangeHistory
 from deltackpt.saving.on_device import Fingerprint, FingerprintKey, scan
@@ -171,6 +172,7 @@ class StoreSaver:
         self._unreported: BaseException | None = None
         self._arenas = (Arena(), Arena())
         self._delta_refs: dict[str, DeltaRef] = {}
+        self._saves = 0  # saves with delta bases: numbers the staggered keyframe slots
         self._group_caches: dict[int, object] = {}
         self._history = ChangeHistory()
         self.order = StageOrder()  # hash-first or copy-first (saving/order.py)
@@ -305,6 +307,11 @@ class StoreSaver:
                 staged = copy_state(plan, self._arenas[0], pool, opts.threads)
                 return Prepared(plan, staged, False, locks, waited, True)
             index = st.chunk_index()
+            if use_refs:  # staggered keyframe slots; bases that a fold shortened
+                self._delta_refs = stagger(
+                    self._delta_refs, index, self._saves, opts.keyframe_every
+                )
+                self._saves += 1
             p = Prepared(plan, live, use_refs, locks, waited, background, index=index)
             p.digests, p.copies = hash_and_stage(
                 plan, live.arrays, index, self._delta_refs if use_refs else None,

@@ -326,12 +326,18 @@ class DeltaRef:
     # ``SaveOptions.chain_budget`` x the chunk's raw size (saving/write.py).
     chain_bytes: int = 0
     last_delta: int = 0  # payload bytes of this chunk's own xor link (0: it is a keyframe)
+    # this save is the chunk position's keyframe slot (saving/chains.py, staggered keyframes)
+    slot: bool = False
 
     def due(self, size: int, keyframe_every: int, chain_budget: float) -> bool:
         """Whether the next version of this chunk must be a keyframe before even trying a delta:
-        the link cap is reached, or another delta as large as the last one would overflow the
-        byte budget (a delta that is tried and overflows is re-encoded as a keyframe)."""
+        the link cap is reached, this save is the position's keyframe slot and the chunk is a
+        delta (:func:`~deltackpt.saving.chains.stagger`), or another delta as large as the last
+        one would overflow the byte budget (a delta that is tried and overflows is re-encoded
+        as a keyframe)."""
         if self.depth + 1 >= min(keyframe_every, MAX_CHAIN + 1):
+            return True
+        if self.slot and self.depth >= 1:
             return True
         return self.chain_bytes + max(self.last_delta, 1) > chain_budget * size
 
