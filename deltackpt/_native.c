@@ -193,11 +193,45 @@ static PyObject *lin_terms(PyObject *self, PyObject *args) {
     return Py_BuildValue("(KK)", (unsigned long long)a, (unsigned long long)b);
 }
 
+/* lin_at(buf, idx) -> (lane 0, lane 1): the terms of buf's words at word indices idx (int64,
+ * each < ceil(len / 8); the last word zero-padded), summed: the words are read in place. */
+static PyObject *lin_at(PyObject *self, PyObject *args) {
+    PyObject *ob, *oi;
+    if (!PyArg_ParseTuple(args, "OO", &ob, &oi)) return NULL;
+    Py_buffer vb, vi;
+    if (get(ob, &vb, 0, "buf") < 0) return NULL;
+    if (get(oi, &vi, 0, "idx") < 0) { PyBuffer_Release(&vb); return NULL; }
+    const Py_ssize_t n = vi.len / 8, len = vb.len, words = (len + 7) / 8;
+    const uint8_t *pb = (const uint8_t *)vb.buf, *pi = (const uint8_t *)vi.buf;
+    uint64_t a = 0, b = 0;
+    int bad = vi.len % 8 != 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < n && !bad; j++) {
+        int64_t i;
+        memcpy(&i, pi + 8 * j, 8);
+        if (i < 0 || i >= words) { bad = 1; break; }
+        uint64_t w = 0;
+        Py_ssize_t at = 8 * (Py_ssize_t)i, m = len - at < 8 ? len - at : 8;
+        memcpy(&w, pb + at, (size_t)m);
+        a += fmix64(w ^ (LIN_S0 + (uint64_t)i * LIN_M0));
+        b += fmix64(w ^ (LIN_S1 + (uint64_t)i * LIN_M1));
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vb); PyBuffer_Release(&vi);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "lin_at: idx must be int64 word indices below %zd", words);
+        return NULL;
+    }
+    return Py_BuildValue("(KK)", (unsigned long long)a, (unsigned long long)b);
+}
+
 static PyMethodDef methods[] = {
     {"diff_sparse", diff_sparse, METH_VARARGS,
      "diff_sparse(new, base, itemsize, idx_out, val_out) -> changed elements, or -1 if they "
      "do not fit"},
     {"lin_sum", lin_sum, METH_VARARGS, "lin_sum(buf) -> (lane0, lane1): the linear digest's sums"},
+    {"lin_at", lin_at, METH_VARARGS,
+     "lin_at(buf, idx) -> (lane0, lane1): the terms of buf's words at idx, summed"},
     {"lin_terms", lin_terms, METH_VARARGS,
      "lin_terms(idx, words) -> (lane0, lane1): the terms of the given words, summed"},
     {NULL, NULL, 0, NULL},

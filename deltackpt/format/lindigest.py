@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LIN", "Lin", "changed_words", "lin_digest", "lin_update", "words_at"]
+__all__ = ["LIN", "Lin", "changed_words", "lin_digest", "lin_update", "terms_at", "words_at"]
 
 LIN = "lin-2x64"
 _M = (0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93)
@@ -32,10 +32,11 @@ _MASK = (1 << 64) - 1
 _BLOCK = 1 << 20  # words per numpy block
 
 try:  # setup.py builds it; numpy below gives the same sums
+    from deltackpt._native import lin_at as _native_at
     from deltackpt._native import lin_sum as _native_sum
     from deltackpt._native import lin_terms as _native_terms
 except ImportError:  # pragma: no cover - depends on the install
-    _native_sum = _native_terms = None
+    _native_at = _native_sum = _native_terms = None
 
 Lin = tuple[int, int]
 
@@ -113,18 +114,39 @@ def words_at(buf: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 
 def changed_words(elements: list[np.ndarray], itemsize: int) -> np.ndarray:
-    """The sorted word indices (int64) that hold any of the given element indices (elements of
-    ``itemsize`` in {1, 2, 4, 8} bytes never straddle two words)."""
+    """The sorted word indices (int64) that hold any of the given element indices, each array
+    strictly increasing (as patch payloads are validated to be); elements of ``itemsize`` in
+    {1, 2, 4, 8} bytes never straddle two words. Linear time: no sort of one level's indices."""
     per = 8 // itemsize
     parts = [np.asarray(e, dtype=np.int64) // per for e in elements if len(e)]
     if not parts:
         return np.empty(0, dtype=np.int64)
-    return np.unique(np.concatenate(parts))
+    if len(parts) > 1:  # a chain of patches: the union, through a mark per word
+        marks = np.zeros(max(int(p[-1]) for p in parts) + 1, dtype=np.bool_)
+        for p in parts:
+            marks[p] = True
+        return np.flatnonzero(marks)
+    w = parts[0]
+    if w.size < 2 or per == 1:
+        return w
+    keep = np.empty(w.size, dtype=np.bool_)
+    keep[0] = True
+    np.not_equal(w[1:], w[:-1], out=keep[1:])
+    return w[keep]
 
 
-def lin_update(held: str, idx: np.ndarray, old: np.ndarray, new: np.ndarray) -> str:
-    """The linear digest after words ``idx`` (unique) changed from ``old`` to ``new``, given the
-    digest ``held`` before."""
+def terms_at(buf: np.ndarray, idx: np.ndarray) -> Lin:
+    """The summed terms of flat uint8 ``buf``'s words at word indices ``idx`` (unique, int64),
+    read in place."""
+    if _native_at is not None:
+        return _native_at(buf, np.ascontiguousarray(idx, dtype=np.int64))
+    return terms(idx, words_at(buf, idx))
+
+
+def lin_update(held: str, idx: np.ndarray, old: np.ndarray | Lin, new: np.ndarray | Lin) -> str:
+    """The linear digest after words ``idx`` (unique) changed from ``old`` to ``new`` (the words,
+    or their summed terms from :func:`terms_at`), given the digest ``held`` before."""
     h = _parse(held)
-    o, n = terms(idx, old), terms(idx, new)
+    o = old if isinstance(old, tuple) else terms(idx, old)
+    n = new if isinstance(new, tuple) else terms(idx, new)
     return _hex(((h[0] - o[0] + n[0]) & _MASK, (h[1] - o[1] + n[1]) & _MASK))

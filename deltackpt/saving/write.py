@@ -20,7 +20,7 @@ from deltackpt.errors import DeltackptError
 from deltackpt.format import codecs
 from deltackpt.format.changes import unpack_changes
 from deltackpt.format.hashing import digest
-from deltackpt.format.lindigest import changed_words, lin_digest, lin_update, words_at
+from deltackpt.format.lindigest import changed_words, lin_digest, lin_update, terms_at
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.format.policy import PATCH
 from deltackpt.options import SaveOptions
@@ -217,7 +217,7 @@ def _lin(
         k = enc.itemsize
         idx, _ = unpack_changes(np.frombuffer(enc.payload, np.uint8), k, view.size // k)
         w = changed_words([idx], k)
-        return lin_update(base.lin, w, words_at(ref.data, w), words_at(view, w))
+        return lin_update(base.lin, w, terms_at(ref.data, w), terms_at(view, w))
     return lin_digest(view)
 
 

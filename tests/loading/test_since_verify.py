@@ -28,7 +28,11 @@ def test_linear_digest_native_and_numpy_agree(n: int, monkeypatch: pytest.Monkey
     native = lindigest.lin_digest(buf)
     monkeypatch.setattr(lindigest, "_native_sum", None)
     monkeypatch.setattr(lindigest, "_native_terms", None)
+    monkeypatch.setattr(lindigest, "_native_at", None)
+    words = np.arange(0, (n + 7) // 8, 3, dtype=np.int64)
+    at = lindigest.terms_at(buf, words)
     assert lindigest.lin_digest(buf) == native
+    assert lindigest.terms_at(buf, words) == at  # read in place == gathered, then summed
     assert len(native) == 32 and int(native, 16) >= 0
 
 
@@ -38,7 +42,7 @@ def test_linear_digest_update_equals_recomputing(itemsize: int) -> None:
     old = rng.integers(0, 256, 8 * 1001 + itemsize, dtype=np.uint8)  # a partial last word
     new = old.copy()
     elems = new.view(np.dtype(f"u{itemsize}"))
-    idx = np.append(rng.choice(elems.size - 1, 57, replace=False), elems.size - 1)
+    idx = np.append(np.sort(rng.choice(elems.size - 1, 57, replace=False)), elems.size - 1)
     elems[idx] ^= 1 + rng.integers(0, 100, idx.size).astype(elems.dtype)
     w = lindigest.changed_words([idx], itemsize)
     got = lindigest.lin_update(
