@@ -29,7 +29,9 @@ What is checked (``verify``, docs/loading.md):
 
 * ``True`` (default): a chunk patched in place is checked by its *linear digest*
   (:mod:`deltackpt.format.lindigest`), updated from the held chunk's by the words the patch
-  rewrites (work in proportion to the change); a chunk decoded into fresh memory (xor, or a
+  rewrites (work in proportion to the change; a patch that rewrites more than
+  1/:data:`~deltackpt.loading.inplace.LIN_WORD_COST` of the words: hashed whole, which is cheaper
+  there and checks every byte); a chunk decoded into fresh memory (xor, or a
   patch on a chunk ``into`` holds in pieces) is hashed whole; a chunk without a linear digest
   (written by a save that wrote no deltas) too. Detected: a corrupt payload, and ``into``
   differing from ``held`` where a patch writes (:class:`HeldVersionMismatchError`, told apart by
