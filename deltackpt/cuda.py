@@ -7,7 +7,8 @@ stream would carry it.
 
 Who calls this: ``saving/on_device.py`` (device-to-host copies of changed chunks),
 ``saving/stage.py`` (an async save's copies: to pinned buffers, or held on the device first) and
-``loading/to_device.py`` (host-to-device copies of loaded chunks). Nothing here runs a
+``loading/to_device.py`` (host-to-device copies of loaded chunks), ``sync/ipc_links.py`` (a
+CUDA bucket's copy before its peer is told, and the release of shared blocks). Nothing here runs a
 collective or starts a thread.
 """
 
@@ -19,8 +20,10 @@ __all__ = [
     "DeviceCopies",
     "HostCopies",
     "StageCopies",
+    "copy_and_wait",
     "device_room",
     "host_buffer",
+    "ipc_collect",
     "is_device",
 ]
 
@@ -50,6 +53,24 @@ def device_room(device: torch.device, nbytes: int) -> bool:
     free, total = torch.cuda.mem_get_info(device)
     share, extra = ROOM_MARGIN
     return free >= nbytes + int(total * share) + extra
+
+
+def copy_and_wait(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, landed when this returns: into device memory, the device's current
+    stream is synchronised after the copy, so another process that maps ``dst`` (a CUDA IPC
+    handle, sync/ipc_links.py) reads the new bytes once it is told to; on CPU a plain copy."""
+    if not is_device(dst):
+        dst.copy_(src)
+        return
+    dst.copy_(src, non_blocking=src.is_pinned())
+    torch.cuda.current_stream(dst.device).synchronize()
+
+
+def ipc_collect() -> None:
+    """Free the device blocks this process shared over CUDA IPC that every peer has released
+    (``torch.cuda.ipc_collect``); nothing without CUDA, or before CUDA was initialised."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 class _SideStreams:

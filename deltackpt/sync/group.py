@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from deltackpt.sync.errors import PeerLostError, RoundAbortedError, SyncError, SyncTimeoutError
+from deltackpt.sync.ipc_links import IpcLinks
 from deltackpt.sync.peers import pid_alive
 from deltackpt.sync.shm_links import ShmLinks
 
@@ -52,7 +53,9 @@ class SyncGroup:
     """Every rank of a sync job (trainers and inference ranks) constructs one with the same
     ``master_addr``/``master_port``, ``world_size`` and ``trainers`` (ranks that send); rank 0
     hosts the store. ``timeout`` bounds every wait on a live but silent peer; a dead peer is
-    detected within ``dead_after`` seconds."""
+    detected within ``dead_after`` seconds. ``links``: ``"gloo"``, ``"shm"`` or ``"ipc"``
+    (one host, tensor handles: ``ipc_links.py``); ``ipc_device``: where a trainer's ipc buckets
+    live, ``"cpu"`` (shared memory) or a CUDA device (CUDA IPC)."""
 
     def __init__(
         self,
@@ -66,9 +69,21 @@ class SyncGroup:
         beat: float = 0.2,
         dead_after: float = 3.0,
         links: str = "gloo",
+        ipc_device: str | torch.device = "cpu",
     ) -> None:
-        if links not in ("gloo", "shm"):
-            raise SyncError(f"links={links!r}: choose 'gloo' or 'shm' (one host)")
+        if links not in ("gloo", "shm", "ipc"):
+            raise SyncError(
+                f"links={links!r}: choose 'gloo' or 'shm' (one host), or 'ipc' (one host, "
+                "tensor handles)"
+            )
+        self.ipc_device = torch.device(ipc_device)
+        if self.ipc_device.type not in ("cpu", "cuda") or (
+            self.ipc_device.type == "cuda" and not torch.cuda.is_available()
+        ):
+            raise SyncError(
+                f"ipc_device={str(ipc_device)!r}: the ipc link's buckets live in CPU shared "
+                "memory ('cpu') or on a CUDA device of this process ('cuda:N', needs CUDA)"
+            )
         self.links = links
         self.addr, self.rank, self.world_size = master_addr, int(rank), int(world_size)
         self.trainers = tuple(sorted(set(int(t) for t in trainers)))
@@ -112,30 +127,35 @@ class SyncGroup:
         me = f"{socket.gethostname()}:{os.getpid()}"
         self.guard("store set", lambda: self.store.set(f"pid/{self.rank}", me))
         self._shm: ShmLinks | None = None
+        self._ipc: IpcLinks | None = None
         if self.links == "shm":
             if self.rank == 0:
                 self.store.set("job", uuid.uuid4().hex[:12])
             job = bytes(self.guard("store get", lambda: self.store.get("job"))).decode()
             self._shm = ShmLinks(self, job)
+        elif self.links == "ipc":
+            self._ipc = IpcLinks(self, self.ipc_device)
+        # the one-host link that carries the buckets (None: gloo)
+        self._host: ShmLinks | IpcLinks | None = self._shm or self._ipc
 
     def reconnect(self, master_port: int) -> None:
         """After a failure: abandon the old group and store, join new ones on ``master_port``
         (every surviving rank and every replacement process, with the same port)."""
         self._stop.set()
-        if self._shm is not None:
-            self._shm.unlink()
-            self._shm.close()
+        if self._host is not None:
+            self._host.unlink()
+            self._host.close()
         _GRAVEYARD.append((self.pg, self.store))
         self.epoch += 1
         self._connect(int(master_port))
 
     def close(self) -> None:
-        """Stop the heartbeat, remove this rank's shared-memory link files (the group itself is
-        left to the process' exit)."""
+        """Stop the heartbeat, remove this rank's shared-memory link files, release its ipc
+        links' handles and buckets (the group itself is left to the process' exit)."""
         self._stop.set()
-        if self._shm is not None:
-            self._shm.unlink()
-            self._shm.close()
+        if self._host is not None:
+            self._host.unlink()
+            self._host.close()
 
     # ---- liveness -------------------------------------------------------------------------
 
@@ -203,6 +223,11 @@ class SyncGroup:
         )
 
     # ---- setup ----------------------------------------------------------------------------
+
+    @property
+    def setups(self) -> int:
+        """Setup attempts begun on this store (the current one's number, inside a setup)."""
+        return self._setups
 
     def begin_setup(self) -> int:
         """Start a setup attempt (every rank begins them in the same order: each
@@ -397,27 +422,28 @@ class SyncGroup:
 
     def open_links(self, links: dict[tuple[int, int], tuple[int, int]]) -> None:
         """Once per schedule: ``(sender, receiver) -> (buckets, largest message)`` of this
-        rank's links (shared-memory links map their windows; gloo needs nothing)."""
-        if self._shm is not None:
-            self._shm.open(links)
+        rank's links (shared-memory links map their windows, ipc links share their buckets;
+        gloo needs nothing)."""
+        if self._host is not None:
+            self._host.open(links)
 
     def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Any:
-        if self._shm is not None:
-            return self._shm.send(buf, dst, tag)
+        if self._host is not None:
+            return self._host.send(buf, dst, tag)
         return self.guard("gloo send", lambda: self.pg.send([buf], dst, tag))
 
     def window(self, dst: int, tag: int) -> torch.Tensor | None:
-        """Shared-memory links: the slot a sender packs bucket ``tag`` for ``dst`` straight
-        into (then :meth:`publish`); None on gloo."""
-        return None if self._shm is None else self._shm.window(dst, tag)
+        """Shared-memory and ipc links: the slot a sender packs bucket ``tag`` for ``dst``
+        straight into (then :meth:`publish`); None on gloo."""
+        return None if self._host is None else self._host.window(dst, tag)
 
     def publish(self, dst: int, tag: int, nbytes: int) -> Any:
-        assert self._shm is not None
-        return self._shm.publish(dst, tag, nbytes)
+        assert self._host is not None
+        return self._host.publish(dst, tag, nbytes)
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
-        if self._shm is not None:
-            return self._shm.recv(buf, src, tag)
+        if self._host is not None:
+            return self._host.recv(buf, src, tag)
         return self.guard("gloo recv", lambda: self.pg.recv([buf], src, tag))
 
 

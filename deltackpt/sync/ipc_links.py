@@ -1,0 +1,435 @@
+"""Tensor-handle links of weight sync on one host (``SyncGroup(..., links="ipc")``).
+
+The sender owns one shared tensor per bucket of each of its links and hands the receiver a
+*handle* of it, built by PyTorch's own sharing (``torch.multiprocessing.reductions``:
+``reduce_tensor`` and the rebuild function it returns): on CPU the bucket's storage is shared
+memory under PyTorch's file_system strategy (a name in ``/dev/shm``, ``torch_<pid>_...``; the
+file-descriptor strategy needs a Unix socket between related processes, and ranks started by
+torchrun are not), on CUDA (``SyncGroup(ipc_device="cuda:N")``) the bucket is device memory and
+the handle a CUDA IPC handle. Handles are posted once per bucket to the group's TCP store
+(``ipc/h/<sender>-<receiver>/<bucket>/<generation>``, JSON, never pickle: the store is a
+control channel, not code) and reused every round while the link's layout (buckets, slot size)
+is unchanged; a re-plan that changes it makes new buckets under new generations.
+
+Per link, a small shared int64 table of cells (one row per bucket: round, message bytes,
+handle generation, acknowledged round), also owned by the sender; its handle is posted once per
+setup (``ipc/c/<setup>/<sender>-<receiver>``). A round mirrors the shm links (``shm_links.py``):
+the sender packs into the bucket (CPU: straight into the shared tensor; CUDA: into a private
+pinned buffer, then one host-to-device copy that has landed before the cell is written), then
+writes the cell (bytes, then round). The receiver polls the cell, checking every 20 ms whether
+the round was aborted or the sender's process died, opens the bucket's handle when the cell
+names a generation it has not mapped, copies the message out into its private staging, where it
+is verified and from where it is applied (the bucket is writable by other processes: docs/
+sync.md, Untrusted shared memory), and acknowledges the round in the cell.
+
+Lifetimes: the sender keeps a bucket until the receiver acknowledged the last round published
+in it; a bucket a re-plan replaces is retired and dropped once acknowledged, or at ``close``.
+``SyncGroup.close`` and ``reconnect`` drop every bucket, cell table and mapping of this rank.
+PyTorch counts the mappings of a CPU bucket and removes its ``/dev/shm`` file when the last one
+closes; its ``torch_shm_manager`` removes the files of a sender that exited or was killed once
+no process uses them. A CUDA bucket a receiver still maps stays allocated until it releases it
+(PyTorch's CUDA IPC reference counts; ``torch.cuda.ipc_collect`` at close).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_tensor, reduce_tensor
+
+from deltackpt import cuda
+from deltackpt.sync.errors import PeerLostError, SyncTimeoutError
+
+if TYPE_CHECKING:
+    from deltackpt.sync.group import SyncGroup
+
+__all__ = ["IpcLinks", "open_handle", "share", "tensor_handle"]
+
+SEQ, NBYTES, GEN, ACK = range(4)  # the columns of a link's cells
+_CHECK = 0.02
+_NAME = re.compile(r"/torch_\d+_\d+_\d+")
+
+
+# ---- handles ------------------------------------------------------------------------------
+
+
+def share(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A 1-D uint8 tensor of ``nbytes`` another process can map through :func:`tensor_handle`:
+    CPU shared memory (PyTorch's file_system strategy), or device memory on CUDA."""
+    if device.type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    t.untyped_storage()._share_filename_cpu_()
+    return t
+
+
+def tensor_handle(t: torch.Tensor) -> bytes:
+    """The handle of a 1-D uint8 tensor made by :func:`share`, as JSON bytes."""
+    rebuild, args = reduce_tensor(t)
+    if rebuild is rebuild_cuda_tensor:
+        return _cuda_handle(args)
+    _, storage, (offset, size, _, _) = args
+    manager, name, nbytes = storage._untyped_storage._share_filename_cpu_()
+    doc = {
+        "kind": "cpu",
+        "manager": manager.decode(),
+        "name": name.decode(),
+        "storage": int(nbytes),
+        "offset": int(offset),
+        "numel": int(size[0]),
+    }
+    return json.dumps(doc).encode()
+
+
+def open_handle(raw: bytes, numel: int, what: str) -> torch.Tensor:
+    """Map the tensor a peer's :func:`tensor_handle` names; it must be ``numel`` bytes (the
+    receiver's own schedule says how big the bucket is). ``what`` names the link in errors."""
+    try:
+        doc = json.loads(raw)
+        kind = doc["kind"]
+        got = int(doc["numel"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise PeerLostError(f"{what}: unreadable handle ({e!r}); reconnect the group") from e
+    if got != numel:
+        raise PeerLostError(
+            f"{what}: the handle names a tensor of {got} bytes, this rank's schedule expects "
+            f"{numel}; every rank must run the same deltackpt and bucket_bytes"
+        )
+    if kind == "cuda":
+        return _open_cuda_handle(doc)
+    name, size, offset = str(doc["name"]), int(doc["storage"]), int(doc["offset"])
+    if kind != "cpu" or not _NAME.fullmatch(name) or not 0 <= offset <= size - numel:
+        raise PeerLostError(f"{what}: a handle that is not a bucket of this link: {doc}")
+    storage = torch.UntypedStorage._new_shared_filename_cpu(
+        str(doc["manager"]).encode(), name.encode(), size
+    )
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
+    return rebuild_tensor(torch.Tensor, typed, (offset, (numel,), (1,), False))
+
+
+def _cuda_handle(args: tuple[Any, ...]) -> bytes:
+    """GPU only: the CUDA IPC handle ``reduce_tensor`` made (the arguments of
+    ``rebuild_cuda_tensor``), as JSON: its byte strings in base64, the classes left out (the
+    receiver rebuilds a plain uint8 tensor)."""
+    (_, size, stride, offset, _, _, device, handle, ssize, soff, _, ref, ref_off, ev, ev_sync) = (
+        args
+    )
+
+    def b64(x: bytes | None) -> str | None:
+        return None if x is None else base64.b64encode(bytes(x)).decode()
+
+    doc = {
+        "kind": "cuda",
+        "numel": int(size[0]),
+        "stride": int(stride[0]),
+        "offset": int(offset),
+        "device": int(device),
+        "handle": b64(handle),
+        "storage": int(ssize),
+        "storage_offset": int(soff),
+        "ref": b64(ref),
+        "ref_offset": int(ref_off),
+        "event": b64(ev),
+        "event_sync": bool(ev_sync),
+    }
+    return json.dumps(doc).encode()
+
+
+def _open_cuda_handle(doc: dict[str, Any]) -> torch.Tensor:
+    """GPU only: map a CUDA IPC handle of :func:`_cuda_handle` (``rebuild_cuda_tensor``)."""
+
+    def raw(x: str | None) -> bytes | None:
+        return None if x is None else base64.b64decode(x)
+
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size([int(doc["numel"])]),
+        (int(doc["stride"]),),
+        int(doc["offset"]),
+        torch.storage.TypedStorage,
+        torch.uint8,
+        int(doc["device"]),
+        raw(doc["handle"]),
+        int(doc["storage"]),
+        int(doc["storage_offset"]),
+        False,
+        raw(doc["ref"]),
+        int(doc["ref_offset"]),
+        raw(doc["event"]),
+        bool(doc["event_sync"]),
+    )
+
+
+# ---- links --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Bucket:
+    """One bucket a sender owns: ``shared`` is what the receiver maps, ``host`` where the
+    sender packs (the shared tensor itself on CPU; a private pinned buffer for a CUDA bucket)."""
+
+    gen: int
+    shared: torch.Tensor
+    host: torch.Tensor
+    published: int = 0  # the last round published in it
+
+
+@dataclass
+class _Out:
+    """A link this rank sends on: its cells and buckets."""
+
+    cells: torch.Tensor
+    cellv: np.ndarray
+    slot: int
+    buckets: list[_Bucket]
+
+
+@dataclass
+class _In:
+    """A link this rank receives on: where its cells' handle is, and the buckets mapped so far
+    (bucket -> (generation, tensor))."""
+
+    key: str
+    n: int
+    slot: int
+    cells: torch.Tensor | None = None
+    cellv: np.ndarray | None = None
+    mapped: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class _Retired:
+    """Buckets a re-plan replaced, kept with their old cells until the receiver acknowledged
+    the last round published in each."""
+
+    cells: torch.Tensor
+    cellv: np.ndarray
+    buckets: list[tuple[int, _Bucket]]
+
+    def acknowledged(self) -> bool:
+        return all(int(self.cellv[tag, ACK]) >= b.published for tag, b in self.buckets)
+
+
+class _Done:
+    """A send that completed when it was issued (the bytes are in the bucket)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Recv:
+    def __init__(self, links: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        self.links, self.src, self.tag, self.into, self.seq = links, src, tag, into, seq
+
+    def wait(self) -> bool:
+        self.links._wait_copy(self.src, self.tag, self.into, self.seq)
+        return True
+
+
+class IpcLinks:
+    """The buckets of this rank's ipc links; ``open(links)`` once per schedule (module doc).
+    ``device``: where the buckets a sender owns live (CPU shared memory, or a CUDA device).
+    ``handles_sent`` / ``handles_opened`` count handles posted and mapped by this rank."""
+
+    def __init__(self, group: SyncGroup, device: torch.device) -> None:
+        self.g, self.device = group, device
+        self._out: dict[int, _Out] = {}
+        self._in: dict[int, _In] = {}
+        self._retired: list[_Retired] = []
+        self._gen = 0
+        self.handles_sent = 0
+        self.handles_opened = 0
+
+    def _name(self, s: int, r: int) -> str:
+        return f"ipc link {s}->{r}"
+
+    # ---- setup ----------------------------------------------------------------------------
+
+    def open(self, links: dict[tuple[int, int], tuple[int, int]]) -> None:
+        """``links``: (sender, receiver) -> (buckets, slot bytes) for this rank's links; called
+        inside a setup attempt (its number names the cells' handles)."""
+        me, setup = self.g.rank, self.g.setups
+        out: dict[int, _Out] = {}
+        ins: dict[int, _In] = {}
+        for (s, r), (n, slot) in links.items():
+            if s == me:
+                out[r] = self._open_out(r, n, slot, setup)
+            elif r == me:
+                old = self._in.get(s)
+                keep = {} if old is None or old.slot != slot else old.mapped
+                mapped = {t: m for t, m in keep.items() if t < n}
+                ins[s] = _In(f"ipc/c/{setup}/{s}-{me}", n, slot, mapped=mapped)
+        for r, o in self._out.items():
+            if r not in out:
+                self._retire(o, list(enumerate(o.buckets)))
+        self._out, self._in = out, ins
+
+    def _open_out(self, r: int, n: int, slot: int, setup: int) -> _Out:
+        me = self.g.rank
+        old = self._out.get(r)
+        keep = old.buckets if old is not None and old.slot == slot else []
+        buckets = [keep[t] if t < len(keep) else self._new_bucket(r, t, slot) for t in range(n)]
+        if old is not None:
+            kept = {id(b) for b in buckets}
+            self._retire(old, [(t, b) for t, b in enumerate(old.buckets) if id(b) not in kept])
+        cells = share(n * 4 * 8, torch.device("cpu")).view(torch.int64).view(n, 4)
+        cells.zero_()
+        cellv = cells.numpy()
+        for t, b in enumerate(buckets):
+            b.published = 0
+            cellv[t, GEN] = b.gen
+        key = f"ipc/c/{setup}/{me}-{r}"
+        handle = tensor_handle(cells.view(-1).view(torch.uint8))
+        self.g.guard("store set", lambda: self.g.store.set(key, handle))
+        return _Out(cells, cellv, slot, buckets)
+
+    def _new_bucket(self, r: int, tag: int, slot: int) -> _Bucket:
+        self._gen += 1
+        shared = share(slot, self.device)
+        host = shared if shared.device.type == "cpu" else cuda.host_buffer(slot, True)
+        key = f"ipc/h/{self.g.rank}-{r}/{tag}/{self._gen}"
+        handle = tensor_handle(shared)
+        self.g.guard("store set", lambda: self.g.store.set(key, handle))
+        self.handles_sent += 1
+        return _Bucket(self._gen, shared, host)
+
+    def _retire(self, o: _Out, buckets: list[tuple[int, _Bucket]]) -> None:
+        if buckets:
+            self._retired.append(_Retired(o.cells, o.cellv, buckets))
+
+    def _drop_acknowledged(self) -> None:
+        if self._retired:
+            self._retired = [x for x in self._retired if not x.acknowledged()]
+
+    # ---- sender ---------------------------------------------------------------------------
+
+    def window(self, dst: int, tag: int) -> torch.Tensor:
+        """Where the sender packs bucket ``tag`` for ``dst`` (then :meth:`publish`); the
+        receiver copied the last round's message out before it voted, so it is free once the
+        last round's vote is in."""
+        o = self._out[dst]
+        return o.buckets[tag].host[: o.slot]
+
+    def publish(self, dst: int, tag: int, n: int) -> _Done:
+        """The first ``n`` bytes of the bucket are the message of the current round."""
+        o = self._out[dst]
+        b = o.buckets[tag]
+        if b.shared is not b.host:  # a CUDA bucket: landed on the device before the cell says so
+            cuda.copy_and_wait(b.shared[:n], b.host[:n])
+        seq = self.g.seq
+        o.cellv[tag, NBYTES] = n
+        o.cellv[tag, SEQ] = seq
+        b.published = seq
+        self._drop_acknowledged()
+        return _Done()
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> _Done:
+        self.window(dst, tag)[: buf.numel()].copy_(buf)
+        return self.publish(dst, tag, buf.numel())
+
+    # ---- receiver -------------------------------------------------------------------------
+
+    def recv(self, into: torch.Tensor, src: int, tag: int) -> _Recv:
+        return _Recv(self, src, tag, into, self.g.seq)
+
+    def _cells(self, src: int, lk: _In, seq: int) -> np.ndarray:
+        """The link's cells, mapped on first use after a setup (the sender posted their handle
+        in that setup, before it ended)."""
+        if lk.cellv is not None:
+            return lk.cellv
+        g = self.g
+        g.wait_until(
+            lambda: bool(g.store.check([lk.key])),
+            f"round {seq}: waiting for the cells of {self._name(src, g.rank)}",
+            seq,
+        )
+        raw = bytes(g.guard("store get", lambda: g.store.get(lk.key)))
+        t = open_handle(raw, lk.n * 4 * 8, self._name(src, g.rank) + " cells")
+        self.handles_opened += 1
+        lk.cells = t.view(torch.int64).view(lk.n, 4)
+        lk.cellv = lk.cells.numpy()
+        return lk.cellv
+
+    def _bucket(self, src: int, lk: _In, tag: int, gen: int) -> torch.Tensor:
+        """Bucket ``tag`` as generation ``gen``: the mapping this rank holds, or the handle
+        the sender posted for it (once per generation; the older mapping is dropped)."""
+        got = lk.mapped.get(tag)
+        if got is not None and got[0] == gen:
+            return got[1]
+        g = self.g
+        what = self._name(src, g.rank)
+        key = f"ipc/h/{src}-{g.rank}/{tag}/{gen}"
+        if not g.guard("store check", lambda: g.store.check([key])):
+            raise PeerLostError(
+                f"{what}: bucket {tag} names handle generation {gen}, which rank {src} never "
+                "posted (its cell was overwritten); the round fails, reconnect the group"
+            )
+        lk.mapped.pop(tag, None)
+        raw = bytes(g.guard("store get", lambda: g.store.get(key)))
+        t = open_handle(raw, lk.slot, f"{what} bucket {tag}")
+        lk.mapped[tag] = (gen, t)
+        self.handles_opened += 1
+        return t
+
+    def _wait_copy(self, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        lk = self._in[src]
+        cellv = self._cells(src, lk, seq)
+        what = self._name(src, self.g.rank)
+        start = time.monotonic()
+        next_check = start + _CHECK
+        delay = 1e-5
+        while cellv[tag, SEQ] != seq:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _CHECK
+                why = self.g.aborted(seq)
+                if why is not None and why.startswith("lost: "):
+                    raise PeerLostError(why[6:])
+                if not self.g.alive(src):
+                    raise PeerLostError(
+                        f"{what}: rank {src} (pid {self.g.pid_of(src)[1]}) died before "
+                        f"publishing bucket {tag} of round {seq}"
+                    )
+            if now - start > self.g.timeout:
+                raise SyncTimeoutError(
+                    f"{what}: bucket {tag} of round {seq} not published within "
+                    f"{self.g.timeout:g} s (its cell says round {int(cellv[tag, SEQ])}); "
+                    "the sender is hung: reconnect the group"
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        n, gen = int(cellv[tag, NBYTES]), int(cellv[tag, GEN])
+        bucket = self._bucket(src, lk, tag, gen)
+        if not 0 < n <= min(bucket.numel(), into.numel()):
+            raise PeerLostError(
+                f"{what}: the cell of bucket {tag} claims {n} bytes, the bucket holds "
+                f"{bucket.numel()} and the staging {into.numel()}"
+            )
+        into[:n].copy_(bucket[:n])  # out of the shared bucket before anything reads it
+        cellv[tag, ACK] = seq
+
+    # ---- cleanup --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop every bucket, cell table and mapping of this rank (see module doc)."""
+        self._out.clear()
+        self._in.clear()
+        self._retired.clear()
+        if self.device.type == "cuda":
+            cuda.ipc_collect()
+
+    def unlink(self) -> None:
+        """Nothing to remove by name: PyTorch removes a shared bucket's file with its last
+        mapping (:meth:`close`)."""
+
+    @property
+    def retired(self) -> int:
+        """Buckets a re-plan replaced that wait for the receiver's acknowledgement."""
+        return sum(len(x.buckets) for x in self._retired)

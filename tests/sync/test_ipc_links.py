@@ -1,0 +1,406 @@
+"""Tensor-handle links (``SyncGroup(..., links="ipc")``, deltackpt/sync/ipc_links.py) between
+real processes, on CPU shared storage (PyTorch's file_system sharing), as a GPU runs them on
+CUDA IPC handles:
+
+* full and delta rounds bit-exact on two links; each bucket's handle is posted once and reused
+  every round; a re-plan with another layout posts new handles, one with the same layout none;
+  ``reconnect`` and ``close`` release the buckets: no ``/dev/shm`` file of the trainer is left;
+* a shared bucket written after the publish fails the round on every rank, the receiver's
+  weights untouched, and the next round (full) is exact;
+* a trainer killed mid-round: the receiver raises ``PeerLostError`` (the pid check), nothing
+  applied;
+* on a GPU: CUDA tensors through CUDA buckets, bit-exact.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import free_port, spawn
+from tests.sync._common import make_state, mismatches, wants_for
+
+pytestmark = pytest.mark.multiproc
+
+BUCKET = 8 << 10
+LAYOUTS = {1: ("full",), 2: ("tp", 0, 2)}  # receiver rank -> layout
+
+
+def _files(pid: int) -> list[str]:
+    """The /dev/shm files PyTorch's file_system sharing made for process ``pid``."""
+    return sorted(glob.glob(f"/dev/shm/torch_{pid}_*"))
+
+
+def _buckets(sender: Any) -> int:
+    return len(sender._buckets)
+
+
+def _layout(sender: Any) -> dict[int, tuple[int, int]]:
+    """Receiver -> (buckets, slot bytes) of the trainer's links: what its buckets are made of."""
+    from deltackpt.sync.rounds import link_slots
+
+    slots = link_slots(sender.schedule.links_of(0), sender.align)
+    return {r: v for (_, r), v in slots.items()}
+
+
+def new_handles(old: dict[int, tuple[int, int]], new: dict[int, tuple[int, int]]) -> int:
+    """Buckets a re-plan from layout ``old`` to ``new`` makes: all of a link whose slot size
+    changed, else those past the old count."""
+    return sum(
+        n if r not in old or old[r][1] != slot else max(0, n - old[r][0])
+        for r, (n, slot) in new.items()
+    )
+
+
+# ---- rounds, handles, re-plans, reconnect, close ------------------------------------------
+
+
+def _trainer(ports: list[int]) -> dict[str, Any]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", ports[0], 0, 3, [0], timeout=60, links="ipc")
+    links = group._ipc
+    assert links is not None
+    out: dict[str, Any] = {"rounds": [], "sent": []}
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    for v in (1, 2, 3, 4):
+        out["rounds"].append(sender.push(make_state(v), version=v, full=v == 4))
+        out["sent"].append(links.handles_sent)
+    out["buckets"] = _buckets(sender)
+    out["layout"] = _layout(sender)
+    out["files_planned"] = len(_files(os.getpid()))
+    # a re-plan with another layout (bucket size): new buckets, new handles
+    sender = sync.WeightSender(group, bucket_bytes=2 * BUCKET)
+    out["replan"] = sender.push(make_state(5), version=5)
+    out["replan_sent"] = links.handles_sent
+    out["replan_buckets"] = _buckets(sender)
+    out["replan_layout"] = _layout(sender)
+    out["retired"] = links.retired  # the replaced buckets, acknowledged: dropped
+    # a re-plan with the same layout: the buckets and their handles are reused
+    sender = sync.WeightSender(group, bucket_bytes=2 * BUCKET)
+    out["same"] = sender.push(make_state(6), version=6)
+    out["same_sent"] = links.handles_sent
+    out["files_before_reconnect"] = len(_files(os.getpid()))
+    group.reconnect(ports[1])
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    out["after_reconnect"] = sender.push(make_state(7), version=7)
+    assert group._ipc is not None
+    out["reconnect_sent"] = group._ipc.handles_sent
+    out["files_after_reconnect"] = len(_files(os.getpid()))
+    group.pg.barrier().wait()
+    group.close()
+    group.pg.barrier().wait()  # every receiver closed too
+    out["files_after_close"] = _files(os.getpid())
+    return out
+
+
+def _receiver(rank: int, ports: list[int]) -> dict[str, Any]:
+    from deltackpt import sync
+
+    layout = LAYOUTS[rank]
+    group = sync.SyncGroup("127.0.0.1", ports[0], rank, 3, [0], timeout=60, links="ipc")
+    links = group._ipc
+    assert links is not None
+    out: dict[str, Any] = {"rounds": [], "opened": []}
+    wants = wants_for(layout)
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(ws: list[tuple[str, torch.Tensor]]) -> None:
+        loaded.update((n, t.clone()) for n, t in ws)
+
+    def pull(receiver: Any) -> dict[str, Any]:
+        st = receiver.pull(load)
+        v = receiver.version
+        return {"stats": st, "version": v, "bad": mismatches(wants, loaded, layout, v)}
+
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    for _ in (1, 2, 3, 4):
+        out["rounds"].append(pull(receiver))
+        out["opened"].append(links.handles_opened)
+    out["buckets"] = len(receiver._buckets)
+    for key, bucket in (("replan", 2 * BUCKET), ("same", 2 * BUCKET)):
+        receiver = sync.WeightReceiver(group, wants, bucket_bytes=bucket)
+        out[key] = pull(receiver)
+        out[key + "_opened"] = links.handles_opened
+    group.reconnect(ports[1])
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    out["after_reconnect"] = pull(receiver)
+    group.pg.barrier().wait()
+    group.close()
+    out["mapped_after_close"] = len(links._in)
+    group.pg.barrier().wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def rounds() -> list[Any]:
+    ports = [free_port(), free_port()]
+    targets = [(_trainer, (ports,)), (_receiver, (1, ports)), (_receiver, (2, ports))]
+    return [o.unwrap() for o in spawn(targets, timeout=120, fast_exit=True)]
+
+
+def test_full_and_delta_rounds_are_bit_exact(rounds: list[Any]) -> None:
+    trainer, *receivers = rounds
+    st = trainer["rounds"]
+    assert [s.version for s in st] == [1, 2, 3, 4]
+    assert [s.full for s in st] == [True, False, False, True]
+    # a delta round sends the one tensor that changed, not everything
+    assert 0 < st[1].payload_bytes < st[0].payload_bytes
+    assert st[3].payload_bytes == st[0].payload_bytes
+    for rec in receivers:
+        assert [r["version"] for r in rec["rounds"]] == [1, 2, 3, 4]
+        assert [r["bad"] for r in rec["rounds"]] == [[], [], [], []]
+        assert [r["stats"].full for r in rec["rounds"]] == [True, False, False, True]
+        for key in ("replan", "same", "after_reconnect"):
+            assert rec[key]["bad"] == [] and rec[key]["stats"].full, (key, rec[key])
+        assert [rec[k]["version"] for k in ("replan", "same", "after_reconnect")] == [5, 6, 7]
+
+
+def test_handles_are_sent_once_per_bucket_and_resent_on_a_layout_change(
+    rounds: list[Any],
+) -> None:
+    trainer, *receivers = rounds
+    n = trainer["buckets"]
+    assert n > len(receivers)  # several buckets per link
+    # posted in the first round's setup, reused by every later round
+    assert trainer["sent"] == [n, n, n, n]
+    # another bucket size: the buckets of the links whose slot size changed are new (a link
+    # whose largest message fits both sizes keeps its buckets); the replaced ones were
+    # acknowledged and dropped
+    old, new = trainer["layout"], trainer["replan_layout"]
+    assert any(old[r][1] != new[r][1] for r in new)
+    assert trainer["replan_sent"] == n + new_handles(old, new) > n
+    assert trainer["retired"] == 0
+    # the same layout again: no handle posted
+    assert trainer["same_sent"] == trainer["replan_sent"]
+    for rank, rec in enumerate(receivers, start=1):
+        m = rec["buckets"]
+        # every bucket of its link once, plus the link's cells (one handle per setup)
+        assert rec["opened"] == [m + 1] * 4
+        # the re-plan: the new setup's cells, and the buckets its trainer made anew
+        made = new_handles({rank: old[rank]}, {rank: new[rank]})
+        assert rec["replan_opened"] == rec["opened"][-1] + 1 + made
+        assert rec["same_opened"] == rec["replan_opened"] + 1  # only the new setup's cells
+
+
+def test_reconnect_and_close_release_every_shared_bucket(rounds: list[Any]) -> None:
+    trainer, *receivers = rounds
+    links = len(receivers)
+    # one file per bucket and one cell table per link, while planned
+    assert trainer["files_planned"] == trainer["buckets"] + links
+    assert trainer["files_before_reconnect"] == trainer["replan_buckets"] + links
+    # after reconnect only the new group's buckets exist: the old ones were released
+    assert trainer["reconnect_sent"] == trainer["buckets"]
+    assert trainer["files_after_reconnect"] == trainer["buckets"] + links
+    assert trainer["files_after_close"] == []
+    assert all(rec["mapped_after_close"] == 0 for rec in receivers)
+
+
+# ---- a shared bucket written after the publish ---------------------------------------------
+
+
+def _tamper_trainer(port: int) -> list[str | None]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc")
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    errors: list[str | None] = []
+    for v in (1, 2, 3):
+        try:
+            sender.push(make_state(v), version=v, full=True)
+            errors.append(None)
+        except sync.SyncError as e:
+            errors.append(type(e).__name__)
+    group.pg.barrier().wait()
+    group.close()
+    return errors
+
+
+def _tamper_receiver(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.sync import rounds
+    from deltackpt.sync.ipc_links import GEN, SEQ, IpcLinks
+
+    layout = ("full",)
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    wants = wants_for(layout)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    orig = IpcLinks._wait_copy
+    hit: list[int] = []
+
+    def hostile(self: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        if seq == 2 and tag == 0:  # round 2, bucket 0: wait for the publish, then write
+            lk = self._in[src]
+            cellv = self._cells(src, lk, seq)
+            while cellv[tag, SEQ] != seq:
+                pass
+            bucket = self._bucket(src, lk, tag, int(cellv[tag, GEN]))
+            bucket[rounds.payload_start(receiver._buckets[tag], receiver.align) + 3] ^= 0x40
+            hit.append(seq)
+        orig(self, src, tag, into, seq)
+
+    IpcLinks._wait_copy = hostile  # type: ignore[method-assign]
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(ws: list[tuple[str, torch.Tensor]]) -> None:
+        loaded.update((n, t.clone()) for n, t in ws)
+
+    out: dict[str, Any] = {"errors": [], "bad": [], "versions": []}
+    for _ in range(3):
+        try:
+            receiver.pull(load)
+            out["errors"].append(None)
+        except sync.SyncError as e:
+            out["errors"].append((type(e).__name__, str(e)))
+        out["versions"].append(receiver.version)
+        out["bad"].append(mismatches(wants, loaded, layout, receiver.version or 0))
+    out["hit"] = hit
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+def test_a_tampered_shared_bucket_is_refused_and_nothing_is_applied() -> None:
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_tamper_trainer, (port,)), (_tamper_receiver, (port,))], timeout=90, fast_exit=True
+        )
+    )
+    assert rec["hit"] == [2]
+    assert rec["errors"][0] is None and rec["errors"][2] is None
+    name, message = rec["errors"][1]
+    assert name == "DigestMismatchError" and "has digest" in message, message
+    assert "nothing was applied" in message
+    assert trainer == [None, "RoundAbortedError", None]
+    # round 2 left the weights at version 1, bit for bit; round 3 (full) is exact
+    assert rec["versions"] == [1, 1, 3]
+    assert rec["bad"] == [[], [], []]
+
+
+# ---- a trainer killed mid-round ------------------------------------------------------------
+
+
+def _kill_trainer(port: int) -> None:
+    from deltackpt import sync
+    from deltackpt.sync.ipc_links import IpcLinks
+
+    # rank 1: the store lives on the receiver (rank 0) and outlives the trainer, so the link's
+    # own pid check finds the death, not a failed store call
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [1], timeout=60, links="ipc")
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    sender.push(make_state(1), version=1)
+    publish = IpcLinks.publish
+
+    def dying(self: IpcLinks, dst: int, tag: int, n: int) -> Any:
+        if tag == 2:  # buckets 0 and 1 are published: the crash is mid-round
+            os.kill(os.getpid(), signal.SIGKILL)
+        return publish(self, dst, tag, n)
+
+    IpcLinks.publish = dying  # type: ignore[method-assign]
+    sender.push(make_state(2), version=2, full=True)
+    raise AssertionError("unreachable: the trainer should have died")
+
+
+def _kill_receiver(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+
+    layout = ("full",)
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [1], timeout=60, links="ipc")
+    wants = wants_for(layout)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(ws: list[tuple[str, torch.Tensor]]) -> None:
+        loaded.update((n, t.clone()) for n, t in ws)
+
+    receiver.pull(load)
+    out: dict[str, Any] = {"v1_bad": mismatches(wants, loaded, layout, 1)}
+    try:
+        receiver.pull(load)
+        out["error"] = None
+    except sync.SyncError as e:
+        out["error"] = (type(e).__name__, str(e))
+    out["version"] = receiver.version
+    out["bad"] = mismatches(wants, loaded, layout, 1)  # nothing of round 2 applied
+    out["broken"] = group.broken
+    group.close()
+    return out
+
+
+def test_a_trainer_killed_mid_round_fails_the_receiver_with_peer_lost() -> None:
+    port = free_port()
+    trainer, rec = spawn(
+        [(_kill_trainer, (port,)), (_kill_receiver, (port,))], timeout=90, fast_exit=True
+    )
+    assert trainer.exitcode == -signal.SIGKILL and not trainer.reported
+    r = rec.unwrap()
+    assert r["v1_bad"] == []
+    assert r["error"] is not None and r["error"][0] == "PeerLostError", r["error"]
+    assert "rank 1" in r["error"][1] and "reconnect" in r["error"][1]
+    assert r["version"] == 1 and r["bad"] == [] and r["broken"]
+
+
+# ---- on a GPU: CUDA buckets ---------------------------------------------------------------
+
+
+def _cuda_trainer(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup(
+        "127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device="cuda:0"
+    )
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    stats = []
+    for v in (1, 2, 3):
+        state = {n: t.to("cuda:0") for n, t in make_state(v).items()}
+        stats.append(sender.push(state, version=v, full=v == 3))
+    assert group._ipc is not None
+    on_device = all(
+        b.shared.is_cuda and b.host.is_pinned() for o in group._ipc._out.values() for b in o.buckets
+    )
+    group.pg.barrier().wait()
+    group.close()
+    return {"full": [s.full for s in stats], "on_device": on_device}
+
+
+def _cuda_receiver(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+
+    layout = ("full",)
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    wants = wants_for(layout)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(ws: list[tuple[str, torch.Tensor]]) -> None:  # into device tensors, then back
+        loaded.update((n, t.to("cuda:0").cpu()) for n, t in ws)
+
+    bad = []
+    for _ in range(3):
+        receiver.pull(load)
+        bad.append(mismatches(wants, loaded, layout, receiver.version or 0))
+    assert group._ipc is not None
+    mapped_cuda = all(t.is_cuda for lk in group._ipc._in.values() for _, t in lk.mapped.values())
+    group.pg.barrier().wait()
+    group.close()
+    return {"bad": bad, "version": receiver.version, "mapped_cuda": mapped_cuda}
+
+
+@pytest.mark.gpu
+def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact() -> None:
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_cuda_trainer, (port,)), (_cuda_receiver, (port,))], timeout=120, fast_exit=True
+        )
+    )
+    assert trainer["full"] == [True, False, True] and trainer["on_device"]
+    assert rec["bad"] == [[], [], []] and rec["version"] == 3 and rec["mapped_cuda"]
