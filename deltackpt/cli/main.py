@@ -8,6 +8,7 @@
     deltackpt diff STORE A B                tensors changed, added and removed from A to B; exit 1 if any
     deltackpt du STORE                      logical vs stored bytes, sharing, dedupe ratio
     deltackpt gc STORE [--keep-last N] [--keep NAME...] [--dry-run]
+    deltackpt fold STORE [NAME...] [--max-chain N] [--keep-links L]
     deltackpt demo [--dir DIR] [--steps N] [--keep]
     deltackpt export STORE [NAME] OUT_DIR   a snapshot's model as Hugging Face safetensors
     deltackpt import SRC STORE NAME         safetensors, a HF directory, torch.save or DCP
@@ -17,7 +18,7 @@ configures the latter (s3fs: ``{"endpoint_url": ..., "key": ..., "secret": ...}`
 reads the usual AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...). gc on an object
 store needs ``--no-concurrent-saves``, the promise that nothing saves to it meanwhile.
 
-``--json`` (ls, show, diff, du, verify, gc, export, import) prints one JSON document on stdout
+``--json`` (ls, show, diff, du, verify, gc, fold, export, import) prints one JSON document on stdout
 and nothing else (sizes in bytes, times ISO-8601 UTC); long commands (verify, gc, du, export,
 import) draw a progress bar on stderr when stdout and stderr are terminals, never with ``--json``
 or ``--no-progress``.
@@ -28,7 +29,7 @@ prints one line to stderr; with ``--json`` stdout also gets ``{"error": {"type",
 "exit_code"}}``.
 
 This module is the parser and the dispatch; the commands live in ``snapshots.py`` (ls, show,
-du), ``diff.py``, ``upkeep.py`` (verify, gc), ``interop.py`` (export, import) and ``demo.py``;
+du), ``diff.py``, ``upkeep.py`` (verify, gc, fold), ``interop.py`` (export, import) and ``demo.py``;
 ``format.py`` renders (with rich when it is installed, ``pip install deltackpt[cli]``, else as
 plain text), ``progress.py`` draws bars, ``exit_codes.py`` holds the exit-code table.
 """
@@ -49,8 +50,9 @@ from deltackpt.cli.diff import cmd_diff
 from deltackpt.cli.exit_codes import USAGE, epilog, exit_code_for
 from deltackpt.cli.format import Console, escape, human_bytes, make_console, print_json
 from deltackpt.cli.snapshots import cmd_du, cmd_ls, cmd_show
-from deltackpt.cli.upkeep import cmd_gc, cmd_verify
+from deltackpt.cli.upkeep import cmd_fold, cmd_gc, cmd_verify
 from deltackpt.errors import DeltackptError
+from deltackpt.store.fold import DEFAULT_FOLD_CHAIN
 
 __all__ = ["add_output_options", "build_parser", "human_bytes", "main"]
 
@@ -180,6 +182,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="object stores (which have no locks): promise that no save runs meanwhile",
     )
     s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser(
+        "fold", help="rewrite snapshots' long delta chains as keyframes (faster fresh loads)"
+    )
+    _store_arg(s)
+    s.add_argument("names", nargs="*", metavar="NAME", help="snapshots (default: latest)")
+    add_output_options(s)
+    s.add_argument(
+        "--max-chain",
+        type=_non_negative,
+        default=DEFAULT_FOLD_CHAIN,
+        metavar="N",
+        help=f"fold chunks with more than N delta links (default {DEFAULT_FOLD_CHAIN})",
+    )
+    s.add_argument(
+        "--keep-links",
+        type=_non_negative,
+        default=1,
+        metavar="L",
+        help="delta links kept above each new keyframe (default 1: followers keep patching)",
+    )
+    s.add_argument(
+        "--no-concurrent-saves",
+        action="store_true",
+        help="object stores (which have no locks): promise that no save runs meanwhile",
+    )
+    s.set_defaults(func=cmd_fold)
 
     s = sub.add_parser("demo", help="fine-tune a tiny GPT with a checkpoint per step, then resume")
     s.add_argument("--dir", help="store directory (new or empty; default: a temporary one)")

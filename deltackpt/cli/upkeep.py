@@ -1,6 +1,11 @@
-"""``deltackpt verify`` and ``deltackpt gc``: thin views of :func:`deltackpt.verify` and
-:func:`deltackpt.gc` (``--dry-run`` is gc's own plan, ``gc(dry_run=True)``), with a progress bar
-on a terminal and a ``--json`` document for scripts."""
+"""``deltackpt verify``, ``deltackpt gc`` and ``deltackpt fold``: thin views of
+:func:`deltackpt.verify`, :func:`deltackpt.gc` (``--dry-run`` is gc's own plan,
+``gc(dry_run=True)``) and :func:`deltackpt.fold`, with a progress bar on a terminal and a
+``--json`` document for scripts.
+
+fold is its own verb, not a gc option: gc deletes and holds the store lock exclusively for its
+whole run, fold only writes (keyframes, then one manifest replace) and runs beside saves; gc's
+"compacted" already names its pack rewrite."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from deltackpt.cli.format import Console, escape, human_bytes, new_table, print_
 from deltackpt.cli.progress import progress, show_progress
 from deltackpt.cli.snapshots import open_existing
 from deltackpt.errors import DeltackptError, StoreLockedError
+from deltackpt.store.fold import FoldReport
 from deltackpt.store.lifecycle import GcReport, VerifyReport
 from deltackpt.store.objstore import NoLockError
 from deltackpt.store.storage import LOCK_FILE
@@ -208,3 +214,51 @@ def _save_in_flight(st: Store) -> bool:
         return True
     except OSError:  # e.g. no write permission on the lock file: cannot tell
         return False
+
+
+def cmd_fold(args: argparse.Namespace, out: Console) -> int:
+    st = open_existing(args, no_concurrent_saves=args.no_concurrent_saves)
+    names = args.names or ["latest"]
+    try:
+        reports = [
+            deltackpt.fold(st, n, max_chain=args.max_chain, keep_links=args.keep_links)
+            for n in names
+        ]
+    except NoLockError as e:
+        raise NoLockError(
+            f"fold of {args.store} repoints a manifest under the exclusive store lock, and object "
+            "stores have none. When nothing saves to the store, run `deltackpt fold STORE "
+            "--no-concurrent-saves ...`"
+        ) from e
+    if args.json:
+        print_json({"store": str(args.store), "snapshots": [_fold_doc(r) for r in reports]})
+        return OK
+    t = new_table("fold")
+    for col in ("snapshot", "chunks folded", "bytes written", "deepest chain", "seconds"):
+        t.add_column(col)
+    for r in reports:
+        t.add_row(
+            escape(r.snapshot),
+            str(r.chunks_folded),
+            human_bytes(r.bytes_written),
+            f"{r.deepest_before} -> {r.deepest_after}",
+            f"{r.seconds:.3f}",
+        )
+    out.print(t)
+    return OK
+
+
+def _fold_doc(r: FoldReport) -> dict[str, Any]:
+    """``fold --json``: per snapshot ``name``, ``chunks_folded``, ``bytes_written``,
+    ``deepest_before``, ``deepest_after`` (delta links), ``pack`` (null: nothing written),
+    ``attempts``, ``seconds``."""
+    return {
+        "name": r.snapshot,
+        "chunks_folded": r.chunks_folded,
+        "bytes_written": r.bytes_written,
+        "deepest_before": r.deepest_before,
+        "deepest_after": r.deepest_after,
+        "pack": r.pack,
+        "attempts": r.attempts,
+        "seconds": r.seconds,
+    }
