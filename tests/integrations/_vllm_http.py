@@ -28,7 +28,7 @@ import requests
 import torch
 from _vllm_kill import BUCKET, nudge
 from _vllm_ranks import Server, two_trainers
-from _vllm_run import engine, free_port, greedy, rl_step, tiny_qwen2
+from _vllm_run import free_port, rl_step, tiny_qwen2
 
 STARTUP_S = 240  # the server's start (~20 s here), bounded
 
@@ -96,7 +96,6 @@ def doomed(url: str, port: int, state_path: str, out_path: str, go: Event) -> No
 
 
 def main(out_path: str) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the fresh engine, in this process
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -189,6 +188,10 @@ def main(out_path: str) -> None:
         rl_step(trainer, 0.02, gen)
         check("replaced_delta", eng.send_weights(version=6))
         res["tokens"] = srv.tokens()
+        # the same weights again as a full round (every tensor through load_weights, as a fresh
+        # engine loads them): the served tokens must not depend on how the weights arrived
+        check("refull", eng.send_weights(version=7, full=True))
+        res["full_tokens"] = srv.tokens()
         eng.shutdown()
         # two trainer ranks, each holding half of every tensor (DTensor shards)
         res["ranks"] = two_trainers(url, tmp, free_port)
@@ -198,8 +201,6 @@ def main(out_path: str) -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    trainer.save_pretrained(f"{tmp}/final")
-    res["fresh_tokens"] = greedy(engine(f"{tmp}/final", transfer=False))
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
 
