@@ -15,6 +15,9 @@ Rows:
 * full round (``push(full=True)``);
 * delta round, 1 tensor changed (every element of one matrix);
 * RL-like round: ~3% of the elements of every tensor changed by a small add;
+* ipc link (``links="ipc"``, a second group in the same processes; ``--no-ipc`` skips it): a
+  full round and a 1-tensor delta round through tensor handles (CUDA buckets, ``ipc_device``,
+  on a GPU; shared CPU storage without one), after one untimed round that plans and shares;
 * ceilings: one pinned D2H + H2D of the bytes (trainer's tensors -> pinned host buffers ->
   fresh device tensors), and a raw CUDA IPC round (the receiver maps the trainer's tensors with
   ``torch.multiprocessing`` and copies device to device; skipped without CUDA).
@@ -44,6 +47,12 @@ import torch
 
 CUDA = torch.cuda.is_available()
 RL_SHARE = 0.03  # elements an RL-like step changes
+
+
+def ipc_plan(repeats: int) -> list[tuple[str, int]]:
+    """The ipc link's rounds: one untimed first round (plans, shares the buckets), then the
+    full and 1-tensor delta rounds."""
+    return [("first", 1), ("full", repeats), ("delta_1", repeats)]
 
 
 def _log(msg: str) -> None:
@@ -147,27 +156,46 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     plan = [("first", 1), ("full", cfg["repeats"]), ("delta_1", cfg["repeats"])]
     plan.append(("rl", cfg["repeats"]))
     version = 0
-    with overrides(**knobs):
-        for kind, n in plan:
-            for i in range(n):
-                change(kind, i)
-                version += 1
-                _barrier(group)
-                t0 = time.perf_counter()
-                st = sender.push(state, version=version, full=kind == "full")
-                rows.setdefault(kind, []).append(
-                    {
-                        "push_s": time.perf_counter() - t0,
-                        "mirror_s": sender.mirror.last.seconds,
-                        "mirrored_bytes": st.mirrored_bytes,
-                        "payload_bytes": st.payload_bytes,
-                        "full": st.full,
-                    }
-                )
+
+    def push_rounds(
+        sender: Any, group: Any, plan: list[tuple[str, int]], rows: dict[str, list[Any]]
+    ) -> None:
+        nonlocal version
+        with overrides(**knobs):
+            for kind, n in plan:
+                for i in range(n):
+                    change(kind, i)
+                    version += 1
+                    _barrier(group)
+                    t0 = time.perf_counter()
+                    st = sender.push(state, version=version, full=kind == "full")
+                    rows.setdefault(kind, []).append(
+                        {
+                            "push_s": time.perf_counter() - t0,
+                            "mirror_s": sender.mirror.last.seconds,
+                            "mirrored_bytes": st.mirrored_bytes,
+                            "payload_bytes": st.payload_bytes,
+                            "full": st.full,
+                        }
+                    )
+
+    push_rounds(sender, group, plan, rows)
     res["rows"] = rows
-    res["fingerprints"] = _fingerprints(state)
     res["mirror_bytes"] = sender.mirror.nbytes
     res["mirror_pinned"] = all(s.is_pinned() for s in sender.mirror.segments)
+    del sender  # its host mirror: the ipc sender keeps one of its own
+    if cfg["ipc_port"]:  # the same rounds through tensor handles, a group of their own
+        ipc_group = sync.SyncGroup(
+            "127.0.0.1", cfg["ipc_port"], 0, 2, [0], timeout=60, links="ipc", ipc_device=dev
+        )
+        ipc_sender = sync.WeightSender(ipc_group, bucket_bytes=cfg["bucket_mb"] << 20)
+        res["ipc_rows"] = {}
+        push_rounds(ipc_sender, ipc_group, ipc_plan(cfg["repeats"]), res["ipc_rows"])
+        assert ipc_group._ipc is not None
+        res["ipc_handles"] = ipc_group._ipc.handles_sent
+        _barrier(ipc_group)
+        ipc_group.close()
+    res["fingerprints"] = _fingerprints(state)
     if ipc is not None:
         _barrier(group)  # the receiver's IPC rounds
         _barrier(group)  # it dropped the mapped tensors
@@ -191,14 +219,26 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
 
     plan = [("first", 1), ("full", cfg["repeats"]), ("delta_1", cfg["repeats"])]
     plan.append(("rl", cfg["repeats"]))
-    rows: dict[str, list[dict[str, float]]] = {}
-    for kind, n in plan:
-        for _ in range(n):
-            _barrier(group)
-            t0 = time.perf_counter()
-            recv.pull(load)
-            rows.setdefault(kind, []).append({"round_s": time.perf_counter() - t0})
-    res: dict[str, Any] = {"rows": rows}
+
+    def pull_rounds(
+        recv: Any, group: Any, plan: list[tuple[str, int]]
+    ) -> dict[str, list[dict[str, float]]]:
+        rows: dict[str, list[dict[str, float]]] = {}
+        for kind, n in plan:
+            for _ in range(n):
+                _barrier(group)
+                t0 = time.perf_counter()
+                recv.pull(load)
+                rows.setdefault(kind, []).append({"round_s": time.perf_counter() - t0})
+        return rows
+
+    res: dict[str, Any] = {"rows": pull_rounds(recv, group, plan)}
+    if cfg["ipc_port"]:
+        ipc_group = sync.SyncGroup("127.0.0.1", cfg["ipc_port"], 1, 2, [0], timeout=60, links="ipc")
+        ipc_recv = sync.WeightReceiver(ipc_group, bucket_bytes=cfg["bucket_mb"] << 20)
+        res["ipc_rows"] = pull_rounds(ipc_recv, ipc_group, ipc_plan(cfg["repeats"]))
+        _barrier(ipc_group)
+        ipc_group.close()
     res["fingerprints"] = _fingerprints(mine)
     if ipc is not None:
         theirs = ipc.get(timeout=cfg["timeout"])
@@ -240,6 +280,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     q = ctx.Queue()
     ipc = ctx.Queue() if CUDA else None
     port = C.free_port()
+    cfg = {**cfg, "ipc_port": C.free_port() if cfg["ipc"] else 0}
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, q, ipc)) for r in range(2)]
     for p in procs:
         p.start()
@@ -261,6 +302,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     # every round committed and the receiver's device tensors hold the trainer's bytes
     out["exact"] = t.pop("fingerprints") == r.pop("fingerprints")
     out["mirror_bytes"], out["mirror_pinned"] = t["mirror_bytes"], t["mirror_pinned"]
+    for kind, recs in r.get("ipc_rows", {}).items():
+        best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
+        out["ipc_" + kind] = {**t["ipc_rows"][kind][best], **recs[best]}
+    out["ipc_handles"] = t.get("ipc_handles")
     return out
 
 
@@ -272,6 +317,9 @@ def report(s: dict[str, Any], device: str) -> str:
         "delta_1": "delta round, 1 tensor changed",
         "rl": f"RL-like round ({RL_SHARE:.0%} of elements)",
     }
+    if "ipc_full" in s:
+        labels["ipc_full"] = "ipc link: full round"
+        labels["ipc_delta_1"] = "ipc link: delta round, 1 tensor changed"
     rows = []
     for kind, label in labels.items():
         x = s[kind]
@@ -299,7 +347,8 @@ def report(s: dict[str, Any], device: str) -> str:
         ]
     )
     head = (
-        f"device {device}, {gb:.2f} GB bf16, 1 trainer -> 1 receiver, shm link; best of the "
+        f"device {device}, {gb:.2f} GB bf16, 1 trainer -> 1 receiver, shm link (ipc rows: "
+        f"links='ipc', {s['ipc_handles']} bucket handles posted); best of the "
         "repeats; round = receiver's pull incl. load_weights into its device tensors; "
         f"receiver bit-exact: {s['exact']}; trainer mirror {C.fmt_bytes(s['mirror_bytes'])} "
         f"(pinned: {s['mirror_pinned']})\n\n"
@@ -326,6 +375,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--links", default="shm", help="shm (default) or gloo")
+    ap.add_argument("--no-ipc", action="store_true", help="skip the ipc link's rows (links='ipc')")
     ap.add_argument("--timeout", type=float, default=85 if CUDA else 60)
     ap.add_argument("--out", default=str(C.OUT_DIR), help="directory for the JSON and table")
     args = ap.parse_args()
@@ -334,6 +384,7 @@ def main() -> None:
         "repeats": args.repeats,
         "bucket_mb": args.bucket_mb,
         "links": args.links,
+        "ipc": not args.no_ipc,
         "timeout": args.timeout,
     }
     t0 = time.perf_counter()
