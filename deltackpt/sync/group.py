@@ -76,14 +76,20 @@ class SyncGroup:
                 f"links={links!r}: choose 'gloo' or 'shm' (one host), or 'ipc' (one host, "
                 "tensor handles)"
             )
-        self.ipc_device = torch.device(ipc_device)
-        if self.ipc_device.type not in ("cpu", "cuda") or (
-            self.ipc_device.type == "cuda" and not torch.cuda.is_available()
+        try:
+            dev: torch.device | None = torch.device(ipc_device)
+        except (RuntimeError, TypeError):
+            dev = None
+        if (
+            dev is None
+            or dev.type not in ("cpu", "cuda")
+            or (dev.type == "cuda" and not torch.cuda.is_available())
         ):
             raise SyncError(
                 f"ipc_device={str(ipc_device)!r}: the ipc link's buckets live in CPU shared "
                 "memory ('cpu') or on a CUDA device of this process ('cuda:N', needs CUDA)"
             )
+        self.ipc_device = dev
         self.links = links
         self.addr, self.rank, self.world_size = master_addr, int(rank), int(world_size)
         self.trainers = tuple(sorted(set(int(t) for t in trainers)))

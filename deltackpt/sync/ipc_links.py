@@ -27,7 +27,7 @@ in it; a bucket a re-plan replaces is retired and dropped once acknowledged, or 
 ``SyncGroup.close`` and ``reconnect`` drop every bucket, cell table and mapping of this rank.
 PyTorch counts the mappings of a CPU bucket and removes its ``/dev/shm`` file when the last one
 closes; its ``torch_shm_manager`` removes the files of a sender that exited or was killed once
-no process uses them. A CUDA bucket a receiver still maps stays allocated until it releases it
+every process that mapped them has exited. A CUDA bucket a receiver still maps stays allocated until it releases it
 (PyTorch's CUDA IPC reference counts; ``torch.cuda.ipc_collect`` at close).
 """
 

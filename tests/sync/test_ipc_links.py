@@ -404,3 +404,41 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact() -> None:
     )
     assert trainer["full"] == [True, False, True] and trainer["on_device"]
     assert rec["bad"] == [[], [], []] and rec["version"] == 3 and rec["mapped_cuda"]
+
+
+# ---- handles, in one process ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["foo", "meta", "cuda:0"])
+def test_a_bad_ipc_device_is_refused_before_connecting(bad: str) -> None:
+    from deltackpt import sync
+
+    if bad == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("CUDA is present: cuda:0 is a valid ipc_device")
+    with pytest.raises(sync.SyncError, match="ipc_device="):
+        sync.SyncGroup("127.0.0.1", free_port(), 0, 2, [0], links="ipc", ipc_device=bad)
+
+
+def test_a_handle_maps_the_same_bytes_and_a_wrong_one_is_refused() -> None:
+    import json
+
+    from deltackpt.sync import PeerLostError
+    from deltackpt.sync.ipc_links import open_handle, share, tensor_handle
+
+    t = share(4096, torch.device("cpu"))
+    assert t.is_shared() and len(_files(os.getpid())) >= 1
+    raw = tensor_handle(t)
+    mapped = open_handle(raw, 4096, "ipc link 0->1 bucket 0")
+    t[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert mapped[:4].tolist() == [1, 2, 3, 4]  # one storage, two mappings
+    assert mapped.data_ptr() != t.data_ptr()
+    with pytest.raises(PeerLostError, match=r"4096 bytes, this rank's schedule expects 8192"):
+        open_handle(raw, 8192, "ipc link 0->1 bucket 0")
+    doc = json.loads(raw)
+    with pytest.raises(PeerLostError, match="not a bucket of this link"):
+        open_handle(json.dumps({**doc, "name": "/etc/passwd"}).encode(), 4096, "ipc link 0->1")
+    with pytest.raises(PeerLostError, match="unreadable handle"):
+        open_handle(b"\x80not json", 4096, "ipc link 0->1")
+    before = _files(os.getpid())
+    del t, mapped
+    assert len(_files(os.getpid())) == len(before) - 1  # the last mapping removed its file
