@@ -64,19 +64,26 @@ def changed_elements(
     cap: int,
     idx_buf: np.ndarray | None = None,
     vals_buf: np.ndarray | None = None,
+    lin_out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(element indices as uint32, their new values) where the flat uint8 arrays ``new`` and
     ``base`` (same size, whole ``itemsize`` elements, < 2**32 of them) differ, or None when more
     than ``cap`` elements do. One fused pass in C (``deltackpt._native``, ~6 GB/s per core, GIL
     released), else numpy: compare 8-byte words, then the elements of the words that differ.
-    ``idx_buf``/``vals_buf``: uint8 work buffers to fill (the results may be views of them)."""
+    ``idx_buf``/``vals_buf``: uint8 work buffers to fill (the results may be views of them).
+    ``lin_out`` (5 uint64, zeroed): the C loop adds the linear-digest terms of the changed words
+    (format/lindigest.py), old in [0:2], new in [2:4], and sets [4] to 1; numpy leaves it."""
     uint = UINT[itemsize]
     if _native_diff is not None:
         room = cap + 8  # the loop checks room a word at a time
         idx = _work(idx_buf, 4 * room).view(np.uint32)
         vals = _work(vals_buf, itemsize * room).view(uint)
-        k = _native_diff(new, base, itemsize, idx, vals)
-        return None if k < 0 else (idx[:k], vals[:k])
+        k = _native_diff(new, base, itemsize, idx, vals, lin_out)
+        if k < 0:
+            return None
+        if lin_out is not None:
+            lin_out[4] = 1
+        return idx[:k], vals[:k]
     words = new.size // 8
     wi = np.flatnonzero(new[: 8 * words].view(np.uint64) != base[: 8 * words].view(np.uint64))
     per = 8 // itemsize
@@ -170,15 +177,20 @@ def decompress_exact(frame: np.ndarray, dst: np.ndarray, error: type[Exception],
 
 
 def encode_patch(
-    raw: np.ndarray, base: np.ndarray, itemsize: int, cctx: zstandard.ZstdCompressor
+    raw: np.ndarray,
+    base: np.ndarray,
+    itemsize: int,
+    cctx: zstandard.ZstdCompressor,
+    lin_out: np.ndarray | None = None,
 ) -> bytes | None:
     """The payload of ``raw`` against ``base`` (flat uint8, same size), or None when a patch
     does not apply: an element size other than 1/2/4/8 or not dividing the size, 2**32
-    elements or more, none changed, or more than ``PATCH_BELOW`` of them."""
+    elements or more, none changed, or more than ``PATCH_BELOW`` of them. ``lin_out``: see
+    :func:`changed_elements`."""
     n = raw.size // itemsize if itemsize in UINT else 0
     if not 0 < n < MAX_ELEMENTS or raw.size % itemsize:
         return None
-    found = changed_elements(raw, base, itemsize, int(n * PATCH_BELOW))
+    found = changed_elements(raw, base, itemsize, int(n * PATCH_BELOW), lin_out=lin_out)
     if found is None or found[0].size == 0:
         return None
     return pack_changes(found[0], found[1], itemsize, cctx)

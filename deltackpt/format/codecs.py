@@ -160,9 +160,14 @@ def _raw_result(raw: np.ndarray) -> Encoded:
 
 
 def encode(
-    raw: Buffer, itemsize: int, base: Buffer | None = None, policy: EncodePolicy = DEFAULT_POLICY
+    raw: Buffer,
+    itemsize: int,
+    base: Buffer | None = None,
+    policy: EncodePolicy = DEFAULT_POLICY,
+    lin_out: np.ndarray | None = None,
 ) -> Encoded:
     """Encode one chunk. ``base`` is the same chunk's raw bytes in an earlier snapshot (optional).
+    ``lin_out``: filled by the patch candidate's scan (:func:`changes.changed_elements`).
 
     Returns RAW (payload is ``raw`` itself, zero copy) unless an allowed encoding is at most
     ``policy.min_gain`` times the raw size.
@@ -175,14 +180,14 @@ def encode(
         base_arr = None  # a resized tensor: XOR is not applicable
 
     if policy.force is not None:
-        return _encode_forced(arr, base_arr, itemsize, policy)
+        return _encode_forced(arr, base_arr, itemsize, policy, lin_out)
 
     candidates = [
         c for c in (ZSTD, XOR) if c in policy.codecs and (c != XOR or base_arr is not None)
     ]
     patch = None
     if base_arr is not None and any(c in policy.codecs for c in DELTAS):
-        patch = changes.encode_patch(arr, base_arr, itemsize, _compressor(1))
+        patch = changes.encode_patch(arr, base_arr, itemsize, _compressor(1), lin_out)
         if not candidates:
             return _patch_result(patch, size, size, itemsize, policy) or _raw_result(arr)
     raw_allowed = RAW in policy.codecs
@@ -232,14 +237,20 @@ def _patch_result(
 
 
 def _encode_forced(
-    arr: np.ndarray, base_arr: np.ndarray | None, itemsize: int, policy: EncodePolicy
+    arr: np.ndarray,
+    base_arr: np.ndarray | None,
+    itemsize: int,
+    policy: EncodePolicy,
+    lin_out: np.ndarray | None = None,
 ) -> Encoded:
     codec = policy.force
     if codec == RAW:
         return _raw_result(arr)
     if codec == PATCH:
         if base_arr is not None:
-            patch = changes.encode_patch(arr, base_arr, itemsize, _compressor(policy.level))
+            patch = changes.encode_patch(
+                arr, base_arr, itemsize, _compressor(policy.level), lin_out
+            )
             if patch is not None:
                 return Encoded(PATCH, memoryview(patch), itemsize)
         codec = XOR  # no base, too many changes, or an odd layout: xor (or zstd) instead

@@ -15,8 +15,8 @@ written as 32 lowercase hex digits, lane 0 first. It is a checksum against damag
 (a wrong base, a corrupt payload), not against an adversary: a store on disk is still checked
 with xxh3-128 wherever its bytes are read whole.
 
-``deltackpt._native`` runs the loops in C (~5.5 GB/s per core, GIL released); numpy below gives
-the same values, slower.
+``deltackpt._native`` runs the loops in C, GIL released: ~27 GB/s per core where the processor
+has AVX-512 (chosen at run time), ~5.5 GB/s otherwise; numpy below gives the same values, slower.
 """
 
 from __future__ import annotations

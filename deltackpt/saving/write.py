@@ -109,8 +109,9 @@ def write_chunks(
             claimed.add(d)
         if fresh:
             assert view is not None  # owned chunks always have bytes
-            enc = _encode(view, spec.itemsize, spec.size, ref, opts, index, new_records)
-            lin = _lin(view, enc, ref, index, new_records) if deltas else None
+            scan = np.zeros(5, np.uint64) if deltas else None
+            enc = _encode(view, spec.itemsize, spec.size, ref, opts, index, new_records, scan)
+            lin = _lin(view, enc, ref, index, new_records, scan) if deltas else None
             offset, length = writer().append(enc.payload)
             rec = ChunkRecord(
                 pack=writer().pack_id,
@@ -180,6 +181,7 @@ def _encode(
     opts: SaveOptions,
     index: Mapping[str, ChunkRecord],
     new_records: Mapping[str, ChunkRecord],
+    lin_out: np.ndarray | None = None,
 ) -> codecs.Encoded:
     """Encode one changed chunk: a delta (xor or patch) against ``ref`` while its chain stays
     within the link cap (``keyframe_every``) and the byte budget (the chain's delta payloads,
@@ -196,7 +198,7 @@ def _encode(
         or not (ref.digest in index or ref.digest in new_records)
     ):
         return codecs.encode(view, itemsize, policy=policy)
-    enc = codecs.encode(view, itemsize, base=ref.data, policy=policy)
+    enc = codecs.encode(view, itemsize, base=ref.data, policy=policy, lin_out=lin_out)
     if enc.codec in codecs.DELTAS and ref.chain_bytes + len(enc.payload) > opts.chain_budget * size:
         return codecs.encode(view, itemsize, policy=policy)  # over budget: a keyframe
     return enc
@@ -208,12 +210,18 @@ def _lin(
     ref: DeltaRef | None,
     index: Mapping[str, ChunkRecord],
     new_records: Mapping[str, ChunkRecord],
+    scan: np.ndarray | None = None,
 ) -> str:
     """The linear digest of a chunk written as ``enc``: a patch against a base that has one is
-    updated from the words the patch touched (work in proportion to the change); anything else
-    is one pass over the bytes (~5 GB/s per core: small beside a keyframe's zstd pass)."""
+    updated from the words the patch touched (work in proportion to the change: the terms were
+    summed by the patch's own scan, ``scan``, where the C loop ran); anything else is one pass
+    over the bytes (~27 GB/s per core with AVX-512, ~5.5 without: small beside a keyframe's zstd
+    pass)."""
     base = None if ref is None else index.get(ref.digest) or new_records.get(ref.digest)
     if enc.codec == PATCH and ref is not None and base is not None and base.lin is not None:
+        if scan is not None and scan[4] == 1:
+            old, new = (int(scan[0]), int(scan[1])), (int(scan[2]), int(scan[3]))
+            return lin_update(base.lin, np.empty(0, np.int64), old, new)
         k = enc.itemsize
         idx, _ = unpack_changes(np.frombuffer(enc.payload, np.uint8), k, view.size // k)
         w = changed_words([idx], k)
