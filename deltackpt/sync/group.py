@@ -142,7 +142,7 @@ class SyncGroup:
         elif self.links == "ipc":
             self._ipc = IpcLinks(self, self.ipc_device)
         # the one-host link that carries the buckets (None: gloo)
-        self._host: ShmLinks | IpcLinks | None = self._shm or self._ipc
+        self._host: ShmLinks | IpcLinks | None = self._ipc if self._shm is None else self._shm
 
     def reconnect(self, master_port: int) -> None:
         """After a failure: abandon the old group and store, join new ones on ``master_port``
