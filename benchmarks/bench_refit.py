@@ -7,7 +7,9 @@ after every step. Phases: ``--rl-steps`` RL-like steps at lr 1e-6, ``--rl5-steps
 ``--pretrain-steps`` pretraining-like steps (lr 1e-3: nearly every element changes). Every
 version is saved into one store per policy (``raw``: encoding ``fast-restore``, dedupe only;
 ``default``: ``encoding="smallest"`` with the default chain policy; ``NAME=B/K``:
-``chain_budget=B, keyframe_every=K``; ``old=64/4`` is the depth-only policy before issue 27), and
+``chain_budget=B, keyframe_every=K``; ``NAME=B/K/F`` also folds each new version's chains over
+``F`` links right after its save, ``deltackpt.fold(max_chain=F)``, issue 39; ``old=64/4`` is the
+depth-only policy before issue 27), and
 once as a safetensors file, on local disk and (``--s3-params``, a smaller state: the loopback
 moto server keeps objects in RAM and is CPU-bound Python) on a loopback S3 server.
 
@@ -130,6 +132,8 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
             pt = measure_point(r, runs[0], names, digests, buf, args.k, first)
             pt["written"] = sum(r.written[first:])
             pt["save_s"] = sum(r.save_s[first:]) / steps
+            pt["fold_written"] = sum(r.fold_written[first:])
+            pt["fold_s"] = sum(r.fold_s[first:]) / steps
             ph[r.policy.name] = pt
             log(f"  {r.policy.name}: {pt}")
         ph["safetensors"] = safetensors_point(trainer.weights, where, st_base, buf)
@@ -170,9 +174,14 @@ def rows(where: str, res: dict[str, Any], k: int) -> list[list[Any]]:
                 if f"catch{k}_s" in pt
                 else "-"
             )
+            fold = (
+                f"{pt['fold_written'] / ph['steps'] / n:.2%} / {pt['fold_s']:.2f}"
+                if r_folds(pt)
+                else "-"
+            )
             out.append(
                 [where, ph["phase"], f"{ph['changed_frac']:.2%}", name,
-                 f"{pt['written'] / ph['steps'] / n:.2%}",
+                 f"{pt['written'] / ph['steps'] / n:.2%}", fold,
                  f"{pt['written'] / max(ph['change_bytes'], 1):.2f}",
                  f"{pt['save_s']:.2f}", c1, ck, f"{pt['full_s']:.2f}",
                  f"{pt['full_s'] / raw_full:.2f} ({pt['links']})",
@@ -180,11 +189,16 @@ def rows(where: str, res: dict[str, Any], k: int) -> list[list[Any]]:
             )  # fmt: skip
         st = ph["safetensors"]
         out.append(
-            [where, ph["phase"], "", "safetensors", "100%", f"{n / max(per_v, 1):.1f}",
+            [where, ph["phase"], "", "safetensors", "100%", "-", f"{n / max(per_v, 1):.1f}",
              f"{st['save_s']:.2f}", "-", "-", f"{st['load_s']:.2f}",
              f"{st['load_s'] / raw_full:.2f}", "-"]
         )  # fmt: skip
     return out
+
+
+def r_folds(pt: dict[str, Any]) -> bool:
+    """Whether the policy of point ``pt`` folds after its saves."""
+    return bool(pt.get("fold_written") or pt.get("fold_s"))
 
 
 def main() -> None:
@@ -217,7 +231,8 @@ def main() -> None:
             log(f"s3 failed: {type(e).__name__}: {e}")
         finally:
             s3.close()
-    header = ["where", "phase", "changed", "policy", "written/version", "/ xor+zstd-1",
+    header = ["where", "phase", "changed", "policy", "written/version",
+              "fold written/version / s", "/ xor+zstd-1",
               "save s", "catch-up 1: bytes / time", f"catch-up {args.k}: bytes / time",
               "full load s", "latest load / raw (links)",
               "end-of-chain load / raw (links)"]  # fmt: skip

@@ -18,17 +18,21 @@ from .trainer import state_digest
 class Policy:
     name: str
     kwargs: dict[str, Any]  # save options
+    fold: int | None = None  # deltackpt.fold(max_chain=fold) after every save
+    keep_links: int = 1  # fold's keep_links
 
 
 def policies(spec: str) -> list[Policy]:
-    """``name=chain_budget/keyframe_every`` items; ``raw`` (no encoding, dedupe only) first."""
+    """``name=chain_budget/keyframe_every[/fold[:keep]]`` items (``fold``: fold the new
+    version's chains over that many links after each save, keeping ``keep`` links above the
+    keyframes, default 1); ``raw`` (no encoding, dedupe only) first."""
     out = [Policy("raw", {"encoding": "fast-restore"})]
     for item in spec.split(","):
         name, _, cfg = item.partition("=")
         if name == "default":
             out.append(Policy("default", {"encoding": "smallest"}))
             continue
-        budget, _, every = cfg.partition("/")
+        budget, every, *fold = cfg.split("/")
         out.append(
             Policy(
                 name,
@@ -37,6 +41,8 @@ def policies(spec: str) -> list[Policy]:
                     "chain_budget": float(budget),
                     "keyframe_every": int(every),
                 },
+                int(fold[0].partition(":")[0]) if fold else None,
+                int(fold[0].partition(":")[2] or 1) if fold else 1,
             )
         )
     return out
@@ -48,6 +54,8 @@ class Run:
     store: Any
     written: list[int] = field(default_factory=list)  # bytes_written per version
     save_s: list[float] = field(default_factory=list)
+    fold_written: list[int] = field(default_factory=list)  # bytes fold wrote per version
+    fold_s: list[float] = field(default_factory=list)
 
     def save(self, weights: dict[str, torch.Tensor], name: str, keep: int | None = None) -> None:
         """Save one version; ``keep``: then delete all but the ``keep`` newest (the raw store
@@ -56,6 +64,13 @@ class Run:
         info = deltackpt.save(weights, self.store, name, **self.policy.kwargs)
         self.save_s.append(time.perf_counter() - t0)
         self.written.append(info.bytes_written)
+        if self.policy.fold is not None:  # as a background fold would, right after the save
+            t0 = time.perf_counter()
+            r = deltackpt.fold(
+                self.store, name, max_chain=self.policy.fold, keep_links=self.policy.keep_links
+            )
+            self.fold_s.append(time.perf_counter() - t0)
+            self.fold_written.append(r.bytes_written)
         if keep is not None:
             deltackpt.gc(self.store, keep_last=keep, compact_below=0)
 
