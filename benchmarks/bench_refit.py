@@ -168,6 +168,8 @@ def rows(where: str, res: dict[str, Any], k: int) -> list[list[Any]]:
             c1 = (
                 f"{pt['catch1_bytes'] / pt['full_bytes']:.1%} / {pt['catch1_s'] / pt['full_s']:.0%}"
             )
+            if "catch1_full_s" in pt:  # verify="full" beside the default
+                c1 += f" ({pt['catch1_full_s'] / pt['full_s']:.0%} full)"
             ck = (
                 f"{pt[f'catch{k}_bytes'] / pt['full_bytes']:.1%} / "
                 f"{pt[f'catch{k}_s'] / pt['full_s']:.0%}"
@@ -233,7 +235,7 @@ def main() -> None:
             s3.close()
     header = ["where", "phase", "changed", "policy", "written/version",
               "fold written/version / s", "/ xor+zstd-1",
-              "save s", "catch-up 1: bytes / time", f"catch-up {args.k}: bytes / time",
+              "save s", "catch-up 1: bytes / time (verify=\"full\")", f"catch-up {args.k}: bytes / time",
               "full load s", "latest load / raw (links)",
               "end-of-chain load / raw (links)"]  # fmt: skip
     table = [r for w in ("local", "s3") if w in results for r in rows(w, results[w], args.k)]

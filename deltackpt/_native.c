@@ -62,13 +62,14 @@ static inline void lin_word(uint64_t *lin, uint64_t i, uint64_t old, uint64_t ne
         T *vals = (T *)vals_;                                                               \
         const Py_ssize_t per = 8 / (Py_ssize_t)sizeof(T), words = n / 8;                   \
         Py_ssize_t k = 0;                                                                   \
+        uint64_t acc[4] = {0, 0, 0, 0}; /* in registers: lin may alias the buffers */     \
         for (Py_ssize_t w = 0; w < words; w++) {                                            \
             uint64_t x, y;                                                                  \
             memcpy(&x, a + 8 * w, 8);                                                       \
             memcpy(&y, b + 8 * w, 8);                                                       \
             if (x == y) continue;                                                           \
             if (k + per > cap) return -1;                                                   \
-            if (lin) lin_word(lin, (uint64_t)w, y, x);                                      \
+            if (lin) lin_word(acc, (uint64_t)w, y, x);                                      \
             for (Py_ssize_t e = 0; e < per; e++) {                                          \
                 T u, v;                                                                     \
                 memcpy(&u, a + 8 * w + e * sizeof(T), sizeof(T));                          \
@@ -82,8 +83,10 @@ static inline void lin_word(uint64_t *lin, uint64_t i, uint64_t old, uint64_t ne
             uint64_t x = 0, y = 0; /* the tail word, zero-padded */                         \
             memcpy(&x, a + words * 8, (size_t)(n - words * 8));                             \
             memcpy(&y, b + words * 8, (size_t)(n - words * 8));                             \
-            lin_word(lin, (uint64_t)words, y, x);                                           \
+            lin_word(acc, (uint64_t)words, y, x);                                           \
         }                                                                                   \
+        if (lin)                                                                            \
+            for (int q = 0; q < 4; q++) lin[q] += acc[q];                                   \
         for (Py_ssize_t i = words * 8; i < n; i += sizeof(T)) { /* the tail (< 8 bytes) */ \
             T u, v;                                                                         \
             memcpy(&u, a + i, sizeof(T));                                                   \
@@ -274,6 +277,105 @@ static PyObject *lin_at(PyObject *self, PyObject *args) {
     return Py_BuildValue("(KK)", (unsigned long long)a, (unsigned long long)b);
 }
 
+/* patch_apply(buf, idx, vals, itemsize, old_out[, lin_out]): write vals[j] at element idx[j]
+ * of buf (int64 indices, strictly increasing, validated by the caller), keeping the values
+ * overwritten in old_out; lin_out (4 uint64) accumulates the linear-digest terms of every word
+ * touched, before (lanes 0, 1) and after (2, 3). One pass: the old word is read, its elements
+ * written, the new word read, while the line is in cache. Returns -1 (nothing written) when an
+ * index is out of range or not increasing. */
+#define APPLY(NAME, T)                                                                       \
+    static Py_ssize_t NAME(uint8_t *buf, Py_ssize_t len, const int64_t *idx, Py_ssize_t k,  \
+                           const uint8_t *vals_, uint8_t *old_, uint64_t *lin) {            \
+        const T *vals = (const T *)vals_;                                                    \
+        T *old = (T *)old_;                                                                  \
+        const int64_t n = len / (Py_ssize_t)sizeof(T), per = 8 / (int64_t)sizeof(T);         \
+        for (Py_ssize_t j = 0; j < k; j++)                                                   \
+            if (idx[j] < 0 || idx[j] >= n || (j && idx[j] <= idx[j - 1])) return -1;        \
+        /* 1. a flat gather/scatter loop (independent loads: many misses in flight) */      \
+        for (Py_ssize_t j = 0; j < k; j++) {                                                 \
+            memcpy(&old[j], buf + idx[j] * sizeof(T), sizeof(T));                           \
+            memcpy(buf + idx[j] * sizeof(T), &vals[j], sizeof(T));                           \
+        }                                                                                    \
+        if (!lin) return k;                                                                  \
+        /* 2. per touched word, now in cache: its new value, and its old one rebuilt by     \
+         * putting the kept elements back in a register */                                  \
+        Py_ssize_t j = 0;                                                                    \
+        uint64_t acc[4] = {0, 0, 0, 0}; /* in registers: lin may alias buf for the compiler */ \
+        while (j < k) {                                                                      \
+            const int64_t w = idx[j] / per;                                                  \
+            const Py_ssize_t at = 8 * (Py_ssize_t)w;                                         \
+            uint64_t after = 0;                                                              \
+            if (len - at >= 8) memcpy(&after, buf + at, 8);                                  \
+            else memcpy(&after, buf + at, (size_t)(len - at));                               \
+            uint64_t before = after; /* little-endian words, as the format */               \
+            for (; j < k && idx[j] / per == w; j++) {                                        \
+                const unsigned sh = (unsigned)((idx[j] - w * per) * sizeof(T) * 8);         \
+                const uint64_t mask = sizeof(T) == 8 ? ~0ULL : ((1ULL << (sizeof(T) * 8)) - 1); \
+                before = (before & ~(mask << sh)) | ((uint64_t)old[j] << sh);                \
+            }                                                                                \
+            lin_word(acc, (uint64_t)w, before, after);                                       \
+        }                                                                                    \
+        for (int q = 0; q < 4; q++) lin[q] += acc[q];                                        \
+        return k;                                                                            \
+    }
+
+APPLY(apply1, uint8_t)
+APPLY(apply2, uint16_t)
+APPLY(apply4, uint32_t)
+APPLY(apply8, uint64_t)
+
+static PyObject *patch_apply(PyObject *self, PyObject *args) {
+    PyObject *ob, *oi, *ov, *oo, *ol = Py_None;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OOOiO|O", &ob, &oi, &ov, &itemsize, &oo, &ol)) return NULL;
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "patch_apply: itemsize %d, expected 1, 2, 4 or 8", itemsize);
+        return NULL;
+    }
+    Py_buffer vb, vi, vv, vo, vl;
+    if (get(ob, &vb, 1, "buf") < 0) return NULL;
+    if (get(oi, &vi, 0, "idx") < 0) { PyBuffer_Release(&vb); return NULL; }
+    if (get(ov, &vv, 0, "vals") < 0) { PyBuffer_Release(&vb); PyBuffer_Release(&vi); return NULL; }
+    if (get(oo, &vo, 1, "old_out") < 0) {
+        PyBuffer_Release(&vb); PyBuffer_Release(&vi); PyBuffer_Release(&vv); return NULL;
+    }
+    uint64_t *lin = NULL;
+    int has_lin = ol != Py_None;
+    if (has_lin) {
+        if (get(ol, &vl, 1, "lin_out") < 0) {
+            PyBuffer_Release(&vb); PyBuffer_Release(&vi); PyBuffer_Release(&vv);
+            PyBuffer_Release(&vo); return NULL;
+        }
+        lin = vl.len >= 32 ? (uint64_t *)vl.buf : NULL;
+    }
+    const Py_ssize_t k = vi.len / 8;
+    Py_ssize_t r = -2;
+    if (vi.len % 8 || vv.len != k * itemsize || vo.len != k * itemsize || (has_lin && !lin)) {
+        PyErr_Format(PyExc_ValueError, "patch_apply: idx %zd bytes, vals %zd, old_out %zd, "
+                     "itemsize %d: expected int64 indices, values and room for the old ones of "
+                     "one count, lin_out of 4 uint64", vi.len, vv.len, vo.len, itemsize);
+    } else {
+        uint8_t *b = (uint8_t *)vb.buf, *o = (uint8_t *)vo.buf;
+        const int64_t *ix = (const int64_t *)vi.buf;
+        const uint8_t *v = (const uint8_t *)vv.buf;
+        Py_BEGIN_ALLOW_THREADS
+        switch (itemsize) {
+        case 1: r = apply1(b, vb.len, ix, k, v, o, lin); break;
+        case 2: r = apply2(b, vb.len, ix, k, v, o, lin); break;
+        case 4: r = apply4(b, vb.len, ix, k, v, o, lin); break;
+        default: r = apply8(b, vb.len, ix, k, v, o, lin); break;
+        }
+        Py_END_ALLOW_THREADS
+        if (r == -1)
+            PyErr_SetString(PyExc_ValueError, "patch_apply: an index is out of range or not "
+                            "increasing; nothing was written");
+    }
+    PyBuffer_Release(&vb); PyBuffer_Release(&vi); PyBuffer_Release(&vv); PyBuffer_Release(&vo);
+    if (has_lin) PyBuffer_Release(&vl);
+    if (r < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"diff_sparse", diff_sparse, METH_VARARGS,
      "diff_sparse(new, base, itemsize, idx_out, val_out[, lin_out]) -> changed elements, or -1 "
@@ -282,6 +384,9 @@ static PyMethodDef methods[] = {
     {"lin_sum", lin_sum, METH_VARARGS,
      "lin_sum(buf[, plain]) -> (lane0, lane1): the linear digest's sums (plain: never the "
      "AVX-512 loop)"},
+    {"patch_apply", patch_apply, METH_VARARGS,
+     "patch_apply(buf, idx, vals, itemsize, old_out[, lin_out]): write a patch in place, "
+     "keeping the old values and summing the touched words' linear-digest terms"},
     {"lin_at", lin_at, METH_VARARGS,
      "lin_at(buf, idx) -> (lane0, lane1): the terms of buf's words at idx, summed"},
     {"lin_terms", lin_terms, METH_VARARGS,

@@ -160,3 +160,31 @@ def test_in_place_result_checks_tell_corrupt_payload_from_wrong_held_bytes(lin: 
     assert all(np.array_equal(b, o) for b, o in zip(bufs, before, strict=True))
     apply_all(items[:1], each, "s0", held_error)
     assert np.array_equal(bufs[0], good)
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_native_in_place_patch_keeps_old_values_and_sums_the_touched_words(itemsize: int) -> None:
+    from deltackpt.loading import inplace
+
+    if inplace._native_apply is None:
+        pytest.skip("deltackpt._native was not built (no C compiler at install)")
+    rng = np.random.default_rng(itemsize)
+    buf = rng.integers(0, 256, 8 * 301 + itemsize, dtype=np.uint8)  # a partial last word
+    before = buf.copy()
+    n = buf.size // itemsize
+    idx = np.append(np.sort(rng.choice(n - 1, 40, replace=False)), n - 1).astype(np.int64)
+    vals = rng.integers(0, 255, idx.size).astype(np.dtype(f"u{itemsize}"))
+    old, terms = np.empty_like(vals), np.zeros(4, np.uint64)
+    inplace._native_apply(buf, idx, vals, itemsize, old, terms)
+    want = before.copy()
+    want.view(vals.dtype)[idx] = vals
+    assert np.array_equal(buf, want)
+    assert np.array_equal(old, before.view(vals.dtype)[idx])
+    got = lindigest.lin_update(
+        lindigest.lin_digest(before), np.empty(0, np.int64),
+        (int(terms[0]), int(terms[1])), (int(terms[2]), int(terms[3])),
+    )  # fmt: skip
+    assert got == lindigest.lin_digest(buf)
+    with pytest.raises(ValueError, match="nothing was written"):  # validated before writing
+        inplace._native_apply(buf, idx[::-1].copy(), vals, itemsize, old, None)
+    assert np.array_equal(buf, want)
