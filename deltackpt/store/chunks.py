@@ -203,12 +203,26 @@ class ChunkReader:
             if len(chain) > 64:
                 raise self._corrupt(d, where, "its xor delta chain is longer than 64 (a cycle?)")
             chain.append((base, brec))
-        levels = []
-        for cd, crec in reversed(chain):
+        for cd, crec in chain:
             if crec.size != rec.size:
                 raise self._corrupt(
                     d, where, f"chain member {cd} has size {crec.size}, expected {rec.size}"
                 )
+        key, krec = chain[-1]
+        if krec.codec == codecs.RAW and all(c.codec == codecs.PATCH for _, c in chain[:-1]):
+            # a raw keyframe read straight into out, each patch written onto it in place (only
+            # its elements): about a raw read plus the changes
+            self._read_payload(key, krec, out, where)
+            for cd, crec in reversed(chain[:-1]):
+                payload = np.empty(crec.length, dtype=np.uint8)
+                self._read_payload(cd, crec, payload, where)
+                try:
+                    codecs.decode(crec.codec, payload, rec.size, crec.itemsize, out, base=out)
+                except CodecError as e:
+                    raise self._corrupt(d, where, f"its patch chain does not decode ({e})") from e
+            return
+        levels = []
+        for cd, crec in reversed(chain):
             payload = np.empty(crec.length, dtype=np.uint8)
             self._read_payload(cd, crec, payload, where)
             levels.append((crec.codec, payload, crec.itemsize))

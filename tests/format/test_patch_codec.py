@@ -234,3 +234,35 @@ def test_a_policy_with_patch_but_not_xor_keeps_delta_bases_and_writes_patches(tm
     assert used == {PATCH}
     for step, want in enumerate(saved):
         assert torch.equal(deltackpt.load(st, f"s{step}")["w"], want)
+
+
+def test_a_raw_keyframe_and_its_patches_decode_in_place_bit_exact(tmp_path) -> None:
+    """store/chunks.py: a chain of a raw keyframe and patches is read straight into the target
+    and patched there (no payload copy of the keyframe); every version loads bit-exact."""
+    import deltackpt
+    from deltackpt.codecs import EncodePolicy
+    from deltackpt.store import chunks
+
+    st = deltackpt.open_store(tmp_path / "s", chunk_bytes=1 << 16)
+    w = torch.randn(256, 256).to(torch.bfloat16)
+    saved = []
+    for k in range(5):
+        saved.append(w.clone())
+        deltackpt.save({"w": w}, st, f"v{k}", encoding=EncodePolicy(codecs=("raw", "patch")))
+        w.view(-1)[k * 100 : k * 100 + 3] += 1
+    assert {r.codec for r in st.manifest("v4").chunks.values()} == {"raw", "patch"}
+    straight = []
+    orig = chunks.ChunkReader._read_payload
+
+    def spy(self, d, rec, out, where):
+        straight.append(rec.codec == "raw" and out.size == rec.size)
+        return orig(self, d, rec, out, where)
+
+    chunks.ChunkReader._read_payload = spy  # type: ignore[method-assign]
+    try:
+        for k in range(5):
+            got = deltackpt.load(st, f"v{k}")["w"]
+            assert torch.equal(got.view(torch.int16), saved[k].view(torch.int16))
+    finally:
+        chunks.ChunkReader._read_payload = orig  # type: ignore[method-assign]
+    assert any(straight)
