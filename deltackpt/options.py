@@ -13,6 +13,14 @@ DELTACKPT_DEVICE_SCAN      how a sync save of CUDA state finds what changed: aut
                            ``auto`` (fingerprints on the device, only changed
                            chunks copied), ``off`` (copy all, hash on the
                            host), ``always`` (CPU state too: the test suite)
+DELTACKPT_DEVICE_PATCH     a weight-sync sender's delta round of CUDA        off
+                           tensors: ``auto`` (changed elements found on
+                           the device against a device copy of the last
+                           committed version, where the device has room;
+                           only they cross to the host mirror), ``off``
+                           (changed 1 MiB chunks copied; the default until
+                           a GPU measures ``auto``), ``always`` (host
+                           tensors the mirror holds too: the test suite)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -109,6 +117,17 @@ def default_device_scan() -> str:
     value = raw.strip().lower()
     if value not in DEVICE_SCANS:
         raise _bad_env("DELTACKPT_DEVICE_SCAN", raw, f"one of {DEVICE_SCANS}", "auto")
+    return value
+
+
+DEVICE_PATCHES = ("auto", "off", "always")
+
+
+def default_device_patch() -> str:
+    raw = _env("DELTACKPT_DEVICE_PATCH", "off")
+    value = raw.strip().lower()
+    if value not in DEVICE_PATCHES:
+        raise _bad_env("DELTACKPT_DEVICE_PATCH", raw, f"one of {DEVICE_PATCHES}", "off")
     return value
 
 

@@ -20,7 +20,7 @@ import torch
 
 from deltackpt.format.changes import UINT
 
-__all__ = ["changed_elements_on"]
+__all__ = ["changed_elements_on", "changed_on_device", "to_host"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -32,13 +32,13 @@ def _elements(buf: torch.Tensor, itemsize: int) -> torch.Tensor:
     return buf.view(_INT[itemsize])
 
 
-def changed_elements_on(
+def changed_on_device(
     new: torch.Tensor, base: torch.Tensor, itemsize: int, cap: int
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(element indices as uint32, their new values) where the flat uint8 tensors ``new`` and
-    ``base`` (same size and device, whole ``itemsize`` elements, < 2**32 of them) differ, or None
-    when more than ``cap`` elements do: :func:`~deltackpt.format.changes.changed_elements`'s
-    contract, computed on their device; the results are host arrays."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`changed_elements_on`'s list left where the buffers live: (element indices, as
+    int32 below 2**31 elements else int64, and their new values as signed integers of
+    ``itemsize`` bytes), both on the buffers' device, or None when more than ``cap`` elements
+    differ. For a caller that also writes the changes into a device copy (a sender's base)."""
     if new.numel() != base.numel() or new.numel() % itemsize or itemsize not in _INT:
         raise ValueError(
             f"changed_elements_on: buffers of {new.numel()} and {base.numel()} bytes with "
@@ -50,7 +50,24 @@ def changed_elements_on(
     if k > cap:
         return None
     idx = torch.nonzero(mask).squeeze(1)
-    vals = a[idx]
     narrow = torch.int32 if a.numel() < 1 << 31 else torch.int64
-    idx_host = idx.to(narrow).cpu().numpy().astype(np.uint32, copy=False)
-    return idx_host, vals.cpu().numpy().view(UINT[itemsize])
+    return idx.to(narrow), a[idx]
+
+
+def to_host(found: tuple[torch.Tensor, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """A :func:`changed_on_device` list as :func:`changed_elements_on` returns it: host arrays,
+    indices as uint32, values as unsigned integers of their width."""
+    idx, vals = found
+    idx_host = idx.cpu().numpy().astype(np.uint32, copy=False)
+    return idx_host, vals.cpu().numpy().view(UINT[vals.element_size()])
+
+
+def changed_elements_on(
+    new: torch.Tensor, base: torch.Tensor, itemsize: int, cap: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(element indices as uint32, their new values) where the flat uint8 tensors ``new`` and
+    ``base`` (same size and device, whole ``itemsize`` elements, < 2**32 of them) differ, or None
+    when more than ``cap`` elements do: :func:`~deltackpt.format.changes.changed_elements`'s
+    contract, computed on their device; the results are host arrays."""
+    found = changed_on_device(new, base, itemsize, cap)
+    return None if found is None else to_host(found)

@@ -35,6 +35,10 @@ power-of-two segments filled first-fit (the waste is in the last segment only).
 ``DELTACKPT_DEVICE_SCAN``: ``always`` also mirrors host tensors (ordinary buffers, synchronous
 copies: the CPU stand-in the test suite runs); ``off`` copies every tensor every round (no
 fingerprints are trusted); ``auto`` (default) mirrors the CUDA tensors only.
+
+``DELTACKPT_DEVICE_PATCH`` (``device_patches.py``): in step 2, a tensor with a device copy of
+its last committed bytes and few changed elements brings only those (index and value) to the
+mirror instead of its changed chunks; the encoder then builds its patches from that list.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ import torch
 
 from deltackpt import cuda
 from deltackpt.format.fingerprint import source_fingerprints
-from deltackpt.options import default_device_scan
+from deltackpt.options import default_device_patch, default_device_scan
+from deltackpt.sync.device_patches import DevicePatches
 
 __all__ = ["CHUNK_BYTES", "HostMirror", "MirrorRound", "mirrored_names"]
 
@@ -67,11 +72,15 @@ def mirrored_names(local: Mapping[str, torch.Tensor], scan: str | None = None) -
 @dataclass
 class MirrorRound:
     """What one round did to the mirror: the tensors copied (whole or in part) and the bytes
-    that crossed, the tensors the device found unchanged since the last commit, and the
-    seconds spent fingerprinting, comparing and copying."""
+    that crossed, the tensors brought by their changed elements found on the device
+    (``patched``, ``patched_bytes``: index and value of each), the tensors the device found
+    unchanged since the last commit, and the seconds spent fingerprinting, comparing, finding
+    and copying."""
 
     copied: list[str] = field(default_factory=list)
     copied_bytes: int = 0
+    patched: list[str] = field(default_factory=list)
+    patched_bytes: int = 0
     unchanged: frozenset[str] = frozenset()
     copies: int = 0  # copy calls issued (runs of changed chunks)
     seconds: float = 0.0
@@ -100,6 +109,8 @@ class HostMirror:
         self._round: dict[str, torch.Tensor] = {}
         self.last = MirrorRound()
         self.total_copied_bytes = 0
+        #: device copies of the last committed bytes (``DELTACKPT_DEVICE_PATCH``)
+        self.device = DevicePatches()
 
     @property
     def nbytes(self) -> int:
@@ -107,9 +118,11 @@ class HostMirror:
         return sum(s.numel() for s in self.segments)
 
     def clear(self) -> None:
-        """Forget the committed fingerprints (the next round copies everything)."""
+        """Forget the committed fingerprints (the next round copies everything) and the
+        device bases."""
         self._committed.clear()
         self._round.clear()
+        self.device.clear()
 
     def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
         layout = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
@@ -131,28 +144,39 @@ class HostMirror:
         self._layout = layout
 
     def stage(
-        self, local: Mapping[str, torch.Tensor], full: bool, scan: str | None = None
+        self,
+        local: Mapping[str, torch.Tensor],
+        full: bool,
+        scan: str | None = None,
+        patch: str | None = None,
     ) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
         """Bring the mirror up to date with ``local`` for one round: returns ``local`` with the
         mirrored tensors replaced by their host copies, and the mirrored names whose bytes did
         not change since the last committed round (none in a ``full`` round or when
-        ``DELTACKPT_DEVICE_SCAN=off``)."""
+        ``DELTACKPT_DEVICE_SCAN=off``). ``patch``: ``DELTACKPT_DEVICE_PATCH`` (None: the
+        environment's); ``off`` under ``DELTACKPT_DEVICE_SCAN=off``."""
         t0 = time.perf_counter()
         scan = default_device_scan() if scan is None else scan
+        patch = default_device_patch() if patch is None else patch
         names = mirrored_names(local, scan)
         tensors = {n: local[n] for n in names}
         self._allocate(tensors)
         self._round = {}
+        self.device.start(tensors, "off" if scan == "off" else patch)
         # name -> per-chunk change mask on the host (None: copy it whole); "off": every tensor
         changed: dict[str, torch.Tensor | None] = (
             dict.fromkeys(names) if scan == "off" else self._compare(tensors, full)
         )
-        copies = cuda.HostCopies()
         rec = MirrorRound()
+        # tensors with a device base: their changed elements only (device_patches.py)
+        found = self.device.find([n for n, m in changed.items() if m is not None], self.host)
+        rec.patched, rec.patched_bytes = found, self.device.last.patched_bytes
+        patched = set(found)
+        copies = cuda.HostCopies()
         try:
             for n, mask in changed.items():
                 t = tensors[n]
-                if t.numel() == 0:
+                if t.numel() == 0 or n in patched:
                     continue
                 dst = self.host[n]
                 if mask is None or not t.is_contiguous():
@@ -213,12 +237,14 @@ class HostMirror:
     def commit(self) -> None:
         """The round committed: its fingerprints are what the next delta round compares with
         (none after a round that took none, ``DELTACKPT_DEVICE_SCAN=off``: the next round under
-        another setting then copies everything)."""
+        another setting then copies everything), and the device bases take its bytes."""
         self._committed, self._round = self._round, {}
+        self.device.commit(self.last.copied)
 
     def abandon(self) -> None:
-        """The round failed: keep the last committed fingerprints."""
+        """The round failed: keep the last committed fingerprints and device bases."""
         self._round = {}
+        self.device.abandon()
 
 
 def _first_fit(sizes: dict[str, int], names: list[str], cap: int) -> list[list[str]]:

@@ -38,12 +38,12 @@ import torch
 from deltackpt.options import default_device_scan
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
+from deltackpt.sync.device_patches import DeviceBases, piece_finder
 from deltackpt.sync.dtypes import DtypeSpec
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line
 from deltackpt.sync.host_mirror import HostMirror, mirrored_names
 from deltackpt.sync.packer import Packed, Packer
-from deltackpt.sync.patches import Bases
 from deltackpt.sync.rounds import (
     RoundStats,
     link_slots,
@@ -105,7 +105,7 @@ class WeightSender:
         self.encode = encode
         self.full_every = None if full_every is None else int(full_every)
         self._since_full = 0
-        self._bases = Bases()
+        self._bases = DeviceBases()  # patches from changed elements found on the device too
         self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
         self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
         self.version: int | None = None
@@ -206,7 +206,9 @@ class WeightSender:
         if mirrored_names(local, scan):  # CUDA tensors (or the stand-in): packed from the mirror
             try:
                 local, unchanged = self.mirror.stage(local, full, scan)
-                mirrored = self.mirror.last.copied_bytes
+                mirrored = self.mirror.last.copied_bytes + self.mirror.last.patched_bytes
+                found = self.mirror.device.found  # changed elements found on the device
+                self._bases.finder = piece_finder(sched, self._boxes, local, found)
             except Exception as e:  # told to every rank by the vote, as a packing failure
                 staged = (f"rank {g.rank} failed copying its tensors to the host mirror: {e!r}", e)
                 local = {}
