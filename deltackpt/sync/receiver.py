@@ -30,7 +30,7 @@ import torch
 
 from deltackpt.sync import patches, wire
 from deltackpt.sync.apply import Staged, Undo, apply_round, revert
-from deltackpt.sync.dtypes import DtypeSpec, wire_dtype, wire_name
+from deltackpt.sync.dtypes import DtypeSpec, resolve_dtype, wire_dtype, wire_name
 from deltackpt.sync.errors import (
     DigestMismatchError,
     PeerLostError,
@@ -47,7 +47,7 @@ from deltackpt.sync.rounds import (
     setup_schedule,
 )
 from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
-from deltackpt.sync.schedule_decl import Box, Decl, Wanted
+from deltackpt.sync.schedule_decl import Box, Decl, Wanted, decl_from_json
 
 __all__ = ["Want", "WeightReceiver"]
 
@@ -80,6 +80,11 @@ class WeightReceiver:
     first round. ``apply_threads``: threads copying the committed pieces into the targets (default: up to 4,
     one per core); ``bucket_bytes``/``align`` must be the same on every rank of the group.
 
+    ``boxes`` (with ``wants=None``): ``boxes(name, shape) -> Box | None`` picks, per trainer
+    tensor, the box this rank wants (None: whole), once the trainers' declarations are known
+    (a tensor-parallel rank that learns the names and shapes from the trainers: the vLLM
+    backend's ``tp_boxes``); its tensors are then boxes, handed to ``load_weights`` as such.
+
     ``verify``: ``"sent"`` (default) checks every piece a round brings against the digest of
     its new bytes; pieces a delta round does not send are kept as they are, unchecked, so a
     hand edit of an ``into=`` target survives until the next full round. ``"all"`` also
@@ -97,6 +102,7 @@ class WeightReceiver:
         align: int = 64,
         apply_threads: int | None = None,
         verify: str = "sent",
+        boxes: Callable[[str, tuple[int, ...]], Box | None] | None = None,
     ) -> None:
         if group.rank in group.trainers:
             raise SyncError(f"rank {group.rank} is a trainer of the group; use WeightSender")
@@ -107,6 +113,9 @@ class WeightReceiver:
         self._kept: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
         self.every = wants is None
+        if boxes is not None and not self.every:
+            raise PlanError("WeightReceiver(boxes=...) picks boxes of every tensor: pass no wants")
+        self.boxes = boxes
         self.wants = [] if wants is None else list(wants)
         self.dtype = dtype
         self.version: int | None = None
@@ -125,6 +134,8 @@ class WeightReceiver:
         self._changed: list[int] = []
 
     def _decl(self) -> Decl:
+        if self.every and self.boxes is not None:
+            return self._boxed_decl()
         if self.every:
             return Decl(self.group.rank, False, every=True)
         out = []
@@ -143,6 +154,37 @@ class WeightReceiver:
             )
         return Decl(self.group.rank, False, wanted=tuple(out))
 
+    def _boxed_decl(self) -> Decl:
+        """``boxes``: the trainers' declarations of this setup attempt, read from the group's
+        store (trainers post theirs without waiting for any receiver), expanded as
+        ``expand_every`` does, each tensor with the box ``boxes`` picks."""
+        g, boxes = self.group, self.boxes
+        assert boxes is not None
+        pre = f"x/{g.setups}"  # the attempt setup_schedule began (group.exchange's keys)
+        keys = [f"{pre}/decl/{r}" for r in g.trainers]
+        fail = f"{pre}/fail"
+        g.wait_until(
+            lambda: bool(g.store.check(keys)) or bool(g.store.check([fail])),
+            "waiting for the trainers' declarations",
+            None,
+        )
+        if not g.store.check(keys):  # the attempt failed: the exchange raises it
+            return Decl(g.rank, False, every=True)
+        trainers = [
+            decl_from_json(
+                bytes(g.guard("store get", lambda k=k: g.store.get(k))).partition(b"\n")[2]
+            )
+            for k in keys
+        ]
+        seen: dict[str, Wanted] = {}
+        for t in trainers:
+            for h in t.held:
+                if h.name not in seen:
+                    dt = resolve_dtype(self.dtype, h.name, wire_dtype(h.dtype))
+                    box = boxes(h.name, tuple(h.shape))
+                    seen[h.name] = Wanted(h.name, h.name, wire_name(dt, h.name), box)
+        return Decl(g.rank, False, wanted=tuple(seen.values()))
+
     def _setup(self) -> Schedule:
         g = self.group
         if self.schedule is not None and self._epoch == g.epoch:
@@ -156,7 +198,10 @@ class WeightReceiver:
             wants[:] = self.wants
             if self.every:
                 wanted = [w for w, _, _ in mine]  # expand_every names every dtype
-                wants[:] = [Want(w.name, dtype=wire_dtype(w.dtype)) for w in wanted]  # type: ignore[arg-type]
+                wants[:] = [
+                    Want(w.name, box=w.box, dtype=wire_dtype(w.dtype))  # type: ignore[arg-type]
+                    for w in wanted
+                ]
             for w, (decl, ti, box) in zip(wants, mine, strict=True):
                 dt = wire_dtype(decl.dtype or sched.tensors[ti].dtype)
                 if w.into is not None:
@@ -296,6 +341,21 @@ class WeightReceiver:
             st.per_link,
             zero_copy,
             st.patched,
+        )
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging arena (one slot per planned bucket: a full round's messages)."""
+        return sum(int(s.numel()) for s in self._slots)
+
+    @property
+    def undo_bytes(self) -> int:
+        """Bytes ``pull(undo=True)`` keeps for :meth:`revert` now (old values and indices)."""
+        if self._undo is None:
+            return 0
+        return sum(
+            o.numel() * o.element_size() + (0 if at is None else at.numel() * at.element_size())
+            for _, at, o in self._undo[0]
         )
 
     @property

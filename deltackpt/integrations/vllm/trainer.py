@@ -76,7 +76,9 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     are declared as (cast on the trainer; the workers ask for the engine's dtype anyway);
     ``full_every``: every n-th round is full. ``end_stale_update``: when vLLM refuses
     ``start_weight_update`` and there is one worker, end the update session a dead trainer
-    left open and start again, once (:meth:`DeltackptTrainerEngine._start`)."""
+    left open and start again, once (:meth:`DeltackptTrainerEngine._start`). ``tp_boxes``:
+    each worker receives and holds only the boxes of its tensor-parallel shards (None: the
+    workers' ``DELTACKPT_VLLM_TP_BOXES`` decides; docs/sync.md, "Memory")."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -90,6 +92,7 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     dtype: str | None = None
     full_every: int | None = None
     end_stale_update: bool = True
+    tp_boxes: bool | None = None
 
 
 class LocalLLMClient:
@@ -164,6 +167,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             "timeout": float(init_info.timeout),
             "bucket_bytes": int(init_info.bucket_bytes),
         }
+        if init_info.tp_boxes is not None:
+            worker_info["tp_boxes"] = bool(init_info.tp_boxes)
         joined: Future[None] | None = None
         if eng.is_sender:
             joined = eng._rpc.submit(client.init_weight_transfer_engine, worker_info)

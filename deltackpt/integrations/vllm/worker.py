@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from deltackpt.integrations.vllm import tp_boxes
 from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
+from deltackpt.sync.schedule_decl import Box
 
 __all__ = [
     "DeltackptInitInfo",
@@ -92,6 +94,9 @@ class DeltackptInitInfo(WeightTransferInitInfo):
     links: str = "gloo"
     timeout: float = 60.0
     bucket_bytes: int = 64 << 20
+    # receive only this worker's tensor-parallel boxes (None: the DELTACKPT_VLLM_TP_BOXES
+    # environment variable of the workers decides; docs/sync.md, "Memory")
+    tp_boxes: bool | None = None
 
 
 @dataclass
@@ -102,6 +107,12 @@ class DeltackptUpdateInfo(WeightTransferUpdateInfo):
     version: int | None = None
     stage: bool = False
     commit: int | None = None  # names the workers' commit vote (the trainer's count)
+
+
+def _wire(dtype: str) -> torch.dtype:
+    from deltackpt.sync.dtypes import wire_dtype
+
+    return wire_dtype(dtype)
 
 
 def layer_key(name: str) -> str:
@@ -120,10 +131,14 @@ def reload_layers(
     held: dict[str, torch.Tensor],
     changed: list[tuple[str, torch.Tensor]],
     fail_at: str | None = None,
+    expand: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Load ``changed`` into a vLLM ``model`` through its own ``load_weights``, inside vLLM's
     layerwise reload, widened to whole layers from ``held`` (every tensor last loaded, by
-    checkpoint name; updated here with ``changed``): see the module doc for why."""
+    checkpoint name; updated here with ``changed``): see the module doc for why. ``expand``
+    turns a held tensor into what ``load_weights`` takes (a tensor-parallel box into its
+    full-shape view, :func:`~deltackpt.integrations.vllm.tp_boxes.full_view`), one tensor at a
+    time as the model consumes them."""
     held.update(changed)
     touched = {layer_key(n) for n, _ in changed}
     batch = [(n, t) for n, t in held.items() if layer_key(n) in touched]
@@ -134,7 +149,7 @@ def reload_layers(
 
     initialize_layerwise_reload(model)
     try:
-        model.load_weights(_failing_at(batch, fail_at))
+        model.load_weights(_failing_at(batch, fail_at, expand))
     finally:  # layers that got nothing get their old kernels back
         finalize_layerwise_reload(model, model_config)
     if fail_at == "end":
@@ -142,14 +157,16 @@ def reload_layers(
 
 
 def _failing_at(
-    batch: list[tuple[str, torch.Tensor]], fail_at: str | None
+    batch: list[tuple[str, torch.Tensor]],
+    fail_at: str | None,
+    expand: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``batch``, raising at the first tensor of layer ``fail_at`` (a test hook: the extension's
-    ``deltackpt_fail_next_commit``)."""
+    """``batch`` (each tensor through ``expand``), raising at the first tensor of layer
+    ``fail_at`` (a test hook: the extension's ``deltackpt_fail_next_commit``)."""
     for n, t in batch:
         if fail_at is not None and layer_key(n) == fail_at:
             raise RuntimeError(f"deltackpt test hook: the commit fails at layer {fail_at!r}")
-        yield n, t
+        yield n, (t if expand is None else expand(n, t))
 
 
 @dataclass
@@ -219,6 +236,13 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self.last_commit: dict[str, Any] | None = None
         self.broken: str | None = None  # a rollback failed: the model is mixed, restart
         self.fail_next: str | None = None  # test hook (the extension's deltackpt_fail_next_commit)
+        # tp_boxes: per trainer tensor, its full shape and the box this worker holds (None:
+        # whole); empty when every tensor is received whole
+        self.tp_boxes = False
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._boxes: dict[str, Box | None] = {}
+        self._rules: dict[str, tp_boxes.BoxRule] = {}
+        self._rule: Callable[[str, tuple[int, ...]], tp_boxes.BoxRule] | None = None
 
     def _rank(self, info: DeltackptInitInfo) -> int:
         from vllm.distributed.parallel_state import get_world_group
@@ -240,10 +264,34 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         )
         # the wire carries the engine's dtype: the cast runs on the trainer
         dtype = self.model_config.dtype
-        self.receiver = WeightReceiver(self.group, dtype=dtype, bucket_bytes=init_info.bucket_bytes)
+        self.tp_boxes = tp_boxes.enabled(init_info.tp_boxes)
+        self._shapes, self._boxes, self._rules = {}, {}, {}
+        self.receiver = WeightReceiver(
+            self.group,
+            dtype=dtype,
+            bucket_bytes=init_info.bucket_bytes,
+            boxes=self._box_of if self.tp_boxes else None,
+        )
         self._held = {}
         self._plain = 0
         self._staged = None
+
+    def _box_of(self, name: str, shape: tuple[int, ...]) -> Box | None:
+        """The box of trainer tensor ``name`` (of ``shape``) this worker's model loads (None:
+        the whole tensor): ``tp_boxes``' rules, asked by the receiver at its setup."""
+        if self._rule is None:
+            self._rule = tp_boxes.box_rules(self.model)
+        rule = self._rule(name, shape)
+        self._rules[name] = rule
+        self._shapes[name], self._boxes[name] = tuple(shape), rule.box
+        return rule.box
+
+    def _expand(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """What ``load_weights`` takes for held tensor ``name``: its full-shape view."""
+        box = self._boxes.get(name)
+        if box is None:
+            return t
+        return tp_boxes.full_view(t, box, self._shapes[name])
 
     def start_weight_update(self) -> None:
         """Nothing: the reload runs at the commit (module doc)."""
@@ -364,7 +412,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         fail, self.fail_next = self.fail_next, None
         mine: str | None = None
         try:
-            reload_layers(self.model, self.model_config, self._held, changed, fail)
+            reload_layers(self.model, self.model_config, self._held, changed, fail, self._expand)
         except Exception as e:  # voted on, then raised below
             mine = f"rank {self.group.rank}: the model's reload failed ({type(e).__name__}: {e})"
         why = commit_vote(self.group, key, mine)
@@ -391,7 +439,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
 
     def _reload_back(self, back: list[tuple[str, torch.Tensor]]) -> None:
         try:
-            reload_layers(self.model, self.model_config, self._held, back)
+            reload_layers(self.model, self.model_config, self._held, back, expand=self._expand)
         except Exception as e:
             self.broken = (
                 f"a rollback reload failed ({type(e).__name__}: {e}): this worker's model "
@@ -414,8 +462,39 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         return self.receiver.version
 
     def committed(self) -> dict[str, torch.Tensor]:
-        """Copies of the tensors of the last committed round, by trainer name."""
+        """Copies of the tensors of the last committed round, by trainer name (with
+        ``tp_boxes``, this worker's box of each: :meth:`held_boxes` says where)."""
         return {n: t.detach().clone() for n, t in self._held.items()}
+
+    def held_boxes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None]:
+        """Per trainer tensor, the box this worker holds as ``(offset, size)`` (None: whole)."""
+        return {
+            n: None if (b := self._boxes.get(n)) is None else (b.offset, b.size) for n in self._held
+        }
+
+    def memory(self) -> dict[str, int | bool]:
+        """Host bytes this worker's receiver holds: ``held`` (its committed copies: the boxes
+        with ``tp_boxes``), ``staging`` (its arena: one full round's wire bytes of its boxes),
+        ``undo`` (old bytes kept for a rollback until the round is final), beside ``model``
+        (every trainer tensor whole, in the wire dtype) and ``share`` (what this worker's
+        boxes take: ``held`` when every box is held)."""
+        rc = self.receiver
+        sched = None if rc is None else rc.schedule
+        model = share = 0
+        if sched is not None and rc is not None:
+            for w, ti, box in sched.wanted[rc.group.rank]:
+                t = sched.tensors[ti]
+                item = torch.empty(0, dtype=_wire(w.dtype or t.dtype)).element_size()
+                model += int(torch.Size(t.shape).numel()) * item
+                share += box.numel * item
+        return {
+            "tp_boxes": self.tp_boxes,
+            "held": sum(t.numel() * t.element_size() for t in self._held.values()),
+            "staging": 0 if rc is None else rc.staging_bytes,
+            "undo": 0 if rc is None else rc.undo_bytes,
+            "model": model,
+            "share": share,
+        }
 
     def param_paths(self) -> dict[str, dict[str, str]]:
         """How each tensor of the last committed round reaches this worker's model, by trainer
@@ -430,6 +509,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         tp = int(self.parallel_config.tensor_parallel_size)
         out: dict[str, dict[str, str]] = {}
         for name, t in self._held.items():
+            full = self._shapes.get(name, tuple(t.shape))
             parts = name.split(".")
             target, layout = name, ""
             for fused, subs in packed.items():
@@ -443,7 +523,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             if p is None:
                 layout = layout or "no parameter of that name (tied or skipped by the model)"
             elif not layout and p.numel():
-                shape, full = tuple(p.shape), tuple(t.shape)
+                shape = tuple(p.shape)
                 layout = "whole" if shape == full else (
                     f"tensor-parallel shard {list(shape)} of {list(full)}"
                 )  # fmt: skip
@@ -453,6 +533,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
                 layout = f"{kind}, its tensor-parallel shard" if split else f"{kind}, whole"
             if p is not None and not p.numel():
                 layout += ", then repacked into a CPU kernel (the parameter is left empty)"
+            if self._boxes.get(name) is not None:
+                b = self._boxes[name]
+                assert b is not None
+                layout += f"; received as box {list(b.size)} at {list(b.offset)} of {list(full)}"
             out[name] = {"param": target, "path": "load_weights", "layout": layout}
         return out
 

@@ -1,0 +1,176 @@
+"""Which box of each checkpoint tensor a tensor-parallel vLLM worker needs, and how that box is
+handed to the model's own ``load_weights`` (opt-in: ``DELTACKPT_VLLM_TP_BOXES=1`` on the
+workers or ``DeltackptTrainerInitInfo(tp_boxes=True)``; docs/sync.md, "Memory").
+
+The rules, from the module that loads the tensor (vLLM's ``model/layers/linear.py`` and
+``vocab_parallel_embedding.py``), along dim 0 unless said otherwise, for rank ``r`` of ``tp``:
+
+* ``ColumnParallelLinear`` (weight, bias): ``output_size_per_partition`` rows from ``r`` x that;
+* ``MergedColumnParallelLinear`` part ``i`` (``gate_proj``/``up_proj`` of ``gate_up_proj``):
+  ``output_sizes[i] / tp`` rows from ``r`` x that;
+* ``QKVParallelLinear``: ``q`` ``num_heads`` x ``head_size`` rows from ``r`` x that; ``k`` and
+  ``v`` ``num_kv_heads`` x head size rows from ``r // num_kv_head_replicas`` x that (several
+  ranks share a kv head when there are fewer kv heads than ranks);
+* ``RowParallelLinear``: weight ``input_size_per_partition`` columns (dim 1) from ``r`` x that;
+  the bias whole (added after the all-reduce);
+* ``VocabParallelEmbedding`` / ``ParallelLMHead`` weight: rows ``shard_indices``
+  ``org_vocab_start_index`` to ``org_vocab_end_index`` (vLLM pads each rank's rows; the padding
+  is not in the checkpoint and vLLM zeroes it);
+* anything else (norms, ``ReplicatedLinear``, quantized layers, subclasses with their own
+  loaders, a name no module is found for, ``tp == 1``): the whole tensor (always correct).
+
+``load_weights`` narrows the *full* checkpoint tensor at the rank's offset, so each box is
+handed over as a full-shape view (:func:`full_view`) whose only bytes ever read are the box's:
+a strided view over a buffer that holds the box where the narrow looks for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltackpt.sync.schedule_decl import Box
+
+__all__ = ["ENV", "BoxRule", "box_rules", "enabled", "full_view"]
+
+#: the workers' switch (also ``DeltackptTrainerInitInfo(tp_boxes=True)``)
+ENV = "DELTACKPT_VLLM_TP_BOXES"
+
+Shape = tuple[int, ...]
+
+
+def enabled(flag: bool | None = None) -> bool:
+    """``flag`` when given, else the environment switch."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class BoxRule:
+    """Where a checkpoint tensor goes: ``module`` (its kind ``kind``), the box this rank loads
+    (None: whole) and why."""
+
+    module: str
+    kind: str
+    box: Box | None
+    why: str
+
+
+def _split(shape: Shape, dim: int, start: int, size: int) -> Box:
+    off = tuple(start if d == dim else 0 for d in range(len(shape)))
+    sz = tuple(size if d == dim else s for d, s in enumerate(shape))
+    return Box(off, sz)
+
+
+def _unquantized(m: Any) -> bool:
+    qm = getattr(m, "quant_method", None)
+    return qm is None or type(qm).__name__.startswith("Unquantized")
+
+
+def box_rules(model: Any) -> Any:
+    """A function ``rule(name, shape) -> BoxRule`` for checkpoint tensors of ``model`` (a vLLM
+    model on this worker), by the module doc's rules."""
+    modules = dict(model.named_modules())
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+
+    def rule(name: str, shape: Shape) -> BoxRule:
+        parts = name.split(".")
+        if len(parts) < 2:
+            return BoxRule("", "", None, "no module")
+        leaf, sub = parts[-1], parts[-2]
+        target, part = ".".join(parts[:-1]), None
+        for fused, subs in packed.items():
+            if sub in subs:
+                cand = ".".join([*parts[:-2], fused])
+                if cand in modules:
+                    target, part = cand, subs.index(sub)
+                break
+        m = modules.get(target)
+        if m is None:
+            return BoxRule(target, "", None, "no module of that name: whole")
+        kind = type(m).__name__
+        box, why = _box(m, kind, leaf, part, tuple(int(s) for s in shape))
+        if box is not None and box.size == tuple(shape):
+            box = None
+        return BoxRule(target, kind, box, why)
+
+    return rule
+
+
+def _box(m: Any, kind: str, leaf: str, part: int | None, shape: Shape) -> tuple[Box | None, str]:
+    tp = int(getattr(m, "tp_size", 1) or 1)
+    r = int(getattr(m, "tp_rank", 0) or 0)
+    if tp <= 1:
+        return None, "not split (tp 1): whole"
+    if not _unquantized(m):
+        return None, "quantized: whole"
+    if leaf not in ("weight", "bias") or not shape:
+        return None, f"{leaf}: whole"
+    if kind == "QKVParallelLinear" and part is not None:
+        name = "qkv"[part] if part < 3 else "?"
+        if name == "q":
+            size, total = m.num_heads * m.head_size, m.total_num_heads * m.head_size
+            start = r * size
+        elif name in "kv":
+            hs = m.head_size if name == "k" else m.v_head_size
+            size, total = m.num_kv_heads * hs, m.total_num_kv_heads * hs
+            start = (r // m.num_kv_head_replicas) * size
+        else:
+            return None, "qkv part unknown: whole"
+        if shape[0] != total:
+            return None, f"{name}: checkpoint rows {shape[0]} != {total}: whole"
+        return _split(shape, 0, start, size), f"qkv part {name}: rows"
+    if kind == "MergedColumnParallelLinear" and part is not None:
+        sizes = list(m.output_sizes)
+        if part >= len(sizes) or shape[0] != sizes[part] or sizes[part] % tp:
+            return None, "merged part does not match: whole"
+        size = sizes[part] // tp
+        return _split(shape, 0, r * size, size), f"merged part {part}: rows"
+    if kind == "ColumnParallelLinear" and part is None:
+        size = int(m.output_size_per_partition)
+        if shape[0] != size * tp:
+            return None, "column rows do not match: whole"
+        return _split(shape, 0, r * size, size), "column parallel: rows"
+    if kind == "RowParallelLinear" and part is None:
+        if leaf == "bias":
+            return None, "row-parallel bias: whole"
+        size = int(m.input_size_per_partition)
+        if len(shape) != 2 or shape[1] != size * tp:
+            return None, "row columns do not match: whole"
+        return _split(shape, 1, r * size, size), "row parallel: columns"
+    if kind in ("VocabParallelEmbedding", "ParallelLMHead") and part is None and leaf == "weight":
+        si = m.shard_indices
+        lo, hi = int(si.org_vocab_start_index), int(si.org_vocab_end_index)
+        if shape[0] != int(m.org_vocab_size) or hi <= lo:
+            return None, "vocabulary does not match: whole"
+        return _split(shape, 0, lo, hi - lo), "vocabulary rows"
+    return None, f"{kind}: whole"
+
+
+def full_view(t: torch.Tensor, box: Box | None, shape: Shape) -> torch.Tensor:
+    """A tensor of the checkpoint's ``shape`` whose ``box`` holds ``t`` (a rank's box), for a
+    weight loader that narrows the full tensor at the rank's offset: a strided view over a
+    buffer laid out as ``t`` (same strides) with the box where the view's index maps it. The
+    elements outside the box alias other bytes of the buffer and are never read by a loader
+    that narrows to the box. The buffer spans the full index range (``offset`` x strides
+    before the box), but only the box's pages are written: fresh pages never touched stay out
+    of the resident set (a row split of the last dim costs (tp-1) rows of the box more)."""
+    if box is None or tuple(t.shape) == tuple(shape):
+        return t
+    t = t.contiguous()
+    strides = t.stride()
+    pad = sum(o * s for o, s in zip(box.offset, strides, strict=True))
+    span = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+    buf = torch.empty(max(span, pad + t.numel()), dtype=t.dtype)
+    buf.as_strided(tuple(t.shape), strides, pad).copy_(t)
+    return buf.as_strided(tuple(shape), strides, 0)
+
+
+def box_bytes(shape: Shape, box: Box | None, itemsize: int) -> int:
+    """Bytes of ``box`` (None: the whole ``shape``)."""
+    return (math.prod(shape) if box is None else box.numel) * itemsize

