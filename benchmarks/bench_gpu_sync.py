@@ -7,7 +7,8 @@ its device fingerprints say changed, deltackpt/sync/host_mirror.py); the receive
 tensor whole and its ``load_weights`` copies the changed ones into its own CUDA tensors (as an
 inference engine's does). A round is timed on the receiver, from a barrier both processes leave
 together to the end of its ``load_weights`` (device synchronised); the trainer's ``push`` time
-and the bytes its mirror copied are reported beside it. Best of ``--repeats``.
+and the bytes that crossed to its mirror (chunks, or changed elements with device patches) are
+reported beside it. Best of ``--repeats``.
 
 Rows:
 
@@ -15,6 +16,10 @@ Rows:
 * full round (``push(full=True)``);
 * delta round, 1 tensor changed (every element of one matrix);
 * RL-like round: ~3% of the elements of every tensor changed by a small add;
+* RL-like round with device patches (``DELTACKPT_DEVICE_PATCH=auto``; ``always`` on the CPU
+  stand-in; sync/device_patches.py): the changed elements are found on the device against a
+  device copy of the last committed version and only they (index + value) cross to the mirror,
+  after one untimed round that allocates the device copies; the rows above run with ``off``;
 * ipc link (``links="ipc"``, a second group in the same processes; ``--no-ipc`` skips it): a
   full round and a 1-tensor delta round through tensor handles (CUDA buckets, ``ipc_device``,
   on a GPU; shared CPU storage without one), after one untimed round that plans and shares;
@@ -47,6 +52,27 @@ import torch
 
 CUDA = torch.cuda.is_available()
 RL_SHARE = 0.03  # elements an RL-like step changes
+
+
+def plan_of(repeats: int) -> list[tuple[str, int]]:
+    """The main link's rounds, in order (both processes walk it)."""
+    return [
+        ("first", 1),
+        ("full", repeats),
+        ("rl", repeats),
+        ("rl_dp_first", 1),  # allocates the device bases (the RL change copied by chunks)
+        ("rl_dp", repeats),
+        # last: a whole changed matrix rests its patch base for 8 rounds (patches.REST_ROUNDS),
+        # which would make the RL rows' payloads differ by what rested
+        ("delta_1", repeats),
+    ]
+
+
+def patch_mode(kind: str) -> str:
+    """``DELTACKPT_DEVICE_PATCH`` for a round of ``kind``."""
+    if not kind.startswith("rl_dp"):
+        return "off"
+    return "auto" if CUDA else "always"
 
 
 def ipc_plan(repeats: int) -> list[tuple[str, int]]:
@@ -147,22 +173,21 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         with torch.no_grad():
             if kind == "delta_1":  # every element of one matrix
                 state[names[(2 * i) % len(names)]].add_(1.0 if i % 2 == 0 else -1.0)
-            elif kind == "rl":
+            elif kind.startswith("rl"):
                 for t in state.values():
                     mask = torch.rand(t.shape, generator=g, device=dev) < RL_SHARE
                     t.add_(mask.to(t.dtype) * 0.01)
         _sync(dev)
 
-    plan = [("first", 1), ("full", cfg["repeats"]), ("delta_1", cfg["repeats"])]
-    plan.append(("rl", cfg["repeats"]))
+    plan = plan_of(cfg["repeats"])
     version = 0
 
     def push_rounds(
         sender: Any, group: Any, plan: list[tuple[str, int]], rows: dict[str, list[Any]]
     ) -> None:
         nonlocal version
-        with overrides(**knobs):
-            for kind, n in plan:
+        for kind, n in plan:
+            with overrides(**knobs, DELTACKPT_DEVICE_PATCH=patch_mode(kind)):
                 for i in range(n):
                     change(kind, i)
                     version += 1
@@ -174,9 +199,14 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
                             "push_s": time.perf_counter() - t0,
                             "mirror_s": sender.mirror.last.seconds,
                             "mirrored_bytes": st.mirrored_bytes,
+                            "patched_bytes": sender.mirror.last.patched_bytes,
+                            "patched_tensors": len(sender.mirror.last.patched),
                             "payload_bytes": st.payload_bytes,
                             "full": st.full,
                         }
+                    )
+                    res["device_base_bytes"] = max(
+                        res.get("device_base_bytes", 0), sender.mirror.device.nbytes
                     )
 
     push_rounds(sender, group, plan, rows)
@@ -217,8 +247,7 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
             mine[n].copy_(t)
         _sync(dev)
 
-    plan = [("first", 1), ("full", cfg["repeats"]), ("delta_1", cfg["repeats"])]
-    plan.append(("rl", cfg["repeats"]))
+    plan = plan_of(cfg["repeats"])
 
     def pull_rounds(
         recv: Any, group: Any, plan: list[tuple[str, int]]
@@ -302,6 +331,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     # every round committed and the receiver's device tensors hold the trainer's bytes
     out["exact"] = t.pop("fingerprints") == r.pop("fingerprints")
     out["mirror_bytes"], out["mirror_pinned"] = t["mirror_bytes"], t["mirror_pinned"]
+    out["device_base_bytes"] = t.get("device_base_bytes", 0)
     for kind, recs in r.get("ipc_rows", {}).items():
         best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
         out["ipc_" + kind] = {**t["ipc_rows"][kind][best], **recs[best]}
@@ -316,6 +346,7 @@ def report(s: dict[str, Any], device: str) -> str:
         "full": "full round",
         "delta_1": "delta round, 1 tensor changed",
         "rl": f"RL-like round ({RL_SHARE:.0%} of elements)",
+        "rl_dp": f"RL-like round ({RL_SHARE:.0%}), device patches",
     }
     if "ipc_full" in s:
         labels["ipc_full"] = "ipc link: full round"
@@ -347,18 +378,19 @@ def report(s: dict[str, Any], device: str) -> str:
         ]
     )
     head = (
-        f"device {device}, {gb:.2f} GB bf16, 1 trainer -> 1 receiver, shm link (ipc rows: "
+        f"device {device}, {gb:.2f} GB bf16, 1 trainer -> 1 receiver, {s['links']} link (ipc rows: "
         f"links='ipc', {s['ipc_handles']} bucket handles posted); best of the "
         "repeats; round = receiver's pull incl. load_weights into its device tensors; "
         f"receiver bit-exact: {s['exact']}; trainer mirror {C.fmt_bytes(s['mirror_bytes'])} "
-        f"(pinned: {s['mirror_pinned']})\n\n"
+        f"(pinned: {s['mirror_pinned']}); device bases (device patches) "
+        f"{C.fmt_bytes(s['device_base_bytes'])}\n\n"
     )
     return head + C.md_table(
         [
             "round",
             "round time",
             "trainer push",
-            "mirror copied",
+            "to the host",
             "payload",
             "vs pinned D2H+H2D",
             "vs CUDA IPC",
@@ -390,6 +422,7 @@ def main() -> None:
     t0 = time.perf_counter()
     res = run(cfg)
     s = summarize(res)
+    s["links"] = cfg["links"]
     device = torch.cuda.get_device_name() if CUDA else "cpu (dry run: the mirror's stand-in)"
     doc = {
         "config": cfg,
