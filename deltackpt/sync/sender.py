@@ -21,7 +21,9 @@ cast chunk by chunk into a private scratch and hashed there before it is copied 
 which any process that opens the link file can write. Local tensors on CUDA are first brought
 to a pinned host mirror (``host_mirror.py``): only the chunks whose device fingerprint moved
 since the last committed round are copied, in one batch of non-blocking copies, and the rest of
-the round runs on the mirror as on host tensors. Then the commit vote (store keys, see
+the round runs on the mirror as on host tensors (``DELTACKPT_DEVICE_PATCH``: a tensor with a
+device copy of its committed bytes brings only its changed elements, and its pieces' patches
+are packed from that list, ``device_patches.py``). Then the commit vote (store keys, see
 ``group.py``): it carries each trainer's version, so trainers that disagree fail the round on
 every rank, and a failed round still waits for every vote, so no rank publishes the next round
 into a slot a slower receiver still reads.
