@@ -8,13 +8,16 @@ leaves the base at the committed version; a tensor with too many changes goes by
 encoder fed a device list builds the host encoder's payload, byte for byte. End to end (one
 trainer, bf16 weights and one fp32 master cast to bf16 -> one receiver over gloo): RL-like
 steps (~2% of the elements) are bit-exact on the receiver, send the same payload bytes as the
-host path and bring less to the mirror; a round the receiver rejects and a round whose packing
-fails on the trainer leave the device bases committed, and the next rounds are exact; a tensor
-with half its elements changed falls back and stays exact. The ``gpu`` test runs it on CUDA.
+host path and bring less to the mirror; a round the receiver rejects, a round whose packing
+fails on the trainer and a round whose receiver dies (then ``reconnect`` and a replacement)
+leave the device bases committed, and the next rounds are exact; a tensor with half its
+elements changed falls back and stays exact. The ``gpu`` test runs it on CUDA.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -25,7 +28,7 @@ from deltackpt.format.device_changes import changed_elements_on
 from deltackpt.options import overrides
 from deltackpt.sync import delta_codec
 from deltackpt.sync.device_patches import DeviceBases
-from deltackpt.sync.host_mirror import CHUNK_BYTES, HostMirror
+from deltackpt.sync.host_mirror import HostMirror
 from deltackpt.sync.patches import Bases
 from tests._dist import free_port, spawn
 
@@ -308,6 +311,90 @@ def test_rl_rounds_are_exact_and_send_the_host_paths_bytes() -> None:
         assert on[v - 1]["mirrored"] < off[v - 1]["mirrored"] / 2, (v, on[v - 1], off[v - 1])
 
 
+def _losing_trainer(port: int, port2: int) -> dict[str, Any]:
+    """Rounds 1-2 commit; the receiver dies in round 3; after ``reconnect`` a replacement
+    gets round 4 (full) and round 5 (by changed elements)."""
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="gloo")
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET, dtype=torch.bfloat16)
+    out: dict[str, Any] = {}
+    with overrides(**STANDIN):
+        for v in (1, 2):
+            sender.push(state(v), version=v)
+        try:
+            sender.push(state(3), version=3)
+        except sync.SyncError as e:
+            out["error"] = type(e).__name__
+        out["patched_3"] = sorted(sender.mirror.last.patched)
+        bases, committed = sender.mirror.device.bases, state(2)
+        out["stale"] = sorted(
+            n for n, b in bases.items() if not torch.equal(b, _flat(committed[n]))
+        )
+        out["based"] = sorted(bases)
+        group.reconnect(port2)
+        out["full_4"] = sender.push(state(4), version=4).full
+        out["full_5"] = sender.push(state(5), version=5).full
+        out["patched_5"] = sorted(sender.mirror.last.patched)
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+def _dying_receiver(port: int) -> None:
+    from deltackpt import sync
+    from deltackpt.sync.receiver import WeightReceiver
+
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="gloo")
+    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET)
+    receiver.pull(lambda ws: None)
+    receiver.pull(lambda ws: None)
+
+    def dying(self: Any, *a: Any, **kw: Any) -> Any:
+        os._exit(17)  # mid-round 3, while verifying what arrived
+
+    WeightReceiver._verify = dying  # type: ignore[method-assign]
+    receiver.pull(lambda ws: None)
+
+
+def _replacement_receiver(port2: int) -> list[bool]:
+    from deltackpt import sync
+
+    time.sleep(1.0)  # after the first receiver died
+    group = sync.SyncGroup("127.0.0.1", port2, 1, 2, [0], timeout=60, links="gloo")
+    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET)
+    held: dict[str, torch.Tensor] = {}
+    exact = []
+    for v in (4, 5):
+        receiver.pull(lambda ws: held.update((n, t.clone()) for n, t in ws))
+        want = {n: t.bfloat16() if t.is_floating_point() else t for n, t in state(v).items()}
+        exact.append(receiver.version == v and all(torch.equal(held[n], want[n]) for n in want))
+    group.pg.barrier().wait()
+    group.close()
+    return exact
+
+
+@pytest.mark.multiproc
+def test_a_lost_receiver_leaves_the_device_bases_committed() -> None:
+    port, port2 = free_port(), free_port()
+    outs = spawn(
+        [
+            (_losing_trainer, (port, port2)),
+            (_dying_receiver, (port,)),
+            (_replacement_receiver, (port2,)),
+        ],
+        timeout=120,
+        fast_exit=True,
+    )
+    assert outs[1].exitcode == 17
+    t = outs[0].unwrap()
+    assert t["error"] == "PeerLostError", t
+    assert "big" in t["patched_3"]  # the lost round had found its changes on the device
+    assert t["based"] and t["stale"] == []  # ... and left the bases at version 2
+    assert t["full_4"] and not t["full_5"] and "big" in t["patched_5"]
+    assert outs[2].unwrap() == [True, True]
+
+
 @pytest.mark.gpu
 @pytest.mark.multiproc
 def test_cuda_rl_rounds_by_changed_elements() -> None:
@@ -315,4 +402,3 @@ def test_cuda_rl_rounds_by_changed_elements() -> None:
         pytest.skip("needs CUDA")
     trainer, rec = _run("auto", "cuda")
     _check(trainer, rec)
-    assert CHUNK_BYTES  # the same chunking as the stand-in
