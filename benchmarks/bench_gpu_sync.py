@@ -54,14 +54,14 @@ CUDA = torch.cuda.is_available()
 RL_SHARE = 0.03  # elements an RL-like step changes
 
 
-def plan_of(repeats: int) -> list[tuple[str, int]]:
+def plan_of(repeats: int, device_patch: bool = True) -> list[tuple[str, int]]:
     """The main link's rounds, in order (both processes walk it)."""
+    dp = [("rl_dp_first", 1), ("rl_dp", repeats)] if device_patch else []
     return [
         ("first", 1),
         ("full", repeats),
         ("rl", repeats),
-        ("rl_dp_first", 1),  # allocates the device bases (the RL change copied by chunks)
-        ("rl_dp", repeats),
+        *dp,  # the first allocates the device bases (the RL change copied by chunks)
         # last: a whole changed matrix rests its patch base for 8 rounds (patches.REST_ROUNDS),
         # which would make the RL rows' payloads differ by what rested
         ("delta_1", repeats),
@@ -179,7 +179,7 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
                     t.add_(mask.to(t.dtype) * 0.01)
         _sync(dev)
 
-    plan = plan_of(cfg["repeats"])
+    plan = plan_of(cfg["repeats"], cfg["device_patch"])
     version = 0
 
     def push_rounds(
@@ -247,7 +247,7 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
             mine[n].copy_(t)
         _sync(dev)
 
-    plan = plan_of(cfg["repeats"])
+    plan = plan_of(cfg["repeats"], cfg["device_patch"])
 
     def pull_rounds(
         recv: Any, group: Any, plan: list[tuple[str, int]]
@@ -346,8 +346,9 @@ def report(s: dict[str, Any], device: str) -> str:
         "full": "full round",
         "delta_1": "delta round, 1 tensor changed",
         "rl": f"RL-like round ({RL_SHARE:.0%} of elements)",
-        "rl_dp": f"RL-like round ({RL_SHARE:.0%}), device patches",
     }
+    if "rl_dp" in s:
+        labels["rl_dp"] = f"RL-like round ({RL_SHARE:.0%}), device patches"
     if "ipc_full" in s:
         labels["ipc_full"] = "ipc link: full round"
         labels["ipc_delta_1"] = "ipc link: delta round, 1 tensor changed"
@@ -408,6 +409,9 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--links", default="shm", help="shm (default) or gloo")
     ap.add_argument("--no-ipc", action="store_true", help="skip the ipc link's rows (links='ipc')")
+    ap.add_argument(
+        "--no-device-patch", action="store_true", help="skip the device-patch rows (rl_dp)"
+    )
     ap.add_argument("--timeout", type=float, default=85 if CUDA else 60)
     ap.add_argument("--out", default=str(C.OUT_DIR), help="directory for the JSON and table")
     args = ap.parse_args()
@@ -417,6 +421,7 @@ def main() -> None:
         "bucket_mb": args.bucket_mb,
         "links": args.links,
         "ipc": not args.no_ipc,
+        "device_patch": not args.no_device_patch,
         "timeout": args.timeout,
     }
     t0 = time.perf_counter()
