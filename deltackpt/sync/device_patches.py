@@ -30,6 +30,11 @@ the first round that copied it whole (the first, full round), and only where
 dtype is the wire dtype (bf16 trainers); for an fp32 master nearly every element changes each
 step, over the cap, so the chunks are copied (and the device copy is wasted: use ``off``).
 
+Time, not measured on a GPU yet: the host writes the elements into the mirror with one scatter
+(``index_put_``, ~200 M elements/s per core on the 2-core dev VM), which at 3% of the elements
+can cost more than the pinned chunk copy it replaces; what it always spares is PCIe bytes and,
+on links that patch, the host's diff of each changed piece.
+
 ``DELTACKPT_DEVICE_PATCH``: ``off`` (default until a GPU measures ``auto``), ``auto`` (CUDA
 tensors), ``always`` (also the host tensors the mirror holds under ``DELTACKPT_DEVICE_SCAN=
 always``: the CPU stand-in the test suite runs).
@@ -52,7 +57,14 @@ from deltackpt.sync.patches import BaseKey, Bases, Changes
 from deltackpt.sync.schedule import Schedule
 from deltackpt.sync.schedule_decl import Box, Held
 
-__all__ = ["DEVICE_PATCH_BELOW", "DeviceBases", "DevicePatches", "PatchRound", "piece_finder"]
+__all__ = [
+    "DEVICE_PATCH_BELOW",
+    "DeviceBases",
+    "DevicePatches",
+    "PatchRound",
+    "piece_finder",
+    "trackable",
+]
 
 #: A tensor whose changed elements are at most this share is patched from the device; above,
 #: its changed chunks are copied (at 1/8 of bf16 elements the list is 3/8 of the tensor's bytes)
