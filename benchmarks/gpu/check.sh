@@ -30,12 +30,12 @@ timeout "${GPU_TESTS_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -o 
 timeout "${BENCH_S:-150}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
 if [ -f benchmarks/bench_gpu_sync.py ]; then
-  timeout "${SYNC_BENCH_S:-90}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" 2>&1 \
+  timeout "${SYNC_BENCH_S:-120}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" 2>&1 \
     | tee -a "$LOG" || rc=1
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order)
-timeout "${SUITE_S:-240}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
+timeout "${SUITE_S:-210}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
   ${SUITE_TESTS:-tests} >"$OUT/suite.log" 2>&1 || rc=1
 grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; tail -n 3 "$OUT/suite.log"
 exit $rc
