@@ -31,6 +31,16 @@ same run.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py                 # tiny, ~100M and ~0.5B
     .venv-vllm/bin/python benchmarks/bench_vllm.py --sizes tiny    # quick
+
+``--tp-memory`` measures only host memory per worker of a ``tensor_parallel_size=2`` engine
+(one core bound per worker), once with every tensor received whole and once with
+``tp_boxes`` (each worker receives and holds only its tensor-parallel boxes): the receiver's
+bytes (``memory()``: held copies, staging arena, the model, the worker's share) and each
+worker's peak and end RSS above the engine before its first round (peak reset there), after a
+first full round, a second full round (its rollback copy lives until the commit), a delta round
+and a staged delta with its ``commit()``::
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --tp-memory --sizes 100m
 """
 
 from __future__ import annotations
@@ -235,8 +245,77 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
     return rows
 
 
-def _rss(worker: Any) -> dict[str, int]:
-    """The worker process's resident memory now and at its peak (bytes, /proc/self/status)."""
+def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
+    """Host memory per worker of a TP=2 engine, without and with ``tp_boxes`` (module doc)."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
+
+    shapes = write_model(size, f"{tmp}/start")
+    nparams = sum(torch.Size(s).numel() for s in shapes.values())
+    model_bytes = 2 * nparams
+    label = f"{size} ({nparams / 1e6:.3g}M params, {fmt_bytes(model_bytes)} bf16), TP=2"
+    before, after, _ = versions(shapes, 1e-6, 2)
+    rows: list[list[Any]] = []
+    for boxes in (False, True):
+        llm = LLM(
+            model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True,
+            dtype="bfloat16", max_model_len=256, max_num_seqs=4, tensor_parallel_size=2,
+            weight_transfer_config=WeightTransferConfig(backend="deltackpt"),
+        )  # fmt: skip
+        info = DeltackptTrainerInitInfo(
+            rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, tp_boxes=boxes
+        )
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+        mem0 = llm.collective_rpc(_rss, kwargs={"reset": True})
+        steps: list[str] = []
+        for step, sd, kw in (
+            ("full", before, {}), ("full again", before, {"full": True}), ("delta", after, {}),
+            ("staged", before, {"stage": True}),
+        ):  # fmt: skip
+            eng.send_weights(sd, version=len(steps) + 1, **kw)
+            if kw.get("stage"):
+                eng.commit()
+            now = llm.collective_rpc(_rss)
+            ends = "/".join(
+                f"{(m['VmRSS'] - z['VmRSS']) / 1e6:.0f}" for m, z in zip(now, mem0, strict=True)
+            )
+            steps.append(f"{step} {ends}")
+        print(f"{size} tp_boxes={boxes}: MB above the engine per worker after: " + ", ".join(steps))
+        mem = llm.collective_rpc(_rss)
+        rec = llm.collective_rpc(_receiver_bytes)
+        what = "tp_boxes: its boxes" if boxes else "every tensor whole"
+        for w, (m0, m, r) in enumerate(zip(mem0, mem, rec, strict=True)):
+            peak, end = m["VmHWM"] - m0["VmRSS"], m["VmRSS"] - m0["VmRSS"]
+            rows.append([
+                label, what, w, f"{fmt_bytes(r['held'])} ({r['held'] / model_bytes:.2f}x)",
+                fmt_bytes(r["staging"]),
+                f"{fmt_bytes(peak)} / {fmt_bytes(end)}",
+                f"{peak / model_bytes:.2f}x / {end / model_bytes:.2f}x",
+            ])  # fmt: skip
+        print(md_table(TP_HEADER, rows[-2:]), flush=True)
+        eng.shutdown()
+        del llm, eng
+        gc.collect()
+    return rows
+
+
+def _receiver_bytes(worker: Any) -> dict[str, Any]:
+    return dict(worker.weight_transfer_engine.memory())
+
+
+TP_HEADER = ["model", "worker receives", "worker", "held copies (x model)", "staging arena",
+             "RSS above the engine: peak / end", "x model bf16"]  # fmt: skip
+
+
+def _rss(worker: Any, reset: bool = False) -> dict[str, int]:
+    """The worker process's resident memory now and at its peak (bytes, /proc/self/status);
+    ``reset``: start the peak over from now (``/proc/self/clear_refs``)."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -257,7 +336,8 @@ def _reload_alone(worker: Any) -> float:
     eng = worker.weight_transfer_engine
     model = worker.model_runner.get_model()
     t0 = time.perf_counter()
-    reload_layers(model, eng.model_config, eng._held, list(eng._held.items()))
+    held = list(eng._held.items())
+    reload_layers(model, eng.model_config, eng._held, held, expand=eng._expand)
     return time.perf_counter() - t0
 
 
@@ -271,9 +351,27 @@ def main() -> None:
         "--sizes", default="tiny,100m,500m", help=f"comma-separated, of {sorted(SIZES)}"
     )
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median, range)")
+    ap.add_argument(
+        "--tp-memory",
+        action="store_true",
+        help="only host memory per worker at TP=2, every tensor whole vs tp_boxes (module doc)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    if args.tp_memory:
+        cores = sorted(os.sched_getaffinity(0))[:2]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")
+        tp_rows: list[list[Any]] = []
+        for size in args.sizes.split(","):
+            tmp = tempfile.mkdtemp(prefix=f"deltackpt-bench-vllm-tp-{size}-")
+            try:
+                tp_rows += bench_tp_memory(size, tmp)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        print(f"\n`{' '.join([os.path.relpath(sys.executable), *sys.argv])}`\n")
+        print(md_table(TP_HEADER, tp_rows))
+        return
     limits = machine_limits()
     rows: list[list[Any]] = []
     for size in args.sizes.split(","):

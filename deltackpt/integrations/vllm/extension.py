@@ -92,6 +92,11 @@ class DeltackptWorkerExtension:
         eng = self._deltackpt_engine()
         return {"version": eng.version, "digests": state_digests(eng.committed())}
 
+    def deltackpt_memory(self) -> dict[str, Any]:
+        """Host bytes this worker's receiver holds (``DeltackptWeightTransferEngine.memory``:
+        ``held``, ``staging``, ``undo`` beside ``model`` and this worker's ``share``)."""
+        return dict(self._deltackpt_engine().memory())
+
     def deltackpt_paths(self) -> dict[str, dict[str, str]]:
         """Per tensor of the last committed round, the vLLM parameter it lands in and the path
         it takes on this worker (``DeltackptWeightTransferEngine.param_paths``)."""

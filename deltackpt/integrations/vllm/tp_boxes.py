@@ -26,6 +26,7 @@ a strided view over a buffer that holds the box where the narrow looks for it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -72,6 +73,23 @@ def _unquantized(m: Any) -> bool:
     return qm is None or type(qm).__name__.startswith("Unquantized")
 
 
+def _own_loader(m: Any, leaf: str) -> bool:
+    """The parameter loads through its module class's own loader (a model that sets another
+    ``weight_loader`` may not narrow at the rank's offset); a parameter vLLM emptied after
+    repacking it may have lost the attribute: its module's class decides."""
+    p = getattr(m, leaf, None)
+    wl = getattr(p, "weight_loader", None)
+    if wl is None:
+        return True
+    wl = inspect.unwrap(wl)  # vLLM's layerwise reload wraps the loaders (functools.wraps)
+    fn = getattr(wl, "__func__", None)
+    return (
+        getattr(wl, "__self__", None) is m
+        and fn is not None
+        and fn is getattr(type(m), fn.__name__, None)
+    )
+
+
 def box_rules(model: Any) -> Any:
     """A function ``rule(name, shape) -> BoxRule`` for checkpoint tensors of ``model`` (a vLLM
     model on this worker), by the module doc's rules."""
@@ -111,6 +129,8 @@ def _box(m: Any, kind: str, leaf: str, part: int | None, shape: Shape) -> tuple[
         return None, "quantized: whole"
     if leaf not in ("weight", "bias") or not shape:
         return None, f"{leaf}: whole"
+    if not _own_loader(m, leaf):
+        return None, f"{kind}.{leaf} has a loader of the model's own: whole"
     if kind == "QKVParallelLinear" and part is not None:
         name = "qkv"[part] if part < 3 else "?"
         if name == "q":

@@ -45,6 +45,7 @@ the receiver's committed copies; the tensors outside the layers (embeddings, fin
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -107,6 +108,18 @@ class DeltackptUpdateInfo(WeightTransferUpdateInfo):
     version: int | None = None
     stage: bool = False
     commit: int | None = None  # names the workers' commit vote (the trainer's count)
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_LIBC = _libc()
 
 
 def _wire(dtype: str) -> torch.dtype:
@@ -286,6 +299,13 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self._shapes[name], self._boxes[name] = tuple(shape), rule.box
         return rule.box
 
+    def _trim(self) -> None:
+        """With ``tp_boxes``: hand the heap pages the round freed (the rollback's old bytes,
+        the commit's full-shape views) back to the system (glibc's ``malloc_trim``), so the
+        worker's resident memory follows what it holds (docs/sync.md, "Memory")."""
+        if self.tp_boxes and _LIBC is not None:
+            _LIBC.malloc_trim(0)
+
     def _expand(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """What ``load_weights`` takes for held tensor ``name``: its full-shape view."""
         box = self._boxes.get(name)
@@ -366,6 +386,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         if not self._voted:  # nothing to reload here: vote all the same (the trainer waits)
             commit_vote(self.group, key, None)
         self.receiver.drop_undo()  # the round is final: free the old bytes kept for it
+        self._trim()
         self.last_commit = {"version": want, "ok": True, "why": ""}
         self._announced(want)
 
@@ -418,9 +439,11 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         why = commit_vote(self.group, key, mine)
         self._voted = True
         if why is None:
-            self._announced(version)
             if undo is not None:  # a staged round: final now (pull(undo=True) kept its undo)
+                self._announced(version)
                 self.receiver.drop_undo()
+                self._trim()
+            # a plain round: receive_weights checks the version once pull has set it
             return
         if undo is not None:
             undo()
