@@ -40,7 +40,8 @@ def layout(run: dict[str, Any]) -> str:
 
 @pytest.fixture(scope="module")
 def other(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The short run (rounds, tampering, fresh engine) with the other linear layout forced."""
+    """The short run (rounds, tampering, and the same weights reloaded by vLLM from disk in the
+    same engine instead of a fresh engine) with the other linear layout forced."""
     forced = "keep" if layout(run) == "repack" else "repack"
     return run_script(tmp_path_factory, "_vllm_run.py", "--short", linear=forced)
 
@@ -102,7 +103,9 @@ def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(either):
     assert heal["full"] and heal["committed_identical"]
 
 
-def test_greedy_tokens_equal_a_fresh_engine_on_the_same_weights(either):
+def test_greedy_tokens_equal_vllm_loading_the_same_weights(either):
+    # run: a fresh engine started from the trainer's weights; other: the same engine reloading
+    # them from disk (reload_weights), which saves a second engine start
     assert either["tokens"] == either["fresh_tokens"]
     assert either["readable_same_as_fresh"]
 
