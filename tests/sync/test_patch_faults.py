@@ -190,6 +190,9 @@ def _dying_trainer(port: int, port2: int) -> None:
     group = sync.SyncGroup("127.0.0.1", port, 0, WORLD, [0], timeout=60)
     sender = sync.WeightSender(group, bucket_bytes=BUCKET, encode="patch")
     sender.push(_bf16(1), version=1)
+    # every receiver has finished round 1 (its vote read back from this process's store) before
+    # this process dies in round 2: else a receiver still polling round 1 loses the store there
+    group.pg.barrier().wait()
     orig = Bases.encode
     count = [0]
 
@@ -224,6 +227,7 @@ def _surviving_receiver(rank: int, port: int, port2: int) -> dict[str, Any]:
         held.update((n, t.clone()) for n, t in ws)
 
     receiver.pull(load)
+    group.pg.barrier().wait()  # round 1 done everywhere; the trainer dies in round 2
     t0 = time.monotonic()
     out: dict[str, Any] = {}
     try:
