@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +44,8 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_tensor, reduce_tensor
 
 from deltackpt import cuda
-from deltackpt.sync.errors import PeerLostError, SyncTimeoutError
+from deltackpt.sync.cells import Done, Recv, wait_published
+from deltackpt.sync.errors import PeerLostError
 
 if TYPE_CHECKING:
     from deltackpt.sync.group import SyncGroup
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["IpcLinks", "open_handle", "share", "tensor_handle"]
 
 SEQ, NBYTES, GEN, ACK = range(4)  # the columns of a link's cells
-_CHECK = 0.02
 _NAME = re.compile(r"/torch_\d+_\d+_\d+")
 
 
@@ -217,22 +216,6 @@ class _Retired:
         return all(int(self.cellv[tag, ACK]) >= b.published for tag, b in self.buckets)
 
 
-class _Done:
-    """A send that completed when it was issued (the bytes are in the bucket)."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class _Recv:
-    def __init__(self, links: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
-        self.links, self.src, self.tag, self.into, self.seq = links, src, tag, into, seq
-
-    def wait(self) -> bool:
-        self.links._wait_copy(self.src, self.tag, self.into, self.seq)
-        return True
-
-
 class IpcLinks:
     """The buckets of this rank's ipc links; ``open(links)`` once per schedule (module doc).
     ``device``: where the buckets a sender owns live (CPU shared memory, or a CUDA device).
@@ -317,7 +300,7 @@ class IpcLinks:
         o = self._out[dst]
         return o.buckets[tag].host[: o.slot]
 
-    def publish(self, dst: int, tag: int, n: int) -> _Done:
+    def publish(self, dst: int, tag: int, n: int) -> Done:
         """The first ``n`` bytes of the bucket are the message of the current round."""
         o = self._out[dst]
         b = o.buckets[tag]
@@ -328,16 +311,16 @@ class IpcLinks:
         o.cellv[tag, SEQ] = seq
         b.published = seq
         self._drop_acknowledged()
-        return _Done()
+        return Done()
 
-    def send(self, buf: torch.Tensor, dst: int, tag: int) -> _Done:
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> Done:
         self.window(dst, tag)[: buf.numel()].copy_(buf)
         return self.publish(dst, tag, buf.numel())
 
     # ---- receiver -------------------------------------------------------------------------
 
-    def recv(self, into: torch.Tensor, src: int, tag: int) -> _Recv:
-        return _Recv(self, src, tag, into, self.g.seq)
+    def recv(self, into: torch.Tensor, src: int, tag: int) -> Recv:
+        return Recv(self, src, tag, into, self.g.seq)
 
     def _cells(self, src: int, lk: _In, seq: int) -> np.ndarray:
         """The link's cells, mapped on first use after a setup (the sender posted their handle
@@ -382,29 +365,7 @@ class IpcLinks:
         lk = self._in[src]
         cellv = self._cells(src, lk, seq)
         what = self._name(src, self.g.rank)
-        start = time.monotonic()
-        next_check = start + _CHECK
-        delay = 1e-5
-        while cellv[tag, SEQ] != seq:
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _CHECK
-                why = self.g.aborted(seq)
-                if why is not None and why.startswith("lost: "):
-                    raise PeerLostError(why[6:])
-                if not self.g.alive(src):
-                    raise PeerLostError(
-                        f"{what}: rank {src} (pid {self.g.pid_of(src)[1]}) died before "
-                        f"publishing bucket {tag} of round {seq}"
-                    )
-            if now - start > self.g.timeout:
-                raise SyncTimeoutError(
-                    f"{what}: bucket {tag} of round {seq} not published within "
-                    f"{self.g.timeout:g} s (its cell says round {int(cellv[tag, SEQ])}); "
-                    "the sender is hung: reconnect the group"
-                )
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+        wait_published(self.g, src, tag, seq, lambda: int(cellv[tag, SEQ]), what)
         n, gen = int(cellv[tag, NBYTES]), int(cellv[tag, GEN])
         bucket = self._bucket(src, lk, tag, gen)
         if not 0 < n <= min(bucket.numel(), into.numel()):

@@ -28,21 +28,19 @@ import errno
 import mmap
 import os
 import shutil
-import time
 import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from deltackpt.sync.errors import PeerLostError, PlanError, SyncTimeoutError
+from deltackpt.sync.cells import Done, Recv, wait_published
+from deltackpt.sync.errors import PeerLostError, PlanError
 
 if TYPE_CHECKING:
     from deltackpt.sync.group import SyncGroup
 
 __all__ = ["ShmLinks"]
-
-_CHECK = 0.02
 
 
 def _dir() -> str:
@@ -73,22 +71,6 @@ def _reserve(fd: int, size: int, path: str) -> None:
             f"has {free} free ({e.strerror}). Give it more room (e.g. docker run "
             "--shm-size=8g), lower bucket_bytes, or use links='gloo'"
         ) from e
-
-
-class _Done:
-    """A send that completed when it was issued (the bytes are in the window)."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class _Recv:
-    def __init__(self, links: ShmLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
-        self.links, self.src, self.tag, self.into, self.seq = links, src, tag, into, seq
-
-    def wait(self) -> bool:
-        self.links._wait_copy(self.src, self.tag, self.into, self.seq)
-        return True
 
 
 class ShmLinks:
@@ -130,42 +112,24 @@ class ShmLinks:
         _, _, data, slot = self._maps[(self.g.rank, dst)]
         return data[tag * slot : (tag + 1) * slot]
 
-    def publish(self, dst: int, tag: int, n: int) -> _Done:
+    def publish(self, dst: int, tag: int, n: int) -> Done:
         """The first ``n`` bytes of the slot are the message of round ``seq``."""
         _, cell, _, _ = self._maps[(self.g.rank, dst)]
         cell[tag, 1] = n
         cell[tag, 0] = self.g.seq
-        return _Done()
+        return Done()
 
-    def send(self, buf: torch.Tensor, dst: int, tag: int) -> _Done:
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> Done:
         self.window(dst, tag)[: buf.numel()].copy_(buf)
         return self.publish(dst, tag, buf.numel())
 
-    def recv(self, into: torch.Tensor, src: int, tag: int) -> _Recv:
-        return _Recv(self, src, tag, into, self.g.seq)
+    def recv(self, into: torch.Tensor, src: int, tag: int) -> Recv:
+        return Recv(self, src, tag, into, self.g.seq)
 
     def _wait_copy(self, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
         _, cell, data, slot = self._maps[(src, self.g.rank)]
-        start = time.monotonic()
-        next_check = start + _CHECK
-        delay = 1e-5
-        while cell[tag, 0] != seq:
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _CHECK
-                why = self.g.aborted(seq)
-                if why is not None and why.startswith("lost: "):
-                    raise PeerLostError(why[6:])
-                if not self.g.alive(src):
-                    raise PeerLostError(f"rank {src} (pid {self.g.pid_of(src)}) died")
-                if why is not None:  # a soft abort: the sender will publish a stub
-                    pass
-            if now - start > self.g.timeout:
-                raise SyncTimeoutError(
-                    f"bucket {tag} from rank {src}: not published within {self.g.timeout:g} s"
-                )
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+        what = f"shared-memory link from rank {src}"
+        wait_published(self.g, src, tag, seq, lambda: int(cell[tag, 0]), what)
         n = int(cell[tag, 1])
         if not 0 < n <= min(slot, into.numel()):
             raise PeerLostError(f"bucket {tag} from rank {src}: cell claims {n} bytes")
