@@ -112,34 +112,31 @@ DEVICE_SCANS = ("auto", "off", "always")
 REPLICATED = ("check", "rank0")
 
 
-def default_device_scan() -> str:
-    raw = _env("DELTACKPT_DEVICE_SCAN", "auto")
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Environment variable ``name``, one of ``choices`` (case and spaces ignored)."""
+    raw = _env(name, default)
     value = raw.strip().lower()
-    if value not in DEVICE_SCANS:
-        raise _bad_env("DELTACKPT_DEVICE_SCAN", raw, f"one of {DEVICE_SCANS}", "auto")
+    if value not in choices:
+        raise _bad_env(name, raw, f"one of {choices}", default)
     return value
+
+
+def default_device_scan() -> str:
+    return _env_choice("DELTACKPT_DEVICE_SCAN", DEVICE_SCANS, "auto")
 
 
 DEVICE_PATCHES = ("auto", "off", "always")
 
 
 def default_device_patch() -> str:
-    raw = _env("DELTACKPT_DEVICE_PATCH", "off")
-    value = raw.strip().lower()
-    if value not in DEVICE_PATCHES:
-        raise _bad_env("DELTACKPT_DEVICE_PATCH", raw, f"one of {DEVICE_PATCHES}", "off")
-    return value
+    return _env_choice("DELTACKPT_DEVICE_PATCH", DEVICE_PATCHES, "off")
 
 
 STAGE_DEFERS = ("auto", "off", "always")
 
 
 def default_stage_defer() -> str:
-    raw = _env("DELTACKPT_STAGE_DEFER", "auto")
-    value = raw.strip().lower()
-    if value not in STAGE_DEFERS:
-        raise _bad_env("DELTACKPT_STAGE_DEFER", raw, f"one of {STAGE_DEFERS}", "auto")
-    return value
+    return _env_choice("DELTACKPT_STAGE_DEFER", STAGE_DEFERS, "auto")
 
 
 def default_memory_budget() -> int:

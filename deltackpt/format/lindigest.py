@@ -23,7 +23,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LIN", "Lin", "changed_words", "lin_digest", "lin_update", "terms_at", "words_at"]
+__all__ = [
+    "LIN",
+    "Lin",
+    "changed_words",
+    "lin_digest",
+    "lin_shift",
+    "lin_update",
+    "terms_at",
+    "words_at",
+]
 
 LIN = "lin-2x64"
 _M = (0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93)
@@ -143,10 +152,16 @@ def terms_at(buf: np.ndarray, idx: np.ndarray) -> Lin:
     return terms(idx, words_at(buf, idx))
 
 
-def lin_update(held: str, idx: np.ndarray, old: np.ndarray | Lin, new: np.ndarray | Lin) -> str:
-    """The linear digest after words ``idx`` (unique) changed from ``old`` to ``new`` (the words,
-    or their summed terms from :func:`terms_at`), given the digest ``held`` before."""
+def lin_shift(held: str, old: Lin, new: Lin) -> str:
+    """The linear digest after some words changed, from the digest ``held`` before and the
+    summed terms of those words' old and new values (:func:`terms_at`, or a C scan's sums)."""
     h = _parse(held)
+    return _hex(((h[0] - old[0] + new[0]) & _MASK, (h[1] - old[1] + new[1]) & _MASK))
+
+
+def lin_update(held: str, idx: np.ndarray, old: np.ndarray | Lin, new: np.ndarray | Lin) -> str:
+    """:func:`lin_shift` for words ``idx`` (unique) changed from ``old`` to ``new`` (the words,
+    or their summed terms)."""
     o = old if isinstance(old, tuple) else terms(idx, old)
     n = new if isinstance(new, tuple) else terms(idx, new)
-    return _hex(((h[0] - o[0] + n[0]) & _MASK, (h[1] - o[1] + n[1]) & _MASK))
+    return lin_shift(held, o, n)

@@ -22,7 +22,7 @@ import numpy as np
 from deltackpt.errors import CodecError, CorruptChunkError
 from deltackpt.format.changes import UINT, unpack_changes
 from deltackpt.format.hashing import digest
-from deltackpt.format.lindigest import changed_words, lin_update, terms_at
+from deltackpt.format.lindigest import changed_words, lin_shift, terms_at
 from deltackpt.format.policy import PATCH
 
 __all__ = ["InPlace", "apply_all", "eligible", "lift", "revert_all"]
@@ -37,7 +37,6 @@ LIN_WORD_COST = 24
 #: of xxh3. So a bf16 chunk is checked by the linear digest below ~0.9% of its elements changed
 #: (RL steps at lr 1e-6 change ~1%: about the break-even), and hashed whole above.
 LIN_FUSED_COST = 28
-_NONE = np.empty(0, np.int64)
 
 try:  # setup.py builds it; numpy fancy indexing below does the same
     from deltackpt._native import patch_apply as _native_apply
@@ -79,7 +78,7 @@ class InPlace:
             self.how = "digest"
             return digest(self.view) == self.d
         self.how = "linear digest"
-        return lin_update(self.lin[0], words, old, terms_at(self.view, words)) == self.lin[1]
+        return lin_shift(self.lin[0], old, terms_at(self.view, words)) == self.lin[1]
 
     def _apply_one(self) -> bool:
         """One level in one C pass (``deltackpt._native.patch_apply``): old values kept, each
@@ -95,7 +94,7 @@ class InPlace:
             return digest(self.view) == self.d
         self.how = "linear digest"
         before, after = (int(terms[0]), int(terms[1])), (int(terms[2]), int(terms[3]))
-        return lin_update(self.lin[0], _NONE, before, after) == self.lin[1]
+        return lin_shift(self.lin[0], before, after) == self.lin[1]
 
     def revert(self) -> None:
         elems = self.view.view(UINT[self.itemsize])

@@ -20,7 +20,7 @@ from deltackpt.errors import DeltackptError
 from deltackpt.format import codecs
 from deltackpt.format.changes import unpack_changes
 from deltackpt.format.hashing import digest
-from deltackpt.format.lindigest import changed_words, lin_digest, lin_update, terms_at
+from deltackpt.format.lindigest import changed_words, lin_digest, lin_shift, terms_at
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.format.policy import PATCH
 from deltackpt.options import SaveOptions
@@ -221,11 +221,11 @@ def _lin(
     if enc.codec == PATCH and ref is not None and base is not None and base.lin is not None:
         if scan is not None and scan[4] == 1:
             old, new = (int(scan[0]), int(scan[1])), (int(scan[2]), int(scan[3]))
-            return lin_update(base.lin, np.empty(0, np.int64), old, new)
+            return lin_shift(base.lin, old, new)
         k = enc.itemsize
         idx, _ = unpack_changes(np.frombuffer(enc.payload, np.uint8), k, view.size // k)
         w = changed_words([idx], k)
-        return lin_update(base.lin, w, terms_at(ref.data, w), terms_at(view, w))
+        return lin_shift(base.lin, terms_at(ref.data, w), terms_at(view, w))
     return lin_digest(view)
 
 
