@@ -116,18 +116,25 @@ def _reusable(t: Any, e: TensorEntry) -> bool:
     )
 
 
-def _retrying(st: Store, m: Manifest, fn: Callable[[Manifest], Any]) -> Any:
-    try:
-        return fn(m)
-    except CorruptChunkError as e:
-        # gc compaction repoints manifests before deleting the old pack: if ours moved while we
-        # read, read the new one once. Real damage fails again with the same error.
-        if not e.missing_pack:
-            raise
-        fresh = st.manifest(m.name)
-        if fresh is m:
-            raise
-        return fn(fresh)
+def _retrying(st: Store, m: Manifest, fn: Callable[[Manifest], Any], tries: int = 4) -> Any:
+    """``fn(m)``, read again from a fresh manifest when a pack it names went missing meanwhile.
+
+    gc compaction repoints manifests before deleting the old pack, and retention may then delete
+    the snapshot itself (manifest first, packs after): re-reading the manifest either finds the
+    repointed one (read again, a bounded number of times) or none (SnapshotNotFoundError, which
+    a follower takes as "the newest went meanwhile"). Real damage fails again with the same
+    manifest and raises the CorruptChunkError."""
+    for attempt in range(tries):
+        try:
+            return fn(m)
+        except CorruptChunkError as e:
+            if not e.missing_pack:
+                raise
+            fresh = st.manifest(m.name)  # SnapshotNotFoundError if retention deleted it
+            if fresh is m or attempt == tries - 1:
+                raise
+            m = fresh
+    raise AssertionError("unreachable")
 
 
 def _load_once(

@@ -451,3 +451,41 @@ def test_load_retries_once_when_gc_moved_its_chunks(tmp_path: Path) -> None:
     finally:
         deltackpt.store.store.Store.manifest = real
     assert len(calls) == 2 and torch.equal(out["a"], a)
+
+
+def test_load_of_a_snapshot_moved_then_deleted_meanwhile_says_not_found(tmp_path: Path) -> None:
+    """gc compacted the snapshot's pack while it was read, then retention deleted the snapshot
+    before the retry was done: the load says the snapshot is gone (a follower then takes the
+    newest), not that the store is damaged."""
+    store = tmp_path / "store"
+    a, b = torch.randn(1 << 18), torch.randn(1 << 18)
+    deltackpt.save({"a": a, "b": b}, store, "both", threads=1)
+    deltackpt.save({"a": a}, store, "only-a", threads=1)
+    st = deltackpt.open_store(store)
+    stale = st.manifest("only-a")
+    deltackpt.delete(store, "both")
+    deltackpt.gc(store)
+    real = deltackpt.store.store.Store.manifest
+    calls = []
+
+    def moved_then_deleted(self, name):
+        calls.append(name)
+        if len(calls) == 1:
+            return stale  # read just before gc compacted
+        fresh = real(self, name)
+        if len(calls) == 2:  # retention deletes it while the retry reads
+            deltackpt.store.store.Store.manifest = real
+            try:
+                deltackpt.delete(store, "only-a")
+                deltackpt.gc(store)
+            finally:
+                deltackpt.store.store.Store.manifest = moved_then_deleted
+        return fresh
+
+    deltackpt.store.store.Store.manifest = moved_then_deleted
+    try:
+        with pytest.raises(SnapshotNotFoundError, match="only-a"):
+            deltackpt.load(store, "only-a")
+    finally:
+        deltackpt.store.store.Store.manifest = real
+    assert len(calls) == 3
