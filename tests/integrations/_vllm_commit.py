@@ -46,6 +46,11 @@ def _last_commit(worker: Any) -> Any:
     return worker.weight_transfer_engine.last_commit
 
 
+def _last_path(worker: Any) -> Any:
+    """How the worker's last commit reached the model: "in place" or "reload"."""
+    return worker.weight_transfer_engine.last_path
+
+
 def commit_scenarios(llm: Any, eng: Any, trainer: Any, gen: Any, tp: int, v: int) -> dict:
     """The staged round, the failed commits and the prefix cache on a running engine whose
     trainer engine ``eng`` last committed version ``v`` of ``trainer``'s weights."""
@@ -94,6 +99,7 @@ def commit_scenarios(llm: Any, eng: Any, trainer: Any, gen: Any, tp: int, v: int
         "identical": identical(state()),
         "versions": worker_state()[0],
         "engine_version": llm.get_weight_version(),
+        "path": llm.collective_rpc(_last_path),
     }
     v += 1
     for mode in ("stage", "plain"):
@@ -128,6 +134,7 @@ def commit_scenarios(llm: Any, eng: Any, trainer: Any, gen: Any, tp: int, v: int
                     for i, rd in enumerate(readable)
                 ],
                 "last_commit": llm.collective_rpc(_last_commit) if mode == "stage" else None,
+                "path": llm.collective_rpc(_last_path),
             }
             # the next round (sent whole) brings every worker to the trainer's state
             v += 1

@@ -36,7 +36,7 @@ import torch
 
 from deltackpt.sync.schedule_decl import Box
 
-__all__ = ["ENV", "BoxRule", "box_rules", "enabled", "full_view"]
+__all__ = ["ENV", "BoxRule", "box_rules", "enabled", "full_view", "rank_box"]
 
 #: the workers' switch (also ``DeltackptTrainerInitInfo(tp_boxes=True)``)
 ENV = "DELTACKPT_VLLM_TP_BOXES"
@@ -112,7 +112,7 @@ def box_rules(model: Any) -> Any:
         if m is None:
             return BoxRule(target, "", None, "no module of that name: whole")
         kind = type(m).__name__
-        box, why = _box(m, kind, leaf, part, tuple(int(s) for s in shape))
+        box, why = rank_box(m, kind, leaf, part, tuple(int(s) for s in shape))
         if box is not None and box.size == tuple(shape):
             box = None
         return BoxRule(target, kind, box, why)
@@ -120,7 +120,12 @@ def box_rules(model: Any) -> Any:
     return rule
 
 
-def _box(m: Any, kind: str, leaf: str, part: int | None, shape: Shape) -> tuple[Box | None, str]:
+def rank_box(
+    m: Any, kind: str, leaf: str, part: int | None, shape: Shape
+) -> tuple[Box | None, str]:
+    """The box of a checkpoint tensor of ``shape`` (part ``part`` of a fused module) that this
+    rank's module ``m`` (of class ``kind``) loads, by the module doc's rules, and why (None:
+    whole)."""
     tp = int(getattr(m, "tp_size", 1) or 1)
     r = int(getattr(m, "tp_rank", 0) or 0)
     if tp <= 1:

@@ -78,7 +78,10 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     ``start_weight_update`` and there is one worker, end the update session a dead trainer
     left open and start again, once (:meth:`DeltackptTrainerEngine._start`). ``tp_boxes``:
     each worker receives and holds only the boxes of its tensor-parallel shards (None: the
-    workers' ``DELTACKPT_VLLM_TP_BOXES`` decides; docs/sync.md, "Memory")."""
+    workers' ``DELTACKPT_VLLM_TP_BOXES`` decides; docs/sync.md, "Memory"). ``inplace``: a
+    commit writes what changed straight into the parameters that are seen to hold the tensors
+    as they are, and reloads the rest (None: the workers' ``DELTACKPT_VLLM_INPLACE`` decides,
+    on by default; docs/sync.md, "The pause")."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -93,6 +96,7 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     full_every: int | None = None
     end_stale_update: bool = True
     tp_boxes: bool | None = None
+    inplace: bool | None = None
 
 
 class LocalLLMClient:
@@ -169,6 +173,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         }
         if init_info.tp_boxes is not None:
             worker_info["tp_boxes"] = bool(init_info.tp_boxes)
+        if init_info.inplace is not None:
+            worker_info["inplace"] = bool(init_info.inplace)
         joined: Future[None] | None = None
         if eng.is_sender:
             joined = eng._rpc.submit(client.init_weight_transfer_engine, worker_info)

@@ -60,7 +60,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltackpt.integrations.vllm import tp_boxes
+from deltackpt.integrations.vllm import inplace, tp_boxes
 from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
 from deltackpt.sync.schedule_decl import Box
 
@@ -98,6 +98,9 @@ class DeltackptInitInfo(WeightTransferInitInfo):
     # receive only this worker's tensor-parallel boxes (None: the DELTACKPT_VLLM_TP_BOXES
     # environment variable of the workers decides; docs/sync.md, "Memory")
     tp_boxes: bool | None = None
+    # write commits into the parameters seen to hold the tensors as they are (None: the
+    # DELTACKPT_VLLM_INPLACE environment variable of the workers decides, on by default)
+    inplace: bool | None = None
 
 
 @dataclass
@@ -256,6 +259,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self._boxes: dict[str, Box | None] = {}
         self._rules: dict[str, tp_boxes.BoxRule] = {}
         self._rule: Callable[[str, tuple[int, ...]], tp_boxes.BoxRule] | None = None
+        # in-place commits: where each held tensor was seen in the parameters (inplace.py)
+        self.inplace = inplace.enabled()
+        self._slots: dict[str, inplace.Slot] = {}
+        self.last_path: str | None = None  # "in place" or "reload": the last commit's path
 
     def _rank(self, info: DeltackptInitInfo) -> int:
         from vllm.distributed.parallel_state import get_world_group
@@ -278,6 +285,8 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         # the wire carries the engine's dtype: the cast runs on the trainer
         dtype = self.model_config.dtype
         self.tp_boxes = tp_boxes.enabled(init_info.tp_boxes)
+        self.inplace = inplace.enabled(init_info.inplace)
+        self._slots = {}
         self._shapes, self._boxes, self._rules = {}, {}, {}
         self.receiver = WeightReceiver(
             self.group,
@@ -432,10 +441,19 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         names = sorted({layer_key(n) for n, _ in changed})
         fail, self.fail_next = self.fail_next, None
         mine: str | None = None
+        direct = self._direct([n for n, _ in changed])
         try:
-            reload_layers(self.model, self.model_config, self._held, changed, fail, self._expand)
+            if direct:
+                self._write(changed, fail)
+            else:
+                reload_layers(
+                    self.model, self.model_config, self._held, changed, fail, self._expand
+                )
+                self._learn(names)
         except Exception as e:  # voted on, then raised below
-            mine = f"rank {self.group.rank}: the model's reload failed ({type(e).__name__}: {e})"
+            what = "in-place write" if direct else "reload"
+            mine = f"rank {self.group.rank}: the model's {what} failed ({type(e).__name__}: {e})"
+        self.last_path = "in place" if direct else "reload"
         why = commit_vote(self.group, key, mine)
         self._voted = True
         if why is None:
@@ -448,8 +466,12 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         if undo is not None:
             undo()
         # put the touched layers back from the receiver's copies, which hold the previous bytes
-        # again (revert() just did; inside pull, pull does it once this error leaves it)
-        back = [(n, t) for n, t in self._held.items() if layer_key(n) in names]
+        # again (revert() just did; inside pull, pull does it once this error leaves it); an
+        # in-place commit writes back the tensors it wrote
+        if direct:
+            back = [(n, self._held[n]) for n, _ in changed]
+        else:
+            back = [(n, t) for n, t in self._held.items() if layer_key(n) in names]
         if undo is None:
             self._rollback = back
         else:
@@ -462,13 +484,40 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
 
     def _reload_back(self, back: list[tuple[str, torch.Tensor]]) -> None:
         try:
-            reload_layers(self.model, self.model_config, self._held, back, expand=self._expand)
+            if self._direct([n for n, _ in back]):
+                self._write(back, None)
+            else:
+                reload_layers(self.model, self.model_config, self._held, back, expand=self._expand)
+                self._learn(sorted({layer_key(n) for n, _ in back}))
         except Exception as e:
             self.broken = (
                 f"a rollback reload failed ({type(e).__name__}: {e}): this worker's model "
                 "may mix versions; restart the engine"
             )
             raise RuntimeError(f"deltackpt: {self.broken}") from e
+
+    def _direct(self, names: list[str]) -> bool:
+        """A commit of ``names`` writes into the parameters (every one has a current slot)."""
+        return self.inplace and bool(names) and inplace.usable(self.model, self._slots, names)
+
+    def _write(self, changed: list[tuple[str, torch.Tensor]], fail: str | None) -> None:
+        def hook(name: str) -> None:
+            if fail is not None and layer_key(name) == fail:
+                raise RuntimeError(f"deltackpt test hook: the commit fails at layer {fail!r}")
+
+        inplace.write(self._slots, self._held, changed, hook)
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+        if fail == "end":
+            raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
+
+    def _learn(self, layers: list[str]) -> None:
+        """After a reload of ``layers``: where their tensors now sit in the parameters."""
+        if not self.inplace:
+            return
+        touched = set(layers)
+        names = [n for n in self._held if layer_key(n) in touched]
+        inplace.learn(self.model, self._held, names, self._shapes, self._boxes, self._slots)
 
     # ---- helpers for collective_rpc (tests, monitoring) -----------------------------------
 
@@ -521,12 +570,13 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
 
     def param_paths(self) -> dict[str, dict[str, str]]:
         """How each tensor of the last committed round reaches this worker's model, by trainer
-        name: ``param`` (the vLLM parameter it lands in), ``path`` (always ``load_weights``:
-        the model's own loader, inside vLLM's layerwise reload) and ``layout``: ``fused into
+        name: ``param`` (the vLLM parameter it lands in), ``path`` (``in place``: a commit
+        writes it into the parameter where it was seen, :mod:`.inplace`; ``load_weights``: the
+        model's own loader, inside vLLM's layerwise reload) and ``layout``: ``fused into
         <param> as <part>`` (qkv, gate_up), ``tensor-parallel shard <shape> of <shape>`` or
         ``whole`` (for a parameter vLLM emptied: its module's kind, shard or whole), with
         ``, then repacked into a CPU kernel`` where vLLM empties the parameter after loading.
-        Why no direct writes into the shards: see docs/sync.md, "Into vLLM"."""
+        """
         params = dict(self.model.named_parameters())
         packed: dict[str, list[str]] = getattr(self.model, "packed_modules_mapping", {}) or {}
         tp = int(self.parallel_config.tensor_parallel_size)
@@ -560,7 +610,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
                 b = self._boxes[name]
                 assert b is not None
                 layout += f"; received as box {list(b.size)} at {list(b.offset)} of {list(full)}"
-            out[name] = {"param": target, "path": "load_weights", "layout": layout}
+            direct = inplace.usable(self.model, self._slots, [name]) and self.inplace
+            out[name] = {
+                "param": target, "path": "in place" if direct else "load_weights", "layout": layout
+            }  # fmt: skip
         return out
 
     def shutdown(self) -> None:

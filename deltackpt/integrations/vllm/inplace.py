@@ -1,0 +1,229 @@
+"""Commits written straight into a vLLM model's parameters, where a parameter is seen to hold a
+checkpoint tensor's bytes as they are: the pause of a commit becomes a copy of what changed
+instead of the model's reload (docs/sync.md, "The pause").
+
+vLLM's ``load_weights`` fuses checkpoint tensors (``q/k/v_proj`` into ``qkv_proj``,
+``gate/up_proj`` into ``gate_up_proj``), keeps this rank's tensor-parallel rows or columns, and
+some builds then repack a weight into a kernel layout (CPU oneDNN/AMX: the parameter is emptied,
+or kept while the kernel reads a private copy). Where the tensor lands is *computed* from vLLM's
+module attributes (the rules of :mod:`~deltackpt.integrations.vllm.tp_boxes`, plus each fused
+part's rows in its parameter) and *trusted only when seen*: after a reload through
+``load_weights``, a slot is kept for a tensor only if its parameter region equals the held bytes
+bit for bit and those bytes are not all one value (a zero bias or a norm of ones cannot tell
+places apart: such a tensor keeps the reload path until a reload shows it with distinct values).
+A slot is used only while its parameter is the same object at the same address.
+
+Never written in place (the reload path stays): a module whose weights are quantized, one that
+keeps a derived copy (a CPU kernel ``cpu_linear`` closed over packed bytes or a handle to them,
+any tensor kept as a plain attribute), a parameter vLLM emptied, a dtype that differs from the wire's, a parameter of a
+kind not known to be read as is (linear, embedding, norm). What a content check cannot see: a
+kernel that caches the weight somewhere else than the module; such a build must turn this off
+(``DELTACKPT_VLLM_INPLACE=0``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltackpt.integrations.vllm import tp_boxes
+from deltackpt.sync.schedule_decl import Box
+
+__all__ = ["ENV", "Slot", "enabled", "learn", "usable", "write"]
+
+#: the workers' switch: ``0`` keeps every commit on the model's reload
+ENV = "DELTACKPT_VLLM_INPLACE"
+
+_KINDS = (
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "ReplicatedLinear",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+)
+
+
+def enabled(flag: bool | None = None) -> bool:
+    """``flag`` when given, else the environment switch (default on)."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where held tensor ``name`` lands: ``held[src]`` is ``param[dst]``, bit for bit when seen."""
+
+    module: str
+    leaf: str
+    param: torch.nn.Parameter
+    ptr: int
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+
+    def current(self, modules: dict[str, Any]) -> bool:
+        m = modules.get(self.module)
+        p = None if m is None else getattr(m, self.leaf, None)
+        return p is self.param and p.data_ptr() == self.ptr
+
+
+def _plain(m: Any, kind: str) -> bool:
+    """The module computes from its parameters as they are (module doc)."""
+    if not (kind in _KINDS or "Norm" in kind):
+        return False
+    qm = getattr(m, "quant_method", None)
+    if qm is not None and not type(qm).__name__.startswith("Unquantized"):
+        return False
+    cpu = getattr(m, "cpu_linear", None)
+    if cpu is not None and not all(_inert(c.cell_contents) for c in cpu.__closure__ or ()):
+        return False  # a CPU kernel closed over packed bytes or a handle to them
+    return not any(isinstance(v, torch.Tensor) for v in vars(m).values())
+
+
+def _inert(v: Any) -> bool:
+    """A value a kernel closure may hold that carries no copy of a weight."""
+    return v is None or isinstance(
+        v, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type, int, float, str)
+    )
+
+
+def _fused_offset(m: Any, kind: str, part: int | None) -> int | None:
+    """Rows of this rank's fused parameter before part ``part`` (0 when not fused)."""
+    if part is None:
+        return 0
+    tp = int(getattr(m, "tp_size", 1) or 1)
+    if kind == "QKVParallelLinear":
+        q = int(m.num_heads) * int(m.head_size)
+        k = int(m.num_kv_heads) * int(m.head_size)
+        return [0, q, q + k][part] if part < 3 else None
+    if kind == "MergedColumnParallelLinear":
+        sizes = [int(s) for s in m.output_sizes]
+        if part >= len(sizes) or any(s % tp for s in sizes):
+            return None
+        return sum(sizes[:part]) // tp
+    return None
+
+
+def _slot(
+    name: str,
+    held: torch.Tensor,
+    full: tuple[int, ...],
+    box: Box | None,
+    modules: dict[str, Any],
+    packed: dict[str, list[str]],
+) -> Slot | None:
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None
+    leaf, sub = parts[-1], parts[-2]
+    target, part = ".".join(parts[:-1]), None
+    for fused, subs in packed.items():
+        if sub in subs:
+            cand = ".".join([*parts[:-2], fused])
+            if cand in modules:
+                target, part = cand, subs.index(sub)
+            break
+    m = modules.get(target)
+    if m is None:
+        return None
+    kind = type(m).__name__
+    p = getattr(m, leaf, None)
+    if not isinstance(p, torch.nn.Parameter) or not p.numel() or not _plain(m, kind):
+        return None
+    if p.dtype != held.dtype or p.dim() != len(full):
+        return None
+    fused = _fused_offset(m, kind, part)
+    if fused is None:
+        return None
+    if box is not None:  # tp_boxes: the worker holds its box only, which is what lands
+        size, src = tuple(box.size), tuple(slice(None) for _ in full)
+    else:  # every tensor whole: this rank loads the box of tp_boxes' rules (whole at tp 1)
+        spec = tp_boxes.rank_box(m, kind, leaf, part, full)[0]
+        start = (0,) * len(full) if spec is None else tuple(spec.offset)
+        size = tuple(full) if spec is None else tuple(spec.size)
+        src = tuple(slice(o, o + n) for o, n in zip(start, size, strict=True))
+    dst = tuple(slice(fused, fused + n) if d == 0 else slice(0, n) for d, n in enumerate(size))
+    if any(s.stop > n for s, n in zip(dst, p.shape, strict=True)):
+        return None
+    return Slot(target, leaf, p, p.data_ptr(), src, dst)
+
+
+def _seen(slot: Slot, held: torch.Tensor) -> bool:
+    """The parameter region holds ``held``'s bytes, which are not all one value."""
+    want = held[slot.src]
+    if want.numel() < 2:
+        return False
+    flat = want.reshape(-1)
+    if not bool((flat != flat[0]).any()):
+        return False
+    got = slot.param.data[slot.dst]
+    if got.device != want.device:
+        want = want.to(got.device)
+    return bool(torch.equal(got, want))
+
+
+def learn(
+    model: Any,
+    held: dict[str, torch.Tensor],
+    names: Iterable[str],
+    shapes: dict[str, tuple[int, ...]],
+    boxes: dict[str, Box | None],
+    slots: dict[str, Slot],
+) -> None:
+    """After a reload of ``names`` through ``load_weights``: (re)learn their slots (module doc).
+    A name whose slot is not seen loses it."""
+    modules = dict(model.named_modules())
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    for name in names:
+        slots.pop(name, None)
+        t = held.get(name)
+        if t is None:
+            continue
+        full = shapes.get(name, tuple(t.shape))
+        s = _slot(name, t, tuple(full), boxes.get(name), modules, packed)
+        if s is not None and _seen(s, t):
+            slots[name] = s
+
+
+def usable(model: Any, slots: dict[str, Slot], names: Iterable[str]) -> bool:
+    """Every one of ``names`` has a slot whose parameter is still the one seen."""
+    modules = dict(model.named_modules())
+    return all((s := slots.get(n)) is not None and s.current(modules) for n in names)
+
+
+def write(
+    slots: dict[str, Slot],
+    held: dict[str, torch.Tensor],
+    changed: list[tuple[str, torch.Tensor]],
+    fail: Callable[[str], None] | None = None,
+) -> int:
+    """Copy ``changed`` (held tensors, by name) into their parameter regions, in name order;
+    ``fail(name)`` is called before each (a test hook that may raise). Returns the bytes
+    written. ``held`` is updated with ``changed`` first, as a reload does."""
+    held.update(changed)
+    n = 0
+    with torch.no_grad():
+        for name, t in sorted(changed, key=lambda c: c[0]):
+            if fail is not None:
+                fail(name)
+            s = slots[name]
+            src = t[s.src]
+            s.param.data[s.dst].copy_(src, non_blocking=False)
+            n += src.numel() * src.element_size()
+    return n
+
+
+def slot_bytes(slots: dict[str, Slot]) -> int:
+    """Bytes of the parameter regions the slots cover."""
+    return sum(
+        math.prod(s.stop - s.start for s in slot.dst) * slot.param.element_size()
+        for slot in slots.values()
+    )
