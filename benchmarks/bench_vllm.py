@@ -127,6 +127,22 @@ def versions(
     return before, after, changed / total
 
 
+def force_linear_layout(mode: str) -> None:
+    """Force how vLLM's CPU build keeps linear weights in this process and the engine's (the
+    test suite's shim, ``tests/integrations/_vllm_linear/sitecustomize.py``: it patches
+    ``dispatch_cpu_unquantized_gemm`` when vLLM imports it)."""
+    import importlib.util
+
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                          "integrations", "_vllm_linear")  # fmt: skip
+    folder = os.path.normpath(folder)
+    os.environ["DELTACKPT_TEST_VLLM_LINEAR"] = mode
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+    spec = importlib.util.spec_from_file_location("_vllm_linear", f"{folder}/sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
 def machine_limits(nbytes: int = 512 << 20, reps: int = 3) -> list[str]:
     """The ceilings a round runs against, measured now: memcpy and xxh3-128 (what a round
     does to every byte it sends and checks). Not the disk: the baseline's file stays in the
@@ -179,8 +195,9 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
                          f"{time.perf_counter() - t0:.3f}", fmt_bytes(st.payload_bytes), ""])  # fmt: skip
         secs: dict[str, list[float]] = {
             "full": [], "delta": [], "base": [], "prepare": [], "commit": [], "inside": [],
-            "reload": [],
+            "inside_reload": [], "reload": [],
         }  # fmt: skip
+        paths: set[str] = set()
         sent: dict[str, int] = {}
         same = True
         for _ in range(repeats):
@@ -203,7 +220,18 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
             eng.commit()
             secs["commit"].append(time.perf_counter() - t0)
             secs["inside"].append(llm.collective_rpc(_commit_inside)[0])
+            paths.add(llm.collective_rpc(_last_path)[0])
             secs["reload"].append(llm.collective_rpc(_reload_alone)[0])
+            same = same and greedy(llm) == tokens
+            # the same staged delta with in-place commits off: the model's reload in the pause
+            llm.collective_rpc(_set_inplace, args=(False,))
+            version += 1
+            eng.send_weights(before, version=version, full=True)
+            version += 1
+            eng.send_weights(after, version=version, stage=True)
+            eng.commit()
+            secs["inside_reload"].append(llm.collective_rpc(_commit_inside)[0])
+            llm.collective_rpc(_set_inplace, args=(True,))
             same = same and greedy(llm) == tokens
             dt, nbytes = reload_from_safetensors(llm, after, tmp)
             secs["base"].append(dt)
@@ -222,13 +250,17 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
         for tag, what in (
             ("prepare", "deltackpt staged delta: prepare (engine serving)"),
             ("commit", "deltackpt staged delta: commit() as the trainer sees it"),
-            ("inside", "the commit inside the worker: the engine's pause"),
+            (
+                "inside",
+                f"the commit inside the worker: the engine's pause ({'/'.join(sorted(paths))})",
+            ),
+            ("inside_reload", "the same pause with in-place commits off (inplace=False: reload)"),
             ("reload", "the workers' reload of the changed layers alone"),
         ):
             ratio = f"{median(secs[tag]) / one_call:.2f} of the one-call delta"
             nbytes = fmt_bytes(sent["prepare"]) if tag == "prepare" else ""
             rows.append([label, step, changed, what, spread(secs[tag]), nbytes, ratio])
-        print(md_table(HEADER, rows[-7:]), flush=True)
+        print(md_table(HEADER, rows[-8:]), flush=True)
         del before, after
         gc.collect()
     mem = llm.collective_rpc(_rss)[0]
@@ -329,6 +361,15 @@ def _commit_inside(worker: Any) -> float:
     return float(worker.weight_transfer_engine.last_commit["seconds"])
 
 
+def _last_path(worker: Any) -> str:
+    """How the worker's last commit reached the model: "in place" or "reload"."""
+    return str(worker.weight_transfer_engine.last_path)
+
+
+def _set_inplace(worker: Any, on: bool) -> None:
+    worker.weight_transfer_engine.inplace = on
+
+
 def _reload_alone(worker: Any) -> float:
     """Seconds of the worker's reload of every layer from its copies (run on the worker)."""
     from deltackpt.integrations.vllm.worker import reload_layers
@@ -356,7 +397,17 @@ def main() -> None:
         action="store_true",
         help="only host memory per worker at TP=2, every tensor whole vs tp_boxes (module doc)",
     )
+    ap.add_argument(
+        "--linear",
+        choices=["auto", "keep", "repack"],
+        default="auto",
+        help="how vLLM's CPU build keeps linear weights: as this processor has it (auto), or "
+        "forced: keep = F.linear on the parameter (AVX2, and what a GPU does), repack = a "
+        "kernel's private copy (module doc)",
+    )
     args = ap.parse_args()
+    if args.linear != "auto":
+        force_linear_layout(args.linear)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
     if args.tp_memory:

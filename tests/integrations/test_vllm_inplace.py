@@ -1,0 +1,177 @@
+"""In-place commits (``deltackpt/integrations/vllm/inplace.py``) on stand-ins of vLLM's modules
+(same class names and attributes, plain torch: no vLLM needed). The real engine runs the same
+code in test_vllm.py (one worker, linear weights kept) and test_vllm_tp_boxes.py (TP=2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltackpt.integrations.vllm import inplace
+from deltackpt.sync.schedule_decl import Box
+
+H, HEADS, KV, HD, FF = 16, 2, 1, 4, 24  # hidden, heads, kv heads, head size, mlp
+
+
+class QKVParallelLinear(torch.nn.Module):
+    def __init__(self, tp: int = 1, rank: int = 0) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = tp, rank
+        self.num_heads, self.num_kv_heads = HEADS // tp, KV
+        self.total_num_heads, self.total_num_kv_heads = HEADS, KV
+        self.num_kv_head_replicas = max(1, tp // KV)
+        self.head_size = self.v_head_size = HD
+        rows = (self.num_heads + 2 * KV) * HD
+        self.weight = torch.nn.Parameter(torch.zeros(rows, H, dtype=torch.bfloat16), False)
+        self.bias = torch.nn.Parameter(torch.zeros(rows, dtype=torch.bfloat16), False)
+
+
+class MergedColumnParallelLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank, self.output_sizes = 1, 0, [FF, FF]
+        self.weight = torch.nn.Parameter(torch.zeros(2 * FF, H, dtype=torch.bfloat16), False)
+
+
+class RowParallelLinear(torch.nn.Module):
+    def __init__(self, tp: int = 1, rank: int = 0) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank, self.input_size_per_partition = tp, rank, FF // tp
+        self.weight = torch.nn.Parameter(torch.zeros(H, FF // tp, dtype=torch.bfloat16), False)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(H, dtype=torch.bfloat16), False)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, tp: int = 1, rank: int = 0) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(tp, rank)
+        self.gate_up_proj = MergedColumnParallelLinear()
+        self.down_proj = RowParallelLinear(tp, rank)
+        self.norm = RMSNorm()
+
+
+class Model(torch.nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                              "gate_up_proj": ["gate_proj", "up_proj"]}  # fmt: skip
+
+    def __init__(self, tp: int = 1, rank: int = 0) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Layer(tp, rank)])
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    p = "layers.0."
+    return {
+        p + "q_proj.weight": r(HEADS * HD, H), p + "k_proj.weight": r(KV * HD, H),
+        p + "v_proj.weight": r(KV * HD, H), p + "q_proj.bias": r(HEADS * HD),
+        p + "k_proj.bias": r(KV * HD), p + "v_proj.bias": torch.zeros(KV * HD, dtype=torch.bfloat16),
+        p + "gate_proj.weight": r(FF, H), p + "up_proj.weight": r(FF, H),
+        p + "down_proj.weight": r(H, FF), p + "norm.weight": r(H),
+    }  # fmt: skip
+
+
+def load(model: Model, sd: dict[str, torch.Tensor]) -> None:
+    """What vLLM's loaders do at tp 1: fuse q/k/v and gate/up along the rows."""
+    L, p = model.layers[0], "layers.0."
+    with torch.no_grad():
+        L.qkv_proj.weight.copy_(torch.cat([sd[p + f"{x}_proj.weight"] for x in "qkv"]))
+        L.qkv_proj.bias.copy_(torch.cat([sd[p + f"{x}_proj.bias"] for x in "qkv"]))
+        L.gate_up_proj.weight.copy_(
+            torch.cat([sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"]])
+        )
+        L.down_proj.weight.copy_(sd[p + "down_proj.weight"])
+        L.norm.weight.copy_(sd[p + "norm.weight"])
+
+
+def learned(model: Model, held: dict[str, torch.Tensor]) -> dict[str, inplace.Slot]:
+    slots: dict[str, inplace.Slot] = {}
+    inplace.learn(model, held, list(held), {}, {}, slots)
+    return slots
+
+
+def test_slots_are_learned_only_where_seen_with_distinct_values_and_writes_match_a_reload():
+    model, held = Model(), checkpoint(0)
+    load(model, held)
+    slots = learned(model, held)
+    assert set(held) - set(slots) == {"layers.0.v_proj.bias"}  # all zeros: places unknown
+    new = {k: v + 1 if k != "layers.0.v_proj.bias" else v for k, v in checkpoint(1).items()}
+    changed = [(k, new[k].clone()) for k in slots]
+    assert inplace.usable(model, slots, [k for k, _ in changed])
+    n = inplace.write(slots, held, changed)
+    assert n == sum(t.numel() * 2 for _, t in changed)
+    want = Model()
+    load(want, held)
+    for (name, got), (_, exp) in zip(
+        model.named_parameters(), want.named_parameters(), strict=True
+    ):
+        assert torch.equal(got, exp), name
+
+
+def test_a_transformed_or_replaced_parameter_loses_its_slot():
+    model, held = Model(), checkpoint(0)
+    load(model, held)
+    with torch.no_grad():  # a loader that transforms (e.g. a norm stored as w - 1)
+        model.layers[0].norm.weight.sub_(1)
+    slots = learned(model, held)
+    assert "layers.0.norm.weight" not in slots and "layers.0.down_proj.weight" in slots
+    model.layers[0].down_proj.weight = torch.nn.Parameter(held["layers.0.down_proj.weight"].clone())
+    assert not inplace.usable(model, slots, ["layers.0.down_proj.weight"])
+    assert inplace.usable(model, slots, ["layers.0.q_proj.weight"])
+
+
+def test_a_kernel_with_its_own_copy_is_never_written_in_place():
+    model, held = Model(), checkpoint(0)
+    load(model, held)
+    kernel = model.layers[0].down_proj.weight.detach().clone()
+    model.layers[0].down_proj.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, kernel, b)
+    model.layers[0].gate_up_proj.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+    model.layers[0].norm.cached = model.layers[0].norm.weight.detach().float()
+    slots = learned(model, held)
+    assert "layers.0.down_proj.weight" not in slots  # closed over a tensor
+    assert "layers.0.gate_proj.weight" in slots  # closed over nothing that holds weights
+    assert "layers.0.norm.weight" not in slots  # keeps a tensor beside its parameter
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_shards_and_boxes(rank):
+    """TP=2: q rows and down_proj columns of this rank; k/v replicated (1 kv head)."""
+    model, held = Model(tp=2, rank=rank), checkpoint(0)
+    L, p = model.layers[0], "layers.0."
+    q = held[p + "q_proj.weight"][rank * HD : (rank + 1) * HD]
+    with torch.no_grad():
+        L.qkv_proj.weight.copy_(
+            torch.cat([q, held[p + "k_proj.weight"], held[p + "v_proj.weight"]])
+        )
+        L.down_proj.weight.copy_(
+            held[p + "down_proj.weight"][:, rank * FF // 2 : (rank + 1) * FF // 2]
+        )
+    names = [p + "q_proj.weight", p + "k_proj.weight", p + "down_proj.weight"]
+    slots: dict[str, inplace.Slot] = {}
+    inplace.learn(model, held, names, {}, {}, slots)
+    assert set(slots) == set(names)
+    # with tp_boxes the worker holds the box itself
+    box = Box((0, rank * FF // 2), (H, FF // 2))
+    boxed = {
+        p + "down_proj.weight": held[p + "down_proj.weight"][:, rank * 12 : rank * 12 + 12].clone()
+    }
+    slots2: dict[str, inplace.Slot] = {}
+    inplace.learn(model, boxed, list(boxed), {p + "down_proj.weight": (H, FF)},
+                  {p + "down_proj.weight": box}, slots2)  # fmt: skip
+    assert list(slots2) == [p + "down_proj.weight"]
+    new = boxed[p + "down_proj.weight"] * 2
+    inplace.write(slots2, boxed, [(p + "down_proj.weight", new)])
+    assert torch.equal(L.down_proj.weight, new)
+
+
+def test_the_switch():
+    assert inplace.enabled(False) is False and inplace.enabled(True) is True
