@@ -128,7 +128,8 @@ class DeltackptWorkerExtension:
         import threading
 
         from deltackpt.follow import Follower
-        from deltackpt.integrations.vllm.worker import reload_layers
+        from deltackpt.integrations.vllm import inplace
+        from deltackpt.integrations.vllm.worker import commit_layers
 
         if getattr(self, "_deltackpt_follow_staged", None) is not None:
             raise RuntimeError(
@@ -141,12 +142,14 @@ class DeltackptWorkerExtension:
             prefix = "" if key is None else f"{key}/"
             rank = int(getattr(self, "rank", 0))
             sink: list[Any] = [None]  # a staged poll collects here instead of reloading
+            # where each tensor sits in the parameters (inplace.py; None: always reload)
+            slots: dict[str, Any] | None = {} if inplace.enabled() else None
 
             def load_weights(w: Any) -> None:
                 if sink[0] is not None:
                     sink[0].extend(w)
                 else:
-                    reload_layers(model, cfg, loaded, list(w))
+                    commit_layers(model, cfg, loaded, list(w), slots)
 
             f = Follower(
                 store,
@@ -159,6 +162,7 @@ class DeltackptWorkerExtension:
             )
             self._deltackpt_follower, self._deltackpt_follow_args = f, (store, key)
             self._deltackpt_loaded, self._deltackpt_follow_sink = loaded, sink
+            self._deltackpt_slots = slots
         if stage:
             staged: dict[str, Any] = {"weights": [], "stats": None, "error": None}
 
@@ -179,14 +183,15 @@ class DeltackptWorkerExtension:
 
     def deltackpt_follow_commit(self) -> dict[str, Any]:
         """Load what the staged ``deltackpt_follow(..., stage=True)`` prepared (the pause: the
-        reload of the changed layers); the same answer as ``deltackpt_follow`` plus
-        ``"seconds"`` (of the reload), or ``{"error": ...}`` when the poll failed (the model is
+        changed tensors written into the parameters where they were seen, else the reload of
+        the changed layers: ``worker.commit_layers``); the same answer as ``deltackpt_follow``
+        plus ``"seconds"`` (of the pause) and ``"path"`` (``"in place"``, ``"reload"``, None), or ``{"error": ...}`` when the poll failed (the model is
         untouched). A reload that fails is not rolled back on this path: the follower then
         hands every tensor over at the next ``deltackpt_follow`` (its resend), which brings the
         model to the newest version; the error is raised."""
         import time
 
-        from deltackpt.integrations.vllm.worker import reload_layers
+        from deltackpt.integrations.vllm.worker import commit_layers
 
         staged = getattr(self, "_deltackpt_follow_staged", None)
         if staged is None:
@@ -200,12 +205,17 @@ class DeltackptWorkerExtension:
         if staged["weights"]:
             model, cfg = self.model_runner.get_model(), self.model_config  # type: ignore[attr-defined]
             try:
-                reload_layers(model, cfg, self._deltackpt_loaded, staged["weights"])
+                path = commit_layers(
+                    model, cfg, self._deltackpt_loaded, staged["weights"], self._deltackpt_slots
+                )
             except BaseException:
                 f._resend = True  # the next poll hands every tensor over again
                 raise
+        else:
+            path = None
         out = _follow_report(f, staged["stats"])
         out["seconds"] = time.perf_counter() - t0
+        out["path"] = path
         return out
 
     def deltackpt_follow_digests(self) -> dict[str, Any]:

@@ -209,15 +209,18 @@ def write(
     ``fail(name)`` is called before each (a test hook that may raise). Returns the bytes
     written. ``held`` is updated with ``changed`` first, as a reload does."""
     held.update(changed)
-    n = 0
+    n, device = 0, False
     with torch.no_grad():
         for name, t in sorted(changed, key=lambda c: c[0]):
             if fail is not None:
                 fail(name)
             s = slots[name]
             src = t[s.src]
-            s.param.data[s.dst].copy_(src, non_blocking=False)
+            s.param.data[s.dst].copy_(src)
             n += src.numel() * src.element_size()
+            device = device or s.param.device.type != "cpu"
+    if device:  # the engine's next step must see every byte
+        torch.accelerator.synchronize()
     return n
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "DeltackptInitInfo",
     "DeltackptUpdateInfo",
     "DeltackptWeightTransferEngine",
+    "commit_layers",
     "commit_verdict",
     "layer_key",
     "reload_layers",
@@ -170,6 +171,43 @@ def reload_layers(
         finalize_layerwise_reload(model, model_config)
     if fail_at == "end":
         raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
+
+
+def commit_layers(
+    model: Any,
+    model_config: Any,
+    held: dict[str, torch.Tensor],
+    changed: list[tuple[str, torch.Tensor]],
+    slots: dict[str, inplace.Slot] | None,
+    fail_at: str | None = None,
+    expand: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    boxes: dict[str, Box | None] | None = None,
+) -> str:
+    """Bring ``model`` to ``held`` updated with ``changed``: written into the parameters when
+    every changed tensor has a current slot (``slots``; None: never, :mod:`.inplace`), else
+    :func:`reload_layers` and the reloaded tensors' slots learned again. ``fail_at`` is the test
+    hook of :func:`reload_layers` (a layer, or ``"end"``). Returns ``"in place"`` or
+    ``"reload"``."""
+    names = [n for n, _ in changed]
+    if slots is not None and names and inplace.usable(model, slots, names):
+
+        def hook(name: str) -> None:
+            if fail_at is not None and layer_key(name) == fail_at:
+                raise RuntimeError(f"deltackpt test hook: the commit fails at layer {fail_at!r}")
+
+        inplace.write(slots, held, changed, hook)
+        if fail_at == "end":
+            raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
+        return "in place"
+    touched = {layer_key(n) for n in names}
+    try:
+        reload_layers(model, model_config, held, changed, fail_at, expand)
+    finally:  # a failed reload may have replaced parameters: what is seen now counts
+        if slots is not None:
+            again = [n for n in held if layer_key(n) in touched]
+            inplace.learn(model, held, again, shapes or {}, boxes or {}, slots)
+    return "reload"
 
 
 def _failing_at(
@@ -443,13 +481,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         mine: str | None = None
         direct = self._direct([n for n, _ in changed])
         try:
-            if direct:
-                self._write(changed, fail)
-            else:
-                reload_layers(
-                    self.model, self.model_config, self._held, changed, fail, self._expand
-                )
-                self._learn(names)
+            self._load(changed, fail)
         except Exception as e:  # voted on, then raised below
             what = "in-place write" if direct else "reload"
             mine = f"rank {self.group.rank}: the model's {what} failed ({type(e).__name__}: {e})"
@@ -484,11 +516,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
 
     def _reload_back(self, back: list[tuple[str, torch.Tensor]]) -> None:
         try:
-            if self._direct([n for n, _ in back]):
-                self._write(back, None)
-            else:
-                reload_layers(self.model, self.model_config, self._held, back, expand=self._expand)
-                self._learn(sorted({layer_key(n) for n, _ in back}))
+            self._load(back, None)
         except Exception as e:
             self.broken = (
                 f"a rollback reload failed ({type(e).__name__}: {e}): this worker's model "
@@ -500,24 +528,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         """A commit of ``names`` writes into the parameters (every one has a current slot)."""
         return self.inplace and bool(names) and inplace.usable(self.model, self._slots, names)
 
-    def _write(self, changed: list[tuple[str, torch.Tensor]], fail: str | None) -> None:
-        def hook(name: str) -> None:
-            if fail is not None and layer_key(name) == fail:
-                raise RuntimeError(f"deltackpt test hook: the commit fails at layer {fail!r}")
-
-        inplace.write(self._slots, self._held, changed, hook)
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize()
-        if fail == "end":
-            raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
-
-    def _learn(self, layers: list[str]) -> None:
-        """After a reload of ``layers``: where their tensors now sit in the parameters."""
-        if not self.inplace:
-            return
-        touched = set(layers)
-        names = [n for n in self._held if layer_key(n) in touched]
-        inplace.learn(self.model, self._held, names, self._shapes, self._boxes, self._slots)
+    def _load(self, changed: list[tuple[str, torch.Tensor]], fail: str | None) -> str:
+        slots = self._slots if self.inplace else None
+        return commit_layers(self.model, self.model_config, self._held, changed, slots, fail,
+                             self._expand, self._shapes, self._boxes)  # fmt: skip
 
     # ---- helpers for collective_rpc (tests, monitoring) -----------------------------------
 
