@@ -132,6 +132,8 @@ class WeightReceiver:
         self._undo: tuple[Undo, int | None, dict[tuple[int, int, int], tuple[int, int]]] | None
         self._undo = None
         self._changed: list[int] = []
+        # the last applied round's undo list (None: not kept) and the wants it changed
+        self._round: tuple[Undo | None, list[int]] = (None, [])
 
     def _decl(self) -> Decl:
         if self.every and self.boxes is not None:
@@ -296,6 +298,7 @@ class WeightReceiver:
         kept: Undo | None = [] if undo and self.version is not None else None
         before = (self.version, dict(self._kept)) if undo else (self.version, {})
         changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool, kept)
+        self._round = (kept, sorted(changed))
         if self.verify == "all":
             for bk, _, offs, _, _ in st.staged:
                 for k, d in enumerate(st.digests[(bk.index, bk.sender)]):
@@ -358,6 +361,34 @@ class WeightReceiver:
             for _, at, o in self._undo[0]
         )
 
+    def changed_elements(self) -> dict[str, torch.Tensor | None]:
+        """Per want without ``into`` that the last applied round changed (from inside
+        ``load_weights`` on, until the next ``pull`` or a :meth:`revert`): the flat indices
+        (int64, into the target tensor) of the elements it changed, or None where a piece was
+        copied whole or nothing was kept to tell (``pull(undo=True)`` keeps it; a first round
+        keeps nothing). A target the round wrote only by patches changed only there."""
+        kept, wants = self._round
+        names = {i: self.wants[i].name for i in wants if self.wants[i].into is None}
+        out: dict[str, torch.Tensor | None] = {}
+        if kept is None:
+            return dict.fromkeys(names.values())
+        where = {self._targets[i].untyped_storage().data_ptr(): i for i in names}
+        parts: dict[int, list[torch.Tensor]] = {}
+        whole: set[int] = set()
+        for dst, at, _ in kept:
+            i = where.get(dst.untyped_storage().data_ptr())
+            if i is None:
+                continue
+            if at is None or not self._targets[i].is_contiguous():
+                whole.add(i)
+            else:  # a contiguous box of the target: its flat offset, then the box's indices
+                off = dst.storage_offset() - self._targets[i].storage_offset()
+                parts.setdefault(i, []).append(at + off if off else at)
+        for i, name in names.items():
+            got = parts.get(i)
+            out[name] = None if i in whole or not got else torch.cat(got)
+        return out
+
     @property
     def reverts_to(self) -> int | None:
         """The version :meth:`revert` would go back to (None: nothing is kept to revert)."""
@@ -367,6 +398,7 @@ class WeightReceiver:
         """Free what ``pull(undo=True)`` kept (once the round is final): for a round sent
         whole that is a second copy of every changed target."""
         self._undo = None
+        self._round = (None, self._round[1])
 
     def revert(self) -> list[tuple[str, torch.Tensor]]:
         """Put the round before the last one back: its bytes into every target the last round
@@ -382,6 +414,7 @@ class WeightReceiver:
             )
         kept, self.version, self._kept = self._undo
         self._undo = None
+        self._round = (None, self._round[1])
         revert(kept)
         return [
             (self.wants[i].name, self._targets[i])

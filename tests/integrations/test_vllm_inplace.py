@@ -175,3 +175,42 @@ def test_tensor_parallel_shards_and_boxes(rank):
 
 def test_the_switch():
     assert inplace.enabled(False) is False and inplace.enabled(True) is True
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_changed_elements_alone_land_where_the_whole_tensor_would(rank):
+    """Element-by-element writes (the receiver's changed indices) give the same parameters as
+    whole-tensor writes: fused rows, this rank's columns of a whole tensor (indices outside its
+    part dropped), a box held by the worker."""
+    p = "layers.0."
+    whole, sparse = Model(tp=2, rank=rank), Model(tp=2, rank=rank)
+    held = checkpoint(0)
+    for model in (whole, sparse):
+        L = model.layers[0]
+        q = held[p + "q_proj.weight"][rank * HD : (rank + 1) * HD]
+        with torch.no_grad():
+            L.qkv_proj.weight.copy_(
+                torch.cat([q, held[p + "k_proj.weight"], held[p + "v_proj.weight"]])
+            )
+            L.down_proj.weight.copy_(held[p + "down_proj.weight"][:, rank * 12 : rank * 12 + 12])
+    names = [p + "q_proj.weight", p + "v_proj.weight", p + "down_proj.weight"]
+    g = torch.Generator().manual_seed(3)
+    changed, elements = [], {}
+    for n in names:
+        t = held[n].clone()
+        idx = torch.randperm(t.numel(), generator=g)[: t.numel() // 10]
+        t.view(-1)[idx] += 1
+        changed.append((n, t))
+        elements[n] = idx
+    for model, el in ((whole, None), (sparse, elements)):
+        h = dict(held)
+        slots: dict[str, inplace.Slot] = {}
+        inplace.learn(model, h, names, {}, {}, slots)
+        assert set(slots) == set(names)
+        n = inplace.write(slots, h, [(k, v.clone()) for k, v in changed], elements=el)
+        assert n > 0
+    for (name, a), (_, b) in zip(whole.named_parameters(), sparse.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    # and both hold the new bytes of this rank's part
+    new = dict(changed)[p + "down_proj.weight"][:, rank * 12 : rank * 12 + 12]
+    assert torch.equal(sparse.layers[0].down_proj.weight, new)

@@ -66,8 +66,22 @@ def _receiver(rank: int, world: int, port: int, links: str) -> list[Any]:
             wants.append(sync.Want(n, box=box, dtype=dt, into=into))
         receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
     model: dict[str, torch.Tensor] = {}  # what load_weights got: the "model"
+    sparse, missed = [0], []  # changed_elements: tensors told by index, elements it missed
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        return t.reshape(-1).view(ints[t.element_size()])
 
     def load(ws: list[tuple[str, torch.Tensor]], fail: bool = False) -> None:
+        elements = receiver.changed_elements()
+        for n, t in ws:  # every element that moved is among the indices the receiver names
+            idx, old = elements.get(n), model.get(n)
+            if idx is None or old is None:
+                continue
+            sparse[0] += 1
+            moved = torch.nonzero(bits(old) != bits(t)).reshape(-1)
+            if not bool(torch.isin(moved, idx).all()):
+                missed.append(n)
         if fail:
             raise Refused("the model refused the weights")
         model.update((n, t.clone()) for n, t in ws)
@@ -100,6 +114,7 @@ def _receiver(rank: int, world: int, port: int, links: str) -> list[Any]:
         receiver.revert()
     except sync.SyncError as e:
         out.append(str(e))
+    out.append(("elements", sparse[0], missed))
     group.pg.barrier().wait()
     group.close()
     return out
@@ -113,9 +128,12 @@ def test_a_round_taken_back_leaves_the_previous_version_bit_exact(links: str) ->
     trainer, *receivers = [o.unwrap() for o in spawn(jobs, timeout=120)]
     assert trainer == [v == 1 or v in FULL_AFTER for v in PLAN]
     for rec in receivers:
+        *rec, elements = rec
         by_v = {r[0]: r for r in rec[:-1]}
         # every round leaves every target bit-exact on the version the receiver serves
         assert all(r[3] == [] for r in rec[:-1]), rec
+        # the changed elements a patch round names cover every element that moved
+        assert elements[1] > 0 and elements[2] == [], elements
         assert by_v[3][1:3] == ("refused", 2)  # load_weights raised: version 2 stands
         assert by_v[5][1:3] == ("reverted", 4)  # committed, then taken back
         assert [by_v[v][2] for v in (1, 2, 4, 6, 7)] == [1, 2, 4, 6, 7]

@@ -35,7 +35,7 @@ import torch
 from deltackpt.integrations.vllm import tp_boxes
 from deltackpt.sync.schedule_decl import Box
 
-__all__ = ["ENV", "Slot", "enabled", "learn", "usable", "write"]
+__all__ = ["ENV", "SPARSE_BELOW", "Slot", "enabled", "learn", "usable", "write"]
 
 #: the workers' switch: ``0`` keeps every commit on the model's reload
 ENV = "DELTACKPT_VLLM_INPLACE"
@@ -199,15 +199,24 @@ def usable(model: Any, slots: dict[str, Slot], names: Iterable[str]) -> bool:
     return all((s := slots.get(n)) is not None and s.current(modules) for n in names)
 
 
+#: a tensor whose round changed fewer than this share of its elements is written element by
+#: element (its indices from the receiver), else whole
+SPARSE_BELOW = 0.25
+
+
 def write(
     slots: dict[str, Slot],
     held: dict[str, torch.Tensor],
     changed: list[tuple[str, torch.Tensor]],
     fail: Callable[[str], None] | None = None,
+    elements: dict[str, torch.Tensor | None] | None = None,
 ) -> int:
     """Copy ``changed`` (held tensors, by name) into their parameter regions, in name order;
-    ``fail(name)`` is called before each (a test hook that may raise). Returns the bytes
-    written. ``held`` is updated with ``changed`` first, as a reload does."""
+    ``fail(name)`` is called before each (a test hook that may raise). ``elements``: per name,
+    the flat indices of the elements that changed (``WeightReceiver.changed_elements``; None:
+    unknown): where they are few, only those are written. Returns the bytes written (values,
+    and indices where written element by element). ``held`` is updated with ``changed`` first,
+    as a reload does."""
     held.update(changed)
     n, device = 0, False
     with torch.no_grad():
@@ -215,13 +224,48 @@ def write(
             if fail is not None:
                 fail(name)
             s = slots[name]
-            src = t[s.src]
-            s.param.data[s.dst].copy_(src)
-            n += src.numel() * src.element_size()
+            idx = None if elements is None else elements.get(name)
+            if idx is not None and idx.numel() < SPARSE_BELOW * t.numel() and _sparse_ok(s, t):
+                n += _write_elements(s, t, idx)
+            else:
+                src = t[s.src]
+                s.param.data[s.dst].copy_(src)
+                n += src.numel() * src.element_size()
             device = device or s.param.device.type != "cpu"
     if device:  # the engine's next step must see every byte
         torch.accelerator.synchronize()
     return n
+
+
+def _sparse_ok(s: Slot, t: torch.Tensor) -> bool:
+    return s.param.data.is_contiguous() and t.is_contiguous()
+
+
+def _write_elements(s: Slot, t: torch.Tensor, idx: torch.Tensor) -> int:
+    """Write the elements of ``t`` at flat ``idx`` into the slot's parameter region."""
+    p = s.param.data
+    rem, coords = idx, []
+    for size in reversed(t.shape):
+        coords.append(rem % size)
+        rem = rem // size
+    coords.reverse()
+    keep: torch.Tensor | None = None
+    at = torch.zeros_like(idx)
+    for d, (c, a, b, stride) in enumerate(zip(coords, s.src, s.dst, p.stride(), strict=True)):
+        lo = a.start or 0
+        hi = t.shape[d] if a.stop is None else a.stop
+        if lo > 0 or hi < t.shape[d]:  # this rank's part of a whole tensor
+            inside = (c >= lo) & (c < hi)
+            keep = inside if keep is None else keep & inside
+        at += (c + ((b.start or 0) - lo)) * stride
+    if keep is not None:
+        idx, at = idx[keep], at[keep]
+    vals = t.reshape(-1)[idx]
+    flat = p.view(-1)
+    if flat.device != vals.device:
+        at, vals = at.to(flat.device, non_blocking=True), vals.to(flat.device, non_blocking=True)
+    flat.index_copy_(0, at, vals)
+    return int(vals.numel()) * (vals.element_size() + 8)
 
 
 def slot_bytes(slots: dict[str, Slot]) -> int:

@@ -183,11 +183,13 @@ def commit_layers(
     expand: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
     boxes: dict[str, Box | None] | None = None,
+    elements: dict[str, torch.Tensor | None] | None = None,
 ) -> str:
     """Bring ``model`` to ``held`` updated with ``changed``: written into the parameters when
     every changed tensor has a current slot (``slots``; None: never, :mod:`.inplace`), else
     :func:`reload_layers` and the reloaded tensors' slots learned again. ``fail_at`` is the test
-    hook of :func:`reload_layers` (a layer, or ``"end"``). Returns ``"in place"`` or
+    hook of :func:`reload_layers` (a layer, or ``"end"``); ``elements``: the changed elements
+    per tensor, written alone where few (:func:`.inplace.write`). Returns ``"in place"`` or
     ``"reload"``."""
     names = [n for n, _ in changed]
     if slots is not None and names and inplace.usable(model, slots, names):
@@ -196,7 +198,7 @@ def commit_layers(
             if fail_at is not None and layer_key(name) == fail_at:
                 raise RuntimeError(f"deltackpt test hook: the commit fails at layer {fail_at!r}")
 
-        inplace.write(slots, held, changed, hook)
+        inplace.write(slots, held, changed, hook, elements)
         if fail_at == "end":
             raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
         return "in place"
@@ -301,6 +303,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self.inplace = inplace.enabled()
         self._slots: dict[str, inplace.Slot] = {}
         self.last_path: str | None = None  # "in place" or "reload": the last commit's path
+        self._elements: dict[str, torch.Tensor | None] | None = None  # the commit's changes
 
     def _rank(self, info: DeltackptInitInfo) -> int:
         from vllm.distributed.parallel_state import get_world_group
@@ -480,6 +483,8 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         fail, self.fail_next = self.fail_next, None
         mine: str | None = None
         direct = self._direct([n for n, _ in changed])
+        # which elements the round changed (its rollback writes back the same ones)
+        self._elements = self.receiver.changed_elements() if direct else None
         try:
             self._load(changed, fail)
         except Exception as e:  # voted on, then raised below
@@ -489,6 +494,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         why = commit_vote(self.group, key, mine)
         self._voted = True
         if why is None:
+            self._elements = None
             if undo is not None:  # a staged round: final now (pull(undo=True) kept its undo)
                 self._announced(version)
                 self.receiver.drop_undo()
@@ -516,7 +522,8 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
 
     def _reload_back(self, back: list[tuple[str, torch.Tensor]]) -> None:
         try:
-            self._load(back, None)
+            self._load(back, None)  # an in-place commit's rollback: the same elements
+            self._elements = None
         except Exception as e:
             self.broken = (
                 f"a rollback reload failed ({type(e).__name__}: {e}): this worker's model "
@@ -531,7 +538,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
     def _load(self, changed: list[tuple[str, torch.Tensor]], fail: str | None) -> str:
         slots = self._slots if self.inplace else None
         return commit_layers(self.model, self.model_config, self._held, changed, slots, fail,
-                             self._expand, self._shapes, self._boxes)  # fmt: skip
+                             self._expand, self._shapes, self._boxes, self._elements)  # fmt: skip
 
     # ---- helpers for collective_rpc (tests, monitoring) -----------------------------------
 
