@@ -214,3 +214,18 @@ def test_changed_elements_alone_land_where_the_whole_tensor_would(rank):
     # and both hold the new bytes of this rank's part
     new = dict(changed)[p + "down_proj.weight"][:, rank * 12 : rank * 12 + 12]
     assert torch.equal(sparse.layers[0].down_proj.weight, new)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True])
+def test_parameters_on_the_gpu_take_host_held_tensors(sparse):
+    """As on a GPU worker: parameters on the device, the receiver's copies on the host."""
+    model, held = Model().cuda(), checkpoint(0)
+    load(model, held)
+    slots = learned(model, held)
+    name = "layers.0.k_proj.weight"
+    new = held[name].clone()
+    idx = torch.arange(0, new.numel(), 7)
+    new.view(-1)[idx] += 1
+    inplace.write(slots, held, [(name, new)], elements={name: idx} if sparse else None)
+    assert torch.equal(model.layers[0].qkv_proj.weight[HEADS * HD : (HEADS + KV) * HD].cpu(), new)
