@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,10 +29,12 @@ from deltackpt import rng as _rng
 from deltackpt.api import async_save, save
 from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
 from deltackpt.format.manifest import Manifest
+from deltackpt.format.policy import MAX_CHAIN
 from deltackpt.options import default_lock_timeout
 from deltackpt.resume import chosen_by_rank0, restore_state
 from deltackpt.saving.chains import bounded_chains
 from deltackpt.saving.engine import SaveHandle
+from deltackpt.store.fold import DEFAULT_FOLD_CHAIN, FoldReport, fold
 from deltackpt.store.leases import scan_leases
 from deltackpt.store.lifecycle import _delete, gc
 from deltackpt.store.location import store_root
@@ -122,6 +125,22 @@ class Checkpointer:
     compaction, as on a local disk (its own saves never overlap its retention). It needs no
     ``process_group`` (every rank would run gc) and a URL, not an opened Store.
 
+    **Folding** (``fold_max_chain=K``, default None: off): delta saves (``encoding="smallest"``,
+    or ``"auto"`` on an object store) grow chains of patches, and a fresh reader of the newest
+    snapshot decodes every link (up to ``keyframe_every``). With ``fold_max_chain=K`` each
+    committed save is followed by :func:`deltackpt.fold` of that snapshot (``max_chain=K``,
+    ``keep_links=1``: followers of the previous version still patch) on one background daemon
+    thread, never on the training thread, so once the fold has finished no chain of the snapshot
+    has more than K links. One fold at a time: saves that commit while a fold runs are followed
+    by one fold of the newest of them (the ones between keep their chains). With a
+    ``process_group`` only rank 0 folds. A fold never deletes and runs beside saves, loads and gc
+    (store/fold.py); retention, which takes the store lock exclusively, waits while a fold writes
+    keyframes. A failed fold is a ``RuntimeWarning`` at the next ``save``, ``wait`` or ``close``,
+    never an exception; a snapshot retention deleted meanwhile is skipped quietly. ``wait()``
+    and ``close()`` wait for the fold too; ``folds`` lists the :class:`~deltackpt.FoldReport` of
+    each. On an object store it needs ``sole_writer=True`` (the repoint needs the exclusive lock,
+    which only a sole writer has); retention and folds then take turns in the checkpointer.
+
     **Tiers**: ``Checkpointer(deltackpt.tiers.Tiers(local=..., durable=..., replicas=1), every,
     process_group=pg)`` returns a :class:`deltackpt.tiers.TieredCheckpointer` (same calls, plus
     ``persist`` and ``flush``): every save to a node-local tier, replicas on peers, durable
@@ -147,6 +166,7 @@ class Checkpointer:
         rng: bool | None = None,
         storage_options: dict[str, Any] | None = None,
         sole_writer: bool = False,
+        fold_max_chain: int | None = None,
         **save_options: Any,
     ) -> None:
         _positive("every", every, "every=100 (save after steps 99, 199, ...)")
@@ -178,6 +198,14 @@ class Checkpointer:
                 "its own generators and a distributed save keeps only rank 0's values. Pass "
                 "rng=False (and reseed per rank after a resume)"
             )
+        _check_fold_max_chain(fold_max_chain)
+        if (
+            fold_max_chain is not None
+            and not sole_writer
+            and not isinstance(store, Store)
+            and isinstance(store_root(store), str)  # a URL: refused before the store is made
+        ):
+            raise _fold_needs_lock(store, fold_max_chain)
         self.store = _open(store, storage_options, sole_writer, distributed)
         self.every = every
         self.keep_last = keep_last
@@ -187,6 +215,18 @@ class Checkpointer:
         self.save_options = bounded_chains(save_options, keep_last)
         self._pending: SaveHandle | None = None
         self.infos: list[Any] = []  # SnapshotInfo of every committed save, in order
+        self.fold_max_chain = fold_max_chain
+        self.folds: list[FoldReport] = []  # FoldReport of every background fold, in order
+        self._folder: _Folder | None = None
+        if fold_max_chain is not None:
+            storage = self.store.storage
+            if isinstance(storage, FsspecStorage) and not storage.no_concurrent_saves:
+                raise _fold_needs_lock(str(self.store.root), fold_max_chain)
+            pg = save_options.get("process_group")
+            if pg is None or _rank(pg) == 0:
+                # sole_writer object stores have no lock: the checkpointer orders its own gc
+                # (retention) and folds; local stores' flock does that for every process
+                self._folder = _Folder(self, fold_max_chain, _has_store_lock(self.store))
 
     def _check_name_format(self) -> None:
         fix = "Use a format with a {step} field, e.g. name_format='step-{step:08d}'"
@@ -322,6 +362,7 @@ class Checkpointer:
                 "training step)"
             )
         step = index
+        self._report_folds()
         self._collect()
         self._check_state(state, "save")
         name = self.name(step)
@@ -333,13 +374,14 @@ class Checkpointer:
         opts = dict(overwrite=True, **self.save_options)
         if self.async_:
             h = async_save(
-                sd, self.store, name, metadata=meta, after_commit=self._apply_retention, **opts
-            )
+                sd, self.store, name, metadata=meta,
+                after_commit=lambda: self._after_commit(name), **opts,
+            )  # fmt: skip
             h.detach()  # the checkpointer reports its errors from the next call
             self._pending = h
             return h
         self.infos.append(save(sd, self.store, name, metadata=meta, **opts))
-        self._apply_retention()
+        self._after_commit(name)
         return None
 
     def _refuse_foreign(self, name: str) -> None:
@@ -364,6 +406,22 @@ class Checkpointer:
         if h is not None:
             self.infos.append(h.result())
 
+    def _after_commit(self, name: str) -> None:
+        """Retention, then the background fold of ``name`` (also when retention failed: that
+        error goes on to the caller, or warns on the saver thread)."""
+        try:
+            self._apply_retention()
+        finally:
+            if self._folder is not None:
+                self._folder.request(name)
+
+    def _report_folds(self) -> None:
+        """Warn, once each, about background folds that failed since the last call."""
+        if self._folder is None:
+            return
+        for msg in self._folder.take_failures():
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
     def _apply_retention(self) -> None:
         """Delete this checkpointer's snapshots beyond the newest ``keep_last`` (and not on a
         ``keep_every`` step), from this run and earlier ones; nothing else.
@@ -373,9 +431,16 @@ class Checkpointer:
         judged by its marker) or not yet there, never deleted unseen."""
         if self.keep_last is None:
             return
-        timeout = self.save_options.get("lock_timeout")
-        timeout = default_lock_timeout() if timeout is None else timeout
+        timeout = self._lock_timeout()
         st = self.store
+        with self._folder.turn if self._folder is not None else contextlib.nullcontext():
+            self._retain(st, timeout)
+
+    def _lock_timeout(self) -> float:
+        timeout = self.save_options.get("lock_timeout")
+        return default_lock_timeout() if timeout is None else timeout
+
+    def _retain(self, st: Store, timeout: float) -> None:
         try:
             with st.lock(exclusive=True, timeout=timeout, what="retention"):
                 doomed = self._delete_doomed()
@@ -404,8 +469,14 @@ class Checkpointer:
         return doomed
 
     def wait(self) -> None:
-        """Block until the pending save is committed (and raise its error, once)."""
-        self._collect()
+        """Block until the pending save is committed (and raise its error, once) and, with
+        ``fold_max_chain``, until the background fold has finished (a failed fold warns)."""
+        try:
+            self._collect()
+        finally:
+            if self._folder is not None:
+                self._folder.join()
+                self._report_folds()
 
     def close(self) -> None:
         self.wait()
@@ -415,6 +486,111 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Folder:
+    """The background fold of a Checkpointer (class docstring, "Folding"): one daemon thread at a
+    time, started when a save commits and ended when nothing is left to fold; a commit while it
+    runs replaces the snapshot waiting to be folded (the newest wins) instead of queueing it."""
+
+    def __init__(self, ckpt: Checkpointer, max_chain: int, locked_store: bool) -> None:
+        self.ckpt = ckpt
+        self.max_chain = max_chain
+        # Where the store has no lock (a sole_writer object store) retention's gc and a fold's
+        # repoint must not overlap: both take this turn. A locked store needs none (and a turn
+        # would make retention, and so the next save, wait for a whole fold).
+        self.turn: contextlib.AbstractContextManager[Any] = (
+            contextlib.nullcontext() if locked_store else threading.Lock()
+        )
+        self._cv = threading.Condition()
+        self._next: str | None = None
+        self._thread: threading.Thread | None = None
+        self._failures: list[str] = []
+
+    def request(self, name: str) -> None:
+        with self._cv:
+            self._next = name
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="deltackpt-fold", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:  # the exit is decided under the lock a request takes
+                    name, self._next = self._next, None
+                    if name is None:
+                        self._thread = None
+                        self._cv.notify_all()
+                        return
+                self._fold(name)
+        except BaseException:  # _fold catches Exception; never leave join() waiting
+            with self._cv:
+                self._thread = None
+                self._cv.notify_all()
+            raise
+
+    def _fold(self, name: str) -> None:
+        ckpt = self.ckpt
+        try:
+            with self.turn:
+                report = fold(
+                    ckpt.store, name, max_chain=self.max_chain, keep_links=1,
+                    lock_timeout=ckpt._lock_timeout(),
+                )  # fmt: skip
+        except SnapshotNotFoundError:  # retention (or someone) deleted it meanwhile: nothing to do
+            return
+        except Exception as e:
+            with self._cv:
+                self._failures.append(
+                    f"background fold of snapshot {name!r} (Checkpointer(fold_max_chain="
+                    f"{self.max_chain})) failed, training goes on and its chains stay as saved: "
+                    f"{e!r}. Run `deltackpt fold {ckpt.store.root} {name}` to retry"
+                )
+            return
+        ckpt.folds.append(report)
+
+    def join(self) -> None:
+        with self._cv:
+            while self._thread is not None:
+                self._cv.wait()
+
+    def take_failures(self) -> list[str]:
+        with self._cv:
+            out, self._failures = self._failures, []
+        return out
+
+
+def _check_fold_max_chain(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHAIN:
+        raise InvalidArgumentError(
+            f"Checkpointer(fold_max_chain={value!r}) is invalid: expected None (no background "
+            f"fold) or an int between 1 and {MAX_CHAIN} (the most delta links a chunk of each "
+            f"saved snapshot keeps). Pass e.g. fold_max_chain={DEFAULT_FOLD_CHAIN}"
+        )
+
+
+def _has_store_lock(st: Store) -> bool:
+    return not isinstance(st.storage, FsspecStorage)
+
+
+def _fold_needs_lock(store: Any, value: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"Checkpointer({str(store)!r}, fold_max_chain={value!r}): a fold repoints a manifest "
+        "under the exclusive store lock, and object stores have none. Pass sole_writer=True "
+        "(no other process saves to the store), or drop fold_max_chain and run `deltackpt fold "
+        "URL --no-concurrent-saves` while nothing saves"
+    )
+
+
+def _rank(process_group: Any) -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_rank(process_group))
 
 
 def _open(store: Any, storage_options: Any, sole_writer: bool, distributed: bool) -> Store:
