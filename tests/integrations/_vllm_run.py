@@ -5,7 +5,9 @@ this process, several RL-like rounds; writes what it saw as JSON to ``argv[1]``.
 Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json [--short]``
 (``--short``: the rounds, the tampered worker and the weights reloaded by vLLM only; no killed,
 replaced or refusing trainer: the run with the other linear-weight layout forced,
-``_vllm_linear/``).
+``_vllm_linear/``. Its engine also has the deltackpt worker extension, and after its own checks
+it runs the refit through the store, ``_vllm_store.py``, reported under ``"store"``: that saves
+the engine start of a run of its own).
 """
 
 from __future__ import annotations
@@ -43,13 +45,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def engine(model_dir: str, transfer: bool) -> Any:
+def engine(model_dir: str, transfer: bool, extension: bool = False) -> Any:
+    """``transfer``: with the ``deltackpt`` weight-transfer backend; ``extension``: with the
+    deltackpt worker extension (``deltackpt_follow``, ...). Both can be on one engine."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
+
+    from deltackpt.integrations.vllm.extension import EXTENSION
 
     kw: dict[str, Any] = {}
     if transfer:
         kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
+    if extension:
+        kw["worker_extension_cls"] = EXTENSION
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, enable_prefix_caching=True, **kw,
@@ -159,7 +167,7 @@ def main(out_path: str, short: bool = False) -> None:
     tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-")
     tiny_qwen2(0).save_pretrained(f"{tmp}/start")  # the engine starts from other weights
     trainer = tiny_qwen2(1)
-    llm = engine(f"{tmp}/start", transfer=True)
+    llm = engine(f"{tmp}/start", transfer=True, extension=short)
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     res: dict[str, Any] = {"rounds": []}
@@ -210,8 +218,13 @@ def main(out_path: str, short: bool = False) -> None:
     res["emptied"] = llm.collective_rpc(_emptied)[0]
     res["paths"] = llm.collective_rpc(_paths)[0]
     if short:
-        finish(res, llm, trainer, tmp, out_path, fresh_engine=False)
+        finish(res, llm, trainer, tmp, fresh_engine=False)
         eng.shutdown()
+        # the refit through the store on this engine, after its own checks (_vllm_store.py)
+        from _vllm_store import store_scenarios
+
+        res["store"] = store_scenarios(llm, tmp)
+        report(res, out_path)
         return
     eng.shutdown()
     tokens_v6 = greedy(llm)
@@ -246,8 +259,9 @@ def main(out_path: str, short: bool = False) -> None:
     from _vllm_commit import commit_scenarios
 
     res["commit"] = commit_scenarios(llm, eng, trainer, gen, 1, 10)
-    finish(res, llm, trainer, tmp, out_path)
+    finish(res, llm, trainer, tmp)
     eng.shutdown()
+    report(res, out_path)
 
 
 def finish(
@@ -255,11 +269,10 @@ def finish(
     llm: Any,
     trainer: torch.nn.Module,
     tmp: str,
-    out: str,
     fresh_engine: bool = True,
 ) -> None:
     """Greedy tokens and readable parameters against the trainer's weights loaded by vLLM itself
-    from disk; the report to ``out``. ``fresh_engine``: a fresh engine started from them (the
+    from disk, into ``res``. ``fresh_engine``: a fresh engine started from them (the
     same layout: it runs in this process's environment); else this engine reloads them in place
     (``reload_weights``: vLLM's own loader and post-processing, without a second engine start:
     ~20 s less; the short run does this)."""
@@ -277,6 +290,9 @@ def finish(
     res["readable_same_as_fresh"] = fr.keys() == mine.keys() and all(
         same(fr[k], mine[k]) for k in fr
     )
+
+
+def report(res: dict[str, Any], out: str) -> None:
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
 

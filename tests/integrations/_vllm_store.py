@@ -1,10 +1,13 @@
-"""Run by tests/integrations/test_vllm_store.py in the ``.venv-vllm`` interpreter: refit through
-the store. A trainer (this process) publishes versions with ``deltackpt.save``; a real CPU vLLM
-engine, started with the deltackpt worker extension and no weight-transfer backend, pulls each
-one with ``collective_rpc("deltackpt_follow", args=(store,))``. Writes what it saw as JSON to
-``argv[1]``.
+"""Refit through the store, against a real CPU vLLM engine (``store_scenarios``): a trainer
+(this process) publishes versions with ``deltackpt.save``; the engine's workers, started with
+the deltackpt worker extension, pull each one with
+``collective_rpc("deltackpt_follow", args=(store,))``.
 
-Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_store.py OUT.json``
+Run at the end of ``_vllm_run.py --short`` (its engine also has the ``deltackpt``
+weight-transfer backend: the store link and the backend live on one engine), whose report
+keeps the result under ``"store"``; checked by tests/integrations/test_vllm.py. This saves
+the engine start of a run of its own. On its own, on an engine with the extension only:
+``.venv-vllm/bin/python tests/integrations/_vllm_store.py OUT.json``.
 """
 
 from __future__ import annotations
@@ -16,28 +19,36 @@ import tempfile
 from typing import Any
 
 import torch
-from _vllm_run import _readable, _unpack, expected_readable, greedy, rl_step, same, tiny_qwen2
+from _vllm_run import (
+    _readable,
+    _unpack,
+    engine,
+    expected_readable,
+    greedy,
+    rl_step,
+    same,
+    tiny_qwen2,
+)
 
 
-def _tamper(worker: Any) -> None:
+def _tamper_follower(worker: Any) -> None:
     """Change the follower's held copy behind its back (as a stray write would)."""
     worker._deltackpt_loaded["model.layers.0.mlp.down_proj.weight"].view(-1)[:8] += 1
 
 
-def main(out_path: str) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
-    from vllm import LLM
-
+def store_scenarios(llm: Any, tmp: str) -> dict[str, Any]:
+    """Publish v0..v6 to a fresh store under ``tmp`` from a trainer of its own and pull them
+    into ``llm`` (started with ``worker_extension_cls=EXTENSION``): full, incremental, nothing
+    new, a tampered held copy, a staged follow and its commit; then what the model holds
+    against the trainer's weights. The engine's weights before do not matter (the first pull
+    is full); after, it holds v6."""
     import deltackpt
-    from deltackpt.integrations.vllm.extension import EXTENSION, state_digests
+    from deltackpt.integrations.vllm.extension import state_digests
 
-    tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-store-")
     store = f"{tmp}/store"
     # one store object (it keeps the delta bases across saves); chunks small enough that this
     # tiny model's tensors are chunked on their own (below small_bytes they share group chunks)
     st = deltackpt.open_store(store, chunk_bytes=1 << 16, small_bytes=1 << 12)
-    tiny_qwen2(0).save_pretrained(f"{tmp}/start")  # the engine starts from other weights
     trainer = tiny_qwen2(1)
     gen = torch.Generator().manual_seed(2)
 
@@ -46,10 +57,6 @@ def main(out_path: str) -> None:
         deltackpt.save({"model": sd}, st, name, encoding="smallest")
         return state_digests(sd)
 
-    llm = LLM(
-        model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, max_num_seqs=4, worker_extension_cls=EXTENSION,
-    )  # fmt: skip
     res: dict[str, Any] = {"pulls": []}
 
     def pull(tag: str, want: dict[str, str] | None) -> None:
@@ -63,12 +70,14 @@ def main(out_path: str) -> None:
         rl_step(trainer, 0.02, gen)
         pull(f"v{k}", publish(f"v{k}"))
     pull("nothing new", None)
-    llm.collective_rpc(_tamper)
+    llm.collective_rpc(_tamper_follower)
     rl_step(trainer, 0.02, gen)
     pull("tampered", publish("v4"))
     rl_step(trainer, 0.02, gen)
     pull("v5", publish("v5"))
-    # staged: prepared while the engine serves v5, loaded at the commit
+    # staged: prepared while the engine serves v5, loaded at the commit. The follow does not
+    # reset the prefix cache (an engine with prefix caching may hold blocks of older weights)
+    llm.reset_prefix_cache()
     before = greedy(llm)
     params = _unpack(llm.collective_rpc(_readable)[0])
     rl_step(trainer, 0.02, gen)
@@ -85,17 +94,27 @@ def main(out_path: str) -> None:
     )
     got["moved"] = not all(same(params[k], after[k]) for k in params)
     res["pulls"].append(got)
+    llm.reset_prefix_cache()
     stats = deltackpt.LoadStats()
     deltackpt.load(store, "v6", stats=stats)
     res["full_bytes"] = stats.bytes_read
     # what the model holds against the trainer's weights: every parameter vLLM keeps readable
     # (all of them where it keeps linear weights; embeddings, norms, biases and lm_head where it
-    # repacks them into kernels). Greedy tokens against a fresh engine are test_vllm.py's check
-    # of the same reload path (a fresh engine start is a third of this test's time).
+    # repacks them into kernels). Greedy tokens against vLLM loading the same weights are
+    # test_vllm.py's check of the same reload path.
     sd = {k: v.detach() for k, v in trainer.state_dict().items()}
     readable = _unpack(llm.collective_rpc(_readable)[0])
     want = expected_readable(sd, list(readable))
     res["readable_identical"] = bool(readable) and all(same(readable[k], want[k]) for k in readable)
+    return res
+
+
+def main(out_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-store-")
+    tiny_qwen2(0).save_pretrained(f"{tmp}/start")  # the engine starts from other weights
+    res = store_scenarios(engine(f"{tmp}/start", transfer=False, extension=True), tmp)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -8,6 +8,12 @@ vLLM's CPU build keeps linear weights in their parameters on some processors (AV
 them into kernels, leaving the parameters empty, on others (AVX-512, AMX). The ``run`` fixture
 takes the engine as this processor has it; ``other`` runs the rounds again with the other layout
 forced (``_vllm_linear/``), so the worker's two paths run on every machine.
+
+The refit through the store (the worker extension's ``deltackpt_follow``: a trainer publishes
+versions to a store, the engine's workers pull them, incrementally after the first, and fail
+closed on a held copy changed behind their back) runs on the engine of ``other`` after its own
+checks (``_vllm_store.py``; that engine has the backend and the extension both), which saves
+an engine start.
 """
 
 from __future__ import annotations
@@ -150,3 +156,41 @@ def test_a_failed_commit_at_any_layer_leaves_the_previous_version(run):
 
 def test_after_a_commit_requests_are_served_by_the_new_weights_only(run):
     check_prefix_cache(run["commit"])
+
+
+# ---- refit through the store (_vllm_store.py, at the end of the short run) ------------------
+
+
+def pulls(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {p["tag"]: p for p in run["store"]["pulls"]}
+
+
+def test_first_pull_is_full_then_incremental_and_bit_exact(other):
+    p = pulls(other)
+    assert p["v0"]["mode"] == "full" and p["v0"]["identical"] and p["v0"]["version"] == "v0"
+    for tag in ("v1", "v2", "v3", "v5"):
+        assert p[tag]["mode"] == "incremental", p[tag]
+        assert p[tag]["identical"] and p[tag]["version"] == tag
+        assert 0 < p[tag]["bytes_read"] < other["store"]["full_bytes"] / 4  # 2% changed
+
+
+def test_nothing_new_is_a_no_op(other):
+    p = pulls(other)["nothing new"]
+    assert p["mode"] is None and p["version"] == "v3" and p["bytes_read"] == 0
+
+
+def test_a_held_copy_changed_behind_its_back_is_reloaded_whole(other):
+    p = pulls(other)["tampered"]
+    assert p["mode"] == "full" and "does not match" in p["reason"], p
+    assert p["identical"] and p["version"] == "v4"
+
+
+def test_the_model_holds_the_published_weights(other):
+    assert other["store"]["readable_identical"]
+
+
+def test_a_staged_follow_serves_the_old_version_until_its_commit(other):
+    p = pulls(other)["v6 staged"]
+    assert p["staged"] and p["served_v5_while_staged"]
+    assert p["mode"] == "incremental" and p["version"] == "v6" and p["identical"], p
+    assert p["moved"] and p["seconds"] > 0  # the commit loaded the new weights
