@@ -4,10 +4,10 @@ this process, several RL-like rounds; writes what it saw as JSON to ``argv[1]``.
 
 Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json [--short]``
 (``--short``: the rounds, the tampered worker and the weights reloaded by vLLM only; no killed,
-replaced or refusing trainer: the run with the other linear-weight layout forced,
-``_vllm_linear/``. Its engine also has the deltackpt worker extension, and after its own checks
-it runs the refit through the store, ``_vllm_store.py``, reported under ``"store"``: that saves
-the engine start of a run of its own).
+replaced or refusing trainer: test_vllm.py runs it with linear weights repacked,
+``_vllm_linear/``, and the full run with them kept. Its engine also has the deltackpt worker
+extension, and after its own checks it runs the refit through the store, ``_vllm_store.py``,
+reported under ``"store"``: that saves the engine start of a run of its own).
 """
 
 from __future__ import annotations
@@ -114,8 +114,10 @@ def _paths(worker: Any) -> dict[str, dict[str, str]]:
 
 
 def _last(worker: Any) -> dict[str, Any]:
-    st = worker.weight_transfer_engine.last_stats
-    return {"full": st.full, "patched": st.patched, "payload": st.payload_bytes}
+    eng = worker.weight_transfer_engine
+    st = eng.last_stats
+    return {"full": st.full, "patched": st.patched, "payload": st.payload_bytes,
+            "path": eng.last_path}  # fmt: skip
 
 
 def _tamper(worker: Any) -> None:

@@ -5,9 +5,10 @@ the engine runs in ``.venv-vllm`` (made by ``.ci/vllm-env``), in a subprocess th
 ``_vllm_run.py`` and reports what it saw as JSON. Skipped when that environment is absent.
 
 vLLM's CPU build keeps linear weights in their parameters on some processors (AVX2) and repacks
-them into kernels, leaving the parameters empty, on others (AVX-512, AMX). The ``run`` fixture
-takes the engine as this processor has it; ``other`` runs the rounds again with the other layout
-forced (``_vllm_linear/``), so the worker's two paths run on every machine.
+them into kernels, leaving the parameters empty, on others (AVX-512, AMX). Both layouts are
+forced (``_vllm_linear/``), so the worker's two paths run on every machine: ``run`` (every
+scenario) keeps them, as a GPU does, so its commits write into the parameters (in-place
+commits, ``inplace.py``); ``other`` (the short run) repacks them, so its commits reload.
 
 The refit through the store (the worker extension's ``deltackpt_follow``: a trainer publishes
 versions to a store, the engine's workers pull them, incrementally after the first, and fail
@@ -34,7 +35,7 @@ pytestmark = MARKS
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_script(tmp_path_factory, "_vllm_run.py")
+    return run_script(tmp_path_factory, "_vllm_run.py", linear="keep")
 
 
 LINEAR = "model.layers.0.mlp.down_proj.weight"  # a linear weight no other layer shares
@@ -47,14 +48,13 @@ def layout(run: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def other(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The short run (rounds, tampering, and the same weights reloaded by vLLM from disk in the
-    same engine instead of a fresh engine) with the other linear layout forced."""
-    forced = "keep" if layout(run) == "repack" else "repack"
-    return run_script(tmp_path_factory, "_vllm_run.py", "--short", linear=forced)
+    same engine instead of a fresh engine) with linear weights repacked."""
+    return run_script(tmp_path_factory, "_vllm_run.py", "--short", linear="repack")
 
 
 @pytest.fixture(params=["run", "other"])
 def either(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Each run in turn: the engine's own linear layout, then the other one."""
+    """Each run in turn: linear weights kept, then repacked."""
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
 
 
@@ -70,16 +70,23 @@ def test_every_round_commits_the_trainers_bits(either):
 
 
 def test_both_linear_layouts_run(run, other):
-    assert {layout(run), layout(other)} == {"keep", "repack"}
-    kept = run if layout(run) == "keep" else other  # every parameter readable, fused ones too
-    assert "model.layers.1.self_attn.qkv_proj.weight" in rounds(kept)["delta3"]["readable"]
-    assert "model.layers.1.mlp.gate_up_proj.weight" in rounds(kept)["delta3"]["readable"]
+    assert (layout(run), layout(other)) == ("keep", "repack")
+    # every parameter readable where they are kept, fused ones too
+    assert "model.layers.1.self_attn.qkv_proj.weight" in rounds(run)["delta3"]["readable"]
+    assert "model.layers.1.mlp.gate_up_proj.weight" in rounds(run)["delta3"]["readable"]
 
 
 def test_every_parameter_reports_its_path(either):
     paths, repacked = either["paths"], layout(either) == "repack"
     assert len(paths) == 2 * 12 + 3  # 2 layers of 12 tensors, embed, norm, lm_head
-    assert all(p["path"] == "load_weights" for p in paths.values())
+    weights = [n for n in paths if n.endswith("proj.weight")]
+    assert len(weights) == 2 * 7
+    norms = [n for n in paths if "norm" in n]
+    assert all(paths[n]["path"] == "in place" for n in norms)  # never repacked
+    # repacked weights reload (the kernel holds a copy); kept ones are written in place
+    want = "load_weights" if repacked else "in place"
+    assert all(paths[n]["path"] == want for n in weights), paths
+    assert paths["lm_head.weight"]["path"] == want
     tail = ", then repacked into a CPU kernel (the parameter is left empty)"
     q = paths["model.layers.0.self_attn.q_proj.weight"]
     assert q["param"] == "model.layers.0.self_attn.qkv_proj.weight"
@@ -156,6 +163,17 @@ def test_a_failed_commit_at_any_layer_leaves_the_previous_version(run):
 
 def test_after_a_commit_requests_are_served_by_the_new_weights_only(run):
     check_prefix_cache(run["commit"])
+
+
+def test_commits_write_into_kept_parameters_and_take_failures_back_there(run, other):
+    """``run`` keeps its linear weights: the staged commit, every failed one and its rollback
+    go in place (checked bit-exact by the tests above); ``other`` repacks them: reloads."""
+    c = run["commit"]
+    assert c["staged"]["path"] == ["in place"]
+    assert [f["path"] for f in c["failures"]] == [["in place"]] * len(c["failures"])
+    assert [r["worker"]["path"] for r in other["rounds"][1:]] == ["reload"] * (
+        len(other["rounds"]) - 1
+    )
 
 
 # ---- refit through the store (_vllm_store.py, at the end of the short run) ------------------

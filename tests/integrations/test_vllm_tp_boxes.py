@@ -116,3 +116,13 @@ def test_a_commit_failing_on_one_worker_is_taken_back_on_both(run):
 
 def test_after_a_commit_both_workers_serve_the_new_weights_only(run):
     check_prefix_cache(run["commit"])
+
+
+def test_commits_write_into_the_kept_shards_of_both_workers(run):
+    """Linear weights kept: every failed commit (and its rollback) writes each worker's boxes
+    into its parameter shards (inplace.py); repacked: reloads. (The staged commit before them
+    reloads here: a bias still all zeros after the first rounds cannot be placed by what it
+    holds, so its first change goes through the reload, which shows where it lands.)"""
+    c = run["commit"]
+    want = ["in place"] * 2 if run["linear"] == "keep" else ["reload"] * 2
+    assert all(f["path"] == want for f in c["failures"]), [f["path"] for f in c["failures"]]
