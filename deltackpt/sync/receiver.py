@@ -14,7 +14,9 @@ slot per planned bucket, reused every round): no sender ever waits for this rank
 bucket, and gloo moves the bytes while earlier buckets are verified here. A bucket is verified
 piece by piece against the digests in its header; the round is applied only after every rank
 voted to commit (transactional: a failed round never touches the model), then ``version``
-names it.
+names it. ``staging="ring"`` trades that for memory where the targets are the receiver's own
+tensors: two slots, each verified bucket written at once, the round taken back if the vote
+fails (:class:`WeightReceiver`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,14 @@ class WeightReceiver:
     hand edit of an ``into=`` target survives until the next full round. ``"all"`` also
     re-hashes every kept piece against the digest it was committed with, before voting: an
     edit fails the round on every rank (nothing applied) and the next round, full, heals it;
-    the cost is one xxh3 pass over the whole held state per round (docs/sync.md)."""
+    the cost is one xxh3 pass over the whole held state per round (docs/sync.md).
+
+    ``staging``: ``"round"`` (default) stages a whole round before the vote (one slot per
+    bucket, all posted up front: the arena is a round's wire bytes). ``"ring"``: two slots of
+    the largest message, reused; each verified bucket is written into the targets at once,
+    keeping the bytes it overwrote (for a patch only the changed elements), and the round is
+    taken back if the vote fails: memory is the targets + 2 messages + what a round changed.
+    Only for wants without ``into`` (the model must not see a round before its vote)."""
 
     def __init__(
         self,
@@ -103,12 +112,21 @@ class WeightReceiver:
         apply_threads: int | None = None,
         verify: str = "sent",
         boxes: Callable[[str, tuple[int, ...]], Box | None] | None = None,
+        staging: str = "round",
     ) -> None:
         if group.rank in group.trainers:
             raise SyncError(f"rank {group.rank} is a trainer of the group; use WeightSender")
         if verify not in ("sent", "all"):
             raise PlanError(f"WeightReceiver(verify={verify!r}): expected 'sent' or 'all'")
-        self.verify = verify
+        if staging not in ("round", "ring"):
+            raise PlanError(f"WeightReceiver(staging={staging!r}): expected 'round' or 'ring'")
+        if staging == "ring" and wants is not None and any(w.into is not None for w in wants):
+            raise PlanError(
+                "WeightReceiver(staging='ring') writes verified buckets into its targets before "
+                "the commit vote (taken back if the round fails): only for wants without into "
+                "(the receiver's own tensors); a model's parameters need staging='round'"
+            )
+        self.verify, self.staging = verify, staging
         # (bucket index, sender, piece) -> the digest its committed bytes had (verify="all")
         self._kept: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
@@ -228,12 +246,20 @@ class WeightReceiver:
         self._buckets = sorted(
             (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.sender)
         )
-        sizes = [-(-message_bytes(b, self.align) // 64) * 64 for b in self._buckets]
-        arena = torch.empty(sum(sizes), dtype=torch.uint8)
-        self._slots, pos = [], 0
-        for b, n in zip(self._buckets, sizes, strict=True):
-            self._slots.append(arena[pos : pos + message_bytes(b, self.align)])
-            pos += n
+        if self.staging == "ring":  # two slots of the largest message, reused (class doc)
+            if any(t is w.into for t, w in zip(targets, wants, strict=True)):
+                raise PlanError("WeightReceiver(staging='ring') needs wants without into")
+            big = max((message_bytes(b, self.align) for b in self._buckets), default=0)
+            big = -(-big // 64) * 64
+            arena = torch.empty(2 * big, dtype=torch.uint8)
+            self._slots = [arena[:big], arena[big:]] if big else []
+        else:
+            sizes = [-(-message_bytes(b, self.align) // 64) * 64 for b in self._buckets]
+            arena = torch.empty(sum(sizes), dtype=torch.uint8)
+            self._slots, pos = [], 0
+            for b, n in zip(self._buckets, sizes, strict=True):
+                self._slots.append(arena[pos : pos + message_bytes(b, self.align)])
+                pos += n
         self.schedule, self._epoch = sched, g.epoch
         return sched
 
@@ -257,21 +283,18 @@ class WeightReceiver:
         g = self.group
         sched = self._setup()
         seq = g.next_round()
-        works = [
-            g.irecv(slot, b.sender, b.index)
-            for b, slot in zip(self._buckets, self._slots, strict=True)
-        ]
         st = _Round(seq)
-        # bucket i's zero-copy pieces are posted as soon as its header is read, and bucket i-1
-        # is verified while they arrive
-        pending: _Arrived | None = None
-        for bk, slot, work in zip(self._buckets, self._slots, works, strict=True):
-            got = self._arrive(st, bk, slot, work)
-            if pending is not None:
-                self._settle(st, pending)
-            pending = got
-        if pending is not None:
-            self._settle(st, pending)
+        # ring staging: what the buckets written before the vote overwrote, and their wants
+        early: Undo = []
+        touched: set[int] = set()
+        if self.staging == "ring":
+            try:
+                self._receive_ring(st, sched, early, touched)
+            except BaseException:  # a lost peer: what was written goes back first
+                revert(early)
+                raise
+        else:
+            self._receive_round(st)
         if len(st.versions) > 1:
             st.fail(f"senders sent different versions {sorted(st.versions)} in one round")
         if self.verify == "all" and st.failure is None:
@@ -281,6 +304,8 @@ class WeightReceiver:
                 st.mismatch = st.failure
         mine = None if st.failure is None else f"rank {g.rank}: {st.failure}"
         reason = g.vote(seq, mine)
+        if reason is not None and early:
+            revert(early)  # ring staging: the targets go back before anything is raised
         if reason is not None:
             if reason.startswith("lost: "):
                 raise g.lost_error(f"round failed: {reason[6:]}; version stays {self.version}")
@@ -297,7 +322,12 @@ class WeightReceiver:
         # nothing to go back to before the first round
         kept: Undo | None = [] if undo and self.version is not None else None
         before = (self.version, dict(self._kept)) if undo else (self.version, {})
-        changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool, kept)
+        if self.staging == "ring":  # applied bucket by bucket already
+            changed = touched
+            if kept is not None:
+                kept.extend(early)
+        else:
+            changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool, kept)
         self._round = (kept, sorted(changed))
         if self.verify == "all":
             for bk, _, offs, _, _ in st.staged:
@@ -348,7 +378,8 @@ class WeightReceiver:
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of the staging arena (one slot per planned bucket: a full round's messages)."""
+        """Bytes of the staging arena: one slot per planned bucket (a full round's messages),
+        or with ``staging="ring"`` two slots of the largest message."""
         return sum(int(s.numel()) for s in self._slots)
 
     @property
@@ -421,6 +452,52 @@ class WeightReceiver:
             for i in self._changed
             if self.wants[i].into is None
         ]
+
+    def _receive_round(self, st: _Round) -> None:
+        """Every message posted up front into its own slot; bucket i's zero-copy pieces are
+        posted as soon as its header is read, and bucket i-1 is verified while they arrive."""
+        g = self.group
+        works = [
+            g.irecv(slot, b.sender, b.index)
+            for b, slot in zip(self._buckets, self._slots, strict=True)
+        ]
+        pending: _Arrived | None = None
+        for bk, slot, work in zip(self._buckets, self._slots, works, strict=True):
+            got = self._arrive(st, bk, slot, work)
+            if pending is not None:
+                self._settle(st, pending)
+            pending = got
+        if pending is not None:
+            self._settle(st, pending)
+
+    def _receive_ring(self, st: _Round, sched: Schedule, early: Undo, touched: set[int]) -> None:
+        """Two slots, reused: bucket i+1 is posted into the slot bucket i-1 leaves once that
+        one is verified and written into the targets (its old bytes kept in ``early``)."""
+        g, bks = self.group, self._buckets
+        wanted = sched.wanted[g.rank]
+
+        def post(i: int) -> tuple[torch.Tensor, Any]:
+            slot = self._slots[i % 2][: message_bytes(bks[i], self.align)]
+            return slot, g.irecv(slot, bks[i].sender, bks[i].index)
+
+        def settle(got: _Arrived) -> None:
+            n = len(st.staged)
+            self._settle(st, got)
+            if len(st.staged) > n and st.failure is None:  # verified: into the targets now
+                touched.update(apply_round(self._targets, wanted, st.staged[n:], self._pool, early))
+
+        posted = {i: post(i) for i in range(min(2, len(bks)))}
+        pending: _Arrived | None = None
+        for i, bk in enumerate(bks):
+            slot, work = posted.pop(i)
+            got = self._arrive(st, bk, slot, work)
+            if pending is not None:
+                settle(pending)
+                if i + 1 < len(bks):  # the slot bucket i-1 used is free
+                    posted[i + 1] = post(i + 1)
+            pending = got
+        if pending is not None:
+            settle(pending)
 
     def _lost(self, st: _Round, bk: LinkBucket, e: SyncError) -> PeerLostError:
         why = f"receiving from rank {bk.sender} failed ({cause_line(e)})"
