@@ -96,7 +96,8 @@ class WeightReceiver:
 
     ``staging``: ``"round"`` (default) stages a whole round before the vote (one slot per
     bucket, all posted up front: the arena is a round's wire bytes). ``"ring"``: two slots of
-    the largest message, reused; each verified bucket is written into the targets at once,
+    the largest message, reused (where they take less than a round's slots; otherwise as
+    ``"round"``); each verified bucket is written into the targets at once,
     keeping the bytes it overwrote (for a patch only the changed elements), and the round is
     taken back if the vote fails: memory is the targets + 2 messages + what a round changed.
     Only for wants without ``into`` (the model must not see a round before its vote)."""
@@ -152,6 +153,7 @@ class WeightReceiver:
         self._changed: list[int] = []
         # the last applied round's undo list (None: not kept) and the wants it changed
         self._round: tuple[Undo | None, list[int]] = (None, [])
+        self._ring = False  # staging="ring" and two slots take less than a round's (_setup)
 
     def _decl(self) -> Decl:
         if self.every and self.boxes is not None:
@@ -246,15 +248,17 @@ class WeightReceiver:
         self._buckets = sorted(
             (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.sender)
         )
-        if self.staging == "ring":  # two slots of the largest message, reused (class doc)
+        sizes = [-(-message_bytes(b, self.align) // 64) * 64 for b in self._buckets]
+        big = max(sizes, default=0)
+        # two slots of the largest message, reused (class doc), where they take less than a
+        # round's slots
+        self._ring = self.staging == "ring" and 2 * big < sum(sizes)
+        if self._ring:
             if any(t is w.into for t, w in zip(targets, wants, strict=True)):
                 raise PlanError("WeightReceiver(staging='ring') needs wants without into")
-            big = max((message_bytes(b, self.align) for b in self._buckets), default=0)
-            big = -(-big // 64) * 64
             arena = torch.empty(2 * big, dtype=torch.uint8)
-            self._slots = [arena[:big], arena[big:]] if big else []
+            self._slots = [arena[:big], arena[big:]]
         else:
-            sizes = [-(-message_bytes(b, self.align) // 64) * 64 for b in self._buckets]
             arena = torch.empty(sum(sizes), dtype=torch.uint8)
             self._slots, pos = [], 0
             for b, n in zip(self._buckets, sizes, strict=True):
@@ -287,7 +291,7 @@ class WeightReceiver:
         # ring staging: what the buckets written before the vote overwrote, and their wants
         early: Undo = []
         touched: set[int] = set()
-        if self.staging == "ring":
+        if self._ring:
             try:
                 self._receive_ring(st, sched, early, touched)
             except BaseException:  # a lost peer: what was written goes back first
@@ -322,7 +326,7 @@ class WeightReceiver:
         # nothing to go back to before the first round
         kept: Undo | None = [] if undo and self.version is not None else None
         before = (self.version, dict(self._kept)) if undo else (self.version, {})
-        if self.staging == "ring":  # applied bucket by bucket already
+        if self._ring:  # applied bucket by bucket already
             changed = touched
             if kept is not None:
                 kept.extend(early)
