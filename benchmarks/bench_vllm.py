@@ -33,8 +33,10 @@ same run.
     .venv-vllm/bin/python benchmarks/bench_vllm.py --sizes tiny    # quick
 
 ``--tp-memory`` measures only host memory per worker of a ``tensor_parallel_size=2`` engine
-(one core bound per worker), once with every tensor received whole and once with
-``tp_boxes`` (each worker receives and holds only its tensor-parallel boxes): the receiver's
+(one core bound per worker), once with every tensor received whole, once with
+``tp_boxes`` (each worker receives and holds only its tensor-parallel boxes) and once with
+``tp_boxes`` and ``staging="ring"`` with 16 MiB buckets (two message slots instead of a
+round's arena): the receiver's
 bytes (``memory()``: held copies, staging arena, the model, the worker's share) and each
 worker's peak and end RSS above the engine before its first round (peak reset there), after a
 first full round, a second full round (its rollback copy lives until the commit), a delta round
@@ -302,14 +304,21 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
     label = f"{size} ({nparams / 1e6:.3g}M params, {fmt_bytes(model_bytes)} bf16), TP=2"
     before, after, _ = versions(shapes, 1e-6, 2)
     rows: list[list[Any]] = []
-    for boxes in (False, True):
+    for boxes, staging, bucket in ((False, "round", 64 << 20), (True, "round", 64 << 20),
+                                   (True, "ring", 16 << 20)):  # fmt: skip
         llm = LLM(
             model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True,
             dtype="bfloat16", max_model_len=256, max_num_seqs=4, tensor_parallel_size=2,
             weight_transfer_config=WeightTransferConfig(backend="deltackpt"),
         )  # fmt: skip
         info = DeltackptTrainerInitInfo(
-            rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, tp_boxes=boxes
+            rank=0,
+            master_port=free_port(),
+            dtype="bfloat16",
+            num_workers=2,
+            tp_boxes=boxes,
+            staging=staging,
+            bucket_bytes=bucket,
         )
         eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
         mem0 = llm.collective_rpc(_rss, kwargs={"reset": True})
@@ -326,10 +335,12 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
                 f"{(m['VmRSS'] - z['VmRSS']) / 1e6:.0f}" for m, z in zip(now, mem0, strict=True)
             )
             steps.append(f"{step} {ends}")
-        print(f"{size} tp_boxes={boxes}: MB above the engine per worker after: " + ", ".join(steps))
+        print(f"{size} tp_boxes={boxes} staging={staging}: MB above the engine per worker "
+              "after: " + ", ".join(steps))  # fmt: skip
         mem = llm.collective_rpc(_rss)
         rec = llm.collective_rpc(_receiver_bytes)
         what = "tp_boxes: its boxes" if boxes else "every tensor whole"
+        what += f", ring staging, {bucket >> 20} MiB buckets" if staging == "ring" else ""
         for w, (m0, m, r) in enumerate(zip(mem0, mem, rec, strict=True)):
             peak, end = m["VmHWM"] - m0["VmRSS"], m["VmRSS"] - m0["VmRSS"]
             rows.append([

@@ -1,6 +1,7 @@
 """Run by tests/integrations/test_vllm_tp_boxes.py in the ``.venv-vllm`` interpreter: the
-TP=2 engine of ``_vllm_tp.py`` with ``DeltackptTrainerInitInfo(tp_boxes=True)``: each worker
-receives and holds only its tensor-parallel boxes. A full round and two sparse deltas, each
+TP=2 engine of ``_vllm_tp.py`` with ``DeltackptTrainerInitInfo(tp_boxes=True,
+staging="ring")``: each worker receives and holds only its tensor-parallel boxes, through two
+message slots. A full round and two sparse deltas, each
 worker's held boxes against the same boxes of the trainer's tensors, the bytes each receiver
 holds, the staged round and the failed commits of ``_vllm_commit.py`` (their checks read the
 boxes), greedy tokens and every readable parameter against vLLM's own load of the trainer's
@@ -20,6 +21,8 @@ import _vllm_commit
 import torch
 from _vllm_run import _pack, _unpack, free_port, greedy, rl_step, same, tiny_qwen2
 from _vllm_tp import tp_engine
+
+BUCKET = 64 << 10
 
 
 def _boxes(worker: Any) -> bytes:
@@ -78,11 +81,15 @@ def main(out_path: str) -> None:
     tiny_qwen2(0).save_pretrained(f"{tmp}/start")
     trainer = tiny_qwen2(1)
     llm = tp_engine(f"{tmp}/start", transfer=True)
-    info = DeltackptTrainerInitInfo(
-        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, tp_boxes=True
-    )
-    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     res: dict[str, Any] = {"rounds": []}
+    # the memory-bound configuration: boxes, two message slots (staging="ring"), small buckets
+    # so that this tiny model's round takes many of them
+    info = DeltackptTrainerInitInfo(
+        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, tp_boxes=True,
+        staging="ring", bucket_bytes=BUCKET,
+    )  # fmt: skip
+    res["bucket_bytes"] = BUCKET
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     gen = torch.Generator().manual_seed(2)
     for version in (1, 2, 3):
         if version > 1:

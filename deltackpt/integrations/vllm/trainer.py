@@ -81,7 +81,11 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     workers' ``DELTACKPT_VLLM_TP_BOXES`` decides; docs/sync.md, "Memory"). ``inplace``: a
     commit writes what changed straight into the parameters that are seen to hold the tensors
     as they are, and reloads the rest (None: the workers' ``DELTACKPT_VLLM_INPLACE`` decides,
-    on by default; docs/sync.md, "The pause")."""
+    on by default; docs/sync.md, "The pause"). ``staging``: how a worker stages a round
+    (``WeightReceiver(staging=)``: ``"round"``, a round's wire bytes posted up front, or
+    ``"ring"``, two messages, each verified bucket written into the worker's copies before the
+    vote and taken back if it fails; None: the workers' ``DELTACKPT_VLLM_STAGING`` decides,
+    default ``"round"``; docs/sync.md, "Memory")."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -97,6 +101,7 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     end_stale_update: bool = True
     tp_boxes: bool | None = None
     inplace: bool | None = None
+    staging: str | None = None
 
 
 class LocalLLMClient:
@@ -175,6 +180,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             worker_info["tp_boxes"] = bool(init_info.tp_boxes)
         if init_info.inplace is not None:
             worker_info["inplace"] = bool(init_info.inplace)
+        if init_info.staging is not None:
+            worker_info["staging"] = str(init_info.staging)
         joined: Future[None] | None = None
         if eng.is_sender:
             joined = eng._rpc.submit(client.init_weight_transfer_engine, worker_info)

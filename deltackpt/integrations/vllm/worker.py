@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -76,6 +77,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+#: the workers' default for ``DeltackptInitInfo.staging``
+STAGING_ENV = "DELTACKPT_VLLM_STAGING"
 # groups this worker left (a new trainer, a lost one): kept referenced, never destroyed, since
 # tearing down a gloo group with receives still posted (a round its trainer died in) blocks
 # until the group timeout
@@ -102,6 +105,8 @@ class DeltackptInitInfo(WeightTransferInitInfo):
     # write commits into the parameters seen to hold the tensors as they are (None: the
     # DELTACKPT_VLLM_INPLACE environment variable of the workers decides, on by default)
     inplace: bool | None = None
+    # WeightReceiver(staging=): "round" or "ring" (None: DELTACKPT_VLLM_STAGING, else "round")
+    staging: str | None = None
 
 
 @dataclass
@@ -329,11 +334,13 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self.inplace = inplace.enabled(init_info.inplace)
         self._slots = {}
         self._shapes, self._boxes, self._rules = {}, {}, {}
+        staging = init_info.staging or os.environ.get(STAGING_ENV, "").strip() or "round"
         self.receiver = WeightReceiver(
             self.group,
             dtype=dtype,
             bucket_bytes=init_info.bucket_bytes,
             boxes=self._box_of if self.tp_boxes else None,
+            staging=staging,
         )
         self._held = {}
         self._plain = 0
