@@ -128,7 +128,7 @@ def main(out_path: str) -> None:
     eng.shutdown()
     # vLLM's own load of the trainer's weights, in this engine (reload_weights: its loader and
     # post-processing on both workers) instead of a fresh TP=2 engine (~30 s on 2 cores);
-    # test_vllm_tp.py compares with a fresh TP=2 engine
+    # test_vllm.py compares with a fresh engine at TP=1
     trainer.save_pretrained(f"{tmp}/final")
     llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/final"})
     llm.reset_prefix_cache()

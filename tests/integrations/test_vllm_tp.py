@@ -46,7 +46,7 @@ def test_both_tensor_parallel_workers_commit_the_trainers_bits(run):
     assert all(d["sent"] < full["sent"] / 10 for d in deltas)
 
 
-def test_greedy_tokens_equal_a_fresh_tp2_engine_on_the_same_weights(run):
+def test_greedy_tokens_equal_vllm_loading_the_same_weights(run):
     assert run["tokens"] == run["fresh_tokens"]
 
 

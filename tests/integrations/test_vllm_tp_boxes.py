@@ -3,7 +3,7 @@
 ``.venv-vllm``) receives and holds only the boxes of its tensor-parallel shards, through two
 message slots. Linear weights kept in their parameters (``linear="keep"``) so
 every parameter of the engine is read back and compared with vLLM's own load of the same
-weights (``reload_weights``; ``test_vllm_tp.py`` compares with a fresh TP=2 engine). The same run
+weights (``reload_weights``; ``test_vllm.py`` compares with a fresh engine at TP=1). The same run
 with the weights repacked into CPU kernels (``linear="repack"``: parameters emptied, checked by
 tokens) passes too but costs another TP=2 engine (~60 s of the suite's 10-minute budget): it runs
 with ``DELTACKPT_TEST_TP_BOXES_LAYOUTS=keep,repack``. The repack path itself runs in every suite
