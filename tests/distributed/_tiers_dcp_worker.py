@@ -79,8 +79,16 @@ def run(rank: int, world: int, port: int, root: str, cfg: dict[str, Any]) -> dic
         try:
             dcp.load(state, storage_reader=TieredReader(ckpt, tier=cfg.get("tier")))
         except BaseException as e:  # DCP wraps errors in a CheckpointException (BaseException)
-            ckpt.close()
-            return {"error": f"{type(e).__name__}: {e}"}
+            out["error"] = f"{type(e).__name__}: {e}"
+            if "retry_tier" not in cfg:
+                ckpt.close()
+                return out
+            # what the error says to do, in the same processes: load from the tier it names
+            with torch.no_grad():
+                for t in (state["model"]["w"], state["model"]["e"], state["bias"]):
+                    t.zero_()
+            state["step"] = -99
+            dcp.load(state, storage_reader=TieredReader(ckpt, tier=cfg["retry_tier"]))
         out["start"] = state["step"] + 1
         out["report"] = ckpt.last_restore
         out["restored_ok"] = _matches(state, state["step"])
