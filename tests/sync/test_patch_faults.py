@@ -220,11 +220,21 @@ def _surviving_receiver(rank: int, port: int, port2: int) -> dict[str, Any]:
     from deltackpt import sync
 
     group = sync.SyncGroup("127.0.0.1", port, rank, WORLD, [0], timeout=60)
-    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET)
+    # rank 2 stages through two slots, writing verified buckets before the vote: the lost
+    # round must be taken back from its own tensors too
+    staging = "ring" if rank == 2 else "round"
+    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET, staging=staging)
     held: dict[str, torch.Tensor] = {}
 
     def load(ws: list[tuple[str, torch.Tensor]]) -> None:
         held.update((n, t.clone()) for n, t in ws)
+
+    def own_exact(v: int) -> bool:
+        want = _bf16(v)
+        return all(
+            torch.equal(t, want[w.name])
+            for w, t in zip(receiver.wants, receiver._targets, strict=True)
+        )
 
     receiver.pull(load)
     group.pg.barrier().wait()  # round 1 done everywhere; the trainer dies in round 2
@@ -236,6 +246,8 @@ def _surviving_receiver(rank: int, port: int, port2: int) -> dict[str, Any]:
         out["error"] = type(e).__name__
     out["seconds"] = time.monotonic() - t0
     out["v1_exact"] = all(torch.equal(held[n], t) for n, t in _bf16(1).items())
+    out["own_v1_exact"] = own_exact(1)
+    out["ring"] = receiver._ring
     out["version_after"] = receiver.version
     group.reconnect(port2)
     st = receiver.pull(load)
@@ -261,6 +273,7 @@ def test_trainer_killed_while_encoding_patches() -> None:
     for o in outs[1:3]:
         r = o.unwrap()
         assert r["error"] == "PeerLostError" and r["seconds"] < 30, r
-        assert r["v1_exact"] and r["version_after"] == 1
+        assert r["v1_exact"] and r["own_v1_exact"] and r["version_after"] == 1
         assert r["full"] and r["version"] == 3 and r["exact"]
     assert outs[3].unwrap() == [True]
+    assert [o.unwrap()["ring"] for o in outs[1:3]] == [False, True]
