@@ -85,7 +85,7 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     (``WeightReceiver(staging=)``: ``"round"``, a round's wire bytes posted up front, or
     ``"ring"``, two messages, each verified bucket written into the worker's copies before the
     vote and taken back if it fails; None: the workers' ``DELTACKPT_VLLM_STAGING`` decides,
-    default ``"round"``; docs/sync.md, "Memory")."""
+    default ``"ring"``; docs/sync.md, "Memory")."""
 
     backend: ClassVar[str] = BACKEND
 

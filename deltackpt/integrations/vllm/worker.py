@@ -105,7 +105,7 @@ class DeltackptInitInfo(WeightTransferInitInfo):
     # write commits into the parameters seen to hold the tensors as they are (None: the
     # DELTACKPT_VLLM_INPLACE environment variable of the workers decides, on by default)
     inplace: bool | None = None
-    # WeightReceiver(staging=): "round" or "ring" (None: DELTACKPT_VLLM_STAGING, else "round")
+    # WeightReceiver(staging=): "round" or "ring" (None: DELTACKPT_VLLM_STAGING, else "ring")
     staging: str | None = None
 
 
@@ -334,7 +334,9 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self.inplace = inplace.enabled(init_info.inplace)
         self._slots = {}
         self._shapes, self._boxes, self._rules = {}, {}, {}
-        staging = init_info.staging or os.environ.get(STAGING_ENV, "").strip() or "round"
+        # two message slots unless told otherwise: the same round times as a round's arena,
+        # measured, at a fraction of its memory (docs/sync.md, "Memory")
+        staging = init_info.staging or os.environ.get(STAGING_ENV, "").strip() or "ring"
         self.receiver = WeightReceiver(
             self.group,
             dtype=dtype,
