@@ -93,8 +93,25 @@ def test_node_loss_resumes_bit_exactly_from_peers_and_each_tier_keeps_its_count(
     assert _names(tmp_path / "node1" / "replica-00000-on-00002") == _steps(6, 7)
 
 
-def test_a_damaged_replica_is_refused_and_restore_falls_back(tmp_path: Path) -> None:
-    _run(tmp_path, 4, steps=4)
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 ranks, 4 steps saved (replicas on the other node, nothing durable): the starting
+    point of the damage tests, made once and copied by each."""
+    root = tmp_path_factory.mktemp("four-steps")
+    _run(root, 4, steps=4)
+    return root
+
+
+def _from(base: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "run"
+    shutil.copytree(base, root, symlinks=True)
+    return root
+
+
+def test_a_damaged_replica_is_refused_and_restore_falls_back(
+    four_steps: Path, tmp_path: Path
+) -> None:
+    tmp_path = _from(four_steps, tmp_path)
     shutil.rmtree(tmp_path / "node0")  # ranks 0 and 1 must come from their replicas
     bad = _corrupt_newest_chunk(
         tmp_path / "node1" / "replica-00000-on-00002", *_steps(3, 2)
@@ -113,8 +130,10 @@ def test_a_damaged_replica_is_refused_and_restore_falls_back(tmp_path: Path) -> 
     assert bad not in st.chunk_index()
 
 
-def test_a_damaged_own_snapshot_is_replaced_by_the_peers_replica(tmp_path: Path) -> None:
-    _run(tmp_path, 4, steps=4)
+def test_a_damaged_own_snapshot_is_replaced_by_the_peers_replica(
+    four_steps: Path, tmp_path: Path
+) -> None:
+    tmp_path = _from(four_steps, tmp_path)
     _corrupt_newest_chunk(tmp_path / "node1" / "rank-00003", *_steps(3, 2))
     out = _run(tmp_path, 4)
     for o in out:
