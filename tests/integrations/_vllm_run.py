@@ -5,9 +5,10 @@ this process, several RL-like rounds; writes what it saw as JSON to ``argv[1]``.
 Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json [--short]``
 (``--short``: the rounds, the tampered worker and the weights reloaded by vLLM only; no killed,
 replaced or refusing trainer: test_vllm.py runs it with linear weights repacked,
-``_vllm_linear/``, and the full run with them kept. Its engine also has the deltackpt worker
-extension, and after its own checks it runs the refit through the store, ``_vllm_store.py``,
-reported under ``"store"``: that saves the engine start of a run of its own).
+``_vllm_linear/``, and the full run with them kept). The full run's engine also has the
+deltackpt worker extension, and after its own checks it runs the refit through the store,
+``_vllm_store.py``, reported under ``"store"``: that saves the engine start of a run of its
+own.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def main(out_path: str, short: bool = False) -> None:
     tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-")
     tiny_qwen2(0).save_pretrained(f"{tmp}/start")  # the engine starts from other weights
     trainer = tiny_qwen2(1)
-    llm = engine(f"{tmp}/start", transfer=True, extension=short)
+    llm = engine(f"{tmp}/start", transfer=True, extension=not short)
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     res: dict[str, Any] = {"rounds": []}
@@ -222,10 +223,6 @@ def main(out_path: str, short: bool = False) -> None:
     if short:
         finish(res, llm, trainer, tmp, fresh_engine=False)
         eng.shutdown()
-        # the refit through the store on this engine, after its own checks (_vllm_store.py)
-        from _vllm_store import store_scenarios
-
-        res["store"] = store_scenarios(llm, tmp)
         report(res, out_path)
         return
     eng.shutdown()
@@ -263,6 +260,11 @@ def main(out_path: str, short: bool = False) -> None:
     res["commit"] = commit_scenarios(llm, eng, trainer, gen, 1, 10)
     finish(res, llm, trainer, tmp)
     eng.shutdown()
+    # the refit through the store on this engine, after its own checks (_vllm_store.py): its
+    # linear weights are kept, so the follower's commits go in place too
+    from _vllm_store import store_scenarios
+
+    res["store"] = store_scenarios(llm, tmp)
     report(res, out_path)
 
 
@@ -292,6 +294,11 @@ def finish(
     res["readable_same_as_fresh"] = fr.keys() == mine.keys() and all(
         same(fr[k], mine[k]) for k in fr
     )
+    if fresh is not llm:  # its processes go now, before this engine's next work
+        del fresh
+        import gc
+
+        gc.collect()
 
 
 def report(res: dict[str, Any], out: str) -> None:

@@ -12,9 +12,9 @@ commits, ``inplace.py``); ``other`` (the short run) repacks them, so its commits
 
 The refit through the store (the worker extension's ``deltackpt_follow``: a trainer publishes
 versions to a store, the engine's workers pull them, incrementally after the first, and fail
-closed on a held copy changed behind their back) runs on the engine of ``other`` after its own
-checks (``_vllm_store.py``; that engine has the backend and the extension both), which saves
-an engine start.
+closed on a held copy changed behind their back) runs on the engine of ``run`` after its own
+checks (``_vllm_store.py``; that engine has the backend and the extension both, and keeps its
+linear weights, so the follower's commits go in place), which saves an engine start.
 """
 
 from __future__ import annotations
@@ -176,39 +176,40 @@ def test_commits_write_into_kept_parameters_and_take_failures_back_there(run, ot
     )
 
 
-# ---- refit through the store (_vllm_store.py, at the end of the short run) ------------------
+# ---- refit through the store (_vllm_store.py, at the end of the main run) -------------------
 
 
 def pulls(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {p["tag"]: p for p in run["store"]["pulls"]}
 
 
-def test_first_pull_is_full_then_incremental_and_bit_exact(other):
-    p = pulls(other)
+def test_first_pull_is_full_then_incremental_and_bit_exact(run):
+    p = pulls(run)
     assert p["v0"]["mode"] == "full" and p["v0"]["identical"] and p["v0"]["version"] == "v0"
     for tag in ("v1", "v2", "v3", "v5"):
         assert p[tag]["mode"] == "incremental", p[tag]
         assert p[tag]["identical"] and p[tag]["version"] == tag
-        assert 0 < p[tag]["bytes_read"] < other["store"]["full_bytes"] / 4  # 2% changed
+        assert 0 < p[tag]["bytes_read"] < run["store"]["full_bytes"] / 4  # 2% changed
 
 
-def test_nothing_new_is_a_no_op(other):
-    p = pulls(other)["nothing new"]
+def test_nothing_new_is_a_no_op(run):
+    p = pulls(run)["nothing new"]
     assert p["mode"] is None and p["version"] == "v3" and p["bytes_read"] == 0
 
 
-def test_a_held_copy_changed_behind_its_back_is_reloaded_whole(other):
-    p = pulls(other)["tampered"]
+def test_a_held_copy_changed_behind_its_back_is_reloaded_whole(run):
+    p = pulls(run)["tampered"]
     assert p["mode"] == "full" and "does not match" in p["reason"], p
     assert p["identical"] and p["version"] == "v4"
 
 
-def test_the_model_holds_the_published_weights(other):
-    assert other["store"]["readable_identical"]
+def test_the_model_holds_the_published_weights(run):
+    assert run["store"]["readable_identical"]
 
 
-def test_a_staged_follow_serves_the_old_version_until_its_commit(other):
-    p = pulls(other)["v6 staged"]
+def test_a_staged_follow_serves_the_old_version_until_its_commit(run):
+    p = pulls(run)["v6 staged"]
     assert p["staged"] and p["served_v5_while_staged"]
     assert p["mode"] == "incremental" and p["version"] == "v6" and p["identical"], p
     assert p["moved"] and p["seconds"] > 0  # the commit loaded the new weights
+    assert p["path"] == "in place"  # written into the kept parameters
