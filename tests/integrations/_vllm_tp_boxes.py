@@ -141,8 +141,43 @@ def main(out_path: str) -> None:
         }
         for rd, fr in zip(readable, fresh_readable, strict=True)
     ]
+    res["whole"] = whole_tensors(llm, trainer, gen, tmp)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
+
+
+def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
+    """The same engine fed whole tensors (a new trainer, no tp_boxes): each worker's commits
+    write its rows or columns of the whole tensors into its shards; then tokens and every
+    readable parameter against vLLM's own load of the same weights."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
+
+    info = DeltackptTrainerInitInfo(
+        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, staging="round"
+    )
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+    out: dict[str, Any] = {"paths": []}
+    eng.send_weights(trainer.state_dict(), version=30)  # full: reloaded, slots learned
+    for v in (31, 32):
+        rl_step(trainer, 0.02, gen)
+        eng.send_weights(trainer.state_dict(), version=v, stage=True)
+        eng.commit()
+        out["paths"].append(llm.collective_rpc(_vllm_commit._last_path))
+    out["tokens"] = greedy(llm)
+    mine = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    eng.shutdown()
+    trainer.save_pretrained(f"{tmp}/final-whole")
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/final-whole"})
+    llm.reset_prefix_cache()
+    out["fresh_tokens"] = greedy(llm)
+    theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    out["readable_equal"] = [
+        bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        for a, b in zip(mine, theirs, strict=True)
+    ]
+    return out
 
 
 if __name__ == "__main__":

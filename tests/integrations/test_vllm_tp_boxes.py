@@ -127,3 +127,14 @@ def test_commits_write_into_the_kept_shards_of_both_workers(run):
     c = run["commit"]
     want = ["in place"] * 2 if run["linear"] == "keep" else ["reload"] * 2
     assert all(f["path"] == want for f in c["failures"]), [f["path"] for f in c["failures"]]
+
+
+def test_whole_tensors_are_written_into_each_workers_shards(run):
+    """The same engine fed whole tensors (no tp_boxes): each worker writes its rows or columns
+    of them into its parameter shards; tokens and every readable parameter equal vLLM's own
+    load of the same weights."""
+    w = run["whole"]
+    if run["linear"] == "keep":
+        assert w["paths"][-1] == ["in place", "in place"], w["paths"]
+    assert w["tokens"] == w["fresh_tokens"]
+    assert w["readable_equal"] == [True, True]
