@@ -484,11 +484,15 @@ class WeightReceiver:
             slot = self._slots[i % 2][: message_bytes(bks[i], self.align)]
             return slot, g.irecv(slot, bks[i].sender, bks[i].index)
 
+        # before the first round nothing depends on the targets (no version, nothing handed
+        # out): a failed first round leaves them as it leaves them, without a copy of them
+        keep = early if self.version is not None else None
+
         def settle(got: _Arrived) -> None:
             n = len(st.staged)
             self._settle(st, got)
             if len(st.staged) > n and st.failure is None:  # verified: into the targets now
-                touched.update(apply_round(self._targets, wanted, st.staged[n:], self._pool, early))
+                touched.update(apply_round(self._targets, wanted, st.staged[n:], self._pool, keep))
 
         posted = {i: post(i) for i in range(min(2, len(bks)))}
         pending: _Arrived | None = None
