@@ -16,6 +16,9 @@ same model, per model size (a random-initialised Qwen2 written with ``transforme
 * worker memory: the worker process's peak and current RSS (``/proc/self/status``) at the end,
   against the model's bf16 bytes (the engine's own weights, the receiver's copies, its staging
   arena, and for a round sent whole the rollback's copy until the commit).
+* serving while updating (RL step only): greedy tokens per second with no round running, then
+  while a trainer thread runs staged delta rounds back to back on the same engine (its
+  preparation and commits interleaved with the engine's steps).
 * ``safetensors + reload_weights``: what a CPU vLLM user does without it: ``save_file`` of the
   new bf16 weights, then ``llm.collective_rpc("reload_weights", kwargs={"weights_path": d})``
   (vLLM's in-place layerwise reload from disk: ``Worker.reload_weights``); bytes = the file.
@@ -143,6 +146,74 @@ def force_linear_layout(mode: str) -> None:
     spec = importlib.util.spec_from_file_location("_vllm_linear", f"{folder}/sitecustomize.py")
     assert spec is not None and spec.loader is not None
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def serve_while_updating(
+    llm: Any,
+    eng: Any,
+    before: dict[str, torch.Tensor],
+    after: dict[str, torch.Tensor],
+    version: int,
+    rounds: int = 6,
+    idle_s: float = 4.0,
+) -> tuple[int, list[tuple[str, str, str]]]:
+    """Tokens per second of greedy generation (8 prompts, 16 new tokens per call) with no round
+    running, then while a trainer thread runs ``rounds`` staged delta rounds back to back (the
+    same engine; vLLM interleaves the RPCs with its steps): the serving cost of updating,
+    preparation and pauses included. Rows: (what, value, ratio)."""
+    import threading
+
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=16, detokenize=False, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + i, 17, 300, 5]} for i in range(8)]
+
+    def generate() -> int:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    generate()  # warm
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < idle_s:
+        n += generate()
+    idle = n / (time.perf_counter() - t0)
+    version += 1
+    eng.send_weights(before, version=version, full=True)
+    spans: dict[str, float] = {"prepare": 0.0, "commit": 0.0}
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def trainer(v: int) -> None:
+        try:
+            for k in range(rounds):
+                t = time.perf_counter()
+                eng.send_weights(after if k % 2 == 0 else before, version=v + k, stage=True)
+                spans["prepare"] += time.perf_counter() - t
+                t = time.perf_counter()
+                eng.commit()
+                spans["commit"] += time.perf_counter() - t
+        except BaseException as e:  # reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    th = threading.Thread(target=trainer, args=(version + 1,), name="bench-trainer")
+    n, t0 = 0, time.perf_counter()
+    th.start()
+    while not done.is_set():
+        n += generate()
+    busy = n / (time.perf_counter() - t0)
+    th.join()
+    if errors:
+        raise errors[0]
+    version += rounds
+    total = spans["prepare"] + spans["commit"]
+    return version, [
+        ("generation, no round running (tokens/s)", f"{idle:.0f}", ""),
+        (f"generation while {rounds} staged delta rounds run back to back (tokens/s)",
+         f"{busy:.0f}", f"{busy / idle:.2f} of idle; preparation {spans['prepare'] / total:.0%}, "
+         f"commits {spans['commit'] / total:.0%} of the rounds' time"),
+    ]  # fmt: skip
 
 
 def machine_limits(nbytes: int = 512 << 20, reps: int = 3) -> list[str]:
@@ -274,6 +345,12 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
             nbytes = fmt_bytes(sent["prepare"]) if tag == "prepare" else ""
             rows.append([label, step, changed, what, spread(secs[tag]), nbytes, ratio])
         print(md_table(HEADER, rows[-9:]), flush=True)
+        if step == "rl":  # generation while staged rounds are prepared and committed
+            version, serving = serve_while_updating(llm, eng, before, after, version)
+            rows += [
+                [label, step, changed, what, secs_, "", ratio] for what, secs_, ratio in serving
+            ]
+            print(md_table(HEADER, rows[-len(serving) :]), flush=True)
         del before, after
         gc.collect()
     mem = llm.collective_rpc(_rss)[0]
