@@ -27,7 +27,7 @@ from typing import Any
 import requests
 import torch
 from _vllm_kill import BUCKET, nudge
-from _vllm_ranks import Server, two_trainers
+from _vllm_ranks import Server, TwoTrainers
 from _vllm_run import free_port, rl_step, tiny_qwen2
 
 STARTUP_S = 240  # the server's start (~20 s here), bounded
@@ -60,8 +60,9 @@ def serve(model_dir: str, port: int, log_path: str) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"the vLLM server did not answer in {STARTUP_S} s; see {log_path}")
 
 
-def doomed(url: str, port: int, state_path: str, out_path: str, go: Event) -> None:
-    """A second trainer process over HTTP: commit version 3, write its digests, wait for the
+def doomed(url: str, port: int, state_path: str, out_path: str, go: Event, start: Event) -> None:
+    """A second trainer process over HTTP: once ``start`` is set (the parent spawns it early, so
+    that its interpreter starts meanwhile), commit version 3, write its digests, wait for the
     parent to read the engine back, then die mid-round (``os._exit``) while pushing 4."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -70,6 +71,8 @@ def doomed(url: str, port: int, state_path: str, out_path: str, go: Event) -> No
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo
     from deltackpt.sync.packer import Packer
 
+    if not start.wait(600):
+        return
     sd: dict[str, torch.Tensor] = torch.load(state_path)
     info = DeltackptTrainerInitInfo(
         rank=0, master_port=port, dtype="bfloat16", bucket_bytes=BUCKET, timeout=60.0
@@ -109,6 +112,15 @@ def main(out_path: str) -> None:
     trainer = tiny_qwen2(1)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # the other trainer processes start their interpreters while the server starts
+    state = f"{tmp}/state.pt"
+    ctx = multiprocessing.get_context("spawn")
+    go, start = ctx.Event(), ctx.Event()
+    child = ctx.Process(
+        target=doomed, args=(url, free_port(), state, f"{tmp}/v3.json", go, start), daemon=True
+    )
+    child.start()
+    ranks = TwoTrainers(url, tmp, free_port)
     t0 = time.monotonic()
     proc = serve(f"{tmp}/start", port, f"{tmp}/server.log")
     res: dict[str, Any] = {"startup_s": time.monotonic() - t0, "rounds": [], "log": tmp}
@@ -146,14 +158,8 @@ def main(out_path: str) -> None:
         res["refused"]["tokens_unchanged"] = srv.tokens() == tokens_v2
         eng.shutdown()
         # a second trainer process over HTTP commits 3, then dies mid-round 4
-        state = f"{tmp}/state.pt"
         torch.save({k: v.detach().clone() for k, v in trainer.state_dict().items()}, state)
-        ctx = multiprocessing.get_context("spawn")
-        go = ctx.Event()
-        child = ctx.Process(
-            target=doomed, args=(url, free_port(), state, f"{tmp}/v3.json", go), daemon=True
-        )
-        child.start()
+        start.set()
         deadline = time.monotonic() + 120
         while not os.path.exists(f"{tmp}/v3.json") and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -194,7 +200,7 @@ def main(out_path: str) -> None:
         res["full_tokens"] = srv.tokens()
         eng.shutdown()
         # two trainer ranks, each holding half of every tensor (DTensor shards)
-        res["ranks"] = two_trainers(url, tmp, free_port)
+        res["ranks"] = ranks.run()
     finally:
         proc.terminate()
         try:

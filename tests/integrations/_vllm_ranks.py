@@ -79,8 +79,12 @@ def full_digests(model: torch.nn.Module) -> dict[str, str]:
     return state_digests({n: p.full_tensor() for n, p in model.named_parameters()}, "bfloat16")
 
 
-def trainer_rank(rank: int, url: str, dist_port: int, sync_port: int, out_dir: str) -> None:
-    """One of the two trainer ranks (spawned); writes ``rank<r>.json`` to ``out_dir``."""
+def trainer_rank(
+    rank: int, url: str, dist_port: int, sync_port: int, out_dir: str, start: Any = None
+) -> None:
+    """One of the two trainer ranks (spawned); writes ``rank<r>.json`` to ``out_dir``.
+    ``start``: an event to wait for once imported (the parent starts the ranks early, so that
+    their interpreters start while it does other work)."""
     import torch.distributed as dist
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import ModuleSource
@@ -89,6 +93,9 @@ def trainer_rank(rank: int, url: str, dist_port: int, sync_port: int, out_dir: s
 
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, source_tensors
     from deltackpt.sync import SyncError
+
+    if start is not None and not start.wait(600):
+        return
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=2
@@ -150,19 +157,32 @@ def trainer_rank(rank: int, url: str, dist_port: int, sync_port: int, out_dir: s
     os._exit(0)
 
 
-def two_trainers(url: str, out_dir: str, free_port: Any) -> dict[str, Any]:
-    """Run both ranks (spawned), bounded; their reports by rank, and exit codes."""
-    import multiprocessing
+class TwoTrainers:
+    """Both ranks, spawned now (their interpreters start meanwhile) and run by :meth:`run`."""
 
-    ctx = multiprocessing.get_context("spawn")
-    ports = (free_port(), free_port())
-    procs = [
-        ctx.Process(target=trainer_rank, args=(r, url, *ports, out_dir), daemon=True)
-        for r in range(2)
-    ]
+    def __init__(self, url: str, out_dir: str, free_port: Any) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.start, self.out_dir = ctx.Event(), out_dir
+        ports = (free_port(), free_port())
+        self.procs = [
+            ctx.Process(
+                target=trainer_rank, args=(r, url, *ports, out_dir, self.start), daemon=True
+            )
+            for r in range(2)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self) -> dict[str, Any]:
+        """Let both ranks go, bounded; their reports by rank, and exit codes."""
+        self.start.set()
+        return _join(self.procs, self.out_dir)
+
+
+def _join(procs: list[Any], out_dir: str) -> dict[str, Any]:
     t0 = time.monotonic()
-    for p in procs:
-        p.start()
     for p in procs:
         p.join(max(1.0, 240 - (time.monotonic() - t0)))
     res: dict[str, Any] = {"exitcodes": [p.exitcode for p in procs]}
