@@ -63,13 +63,18 @@ def nudge(sd: dict[str, torch.Tensor], seed: int) -> None:
             t[mask] += (torch.randn(t.shape, generator=gen) * 0.05).to(t.dtype)[mask]
 
 
-def doomed_trainer(conn: Connection, port: int, state_path: str, version: int) -> None:
-    """The child: commit ``version``, report, then die while pushing ``version + 1``."""
+def doomed_trainer(conn: Connection) -> None:
+    """The child: once told its port, state and version (``(port, state_path, version)`` on
+    ``conn``: it is spawned early, so its interpreter starts while the parent works), commit
+    ``version``, report, then die while pushing ``version + 1``."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo
     from deltackpt.sync.packer import Packer
 
+    if not conn.poll(600):
+        return
+    port, state_path, version = conn.recv()
     sd: dict[str, torch.Tensor] = torch.load(state_path)
     client = PipeClient(conn)
     info = DeltackptTrainerInitInfo(
@@ -129,21 +134,36 @@ def serve(llm: Any, conn: Connection, mark: Callable[[], Any]) -> dict[str, Any]
             return out
 
 
+class Doomed:
+    """The doomed trainer's process, spawned now (its interpreter starts meanwhile); run by
+    :func:`kill_round`."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=doomed_trainer, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+
 def kill_round(
-    llm: Any, state: dict[str, torch.Tensor], port: int, version: int, mark: Callable[[], Any]
+    llm: Any,
+    state: dict[str, torch.Tensor],
+    port: int,
+    version: int,
+    mark: Callable[[], Any],
+    doomed: Doomed | None = None,
 ) -> dict[str, Any]:
-    """Spawn the doomed trainer on ``state`` and serve it; its exit code and what the engine
-    saw. ``mark()`` runs after the child's round ``version`` committed."""
+    """Let the doomed trainer (``doomed``, or one spawned now) run on ``state`` and serve it;
+    its exit code and what the engine saw. ``mark()`` runs after the child's round ``version``
+    committed."""
     import tempfile
 
     path = os.path.join(tempfile.mkdtemp(prefix="deltackpt-kill-"), "state.pt")
     torch.save({k: v.detach().clone() for k, v in state.items()}, path)
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=doomed_trainer, args=(child, port, path, version), daemon=True)
-    proc.start()
-    child.close()
-    out = serve(llm, parent, mark)
-    proc.join(30)
-    out["exitcode"] = proc.exitcode
+    d = doomed or Doomed()
+    d.parent.send((port, path, version))
+    out = serve(llm, d.parent, mark)
+    d.proc.join(30)
+    out["exitcode"] = d.proc.exitcode
     return out

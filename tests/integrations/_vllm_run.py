@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 import torch
-from _vllm_kill import kill_round
+from _vllm_kill import Doomed, kill_round
 
 PROMPTS = [[1, 2, 3, 4], [17, 300, 5], [400, 9, 9, 2, 77]]
 
@@ -170,6 +170,8 @@ def main(out_path: str, short: bool = False) -> None:
     tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-")
     tiny_qwen2(0).save_pretrained(f"{tmp}/start")  # the engine starts from other weights
     trainer = tiny_qwen2(1)
+    # the trainer process the full run kills mid-round starts its interpreter meanwhile
+    doomed = None if short else Doomed()
     llm = engine(f"{tmp}/start", transfer=True, extension=not short)
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
@@ -228,7 +230,7 @@ def main(out_path: str, short: bool = False) -> None:
     eng.shutdown()
     tokens_v6 = greedy(llm)
     # a trainer process killed mid-round (os._exit): the engine stays on what it committed
-    killed = kill_round(llm, trainer.state_dict(), free_port(), 7, lambda: greedy(llm))
+    killed = kill_round(llm, trainer.state_dict(), free_port(), 7, lambda: greedy(llm), doomed)
     killed["engine_version"] = llm.get_weight_version()
     killed["worker_version"] = _unpack(llm.collective_rpc(_committed)[0])[0]
     killed["tokens_unchanged"] = greedy(llm) == killed["marked"]
