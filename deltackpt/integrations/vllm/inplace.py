@@ -120,17 +120,10 @@ def _slot(
     modules: dict[str, Any],
     packed: dict[str, list[str]],
 ) -> Slot | None:
-    parts = name.split(".")
-    if len(parts) < 2:
+    where = tp_boxes.module_of(name, modules, packed)
+    if where is None:
         return None
-    leaf, sub = parts[-1], parts[-2]
-    target, part = ".".join(parts[:-1]), None
-    for fused, subs in packed.items():
-        if sub in subs:
-            cand = ".".join([*parts[:-2], fused])
-            if cand in modules:
-                target, part = cand, subs.index(sub)
-            break
+    target, part, leaf = where
     m = modules.get(target)
     if m is None:
         return None

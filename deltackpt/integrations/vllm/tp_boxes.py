@@ -36,7 +36,7 @@ import torch
 
 from deltackpt.sync.schedule_decl import Box
 
-__all__ = ["ENV", "BoxRule", "box_rules", "enabled", "full_view", "rank_box"]
+__all__ = ["ENV", "BoxRule", "box_rules", "enabled", "full_view", "module_of", "rank_box"]
 
 #: the workers' switch (also ``DeltackptTrainerInitInfo(tp_boxes=True)``)
 ENV = "DELTACKPT_VLLM_TP_BOXES"
@@ -97,17 +97,10 @@ def box_rules(model: Any) -> Any:
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
 
     def rule(name: str, shape: Shape) -> BoxRule:
-        parts = name.split(".")
-        if len(parts) < 2:
+        where = module_of(name, modules, packed)
+        if where is None:
             return BoxRule("", "", None, "no module")
-        leaf, sub = parts[-1], parts[-2]
-        target, part = ".".join(parts[:-1]), None
-        for fused, subs in packed.items():
-            if sub in subs:
-                cand = ".".join([*parts[:-2], fused])
-                if cand in modules:
-                    target, part = cand, subs.index(sub)
-                break
+        target, part, leaf = where
         m = modules.get(target)
         if m is None:
             return BoxRule(target, "", None, "no module of that name: whole")
@@ -118,6 +111,27 @@ def box_rules(model: Any) -> Any:
         return BoxRule(target, kind, box, why)
 
     return rule
+
+
+def module_of(
+    name: str, modules: dict[str, Any], packed: dict[str, list[str]]
+) -> tuple[str, int | None, str] | None:
+    """Where checkpoint tensor ``name`` loads: ``(module name, its part of a fused module or
+    None, parameter name)`` by the model's ``packed_modules_mapping`` (``q_proj`` of
+    ``qkv_proj`` is part 0); None for a name without a module part. The module may not exist
+    (``modules`` is only asked whether the fused one does)."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None
+    leaf, sub = parts[-1], parts[-2]
+    target, part = ".".join(parts[:-1]), None
+    for fused, subs in packed.items():
+        if sub in subs:
+            cand = ".".join([*parts[:-2], fused])
+            if cand in modules:
+                target, part = cand, subs.index(sub)
+            break
+    return target, part, leaf
 
 
 def rank_box(
