@@ -268,7 +268,7 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
                          f"{time.perf_counter() - t0:.3f}", fmt_bytes(st.payload_bytes), ""])  # fmt: skip
         secs: dict[str, list[float]] = {
             "full": [], "delta": [], "base": [], "prepare": [], "commit": [], "inside": [],
-            "inside_whole": [], "inside_reload": [], "reload": [],
+            "inside_reload": [], "reload": [],
         }  # fmt: skip
         paths: set[str] = set()
         sent: dict[str, int] = {}
@@ -295,16 +295,6 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
             secs["inside"].append(llm.collective_rpc(_commit_inside)[0])
             paths.add(llm.collective_rpc(_last_path)[0])
             secs["reload"].append(llm.collective_rpc(_reload_alone)[0])
-            same = same and greedy(llm) == tokens
-            # the same staged delta written in place tensor by tensor (not element by element)
-            llm.collective_rpc(_set_sparse_below, args=(0.0,))
-            version += 1
-            eng.send_weights(before, version=version, full=True)
-            version += 1
-            eng.send_weights(after, version=version, stage=True)
-            eng.commit()
-            secs["inside_whole"].append(llm.collective_rpc(_commit_inside)[0])
-            llm.collective_rpc(_set_sparse_below, args=(None,))
             same = same and greedy(llm) == tokens
             # the same staged delta with in-place commits off: the model's reload in the pause
             llm.collective_rpc(_set_inplace, args=(False,))
@@ -337,14 +327,13 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
                 "inside",
                 f"the commit inside the worker: the engine's pause ({'/'.join(sorted(paths))})",
             ),
-            ("inside_whole", "the same pause, in place, every changed tensor written whole"),
             ("inside_reload", "the same pause with in-place commits off (inplace=False: reload)"),
             ("reload", "the workers' reload of the changed layers alone"),
         ):
             ratio = f"{median(secs[tag]) / one_call:.2f} of the one-call delta"
             nbytes = fmt_bytes(sent["prepare"]) if tag == "prepare" else ""
             rows.append([label, step, changed, what, spread(secs[tag]), nbytes, ratio])
-        print(md_table(HEADER, rows[-9:]), flush=True)
+        print(md_table(HEADER, rows[-8:]), flush=True)
         if step == "rl":  # generation while staged rounds are prepared and committed
             version, serving = serve_while_updating(llm, eng, before, after, version)
             rows += [
@@ -463,16 +452,6 @@ def _commit_inside(worker: Any) -> float:
 def _last_path(worker: Any) -> str:
     """How the worker's last commit reached the model: "in place" or "reload"."""
     return str(worker.weight_transfer_engine.last_path)
-
-
-def _set_sparse_below(worker: Any, share: float | None) -> None:
-    """Element-by-element in-place writes below this share of changed elements (None: the
-    default)."""
-    from deltackpt.integrations.vllm import inplace
-
-    if not hasattr(inplace, "_default_sparse_below"):
-        inplace._default_sparse_below = inplace.SPARSE_BELOW  # type: ignore[attr-defined]
-    inplace.SPARSE_BELOW = inplace._default_sparse_below if share is None else share  # type: ignore[attr-defined]
 
 
 def _set_inplace(worker: Any, on: bool) -> None:
