@@ -284,12 +284,11 @@ def finish(
     ~20 s less; the short run does this)."""
     res["tokens"] = greedy(llm)
     mine = _unpack(llm.collective_rpc(_readable)[0])
-    trainer.save_pretrained(f"{tmp}/final")
     if fresh_engine:
+        trainer.save_pretrained(f"{tmp}/final")
         fresh = engine(f"{tmp}/final", transfer=False)
     else:
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/final"})
-        llm.reset_prefix_cache()
+        vllm_reload(llm, trainer, f"{tmp}/final")
         fresh = llm
     res["fresh_tokens"] = greedy(fresh)
     fr = _unpack(fresh.collective_rpc(_readable)[0])
@@ -301,6 +300,16 @@ def finish(
         import gc
 
         gc.collect()
+
+
+def vllm_reload(llm: Any, trainer: torch.nn.Module, path: str) -> None:
+    """vLLM's own load of ``trainer``'s weights in this engine: written to ``path`` as a
+    Hugging Face checkpoint, ``reload_weights`` on every worker (its loader and
+    post-processing), the prefix cache dropped. The comparison the tests make instead of a
+    second engine start."""
+    trainer.save_pretrained(path)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
 
 
 def report(res: dict[str, Any], out: str) -> None:

@@ -28,6 +28,7 @@ from _vllm_run import (
     rl_step,
     same,
     tiny_qwen2,
+    vllm_reload,
 )
 
 
@@ -94,9 +95,7 @@ def main(out_path: str) -> None:
     # vLLM's own load of the trainer's weights from disk in this engine (reload_weights: its
     # loader and post-processing on both workers) instead of a fresh TP=2 engine (~35 s on 2
     # cores); test_vllm.py compares with a fresh engine at TP=1
-    trainer.save_pretrained(f"{tmp}/final")
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/final"})
-    llm.reset_prefix_cache()
+    vllm_reload(llm, trainer, f"{tmp}/final")
     res["fresh_tokens"] = greedy(llm)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)

@@ -19,7 +19,7 @@ from typing import Any
 
 import _vllm_commit
 import torch
-from _vllm_run import _pack, _unpack, free_port, greedy, rl_step, same, tiny_qwen2
+from _vllm_run import _pack, _unpack, free_port, greedy, rl_step, same, tiny_qwen2, vllm_reload
 from _vllm_tp import tp_engine
 
 BUCKET = 64 << 10
@@ -129,9 +129,7 @@ def main(out_path: str) -> None:
     # vLLM's own load of the trainer's weights, in this engine (reload_weights: its loader and
     # post-processing on both workers) instead of a fresh TP=2 engine (~30 s on 2 cores);
     # test_vllm.py compares with a fresh engine at TP=1
-    trainer.save_pretrained(f"{tmp}/final")
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/final"})
-    llm.reset_prefix_cache()
+    vllm_reload(llm, trainer, f"{tmp}/final")
     res["fresh_tokens"] = greedy(llm)
     fresh_readable = [_unpack(r) for r in llm.collective_rpc(_readable)]
     res["readable"] = [
@@ -168,9 +166,7 @@ def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
     out["tokens"] = greedy(llm)
     mine = [_unpack(r) for r in llm.collective_rpc(_readable)]
     eng.shutdown()
-    trainer.save_pretrained(f"{tmp}/final-whole")
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/final-whole"})
-    llm.reset_prefix_cache()
+    vllm_reload(llm, trainer, f"{tmp}/final-whole")
     out["fresh_tokens"] = greedy(llm)
     theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
     out["readable_equal"] = [
