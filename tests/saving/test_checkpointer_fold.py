@@ -20,30 +20,15 @@ import deltackpt.checkpointer as checkpointer_mod
 from deltackpt.errors import InvalidArgumentError, SnapshotNotFoundError
 from deltackpt.store.fold import deepest_chain
 from deltackpt.store.store import Store
+from tests.store.test_fold import CHUNK, _step, _u8
+from tests.store.test_fold import _state as fold_state
 
-CHUNK = 64 << 10
 POSITIONS = 4
 STEPS = 8
 
 
 def _state() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w": torch.randn(POSITIONS * CHUNK // 2, generator=g).to(torch.bfloat16),
-        "b": torch.randn(1000, generator=g),  # a small tensor: a group chunk
-    }
-
-
-def _step(sd: dict[str, torch.Tensor], g: torch.Generator) -> None:
-    """An RL-like step: a few elements of every chunk change (patch deltas)."""
-    w = sd["w"].view(POSITIONS, -1)
-    idx = torch.randint(0, w.shape[1], (POSITIONS, 16), generator=g)
-    w.scatter_add_(1, idx, torch.full(idx.shape, 0.25, dtype=w.dtype))
-    sd["b"][int(torch.randint(0, 1000, (1,), generator=g))] += 1.0
-
-
-def _u8(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return fold_state(positions=POSITIONS)
 
 
 def _store(tmp_path: Path) -> Store:

@@ -27,17 +27,20 @@ POSITIONS = 8
 VERSIONS = 12
 
 
-def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+def _state(seed: int = 0, positions: int = POSITIONS) -> dict[str, torch.Tensor]:
+    """A bf16 tensor of ``positions`` chunks and a small fp32 one (a group chunk)."""
     g = torch.Generator().manual_seed(seed)
     return {
-        "w": torch.randn(POSITIONS * CHUNK // 2, generator=g).to(torch.bfloat16),
+        "w": torch.randn(positions * CHUNK // 2, generator=g).to(torch.bfloat16),
         "b": torch.randn(1000, generator=g),  # a small tensor: a group chunk
     }
 
 
 def _step(sd: dict[str, torch.Tensor], g: torch.Generator) -> None:
-    w = sd["w"].view(POSITIONS, -1)
-    idx = torch.randint(0, w.shape[1], (POSITIONS, 16), generator=g)
+    """An RL-like step: a few elements of every chunk change (patch deltas)."""
+    positions = sd["w"].numel() * 2 // CHUNK
+    w = sd["w"].view(positions, -1)
+    idx = torch.randint(0, w.shape[1], (positions, 16), generator=g)
     w.scatter_add_(1, idx, torch.full(idx.shape, 0.25, dtype=w.dtype))
     sd["b"][int(torch.randint(0, 1000, (1,), generator=g))] += 1.0
 
