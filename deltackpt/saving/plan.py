@@ -241,6 +241,9 @@ def layout_chunks(
             open_groups[cls] = (group, group_index)
             pos = 0
         slices[si].append((group_index, pos, n))
+        # byte-grouped by its members' element size when they share one (bf16 adapters: the
+        # exponent bytes together), else not grouped; GROUP_ALIGN keeps every member aligned
+        group.itemsize = itemsizes[si] if not group.parts or group.itemsize == itemsizes[si] else 1
         group.parts.append((si, 0, n))
         group.offsets.append(pos)
         group.size = pos + n

@@ -4,10 +4,13 @@ run's versions cost about their change, not a keyframe of every adapter each tim
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import deltackpt
+from deltackpt.format import codecs
 from deltackpt.format.codecs import DELTAS
+from deltackpt.saving.plan import layout_chunks
 
 
 def _lora(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -53,3 +56,22 @@ def test_a_group_whose_members_change_starts_a_new_chain(store_dir):
     assert not any(r.codec in DELTAS for r in m.chunks.values()), info
     got = deltackpt.load(store_dir, "b")
     assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_a_group_of_one_element_size_is_byte_grouped_by_it(store_dir):
+    # bf16 adapters: the group chunk is grouped by 2 (exponent bytes together), which makes its
+    # keyframe and its deltas smaller than ungrouped bytes; mixed element sizes are not grouped
+    state = _lora(4)
+    deltackpt.save(state, store_dir, "bf16", encoding="smallest")
+    st = deltackpt.open_store(store_dir)
+    (grouped,) = st.manifest("bf16").chunks.values()
+    assert grouped.itemsize == 2
+    raw = np.concatenate([t.reshape(-1).view(torch.uint8).numpy() for t in state.values()])
+    flat = codecs.encode(raw, 1, policy=codecs.ENCODINGS["smallest"])
+    assert grouped.length < len(flat.payload), (grouped.length, len(flat.payload))
+    got = deltackpt.load(store_dir, "bf16")
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    chunks, _ = layout_chunks([64, 128, 64], [2, 4, 2], ["a", "b", "c"], 1 << 20, 4096)
+    assert [c.itemsize for c in chunks] == [1]  # bf16 and fp32 members: not grouped
+    chunks, _ = layout_chunks([64, 128], [4, 4], ["a", "b"], 1 << 20, 4096)
+    assert [c.itemsize for c in chunks] == [4]
