@@ -4,7 +4,10 @@ step; followers catch up with ``load(since=held)``; a fresh reader loads the lat
 The state is Qwen2-0.5B-shaped bf16 weights (``--params``, default 0.5e9 = 1 GB; the tied
 lm_head left out), an fp32 master copy updated by AdamW on random gradients and cast to bf16
 after every step. Phases: ``--rl-steps`` RL-like steps at lr 1e-6, ``--rl5-steps`` at lr 1e-5,
-``--pretrain-steps`` pretraining-like steps (lr 1e-3: nearly every element changes). Every
+``--pretrain-steps`` pretraining-like steps (lr 1e-3: nearly every element changes), then
+``--lora-steps`` of a LoRA fine-tune (rank ``--lora-rank`` bf16 adapters on every projection, PEFT's
+names and init, AdamW at lr 1e-4; the base weights frozen, saved with the adapters; the version
+that adds the adapters is not counted, and "changed" is the adapters' share). Every
 version is saved into one store per policy (``raw``: encoding ``fast-restore``, dedupe only;
 ``default``: ``encoding="smallest"`` with the default chain policy; ``NAME=B/K``:
 ``chain_budget=B, keyframe_every=K``; ``NAME=B/K/F`` also folds each new version's chains over
@@ -54,6 +57,20 @@ def weights(params: float, seed: int) -> dict[str, torch.Tensor]:
     sd = C.qwen2_weights(torch.bfloat16, C.qwen2_scale(params), seed)
     del sd["lm_head.weight"]  # tied to the embedding: one tensor
     return sd
+
+
+def adapters(w: dict[str, torch.Tensor], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """LoRA adapters on every attention and MLP projection, named as PEFT names them: A small
+    random, B zero (PEFT's init), bf16."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out = {}
+    for k, v in w.items():
+        if v.dim() == 2 and k.endswith("proj.weight"):
+            stem = k[: -len(".weight")]
+            a = torch.randn(rank, v.shape[1], generator=g).mul_(v.shape[1] ** -0.5)
+            out[f"{stem}.lora_A.weight"] = a.to(torch.bfloat16)
+            out[f"{stem}.lora_B.weight"] = torch.zeros(v.shape[0], rank, dtype=torch.bfloat16)
+    return out
 
 
 def safetensors_point(
@@ -111,20 +128,41 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
     buf = empty_like(trainer.weights)
     phases = [("rl lr 1e-6", 1e-6, args.rl_steps), ("rl lr 1e-5", 1e-5, args.rl5_steps)]
     phases.append(("pretrain lr 1e-3", 1e-3, args.pretrain_steps))
+    # a LoRA fine-tune of the last weights (frozen): the adapters change, the base does not
+    phases.append(("lora lr 1e-4", 1e-4, args.lora_steps))
     out: dict[str, Any] = {"state_bytes": nbytes, "phases": []}
+    stepper, extra = trainer, {}
     for label, lr, steps in phases:
+        if not steps:
+            continue
+        if label.startswith("lora"):  # its first version adds the adapters: not counted
+            stepper = Trainer(adapters(trainer.weights, args.lora_rank, args.seed), args.seed)
+            extra = stepper.weights
+            nbytes_lora = sum(v.numel() * 2 for v in extra.values())
+            log(f"{where}: LoRA rank {args.lora_rank}, {len(extra)} adapters, "
+                f"{C.fmt_bytes(nbytes_lora)}")  # fmt: skip
+            names.append(f"v{len(names)}")
+            digests.append(state_digest({**trainer.weights, **extra}))
+            for r in runs:
+                r.save(
+                    {**trainer.weights, **extra},
+                    names[-1],
+                    keep=args.k + 1 if r is runs[0] else None,
+                )
+            buf = empty_like({**trainer.weights, **extra})
         first = len(names)
         change, frac = 0, []
         for _ in range(steps):
-            prev = snapshot(trainer.weights)
-            trainer.step(lr)
-            c, f = change_stats(prev, trainer.weights, chunk, pool)
+            prev = snapshot(extra) if extra else snapshot(trainer.weights)
+            stepper.step(lr)
+            c, f = change_stats(prev, extra or trainer.weights, chunk, pool)
             del prev
             change, frac = change + c, [*frac, f]
             names.append(f"v{len(names)}")
-            digests.append(state_digest(trainer.weights))
+            state = {**trainer.weights, **extra}
+            digests.append(state_digest(state))
             for r in runs:
-                r.save(trainer.weights, names[-1], keep=args.k + 1 if r is runs[0] else None)
+                r.save(state, names[-1], keep=args.k + 1 if r is runs[0] else None)
         log(f"{where} {label}: {steps} steps, {sum(frac) / len(frac):.2%} of elements changed")
         ph: dict[str, Any] = {"phase": label, "steps": steps, "change_bytes": change}
         ph["changed_frac"] = sum(frac) / len(frac)
@@ -136,7 +174,7 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
             pt["fold_s"] = sum(r.fold_s[first:]) / steps
             ph[r.policy.name] = pt
             log(f"  {r.policy.name}: {pt}")
-        ph["safetensors"] = safetensors_point(trainer.weights, where, st_base, buf)
+        ph["safetensors"] = safetensors_point({**trainer.weights, **extra}, where, st_base, buf)
         out["phases"].append(ph)
     C.rmtree(tmp)
     return out
@@ -210,6 +248,8 @@ def main() -> None:
     ap.add_argument("--rl-steps", type=int, default=24)
     ap.add_argument("--rl5-steps", type=int, default=12)
     ap.add_argument("--pretrain-steps", type=int, default=2)
+    ap.add_argument("--lora-steps", type=int, default=6, help="then a LoRA fine-tune (0: none)")
+    ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--k", type=int, default=10, help="catch-up over k versions")
     ap.add_argument("--policies", default="old=64/4,default", help="NAME=B/K or default")
     ap.add_argument("--seed", type=int, default=0)
