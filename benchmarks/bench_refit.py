@@ -167,7 +167,8 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
         ph: dict[str, Any] = {"phase": label, "steps": steps, "change_bytes": change}
         ph["changed_frac"] = sum(frac) / len(frac)
         for r in runs:
-            pt = measure_point(r, runs[0], names, digests, buf, args.k, first)
+            floor = first - 1 if extra else 0  # the adapters exist from first - 1 on
+            pt = measure_point(r, runs[0], names, digests, buf, args.k, first, floor)
             pt["written"] = sum(r.written[first:])
             pt["save_s"] = sum(r.save_s[first:]) / steps
             pt["fold_written"] = sum(r.fold_written[first:])

@@ -370,8 +370,12 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
     label = f"{size} ({nparams / 1e6:.3g}M params, {fmt_bytes(model_bytes)} bf16), TP=2"
     before, after, _ = versions(shapes, 1e-6, 2)
     rows: list[list[Any]] = []
-    for boxes, staging, bucket in ((False, "round", 64 << 20), (True, "round", 64 << 20),
-                                   (True, "ring", 16 << 20)):  # fmt: skip
+    # ring: the old bytes of a round sent whole go to a file in the temporary directory (the
+    # workers' default), or stay in memory
+    for boxes, staging, bucket, undo in ((False, "round", 64 << 20, None),
+                                         (True, "round", 64 << 20, None),
+                                         (True, "ring", 16 << 20, "memory"),
+                                         (True, "ring", 16 << 20, None)):  # fmt: skip
         llm = LLM(
             model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True,
             dtype="bfloat16", max_model_len=256, max_num_seqs=4, tensor_parallel_size=2,
@@ -385,6 +389,7 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
             tp_boxes=boxes,
             staging=staging,
             bucket_bytes=bucket,
+            undo_dir=undo,
         )
         eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
         mem0 = llm.collective_rpc(_rss, kwargs={"reset": True})
@@ -401,12 +406,14 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
                 f"{(m['VmRSS'] - z['VmRSS']) / 1e6:.0f}" for m, z in zip(now, mem0, strict=True)
             )
             steps.append(f"{step} {ends}")
-        print(f"{size} tp_boxes={boxes} staging={staging}: MB above the engine per worker "
+        print(f"{size} tp_boxes={boxes} staging={staging} undo_dir={undo}: MB above the engine per worker "
               "after: " + ", ".join(steps))  # fmt: skip
         mem = llm.collective_rpc(_rss)
         rec = llm.collective_rpc(_receiver_bytes)
         what = "tp_boxes: its boxes" if boxes else "every tensor whole"
-        what += f", ring staging, {bucket >> 20} MiB buckets" if staging == "ring" else ""
+        if staging == "ring":
+            kept = "in memory" if undo == "memory" else "in a file"
+            what += f", ring staging, {bucket >> 20} MiB buckets, undo {kept}"
         for w, (m0, m, r) in enumerate(zip(mem0, mem, rec, strict=True)):
             peak, end = m["VmHWM"] - m0["VmRSS"], m["VmRSS"] - m0["VmRSS"]
             rows.append([

@@ -20,6 +20,7 @@ from deltackpt.sync import wire
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.schedule import LinkBucket
 from deltackpt.sync.schedule_decl import Box, Wanted
+from deltackpt.sync.spill import Spilled, UndoSpill
 
 __all__ = ["Staged", "Undo", "apply_round", "revert"]
 
@@ -33,8 +34,8 @@ _SIGNED[8] = (torch.int64, np.int64)
 
 #: what :func:`apply_round` overwrote, to put back (:func:`revert`): a target region and its old
 #: bytes (a piece copied whole), or a target's flat elements, their indices and old values (a
-#: patch: only the changed elements are kept)
-Undo = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+#: patch: only the changed elements are kept); a piece's old bytes may be in an undo spill file
+Undo = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | Spilled]]
 
 
 def apply_round(
@@ -43,11 +44,13 @@ def apply_round(
     staged: list[Staged],
     pool: ThreadPoolExecutor | None,
     undo: Undo | None = None,
+    spill: UndoSpill | None = None,
 ) -> set[int]:
     """Copy every staged piece into its target; returns the wants touched. The copies run on
     ``pool`` (a copy releases the GIL): after the vote the senders are idle, so this rank may
     use the cores they used. With ``undo``, what is overwritten is kept there first (for a
-    patch, only the changed elements), so :func:`revert` can put the previous round back."""
+    patch, only the changed elements), so :func:`revert` can put the previous round back; with
+    ``spill`` the old bytes of pieces copied whole into host targets go into that file."""
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     changed: set[int] = set()
     for bk, slot, offsets, _, sparse in staged:
@@ -69,7 +72,9 @@ def apply_round(
                 continue
             src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
             if undo is not None:
-                undo.append((dst, None, dst.detach().clone()))
+                on_host = spill is not None and dst.device.type == "cpu"
+                old = spill.keep(dst) if spill is not None and on_host else dst.detach().clone()
+                undo.append((dst, None, old))
             jobs.append((dst, src))
     if pool is None or len(jobs) < 2:
         _copy_all(jobs)
@@ -93,7 +98,9 @@ def revert(undo: Undo) -> None:
     with torch.no_grad():
         while undo:
             dst, at, old = undo.pop()
-            if at is None:
+            if isinstance(old, Spilled):
+                old.restore(dst)
+            elif at is None:
                 dst.copy_(old)
             else:
                 dst[at] = old

@@ -50,6 +50,7 @@ from deltackpt.sync.rounds import (
 )
 from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
 from deltackpt.sync.schedule_decl import Box, Decl, Wanted, decl_from_json
+from deltackpt.sync.spill import UndoSpill
 
 __all__ = ["Want", "WeightReceiver"]
 
@@ -100,7 +101,13 @@ class WeightReceiver:
     ``"round"``); each verified bucket is written into the targets at once,
     keeping the bytes it overwrote (for a patch only the changed elements), and the round is
     taken back if the vote fails: memory is the targets + 2 messages + what a round changed.
-    Only for wants without ``into`` (the model must not see a round before its vote)."""
+    Only for wants without ``into`` (the model must not see a round before its vote).
+
+    ``undo_dir``: where the bytes a round overwrites whole are kept for taking it back (the
+    vote, ``pull(undo=True)``): None (default) keeps them in memory, a second copy of every
+    target a round sends whole; a directory keeps them in an unlinked file there
+    (:mod:`deltackpt.sync.spill`: the page cache, not this process's memory; read back only
+    if the round is taken back). A patch's changed elements stay in memory either way."""
 
     def __init__(
         self,
@@ -114,6 +121,7 @@ class WeightReceiver:
         verify: str = "sent",
         boxes: Callable[[str, tuple[int, ...]], Box | None] | None = None,
         staging: str = "round",
+        undo_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if group.rank in group.trainers:
             raise SyncError(f"rank {group.rank} is a trainer of the group; use WeightSender")
@@ -154,6 +162,10 @@ class WeightReceiver:
         # the last applied round's undo list (None: not kept) and the wants it changed
         self._round: tuple[Undo | None, list[int]] = (None, [])
         self._ring = False  # staging="ring" and two slots take less than a round's (_setup)
+        # undo_dir: two spill files, the live undo's and the one a new round writes
+        self.undo_dir = None if undo_dir is None else str(undo_dir)
+        self._spills: list[UndoSpill] = []
+        self._undo_spill: UndoSpill | None = None  # the file self._undo's bytes are in
 
     def _decl(self) -> Decl:
         if self.every and self.boxes is not None:
@@ -291,9 +303,10 @@ class WeightReceiver:
         # ring staging: what the buckets written before the vote overwrote, and their wants
         early: Undo = []
         touched: set[int] = set()
+        spill = self._round_spill()
         if self._ring:
             try:
-                self._receive_ring(st, sched, early, touched)
+                self._receive_ring(st, sched, early, touched, spill)
             except BaseException:  # a lost peer: what was written goes back first
                 revert(early)
                 raise
@@ -323,6 +336,7 @@ class WeightReceiver:
                 f"rank {g.rank}: round not committed: {why}; version stays {self.version}"
             )
         self._undo = None
+        self._drop_spill()  # the previous round's (this round's bytes are in the other file)
         # nothing to go back to before the first round
         kept: Undo | None = [] if undo and self.version is not None else None
         before = (self.version, dict(self._kept)) if undo else (self.version, {})
@@ -331,7 +345,9 @@ class WeightReceiver:
             if kept is not None:
                 kept.extend(early)
         else:
-            changed = apply_round(self._targets, sched.wanted[g.rank], st.staged, self._pool, kept)
+            changed = apply_round(
+                self._targets, sched.wanted[g.rank], st.staged, self._pool, kept, spill
+            )
         self._round = (kept, sorted(changed))
         if self.verify == "all":
             for bk, _, offs, _, _ in st.staged:
@@ -361,6 +377,7 @@ class WeightReceiver:
         self._changed = sorted(changed)
         if kept is not None:
             self._undo = (kept, before[0], before[1])
+            self._undo_spill = spill
         payload = sum(st.per_link.values())
         zero_copy = sum(
             p.nbytes
@@ -388,12 +405,14 @@ class WeightReceiver:
 
     @property
     def undo_bytes(self) -> int:
-        """Bytes ``pull(undo=True)`` keeps for :meth:`revert` now (old values and indices)."""
+        """Bytes ``pull(undo=True)`` keeps in memory for :meth:`revert` now (old values and
+        indices; what ``undo_dir``'s file keeps is :attr:`spilled_bytes`)."""
         if self._undo is None:
             return 0
         return sum(
             o.numel() * o.element_size() + (0 if at is None else at.numel() * at.element_size())
             for _, at, o in self._undo[0]
+            if isinstance(o, torch.Tensor)  # not what is kept in undo_dir's file
         )
 
     def changed_elements(self) -> dict[str, torch.Tensor | None]:
@@ -431,9 +450,10 @@ class WeightReceiver:
 
     def drop_undo(self) -> None:
         """Free what ``pull(undo=True)`` kept (once the round is final): for a round sent
-        whole that is a second copy of every changed target."""
+        whole that is a second copy of every changed target (in memory, or in ``undo_dir``)."""
         self._undo = None
         self._round = (None, self._round[1])
+        self._drop_spill()
 
     def revert(self) -> list[tuple[str, torch.Tensor]]:
         """Put the round before the last one back: its bytes into every target the last round
@@ -451,6 +471,7 @@ class WeightReceiver:
         self._undo = None
         self._round = (None, self._round[1])
         revert(kept)
+        self._drop_spill()
         return [
             (self.wants[i].name, self._targets[i])
             for i in self._changed
@@ -474,7 +495,36 @@ class WeightReceiver:
         if pending is not None:
             self._settle(st, pending)
 
-    def _receive_ring(self, st: _Round, sched: Schedule, early: Undo, touched: set[int]) -> None:
+    def _round_spill(self) -> UndoSpill | None:
+        """The spill file this round keeps overwritten bytes in (``undo_dir``): not the one the
+        live undo uses (a failed round leaves that one revertible), emptied first."""
+        if self.undo_dir is None:
+            return None
+        free = [s for s in self._spills if s is not self._undo_spill]
+        if not free:
+            free.append(UndoSpill(self.undo_dir))
+            self._spills.append(free[0])
+        free[0].clear()
+        return free[0]
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Bytes kept for taking rounds back in ``undo_dir``'s files now (not in memory)."""
+        return sum(s.nbytes for s in self._spills)
+
+    def _drop_spill(self) -> None:
+        if self._undo_spill is not None:
+            self._undo_spill.clear()
+            self._undo_spill = None
+
+    def _receive_ring(
+        self,
+        st: _Round,
+        sched: Schedule,
+        early: Undo,
+        touched: set[int],
+        spill: UndoSpill | None = None,
+    ) -> None:
         """Two slots, reused: bucket i+1 is posted into the slot bucket i-1 leaves once that
         one is verified and written into the targets (its old bytes kept in ``early``)."""
         g, bks = self.group, self._buckets
@@ -492,7 +542,8 @@ class WeightReceiver:
             n = len(st.staged)
             self._settle(st, got)
             if len(st.staged) > n and st.failure is None:  # verified: into the targets now
-                touched.update(apply_round(self._targets, wanted, st.staged[n:], self._pool, keep))
+                staged = st.staged[n:]
+                touched.update(apply_round(self._targets, wanted, staged, self._pool, keep, spill))
 
         posted = {i: post(i) for i in range(min(2, len(bks)))}
         pending: _Arrived | None = None

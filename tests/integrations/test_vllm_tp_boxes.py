@@ -89,7 +89,8 @@ def test_each_worker_holds_its_share_not_the_model(run):
             assert m["held"] == m["share"]  # only its boxes are held
             # the staging arena: two messages (staging="ring"), not a round of its boxes
             assert m["staging"] <= 2 * (run["bucket_bytes"] + 16 * 1024) < m["share"]
-            assert m["undo"] == 0  # a committed round keeps no old bytes
+            assert m["undo"] == 0  # a committed round keeps no old bytes, in memory
+            assert m["spilled"] == 0  # nor in the undo file (the workers' default undo_dir)
     full = run["rounds"][0]
     for m, sent in zip(full["memory"], sorted(full["per_link"].items()), strict=True):
         assert sent[1] == m["share"]  # the full round carried exactly its boxes

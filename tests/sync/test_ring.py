@@ -24,8 +24,8 @@ pytestmark = pytest.mark.multiproc
 BUCKET = 2 << 10
 # version -> what happens: "ok", "tamper" (receiver 1 edits a copy first: the round fails),
 # "revert" (committed, then taken back); the trainer sends whole after a failed round
-PLAN = {1: "ok", 2: "ok", 3: "tamper", 4: "ok", 5: "ok", 6: "revert", 7: "ok", 8: "ok"}
-FULL = {4, 7}
+PLAN = {1: "ok", 2: "ok", 3: "tamper", 4: "revert", 5: "ok", 6: "revert", 7: "ok", 8: "ok"}
+FULL = {4, 5, 7}
 TAMPERED = 1  # "q": its buckets come after those of "embed", written by then
 
 
@@ -45,15 +45,17 @@ def _trainer(rank: int, world: int, port: int, links: str) -> list[Any]:
     return out
 
 
-def _receiver(rank: int, world: int, port: int, links: str) -> list[Any]:
+def _receiver(rank: int, world: int, port: int, links: str, spill_dir: str) -> list[Any]:
     from deltackpt import sync
 
     group = sync.SyncGroup("127.0.0.1", port, rank, world, [0], links=links)
     half = rank == 2
     boxes = (lambda n, shape: _box(shape, 0, 2)) if half else None
     dtype = torch.bfloat16 if half else None
+    # receiver 2 keeps what whole pieces overwrite in a file, receiver 1 in memory
+    undo_dir = spill_dir if half else None
     receiver = sync.WeightReceiver(
-        group, bucket_bytes=BUCKET, staging="ring", boxes=boxes, dtype=dtype
+        group, bucket_bytes=BUCKET, staging="ring", boxes=boxes, dtype=dtype, undo_dir=undo_dir
     )
     model: dict[str, torch.Tensor] = {}
 
@@ -82,8 +84,9 @@ def _receiver(rank: int, world: int, port: int, links: str) -> list[Any]:
             out.append((v, type(e).__name__, receiver.version, bad(serving)))
             continue
         if what == "revert":
+            kept = (receiver.undo_bytes, receiver.spilled_bytes)
             model.update(receiver.revert())
-            out.append((v, "reverted", receiver.version, bad(serving), st.patched > 0))
+            out.append((v, "reverted", receiver.version, bad(serving), st.patched > 0, kept))
             continue
         serving = v
         out.append((v, "ok", receiver.version, bad(v), st.patched > 0, st.full))
@@ -94,10 +97,13 @@ def _receiver(rank: int, world: int, port: int, links: str) -> list[Any]:
 
 
 @pytest.mark.parametrize("links", ["gloo", "shm"])
-def test_ring_staging_is_bit_exact_and_takes_failed_rounds_back(links: str) -> None:
+def test_ring_staging_is_bit_exact_and_takes_failed_rounds_back(links: str, tmp_path) -> None:
     port = free_port()
-    jobs = [(_trainer, (0, 3, port, links))] + [(_receiver, (r, 3, port, links)) for r in (1, 2)]
+    spill = str(tmp_path)
+    jobs = [(_trainer, (0, 3, port, links))]
+    jobs += [(_receiver, (r, 3, port, links, spill)) for r in (1, 2)]
     trainer, *receivers = [o.unwrap() for o in spawn(jobs, timeout=120)]
+    assert list(tmp_path.iterdir()) == []  # the spill files were unlinked from the start
     assert trainer[2] == "RoundAbortedError"  # the tampered round, refused everywhere
     for rec in receivers:
         *rows, arena = rec
@@ -106,8 +112,12 @@ def test_ring_staging_is_bit_exact_and_takes_failed_rounds_back(links: str) -> N
         # before the failing one ("embed") were taken back
         assert all(r[3] == [] for r in rows), rows
         assert by_v[3][1] in ("DigestMismatchError", "RoundAbortedError") and by_v[3][2] == 2
-        assert by_v[6][1:3] == ("reverted", 5)
-        assert [by_v[v][2] for v in (1, 2, 4, 5, 7, 8)] == [1, 2, 4, 5, 7, 8]
+        assert by_v[4][1:3] == ("reverted", 2) and by_v[6][1:3] == ("reverted", 5)
+        assert [by_v[v][2] for v in (1, 2, 5, 7, 8)] == [1, 2, 5, 7, 8]
+        # the full round taken back: its old bytes in memory (1) or in the spill file (2)
+        undo, spilled = by_v[4][5]
+        assert (undo == 0 and spilled > 0) if rec is receivers[1] else (undo > 0 == spilled)
+        assert by_v[6][5][0] > 0  # a patch's old values stay in memory either way
         assert by_v[2][4] and by_v[8][4]  # patched rounds
         _, nbytes, nbuckets = arena
         assert nbuckets >= 3 and nbytes <= 2 * (BUCKET + 512), arena  # two messages, not a round

@@ -85,7 +85,10 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     (``WeightReceiver(staging=)``: ``"round"``, a round's wire bytes posted up front, or
     ``"ring"``, two messages, each verified bucket written into the worker's copies before the
     vote and taken back if it fails; None: the workers' ``DELTACKPT_VLLM_STAGING`` decides,
-    default ``"ring"``; docs/sync.md, "Memory")."""
+    default ``"ring"``; docs/sync.md, "Memory"). ``undo_dir``: where a worker keeps the bytes a
+    round sent whole overwrites, to take the round back (``WeightReceiver(undo_dir=)``: a
+    directory, or ``"memory"``; None: the workers' ``DELTACKPT_VLLM_UNDO_DIR`` decides, default
+    with ``"ring"`` the temporary directory unless it is a RAM filesystem)."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -102,6 +105,7 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     tp_boxes: bool | None = None
     inplace: bool | None = None
     staging: str | None = None
+    undo_dir: str | None = None
 
 
 class LocalLLMClient:
@@ -182,6 +186,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             worker_info["inplace"] = bool(init_info.inplace)
         if init_info.staging is not None:
             worker_info["staging"] = str(init_info.staging)
+        if init_info.undo_dir is not None:
+            worker_info["undo_dir"] = str(init_info.undo_dir)
         joined: Future[None] | None = None
         if eng.is_sender:
             joined = eng._rpc.submit(client.init_weight_transfer_engine, worker_info)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -64,6 +65,7 @@ from vllm.distributed.weight_transfer.base import (
 from deltackpt.integrations.vllm import inplace, tp_boxes
 from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
 from deltackpt.sync.schedule_decl import Box
+from deltackpt.sync.spill import ram_filesystem
 
 __all__ = [
     "DeltackptInitInfo",
@@ -79,6 +81,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 #: the workers' default for ``DeltackptInitInfo.staging``
 STAGING_ENV = "DELTACKPT_VLLM_STAGING"
+#: the workers' default for ``DeltackptInitInfo.undo_dir`` ("memory": keep it in memory)
+UNDO_DIR_ENV = "DELTACKPT_VLLM_UNDO_DIR"
 # groups this worker left (a new trainer, a lost one): kept referenced, never destroyed, since
 # tearing down a gloo group with receives still posted (a round its trainer died in) blocks
 # until the group timeout
@@ -107,6 +111,23 @@ class DeltackptInitInfo(WeightTransferInitInfo):
     inplace: bool | None = None
     # WeightReceiver(staging=): "round" or "ring" (None: DELTACKPT_VLLM_STAGING, else "ring")
     staging: str | None = None
+    # WeightReceiver(undo_dir=): a directory, or "memory" (None: DELTACKPT_VLLM_UNDO_DIR, else
+    # with staging "ring" the temporary directory unless it is kept in memory; undo_dir_for)
+    undo_dir: str | None = None
+
+
+def undo_dir_for(value: str | None, staging: str) -> str | None:
+    """Where a worker keeps the bytes a round sent whole overwrote, for taking it back (None:
+    in memory). Explicit: ``value``, else ``DELTACKPT_VLLM_UNDO_DIR``; ``"memory"`` keeps them
+    in memory. Default: with ``staging="ring"`` (whose point is a bounded host memory) the
+    temporary directory, unless that is a RAM filesystem (tmpfs: no memory saved there)."""
+    chosen = value or os.environ.get(UNDO_DIR_ENV, "").strip()
+    if chosen:
+        return None if chosen == "memory" else chosen
+    if staging != "ring":
+        return None
+    tmp = tempfile.gettempdir()
+    return None if ram_filesystem(tmp) else tmp
 
 
 @dataclass
@@ -343,6 +364,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             bucket_bytes=init_info.bucket_bytes,
             boxes=self._box_of if self.tp_boxes else None,
             staging=staging,
+            undo_dir=undo_dir_for(init_info.undo_dir, staging),
         )
         self._held = {}
         self._plain = 0
@@ -577,7 +599,8 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
     def memory(self) -> dict[str, int | bool]:
         """Host bytes this worker's receiver holds: ``held`` (its committed copies: the boxes
         with ``tp_boxes``), ``staging`` (its arena: one full round's wire bytes of its boxes),
-        ``undo`` (old bytes kept for a rollback until the round is final), beside ``model``
+        ``undo`` (old bytes kept in memory for a rollback until the round is final),
+        ``spilled`` (those kept in ``undo_dir``'s file instead: not memory), beside ``model``
         (every trainer tensor whole, in the wire dtype) and ``share`` (what this worker's
         boxes take: ``held`` when every box is held)."""
         rc = self.receiver
@@ -594,6 +617,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             "held": sum(t.numel() * t.element_size() for t in self._held.values()),
             "staging": 0 if rc is None else rc.staging_bytes,
             "undo": 0 if rc is None else rc.undo_bytes,
+            "spilled": 0 if rc is None else rc.spilled_bytes,
             "model": model,
             "share": share,
         }
