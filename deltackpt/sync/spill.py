@@ -105,7 +105,13 @@ class UndoSpill:
     def read_into(self, s: Spilled, dst: torch.Tensor) -> None:
         if s.spill is not self or s.epoch != self._epoch:
             raise SyncError("undo spill: these bytes were already cleared; nothing to put back")
-        buf = np.empty(s.nbytes, dtype=np.uint8)
+        direct = dst.is_contiguous() and dst.device.type == "cpu" and dst.numel() > 0
+        if direct:  # straight back into the target's bytes
+            buf = dst.detach().reshape(-1).view(torch.uint8).numpy()
+        else:  # a strided box: through one piece's buffer
+            buf = np.empty(s.nbytes, dtype=np.uint8)
+        if buf.size != s.nbytes:
+            raise SyncError(f"undo spill: {s.nbytes} bytes kept, the target has {buf.size}")
         done = 0
         while done < s.nbytes:
             n = os.preadv(self._fd, [buf[done : done + _MAX_IO]], s.offset + done)
@@ -115,9 +121,10 @@ class UndoSpill:
                     f"{s.offset + done} could not be read back"
                 )
             done += n
-        old = torch.from_numpy(buf).view(dst.dtype).view(dst.shape)
-        with torch.no_grad():
-            dst.copy_(old)
+        if not direct:
+            old = torch.from_numpy(buf).view(dst.dtype).view(dst.shape)
+            with torch.no_grad():
+                dst.copy_(old)
 
     def clear(self) -> None:
         """Drop everything kept (the file shrinks to nothing; pages never written back are
