@@ -107,18 +107,23 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
     trainer = Trainer(w0, args.seed)
     del w0
     tmp = Path(tempfile.mkdtemp(prefix=f"refit-{where}-", dir=args.workdir))
-    runs = []
-    for pol in policies(args.policies):
-        if where == "local":
-            st = deltackpt.open_store(tmp / pol.name)
-        else:
-            from deltackpt.store.objstore import FsspecStorage
 
-            url = f"s3://bench/refit-{pol.name}"
-            # one writer per prefix: the raw store may gc its old versions
-            storage = FsspecStorage(url, server.opts, no_concurrent_saves=True)
-            st = deltackpt.open_store(url, storage=storage)
-        runs.append(Run(pol, st))
+    def new_runs(run: str) -> list[Run]:
+        out = []
+        for pol in policies(args.policies):
+            if where == "local":
+                st = deltackpt.open_store(tmp / f"{run}{pol.name}")
+            else:
+                from deltackpt.store.objstore import FsspecStorage
+
+                url = f"s3://bench/refit-{run}{pol.name}"
+                # one writer per prefix: the raw store may gc its old versions
+                storage = FsspecStorage(url, server.opts, no_concurrent_saves=True)
+                st = deltackpt.open_store(url, storage=storage)
+            out.append(Run(pol, st))
+        return out
+
+    runs = new_runs("")
     st_base: Any = tmp if where == "local" else (server.fs, "bench/refit/model.safetensors")
     chunk = runs[0].store.chunk_bytes
     pool = ThreadPoolExecutor(2)
@@ -135,20 +140,18 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
     for label, lr, steps in phases:
         if not steps:
             continue
-        if label.startswith("lora"):  # its first version adds the adapters: not counted
+        if label.startswith("lora"):
+            # a run of its own, into new stores, as a LoRA fine-tune starts: its first version
+            # (the base and the new adapters) is not counted
             stepper = Trainer(adapters(trainer.weights, args.lora_rank, args.seed), args.seed)
             extra = stepper.weights
             nbytes_lora = sum(v.numel() * 2 for v in extra.values())
             log(f"{where}: LoRA rank {args.lora_rank}, {len(extra)} adapters, "
                 f"{C.fmt_bytes(nbytes_lora)}")  # fmt: skip
-            names.append(f"v{len(names)}")
-            digests.append(state_digest({**trainer.weights, **extra}))
+            runs = new_runs("lora-")
+            names, digests = ["v0"], [state_digest({**trainer.weights, **extra})]
             for r in runs:
-                r.save(
-                    {**trainer.weights, **extra},
-                    names[-1],
-                    keep=args.k + 1 if r is runs[0] else None,
-                )
+                r.save({**trainer.weights, **extra}, "v0")
             buf = empty_like({**trainer.weights, **extra})
         first = len(names)
         change, frac = 0, []
@@ -167,8 +170,7 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
         ph: dict[str, Any] = {"phase": label, "steps": steps, "change_bytes": change}
         ph["changed_frac"] = sum(frac) / len(frac)
         for r in runs:
-            floor = first - 1 if extra else 0  # the adapters exist from first - 1 on
-            pt = measure_point(r, runs[0], names, digests, buf, args.k, first, floor)
+            pt = measure_point(r, runs[0], names, digests, buf, args.k, first)
             pt["written"] = sum(r.written[first:])
             pt["save_s"] = sum(r.save_s[first:]) / steps
             pt["fold_written"] = sum(r.fold_written[first:])

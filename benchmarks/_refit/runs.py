@@ -120,7 +120,6 @@ def measure_point(
     buf: dict[str, torch.Tensor],
     k: int,
     first: int,
-    floor: int = 0,
 ) -> dict[str, float]:
     """At version ``names[-1]``: a fresh reader's full load, catch-up from the version before and
     from ``k`` versions before (``into`` first filled with that version from the raw store); and
@@ -140,8 +139,8 @@ def measure_point(
         out["worst_s"] = min(
             timed_load(run.store, names[worst], buf, digests[worst])[0] for _ in range(2)
         )
-    for back in (1, k):  # catch-ups start no earlier than names[floor]
-        if len(names) - 1 - back < floor:  # before the run began, or with other keys (LoRA)
+    for back in (1, k):
+        if back >= len(names):
             continue
         held, d_held = names[-1 - back], digests[-1 - back]
         secs, nbytes = [], 0
