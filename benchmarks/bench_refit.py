@@ -136,6 +136,7 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
     # a LoRA fine-tune of the last weights (frozen): the adapters change, the base does not
     phases.append(("lora lr 1e-4", 1e-4, args.lora_steps))
     out: dict[str, Any] = {"state_bytes": nbytes, "phases": []}
+    base: dict[str, torch.Tensor] = {}
     stepper, extra = trainer, {}
     for label, lr, steps in phases:
         if not steps:
@@ -149,10 +150,13 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
             log(f"{where}: LoRA rank {args.lora_rank}, {len(extra)} adapters, "
                 f"{C.fmt_bytes(nbytes_lora)}")  # fmt: skip
             runs = new_runs("lora-")
-            names, digests = ["v0"], [state_digest({**trainer.weights, **extra})]
+            # the base is frozen (requires_grad False, as PEFT leaves it): the save's grouping
+            # keeps its small tensors apart from the adapters from the start
+            base = {k: v.detach() for k, v in trainer.weights.items()}
+            names, digests = ["v0"], [state_digest({**base, **extra})]
             for r in runs:
-                r.save({**trainer.weights, **extra}, "v0")
-            buf = empty_like({**trainer.weights, **extra})
+                r.save({**base, **extra}, "v0")
+            buf = empty_like({**base, **extra})
         first = len(names)
         change, frac = 0, []
         for _ in range(steps):
@@ -162,7 +166,7 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
             del prev
             change, frac = change + c, [*frac, f]
             names.append(f"v{len(names)}")
-            state = {**trainer.weights, **extra}
+            state = {**base, **extra} if extra else trainer.weights
             digests.append(state_digest(state))
             for r in runs:
                 r.save(state, names[-1], keep=args.k + 1 if r is runs[0] else None)
@@ -177,7 +181,7 @@ def scenario(where: str, params: float, args: argparse.Namespace, server: Any) -
             pt["fold_s"] = sum(r.fold_s[first:]) / steps
             ph[r.policy.name] = pt
             log(f"  {r.policy.name}: {pt}")
-        ph["safetensors"] = safetensors_point({**trainer.weights, **extra}, where, st_base, buf)
+        ph["safetensors"] = safetensors_point(state, where, st_base, buf)
         out["phases"].append(ph)
     C.rmtree(tmp)
     return out
