@@ -394,33 +394,39 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
         eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
         mem0 = llm.collective_rpc(_rss, kwargs={"reset": True})
         steps: list[str] = []
+        peak = [0] * len(mem0)  # the highest RSS any step reached, above the engine
         for step, sd, kw in (
             ("full", before, {}), ("full again", before, {"full": True}), ("delta", after, {}),
             ("staged", before, {"stage": True}),
         ):  # fmt: skip
+            llm.collective_rpc(_rss, kwargs={"reset": True})  # this step's peak from here
             eng.send_weights(sd, version=len(steps) + 1, **kw)
             if kw.get("stage"):
                 eng.commit()
             now = llm.collective_rpc(_rss)
             ends = "/".join(
-                f"{(m['VmRSS'] - z['VmRSS']) / 1e6:.0f}" for m, z in zip(now, mem0, strict=True)
+                f"{(m['VmHWM'] - z['VmRSS']) / 1e6:.0f}>{(m['VmRSS'] - z['VmRSS']) / 1e6:.0f}"
+                for m, z in zip(now, mem0, strict=True)
             )
+            peak = [
+                max(p, m["VmHWM"] - z["VmRSS"]) for p, m, z in zip(peak, now, mem0, strict=True)
+            ]
             steps.append(f"{step} {ends}")
-        print(f"{size} tp_boxes={boxes} staging={staging} undo_dir={undo}: MB above the engine per worker "
-              "after: " + ", ".join(steps))  # fmt: skip
+        print(f"{size} tp_boxes={boxes} staging={staging} undo_dir={undo}: MB above the engine "
+              "per worker, peak>end of each step: " + ", ".join(steps))  # fmt: skip
         mem = llm.collective_rpc(_rss)
         rec = llm.collective_rpc(_receiver_bytes)
         what = "tp_boxes: its boxes" if boxes else "every tensor whole"
         if staging == "ring":
             kept = "in memory" if undo == "memory" else "in a file"
             what += f", ring staging, {bucket >> 20} MiB buckets, undo {kept}"
-        for w, (m0, m, r) in enumerate(zip(mem0, mem, rec, strict=True)):
-            peak, end = m["VmHWM"] - m0["VmRSS"], m["VmRSS"] - m0["VmRSS"]
+        for w, (m0, m, r, top) in enumerate(zip(mem0, mem, rec, peak, strict=True)):
+            end = m["VmRSS"] - m0["VmRSS"]
             rows.append([
                 label, what, w, f"{fmt_bytes(r['held'])} ({r['held'] / model_bytes:.2f}x)",
                 fmt_bytes(r["staging"]),
-                f"{fmt_bytes(peak)} / {fmt_bytes(end)}",
-                f"{peak / model_bytes:.2f}x / {end / model_bytes:.2f}x",
+                f"{fmt_bytes(top)} / {fmt_bytes(end)}",
+                f"{top / model_bytes:.2f}x / {end / model_bytes:.2f}x",
             ])  # fmt: skip
         print(md_table(TP_HEADER, rows[-2:]), flush=True)
         eng.shutdown()
