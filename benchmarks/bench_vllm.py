@@ -35,15 +35,16 @@ same run.
     .venv-vllm/bin/python benchmarks/bench_vllm.py                 # tiny, ~100M and ~0.5B
     .venv-vllm/bin/python benchmarks/bench_vllm.py --sizes tiny    # quick
 
-``--tp-memory`` measures only host memory per worker of a ``tensor_parallel_size=2`` engine
-(one core bound per worker), once with every tensor received whole, once with
-``tp_boxes`` (each worker receives and holds only its tensor-parallel boxes) and once with
-``tp_boxes`` and ``staging="ring"`` with 16 MiB buckets (two message slots instead of a
-round's arena): the receiver's
-bytes (``memory()``: held copies, staging arena, the model, the worker's share) and each
-worker's peak and end RSS above the engine before its first round (peak reset there), after a
-first full round, a second full round (its rollback copy lives until the commit), a delta round
-and a staged delta with its ``commit()``::
+``--tp-memory`` measures host memory per worker of a ``tensor_parallel_size=2`` engine (one
+core bound per worker), once with every tensor received whole, once with ``tp_boxes`` (each
+worker receives and holds only its tensor-parallel boxes), and twice with ``tp_boxes`` and
+``staging="ring"`` with 16 MiB buckets (two message slots instead of a round's arena), the
+rollback's old bytes kept in memory and in the undo file (the workers' default): the
+receiver's bytes (``memory()``: held copies, staging arena, the model, the worker's share) and
+each worker's RSS above the engine before its first round, at the peak and the end of each
+step (the peak reset before it): a first full round, a second full round (its rollback copy
+lives until the commit), a delta round and a staged delta with its ``commit()``; each step's
+time as the trainer sees it, and the staged commit's pause inside the workers::
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py --tp-memory --sizes 100m
 """
@@ -400,9 +401,12 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
             ("staged", before, {"stage": True}),
         ):  # fmt: skip
             llm.collective_rpc(_rss, kwargs={"reset": True})  # this step's peak from here
+            t0 = time.perf_counter()
             eng.send_weights(sd, version=len(steps) + 1, **kw)
-            if kw.get("stage"):
+            took = f"{time.perf_counter() - t0:.2f}s"
+            if kw.get("stage"):  # prepared while serving, then the commit (the pause inside)
                 eng.commit()
+                took += f" + pause {max(llm.collective_rpc(_commit_inside)):.3f}s"
             now = llm.collective_rpc(_rss)
             ends = "/".join(
                 f"{(m['VmHWM'] - z['VmRSS']) / 1e6:.0f}>{(m['VmRSS'] - z['VmRSS']) / 1e6:.0f}"
@@ -411,9 +415,9 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
             peak = [
                 max(p, m["VmHWM"] - z["VmRSS"]) for p, m, z in zip(peak, now, mem0, strict=True)
             ]
-            steps.append(f"{step} {ends}")
+            steps.append(f"{step} {ends} ({took})")
         print(f"{size} tp_boxes={boxes} staging={staging} undo_dir={undo}: MB above the engine "
-              "per worker, peak>end of each step: " + ", ".join(steps))  # fmt: skip
+              "per worker, peak>end of each step (its time): " + ", ".join(steps))  # fmt: skip
         mem = llm.collective_rpc(_rss)
         rec = llm.collective_rpc(_receiver_bytes)
         what = "tp_boxes: its boxes" if boxes else "every tensor whole"
