@@ -24,11 +24,12 @@ it (a tensor whose chunks were copied instead is copied into it whole, device to
 the source, which must not change until ``push`` returns); a failed round leaves it at the last
 committed version (the next round is full anyway and rewrites it).
 
-Memory: one device copy of each mirrored tensor in its local dtype, allocated at the commit of
-the first round that copied it whole (the first, full round), and only where
-``cuda.device_room`` says it fits; a tensor without one goes by chunks. It pays where the local
-dtype is the wire dtype (bf16 trainers); for an fp32 master nearly every element changes each
-step, over the cap, so the chunks are copied (and the device copy is wasted: use ``off``).
+Memory: one device copy of each mirrored tensor in the dtype the mirror holds it (its wire
+dtype where every piece of it goes in one other floating dtype: an fp32 master sent as bf16 is
+cast first, ``host_mirror.py``, so an RL step's 1-3% of changed bf16 elements are found although
+nearly every fp32 element moved; else its own dtype), allocated at the commit of the first round
+that copied it whole (the first, full round), and only where ``cuda.device_room`` says it fits;
+a tensor without one goes by chunks.
 
 Time, not measured on a GPU yet: the host writes the elements into the mirror with one scatter
 (``index_put_``, ~200 M elements/s per core on the 2-core dev VM), which at 3% of the elements

@@ -26,9 +26,16 @@ state crafted by someone who knows the fixed keys; a change of one word is alway
 ``WeightSender(full_every=N)`` / ``push(full=True)`` bound how long such a miss can last: a full
 round copies and sends every byte.
 
-The mirror holds the tensors in their local dtype (an fp32 master is mirrored as fp32; the
-packer casts, as it does for host tensors): one host copy of the trainer's local CUDA tensors,
-pinned, allocated in the first round and reused. Pinned blocks come from torch's caching host
+The mirror holds each tensor in the dtype it goes on the wire when every piece of it goes in one
+floating dtype other than its own (``cast``, from the sender's schedule: an fp32 master sent as
+bf16): the tensor is cast where it lives first, so its fingerprints, its changed elements
+(``device_patches.py``) and its copy are of the bytes the receivers get, half an fp32 master's,
+and an RL step's few changed bf16 elements are found although nearly every fp32 element moved.
+The price: a device copy of each such tensor in the wire dtype for the round (from the cast to
+the commit; skipped, the tensor mirrored in its own dtype and cast by the packer as before,
+where ``cuda.device_room`` says it does not fit). Other tensors are mirrored in their own
+dtype: one host copy of the trainer's local CUDA tensors, pinned, allocated in the first round
+and reused. Pinned blocks come from torch's caching host
 allocator, which rounds each block up to a power of two, so the mirror is cut into
 power-of-two segments filled first-fit (the waste is in the last segment only).
 
@@ -44,7 +51,7 @@ mirror instead of its changed chunks; the encoder then builds its patches from t
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +61,7 @@ from deltackpt.format.fingerprint import source_fingerprints
 from deltackpt.options import default_device_patch, default_device_scan
 from deltackpt.sync.device_patches import DevicePatches
 
-__all__ = ["CHUNK_BYTES", "HostMirror", "MirrorRound", "mirrored_names"]
+__all__ = ["CHUNK_BYTES", "HostMirror", "MirrorRound", "mirrored_names", "wire_casts"]
 
 CHUNK_BYTES = 1 << 20  # fingerprint and copy granularity
 _ALIGN = 64  # each mirrored tensor starts at a multiple of this in its segment
@@ -88,6 +95,35 @@ class MirrorRound:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _as_wire(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` cast to ``dtype`` where it lives, if that dtype is another and the cast fits on the
+    device (``cuda.device_room``); else ``t``."""
+    if dtype is None or dtype == t.dtype or not t.is_floating_point():
+        return t
+    if not cuda.device_room(t.device, t.numel() * torch.empty(0, dtype=dtype).element_size()):
+        return t
+    return t.to(dtype)
+
+
+def wire_casts(
+    pieces: Iterable[tuple[str, torch.dtype]], local: Mapping[str, torch.Tensor]
+) -> dict[str, torch.dtype]:
+    """The local tensors a sender mirrors in their wire dtype: floating tensors all of whose
+    ``(name, wire dtype)`` pieces go in one other floating dtype."""
+    seen: dict[str, set[torch.dtype]] = {}
+    for n, dt in pieces:
+        seen.setdefault(n, set()).add(dt)
+    out: dict[str, torch.dtype] = {}
+    for n, dts in seen.items():
+        t = local.get(n)
+        if t is None or len(dts) != 1 or not t.is_floating_point():
+            continue
+        (dt,) = dts
+        if dt.is_floating_point and dt != t.dtype:
+            out[n] = dt
+    return out
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -149,17 +185,19 @@ class HostMirror:
         full: bool,
         scan: str | None = None,
         patch: str | None = None,
+        cast: Mapping[str, torch.dtype] | None = None,
     ) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
         """Bring the mirror up to date with ``local`` for one round: returns ``local`` with the
         mirrored tensors replaced by their host copies, and the mirrored names whose bytes did
         not change since the last committed round (none in a ``full`` round or when
         ``DELTACKPT_DEVICE_SCAN=off``). ``patch``: ``DELTACKPT_DEVICE_PATCH`` (None: the
-        environment's); ``off`` under ``DELTACKPT_DEVICE_SCAN=off``."""
+        environment's); ``off`` under ``DELTACKPT_DEVICE_SCAN=off``. ``cast``: the wire dtype of
+        tensors mirrored in it (module doc); their host copies are in that dtype."""
         t0 = time.perf_counter()
         scan = default_device_scan() if scan is None else scan
         patch = default_device_patch() if patch is None else patch
         names = mirrored_names(local, scan)
-        tensors = {n: local[n] for n in names}
+        tensors = {n: _as_wire(local[n], (cast or {}).get(n)) for n in names}
         self._allocate(tensors)
         self._round = {}
         self.device.start(tensors, "off" if scan == "off" else patch)

@@ -41,10 +41,10 @@ from deltackpt.options import default_device_scan
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
 from deltackpt.sync.device_patches import DeviceBases, piece_finder
-from deltackpt.sync.dtypes import DtypeSpec
+from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line
-from deltackpt.sync.host_mirror import HostMirror, mirrored_names
+from deltackpt.sync.host_mirror import HostMirror, mirrored_names, wire_casts
 from deltackpt.sync.packer import Packed, Packer
 from deltackpt.sync.rounds import (
     RoundStats,
@@ -115,6 +115,7 @@ class WeightSender:
         self._epoch = -1
         self._held: tuple[Held, ...] = ()
         self._local: dict[str, torch.Tensor] = {}
+        self._casts: dict[str, torch.dtype] = {}  # mirrored in their wire dtype (_setup)
         self._boxes: dict[str, Held] = {}
         self._buckets: list[LinkBucket] = []
         self._ring: list[torch.Tensor] = []
@@ -169,6 +170,15 @@ class WeightSender:
         )
         size = max((message_bytes(b, self.align) for b in self._buckets), default=0)
         self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(_RING)]
+        # tensors the host mirror keeps in their wire dtype (an fp32 master sent as bf16)
+        self._casts = wire_casts(
+            (
+                (sched.tensors[p.tensor].name, wire_dtype(p.dtype))
+                for b in self._buckets
+                for p in b.pieces
+            ),
+            local,
+        )
         self._detector.clear()
         self._bases.clear()
         self.mirror.clear()
@@ -207,7 +217,7 @@ class WeightSender:
         scan = default_device_scan()
         if mirrored_names(local, scan):  # CUDA tensors (or the stand-in): packed from the mirror
             try:
-                local, unchanged = self.mirror.stage(local, full, scan)
+                local, unchanged = self.mirror.stage(local, full, scan, cast=self._casts)
                 mirrored = self.mirror.last.copied_bytes + self.mirror.last.patched_bytes
                 found = self.mirror.device.found  # changed elements found on the device
                 self._bases.finder = piece_finder(sched, self._boxes, local, found)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from deltackpt.options import overrides
-from deltackpt.sync.host_mirror import CHUNK_BYTES, HostMirror
+from deltackpt.sync.host_mirror import CHUNK_BYTES, HostMirror, wire_casts
 from tests._dist import free_port, spawn
 from tests.sync._common import make_state
 
@@ -256,6 +256,34 @@ def test_mirror_layout_non_contiguous_tensors_and_mixed_devices() -> None:
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no overlap
     # by default ("auto") host tensors are not mirrored: the sender packs them in place
     assert HostMirror().stage(local, full=True, scan="auto")[0]["cols"] is local["cols"]
+
+
+def test_tensors_sent_in_another_dtype_are_mirrored_in_it() -> None:
+    # an fp32 master sent as bf16: its cast is fingerprinted and mirrored (half the bytes), so
+    # an optimizer step that moves every fp32 element copies nothing where no bf16 one moved
+    master = torch.randn(3 * CHUNK_BYTES // 4).bfloat16().float()  # on bf16 values
+    local = {"master": master, "steps": torch.arange(8), "norm": torch.randn(16)}
+    pieces = [("master", torch.bfloat16), ("steps", torch.int64), ("norm", torch.bfloat16)]
+    pieces.append(("norm", torch.float32))  # two receivers want it in two dtypes: as it is
+    cast = wire_casts(pieces, local)
+    assert cast == {"master": torch.bfloat16}
+    m = HostMirror()
+    with overrides(DELTACKPT_DEVICE_SCAN="always"):
+        out, _ = m.stage(local, full=True, cast=cast)
+        m.commit()
+        assert out["master"].dtype == torch.bfloat16 and out["norm"].dtype == torch.float32
+        assert torch.equal(out["master"], master.bfloat16())
+        assert m.last.copied_bytes == master.numel() * 2 + 8 * 8 + 16 * 4
+        was = master.clone()
+        master.add_(master.abs() * 1e-5)  # every fp32 element moves, no bf16 cast does
+        assert (master != was).all() and torch.equal(master.bfloat16(), was.bfloat16())
+        out, unchanged = m.stage(local, full=False, cast=cast)
+        assert m.last.copied == [] and "master" in unchanged
+        m.commit()
+        master[CHUNK_BYTES // 2 + 3] += 1.0  # one bf16 element, in the second bf16 chunk
+        out, unchanged = m.stage(local, full=False, cast=cast)
+        assert m.last.copied == ["master"] and m.last.copied_bytes == CHUNK_BYTES // 2
+        assert torch.equal(out["master"], master.bfloat16())
 
 
 @pytest.mark.gpu
