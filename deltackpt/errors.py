@@ -223,5 +223,11 @@ class LeaseWarning(UserWarning):
     delete the snapshot it holds (it then falls back to a full load)."""
 
 
+class UndoSpillWarning(UserWarning):
+    """A weight-sync receiver could not keep a round's old bytes in its ``undo_dir`` file (the
+    directory is missing or not writable, the disk is full): it keeps them in memory instead,
+    the round goes on."""
+
+
 class DamagedSnapshotWarning(UserWarning):
     """Listing a store skipped committed snapshots whose manifests are damaged or unsafe."""

@@ -20,7 +20,7 @@ from deltackpt.sync import wire
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.schedule import LinkBucket
 from deltackpt.sync.schedule_decl import Box, Wanted
-from deltackpt.sync.spill import Spilled, UndoSpill
+from deltackpt.sync.spill import Spilled, UndoSpill, keep_old
 
 __all__ = ["Staged", "Undo", "apply_round", "revert"]
 
@@ -72,9 +72,7 @@ def apply_round(
                 continue
             src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
             if undo is not None:
-                on_host = spill is not None and dst.device.type == "cpu"
-                old = spill.keep(dst) if spill is not None and on_host else dst.detach().clone()
-                undo.append((dst, None, old))
+                undo.append((dst, None, keep_old(dst, spill)))
             jobs.append((dst, src))
     if pool is None or len(jobs) < 2:
         _copy_all(jobs)

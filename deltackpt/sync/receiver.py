@@ -50,7 +50,7 @@ from deltackpt.sync.rounds import (
 )
 from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
 from deltackpt.sync.schedule_decl import Box, Decl, Wanted, decl_from_json
-from deltackpt.sync.spill import UndoSpill
+from deltackpt.sync.spill import UndoSpill, open_spill
 
 __all__ = ["Want", "WeightReceiver"]
 
@@ -502,8 +502,12 @@ class WeightReceiver:
             return None
         free = [s for s in self._spills if s is not self._undo_spill]
         if not free:
-            free.append(UndoSpill(self.undo_dir))
-            self._spills.append(free[0])
+            made = open_spill(self.undo_dir)
+            if made is None:  # warned: in memory from now on
+                self.undo_dir = None
+                return None
+            free.append(made)
+            self._spills.append(made)
         free[0].clear()
         return free[0]
 

@@ -18,15 +18,17 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from deltackpt.errors import UndoSpillWarning
 from deltackpt.sync.errors import SyncError
 
-__all__ = ["Spilled", "UndoSpill", "ram_filesystem"]
+__all__ = ["Spilled", "UndoSpill", "keep_old", "open_spill", "ram_filesystem"]
 
 _MAX_IO = 1 << 30  # bytes per pread/pwrite call (Linux caps one call just under 2 GiB)
 _RAM_FS = {"tmpfs", "ramfs", "devtmpfs"}
@@ -136,3 +138,36 @@ class UndoSpill:
 
     def close(self) -> None:
         self._file.close()
+
+
+def open_spill(directory: str) -> UndoSpill | None:
+    """An :class:`UndoSpill` in ``directory``, or None with an :class:`UndoSpillWarning` when
+    no file can be made there (the old bytes are then kept in memory)."""
+    try:
+        return UndoSpill(directory)
+    except OSError as e:
+        warnings.warn(
+            UndoSpillWarning(
+                f"undo_dir={directory!r}: cannot create the undo file there ({e}); the old bytes "
+                "of rounds sent whole are kept in memory. Pass a writable directory on a disk"
+            ),
+            stacklevel=3,
+        )
+        return None
+
+
+def keep_old(dst: torch.Tensor, spill: UndoSpill | None) -> torch.Tensor | Spilled:
+    """``dst``'s bytes, before a round overwrites them: in ``spill`` where there is one and
+    ``dst`` is on the host, else (or if the write fails: a full disk) a copy in memory."""
+    if spill is not None and dst.device.type == "cpu":
+        try:
+            return spill.keep(dst)
+        except OSError as e:
+            warnings.warn(
+                UndoSpillWarning(
+                    f"undo file in {spill.directory}: writing {dst.numel() * dst.element_size()} "
+                    f"bytes failed ({e}); kept in memory instead"
+                ),
+                stacklevel=3,
+            )
+    return dst.detach().clone()

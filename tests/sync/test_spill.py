@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltackpt.errors import UndoSpillWarning
 from deltackpt.sync.errors import SyncError
-from deltackpt.sync.spill import UndoSpill, ram_filesystem
+from deltackpt.sync.spill import Spilled, UndoSpill, keep_old, open_spill, ram_filesystem
 
 
 def test_kept_bytes_come_back_bit_exact_into_strided_boxes(tmp_path):
@@ -41,3 +42,36 @@ def test_ram_filesystems_are_told_apart():
     assert not ram_filesystem("/data/tmpx", mounts)  # a longer name, not inside /data/tmp
     assert not ram_filesystem("/data/spill", mounts)
     assert not ram_filesystem("/var/tmp", mounts)
+
+
+def test_a_spill_that_cannot_be_written_keeps_the_bytes_in_memory(tmp_path):
+    spill = UndoSpill(tmp_path)
+    t = torch.arange(12, dtype=torch.float32)
+    assert isinstance(keep_old(t, spill), Spilled)
+    spill.close()  # as a full disk would: the write fails
+    with pytest.warns(UndoSpillWarning, match="kept in memory"):
+        old = keep_old(t, spill)
+    assert isinstance(old, torch.Tensor) and torch.equal(old, t)
+    assert old.data_ptr() != t.data_ptr()
+    assert isinstance(keep_old(t, None), torch.Tensor)  # no undo_dir: in memory
+
+
+def test_a_receiver_whose_undo_dir_is_unusable_keeps_undo_in_memory(tmp_path):
+    from deltackpt import sync
+
+    class G:
+        rank, trainers = 1, [0]
+
+    missing = tmp_path / "gone"
+    with pytest.warns(UndoSpillWarning, match="cannot create the undo file"):
+        assert open_spill(str(missing)) is None
+    rc = sync.WeightReceiver(G(), staging="ring", undo_dir=missing)  # type: ignore[arg-type]
+    with pytest.warns(UndoSpillWarning):
+        assert rc._round_spill() is None
+    assert rc.undo_dir is None  # told once; in memory from then on
+    good = sync.WeightReceiver(G(), staging="ring", undo_dir=tmp_path)  # type: ignore[arg-type]
+    first = good._round_spill()
+    assert first is not None and good._round_spill() is first  # no live undo: reused
+    good._undo_spill = first  # a round's undo lives in it: the next round takes the other
+    second = good._round_spill()
+    assert second is not None and second is not first and good.spilled_bytes == 0
