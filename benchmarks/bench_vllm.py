@@ -170,7 +170,8 @@ def serve_while_updating(
     prompts = [{"prompt_token_ids": [3 + i, 17, 300, 5]} for i in range(8)]
 
     def generate() -> int:
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        with eng.client.lock:  # vllm.LLM is not thread-safe: the trainer's calls take it too
+            outs = llm.generate(prompts, sp, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     generate()  # warm

@@ -18,6 +18,8 @@ def check_staged_round(c: dict[str, Any]) -> None:
     old, new = s["previous"], s["previous"] + 1
     assert s["versions_while_staged"] == workers(c, old)  # in the copies only: not served
     assert s["served_old_while_staged"]  # the engine generated with the old version meanwhile
+    # ... also from another thread while the round was being staged
+    assert s["served_old_during_staging"] and all(s["served_old_during_staging"])
     assert s["committed"] == new and s["versions"] == workers(c, new)
     assert s["engine_version"] == str(new) and s["identical"] == workers(c, True)
 

@@ -6,6 +6,7 @@ that fail on purpose at each layer boundary, on a real CPU vLLM engine: run at t
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -79,11 +80,29 @@ def commit_scenarios(llm: Any, eng: Any, trainer: Any, gen: Any, tp: int, v: int
             out.append(ok)
         return out
 
-    # a staged round: the engine keeps serving the old version until the commit
+    # a staged round: the engine keeps serving the old version until the commit, here from
+    # another thread while the round is staged (LocalLLMClient's lock: vllm.LLM is not
+    # thread-safe)
     rl_step(trainer, 0.02, gen)
     before = greedy(llm)
+    served_during: list[bool] = []
+    started, done = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            with eng.client.lock:
+                started.set()
+                served_during.append(greedy(llm) == before)
+
+    th = threading.Thread(target=serve, name="serving", daemon=True)
+    th.start()
+    started.wait(60)
     t0 = time.perf_counter()
-    eng.send_weights(state(), version=v + 1, stage=True)
+    try:
+        eng.send_weights(state(), version=v + 1, stage=True)
+    finally:
+        done.set()
+        th.join(60)
     staged_s = time.perf_counter() - t0
     versions_staged = worker_state()[0]
     served = greedy(llm)
@@ -95,6 +114,7 @@ def commit_scenarios(llm: Any, eng: Any, trainer: Any, gen: Any, tp: int, v: int
         "previous": v,
         "versions_while_staged": versions_staged,
         "served_old_while_staged": served == before,
+        "served_old_during_staging": served_during,
         "committed": committed_version,
         "identical": identical(state()),
         "versions": worker_state()[0],

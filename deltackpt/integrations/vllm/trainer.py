@@ -17,6 +17,7 @@ vLLM engine to load the plugin for it).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -110,29 +111,43 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
 
 class LocalLLMClient:
     """A ``VLLMWeightSyncClient`` for a ``vllm.LLM`` in this process (whose methods take the
-    request dicts of the HTTP routes)."""
+    request dicts of the HTTP routes).
 
-    def __init__(self, llm: Any) -> None:
+    ``vllm.LLM`` is not thread-safe (two threads in its engine client at once can abort the
+    process in ZeroMQ), and the trainer engine calls it from a thread of its own during a
+    round. So every call here holds :attr:`lock` (``lock=``: share one you already have); to
+    generate from another thread while updates run (prepare while serving), hold the same
+    lock around each ``llm.generate``: a staged round is prepared by the workers between and
+    during those calls, its commit waits for the current one to return."""
+
+    def __init__(self, llm: Any, lock: threading.Lock | None = None) -> None:
         self.llm = llm
+        self.lock = lock if lock is not None else threading.Lock()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        with self.lock:
+            self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        with self.lock:
+            self.llm.shutdown_weight_transfer_engine()
 
     def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        with self.lock:
+            self.llm.start_weight_update()
 
     def update_weights(self, update_info: Any) -> None:
-        self.llm.update_weights({"update_info": update_info})
+        with self.lock:
+            self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        with self.lock:
+            self.llm.finish_weight_update(weight_version)
 
     def reset_prefix_cache(self) -> None:
         """Drop the KV blocks the old weights computed (after a commit)."""
-        self.llm.reset_prefix_cache()
+        with self.lock:
+            self.llm.reset_prefix_cache()
 
 
 class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInfo]):
