@@ -17,7 +17,6 @@ vLLM engine to load the plugin for it).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltackpt.integrations.vllm import BACKEND, register
+from deltackpt.integrations.vllm.fairlock import FairLock
 from deltackpt.sync import PlanError, RoundStats, SyncGroup, WeightSender
 from deltackpt.sync.schedule_decl import Held, held_from
 
@@ -115,14 +115,15 @@ class LocalLLMClient:
 
     ``vllm.LLM`` is not thread-safe (two threads in its engine client at once can abort the
     process in ZeroMQ), and the trainer engine calls it from a thread of its own during a
-    round. So every call here holds :attr:`lock` (``lock=``: share one you already have); to
-    generate from another thread while updates run (prepare while serving), hold the same
-    lock around each ``llm.generate``: a staged round is prepared by the workers between and
-    during those calls, its commit waits for the current one to return."""
+    round. So every call here holds :attr:`lock` (a :class:`FairLock`, taken in turn;
+    ``lock=``: share one you already have); to generate from another thread while updates run
+    (prepare while serving), hold the same lock around each ``llm.generate``: a staged round is
+    prepared by the workers during those calls, its commit waits for the current one to
+    return."""
 
-    def __init__(self, llm: Any, lock: threading.Lock | None = None) -> None:
+    def __init__(self, llm: Any, lock: Any = None) -> None:
         self.llm = llm
-        self.lock = lock if lock is not None else threading.Lock()
+        self.lock = lock if lock is not None else FairLock()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         with self.lock:
