@@ -6,8 +6,9 @@ lm_head left out), an fp32 master copy updated by AdamW on random gradients and 
 after every step. Phases: ``--rl-steps`` RL-like steps at lr 1e-6, ``--rl5-steps`` at lr 1e-5,
 ``--pretrain-steps`` pretraining-like steps (lr 1e-3: nearly every element changes), then
 ``--lora-steps`` of a LoRA fine-tune (rank ``--lora-rank`` bf16 adapters on every projection, PEFT's
-names and init, AdamW at lr 1e-4; the base weights frozen, saved with the adapters; the version
-that adds the adapters is not counted, and "changed" is the adapters' share). Every
+names and init, AdamW at lr 1e-4; the base weights frozen, saved with the adapters into stores
+of their own, as a LoRA run starts; its first version, base + new adapters, is not counted, and
+"changed" is the adapters' share). Every
 version is saved into one store per policy (``raw``: encoding ``fast-restore``, dedupe only;
 ``default``: ``encoding="smallest"`` with the default chain policy; ``NAME=B/K``:
 ``chain_budget=B, keyframe_every=K``; ``NAME=B/K/F`` also folds each new version's chains over
