@@ -123,15 +123,9 @@ def main(out_path: str) -> None:
     )
     res["commit"] = _vllm_commit.commit_scenarios(llm, eng, trainer, gen, 2, 3)
     res["memory_end"] = llm.collective_rpc(_memory)
-    res["tokens"] = greedy(llm)
-    readable = [_unpack(r) for r in llm.collective_rpc(_readable)]
-    eng.shutdown()
-    # vLLM's own load of the trainer's weights, in this engine (reload_weights: its loader and
-    # post-processing on both workers) instead of a fresh TP=2 engine (~30 s on 2 cores);
-    # test_vllm.py compares with a fresh engine at TP=1
-    vllm_reload(llm, trainer, f"{tmp}/final")
-    res["fresh_tokens"] = greedy(llm)
-    fresh_readable = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    res["tokens"], res["fresh_tokens"], readable, fresh_readable = against_vllm_load(
+        llm, eng, trainer, f"{tmp}/final"
+    )
     res["readable"] = [
         {
             "names": sorted(rd),
@@ -142,6 +136,21 @@ def main(out_path: str) -> None:
     res["whole"] = whole_tensors(llm, trainer, gen, tmp)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
+
+
+def against_vllm_load(
+    llm: Any, eng: Any, trainer: Any, path: str
+) -> tuple[list[list[int]], list[list[int]], list[Any], list[Any]]:
+    """Greedy tokens and every worker's readable parameters as ``eng``'s commits left them,
+    then the same after vLLM's own load of the trainer's weights in this engine
+    (``reload_weights``: its loader and post-processing on both workers) instead of a fresh
+    TP=2 engine (~30 s on 2 cores; test_vllm.py compares with a fresh engine at TP=1).
+    ``eng`` is shut down in between."""
+    tokens = greedy(llm)
+    mine = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    eng.shutdown()
+    vllm_reload(llm, trainer, path)
+    return tokens, greedy(llm), mine, [_unpack(r) for r in llm.collective_rpc(_readable)]
 
 
 def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
@@ -163,12 +172,9 @@ def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
         eng.send_weights(trainer.state_dict(), version=v, stage=True)
         eng.commit()
         out["paths"].append(llm.collective_rpc(_vllm_commit._last_path))
-    out["tokens"] = greedy(llm)
-    mine = [_unpack(r) for r in llm.collective_rpc(_readable)]
-    eng.shutdown()
-    vllm_reload(llm, trainer, f"{tmp}/final-whole")
-    out["fresh_tokens"] = greedy(llm)
-    theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    out["tokens"], out["fresh_tokens"], mine, theirs = against_vllm_load(
+        llm, eng, trainer, f"{tmp}/final-whole"
+    )
     out["readable_equal"] = [
         bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
         for a, b in zip(mine, theirs, strict=True)
