@@ -12,6 +12,7 @@ import torch
 
 import deltackpt
 from deltackpt.errors import SnapshotNotFoundError, StoreError, StoreLockedError
+from deltackpt.format.manifest import Manifest
 from deltackpt.store.durable import store_lock
 from deltackpt.store.packs import PackWriter
 from deltackpt.store.store import PACK_ALIGN
@@ -428,16 +429,22 @@ def test_gc_does_not_compact_a_truncated_pack(store: Path) -> None:
     assert set(pack_sizes(store)) == {pack} | s3_packs
 
 
-def test_load_retries_once_when_gc_moved_its_chunks(tmp_path: Path) -> None:
-    store = tmp_path / "store"
+def _moved_by_gc(store: Path) -> tuple[torch.Tensor, Manifest]:
+    """Snapshot "only-a" and its manifest as read just before a gc compacted the pack it points
+    into (after "both", which shared it, was deleted): the stale manifest's pack is gone."""
     a, b = torch.randn(1 << 18), torch.randn(1 << 18)
     deltackpt.save({"a": a, "b": b}, store, "both", threads=1)
     deltackpt.save({"a": a}, store, "only-a", threads=1)
-    st = deltackpt.open_store(store)
-    stale = st.manifest("only-a")
+    stale = deltackpt.open_store(store).manifest("only-a")
     deltackpt.delete(store, "both")
-    deltackpt.gc(store)  # compacts the pack "only-a" points into: the stale manifest's pack is gone
-    assert st.manifest("only-a") is not stale
+    deltackpt.gc(store)
+    return a, stale
+
+
+def test_load_retries_once_when_gc_moved_its_chunks(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    a, stale = _moved_by_gc(store)
+    assert deltackpt.open_store(store).manifest("only-a") is not stale
     real = deltackpt.store.store.Store.manifest
     calls = []
 
@@ -458,13 +465,7 @@ def test_load_of_a_snapshot_moved_then_deleted_meanwhile_says_not_found(tmp_path
     before the retry was done: the load says the snapshot is gone (a follower then takes the
     newest), not that the store is damaged."""
     store = tmp_path / "store"
-    a, b = torch.randn(1 << 18), torch.randn(1 << 18)
-    deltackpt.save({"a": a, "b": b}, store, "both", threads=1)
-    deltackpt.save({"a": a}, store, "only-a", threads=1)
-    st = deltackpt.open_store(store)
-    stale = st.manifest("only-a")
-    deltackpt.delete(store, "both")
-    deltackpt.gc(store)
+    _, stale = _moved_by_gc(store)
     real = deltackpt.store.store.Store.manifest
     calls = []
 
