@@ -102,7 +102,7 @@ def _as_wire(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     device (``cuda.device_room``); else ``t``."""
     if dtype is None or dtype == t.dtype or not t.is_floating_point():
         return t
-    if not cuda.device_room(t.device, t.numel() * torch.empty(0, dtype=dtype).element_size()):
+    if not cuda.device_room(t.device, t.numel() * dtype.itemsize):
         return t
     return t.to(dtype)
 
