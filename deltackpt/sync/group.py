@@ -53,7 +53,10 @@ class SyncGroup:
     """Every rank of a sync job (trainers and inference ranks) constructs one with the same
     ``master_addr``/``master_port``, ``world_size`` and ``trainers`` (ranks that send); rank 0
     hosts the store. ``timeout`` bounds every wait on a live but silent peer; a dead peer is
-    detected within ``dead_after`` seconds. ``links``: ``"gloo"``, ``"shm"`` or ``"ipc"``
+    detected within ``dead_after`` seconds. ``join_timeout`` bounds the wait for every rank to
+    join (here and in ``reconnect``); by default ``max(timeout, 60)``, since a short round
+    timeout must not fail a peer that is still starting (importing torch with CUDA takes
+    seconds). ``links``: ``"gloo"``, ``"shm"`` or ``"ipc"``
     (one host, tensor handles: ``ipc_links.py``); ``ipc_device``: where a trainer's ipc buckets
     live, ``"cpu"`` (shared memory) or a CUDA device (CUDA IPC)."""
 
@@ -66,6 +69,7 @@ class SyncGroup:
         trainers: Sequence[int],
         *,
         timeout: float = 60.0,
+        join_timeout: float | None = None,
         beat: float = 0.2,
         dead_after: float = 3.0,
         links: str = "gloo",
@@ -99,6 +103,7 @@ class SyncGroup:
                 "trainer and one inference rank, all in range"
             )
         self.timeout, self.beat, self.dead_after = float(timeout), float(beat), float(dead_after)
+        self.join_timeout = max(self.timeout, 60.0) if join_timeout is None else float(join_timeout)
         self.epoch = 0
         self.seq = 0
         self._connect(int(master_port))
@@ -109,11 +114,16 @@ class SyncGroup:
         td = timedelta(seconds=self.timeout)
         try:
             self.store = dist.TCPStore(
-                self.addr, port, self.world_size, is_master=self.rank == 0, timeout=td
+                self.addr,
+                port,
+                self.world_size,
+                is_master=self.rank == 0,
+                timeout=timedelta(seconds=self.join_timeout),
             )
             self.pg = dist.ProcessGroupGloo(
                 dist.PrefixStore("mxn", self.store), self.rank, self.world_size, td
             )
+            self.store.set_timeout(td)  # every rank joined: the rounds' waits from here on
         except RuntimeError as e:
             raise PeerLostError(
                 f"rank {self.rank}: cannot join the sync group at {self.addr}:{port} ({e}); "
