@@ -76,9 +76,10 @@ def patch_mode(kind: str) -> str:
 
 
 def ipc_plan(repeats: int) -> list[tuple[str, int]]:
-    """The ipc link's rounds: one untimed first round (plans, shares the buckets), then the
-    full and 1-tensor delta rounds."""
-    return [("first", 1), ("full", repeats), ("delta_1", repeats)]
+    """The ipc link's rounds (device rounds: packed in the CUDA buckets, device digests, the
+    receiver staging on the device): one untimed first round (plans, shares the buckets), then
+    full, RL-like and 1-tensor delta rounds."""
+    return [("first", 1), ("full", repeats), ("rl", repeats), ("delta_1", repeats)]
 
 
 def _log(msg: str) -> None:
@@ -162,7 +163,7 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     res.update(_limits(state, dev, cfg["repeats"]))
     if ipc is not None:  # the raw CUDA IPC round: the receiver maps these tensors
         ipc.put(state)
-    knobs = {} if CUDA else {"DELTACKPT_DEVICE_SCAN": "always"}
+    knobs = {} if CUDA else {"DELTACKPT_DEVICE_SCAN": "always", "DELTACKPT_DEVICE_ROUNDS": "always"}
     group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links=cfg["links"])
     sender = sync.WeightSender(group, bucket_bytes=cfg["bucket_mb"] << 20)
     names = list(state)
@@ -264,7 +265,8 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     res: dict[str, Any] = {"rows": pull_rounds(recv, group, plan)}
     if cfg["ipc_port"]:
         ipc_group = sync.SyncGroup("127.0.0.1", cfg["ipc_port"], 1, 2, [0], timeout=60, links="ipc")
-        ipc_recv = sync.WeightReceiver(ipc_group, bucket_bytes=cfg["bucket_mb"] << 20)
+        # staged on the device: a device round goes device to device
+        ipc_recv = sync.WeightReceiver(ipc_group, bucket_bytes=cfg["bucket_mb"] << 20, device=dev)
         res["ipc_rows"] = pull_rounds(ipc_recv, ipc_group, ipc_plan(cfg["repeats"]))
         _barrier(ipc_group)
         ipc_group.close()
@@ -350,8 +352,9 @@ def report(s: dict[str, Any], device: str) -> str:
     if "rl_dp" in s:
         labels["rl_dp"] = f"RL-like round ({RL_SHARE:.0%}), device patches"
     if "ipc_full" in s:
-        labels["ipc_full"] = "ipc link: full round"
-        labels["ipc_delta_1"] = "ipc link: delta round, 1 tensor changed"
+        labels["ipc_full"] = "ipc link, device rounds: full round"
+        labels["ipc_rl"] = f"ipc link, device rounds: RL-like ({RL_SHARE:.0%})"
+        labels["ipc_delta_1"] = "ipc link, device rounds: delta, 1 tensor changed"
     rows = []
     for kind, label in labels.items():
         x = s[kind]

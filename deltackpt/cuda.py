@@ -25,6 +25,7 @@ __all__ = [
     "host_buffer",
     "ipc_collect",
     "is_device",
+    "wait_for",
 ]
 
 ROOM_MARGIN = (0.10, 256 << 20)  # device_room: spare this share of the device, plus these bytes
@@ -64,6 +65,13 @@ def copy_and_wait(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     dst.copy_(src, non_blocking=src.is_pinned())
     torch.cuda.current_stream(dst.device).synchronize()
+
+
+def wait_for(t: torch.Tensor) -> None:
+    """Block until the work queued so far on the current stream of ``t``'s device is done
+    (a device round's bucket before its peer is told, sync/ipc_links.py); nothing on CPU."""
+    if is_device(t):
+        torch.cuda.current_stream(t.device).synchronize()
 
 
 def ipc_collect() -> None:

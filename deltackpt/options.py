@@ -21,6 +21,12 @@ DELTACKPT_DEVICE_PATCH     a weight-sync sender's delta round of CUDA        off
                            (changed 1 MiB chunks copied; the default until
                            a GPU measures ``auto``), ``always`` (host
                            tensors the mirror holds too: the test suite)
+DELTACKPT_DEVICE_ROUNDS    weight sync on an ipc link: ``auto`` (rounds on   auto
+                           a CUDA bucket stay on the device: packed from
+                           the trainer's tensors, verified with device
+                           digests, applied from device staging), ``off``
+                           (through the host, as on every other link),
+                           ``always`` (CPU buckets too: the test suite)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -130,6 +136,13 @@ DEVICE_PATCHES = ("auto", "off", "always")
 
 def default_device_patch() -> str:
     return _env_choice("DELTACKPT_DEVICE_PATCH", DEVICE_PATCHES, "off")
+
+
+DEVICE_ROUNDS = ("auto", "off", "always")
+
+
+def default_device_rounds() -> str:
+    return _env_choice("DELTACKPT_DEVICE_ROUNDS", DEVICE_ROUNDS, "auto")
 
 
 STAGE_DEFERS = ("auto", "off", "always")

@@ -49,8 +49,10 @@ class Detector:
         self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._round_vers: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._local: dict[str, torch.Tensor] = {}
-        # tensors the sender's device fingerprints found unchanged since the last commit
+        # tensors the sender's device fingerprints found unchanged since the last commit, and
+        # (a device round) those it scanned: the others of these changed
         self._unchanged: frozenset[str] = frozenset()
+        self._scanned: frozenset[str] = frozenset()
 
     def clear(self) -> None:
         """Forget everything (a new schedule)."""
@@ -58,12 +60,18 @@ class Detector:
         self._tcommitted.clear()
 
     def start_round(
-        self, local: dict[str, torch.Tensor], unchanged: frozenset[str] = frozenset()
+        self,
+        local: dict[str, torch.Tensor],
+        unchanged: frozenset[str] = frozenset(),
+        scanned: frozenset[str] = frozenset(),
     ) -> None:
         """A round over ``local``; ``unchanged``: tensors known not to have changed since the
-        last commit (a host mirror's device fingerprints), skipped unread in a delta round."""
+        last commit (a host mirror's device fingerprints), skipped unread in a delta round;
+        ``scanned`` (a device round): tensors whose fingerprints were compared, so those not
+        ``unchanged`` changed (sent unhashed: their bytes stay on the device)."""
         self._local = local
         self._unchanged = unchanged
+        self._scanned = scanned
         self._tround = {}
         if self.mode == "version":  # before reading anything: a later write shows next round
             self._round_vers = {n: (t.data_ptr(), t._version, t) for n, t in local.items()}
@@ -109,6 +117,8 @@ class Detector:
         yet)."""
         if name in self._unchanged and key in self.committed:
             return False
+        if name in self._scanned:
+            return True
         if self.mode != "version" or key not in self.committed or name not in self._vers:
             return None
         return self._vers[name][:2] != self._round_vers[name][:2]

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from deltackpt.options import default_device_rounds
 from deltackpt.sync.errors import PeerLostError, RoundAbortedError, SyncError, SyncTimeoutError
 from deltackpt.sync.ipc_links import IpcLinks
 from deltackpt.sync.peers import pid_alive
@@ -453,9 +454,26 @@ class SyncGroup:
         straight into (then :meth:`publish`); None on gloo."""
         return None if self._host is None else self._host.window(dst, tag)
 
-    def publish(self, dst: int, tag: int, nbytes: int) -> Any:
+    def publish(self, dst: int, tag: int, nbytes: int, device: bool = False) -> Any:
         assert self._host is not None
+        if device:  # a device round: packed in the ipc bucket itself
+            assert self._ipc is not None
+            return self._ipc.publish(dst, tag, nbytes, device=True)
         return self._host.publish(dst, tag, nbytes)
+
+    def device_window(self, dst: int, tag: int) -> torch.Tensor:
+        """A device round's bucket ``tag`` for ``dst`` (:attr:`device_rounds`)."""
+        assert self._ipc is not None
+        return self._ipc.device_window(dst, tag)
+
+    @property
+    def device_rounds(self) -> bool:
+        """Whether a sender's rounds stay on the device (``DELTACKPT_DEVICE_ROUNDS``): an ipc
+        link on CUDA (``auto``), or any ipc link (``always``: the CPU stand-in)."""
+        mode = default_device_rounds()
+        if self._ipc is None or mode == "off":
+            return False
+        return mode == "always" or self.ipc_device.type == "cuda"
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
         if self._host is not None:

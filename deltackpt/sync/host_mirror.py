@@ -240,6 +240,34 @@ class HostMirror:
         out.update((n, self.host[n]) for n in names)
         return out, rec.unchanged
 
+    def scan(
+        self,
+        local: Mapping[str, torch.Tensor],
+        full: bool,
+        scan: str | None = None,
+        cast: Mapping[str, torch.dtype] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], frozenset[str], frozenset[str]]:
+        """A device round (an ipc link on CUDA: ``ipc_links.py``): the change found as
+        :meth:`stage` finds it, and nothing copied to the host. Returns ``local`` with the
+        tensors it scans in their wire dtype (``cast``: cast where they live), the names
+        scanned, and those whose fingerprints did not move since the last committed round
+        (none in a ``full`` round or under ``DELTACKPT_DEVICE_SCAN=off``). The mirror's host
+        copy is not updated: the sender clears the mirror before a round that uses it after
+        device rounds (``WeightSender``)."""
+        t0 = time.perf_counter()
+        scan = default_device_scan() if scan is None else scan
+        names = mirrored_names(local, "always" if scan == "off" else scan)
+        tensors = {n: _as_wire(local[n], (cast or {}).get(n)) for n in names}
+        self._round = {}
+        self.device.start(tensors, "off")
+        changed = dict.fromkeys(names) if scan == "off" else self._compare(tensors, full)
+        rec = MirrorRound(unchanged=frozenset(n for n in names if n not in changed))
+        rec.seconds = time.perf_counter() - t0
+        self.last = rec
+        out = dict(local)
+        out.update(tensors)
+        return out, frozenset(names), rec.unchanged
+
     def _compare(
         self, tensors: dict[str, torch.Tensor], full: bool
     ) -> dict[str, torch.Tensor | None]:

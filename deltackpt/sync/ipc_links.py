@@ -171,12 +171,13 @@ def _open_cuda_handle(doc: dict[str, Any]) -> torch.Tensor:
 
 @dataclass
 class _Bucket:
-    """One bucket a sender owns: ``shared`` is what the receiver maps, ``host`` where the
-    sender packs (the shared tensor itself on CPU; a private pinned buffer for a CUDA bucket)."""
+    """One bucket a sender owns: ``shared`` is what the receiver maps, ``host`` where a host
+    round packs (the shared tensor itself on CPU; for a CUDA bucket a private pinned buffer,
+    made on the first host round: a device round packs into ``shared`` itself)."""
 
     gen: int
     shared: torch.Tensor
-    host: torch.Tensor
+    host: torch.Tensor | None
     published: int = 0  # the last round published in it
 
 
@@ -276,7 +277,7 @@ class IpcLinks:
     def _new_bucket(self, r: int, tag: int, slot: int) -> _Bucket:
         self._gen += 1
         shared = share(slot, self.device)
-        host = shared if shared.device.type == "cpu" else cuda.host_buffer(slot, True)
+        host = shared if shared.device.type == "cpu" else None
         key = f"ipc/h/{self.g.rank}-{r}/{tag}/{self._gen}"
         handle = tensor_handle(shared)
         self.g.guard("store set", lambda: self.g.store.set(key, handle))
@@ -298,13 +299,28 @@ class IpcLinks:
         receiver copied the last round's message out before it voted, so it is free once the
         last round's vote is in."""
         o = self._out[dst]
-        return o.buckets[tag].host[: o.slot]
+        b = o.buckets[tag]
+        if b.host is None:
+            b.host = cuda.host_buffer(o.slot, True)
+        return b.host[: o.slot]
 
-    def publish(self, dst: int, tag: int, n: int) -> Done:
-        """The first ``n`` bytes of the bucket are the message of the current round."""
+    def device_window(self, dst: int, tag: int) -> torch.Tensor:
+        """The bucket itself, where a device round packs (then ``publish(..., device=True)``):
+        device memory for a CUDA bucket, the shared tensor on CPU."""
+        o = self._out[dst]
+        return o.buckets[tag].shared[: o.slot]
+
+    def publish(self, dst: int, tag: int, n: int, device: bool = False) -> Done:
+        """The first ``n`` bytes of the bucket are the message of the current round: packed
+        in :meth:`window` (copied to a CUDA bucket here) or, ``device``, in
+        :meth:`device_window` (the device's work queued so far has landed when the cell
+        says so)."""
         o = self._out[dst]
         b = o.buckets[tag]
-        if b.shared is not b.host:  # a CUDA bucket: landed on the device before the cell says so
+        if device:
+            cuda.wait_for(b.shared)
+        elif b.shared is not b.host:  # a CUDA bucket: landed on the device before the cell says so
+            assert b.host is not None
             cuda.copy_and_wait(b.shared[:n], b.host[:n])
         seq = self.g.seq
         o.cellv[tag, NBYTES] = n
@@ -374,6 +390,7 @@ class IpcLinks:
                 f"{bucket.numel()} and the staging {into.numel()}"
             )
         into[:n].copy_(bucket[:n])  # out of the shared bucket before anything reads it
+        cuda.wait_for(into)  # a copy on the device: landed before the acknowledgement
         cellv[tag, ACK] = seq
 
     # ---- cleanup --------------------------------------------------------------------------

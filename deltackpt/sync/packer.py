@@ -18,6 +18,7 @@ import torch
 
 from deltackpt.sync import wire
 from deltackpt.sync.detect import Detector
+from deltackpt.sync.device_digest import message_digests
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.group import SyncGroup
 from deltackpt.sync.patches import Bases, base_key
@@ -132,6 +133,39 @@ class Packer:
         present = [None if h is None else h.digest for h in heads]
         payload = sum(h.length for h in heads if h is not None)
         return msg_end, present, payload, sends
+
+    def device_message(
+        self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
+    ) -> Packed:
+        """A device round's message of ``bk`` (``WeightSender``: an ipc link on CUDA): every
+        changed (or, ``full``, every) piece copied and cast from the local tensor into ``buf``,
+        the bucket itself, where both live (device to device), raw; then the device digests of
+        all of them in one pass (``device_digest.py``: one small copy to the host); then the
+        header. The change is the device scan's (``Detector.start_round(scanned=)``)."""
+        start = payload_start(bk, self.align)
+        pos = start
+        scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)  # a host tensor's own test
+        spans: list[tuple[int, int]] = []
+        present: list[int] = []
+        for k, p in enumerate(bk.pieces):
+            name = sched.tensors[p.tensor].name
+            src = self.local[name][p.box.within(self.boxes[name].box)]
+            dt = wire_dtype(p.dtype)
+            if not full and not self.detector.piece_changed(
+                name, (bk.receiver, bk.index, k), src, dt, scratch
+            ):
+                continue
+            pos = -(-pos // self.align) * self.align
+            wire.fill(buf[pos : pos + p.nbytes], src, dt)
+            spans.append((pos, p.nbytes))
+            present.append(k)
+            pos += p.nbytes
+        heads: list[wire.Piece | None] = [None] * len(bk.pieces)
+        for k, (_, n), d in zip(present, spans, message_digests(buf, spans), strict=True):
+            heads[k] = wire.Piece(wire.IN_MESSAGE, wire.RAW, n, d)
+        wire.write_header(buf, seq, version, bk.index, wire.OK, heads, pos - start, device=True)
+        digests = [None if h is None else h.digest for h in heads]
+        return pos, digests, sum(n for _, n in spans), []
 
     def _piece(
         self,

@@ -124,6 +124,7 @@ class WeightSender:
         self._packer = Packer(group, self.align, self.zero_copy_min, self._detector, self._bases)
         #: the host copy of CUDA local tensors (see host_mirror.py); allocated on first use
         self.mirror = HostMirror()
+        self._device = False  # the last round was a device round (SyncGroup.device_rounds)
 
     @property
     def detect(self) -> str:
@@ -202,6 +203,12 @@ class WeightSender:
         assert sched is not None
         seq = g.next_round()
         anchor = self.full_every is not None and self._since_full + 1 >= self.full_every
+        # a device round (an ipc link on CUDA) packs from the tensors where they live and
+        # leaves the host mirror behind: a switch either way starts over with a full round
+        device = g.device_rounds and self.align % 8 == 0
+        if device != self._device:
+            full, self._device = True, device
+            self.mirror.clear()
         full = full or self._dirty or anchor
         self._dirty = True
         self._bases.start_round()
@@ -214,8 +221,18 @@ class WeightSender:
         unchanged: frozenset[str] = frozenset()
         staged: tuple[str, BaseException] | None = None
         mirrored = 0
+        scanned: frozenset[str] = frozenset()
         scan = default_device_scan()
-        if mirrored_names(local, scan):  # CUDA tensors (or the stand-in): packed from the mirror
+        if device:  # the change found on the device; nothing crosses to the host
+            try:
+                # every tensor fingerprinted where it lives (a host one too: its digests in
+                # a device round are device digests, so xxh3 cannot tell its change)
+                how = "off" if scan == "off" else "always"
+                local, scanned, unchanged = self.mirror.scan(local, full, how, cast=self._casts)
+            except Exception as e:
+                staged = (f"rank {g.rank} failed scanning its tensors on the device: {e!r}", e)
+                local = {}
+        elif mirrored_names(local, scan):  # CUDA tensors (or the stand-in): packed from the mirror
             try:
                 local, unchanged = self.mirror.stage(local, full, scan, cast=self._casts)
                 mirrored = self.mirror.last.copied_bytes + self.mirror.last.patched_bytes
@@ -228,9 +245,9 @@ class WeightSender:
         self._packer.base_version = self.version
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
-        self._detector.start_round(local, unchanged)
+        self._detector.start_round(local, unchanged, scanned)
         failure, cause, lost, wire_bytes, sent, zero_copy = self._send_all(
-            sched, seq, int(version), full, digests, per_link, staged
+            sched, seq, int(version), full, digests, per_link, staged, device
         )
         if lost is not None:
             self.mirror.abandon()
@@ -282,12 +299,14 @@ class WeightSender:
         digests: dict[tuple[int, int, int], tuple[int, int]],
         per_link: dict[int, int],
         staged: tuple[str, BaseException] | None = None,
+        device: bool = False,
     ) -> tuple[str | None, BaseException | None, str | None, int, int, int]:
         """Send every bucket (or a stub once the round failed); returns (this rank's own
         failure and its exception, lost peer, wire bytes, buckets sent, bytes sent zero-copy).
         Another rank's abort seen while sending only turns the rest into stubs: the vote
         reports it. ``staged``: this rank failed before packing (the host mirror): every
-        message is a stub."""
+        message is a stub. ``device``: a device round, packed into the ipc buckets
+        themselves (``Packer.device_message``)."""
         g = self.group
         works: list[tuple[int, object] | None] = [None] * _RING
         bufs: list[torch.Tensor] = list(self._ring)
@@ -321,17 +340,21 @@ class WeightSender:
                 return None
             settle(i % _RING)
             bk = self._buckets[i]
-            win = g.window(bk.receiver, bk.index)  # shm: pack straight into the link's slot
+            if device:
+                win: torch.Tensor | None = g.device_window(bk.receiver, bk.index)
+            else:  # shm: pack straight into the link's slot
+                win = g.window(bk.receiver, bk.index)
             bufs[i % _RING] = self._ring[i % _RING] if win is None else win
             args = (sched, bk, bufs[i % _RING], seq, version, full)
+            pack = self._packer.device_message if device else self._packer.message
             if not full and self._untouched(sched, bk):  # a header only: no thread hand-off
                 done: Future[Packed] = Future()
                 try:
-                    done.set_result(self._packer.message(*args))
+                    done.set_result(pack(*args))
                 except Exception as e:
                     done.set_exception(e)
                 return done
-            return self._pool.submit(self._packer.message, *args)
+            return self._pool.submit(pack, *args)
 
         fut = submit(0)
         for i, bk in enumerate(self._buckets):
@@ -366,7 +389,12 @@ class WeightSender:
                 per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
                 buf = bufs[i % _RING][:nbytes]
                 try:
-                    if g.window(bk.receiver, bk.index) is not None:  # packed in place
+                    if device:  # packed in the bucket, on its device
+                        works[i % _RING] = (
+                            bk.receiver,
+                            g.publish(bk.receiver, bk.index, nbytes, device=True),
+                        )
+                    elif g.window(bk.receiver, bk.index) is not None:  # packed in place
                         works[i % _RING] = (bk.receiver, g.publish(bk.receiver, bk.index, nbytes))
                     else:
                         works[i % _RING] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))

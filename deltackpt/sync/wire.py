@@ -7,7 +7,9 @@ One message per planned bucket per round, ``header + payload``:
   three words: ``flag | kind << 2 | length << 8`` (flag 0 absent, 1 in this message, 2 sent as
   its own message; kind :data:`RAW` or a patch kind of ``delta_codec``; length its payload
   bytes) and the xxh3-128 of the piece's *new* bytes as two int64. Its size is fixed by the
-  schedule, so the receiver knows it.
+  schedule, so the receiver knows it. A device round's message (a CUDA ipc link: the bytes
+  never leave the device) starts with :data:`MAGIC_DEVICE` and carries the device digest of
+  ``device_digest.py`` instead of xxh3, and only raw pieces.
 * payload: the present pieces, each at the next ``align``-byte offset: first those in the
   message, in planned order, then those sent on their own (:func:`layout`, computed the same
   way at both ends from the flags and lengths). A full round sends every piece raw; a delta
@@ -60,6 +62,8 @@ __all__ = [
 ]
 
 MAGIC = 0x6D786E73796E64  # "mxnsynd": pieces carry a kind and a length
+# a device round's message (sync/device_digest.py): its digests are device digests, not xxh3
+MAGIC_DEVICE = 0x6D786E73796E65
 RAW = 0  # a piece's kind: its bytes as they are; else a delta_codec kind (PATCH_KINDS)
 PATCH_KINDS = frozenset((delta_codec.SPARSE, delta_codec.PLANES, delta_codec.PACKED))
 HEAD = 8
@@ -128,6 +132,7 @@ class Header:
     base: int | None
     pieces: list[Piece | None]
     payload: int
+    device: bool = False  # the digests are device digests (MAGIC_DEVICE), not xxh3-128
 
     @property
     def flags(self) -> list[int]:
@@ -147,12 +152,14 @@ def write_header(
     pieces: list[Piece | None],
     payload: int,
     base: int | None = None,
+    device: bool = False,
 ) -> int:
-    """Fill the header at the start of ``buf`` (uint8); returns its size in bytes."""
+    """Fill the header at the start of ``buf`` (uint8, on any device); returns its size in
+    bytes. ``device``: the digests are device digests (``device_digest.py``)."""
     n = len(pieces)
     words = np.zeros(header_words(n), dtype=np.int64)
     words[:HEAD] = [
-        MAGIC,
+        MAGIC_DEVICE if device else MAGIC,
         seq,
         version,
         index,
@@ -175,9 +182,16 @@ def read_header(buf: torch.Tensor, seq: int, index: int, sizes: list[int], capac
     :class:`SyncError` when it is not the message expected here (untrusted input)."""
     n_pieces = len(sizes)
     size = header_words(n_pieces) * 8
-    words = buf[:size].numpy().view(np.int64)
+    head = buf[:size] if buf.device.type == "cpu" else buf[:size].cpu()  # a device slot
+    words = head.numpy().view(np.int64)
     magic, s, version, idx, status, npresent, payload, base = (int(x) for x in words[:HEAD])
-    if magic != MAGIC or s != seq or idx != index or status not in (OK, ABORT) or base < 0:
+    if (
+        magic not in (MAGIC, MAGIC_DEVICE)
+        or s != seq
+        or idx != index
+        or status not in (OK, ABORT)
+        or base < 0
+    ):
         raise SyncError(
             f"bucket message out of step: expected round {seq} bucket {index}, got magic "
             f"{magic:#x} round {s} bucket {idx} status {status}; the ranks disagree about "
@@ -192,8 +206,9 @@ def read_header(buf: torch.Tensor, seq: int, index: int, sizes: list[int], capac
             ok = ok and code == 0
         elif kind == RAW:
             ok = ok and length == sizes[k]
-        else:  # a patch: in the message, never longer than the piece
+        else:  # a patch: in the message, never longer than the piece; never in a device round
             ok = ok and kind in PATCH_KINDS and flag == IN_MESSAGE and 0 < length <= sizes[k]
+            ok = ok and magic == MAGIC
         if not ok or (status != OK and flag):
             raise SyncError(
                 f"bucket {index} of round {seq}: piece {k} has flag {flag} kind {kind} length "
@@ -207,7 +222,9 @@ def read_header(buf: torch.Tensor, seq: int, index: int, sizes: list[int], capac
             f"bucket {index} of round {seq}: header claims {npresent} pieces / {payload} "
             f"bytes, flags say {sum(p is not None for p in pieces)} (capacity {capacity})"
         )
-    return Header(status, version, base - 1 if base else None, pieces, payload)
+    return Header(
+        status, version, base - 1 if base else None, pieces, payload, magic == MAGIC_DEVICE
+    )
 
 
 def _rows(src: torch.Tensor, itemsize: int) -> Iterator[torch.Tensor]:
@@ -329,7 +346,7 @@ def hash_tensor(t: torch.Tensor) -> tuple[int, int]:
 
 
 def verify(buf: torch.Tensor) -> tuple[int, int]:
-    """Digest of received bytes (a flat uint8 view)."""
+    """Digest of received bytes (a flat uint8 view; on a device: copied to the host first)."""
     h = xxhash.xxh3_128()
-    h.update(buf.numpy())
+    h.update(buf.cpu().numpy())
     return digest_words(h)

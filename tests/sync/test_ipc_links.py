@@ -9,7 +9,9 @@ CUDA IPC handles:
   weights untouched, and the next round (full) is exact;
 * a trainer killed mid-round: the receiver raises ``PeerLostError`` (the pid check), nothing
   applied;
-* on a GPU: CUDA tensors through CUDA buckets, bit-exact.
+* on a GPU: CUDA tensors through CUDA buckets, bit-exact: host rounds and device rounds (packed
+  in the bucket, device digests), into host or device staging.
+* every test above runs host rounds and device rounds (the CPU stand-in of a CUDA bucket).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def _trainer(ports: list[int]) -> dict[str, Any]:
         out["rounds"].append(sender.push(make_state(v), version=v, full=v == 4))
         out["sent"].append(links.handles_sent)
     out["buckets"] = _buckets(sender)
+    out["device_rounds"] = sender._device
     out["layout"] = _layout(sender)
     out["files_planned"] = len(_files(os.getpid()))
     # a re-plan with another layout (bucket size): new buckets, new handles
@@ -137,11 +140,21 @@ def _receiver(rank: int, ports: list[int]) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def rounds() -> list[Any]:
+# "host": packed on the host, xxh3 digests (as on every other link); "device": a device round
+# (DELTACKPT_DEVICE_ROUNDS=always: the CPU stand-in of a CUDA bucket), packed from the tensors
+# into the bucket itself, device digests (sync/device_digest.py)
+ROUNDS = {"host": "off", "device": "always"}
+
+
+@pytest.fixture(scope="module", params=sorted(ROUNDS))
+def rounds(request: pytest.FixtureRequest) -> list[Any]:
     ports = [free_port(), free_port()]
     targets = [(_trainer, (ports,)), (_receiver, (1, ports)), (_receiver, (2, ports))]
-    return [o.unwrap() for o in spawn(targets, timeout=120, fast_exit=True)]
+    with pytest.MonkeyPatch.context() as mp:  # the spawned ranks inherit it
+        mp.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[request.param])
+        got = [o.unwrap() for o in spawn(targets, timeout=120, fast_exit=True)]
+    assert got[0]["device_rounds"] == (request.param == "device")
+    return got
 
 
 def test_full_and_delta_rounds_are_bit_exact(rounds: list[Any]) -> None:
@@ -265,8 +278,12 @@ def _tamper_receiver(port: int) -> dict[str, Any]:
     return out
 
 
-def test_a_tampered_shared_bucket_is_refused_and_nothing_is_applied() -> None:
+@pytest.mark.parametrize("mode", sorted(ROUNDS))
+def test_a_tampered_shared_bucket_is_refused_and_nothing_is_applied(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     port = free_port()
+    monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
     trainer, rec = (
         o.unwrap()
         for o in spawn(
@@ -350,32 +367,48 @@ def test_a_trainer_killed_mid_round_fails_the_receiver_with_peer_lost() -> None:
 # ---- on a GPU: CUDA buckets ---------------------------------------------------------------
 
 
-def _cuda_trainer(port: int) -> dict[str, Any]:
+def _cuda_trainer(port: int, mode: str) -> dict[str, Any]:
     from deltackpt import sync
+    from deltackpt.options import overrides
 
     group = sync.SyncGroup(
         "127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device="cuda:0"
     )
     sender = sync.WeightSender(group, bucket_bytes=BUCKET)
     stats = []
-    for v in (1, 2, 3):
-        state = {n: t.to("cuda:0") for n, t in make_state(v).items()}
-        stats.append(sender.push(state, version=v, full=v == 3))
+    with overrides(DELTACKPT_DEVICE_ROUNDS=mode):
+        for v in (1, 2, 3):
+            state = {n: t.to("cuda:0") for n, t in make_state(v).items()}
+            stats.append(sender.push(state, version=v, full=v == 3))
     assert group._ipc is not None
-    on_device = all(
-        b.shared.is_cuda and b.host.is_pinned() for o in group._ipc._out.values() for b in o.buckets
-    )
+    buckets = [b for o in group._ipc._out.values() for b in o.buckets]
+    out = {
+        "full": [s.full for s in stats],
+        "payload": [s.payload_bytes for s in stats],
+        "device_rounds": sender._device,
+        "on_device": all(b.shared.is_cuda for b in buckets),
+        # a host round packs into a pinned buffer; a device round makes none
+        "pinned": [b.host is not None and b.host.is_pinned() for b in buckets],
+    }
     group.pg.barrier().wait()
     group.close()
-    return {"full": [s.full for s in stats], "on_device": on_device}
+    return out
 
 
-def _cuda_receiver(port: int) -> dict[str, Any]:
+def _cuda_receiver(port: int, staging: str) -> dict[str, Any]:
+    import dataclasses
+
     from deltackpt import sync
 
     layout = ("full",)
     group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
     wants = wants_for(layout)
+    if staging == "cuda:0":  # the parameters on the device: staged there too (by default)
+        wants = [
+            dataclasses.replace(w, into=None if w.into is None else w.into.to("cuda:0"))
+            for w in wants
+        ]
+        wants = [w for w in wants if w.into is not None]
     receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
     loaded: dict[str, torch.Tensor] = {}
 
@@ -385,25 +418,38 @@ def _cuda_receiver(port: int) -> dict[str, Any]:
     bad = []
     for _ in range(3):
         receiver.pull(load)
-        bad.append(mismatches(wants, loaded, layout, receiver.version or 0))
+        held = [
+            dataclasses.replace(w, into=None if w.into is None else w.into.cpu()) for w in wants
+        ]
+        bad.append(mismatches(held, loaded, layout, receiver.version or 0))
     assert group._ipc is not None
     mapped_cuda = all(t.is_cuda for lk in group._ipc._in.values() for _, t in lk.mapped.values())
+    staged = {str(s.device) for s in receiver._slots}
     group.pg.barrier().wait()
     group.close()
-    return {"bad": bad, "version": receiver.version, "mapped_cuda": mapped_cuda}
+    return {"bad": bad, "version": receiver.version, "mapped_cuda": mapped_cuda, "staged": staged}
 
 
 @pytest.mark.gpu
-def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact() -> None:
+@pytest.mark.parametrize("mode, staging", [("off", "cpu"), ("auto", "cpu"), ("auto", "cuda:0")])
+def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(mode: str, staging: str) -> None:
+    """Host rounds (pinned buffer, xxh3) and device rounds (packed into the CUDA bucket,
+    device digests), into host staging or device staging (``into`` on the device)."""
     port = free_port()
     trainer, rec = (
         o.unwrap()
         for o in spawn(
-            [(_cuda_trainer, (port,)), (_cuda_receiver, (port,))], timeout=120, fast_exit=True
+            [(_cuda_trainer, (port, mode)), (_cuda_receiver, (port, staging))],
+            timeout=120,
+            fast_exit=True,
         )
     )
     assert trainer["full"] == [True, False, True] and trainer["on_device"]
+    assert trainer["device_rounds"] == (mode == "auto")
+    assert all(trainer["pinned"]) == (mode == "off") and any(trainer["pinned"]) == (mode == "off")
+    assert 0 < trainer["payload"][1] < trainer["payload"][0]  # only the changed tensor
     assert rec["bad"] == [[], [], []] and rec["version"] == 3 and rec["mapped_cuda"]
+    assert rec["staged"] == {staging}
 
 
 # ---- handles, in one process ---------------------------------------------------------------
