@@ -3,9 +3,11 @@
 #   here:  bash benchmarks/gpu/wheels.sh
 #   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 560)
 # 1. the gpu-marked tests; 2. benchmarks/bench_gpu.py (issue 35's table, limits in the same
-# run) and benchmarks/bench_gpu_sync.py (issue 36's); 3. the rest of the suite on 14 workers,
+# run), benchmarks/bench_gpu_sync.py (issue 36's) and benchmarks/bench_digest.py (a device
+# round's digests, torch ops against torch.compile); 3. the rest of the suite on 14 workers,
 # stopped at its time box. Logs and figures go to
-# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SUITE_S override the time boxes. Without CUDA it runs too: the gpu tests skip and say why,
+# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, DIGEST_S, SUITE_S override the time
+# boxes (0 skips the step). Without CUDA it runs too: the gpu tests skip and say why,
 # the benchmark runs its CPU dry run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,15 +29,22 @@ python3 setup.py -q build_ext --inplace >>"$LOG" 2>&1 || echo "no C extension (n
 rc=0
 timeout "${GPU_TESTS_S:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests 2>&1 \
   | tee -a "$LOG" || rc=1
-timeout "${BENCH_S:-150}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
+# a box of 0 skips its step (a rerun that needs only some of them)
+box() { [ "${1}" != 0 ]; }
+if box "${BENCH_S:-150}"; then
+  timeout "${BENCH_S:-150}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
+fi
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
-if [ -f benchmarks/bench_gpu_sync.py ]; then
+if box "${SYNC_BENCH_S:-120}"; then
   timeout "${SYNC_BENCH_S:-120}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" 2>&1 \
     | tee -a "$LOG" || rc=1
 fi
+if box "${DIGEST_S:-90}"; then  # device digests: torch ops against torch.compile's fused terms
+  timeout "${DIGEST_S:-90}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
+fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order)
-timeout "${SUITE_S:-210}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
+box "${SUITE_S:-210}" && timeout "${SUITE_S:-210}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
   ${SUITE_TESTS:-tests} >"$OUT/suite.log" 2>&1 || rc=1
 grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; tail -n 3 "$OUT/suite.log"
 exit $rc

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
-from deltackpt.format.fingerprint import _mix_, position_keys
+from deltackpt.format.fingerprint import _C1, _C2, _MASKS, _mix_, position_keys
+from deltackpt.options import default_digest_compile
 
 __all__ = ["KEY_WORDS", "message_digests", "piece_digest"]
 
@@ -71,23 +72,21 @@ def message_digests(buf: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list
     rel = torch.arange(nwords, dtype=torch.int64, device=dev)
     rel.sub_(torch.cumsum(marks[:nwords], 0))
     p, q = position_keys(dev, KEY_WORDS)
-    at = torch.remainder(rel, KEY_WORDS)
-    z = torch.bitwise_xor(words, p[at])
     # a piece that ends inside a word: that word's bytes past the end are not the piece's
     tails = [(spans[k][0] + spans[k][1]) for k in order if spans[k][1] % 8]
     if tails:
         last = torch.tensor([e // 8 for e in tails], dtype=torch.int64, device=dev)
         keep = torch.tensor([(1 << (8 * (e % 8))) - 1 for e in tails], dtype=torch.int64)
-        masked = torch.bitwise_and(words[last], keep.to(dev))
-        z[last] = torch.bitwise_xor(masked, p[at[last]])
-    _mix_(z, torch.empty_like(z))
-    weight = torch.div(rel, KEY_WORDS, rounding_mode="floor").mul_(2).add_(1)
-    weight.mul_(q[at])
-    del at, rel
+        words = words.clone()
+        words[last] = torch.bitwise_and(words[last], keep.to(dev))
+    z, wz = _terms()(words, rel, p, q)
+    del rel
     a = torch.zeros(nwords + 1, dtype=torch.int64, device=dev)
     torch.cumsum(z, 0, out=a[1:])
+    del z
     b = torch.zeros(nwords + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(weight.mul_(z), 0, out=b[1:])
+    torch.cumsum(wz, 0, out=b[1:])
+    del wz
     lo = torch.tensor(starts, dtype=torch.int64, device=dev)
     hi = torch.tensor(
         [-(-(spans[k][0] + spans[k][1]) // 8) for k in order], dtype=torch.int64, device=dev
@@ -97,6 +96,50 @@ def message_digests(buf: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list
     for j, k in enumerate(order):
         got[k] = (int(out[j][0]), int(out[j][1]))
     return got
+
+
+def mix_terms(
+    words: torch.Tensor, rel: torch.Tensor, p: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every word's two terms: ``m_i`` and ``m_i * Q[i mod K] * (2 * (i div K) + 1)``, for the
+    words ``words`` at positions ``rel`` in their pieces (the reference: torch operations
+    one pass each)."""
+    at = torch.remainder(rel, KEY_WORDS)
+    z = torch.bitwise_xor(words, p[at])
+    _mix_(z, torch.empty_like(z))
+    weight = torch.div(rel, KEY_WORDS, rounding_mode="floor").mul_(2).add_(1)
+    weight.mul_(q[at])
+    return z, weight.mul_(z)
+
+
+def _mix_pure(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser without in-place work (what a compiler fuses)."""
+    for s, c in ((30, _C1), (27, _C2), (31, None)):
+        x = x ^ ((x >> s) & _MASKS[s])
+        if c is not None:
+            x = x * c
+    return x
+
+
+def _mix_terms_pure(
+    words: torch.Tensor, rel: torch.Tensor, p: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    at = rel % KEY_WORDS
+    z = _mix_pure(words ^ p[at])
+    return z, z * (q[at] * ((rel // KEY_WORDS) * 2 + 1))
+
+
+_COMPILED: list[object] = []
+
+
+def _terms() -> object:
+    """:func:`mix_terms`, or with ``DELTACKPT_DIGEST_COMPILE=on`` the same terms by one fused
+    kernel (``torch.compile``; the same integers: a test and the device check compare them)."""
+    if default_digest_compile() != "on":
+        return mix_terms
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_mix_terms_pure, dynamic=True))
+    return _COMPILED[0]
 
 
 def piece_digest(data: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,98 @@
+"""How fast a device round's digests run (deltackpt/sync/device_digest.py) beside the device's
+copy limit: torch operations (the default) against the same terms fused by ``torch.compile``
+(``DELTACKPT_DIGEST_COMPILE=on``), on the messages of one round, with the digests compared.
+
+    python benchmarks/bench_digest.py --gb 1 --bucket-mb 64     # on a GPU (the device check)
+    python benchmarks/bench_digest.py --gb 0.03 --no-compile    # the CPU dry run
+
+Prints one table: seconds and GB/s per way, and a device-to-device copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from deltackpt.format.fingerprint import source_fingerprints
+from deltackpt.options import overrides
+from deltackpt.sync.device_digest import message_digests
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _best(fn, dev: torch.device, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gb", type=float, default=1.0 if torch.cuda.is_available() else 0.03)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bucket = args.bucket_mb << 20
+    n = max(1, int(args.gb * 1e9) // bucket)
+    data = torch.randint(0, 256, (n * bucket,), dtype=torch.uint8, device=dev)
+    msgs = [data[i * bucket : (i + 1) * bucket] for i in range(n)]
+    # a bucket's pieces: a few large ones and a tail of small ones (norms, biases)
+    spans = [(256 + j * (bucket // 4), bucket // 4 - 512) for j in range(4)]
+    spans[-1] = (spans[-1][0], spans[-1][1] - 64 * 1024)
+    spans += [(bucket - 64 * 1024 + j * 1024, 1000 + j) for j in range(60)]
+    gb = n * bucket / 1e9
+    rows: list[tuple[str, float]] = []
+    other = torch.empty_like(data)
+    rows.append(("device-to-device copy", _best(lambda: other.copy_(data), dev, args.repeats)))
+    ref = [message_digests(m, spans) for m in msgs]
+    rows.append(
+        ("digests, torch ops", _best(lambda: [message_digests(m, spans) for m in msgs], dev, 3))
+    )
+    rows.append(
+        (
+            "chunk fingerprints (1 MiB)",
+            _best(lambda: [source_fingerprints(m, 1 << 20) for m in msgs], dev, 3),
+        )
+    )
+    note = ""
+    if not args.no_compile:
+        with overrides(DELTACKPT_DIGEST_COMPILE="on"):
+            t0 = time.perf_counter()
+            try:
+                fused = [message_digests(m, spans) for m in msgs]
+                note = f"compile + first pass {time.perf_counter() - t0:.1f} s; "
+                note += f"same digests: {fused == ref}"
+                rows.append(
+                    (
+                        "digests, fused (torch.compile)",
+                        _best(lambda: [message_digests(m, spans) for m in msgs], dev, 3),
+                    )
+                )
+            except Exception as e:  # reported, not fatal: the default needs no compiler
+                note = f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(
+        f"\n## device digests: {name}, {n} messages of {args.bucket_mb} MiB ({gb:.2f} GB), "
+        f"{len(spans)} pieces each\n"
+    )
+    print("| way | seconds | GB/s |\n|---|---|---|")
+    for label, s in rows:
+        print(f"| {label} | {s:.4f} | {gb / s:.1f} |")
+    if note:
+        print(f"\n{note}")
+
+
+if __name__ == "__main__":
+    main()

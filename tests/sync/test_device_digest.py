@@ -1,0 +1,79 @@
+"""The digests of a device round (deltackpt/sync/device_digest.py): one piece's digest wherever
+it lies in a message, blind to the bytes past its end, moved by any change of one word or a
+swap of two words, and the same on CUDA as on the CPU, by torch operations and by the fused
+(``torch.compile``) terms (gpu: compiling on this machine's CPU would add ~10 s to the suite).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltackpt.options import overrides
+from deltackpt.sync.device_digest import KEY_WORDS, message_digests, piece_digest
+
+SIZES = (0, 3, 8, 13, 64, 2 * KEY_WORDS * 8 + 5)  # empty, within a word, two key runs + a tail
+
+
+def _message(seed: int = 0) -> tuple[torch.Tensor, list[tuple[int, int]], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in SIZES]
+    buf = torch.randint(
+        0, 256, (sum(SIZES) + 64 * len(SIZES) + 256,), dtype=torch.uint8, generator=g
+    )
+    spans, pos = [], 128
+    for p in pieces:
+        buf[pos : pos + p.numel()] = p
+        spans.append((pos, p.numel()))
+        pos = -(-(pos + p.numel()) // 64) * 64
+    return buf, spans, pieces
+
+
+def test_a_piece_has_one_digest_wherever_it_lies_and_whatever_follows_it() -> None:
+    buf, spans, pieces = _message()
+    got = message_digests(buf, spans)
+    assert got == [piece_digest(p) for p in pieces]
+    assert len(set(got[1:])) == len(got) - 1  # distinct pieces, distinct digests
+    # the bytes after a piece that ends inside a word are not part of it
+    other = buf.clone()
+    for o, n in spans:
+        if n % 8:
+            other[o + n : -(-(o + n) // 8) * 8] ^= 0xFF
+    assert message_digests(other, spans) == got
+    # the spans in another order: the same digests, in that order
+    assert message_digests(buf, spans[::-1]) == got[::-1]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_one_changed_byte_or_two_swapped_words_move_the_digest(where: str) -> None:
+    buf, spans, _ = _message()
+    got = message_digests(buf, spans)
+    o, n = spans[-1]
+    at = {"first": 0, "middle": n // 2, "last": n - 1}[where]
+    bad = buf.clone()
+    bad[o + at] ^= 1
+    moved = message_digests(bad, spans)
+    assert moved[-1] != got[-1] and moved[:-1] == got[:-1]
+    # two different words exactly one key run apart swapped (the same P and Q positions)
+    words = buf[o : o + 2 * KEY_WORDS * 8].clone().view(torch.int64)
+    words[0], words[KEY_WORDS] = words[KEY_WORDS].clone(), words[0].clone()
+    assert piece_digest(words.view(torch.uint8)) != piece_digest(buf[o : o + 2 * KEY_WORDS * 8])
+
+
+def test_spans_off_a_word_boundary_or_past_the_buffer_are_refused() -> None:
+    buf = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        message_digests(buf, [(4, 8)])
+    with pytest.raises(ValueError, match="past the buffer"):
+        message_digests(buf, [(56, 16)])
+
+
+@pytest.mark.gpu
+def test_cuda_gives_the_cpu_digests() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (no GPU on this machine)")
+    buf, spans, _ = _message(2)
+    ref = message_digests(buf, spans)
+    assert message_digests(buf.cuda(), spans) == ref
+    with overrides(DELTACKPT_DIGEST_COMPILE="on"):
+        assert message_digests(buf.cuda(), spans) == ref
