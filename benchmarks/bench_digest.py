@@ -1,11 +1,11 @@
 """How fast a device round's digests run (deltackpt/sync/device_digest.py) beside the device's
-copy limit: torch operations (the default) against the same terms fused by ``torch.compile``
-(``DELTACKPT_DIGEST_COMPILE=on``), on the messages of one round, with the digests compared.
+copy limit and the chunk fingerprints they are built from, on the messages of one round (a few
+large pieces and a tail of small ones per message).
 
     python benchmarks/bench_digest.py --gb 1 --bucket-mb 64     # on a GPU (the device check)
-    python benchmarks/bench_digest.py --gb 0.03 --no-compile    # the CPU dry run
+    python benchmarks/bench_digest.py --gb 0.03                 # the CPU dry run
 
-Prints one table: seconds and GB/s per way, and a device-to-device copy of the same bytes.
+Prints one table: seconds and GB/s per way.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import time
 import torch
 
 from deltackpt.format.fingerprint import source_fingerprints
-from deltackpt.options import overrides
 from deltackpt.sync.device_digest import message_digests
 
 
@@ -41,7 +40,6 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0 if torch.cuda.is_available() else 0.03)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bucket = args.bucket_mb << 20
@@ -56,7 +54,8 @@ def main() -> None:
     rows: list[tuple[str, float]] = []
     other = torch.empty_like(data)
     rows.append(("device-to-device copy", _best(lambda: other.copy_(data), dev, args.repeats)))
-    ref = [message_digests(m, spans) for m in msgs]
+    for m in msgs:  # warm-up: the position keys are made once per device
+        message_digests(m, spans)
     rows.append(
         ("digests, torch ops", _best(lambda: [message_digests(m, spans) for m in msgs], dev, 3))
     )
@@ -67,21 +66,6 @@ def main() -> None:
         )
     )
     note = ""
-    if not args.no_compile:
-        with overrides(DELTACKPT_DIGEST_COMPILE="on"):
-            t0 = time.perf_counter()
-            try:
-                fused = [message_digests(m, spans) for m in msgs]
-                note = f"compile + first pass {time.perf_counter() - t0:.1f} s; "
-                note += f"same digests: {fused == ref}"
-                rows.append(
-                    (
-                        "digests, fused (torch.compile)",
-                        _best(lambda: [message_digests(m, spans) for m in msgs], dev, 3),
-                    )
-                )
-            except Exception as e:  # reported, not fatal: the default needs no compiler
-                note = f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}"
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(
         f"\n## device digests: {name}, {n} messages of {args.bucket_mb} MiB ({gb:.2f} GB), "

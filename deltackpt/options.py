@@ -27,9 +27,6 @@ DELTACKPT_DEVICE_ROUNDS    weight sync on an ipc link: ``auto`` (rounds on   aut
                            digests, applied from device staging), ``off``
                            (through the host, as on every other link),
                            ``always`` (CPU buckets too: the test suite)
-DELTACKPT_DIGEST_COMPILE   a device round's digests: ``off`` (torch ops,      off
-                           ~25 passes), ``on`` (their elementwise part
-                           fused by ``torch.compile``: being measured)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -146,13 +143,6 @@ DEVICE_ROUNDS = ("auto", "off", "always")
 
 def default_device_rounds() -> str:
     return _env_choice("DELTACKPT_DEVICE_ROUNDS", DEVICE_ROUNDS, "auto")
-
-
-DIGEST_COMPILES = ("off", "on")
-
-
-def default_digest_compile() -> str:
-    return _env_choice("DELTACKPT_DIGEST_COMPILE", DIGEST_COMPILES, "off")
 
 
 STAGE_DEFERS = ("auto", "off", "always")

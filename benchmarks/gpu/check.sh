@@ -4,7 +4,7 @@
 #   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 560)
 # 1. the gpu-marked tests; 2. benchmarks/bench_gpu.py (issue 35's table, limits in the same
 # run), benchmarks/bench_gpu_sync.py (issue 36's) and benchmarks/bench_digest.py (a device
-# round's digests, torch ops against torch.compile); 3. the rest of the suite on 14 workers,
+# round's digests beside the device's copy); 3. the rest of the suite on 14 workers,
 # stopped at its time box. Logs and figures go to
 # $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, DIGEST_S, SUITE_S override the time
 # boxes (0 skips the step). Without CUDA it runs too: the gpu tests skip and say why,
@@ -39,7 +39,7 @@ if box "${SYNC_BENCH_S:-120}"; then
   timeout "${SYNC_BENCH_S:-120}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" 2>&1 \
     | tee -a "$LOG" || rc=1
 fi
-if box "${DIGEST_S:-90}"; then  # device digests: torch ops against torch.compile's fused terms
+if box "${DIGEST_S:-90}"; then  # device digests beside the fingerprints and a device copy
   timeout "${DIGEST_S:-90}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);

@@ -5,141 +5,107 @@ without bringing its bytes to the host.
 
 A host round hashes every piece with xxh3-128 (``wire.py``). xxh3 needs the bytes on the host;
 a device round keeps them on the device from the trainer's tensor to the receiver's, so its
-header says so (``wire.MAGIC_DEVICE``) and carries this digest instead. For a piece of ``n``
-bytes, as 8-byte words ``w_i`` (the tail zero-padded to a word)::
+header says so (``wire.MAGIC_DEVICE``) and carries this digest instead: the chunk fingerprints
+of ``format/fingerprint.py`` over the piece (1 MiB chunks counted from the piece's first byte,
+the tail zero-padded to a word), folded into one pair by the same fingerprint over the list of
+chunk fingerprints::
 
-    m_i = mix(w_i ^ P[i mod K])                     mix: splitmix64's finaliser (a bijection)
-    a   = sum(m_i)                                  mod 2**64
-    b   = sum(m_i * Q[i mod K] * (2 * (i div K) + 1))   mod 2**64
+    digest(piece) = fingerprint(a_0, b_0, a_1, b_1, ...)      (a_c, b_c): chunk c's two sums
 
-with ``P``, ``Q`` and ``K`` (1 MiB of words) the position keys of ``format/fingerprint.py``:
-the same words as a chunk fingerprint, over a whole piece. ``i`` counts from the piece's first
-word, so a piece's digest does not depend on where it lies in a message (:func:`piece_digest`
-of the piece alone gives it). What it detects, as the chunk fingerprint: a change of one word
-always; a change of several, missed only when both sums collide (about 2**-120 per changed
-piece for ordinary data: torn or stale copies, a wrong bucket, a bug); it is not a defence
-against someone who can write the bucket and knows the fixed keys (neither is xxh3 there: the
-header that carries the digests is in the same bucket).
+so a piece's digest does not depend on where it lies in a message, and a sender whose device
+scan fingerprinted a whole tensor this round (``host_mirror.py``) has its digest for the cost
+of the fold. What it detects, as the chunk fingerprint: a change of one word, always (it moves
+its chunk's ``a``, which moves the fold's); a change of several, missed only when the sums
+collide (about 2**-120 per changed piece for ordinary data: torn or stale copies, a wrong
+bucket, a bug); it is not a defence against someone who can write the bucket and knows the
+fixed keys (neither is xxh3 there: the header that carries the digests is in the same bucket).
 
-All pieces of one message in one pass: every word's position in its piece comes from a running
-sum of the piece starts, the two sums from two cumulative sums read at the piece boundaries,
-and one device-to-host copy returns the digests (~25 elementwise passes over the message's
-words, whatever the number of pieces). Device memory while it runs: about four times the
-message's bytes (its words' keys, positions and two running sums).
+Cost: pieces of at least :data:`CHUNK` bytes are fingerprinted one by one at the fingerprint's
+speed (~117 GB/s on one H200, measured); smaller ones together, as the rows of one zero-padded
+matrix (a copy of each first); the folds of all pieces together; one device-to-host copy per
+message. Device memory while it runs: two work buffers of at most ``fingerprint.SLAB_BYTES``,
+and the small pieces' matrix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from deltackpt.format.fingerprint import _C1, _C2, _MASKS, _mix_, position_keys
-from deltackpt.options import default_digest_compile
+from deltackpt.format.fingerprint import _mix_, position_keys, source_fingerprints
 
-__all__ = ["KEY_WORDS", "message_digests", "piece_digest"]
+__all__ = ["CHUNK", "fold", "message_digests", "piece_digest"]
 
-KEY_WORDS = (1 << 20) // 8  # K: position keys per run of words (the chunk fingerprint's)
+CHUNK = 1 << 20  # bytes per chunk fingerprint (the sender's device scan uses the same)
+_WORDS = CHUNK // 8
 
 
-def message_digests(buf: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The digest of each ``(offset, nbytes)`` span of ``buf`` (1-D uint8, on any device;
-    offsets multiples of 8, spans not overlapping): the bytes past a span's end in its last
-    word are not part of it. One device-to-host copy."""
+def _small_rows(buf: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The chunk fingerprint [k, 2] of each span shorter than a chunk: one row each of a
+    zero-padded word matrix, fingerprinted together (the padding's words take no part)."""
+    dev = buf.device
+    width = max(-(-n // 8) for _, n in spans) or 1
+    mat = torch.zeros(len(spans), width * 8, dtype=torch.uint8, device=dev)
+    for j, (o, n) in enumerate(spans):
+        mat[j, :n] = buf[o : o + n]
+    words = mat.view(torch.int64)
+    p, q = position_keys(dev, _WORDS)
+    z = torch.bitwise_xor(words, p[:width])
+    _mix_(z, torch.empty_like(z))
+    lengths = torch.tensor([-(-n // 8) for _, n in spans], dtype=torch.int64).to(dev)
+    pad = torch.arange(width, device=dev).unsqueeze(0) >= lengths.unsqueeze(1)
+    z.masked_fill_(pad, 0)
+    a = z.sum(dim=1)
+    b = z.mul_(q[:width]).sum(dim=1)
+    return torch.stack([a, b], dim=1)
+
+
+def fold(fps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The digests [n, 2] of ``n`` pieces from their chunk fingerprints (each [chunks, 2], on
+    one device): the fingerprint of each list of words ``a_0, b_0, a_1, ...``, all at once."""
+    dev = fps[0].device
+    words = torch.cat([f.reshape(-1) for f in fps])
+    counts = [f.numel() for f in fps]
+    if max(counts) > _WORDS:
+        raise ValueError(f"a piece of more than {_WORDS // 2} chunks ({_WORDS // 2} MiB)")
+    starts = torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0)
+    # each word's position in its piece's list: arange minus its piece's start
+    owner = torch.repeat_interleave(torch.arange(len(fps)), torch.tensor(counts))
+    rel = (torch.arange(words.numel()) - starts[owner]).to(dev)
+    p, q = position_keys(dev, _WORDS)
+    z = torch.bitwise_xor(words, p[rel])
+    _mix_(z, torch.empty_like(z))
+    at = owner.to(dev)
+    a = torch.zeros(len(fps), dtype=torch.int64, device=dev).index_add_(0, at, z)
+    b = torch.zeros(len(fps), dtype=torch.int64, device=dev).index_add_(0, at, z.mul_(q[rel]))
+    return torch.stack([a, b], dim=1)
+
+
+def message_digests(
+    buf: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    known: Mapping[int, torch.Tensor] | None = None,
+) -> list[tuple[int, int]]:
+    """The digest of each ``(offset, nbytes)`` span of ``buf`` (1-D uint8, on any device).
+    ``known``: span index -> its chunk fingerprints, already taken (the sender's device scan
+    of a whole tensor): only folded. One device-to-host copy."""
     if not spans:
         return []
-    if any(o % 8 or o < 0 or n < 0 for o, n in spans):
-        raise ValueError(f"spans must start at multiples of 8 bytes: {list(spans)[:4]}...")
-    dev = buf.device
-    order = sorted(range(len(spans)), key=lambda k: spans[k][0])
-    end = max(o + n for o, n in spans)
-    nwords = -(-end // 8)
-    if end > buf.numel():
-        raise ValueError(f"spans end at byte {end}, past the buffer's {buf.numel()}")
-    if nwords * 8 > buf.numel() or buf.data_ptr() % 8:  # the last word runs past the buffer
-        data = torch.zeros(nwords * 8, dtype=torch.uint8, device=dev)
-        data[:end] = buf[:end]
-    else:
-        data = buf[: nwords * 8]
-    words = data.view(torch.int64)
-    starts = [spans[k][0] // 8 for k in order]
-    # each word's position in the piece that starts at or before it
-    marks = torch.zeros(nwords + 1, dtype=torch.int64, device=dev)
-    first = torch.tensor(starts, dtype=torch.int64)
-    step = first.clone()
-    step[1:] -= first[:-1]
-    marks.index_add_(0, first.to(dev), step.to(dev))  # equal starts (empty pieces) add up
-    rel = torch.arange(nwords, dtype=torch.int64, device=dev)
-    rel.sub_(torch.cumsum(marks[:nwords], 0))
-    p, q = position_keys(dev, KEY_WORDS)
-    # a piece that ends inside a word: that word's bytes past the end are not the piece's
-    tails = [(spans[k][0] + spans[k][1]) for k in order if spans[k][1] % 8]
-    if tails:
-        last = torch.tensor([e // 8 for e in tails], dtype=torch.int64, device=dev)
-        keep = torch.tensor([(1 << (8 * (e % 8))) - 1 for e in tails], dtype=torch.int64)
-        words = words.clone()
-        words[last] = torch.bitwise_and(words[last], keep.to(dev))
-    z, wz = _terms()(words, rel, p, q)
-    del rel
-    a = torch.zeros(nwords + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(z, 0, out=a[1:])
-    del z
-    b = torch.zeros(nwords + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(wz, 0, out=b[1:])
-    del wz
-    lo = torch.tensor(starts, dtype=torch.int64, device=dev)
-    hi = torch.tensor(
-        [-(-(spans[k][0] + spans[k][1]) // 8) for k in order], dtype=torch.int64, device=dev
-    )
-    out = torch.stack([a[hi] - a[lo], b[hi] - b[lo]], dim=1).cpu().tolist()
-    got: list[tuple[int, int]] = [(0, 0)] * len(spans)
-    for j, k in enumerate(order):
-        got[k] = (int(out[j][0]), int(out[j][1]))
-    return got
-
-
-def mix_terms(
-    words: torch.Tensor, rel: torch.Tensor, p: torch.Tensor, q: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every word's two terms: ``m_i`` and ``m_i * Q[i mod K] * (2 * (i div K) + 1)``, for the
-    words ``words`` at positions ``rel`` in their pieces (the reference: torch operations
-    one pass each)."""
-    at = torch.remainder(rel, KEY_WORDS)
-    z = torch.bitwise_xor(words, p[at])
-    _mix_(z, torch.empty_like(z))
-    weight = torch.div(rel, KEY_WORDS, rounding_mode="floor").mul_(2).add_(1)
-    weight.mul_(q[at])
-    return z, weight.mul_(z)
-
-
-def _mix_pure(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser without in-place work (what a compiler fuses)."""
-    for s, c in ((30, _C1), (27, _C2), (31, None)):
-        x = x ^ ((x >> s) & _MASKS[s])
-        if c is not None:
-            x = x * c
-    return x
-
-
-def _mix_terms_pure(
-    words: torch.Tensor, rel: torch.Tensor, p: torch.Tensor, q: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    at = rel % KEY_WORDS
-    z = _mix_pure(words ^ p[at])
-    return z, z * (q[at] * ((rel // KEY_WORDS) * 2 + 1))
-
-
-_COMPILED: list[object] = []
-
-
-def _terms() -> object:
-    """:func:`mix_terms`, or with ``DELTACKPT_DIGEST_COMPILE=on`` the same terms by one fused
-    kernel (``torch.compile``; the same integers: a test and the device check compare them)."""
-    if default_digest_compile() != "on":
-        return mix_terms
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(_mix_terms_pure, dynamic=True))
-    return _COMPILED[0]
+    if any(o < 0 or n < 0 or o + n > buf.numel() for o, n in spans):
+        raise ValueError(f"spans must lie in the buffer of {buf.numel()} bytes: {list(spans)[:4]}")
+    known = known or {}
+    fps: list[torch.Tensor | None] = [known.get(k) for k in range(len(spans))]
+    small = [k for k, (_, n) in enumerate(spans) if fps[k] is None and n < CHUNK]
+    for k, (o, n) in enumerate(spans):
+        if fps[k] is None and n >= CHUNK:
+            fps[k] = source_fingerprints(buf[o : o + n], CHUNK)
+    if small:
+        rows = _small_rows(buf, [spans[k] for k in small])
+        for j, k in enumerate(small):
+            fps[k] = rows[j : j + 1]
+    out = fold([f.to(buf.device) for f in fps if f is not None]).cpu().tolist()
+    return [(int(a), int(b)) for a, b in out]
 
 
 def piece_digest(data: torch.Tensor) -> tuple[int, int]:

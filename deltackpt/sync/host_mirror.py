@@ -240,6 +240,12 @@ class HostMirror:
         out.update((n, self.host[n]) for n in names)
         return out, rec.unchanged
 
+    @property
+    def fingerprints(self) -> dict[str, torch.Tensor]:
+        """This round's chunk fingerprints (:data:`CHUNK_BYTES`) of the tensors it compared,
+        where they live, by name (those of a whole tensor fold into its device digest)."""
+        return self._round
+
     def scan(
         self,
         local: Mapping[str, torch.Tensor],

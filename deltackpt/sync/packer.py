@@ -45,6 +45,8 @@ class Packer:
     local: dict[str, torch.Tensor] = field(default_factory=dict)
     boxes: dict[str, Held] = field(default_factory=dict)
     base_version: int | None = None  # the version the receivers hold (patches apply to it)
+    # a device round: this round's chunk fingerprints of the scanned tensors (host_mirror.scan)
+    fingerprints: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def message(
         self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
@@ -141,12 +143,15 @@ class Packer:
         changed (or, ``full``, every) piece copied and cast from the local tensor into ``buf``,
         the bucket itself, where both live (device to device), raw; then the device digests of
         all of them in one pass (``device_digest.py``: one small copy to the host); then the
-        header. The change is the device scan's (``Detector.start_round(scanned=)``)."""
+        header. The change is the device scan's (``Detector.start_round(scanned=)``), and so
+        are the chunk fingerprints of a piece that is a whole scanned tensor: its digest is
+        their fold (the bytes the sender meant to send, read once this round)."""
         start = payload_start(bk, self.align)
         pos = start
         scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)  # a host tensor's own test
         spans: list[tuple[int, int]] = []
         present: list[int] = []
+        known: dict[int, torch.Tensor] = {}  # a whole scanned tensor: its digest is a fold
         for k, p in enumerate(bk.pieces):
             name = sched.tensors[p.tensor].name
             src = self.local[name][p.box.within(self.boxes[name].box)]
@@ -157,11 +162,16 @@ class Packer:
                 continue
             pos = -(-pos // self.align) * self.align
             wire.fill(buf[pos : pos + p.nbytes], src, dt)
+            fp = self.fingerprints.get(name)
+            whole = p.box == self.boxes[name].box and src.dtype == dt and src.is_contiguous()
+            if fp is not None and whole:
+                known[len(spans)] = fp
             spans.append((pos, p.nbytes))
             present.append(k)
             pos += p.nbytes
         heads: list[wire.Piece | None] = [None] * len(bk.pieces)
-        for k, (_, n), d in zip(present, spans, message_digests(buf, spans), strict=True):
+        digests = message_digests(buf, spans, known)
+        for k, (_, n), d in zip(present, spans, digests, strict=True):
             heads[k] = wire.Piece(wire.IN_MESSAGE, wire.RAW, n, d)
         wire.write_header(buf, seq, version, bk.index, wire.OK, heads, pos - start, device=True)
         digests = [None if h is None else h.digest for h in heads]

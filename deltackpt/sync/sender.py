@@ -40,6 +40,7 @@ import torch
 from deltackpt.options import default_device_scan
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
+from deltackpt.sync.device_digest import CHUNK
 from deltackpt.sync.device_patches import DeviceBases, piece_finder
 from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
@@ -242,6 +243,9 @@ class WeightSender:
                 staged = (f"rank {g.rank} failed copying its tensors to the host mirror: {e!r}", e)
                 local = {}
         self._packer.local, self._packer.boxes = local, self._boxes
+        # a whole scanned tensor's digest is the fold of its scan (the same chunks)
+        folds = device and self.mirror.chunk_bytes == CHUNK
+        self._packer.fingerprints = self.mirror.fingerprints if folds else {}
         self._packer.base_version = self.version
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}

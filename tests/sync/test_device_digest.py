@@ -1,18 +1,17 @@
 """The digests of a device round (deltackpt/sync/device_digest.py): one piece's digest wherever
 it lies in a message, blind to the bytes past its end, moved by any change of one word or a
-swap of two words, and the same on CUDA as on the CPU, by torch operations and by the fused
-(``torch.compile``) terms (gpu: compiling on this machine's CPU would add ~10 s to the suite).
-"""
+swap of two words or two chunks, the same from a sender's known chunk fingerprints as from the
+bytes, and the same on CUDA as on the CPU (gpu)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deltackpt.options import overrides
-from deltackpt.sync.device_digest import KEY_WORDS, message_digests, piece_digest
+from deltackpt.format.fingerprint import source_fingerprints
+from deltackpt.sync.device_digest import CHUNK, message_digests, piece_digest
 
-SIZES = (0, 3, 8, 13, 64, 2 * KEY_WORDS * 8 + 5)  # empty, within a word, two key runs + a tail
+SIZES = (0, 3, 8, 13, 64, CHUNK, 2 * CHUNK + 5)  # empty, within a word, one, two chunks + a tail
 
 
 def _message(seed: int = 0) -> tuple[torch.Tensor, list[tuple[int, int]], list[torch.Tensor]]:
@@ -54,17 +53,27 @@ def test_one_changed_byte_or_two_swapped_words_move_the_digest(where: str) -> No
     bad[o + at] ^= 1
     moved = message_digests(bad, spans)
     assert moved[-1] != got[-1] and moved[:-1] == got[:-1]
-    # two different words exactly one key run apart swapped (the same P and Q positions)
-    words = buf[o : o + 2 * KEY_WORDS * 8].clone().view(torch.int64)
-    words[0], words[KEY_WORDS] = words[KEY_WORDS].clone(), words[0].clone()
-    assert piece_digest(words.view(torch.uint8)) != piece_digest(buf[o : o + 2 * KEY_WORDS * 8])
+    # two different words exactly one chunk apart swapped (the same position keys)
+    w = CHUNK // 8
+    words = buf[o : o + 2 * CHUNK].clone().view(torch.int64)
+    words[0], words[w] = words[w].clone(), words[0].clone()
+    assert piece_digest(words.view(torch.uint8)) != piece_digest(buf[o : o + 2 * CHUNK])
+    # two whole chunks swapped: the fold's position keys see it
+    chunks = buf[o : o + 2 * CHUNK].clone().view(2, CHUNK).flip(0).reshape(-1)
+    assert piece_digest(chunks) != piece_digest(buf[o : o + 2 * CHUNK])
 
 
-def test_spans_off_a_word_boundary_or_past_the_buffer_are_refused() -> None:
+def test_a_senders_known_chunk_fingerprints_fold_into_the_same_digests() -> None:
+    """The sender's device scan fingerprinted a whole tensor this round: its digest is the fold
+    of those fingerprints, the one the receiver computes from the bytes."""
+    buf, spans, pieces = _message(3)
+    known = {k: source_fingerprints(p, CHUNK) for k, p in enumerate(pieces) if p.numel()}
+    assert message_digests(buf, spans, known) == message_digests(buf, spans)
+
+
+def test_spans_past_the_buffer_are_refused() -> None:
     buf = torch.zeros(64, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="multiples of 8"):
-        message_digests(buf, [(4, 8)])
-    with pytest.raises(ValueError, match="past the buffer"):
+    with pytest.raises(ValueError, match="lie in the buffer"):
         message_digests(buf, [(56, 16)])
 
 
@@ -75,5 +84,5 @@ def test_cuda_gives_the_cpu_digests() -> None:
     buf, spans, _ = _message(2)
     ref = message_digests(buf, spans)
     assert message_digests(buf.cuda(), spans) == ref
-    with overrides(DELTACKPT_DIGEST_COMPILE="on"):
-        assert message_digests(buf.cuda(), spans) == ref
+    known = {k: source_fingerprints(buf.cuda()[o : o + n], CHUNK) for k, (o, n) in enumerate(spans)}
+    assert message_digests(buf.cuda(), spans, known) == ref
