@@ -90,6 +90,7 @@ class MirrorRound:
     patched_bytes: int = 0
     unchanged: frozenset[str] = frozenset()
     copies: int = 0  # copy calls issued (runs of changed chunks)
+    scanned_bytes: int = 0  # bytes fingerprinted (a device round: scan)
     seconds: float = 0.0
 
 
@@ -252,6 +253,7 @@ class HostMirror:
         full: bool,
         scan: str | None = None,
         cast: Mapping[str, torch.dtype] | None = None,
+        skip: frozenset[str] = frozenset(),
     ) -> tuple[dict[str, torch.Tensor], frozenset[str], frozenset[str]]:
         """A device round (an ipc link on CUDA: ``ipc_links.py``): the change found as
         :meth:`stage` finds it, and nothing copied to the host. Returns ``local`` with the
@@ -259,15 +261,19 @@ class HostMirror:
         scanned, and those whose fingerprints did not move since the last committed round
         (none in a ``full`` round or under ``DELTACKPT_DEVICE_SCAN=off``). The mirror's host
         copy is not updated: the sender clears the mirror before a round that uses it after
-        device rounds (``WeightSender``)."""
+        device rounds (``WeightSender``). ``skip``: tensors known untouched since the last
+        commit (``detect="version"``: not written through torch), neither cast nor
+        fingerprinted in a delta round: their committed fingerprints carry over."""
         t0 = time.perf_counter()
         scan = default_device_scan() if scan is None else scan
         names = mirrored_names(local, "always" if scan == "off" else scan)
-        tensors = {n: _as_wire(local[n], (cast or {}).get(n)) for n in names}
-        self._round = {}
+        kept = set() if full or scan == "off" else {n for n in skip if n in self._committed}
+        tensors = {n: _as_wire(local[n], (cast or {}).get(n)) for n in names if n not in kept}
+        self._round = {n: self._committed[n] for n in kept}
         self.device.start(tensors, "off")
-        changed = dict.fromkeys(names) if scan == "off" else self._compare(tensors, full)
+        changed = dict.fromkeys(tensors) if scan == "off" else self._compare(tensors, full)
         rec = MirrorRound(unchanged=frozenset(n for n in names if n not in changed))
+        rec.scanned_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         rec.seconds = time.perf_counter() - t0
         self.last = rec
         out = dict(local)

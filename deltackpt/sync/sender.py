@@ -126,6 +126,10 @@ class WeightSender:
         #: the host copy of CUDA local tensors (see host_mirror.py); allocated on first use
         self.mirror = HostMirror()
         self._device = False  # the last round was a device round (SyncGroup.device_rounds)
+        # name -> (data_ptr, _version, tensor) at the last commit / this round (detect="version":
+        # the tensor is held so its memory cannot be reused by another at the same address)
+        self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
+        self._round_vers: dict[str, tuple[int, int, torch.Tensor]] = {}
 
     @property
     def detect(self) -> str:
@@ -184,6 +188,7 @@ class WeightSender:
         self._detector.clear()
         self._bases.clear()
         self.mirror.clear()
+        self._vers = {}
         self._dirty = True
         self._epoch = g.epoch
 
@@ -219,6 +224,10 @@ class WeightSender:
             self._bases.clear()  # go stale
             self._packer.patch_links = patch_links
         local: dict[str, torch.Tensor] = self._local
+        # detect="version": each tensor's storage and in-place version now, before any read (a
+        # write after this shows next round); a device round skips the untouched ones' scan
+        vers = {n: (t.data_ptr(), t._version, t) for n, t in local.items()}
+        self._round_vers = vers
         unchanged: frozenset[str] = frozenset()
         staged: tuple[str, BaseException] | None = None
         mirrored = 0
@@ -229,7 +238,10 @@ class WeightSender:
                 # every tensor fingerprinted where it lives (a host one too: its digests in
                 # a device round are device digests, so xxh3 cannot tell its change)
                 how = "off" if scan == "off" else "always"
-                local, scanned, unchanged = self.mirror.scan(local, full, how, cast=self._casts)
+                skip = self._untouched_tensors() if not full else frozenset()
+                local, scanned, unchanged = self.mirror.scan(
+                    local, full, how, cast=self._casts, skip=skip
+                )
             except Exception as e:
                 staged = (f"rank {g.rank} failed scanning its tensors on the device: {e!r}", e)
                 local = {}
@@ -275,6 +287,7 @@ class WeightSender:
             )
         self._bases.commit()
         self.mirror.commit()
+        self._vers = vers
         self._since_full = 0 if full else self._since_full + 1
         self._detector.commit(full, digests)
         self._dirty = False
@@ -428,6 +441,18 @@ class WeightSender:
         drained = g.drain_sends(seq, rest)  # always waited for, even after a loss
         lost = lost or drained
         return failure, cause, lost, wire_bytes, len(self._buckets), zero_copy_bytes
+
+    def _untouched_tensors(self) -> frozenset[str]:
+        """``detect="version"``: the local tensors whose storage and in-place version counter
+        did not move since the last committed round (a device round neither casts nor
+        fingerprints them); none with ``"hash"``."""
+        if self.detect != "version":
+            return frozenset()
+        return frozenset(
+            n
+            for n, (ptr, ver, _) in self._round_vers.items()
+            if n in self._vers and self._vers[n][:2] == (ptr, ver)
+        )
 
     def _untouched(self, sched: Schedule, bk: LinkBucket) -> bool:
         """``detect="version"``: no tensor of this bucket was written since the last commit,
