@@ -4,8 +4,6 @@ each bucket copied to its tensors on a side stream while the next one is read.
     pack the targets' chunk slices into buckets of about BUCKET bytes (a large tensor spans
     several; a chunk is never split between two, so none is read twice)
     per bucket, in two host buffers taken in turn:
-        ask the kernel to start reading the next bucket's chunks (PackReaders.prefetch: a cold
-        load's disk reads go on while this bucket is verified and copied)
         wait until the buffer's previous copies have landed (its events)
         read, decode and verify the bucket's chunks into it (store/chunks.run_jobs, the load's
         threads)
@@ -123,10 +121,7 @@ def read_to_device(
     copies = DeviceCopies()
     jobs = 0
     try:
-        _prefetch(packs, m, buckets[0])
         for i, b in enumerate(buckets):
-            if i + 1 < len(buckets):
-                _prefetch(packs, m, buckets[i + 1])
             slot = i % len(bufs)
             copies.reusable(slot)
             host = bufs[slot]
@@ -141,24 +136,3 @@ def read_to_device(
     finally:
         copies.wait()  # never drop a host buffer with copies out of it in flight
     return jobs
-
-
-def _prefetch(packs: PackReaders, m: Manifest, b: _Bucket) -> None:
-    """Hint the pack ranges of bucket ``b``'s chunks (adjacent ones as one range) to the
-    storage: the kernel reads them ahead while the current bucket is processed."""
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for s in b.spans:
-        for d, _, _ in s.slices:
-            rec = m.chunks.get(d)
-            if rec is not None:
-                ranges.setdefault(rec.pack, []).append((rec.offset, rec.offset + rec.size))
-    for pack, spans in ranges.items():
-        spans.sort()
-        lo, hi = spans[0]
-        for a, z in spans[1:]:
-            if a > hi + (1 << 20):  # a gap of more than 1 MiB: its own range
-                packs.prefetch(pack, lo, hi - lo)
-                lo, hi = a, z
-            else:
-                hi = max(hi, z)
-        packs.prefetch(pack, lo, hi - lo)

@@ -337,15 +337,6 @@ class LocalReader:
             return _copy_out(src, offset, bufs)
         return _preadv(self._fd, offset, list(bufs))
 
-    def prefetch(self, offset: int, length: int) -> None:
-        """Ask the kernel to start reading ``[offset, offset + length)`` into the page cache
-        now (``posix_fadvise(WILLNEED)``: it returns at once), so a read of it later finds the
-        bytes there or on their way; a cold load reads its next bucket this way while it copies
-        the current one (loading/to_device.py). Nothing where the platform lacks it."""
-        if length > 0 and hasattr(os, "posix_fadvise") and self._fd >= 0:
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
-
     def close(self) -> None:
         with self._lock:
             m, self._map, self._array = self._map, None, None  # drop our view, so m can close

@@ -155,18 +155,6 @@ class PackReaders:
         read (less than their total only at the end of the pack)."""
         return self.reader(pack).read_into(offset, bufs)
 
-    def prefetch(self, pack: str, offset: int, length: int) -> None:
-        """Hint that ``[offset, offset + length)`` of ``pack`` is read soon (local packs: the
-        kernel starts reading it; other storages: nothing). A pack that cannot be opened is
-        left to the read that follows, which reports it."""
-        try:
-            r = self.reader(pack)
-        except (OSError, StoreError):
-            return
-        hint = getattr(r, "prefetch", None)
-        if hint is not None:
-            hint(offset, length)
-
     def close(self) -> None:
         with self._lock:
             for r in self._readers.values():

@@ -120,55 +120,6 @@ def test_a_corrupt_chunk_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert torch.equal(into["a"], sd["a"])
 
 
-def test_each_bucket_is_hinted_before_it_is_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A cold load reads ahead: every chunk's pack range is hinted to the kernel (WILLNEED)
-    before the bucket holding it is read, the next bucket while the current one is copied."""
-    from deltackpt.store.packs import PackReaders
-
-    monkeypatch.setattr(to_device, "BUCKET", 2 * CHUNK)
-    deltackpt.open_store(tmp_path / "s", chunk_bytes=CHUNK, small_bytes=1024)
-    sd = {"a": torch.randn(20_000), "b": torch.randn(20_000)}  # 80 kB each: 5 chunks each
-    deltackpt.save(sd, tmp_path / "s", "x")
-    events: list[tuple[str, str, int, int]] = []
-    hint, read = PackReaders.prefetch, PackReaders.readv_into
-
-    def spy_hint(self: PackReaders, pack: str, offset: int, length: int) -> None:
-        events.append(("hint", pack, offset, offset + length))
-        hint(self, pack, offset, length)
-
-    def spy_read(self: PackReaders, pack: str, offset: int, bufs: Any) -> int:
-        n = read(self, pack, offset, bufs)
-        events.append(("read", pack, offset, offset + sum(len(b) for b in bufs)))
-        return n
-
-    monkeypatch.setattr(PackReaders, "prefetch", spy_hint)
-    monkeypatch.setattr(PackReaders, "readv_into", spy_read)
-    into = {k: torch.zeros(20_000) for k in sd}
-    with overrides(DELTACKPT_DEVICE_SCAN="always"):
-        deltackpt.load(tmp_path / "s", "x", into=into)
-    assert all(torch.equal(into[k], v) for k, v in sd.items())
-    reads = [(i, e) for i, e in enumerate(events) if e[0] == "read"]
-    assert len(reads) >= 5  # several buckets
-    for i, (_, pack, lo, hi) in reads:  # every read lies in a range hinted before it
-        assert any(
-            h[0] == "hint" and h[1] == pack and h[2] <= lo and hi <= h[3] for h in events[:i]
-        ), (lo, hi)
-    # ahead: the second bucket's range was hinted before the first bucket's read
-    first = reads[0][0]
-    assert sum(e[0] == "hint" for e in events[:first]) >= 2
-
-
-def test_a_hint_on_a_missing_or_foreign_pack_is_left_to_the_read(tmp_path: Path) -> None:
-    from deltackpt.store.packs import PackReaders
-
-    deltackpt.save({"a": torch.randn(100)}, tmp_path / "s", "x")
-    with PackReaders(tmp_path / "s") as packs:
-        packs.prefetch("0" * 32, 0, 4096)  # no such pack: nothing raised here
-        packs.prefetch("../../etc", 0, 4096)  # not a pack id: refused quietly, never opened
-
-
 def test_buckets_hold_whole_chunks() -> None:
     from deltackpt.format.manifest import TensorEntry
 
