@@ -327,10 +327,23 @@ class LoadOptions:
     # load(mode="broadcast"): bytes the reading rank sends per broadcast (two such buffers on
     # the reading rank: one on the wire, the next being read; one on every other rank)
     bucket_bytes: int = 64 << 20
+    # load() without into=: the device its new tensors are made on (torch.load's map_location,
+    # one device); whole tensors are read straight there through host buckets
+    device: Any = None
 
     def __post_init__(self) -> None:
         for name in ("strict", "allow_pickle"):
             _check_bool("LoadOptions", self, name)
+        if self.device is not None:
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise _bad(
+                    "LoadOptions", "device", self.device, 'a torch device, e.g. "cuda:0"',
+                    f"({e}). Pass device=\"cuda\", a torch.device, or leave it out (CPU)",
+                ) from e  # fmt: skip
         if self.verify not in (True, False, "full") or type(self.verify) not in (bool, str):
             raise _bad(
                 "LoadOptions", "verify", self.verify, 'True, False or "full"',

@@ -68,7 +68,10 @@ def load(
     """Load snapshot ``name`` (default: the latest committed one).
 
     Without ``into`` it returns the state with new CPU tensors, bit-exact, nesting and tied
-    storages restored. With ``into`` it copies the snapshot into the existing tensors of ``into``
+    storages restored; ``device="cuda:0"`` (``map_location`` of one device) makes them there,
+    whole tensors read straight into device memory through two reused pinned host buckets (no
+    host copy of the state), the rest moved with their ties kept (every rank of a group passes
+    the same ``device``). With ``into`` it copies the snapshot into the existing tensors of ``into``
     (matched by key path, in place, any device; DTensors of any placement and mesh receive their
     own shards, whatever world size saved them) and sets its non-tensor values; with
     ``strict=True`` (default) the keys, shapes and dtypes must match exactly. Every chunk is
@@ -127,6 +130,13 @@ def load(
             "sends) or 'auto'"
         )
     select = key_filter(keys)  # a bad keys= fails here, on every rank, before any collective
+    if opts.device is not None and (into is not None or since is not None or mode == "broadcast"):
+        raise InvalidArgumentError(
+            f"load(device={opts.device!r}) makes the new tensors of a load without into= on that "
+            "device; with into= (or since=) the tensors land where the targets are, and "
+            "mode='broadcast' sends host tensors. Leave device out, or load without into= with "
+            "mode='all_ranks'"
+        )
     if since is not None:
         if mode == "broadcast":
             raise InvalidArgumentError(
@@ -137,7 +147,7 @@ def load(
         return catch_up(store, name, since, into, opts, select, process_group, stats)
     if process_group is not None and mode != "all_ranks":
         group = Group(process_group)
-        if mode == "broadcast" or _auto_broadcasts(group, store, into):
+        if mode == "broadcast" or (opts.device is None and _auto_broadcasts(group, store, into)):
             return BroadcastLoad(group, name, opts, select).run(store, into)
     return assemble.load(
         store, name, into=into, options=opts, process_group=process_group, keys=keys, stats=stats

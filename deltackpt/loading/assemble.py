@@ -34,7 +34,7 @@ from deltackpt.loading.homes import storage_homes
 from deltackpt.loading.plan import Reads, copy_into, read_entry
 from deltackpt.loading.select import KeySelection, Select, key_filter, prune_tree
 from deltackpt.loading.stats import LoadStats, pack_readers
-from deltackpt.loading.to_device import read_to_device, takes
+from deltackpt.loading.to_device import move_tensors, read_to_device, takes
 from deltackpt.options import LoadOptions, default_device_scan
 from deltackpt.store.store import LATEST, Store, open_store
 
@@ -265,7 +265,23 @@ def _load_new(
     if select is not None:
         tree, wanted = prune_tree(m.tree, select)
     _check_memory(m, provided, wanted)
-    new = _read_entries(st, m, opts, [i for i in sorted(wanted) if i not in provided], None, stats)
+    todo = [i for i in sorted(wanted) if i not in provided]
+    direct: dict[int, torch.Tensor] = {}
+    dev = None if opts.device is None else torch.device(opts.device)
+    if dev is not None:  # whole tensors straight into new device tensors (map_location)
+        forced = default_device_scan() == "always"
+        for i in todo:
+            e = m.tensors[i]
+            if e.data is not None and e.storage is None and math.prod(e.shape):
+                t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=dev)
+                if takes(e, t, forced):
+                    direct[i] = t
+        if direct:
+            _read_to_device(st, m, opts, [(m.tensors[i], t) for i, t in direct.items()], stats)
+    new = _read_entries(st, m, opts, [i for i in todo if i not in direct], None, stats)
+    if dev is not None:  # the rest (views of shared storages, saved blocks): moved, ties kept
+        new = move_tensors(new, dev)
+    new.update(direct)
     tensors = [
         provided[i] if i in provided else _finish(new[i], e) if i in new else None
         for i, e in enumerate(m.tensors)

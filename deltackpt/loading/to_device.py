@@ -36,7 +36,7 @@ from deltackpt.format.manifest import Manifest, Slice, TensorEntry
 from deltackpt.loading.plan import Reads, np_bytes
 from deltackpt.store.packs import PackReaders
 
-__all__ = ["BUCKET", "read_to_device", "takes"]
+__all__ = ["BUCKET", "move_tensors", "read_to_device", "takes"]
 
 BUCKET = 64 << 20  # bytes a host buffer holds (chunks are 4 MiB by default: 16 a bucket)
 
@@ -136,3 +136,24 @@ def read_to_device(
     finally:
         copies.wait()  # never drop a host buffer with copies out of it in flight
     return jobs
+
+
+def move_tensors(tensors: dict[int, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+    """``tensors`` on ``device``, each storage moved once: views that shared a storage on the
+    host share one there (tied weights stay tied, as ``torch.load(map_location=)`` keeps them).
+    Tensors already on ``device`` are left as they are."""
+    moved: dict[int, torch.Tensor] = {}  # host storage address -> its bytes on the device
+    out: dict[int, torch.Tensor] = {}
+    for i, t in tensors.items():
+        if t.device == device:
+            out[i] = t
+            continue
+        st = t.untyped_storage()
+        base = moved.get(st.data_ptr())
+        if base is None:
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+            base = moved[st.data_ptr()] = raw.to(device)
+        view = torch.empty(0, dtype=t.dtype, device=device)
+        view.set_(base.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        out[i] = view
+    return out

@@ -151,3 +151,55 @@ def test_load_into_cuda_tensors(
     for k, v in sd.items():
         assert into[k].device == v.device and torch.equal(into[k], v), k
     assert sorted(spans[0]) == sorted(k for k in sd if k != "cpu")
+
+
+# ---------------------------------------------------------------------------- load(device=)
+
+
+def test_load_with_device_makes_new_tensors_there_ties_kept(
+    tmp_path: Path, spans: list[list[str]]
+) -> None:
+    """``device=`` (map_location): whole tensors through the device pipeline (the CPU stand-in
+    here), shared storages moved once (tied stays tied), parameters stay parameters."""
+    sd = _state()
+    sd["p"] = torch.nn.Parameter(torch.randn(50))
+    deltackpt.open_store(tmp_path / "s", chunk_bytes=CHUNK, small_bytes=1024)
+    deltackpt.save(sd, tmp_path / "s", "x")
+    with overrides(DELTACKPT_DEVICE_SCAN="always"):
+        got = deltackpt.load(tmp_path / "s", "x", device="cpu")
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v), k
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+    assert got["step"] == 7
+    assert got["w"].data_ptr() == got["tied"].data_ptr()  # one storage, as saved
+    assert isinstance(got["p"], torch.nn.Parameter)
+    assert sorted(spans[0]) == ["b", "h", "i", "p", "t"]  # whole tensors: straight there
+
+
+def test_load_with_device_and_into_is_refused(tmp_path: Path) -> None:
+    from deltackpt.errors import InvalidArgumentError
+
+    sd = {"a": torch.randn(10)}
+    deltackpt.save(sd, tmp_path / "s", "x")
+    with pytest.raises(InvalidArgumentError, match="with into="):
+        deltackpt.load(tmp_path / "s", "x", into={"a": torch.zeros(10)}, device="cpu")
+    with pytest.raises(InvalidArgumentError, match="device"):
+        deltackpt.load(tmp_path / "s", "x", device="no-such-device")
+
+
+@pytest.mark.gpu
+def test_load_with_device_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (no GPU on this machine)")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        sd = _state()
+        deltackpt.open_store(Path(d) / "s", chunk_bytes=CHUNK, small_bytes=1024)
+        deltackpt.save(sd, Path(d) / "s", "x")
+        got = deltackpt.load(Path(d) / "s", "x", device="cuda")
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].is_cuda and torch.equal(got[k].cpu(), v), k
+    assert got["w"].data_ptr() == got["tied"].data_ptr()
