@@ -79,7 +79,14 @@ def ipc_plan(repeats: int) -> list[tuple[str, int]]:
     """The ipc link's rounds (device rounds: packed in the CUDA buckets, device digests, the
     receiver staging on the device): one untimed first round (plans, shares the buckets), then
     full, RL-like and 1-tensor delta rounds."""
-    return [("first", 1), ("full", repeats), ("rl", repeats), ("delta_1", repeats)]
+    return [
+        ("first", 1),
+        ("full", repeats),
+        ("rl", repeats),
+        ("rl_dp_first", 1),  # the first with device patches allocates the device bases
+        ("rl_dp", repeats),
+        ("delta_1", repeats),
+    ]
 
 
 def _log(msg: str) -> None:
@@ -354,6 +361,7 @@ def report(s: dict[str, Any], device: str) -> str:
     if "ipc_full" in s:
         labels["ipc_full"] = "ipc link, device rounds: full round"
         labels["ipc_rl"] = f"ipc link, device rounds: RL-like ({RL_SHARE:.0%})"
+        labels["ipc_rl_dp"] = f"ipc link, device rounds: RL-like ({RL_SHARE:.0%}), device patches"
         labels["ipc_delta_1"] = "ipc link, device rounds: delta, 1 tensor changed"
     rows = []
     for kind, label in labels.items():

@@ -3,8 +3,8 @@ staging into its target tensor (the ``into`` parameter, or the receiver's own co
 ``load_weights``). Runs only after every rank voted to commit, so a failed round never gets
 here and the model never holds half a round.
 
-A piece that came as a ``PACKED`` patch into a contiguous target box is applied by writing its
-k changed elements (verified in staging: base + patch has the digest of the new piece) instead
+A piece that came as a ``PACKED`` patch (or a device round's device patch) into a contiguous
+target box is applied by writing its k changed elements (verified in staging: base + patch has the digest of the new piece) instead
 of copying the whole piece: an RL step changes a few percent of them.
 """
 
@@ -65,10 +65,15 @@ def apply_round(
                 as_torch, as_numpy = _SIGNED[dt.itemsize]
                 with torch.no_grad():  # raw bits: no cast, no NaN compare
                     flat = dst.view(-1).view(as_torch)
-                    at = torch.from_numpy(idx.view(np.int64))
+                    if isinstance(idx, torch.Tensor):  # a device patch, where the slot was
+                        at = idx.to(device=dst.device, dtype=torch.int64)
+                        new = vals.to(dst.device).view(as_torch)
+                    else:
+                        at = torch.from_numpy(idx.view(np.int64))
+                        new = torch.from_numpy(vals.view(as_numpy))
                     if undo is not None:
                         undo.append((flat, at, flat[at]))  # fancy indexing: a copy
-                    flat[at] = torch.from_numpy(vals.view(as_numpy))
+                    flat[at] = new
                 continue
             src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
             if undo is not None:

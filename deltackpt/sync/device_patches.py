@@ -106,6 +106,8 @@ class DevicePatches:
     def __init__(self) -> None:
         self.bases: dict[str, torch.Tensor] = {}  # name -> flat uint8 device copy, committed
         self.found: dict[str, Changes] = {}  # this round's changed elements, on the host
+        # ... a device round's, left on the device: (indices, values)
+        self.on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # ... on the device
         self._local: dict[str, torch.Tensor] = {}  # this round's tracked tensors (device)
         self.last = PatchRound()
@@ -123,16 +125,22 @@ class DevicePatches:
     def abandon(self) -> None:
         """The round failed (or is over): its changes are dropped, the bases stay committed."""
         self.found.clear()
+        self.on_device.clear()
         self._pending.clear()
         self._local = {}
 
-    def start(self, tensors: dict[str, torch.Tensor], mode: str) -> None:
+    def start(
+        self, tensors: dict[str, torch.Tensor], mode: str, keep: frozenset[str] = frozenset()
+    ) -> None:
         """A round over the mirrored ``tensors`` under ``DELTACKPT_DEVICE_PATCH=mode``: keeps
-        the bases of the tensors it tracks (of the same size and device), drops the others."""
+        the bases of the tensors it tracks (of the same size and device), and of ``keep``
+        (tensors known untouched since the commit, not in ``tensors``), drops the others."""
         self.abandon()
         self.last = PatchRound()
         self._local = {n: t for n, t in tensors.items() if trackable(t, mode)}
         for n in list(self.bases):
+            if n in keep and mode != "off":
+                continue
             t = self._local.get(n)
             b = self.bases[n]
             if t is None or b.device != t.device or b.numel() != t.numel() * t.element_size():
@@ -165,6 +173,28 @@ class DevicePatches:
             rec.patched.append(n)
             rec.patched_bytes += idx.numel() * idx.element_size() + vals.numel() * size
             rec.elements += idx.numel()
+            done.append(n)
+        return done
+
+    def find_device(self, names: list[str]) -> list[str]:
+        """A device round's :meth:`find`: the changed elements of each of ``names`` that has a
+        device base and at most :data:`DEVICE_PATCH_BELOW` of them changed, left on the device
+        (:attr:`on_device`, for the packer's device patches, ``device_delta.py``) and written
+        into the base at :meth:`commit`. Returns the names found so."""
+        done: list[str] = []
+        rec = self.last
+        for n in names:
+            t, base = self._local.get(n), self.bases.get(n)
+            if t is None or base is None:
+                continue
+            size = t.element_size()
+            got = changed_on_device(_flat(t), base, size, int(t.numel() * DEVICE_PATCH_BELOW))
+            if got is None:
+                continue
+            self._pending[n] = self.on_device[n] = got
+            rec.patched.append(n)
+            rec.patched_bytes += got[0].numel() * (4 + size)
+            rec.elements += got[0].numel()
             done.append(n)
         return done
 

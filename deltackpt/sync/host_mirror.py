@@ -254,6 +254,7 @@ class HostMirror:
         scan: str | None = None,
         cast: Mapping[str, torch.dtype] | None = None,
         skip: frozenset[str] = frozenset(),
+        patch: str | None = None,
     ) -> tuple[dict[str, torch.Tensor], frozenset[str], frozenset[str]]:
         """A device round (an ipc link on CUDA: ``ipc_links.py``): the change found as
         :meth:`stage` finds it, and nothing copied to the host. Returns ``local`` with the
@@ -263,16 +264,25 @@ class HostMirror:
         copy is not updated: the sender clears the mirror before a round that uses it after
         device rounds (``WeightSender``). ``skip``: tensors known untouched since the last
         commit (``detect="version"``: not written through torch), neither cast nor
-        fingerprinted in a delta round: their committed fingerprints carry over."""
+        fingerprinted in a delta round: their committed fingerprints carry over. ``patch``
+        (``DELTACKPT_DEVICE_PATCH``; None: the environment's): a changed tensor with a device
+        base and few changed elements has them found on the device (``device_patches.py``,
+        :attr:`DevicePatches.on_device`), for the packer's device patches."""
         t0 = time.perf_counter()
         scan = default_device_scan() if scan is None else scan
+        patch = default_device_patch() if patch is None else patch
         names = mirrored_names(local, "always" if scan == "off" else scan)
         kept = set() if full or scan == "off" else {n for n in skip if n in self._committed}
         tensors = {n: _as_wire(local[n], (cast or {}).get(n)) for n in names if n not in kept}
         self._round = {n: self._committed[n] for n in kept}
-        self.device.start(tensors, "off")
+        self.device.start(tensors, "off" if scan == "off" else patch, frozenset(kept))
         changed = dict.fromkeys(tensors) if scan == "off" else self._compare(tensors, full)
         rec = MirrorRound(unchanged=frozenset(n for n in names if n not in changed))
+        # changed elements on the device where a base allows; the others' bases are refreshed
+        # whole at the commit (``copied``)
+        rec.patched = self.device.find_device([n for n, m in changed.items() if m is not None])
+        rec.patched_bytes = self.device.last.patched_bytes
+        rec.copied = [n for n in changed if n not in set(rec.patched)]
         rec.scanned_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         rec.seconds = time.perf_counter() - t0
         self.last = rec

@@ -18,6 +18,7 @@ import torch
 
 from deltackpt.sync import wire
 from deltackpt.sync.detect import Detector
+from deltackpt.sync.device_delta import patch_bytes, write_patch
 from deltackpt.sync.device_digest import message_digests
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.group import SyncGroup
@@ -47,6 +48,8 @@ class Packer:
     base_version: int | None = None  # the version the receivers hold (patches apply to it)
     # a device round: this round's chunk fingerprints of the scanned tensors (host_mirror.scan)
     fingerprints: dict[str, torch.Tensor] = field(default_factory=dict)
+    # ... and the changed elements found against the device bases (device_patches.py)
+    device_changes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def message(
         self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
@@ -145,13 +148,17 @@ class Packer:
         all of them in one pass (``device_digest.py``: one small copy to the host); then the
         header. The change is the device scan's (``Detector.start_round(scanned=)``), and so
         are the chunk fingerprints of a piece that is a whole scanned tensor: its digest is
-        their fold (the bytes the sender meant to send, read once this round)."""
+        their fold (the bytes the sender meant to send, read once this round). A whole tensor
+        whose changed elements the device found (``DELTACKPT_DEVICE_PATCH``) goes as a device
+        patch when its receiver holds the last version and that is smaller
+        (``device_delta.py``)."""
         start = payload_start(bk, self.align)
         pos = start
         scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)  # a host tensor's own test
         spans: list[tuple[int, int]] = []
         present: list[int] = []
         known: dict[int, torch.Tensor] = {}  # a whole scanned tensor: its digest is a fold
+        kinds: dict[int, int] = {}  # pieces sent as device patches
         for k, p in enumerate(bk.pieces):
             name = sched.tensors[p.tensor].name
             src = self.local[name][p.box.within(self.boxes[name].box)]
@@ -161,19 +168,36 @@ class Packer:
             ):
                 continue
             pos = -(-pos // self.align) * self.align
-            wire.fill(buf[pos : pos + p.nbytes], src, dt)
             fp = self.fingerprints.get(name)
             whole = p.box == self.boxes[name].box and src.dtype == dt and src.is_contiguous()
+            found = self.device_changes.get(name) if whole and fp is not None else None
+            length = p.nbytes
+            if (
+                found is not None
+                and not full
+                and self.base_version is not None
+                and sched.wanted[bk.receiver][p.want][0].patch  # it holds the wire dtype
+                and p.nbytes % 8 == 0
+                and src.numel() < 1 << 31  # int32 indices
+                and patch_bytes(found[0].numel(), dt.itemsize) < p.nbytes
+            ):  # the changed elements only; the digest is of the new piece (its scan's fold)
+                length = write_patch(buf[pos : pos + p.nbytes], *found)
+                kinds[k] = wire.DEVICE_PATCH
+            else:
+                wire.fill(buf[pos : pos + p.nbytes], src, dt)
             if fp is not None and whole:
                 known[len(spans)] = fp
-            spans.append((pos, p.nbytes))
+            spans.append((pos, length))
             present.append(k)
-            pos += p.nbytes
+            pos += length
         heads: list[wire.Piece | None] = [None] * len(bk.pieces)
         digests = message_digests(buf, spans, known)
         for k, (_, n), d in zip(present, spans, digests, strict=True):
-            heads[k] = wire.Piece(wire.IN_MESSAGE, wire.RAW, n, d)
-        wire.write_header(buf, seq, version, bk.index, wire.OK, heads, pos - start, device=True)
+            heads[k] = wire.Piece(wire.IN_MESSAGE, kinds.get(k, wire.RAW), n, d)
+        base = self.base_version if kinds else None
+        wire.write_header(
+            buf, seq, version, bk.index, wire.OK, heads, pos - start, base, device=True
+        )
         digests = [None if h is None else h.digest for h in heads]
         return pos, digests, sum(n for _, n in spans), []
 

@@ -258,6 +258,7 @@ class WeightSender:
         # a whole scanned tensor's digest is the fold of its scan (the same chunks)
         folds = device and self.mirror.chunk_bytes == CHUNK
         self._packer.fingerprints = self.mirror.fingerprints if folds else {}
+        self._packer.device_changes = self.mirror.device.on_device if folds else {}
         self._packer.base_version = self.version
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}

@@ -9,7 +9,8 @@ One message per planned bucket per round, ``header + payload``:
   bytes) and the xxh3-128 of the piece's *new* bytes as two int64. Its size is fixed by the
   schedule, so the receiver knows it. A device round's message (a CUDA ipc link: the bytes
   never leave the device) starts with :data:`MAGIC_DEVICE` and carries the device digest of
-  ``device_digest.py`` instead of xxh3, and only raw pieces.
+  ``device_digest.py`` instead of xxh3, and raw pieces or device patches
+  (:data:`DEVICE_PATCH`, ``device_delta.py``).
 * payload: the present pieces, each at the next ``align``-byte offset: first those in the
   message, in planned order, then those sent on their own (:func:`layout`, computed the same
   way at both ends from the flags and lengths). A full round sends every piece raw; a delta
@@ -66,6 +67,7 @@ MAGIC = 0x6D786E73796E64  # "mxnsynd": pieces carry a kind and a length
 MAGIC_DEVICE = 0x6D786E73796E65
 RAW = 0  # a piece's kind: its bytes as they are; else a delta_codec kind (PATCH_KINDS)
 PATCH_KINDS = frozenset((delta_codec.SPARSE, delta_codec.PLANES, delta_codec.PACKED))
+DEVICE_PATCH = 5  # a device round's patch of changed elements (sync/device_delta.py)
 HEAD = 8
 OK, ABORT = 1, 2
 IN_MESSAGE, DIRECT = 1, 2  # piece flags (0: absent)
@@ -206,9 +208,10 @@ def read_header(buf: torch.Tensor, seq: int, index: int, sizes: list[int], capac
             ok = ok and code == 0
         elif kind == RAW:
             ok = ok and length == sizes[k]
-        else:  # a patch: in the message, never longer than the piece; never in a device round
-            ok = ok and kind in PATCH_KINDS and flag == IN_MESSAGE and 0 < length <= sizes[k]
-            ok = ok and magic == MAGIC
+        else:  # a patch: in the message, never longer than the piece; a host patch in a host
+            # round's message, a device patch in a device round's
+            ok = ok and flag == IN_MESSAGE and 0 < length <= sizes[k]
+            ok = ok and (kind in PATCH_KINDS if magic == MAGIC else kind == DEVICE_PATCH)
         if not ok or (status != OK and flag):
             raise SyncError(
                 f"bucket {index} of round {seq}: piece {k} has flag {flag} kind {kind} length "

@@ -81,3 +81,100 @@ def test_a_delta_round_scans_only_what_torch_wrote_under_version_detection(detec
         assert trainer["scanned"] == [every, one, 0]
     else:
         assert trainer["scanned"] == [every, every, every]
+
+
+# ---- device patches: an RL-like step's few changed elements ---------------------------------
+
+
+def _patch_trainer(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.options import overrides
+
+    out: dict[str, Any] = {"payload": [], "full": [], "errors": []}
+    knobs = {"DELTACKPT_DEVICE_ROUNDS": "always", "DELTACKPT_DEVICE_PATCH": "always"}
+    with overrides(**knobs):
+        group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc")
+        sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+        state = _state()
+        for v in (1, 2, 3, 4):
+            _step(state, v)
+            try:
+                st = sender.push(state, version=v)
+                out["payload"].append(st.payload_bytes)
+                out["full"].append(st.full)
+            except sync.SyncError as e:
+                out["errors"].append((v, type(e).__name__))
+        group.pg.barrier().wait()
+        group.close()
+    return out
+
+
+def _step(state: dict[str, torch.Tensor], v: int) -> None:
+    """v2: 3% of w3's elements; v3: every element of w1 and 3% of w3; v4: 3% of w3 again."""
+    with torch.no_grad():
+        if v in (2, 3, 4):
+            flat = state["w3"].view(-1)
+            flat[torch.arange(v, flat.numel(), 33)] += 1.0
+        if v == 3:
+            state["w1"].add_(1.0)
+
+
+def _patch_receiver(port: int, edit: bool) -> dict[str, Any]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET)
+    held: dict[str, torch.Tensor] = {}
+    expect = _state()
+    out: dict[str, Any] = {"bad": [], "patched": [], "errors": [], "versions": []}
+    for v in (1, 2, 3, 4):
+        _step(expect, v)
+        if edit and v == 3:  # a hand edit of this rank's copy: base + patch is not the round
+            receiver._targets[[w.name for w in receiver.wants].index("w3")].view(-1)[0] += 5
+        try:
+            st = receiver.pull(lambda ws: held.update((n, t.clone()) for n, t in ws))
+            out["patched"].append(st.patched)
+        except sync.SyncError as e:
+            out["errors"].append((v, type(e).__name__))
+        out["versions"].append(receiver.version)
+        out["bad"].append(sorted(n for n, t in expect.items() if not torch.equal(held[n], t)))
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+def test_an_rl_step_goes_as_device_patches_bit_exact() -> None:
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_patch_trainer, (port,)), (_patch_receiver, (port, False))],
+            timeout=90,
+            fast_exit=True,
+        )
+    )
+    assert trainer["errors"] == [] and rec["errors"] == []
+    assert trainer["full"] == [True, False, False, False]
+    one = 32 * 32 * 4
+    # 3% of w3's elements: their indices and values, far less than the tensor
+    assert 0 < trainer["payload"][1] < one // 4
+    assert one < trainer["payload"][2] < 2 * one  # w1 whole (every element), w3 patched
+    assert rec["patched"] == [0, 1, 1, 1]
+    assert rec["bad"] == [[], [], [], []] and rec["versions"] == [1, 2, 3, 4]
+
+
+def test_a_device_patch_onto_an_edited_base_fails_the_round_and_the_next_heals_it() -> None:
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_patch_trainer, (port,)), (_patch_receiver, (port, True))],
+            timeout=90,
+            fast_exit=True,
+        )
+    )
+    assert rec["errors"] == [(3, "DigestMismatchError")]
+    assert trainer["errors"] == [(3, "RoundAbortedError")]
+    assert rec["versions"] == [1, 2, 2, 4]
+    assert trainer["full"] == [True, False, True]  # the round after a failure: whole
+    assert rec["bad"][3] == []  # healed bit-exactly

@@ -1,0 +1,106 @@
+"""A device round's patch (``wire.DEVICE_PATCH``): the changed elements of a whole tensor,
+written into and read from the bucket where it lives, and the digest of base + patch computed
+without building it. How an RL step's round on a CUDA ipc link moves and checks the ~3% of
+elements that changed instead of the whole model.
+
+The sender finds the changed elements against its device base (``device_patches.py``,
+``DELTACKPT_DEVICE_PATCH``); a piece that is a whole tensor, a whole number of 8-byte words,
+goes as a patch when that is at most ``DEVICE_PATCH_BELOW`` of its elements. Payload, in the
+piece's room of the message::
+
+    k (int64) | k element indices (int32) | zero padding to 8 bytes | k new values (itemsize)
+
+Its digest in the header is that of the piece's *new* bytes (``device_digest.py``), which the
+sender has for the cost of a fold (its device scan fingerprinted the tensor this round). The
+receiver checks it against its own bytes with the patch applied, without writing them: the
+chunk fingerprints of its current piece (one pass at fingerprint speed), corrected by the words
+the patch changes (each changed word's two terms, old out and new in: work in proportion to the
+change), folded. So the check covers the receiver's actual base (a hand edit since the last
+round fails it, as a host patch's does) and the patch, and the piece is written only after the
+vote, element by element (``apply.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltackpt.format.fingerprint import _mix_, position_keys, source_fingerprints
+from deltackpt.sync.device_digest import CHUNK, fold
+
+__all__ = ["INT", "patch_bytes", "patched_digest", "read_patch", "write_patch"]
+
+INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_WORDS = CHUNK // 8
+
+
+def patch_bytes(k: int, itemsize: int) -> int:
+    """The payload bytes of a patch of ``k`` elements of ``itemsize`` bytes."""
+    return 8 + -(-4 * k // 8) * 8 + k * itemsize
+
+
+def write_patch(room: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> int:
+    """Write the patch (``idx``: element indices, ``vals``: their new values as integers of
+    their width) at the start of ``room`` (flat uint8, where the bucket lives); returns its
+    length."""
+    k, size = idx.numel(), vals.element_size()
+    n = patch_bytes(k, size)
+    room[:8].view(torch.int64).fill_(k)
+    at = 8 + -(-4 * k // 8) * 8
+    room[8 : 8 + 4 * k].view(torch.int32).copy_(idx.to(torch.int32))
+    room[8 + 4 * k : at].zero_()
+    room[at:n].view(INT[size]).copy_(vals.view(INT[size]))
+    return n
+
+
+def read_patch(
+    room: torch.Tensor, length: int, itemsize: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The patch at the start of ``room`` (untrusted bytes): its indices (int64) and values, on
+    ``room``'s device. ValueError when the length, count or any index does not fit the piece
+    of ``numel`` elements."""
+    if length < 8 or itemsize not in INT:
+        raise ValueError(f"a device patch of {length} bytes cannot hold its count")
+    k = int(room[:8].view(torch.int64).item())
+    if k < 0 or k > numel or patch_bytes(k, itemsize) != length:
+        raise ValueError(
+            f"a device patch of {length} bytes claims {k} elements of {itemsize} bytes (a piece "
+            f"of {numel}); expected {patch_bytes(max(k, 0), itemsize)} bytes"
+        )
+    at = 8 + -(-4 * k // 8) * 8
+    idx = room[8 : 8 + 4 * k].view(torch.int32).to(torch.int64)
+    vals = room[at:length].view(INT[itemsize])
+    if k and not bool(((idx >= 0) & (idx < numel)).all() & (idx[1:] > idx[:-1]).all()):
+        raise ValueError(
+            f"a device patch's indices must rise strictly and lie in the piece's {numel} elements"
+        )
+    return idx, vals
+
+
+def patched_digest(
+    base: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, itemsize: int
+) -> tuple[int, int]:
+    """The digest (``device_digest.py``) of ``base`` (flat uint8, a whole number of 8-byte
+    words, where it lives) with the elements ``idx`` set to ``vals``, without writing it."""
+    if base.numel() % 8:
+        raise ValueError(f"a device patch applies to whole 8-byte words, not {base.numel()} bytes")
+    fps = source_fingerprints(base, CHUNK)
+    if idx.numel():
+        dev = base.device
+        per = 8 // itemsize
+        idx = idx.to(dev)
+        words = base.view(torch.int64)
+        touched, slot = torch.unique(idx // per, sorted=True, return_inverse=True)
+        old = words[touched]
+        new = old.clone()
+        new.view(INT[itemsize]).view(-1, per)[slot, idx % per] = vals.to(dev).view(INT[itemsize])
+        p, q = position_keys(dev, _WORDS)
+        at = touched % _WORDS
+        terms = []
+        for w in (old, new):
+            z = torch.bitwise_xor(w, p[at])
+            _mix_(z, torch.empty_like(z))
+            terms.append(torch.stack([z, z * q[at]], dim=1))
+        fps = fps.clone()
+        fps.index_add_(0, touched // _WORDS, terms[1] - terms[0])
+    out = fold([fps]).cpu().tolist()[0]
+    return int(out[0]), int(out[1])
