@@ -20,7 +20,9 @@ DELTACKPT_DEVICE_PATCH     a weight-sync sender's delta round of CUDA        off
                            only they cross to the host mirror), ``off``
                            (changed 1 MiB chunks copied; the default until
                            a GPU measures ``auto``), ``always`` (host
-                           tensors the mirror holds too: the test suite)
+                           tensors the mirror holds too: the test suite);
+                           in a device round (an ipc link on CUDA) the
+                           elements go as device patches, never to the host
 DELTACKPT_DEVICE_ROUNDS    weight sync on an ipc link: ``auto`` (rounds on   auto
                            a CUDA bucket stay on the device: packed from
                            the trainer's tensors, verified with device
