@@ -1,6 +1,8 @@
 """How fast a device round's digests run (deltackpt/sync/device_digest.py) beside the device's
 copy limit and the chunk fingerprints they are built from, on the messages of one round (a few
-large pieces and a tail of small ones per message).
+large pieces and a tail of small ones per message); on CUDA also the fingerprints fused by
+``torch.compile`` (``DELTACKPT_FINGERPRINT_COMPILE=on``), their compile time and whether they
+give the same integers.
 
     python benchmarks/bench_digest.py --gb 1 --bucket-mb 64     # on a GPU (the device check)
     python benchmarks/bench_digest.py --gb 0.03                 # the CPU dry run
@@ -16,6 +18,7 @@ import time
 import torch
 
 from deltackpt.format.fingerprint import source_fingerprints
+from deltackpt.options import overrides
 from deltackpt.sync.device_digest import message_digests
 
 
@@ -66,6 +69,31 @@ def main() -> None:
         )
     )
     note = ""
+    if dev.type == "cuda":  # DELTACKPT_FINGERPRINT_COMPILE=on: the same, fused
+        ref = [source_fingerprints(m, 1 << 20) for m in msgs]
+        t0 = time.perf_counter()
+        try:
+            fused = [source_fingerprints(m, 1 << 20, fused=True) for m in msgs]
+            _sync(dev)
+            same = all(torch.equal(a, b) for a, b in zip(ref, fused, strict=True))
+            note = f"compile + first pass {time.perf_counter() - t0:.1f} s; same integers: {same}"
+            rows.append(
+                (
+                    "chunk fingerprints, fused (torch.compile)",
+                    _best(
+                        lambda: [source_fingerprints(m, 1 << 20, fused=True) for m in msgs], dev, 3
+                    ),
+                )
+            )
+            with overrides(DELTACKPT_FINGERPRINT_COMPILE="on"):
+                rows.append(
+                    (
+                        "digests, fused fingerprints",
+                        _best(lambda: [message_digests(m, spans) for m in msgs], dev, 3),
+                    )
+                )
+        except Exception as e:  # reported, not fatal: the default needs no compiler
+            note = f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}"
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(
         f"\n## device digests: {name}, {n} messages of {args.bucket_mb} MiB ({gb:.2f} GB), "

@@ -29,6 +29,11 @@ DELTACKPT_DEVICE_ROUNDS    weight sync on an ipc link: ``auto`` (rounds on   aut
                            digests, applied from device staging), ``off``
                            (through the host, as on every other link),
                            ``always`` (CPU buckets too: the test suite)
+DELTACKPT_FINGERPRINT_COMPILE  chunk fingerprints of CUDA bytes (device       off
+                           scans, device digests): ``off`` (torch ops, ~16
+                           passes), ``on`` (fused by ``torch.compile``, the
+                           same integers; the first call compiles for
+                           seconds; until a GPU measures it, off)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -145,6 +150,18 @@ DEVICE_ROUNDS = ("auto", "off", "always")
 
 def default_device_rounds() -> str:
     return _env_choice("DELTACKPT_DEVICE_ROUNDS", DEVICE_ROUNDS, "auto")
+
+
+FINGERPRINT_COMPILES = ("off", "on")
+
+
+def default_fingerprint_compile() -> str:
+    return _env_choice("DELTACKPT_FINGERPRINT_COMPILE", FINGERPRINT_COMPILES, "off")
+
+
+def fused_fingerprints() -> bool:
+    """Whether chunk fingerprints of CUDA bytes run fused (``DELTACKPT_FINGERPRINT_COMPILE``)."""
+    return default_fingerprint_compile() == "on"
 
 
 STAGE_DEFERS = ("auto", "off", "always")

@@ -92,9 +92,14 @@ def _words(data: torch.Tensor) -> torch.Tensor:
     return data.view(torch.int64)
 
 
-def _fingerprint_rows(words: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``words`` [rows, n] (n <= len(p)) -> [rows, 2] fingerprints."""
+def _fingerprint_rows(
+    words: torch.Tensor, p: torch.Tensor, q: torch.Tensor, fused: bool = False
+) -> torch.Tensor:
+    """``words`` [rows, n] (n <= len(p)) -> [rows, 2] fingerprints (``fused``, on CUDA: by
+    the compiled :func:`_rows_pure`)."""
     n = words.shape[1]
+    if fused and words.device.type == "cuda":
+        return _fused()(words, p[:n], q[:n])
     z = torch.bitwise_xor(words, p[:n])
     tmp = torch.empty_like(z)
     _mix_(z, tmp)
@@ -103,7 +108,30 @@ def _fingerprint_rows(words: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> 
     return torch.stack([a, b], dim=1)
 
 
-def source_fingerprints(data: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+def _rows_pure(words: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """:func:`_fingerprint_rows` without in-place work or work buffers: what ``torch.compile``
+    fuses into an elementwise pass and two row sums (the same integers)."""
+    z = words ^ p
+    for s, c in ((30, _C1), (27, _C2), (31, None)):
+        z = z ^ ((z >> s) & _MASKS[s])
+        if c is not None:
+            z = z * c
+    return torch.stack([z.sum(dim=1), (z * q).sum(dim=1)], dim=1)
+
+
+_FUSED: list[object] = []
+
+
+def _fused() -> object:
+    """:func:`_rows_pure` compiled once per process (the first call compiles: seconds;
+    measured by benchmarks/bench_digest.py). Callers pass ``fused`` from
+    ``DELTACKPT_FINGERPRINT_COMPILE`` (this module reads no environment)."""
+    if not _FUSED:
+        _FUSED.append(torch.compile(_rows_pure, dynamic=True))
+    return _FUSED[0]
+
+
+def source_fingerprints(data: torch.Tensor, chunk_bytes: int, fused: bool = False) -> torch.Tensor:
     """Fingerprints of the chunks of one source: ``data`` (1-D uint8, on any device) cut at
     multiples of ``chunk_bytes`` (a multiple of 8, as the store's always is). Returns an int64
     tensor [chunks, 2] on ``data``'s device; nothing is copied to the host."""
@@ -119,12 +147,12 @@ def source_fingerprints(data: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
     for lo in range(0, full, rows):
         hi = min(full, lo + rows)
         slab = _words(data[lo * chunk_bytes : hi * chunk_bytes]).view(hi - lo, words_per_chunk)
-        out.append(_fingerprint_rows(slab, p, q))
+        out.append(_fingerprint_rows(slab, p, q, fused))
     tail = n - full * chunk_bytes
     if tail:
         padded = torch.zeros(-(-tail // 8) * 8, dtype=torch.uint8, device=device)
         padded[:tail] = data[full * chunk_bytes :]
-        out.append(_fingerprint_rows(padded.view(torch.int64).view(1, -1), p, q))
+        out.append(_fingerprint_rows(padded.view(torch.int64).view(1, -1), p, q, fused))
     if not out:
         return torch.zeros(0, 2, dtype=torch.int64, device=device)
     return torch.cat(out)

@@ -31,6 +31,7 @@ from deltackpt.cuda import HostCopies, is_device
 from deltackpt.format.fingerprint import source_fingerprints
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
+from deltackpt.options import fused_fingerprints
 from deltackpt.saving.hooks import hooks
 from deltackpt.saving.plan import SavePlan, chunk_view
 from deltackpt.saving.stage import Arena, StagedChunks, Unfilled
@@ -56,7 +57,7 @@ def fingerprints(plan: SavePlan, chunk_bytes: int) -> list[Fingerprint | None]:
     per_source: dict[int, torch.Tensor] = {}
     for si, src in enumerate(plan.sources):
         if any(plan.chunks[ci].ref_key for ci, _, _ in plan.source_slices[si]):  # not grouped
-            per_source[si] = source_fingerprints(src.data, chunk_bytes)
+            per_source[si] = source_fingerprints(src.data, chunk_bytes, fused_fingerprints())
     host = {si: fp.cpu().tolist() for si, fp in per_source.items()}
     out: list[Fingerprint | None] = [None] * len(plan.chunks)
     for si, rows in host.items():

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from deltackpt.format.fingerprint import _mix_, position_keys, source_fingerprints
+from deltackpt.options import fused_fingerprints
 
 __all__ = ["CHUNK", "fold", "message_digests", "piece_digest"]
 
@@ -99,7 +100,7 @@ def message_digests(
     small = [k for k, (_, n) in enumerate(spans) if fps[k] is None and n < CHUNK]
     for k, (o, n) in enumerate(spans):
         if fps[k] is None and n >= CHUNK:
-            fps[k] = source_fingerprints(buf[o : o + n], CHUNK)
+            fps[k] = source_fingerprints(buf[o : o + n], CHUNK, fused_fingerprints())
     if small:
         rows = _small_rows(buf, [spans[k] for k in small])
         for j, k in enumerate(small):

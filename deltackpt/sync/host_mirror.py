@@ -58,7 +58,7 @@ import torch
 
 from deltackpt import cuda
 from deltackpt.format.fingerprint import source_fingerprints
-from deltackpt.options import default_device_patch, default_device_scan
+from deltackpt.options import default_device_patch, default_device_scan, fused_fingerprints
 from deltackpt.sync.device_patches import DevicePatches
 
 __all__ = ["CHUNK_BYTES", "HostMirror", "MirrorRound", "mirrored_names", "wire_casts"]
@@ -301,7 +301,7 @@ class HostMirror:
         for n, t in tensors.items():
             if t.numel() == 0:
                 continue
-            fp = source_fingerprints(_flat(t), self.chunk_bytes)
+            fp = source_fingerprints(_flat(t), self.chunk_bytes, fused_fingerprints())
             self._round[n] = fp
             before = self._committed.get(n)
             if full or before is None or before.shape != fp.shape or before.device != fp.device:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltackpt.format.fingerprint import source_fingerprints
+from deltackpt.options import overrides
 from deltackpt.sync.device_digest import CHUNK, message_digests, piece_digest
 
 SIZES = (0, 3, 8, 13, 64, CHUNK, 2 * CHUNK + 5)  # empty, within a word, one, two chunks + a tail
@@ -86,3 +87,10 @@ def test_cuda_gives_the_cpu_digests() -> None:
     assert message_digests(buf.cuda(), spans) == ref
     known = {k: source_fingerprints(buf.cuda()[o : o + n], CHUNK) for k, (o, n) in enumerate(spans)}
     assert message_digests(buf.cuda(), spans, known) == ref
+    # the fingerprints fused by torch.compile (DELTACKPT_FINGERPRINT_COMPILE=on): same integers
+    for o, n in spans:
+        piece = buf.cuda()[o : o + n]
+        fused = source_fingerprints(piece, CHUNK, fused=True)
+        assert torch.equal(fused.cpu(), source_fingerprints(buf[o : o + n], CHUNK)), n
+    with overrides(DELTACKPT_FINGERPRINT_COMPILE="on"):
+        assert message_digests(buf.cuda(), spans) == ref
