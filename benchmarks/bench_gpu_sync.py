@@ -251,7 +251,8 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     dev = torch.device("cuda" if CUDA else "cpu")
     mine = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in shapes(cfg["gb"])}
     group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links=cfg["links"])
-    recv = sync.WeightReceiver(group, bucket_bytes=cfg["bucket_mb"] << 20)
+    # its own tensors pinned: load_weights copies them to the device at the link's speed
+    recv = sync.WeightReceiver(group, bucket_bytes=cfg["bucket_mb"] << 20, pin=CUDA)
 
     def load(ws: list[tuple[str, torch.Tensor]]) -> None:
         for n, t in ws:

@@ -409,7 +409,8 @@ def _cuda_receiver(port: int, staging: str) -> dict[str, Any]:
             for w in wants
         ]
         wants = [w for w in wants if w.into is not None]
-    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    # host staging pinned (pin=True): the bucket's device-to-host copy at the link's speed
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET, pin=staging == "cpu")
     loaded: dict[str, torch.Tensor] = {}
 
     def load(ws: list[tuple[str, torch.Tensor]]) -> None:  # into device tensors, then back
@@ -425,6 +426,8 @@ def _cuda_receiver(port: int, staging: str) -> dict[str, Any]:
     assert group._ipc is not None
     mapped_cuda = all(t.is_cuda for lk in group._ipc._in.values() for _, t in lk.mapped.values())
     staged = {str(s.device) for s in receiver._slots}
+    if staging == "cpu":
+        assert all(s.is_pinned() for s in receiver._slots)
     group.pg.barrier().wait()
     group.close()
     return {"bad": bad, "version": receiver.version, "mapped_cuda": mapped_cuda, "staged": staged}
