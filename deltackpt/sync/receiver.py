@@ -122,8 +122,9 @@ class WeightReceiver:
     ``pin``: host staging and this rank's own tensors in pinned (page-locked) memory, so that
     copies between them and a GPU (the ``into`` parameters, a CUDA bucket, a ``load_weights``
     that copies to the device) run at the link's speed instead of through pageable memory.
-    Default: when an ``into`` target is on CUDA. Where the pinned allocation fails (a locked-
-    memory limit), ordinary memory is used."""
+    Off by default: torch's pinned allocator rounds each block up to a power of two (up to 2x
+    the host memory), and the gain is not measured yet. Where the pinned allocation fails (a
+    locked-memory limit), ordinary memory is used."""
 
     def __init__(
         self,
@@ -139,7 +140,7 @@ class WeightReceiver:
         staging: str = "round",
         undo_dir: str | os.PathLike[str] | None = None,
         device: str | torch.device | None = None,
-        pin: bool | None = None,
+        pin: bool = False,
     ) -> None:
         if group.rank in group.trainers:
             raise SyncError(f"rank {group.rank} is a trainer of the group; use WeightSender")
@@ -156,8 +157,7 @@ class WeightReceiver:
         self.verify, self.staging = verify, staging
         self.device = _staging_device(group, wants, device)
         # host staging and own tensors in pinned memory: copies to a GPU at the link's speed
-        on_gpu = any(w.into is not None and w.into.is_cuda for w in wants or ())
-        self.pin = bool(on_gpu if pin is None else pin) and self.device.type == "cpu"
+        self.pin = bool(pin) and self.device.type == "cpu"
         # (bucket index, sender, piece) -> the digest its committed bytes had (verify="all")
         self._kept: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
