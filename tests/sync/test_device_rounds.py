@@ -86,16 +86,20 @@ def test_a_delta_round_scans_only_what_torch_wrote_under_version_detection(detec
 # ---- device patches: an RL-like step's few changed elements ---------------------------------
 
 
-def _patch_trainer(port: int) -> dict[str, Any]:
+def _patch_trainer(port: int, dev: str = "cpu") -> dict[str, Any]:
+    """``dev="cpu"``: the CPU stand-in (``always``); ``"cuda:0"``: the real thing (``auto``)."""
     from deltackpt import sync
     from deltackpt.options import overrides
 
     out: dict[str, Any] = {"payload": [], "full": [], "errors": []}
-    knobs = {"DELTACKPT_DEVICE_ROUNDS": "always", "DELTACKPT_DEVICE_PATCH": "always"}
+    mode = "always" if dev == "cpu" else "auto"
+    knobs = {"DELTACKPT_DEVICE_ROUNDS": mode, "DELTACKPT_DEVICE_PATCH": mode}
     with overrides(**knobs):
-        group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc")
+        group = sync.SyncGroup(
+            "127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device=dev
+        )
         sender = sync.WeightSender(group, bucket_bytes=BUCKET)
-        state = _state()
+        state = {n: t.to(dev) for n, t in _state().items()}
         for v in (1, 2, 3, 4):
             _step(state, v)
             try:
@@ -119,11 +123,11 @@ def _step(state: dict[str, torch.Tensor], v: int) -> None:
             state["w1"].add_(1.0)
 
 
-def _patch_receiver(port: int, edit: bool) -> dict[str, Any]:
+def _patch_receiver(port: int, edit: bool, dev: str = "cpu") -> dict[str, Any]:
     from deltackpt import sync
 
     group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
-    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET)
+    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET, device=dev)
     held: dict[str, torch.Tensor] = {}
     expect = _state()
     out: dict[str, Any] = {"bad": [], "patched": [], "errors": [], "versions": []}
@@ -132,7 +136,7 @@ def _patch_receiver(port: int, edit: bool) -> dict[str, Any]:
         if edit and v == 3:  # a hand edit of this rank's copy: base + patch is not the round
             receiver._targets[[w.name for w in receiver.wants].index("w3")].view(-1)[0] += 5
         try:
-            st = receiver.pull(lambda ws: held.update((n, t.clone()) for n, t in ws))
+            st = receiver.pull(lambda ws: held.update((n, t.cpu().clone()) for n, t in ws))
             out["patched"].append(st.patched)
         except sync.SyncError as e:
             out["errors"].append((v, type(e).__name__))
@@ -178,3 +182,23 @@ def test_a_device_patch_onto_an_edited_base_fails_the_round_and_the_next_heals_i
     assert rec["versions"] == [1, 2, 2, 4]
     assert trainer["full"] == [True, False, True]  # the round after a failure: whole
     assert rec["bad"][3] == []  # healed bit-exactly
+
+
+@pytest.mark.gpu
+def test_device_patches_on_cuda_bit_exact() -> None:
+    """The same rounds on a GPU: CUDA bucket, device bases, device staging."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (no GPU on this machine)")
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_patch_trainer, (port, "cuda:0")), (_patch_receiver, (port, False, "cuda:0"))],
+            timeout=120,
+            fast_exit=True,
+        )
+    )
+    assert trainer["errors"] == [] and rec["errors"] == []
+    assert 0 < trainer["payload"][1] < 32 * 32 * 4 // 4
+    assert rec["patched"] == [0, 1, 1, 1]
+    assert rec["bad"] == [[], [], [], []] and rec["versions"] == [1, 2, 3, 4]
