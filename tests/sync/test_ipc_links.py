@@ -315,10 +315,10 @@ def _kill_trainer(port: int) -> None:
     sender.push(make_state(1), version=1)
     publish = IpcLinks.publish
 
-    def dying(self: IpcLinks, dst: int, tag: int, n: int) -> Any:
+    def dying(self: IpcLinks, dst: int, tag: int, n: int, device: bool = False) -> Any:
         if tag == 2:  # buckets 0 and 1 are published: the crash is mid-round
             os.kill(os.getpid(), signal.SIGKILL)
-        return publish(self, dst, tag, n)
+        return publish(self, dst, tag, n, device)
 
     IpcLinks.publish = dying  # type: ignore[method-assign]
     sender.push(make_state(2), version=2, full=True)
@@ -351,7 +351,11 @@ def _kill_receiver(port: int) -> dict[str, Any]:
     return out
 
 
-def test_a_trainer_killed_mid_round_fails_the_receiver_with_peer_lost() -> None:
+@pytest.mark.parametrize("mode", sorted(ROUNDS))
+def test_a_trainer_killed_mid_round_fails_the_receiver_with_peer_lost(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
     port = free_port()
     trainer, rec = spawn(
         [(_kill_trainer, (port,)), (_kill_receiver, (port,))], timeout=90, fast_exit=True
