@@ -42,6 +42,7 @@ from deltackpt.sync.shm_links import ShmLinks
 __all__ = ["SyncGroup", "cause_line"]
 
 T = TypeVar("T")
+_JOIN_ATTEMPT_S = 5.0  # seconds of one attempt to connect to the store while joining
 _GRAVEYARD: list[object] = []  # groups of failed connections: never destroyed (see above)
 
 
@@ -114,13 +115,7 @@ class SyncGroup:
     def _connect(self, port: int) -> None:
         td = timedelta(seconds=self.timeout)
         try:
-            self.store = dist.TCPStore(
-                self.addr,
-                port,
-                self.world_size,
-                is_master=self.rank == 0,
-                timeout=timedelta(seconds=self.join_timeout),
-            )
+            self.store = self._join(port)
             self.pg = dist.ProcessGroupGloo(
                 dist.PrefixStore("mxn", self.store), self.rank, self.world_size, td
             )
@@ -130,6 +125,7 @@ class SyncGroup:
                 f"rank {self.rank}: cannot join the sync group at {self.addr}:{port} ({e}); "
                 "every rank must call SyncGroup/reconnect with the same address and port"
             ) from e
+
         self.seq = 0
         self._setups = 0  # setup attempts begun on this store: namespaces their exchanges
         self._broken: str | None = None
@@ -154,6 +150,39 @@ class SyncGroup:
             self._ipc = IpcLinks(self, self.ipc_device)
         # the one-host link that carries the buckets (None: gloo)
         self._host: ShmLinks | IpcLinks | None = self._ipc if self._shm is None else self._shm
+
+    def _join(self, port: int) -> dist.TCPStore:
+        """The group's store, once every rank connected to it, within ``join_timeout``. Rank 0
+        hosts it without waiting in the constructor; every rank then counts itself in and
+        waits for the others. A rank that comes before the host retries connecting every
+        0.2 s with short attempts: TCPStore's own retries back off by up to two thirds of its
+        timeout (seen: 40 s with 60), which would make a join wait long after the host is up."""
+        deadline = time.monotonic() + self.join_timeout
+        attempt = timedelta(seconds=min(self.timeout, _JOIN_ATTEMPT_S))
+        while True:
+            try:
+                store = dist.TCPStore(
+                    self.addr,
+                    port,
+                    self.world_size,
+                    is_master=self.rank == 0,
+                    timeout=attempt,
+                    wait_for_workers=False,
+                )
+                break
+            except RuntimeError:
+                if self.rank == 0 or time.monotonic() + 0.2 > deadline:
+                    raise
+                time.sleep(0.2)
+        store.add("joined", 1)
+        while (n := store.add("joined", 0)) < self.world_size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{n} of {self.world_size} ranks joined within join_timeout="
+                    f"{self.join_timeout:g} s"
+                )
+            time.sleep(0.01)
+        return store
 
     def reconnect(self, master_port: int) -> None:
         """After a failure: abandon the old group and store, join new ones on ``master_port``
