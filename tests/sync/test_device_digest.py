@@ -94,3 +94,50 @@ def test_cuda_gives_the_cpu_digests() -> None:
         assert torch.equal(fused.cpu(), source_fingerprints(buf[o : o + n], CHUNK)), n
     with overrides(DELTACKPT_FINGERPRINT_COMPILE="on"):
         assert message_digests(buf.cuda(), spans) == ref
+
+
+# ---- device patches (sync/device_delta.py): untrusted bytes of a bucket -------------------
+
+
+def _patch(idx: list[int], size: int = 2) -> tuple[torch.Tensor, int]:
+    from deltackpt.sync.device_delta import INT, patch_bytes, write_patch
+
+    room = torch.zeros(patch_bytes(len(idx), size) + 16, dtype=torch.uint8)
+    vals = torch.arange(len(idx), dtype=INT[size])
+    return room, write_patch(room, torch.tensor(idx, dtype=torch.int32), vals)
+
+
+def test_a_device_patch_reads_back_what_was_written() -> None:
+    from deltackpt.sync.device_delta import read_patch
+
+    room, n = _patch([0, 5, 99])
+    idx, vals = read_patch(room, n, 2, 100)
+    assert idx.tolist() == [0, 5, 99] and vals.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("idx", "numel", "length_delta", "count", "why"),
+    [
+        ([0, 5, 100], 100, 0, None, "lie in the piece"),  # an element past the piece
+        ([5, 5], 100, 0, None, "rise strictly"),  # twice the same element
+        ([7, 3], 100, 0, None, "rise strictly"),  # out of order
+        ([1, 2], 100, 8, None, "expected"),  # a length that is not the count's
+        ([1, 2], 100, 0, 1 << 40, "claims"),  # a huge count
+        ([1, 2], 100, 0, -1, "claims"),  # a negative count
+        ([1, 2], 1, 0, None, "claims"),  # more elements than the piece has
+    ],
+)
+def test_a_hostile_device_patch_is_refused(
+    idx: list[int], numel: int, length_delta: int, count: int | None, why: str
+) -> None:
+    """Nothing is indexed or allocated from a count, length or index before it is checked
+    against the piece the schedule planned."""
+    from deltackpt.sync.device_delta import read_patch
+
+    room, n = _patch(idx)
+    if count is not None:
+        room[:8].view(torch.int64).fill_(count)
+    with pytest.raises(ValueError, match=why):
+        read_patch(room, n + length_delta, 2, numel)
+    with pytest.raises(ValueError):
+        read_patch(room, 4, 2, numel)  # too short to hold its count

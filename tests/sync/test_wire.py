@@ -108,6 +108,31 @@ def test_header_rejects_bad_piece_lengths_and_kinds(
         wire.read_header(buf, 5, 3, SIZES[:1], 200)
 
 
+@pytest.mark.parametrize(
+    ("device", "kind", "ok"),
+    [
+        (False, wire.DEVICE_PATCH, False),  # a device patch in a host round's message
+        (True, 3, False),  # a host patch in a device round's message
+        (True, wire.DEVICE_PATCH, True),
+        (True, wire.RAW, True),
+    ],
+)
+def test_a_patch_kind_is_taken_only_in_its_kind_of_message(
+    device: bool, kind: int, ok: bool
+) -> None:
+    """Device rounds (wire.MAGIC_DEVICE) carry raw pieces and device patches, host rounds raw
+    pieces and host patches: a header that mixes them is refused before anything is read."""
+    buf = torch.zeros(wire.header_words(1) * 8, dtype=torch.uint8)
+    n = SIZES[0] if kind == wire.RAW else 24
+    wire.write_header(buf, 5, 7, 3, wire.OK, [wire.Piece(1, kind, n, (1, 2))], n, 6, device)
+    if ok:
+        h = wire.read_header(buf, 5, 3, SIZES[:1], 200)
+        assert h.device and h.pieces[0] is not None and h.pieces[0].kind == kind
+    else:
+        with pytest.raises(SyncError, match="piece 0 has flag"):
+            wire.read_header(buf, 5, 3, SIZES[:1], 200)
+
+
 def test_direct_tags_are_distinct_from_bucket_tags() -> None:
     tags = {
         wire.direct_tag(i, j)
