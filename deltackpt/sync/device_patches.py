@@ -43,7 +43,7 @@ always``: the CPU stand-in the test suite runs).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,16 +152,7 @@ class DevicePatches:
         changed elements to the host and write them into ``host[name]`` (its mirror, holding
         the last committed bytes). Returns the names done so; the others' chunks are copied."""
         done: list[str] = []
-        rec = self.last
-        for n in names:
-            t, base = self._local.get(n), self.bases.get(n)
-            if t is None or base is None:
-                continue
-            size = t.element_size()
-            got = changed_on_device(_flat(t), base, size, int(t.numel() * DEVICE_PATCH_BELOW))
-            if got is None:
-                continue
-            idx_d, vals_d = got
+        for n, size, (idx_d, vals_d) in self._changes(names):
             idx, vals = idx_d.cpu(), vals_d.cpu()  # the elements cross: (4 + itemsize) each
             dst = host[n].reshape(-1).view(_INT[size])
             dst.index_put_((idx.long(),), vals)  # through torch: the version counter moves
@@ -169,10 +160,6 @@ class DevicePatches:
                 idx.numpy().astype(np.uint32, copy=False),
                 vals.numpy().view(UINT[size]),
             )
-            self._pending[n] = (idx_d, vals_d)
-            rec.patched.append(n)
-            rec.patched_bytes += idx.numel() * idx.element_size() + vals.numel() * size
-            rec.elements += idx.numel()
             done.append(n)
         return done
 
@@ -182,6 +169,17 @@ class DevicePatches:
         (:attr:`on_device`, for the packer's device patches, ``device_delta.py``) and written
         into the base at :meth:`commit`. Returns the names found so."""
         done: list[str] = []
+        for n, _, got in self._changes(names):
+            self.on_device[n] = got
+            done.append(n)
+        return done
+
+    def _changes(
+        self, names: list[str]
+    ) -> Iterator[tuple[str, int, tuple[torch.Tensor, torch.Tensor]]]:
+        """(name, element size, its changed elements on the device) of each of ``names`` with a
+        device base and at most :data:`DEVICE_PATCH_BELOW` of them changed; each is kept for
+        :meth:`commit` and counted in :attr:`last`."""
         rec = self.last
         for n in names:
             t, base = self._local.get(n), self.bases.get(n)
@@ -191,12 +189,11 @@ class DevicePatches:
             got = changed_on_device(_flat(t), base, size, int(t.numel() * DEVICE_PATCH_BELOW))
             if got is None:
                 continue
-            self._pending[n] = self.on_device[n] = got
+            self._pending[n] = got
             rec.patched.append(n)
-            rec.patched_bytes += got[0].numel() * (4 + size)
+            rec.patched_bytes += got[0].numel() * (got[0].element_size() + size)
             rec.elements += got[0].numel()
-            done.append(n)
-        return done
+            yield n, size, got
 
     def commit(self, copied: list[str]) -> None:
         """The round committed: the changed elements found on the device are written into their
