@@ -65,16 +65,12 @@ class Packer:
         )
         ndirect = 0
         scratch = torch.empty(wire.SCRATCH, dtype=torch.uint8)
-        for k, p in enumerate(bk.pieces):
-            name = sched.tensors[p.tensor].name
-            src = self.local[name][p.box.within(self.boxes[name].box)]
-            dt = wire_dtype(p.dtype)
-            if not full and not self.detector.piece_changed(
-                name, (bk.receiver, bk.index, k), src, dt, scratch
-            ):
+        for p, got in zip(bk.pieces, self._changed(sched, bk, full, scratch), strict=True):
+            if got is None:
                 srcs.append(None)
                 flags.append(0)
                 continue
+            _, src, dt = got
             direct = (
                 zero_copy
                 and p.nbytes >= max(1, self.zero_copy_min or 0)
@@ -159,14 +155,12 @@ class Packer:
         present: list[int] = []
         known: dict[int, torch.Tensor] = {}  # a whole scanned tensor: its digest is a fold
         kinds: dict[int, int] = {}  # pieces sent as device patches
-        for k, p in enumerate(bk.pieces):
-            name = sched.tensors[p.tensor].name
-            src = self.local[name][p.box.within(self.boxes[name].box)]
-            dt = wire_dtype(p.dtype)
-            if not full and not self.detector.piece_changed(
-                name, (bk.receiver, bk.index, k), src, dt, scratch
-            ):
+        for k, (p, got) in enumerate(
+            zip(bk.pieces, self._changed(sched, bk, full, scratch), strict=True)
+        ):
+            if got is None:
                 continue
+            name, src, dt = got
             pos = -(-pos // self.align) * self.align
             fp = self.fingerprints.get(name)
             whole = p.box == self.boxes[name].box and src.dtype == dt and src.is_contiguous()
@@ -200,6 +194,22 @@ class Packer:
         )
         digests = [None if h is None else h.digest for h in heads]
         return pos, digests, sum(n for _, n in spans), []
+
+    def _changed(
+        self, sched: Schedule, bk: LinkBucket, full: bool, scratch: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor, torch.dtype] | None]:
+        """Per piece of ``bk``: (tensor name, its box of the local tensor, wire dtype) when it
+        goes this round (every piece if ``full``, else those the detector says changed), None
+        when it does not."""
+        out: list[tuple[str, torch.Tensor, torch.dtype] | None] = []
+        for k, p in enumerate(bk.pieces):
+            name = sched.tensors[p.tensor].name
+            src = self.local[name][p.box.within(self.boxes[name].box)]
+            dt = wire_dtype(p.dtype)
+            key = (bk.receiver, bk.index, k)
+            sent = full or self.detector.piece_changed(name, key, src, dt, scratch)
+            out.append((name, src, dt) if sent else None)
+        return out
 
     def _piece(
         self,
