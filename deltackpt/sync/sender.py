@@ -126,10 +126,9 @@ class WeightSender:
         #: the host copy of CUDA local tensors (see host_mirror.py); allocated on first use
         self.mirror = HostMirror()
         self._device = False  # the last round was a device round (SyncGroup.device_rounds)
-        # name -> (data_ptr, _version, tensor) at the last commit / this round (detect="version":
-        # the tensor is held so its memory cannot be reused by another at the same address)
+        # name -> (data_ptr, _version, tensor) at the last commit (detect="version": the tensor
+        # is held so its memory cannot be reused by another at the same address)
         self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
-        self._round_vers: dict[str, tuple[int, int, torch.Tensor]] = {}
 
     @property
     def detect(self) -> str:
@@ -227,7 +226,6 @@ class WeightSender:
         # detect="version": each tensor's storage and in-place version now, before any read (a
         # write after this shows next round); a device round skips the untouched ones' scan
         vers = {n: (t.data_ptr(), t._version, t) for n, t in local.items()}
-        self._round_vers = vers
         unchanged: frozenset[str] = frozenset()
         staged: tuple[str, BaseException] | None = None
         mirrored = 0
@@ -238,7 +236,7 @@ class WeightSender:
                 # every tensor fingerprinted where it lives (a host one too: its digests in
                 # a device round are device digests, so xxh3 cannot tell its change)
                 how = "off" if scan == "off" else "always"
-                skip = self._untouched_tensors() if not full else frozenset()
+                skip = self._untouched_tensors(vers) if not full else frozenset()
                 local, scanned, unchanged = self.mirror.scan(
                     local, full, how, cast=self._casts, skip=skip
                 )
@@ -443,15 +441,15 @@ class WeightSender:
         lost = lost or drained
         return failure, cause, lost, wire_bytes, len(self._buckets), zero_copy_bytes
 
-    def _untouched_tensors(self) -> frozenset[str]:
+    def _untouched_tensors(self, vers: dict[str, tuple[int, int, torch.Tensor]]) -> frozenset[str]:
         """``detect="version"``: the local tensors whose storage and in-place version counter
-        did not move since the last committed round (a device round neither casts nor
-        fingerprints them); none with ``"hash"``."""
+        (this round's readings, ``vers``) did not move since the last committed round (a device
+        round neither casts nor fingerprints them); none with ``"hash"``."""
         if self.detect != "version":
             return frozenset()
         return frozenset(
             n
-            for n, (ptr, ver, _) in self._round_vers.items()
+            for n, (ptr, ver, _) in vers.items()
             if n in self._vers and self._vers[n][:2] == (ptr, ver)
         )
 
