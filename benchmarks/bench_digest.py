@@ -16,26 +16,11 @@ import argparse
 import time
 
 import torch
+from _harness.limits import device_best
 
 from deltackpt.format.fingerprint import source_fingerprints
 from deltackpt.options import overrides
 from deltackpt.sync.device_digest import message_digests
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _best(fn, dev: torch.device, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -56,16 +41,21 @@ def main() -> None:
     gb = n * bucket / 1e9
     rows: list[tuple[str, float]] = []
     other = torch.empty_like(data)
-    rows.append(("device-to-device copy", _best(lambda: other.copy_(data), dev, args.repeats)))
+    rows.append(
+        ("device-to-device copy", device_best(lambda: other.copy_(data), dev, args.repeats))
+    )
     for m in msgs:  # warm-up: the position keys are made once per device
         message_digests(m, spans)
     rows.append(
-        ("digests, torch ops", _best(lambda: [message_digests(m, spans) for m in msgs], dev, 3))
+        (
+            "digests, torch ops",
+            device_best(lambda: [message_digests(m, spans) for m in msgs], dev, 3),
+        )
     )
     rows.append(
         (
             "chunk fingerprints (1 MiB)",
-            _best(lambda: [source_fingerprints(m, 1 << 20) for m in msgs], dev, 3),
+            device_best(lambda: [source_fingerprints(m, 1 << 20) for m in msgs], dev, 3),
         )
     )
     note = ""
@@ -74,13 +64,14 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             fused = [source_fingerprints(m, 1 << 20, fused=True) for m in msgs]
-            _sync(dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             same = all(torch.equal(a, b) for a, b in zip(ref, fused, strict=True))
             note = f"compile + first pass {time.perf_counter() - t0:.1f} s; same integers: {same}"
             rows.append(
                 (
                     "chunk fingerprints, fused (torch.compile)",
-                    _best(
+                    device_best(
                         lambda: [source_fingerprints(m, 1 << 20, fused=True) for m in msgs], dev, 3
                     ),
                 )
@@ -89,7 +80,7 @@ def main() -> None:
                 rows.append(
                     (
                         "digests, fused fingerprints",
-                        _best(lambda: [message_digests(m, spans) for m in msgs], dev, 3),
+                        device_best(lambda: [message_digests(m, spans) for m in msgs], dev, 3),
                     )
                 )
         except Exception as e:  # reported, not fatal: the default needs no compiler

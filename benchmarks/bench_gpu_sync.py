@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import _common as C
 import torch
+from _harness.limits import device_best
 
 CUDA = torch.cuda.is_available()
 RL_SHARE = 0.03  # elements an RL-like step changes
@@ -141,14 +142,7 @@ def _limits(state: dict[str, torch.Tensor], dev: torch.device, repeats: int) -> 
     back = [torch.empty_like(f) for f in flat]
 
     def timed(fn: Any) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            _sync(dev)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return device_best(fn, dev, repeats)
 
     def d2h() -> None:
         for dst, src in zip(pinned, flat, strict=True):

@@ -31,6 +31,21 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def device_best(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """The best of ``repeats`` runs of ``fn``, each timed from an idle ``device`` until its
+    work has landed (CUDA is synchronised around each run; nothing to wait for on CPU)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _write_file(path: Path, buf: np.ndarray, total: int, fsync: bool) -> tuple[float, float]:
     """Buffered write of ``total`` bytes from ``buf`` in its size; (write s, write+fsync s)."""
     t0 = time.perf_counter()
