@@ -96,7 +96,12 @@ def message_digests(
     if any(o < 0 or n < 0 or o + n > buf.numel() for o, n in spans):
         raise ValueError(f"spans must lie in the buffer of {buf.numel()} bytes: {list(spans)[:4]}")
     known = known or {}
-    fps: list[torch.Tensor | None] = [known.get(k) for k in range(len(spans))]
+    # a known list of another length than the piece's chunks (an empty tensor's scan gives
+    # none; the digest counts one chunk of no words) is not used: fingerprinted from the bytes
+    fps: list[torch.Tensor | None] = [
+        f if (f := known.get(k)) is not None and f.shape == (max(1, -(-n // CHUNK)), 2) else None
+        for k, (_, n) in enumerate(spans)
+    ]
     small = [k for k, (_, n) in enumerate(spans) if fps[k] is None and n < CHUNK]
     for k, (o, n) in enumerate(spans):
         if fps[k] is None and n >= CHUNK:
