@@ -32,10 +32,11 @@ work buffers of at most :data:`SLAB_BYTES` while it runs.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["SLAB_BYTES", "source_fingerprints"]
+__all__ = ["SLAB_BYTES", "many_fingerprints", "source_fingerprints"]
 
 SLAB_BYTES = 64 << 20  # bytes fingerprinted per pass (bounds the work buffers)
 
@@ -82,6 +83,28 @@ def position_keys(device: torch.device, words: int) -> tuple[torch.Tensor, torch
             q = _mix_(i.add_(_SEED_Q), tmp).bitwise_or_(1)
             got = _KEYS[key] = (p, q)
         return got
+
+
+_PADS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _padding_sums(device: torch.device, words: int) -> torch.Tensor:
+    """[words + 1, 2]: row ``i`` is what the zero words at positions ``i .. words - 1`` add to
+    a fingerprint's two sums (``mix(P_j)`` and ``mix(P_j) * Q_j`` summed, wrapping), so a row
+    zero-padded to any width ``w`` has the fingerprint of its first ``L`` words once
+    ``S[L] - S[w]`` is taken off. Made once per (device, length)."""
+    key = (str(device), words)
+    with _KEYS_LOCK:
+        got = _PADS.get(key)
+    if got is None:
+        p, q = position_keys(device, words)
+        m = _mix_(p.clone(), torch.empty_like(p))
+        pair = torch.stack([m, m * q], dim=1)
+        tail = pair.flip(0).cumsum(0).flip(0)  # wrapping sums: the same on every device
+        got = torch.cat([tail, torch.zeros(1, 2, dtype=torch.int64, device=device)])
+        with _KEYS_LOCK:
+            _PADS[key] = got
+    return got
 
 
 def _words(data: torch.Tensor) -> torch.Tensor:
@@ -156,3 +179,98 @@ def source_fingerprints(data: torch.Tensor, chunk_bytes: int, fused: bool = Fals
     if not out:
         return torch.zeros(0, 2, dtype=torch.int64, device=device)
     return torch.cat(out)
+
+
+def many_fingerprints(
+    sources: Sequence[torch.Tensor], chunk_bytes: int, fused: bool = False
+) -> list[torch.Tensor]:
+    """:func:`source_fingerprints` of each of ``sources`` (1-D uint8, all on one device), with
+    the same integers, in a few passes instead of one set per source: the full chunks of
+    sources smaller than half a slab are fingerprinted together (concatenated into slabs of
+    at most :data:`SLAB_BYTES`, one copy), larger ones in place; the tails (a source's last
+    partial chunk, a small source whole) together, zero-padded to a power of two of words per
+    row (at most 2x their bytes; the padding's share taken off by :func:`_padding_sums`).
+    What a device round's digests and a device scan of many tensors cost: the launches of a
+    few passes, not of ~20 per tensor."""
+    if chunk_bytes <= 0 or chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
+    if not sources:
+        return []
+    device = sources[0].device
+    if any(s.device != device or s.dim() != 1 or s.dtype != torch.uint8 for s in sources):
+        raise ValueError("sources must be 1-D uint8 tensors on one device")
+    wpc = chunk_bytes // 8
+    p, q = position_keys(device, wpc)
+    parts: list[list[torch.Tensor]] = [[] for _ in sources]  # per source, its rows in order
+    heads: list[list[torch.Tensor]] = [[] for _ in sources]  # full-chunk rows (before the tail)
+    group: list[int] = []
+    group_bytes = 0
+
+    def flush() -> None:
+        nonlocal group, group_bytes
+        if group:
+            regions = [
+                sources[i][: (sources[i].numel() // chunk_bytes) * chunk_bytes] for i in group
+            ]
+            slab = torch.cat(regions) if len(regions) > 1 else _words(regions[0]).view(torch.uint8)
+            rows = _fingerprint_rows(slab.view(torch.int64).view(-1, wpc), p, q, fused)
+            at = 0
+            for i, r in zip(group, regions, strict=True):
+                k = r.numel() // chunk_bytes
+                heads[i].append(rows[at : at + k])
+                at += k
+        group, group_bytes = [], 0
+
+    for i, s in enumerate(sources):
+        full = s.numel() // chunk_bytes
+        if not full:
+            continue
+        nbytes = full * chunk_bytes
+        if nbytes >= SLAB_BYTES // 2:  # big enough to pass alone, in place
+            per = max(1, SLAB_BYTES // chunk_bytes)
+            for lo in range(0, full, per):
+                hi = min(full, lo + per)
+                slab = _words(s[lo * chunk_bytes : hi * chunk_bytes]).view(hi - lo, wpc)
+                heads[i].append(_fingerprint_rows(slab, p, q, fused))
+            continue
+        if group_bytes + nbytes > SLAB_BYTES:
+            flush()
+        group.append(i)
+        group_bytes += nbytes
+    flush()
+    for i in range(len(sources)):
+        parts[i].extend(heads[i])
+    # the tails, by width class (a power of two of words, at most a chunk's)
+    classes: dict[int, list[int]] = {}
+    for i, s in enumerate(sources):
+        tail = s.numel() % chunk_bytes
+        if tail:
+            width = min(wpc, 1 << (-(-tail // 8) - 1).bit_length())
+            classes.setdefault(width, []).append(i)
+    if classes:
+        sums = _padding_sums(device, wpc)
+        zeros = torch.zeros(max(w for w in classes) * 8, dtype=torch.uint8, device=device)
+    for width, members in classes.items():
+        per = max(1, SLAB_BYTES // (width * 8))
+        for lo in range(0, len(members), per):
+            batch = members[lo : lo + per]
+            pieces: list[torch.Tensor] = []
+            lengths: list[int] = []
+            for i in batch:
+                s = sources[i]
+                tail = s[(s.numel() // chunk_bytes) * chunk_bytes :]
+                pieces += [tail, zeros[: width * 8 - tail.numel()]]
+                lengths.append(-(-tail.numel() // 8))
+            mat = torch.cat(pieces).view(torch.int64).view(len(batch), width)
+            rows = _fingerprint_rows(mat, p, q, fused)
+            at = torch.tensor(lengths, dtype=torch.int64).to(device)
+            rows = rows - (sums.index_select(0, at) - sums[width])
+            for j, i in enumerate(batch):
+                parts[i].append(rows[j : j + 1])
+    out: list[torch.Tensor] = []
+    for got in parts:
+        if not got:
+            out.append(torch.zeros(0, 2, dtype=torch.int64, device=device))
+        else:
+            out.append(got[0] if len(got) == 1 else torch.cat(got))
+    return out

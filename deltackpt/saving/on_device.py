@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from deltackpt.cuda import HostCopies, is_device
-from deltackpt.format.fingerprint import source_fingerprints
+from deltackpt.format.fingerprint import many_fingerprints
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import fused_fingerprints
@@ -54,11 +54,20 @@ class DeviceScan:
 def fingerprints(plan: SavePlan, chunk_bytes: int) -> list[Fingerprint | None]:
     """Per chunk of ``plan``: its fingerprint, computed on the device of its source (one small
     device-to-host transfer per device at the end); None for group chunks."""
-    per_source: dict[int, torch.Tensor] = {}
+    by_device: dict[torch.device, list[int]] = {}
     for si, src in enumerate(plan.sources):
         if any(plan.chunks[ci].ref_key for ci, _, _ in plan.source_slices[si]):  # not grouped
-            per_source[si] = source_fingerprints(src.data, chunk_bytes, fused_fingerprints())
-    host = {si: fp.cpu().tolist() for si, fp in per_source.items()}
+            by_device.setdefault(src.data.device, []).append(si)
+    host: dict[int, list[list[int]]] = {}
+    for group in by_device.values():  # fingerprinted together, one copy to the host
+        fps = many_fingerprints(
+            [plan.sources[si].data for si in group], chunk_bytes, fused_fingerprints()
+        )
+        rows = torch.cat(fps).cpu().tolist()
+        pos = 0
+        for si, fp in zip(group, fps, strict=True):
+            host[si] = rows[pos : pos + fp.shape[0]]
+            pos += fp.shape[0]
     out: list[Fingerprint | None] = [None] * len(plan.chunks)
     for si, rows in host.items():
         chunk_ids = [ci for ci, _, _ in plan.source_slices[si]]

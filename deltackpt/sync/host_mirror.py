@@ -8,8 +8,8 @@ round with 1 of 240 tensors changed 4.3 s, since every tensor was pulled to the 
 the change). Now :class:`~deltackpt.sync.sender.WeightSender` keeps one host copy of its local
 tensors, :class:`HostMirror`, and each round:
 
-1. fingerprints every local tensor where it lives (``format.fingerprint.source_fingerprints``,
-   per :data:`CHUNK_BYTES` chunk, torch ops on the device) and compares with the fingerprints
+1. fingerprints every local tensor where it lives (``format.fingerprint.many_fingerprints``,
+   per :data:`CHUNK_BYTES` chunk, torch ops on the device, small tensors together) and compares with the fingerprints
    recorded at the last *committed* round: one small device-to-host copy of the comparison;
 2. copies into the mirror only the chunks whose fingerprint moved (adjacent ones as one copy;
    a full round copies everything), as one batch of non-blocking copies on a side stream
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltackpt import cuda
-from deltackpt.format.fingerprint import source_fingerprints
+from deltackpt.format.fingerprint import many_fingerprints
 from deltackpt.options import default_device_patch, default_device_scan, fused_fingerprints
 from deltackpt.sync.device_patches import DevicePatches
 
@@ -296,28 +296,31 @@ class HostMirror:
         """This round's fingerprints of every tensor (kept for :meth:`commit`) and, per tensor
         that changed since the last commit, its per-chunk change mask on the host (None: copy it
         whole). One device-to-host copy of the masks per device."""
-        masks: dict[str, torch.Tensor] = {}
         out: dict[str, torch.Tensor | None] = {}
-        for n, t in tensors.items():
-            if t.numel() == 0:
-                continue
-            fp = source_fingerprints(_flat(t), self.chunk_bytes, fused_fingerprints())
-            self._round[n] = fp
-            before = self._committed.get(n)
-            if full or before is None or before.shape != fp.shape or before.device != fp.device:
-                out[n] = None
-            else:
-                masks[n] = (fp != before).any(dim=1)
+        names = [n for n, t in tensors.items() if t.numel()]
         by_device: dict[torch.device, list[str]] = {}
-        for n in masks:
-            by_device.setdefault(masks[n].device, []).append(n)
-        for names in by_device.values():
-            flat = torch.cat([masks[n] for n in names]).cpu()  # the one wait per device
+        for n in names:
+            by_device.setdefault(tensors[n].device, []).append(n)
+        for group in by_device.values():  # one batch of fingerprints, one wait per device
+            fps = many_fingerprints(
+                [_flat(tensors[n]) for n in group], self.chunk_bytes, fused_fingerprints()
+            )
+            same: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+            for n, fp in zip(group, fps, strict=True):
+                self._round[n] = fp
+                before = self._committed.get(n)
+                if full or before is None or before.shape != fp.shape or before.device != fp.device:
+                    out[n] = None
+                else:
+                    same.append((n, fp, before))
+            if not same:
+                continue
+            moved = torch.cat([f for _, f, _ in same]) != torch.cat([b for _, _, b in same])
+            flat = moved.any(dim=1).cpu()
             pos = 0
-            for n in names:
-                k = masks[n].numel()
-                m = flat[pos : pos + k]
-                pos += k
+            for n, fp, _ in same:
+                m = flat[pos : pos + fp.shape[0]]
+                pos += fp.shape[0]
                 if bool(m.any()):
                     out[n] = m
         return out

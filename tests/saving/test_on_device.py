@@ -15,6 +15,7 @@ from hypothesis import strategies as hst
 
 import deltackpt
 from deltackpt.errors import InvalidArgumentError
+from deltackpt.format import fingerprint
 from deltackpt.format.fingerprint import source_fingerprints
 from deltackpt.options import overrides
 from deltackpt.saving.engine import saver_for
@@ -98,6 +99,34 @@ def test_swapped_words_change_the_fingerprint():
     words = data.view(torch.int64).clone()
     swapped = words[[1, 0, *range(2, 8)]].contiguous().view(torch.uint8)
     assert source_fingerprints(data, 64).tolist() != source_fingerprints(swapped, 64).tolist()
+
+
+def _many_sources(chunk: int) -> list[torch.Tensor]:
+    """Sources of every kind many_fingerprints treats apart: empty, within a word, whole words,
+    tails of every width class, one and several chunks, big enough to pass in place, and
+    starting at unaligned bytes (views of one buffer at odd offsets)."""
+    sizes = [0, 3, 8, 13, 64, 4096, 8197, chunk, chunk + 7, 2 * chunk + 5, 5 * chunk, 9 * chunk + 1]
+    sizes += [100, chunk - 1, 3 * chunk]
+    buf, pos, out = _bytes(sum(sizes) + 3 * len(sizes) + 1, 11), 1, []
+    for n in sizes:
+        out.append(buf[pos : pos + n])
+        pos += n + 3
+    return out
+
+
+@pytest.mark.parametrize("chunk", [64, 4096, 1 << 16])
+def test_many_fingerprints_are_each_sources_fingerprints(chunk, monkeypatch):
+    """The batched form (device rounds' digests, the sync scan): the same integers as one call
+    per source, whatever slabs the sources are grouped into (a slab of 8 chunks here, so that
+    some sources pass alone, in place, and the others are concatenated across several slabs)."""
+    monkeypatch.setattr(fingerprint, "SLAB_BYTES", 8 * chunk)
+    srcs = _many_sources(chunk)
+    got = fingerprint.many_fingerprints(srcs, chunk)
+    for s, g in zip(srcs, got, strict=True):
+        assert torch.equal(g, source_fingerprints(s, chunk)), s.numel()
+    assert fingerprint.many_fingerprints([], chunk) == []
+    with pytest.raises(ValueError, match="1-D uint8"):
+        fingerprint.many_fingerprints([torch.zeros(8)], chunk)
 
 
 # ---- saves through the device path, on CPU tensors ------------------------------------------
@@ -228,6 +257,17 @@ def test_cuda_fingerprints_equal_the_cpu_ones():
         assert torch.equal(source_fingerprints(data.cuda(), chunk).cpu(), cpu)
         assert torch.equal(source_fingerprints(data.cuda()[1:], chunk).cpu(),
                            source_fingerprints(data[1:], chunk))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_cuda_many_fingerprints_equal_the_cpu_ones():
+    chunk = 1 << 20
+    srcs = _many_sources(chunk)
+    cpu = fingerprint.many_fingerprints(srcs, chunk)
+    for fused in (False, True):
+        got = fingerprint.many_fingerprints([s.cuda() for s in srcs], chunk, fused)
+        for s, g, c in zip(srcs, got, cpu, strict=True):
+            assert torch.equal(g.cpu(), c), (s.numel(), fused)
 
 
 @pytest.mark.gpu
