@@ -1,8 +1,9 @@
 """How fast a device round's digests run (deltackpt/sync/device_digest.py) beside the device's
 copy limit and the chunk fingerprints they are built from, on the messages of one round (a few
-large pieces and a tail of small ones per message); on CUDA also the fingerprints fused by
-``torch.compile`` (``DELTACKPT_FINGERPRINT_COMPILE=on``), their compile time and whether they
-give the same integers.
+large pieces and a tail of small ones per message), for each way to compute them
+(``DELTACKPT_FINGERPRINT_COMPILE``): the torch operations; on CUDA fused by ``torch.compile``
+(``on``) and the Triton kernel (``triton``, where Triton is installed), with their first call's
+time (the compile) and whether they give the same integers.
 
     python benchmarks/bench_digest.py --gb 1 --bucket-mb 64     # on a GPU (the device check)
     python benchmarks/bench_digest.py --gb 0.03                 # the CPU dry run
@@ -18,7 +19,8 @@ import time
 import torch
 from _harness.limits import device_best
 
-from deltackpt.format.fingerprint import source_fingerprints
+from deltackpt.format import fingerprint_kernel
+from deltackpt.format.fingerprint import many_fingerprints
 from deltackpt.options import overrides
 from deltackpt.sync.device_digest import message_digests
 
@@ -46,45 +48,35 @@ def main() -> None:
     )
     for m in msgs:  # warm-up: the position keys are made once per device
         message_digests(m, spans)
-    rows.append(
-        (
-            "digests, torch ops",
-            device_best(lambda: [message_digests(m, spans) for m in msgs], dev, 3),
-        )
-    )
-    rows.append(
-        (
-            "chunk fingerprints (1 MiB)",
-            device_best(lambda: [source_fingerprints(m, 1 << 20) for m in msgs], dev, 3),
-        )
-    )
-    note = ""
-    if dev.type == "cuda":  # DELTACKPT_FINGERPRINT_COMPILE=on: the same, fused
-        ref = [source_fingerprints(m, 1 << 20) for m in msgs]
-        t0 = time.perf_counter()
+    notes: list[str] = []
+    ref = many_fingerprints(msgs, 1 << 20)
+    # the torch ops, fused by torch.compile (on CUDA), one Triton kernel (where it runs): the
+    # same integers (DELTACKPT_FINGERPRINT_COMPILE=off / on / triton)
+    kernels = ["torch"] + (["compile"] if dev.type == "cuda" else [])
+    kernels += ["triton"] if fingerprint_kernel.available(dev) else []
+    knob = {"torch": "off", "compile": "on", "triton": "triton"}
+    for kernel in kernels:
         try:
-            fused = [source_fingerprints(m, 1 << 20, fused=True) for m in msgs]
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            same = all(torch.equal(a, b) for a, b in zip(ref, fused, strict=True))
-            note = f"compile + first pass {time.perf_counter() - t0:.1f} s; same integers: {same}"
+            t0 = time.perf_counter()
+            got = many_fingerprints(msgs, 1 << 20, kernel)
+            first = time.perf_counter() - t0
+            same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+            notes.append(f"{kernel}: first call {first:.1f} s; same integers: {same}")
             rows.append(
                 (
-                    "chunk fingerprints, fused (torch.compile)",
-                    device_best(
-                        lambda: [source_fingerprints(m, 1 << 20, fused=True) for m in msgs], dev, 3
-                    ),
+                    f"chunk fingerprints (1 MiB), {kernel}",
+                    device_best(lambda k=kernel: many_fingerprints(msgs, 1 << 20, k), dev, 3),
                 )
             )
-            with overrides(DELTACKPT_FINGERPRINT_COMPILE="on"):
+            with overrides(DELTACKPT_FINGERPRINT_COMPILE=knob[kernel]):
                 rows.append(
                     (
-                        "digests, fused fingerprints",
+                        f"digests, {kernel}",
                         device_best(lambda: [message_digests(m, spans) for m in msgs], dev, 3),
                     )
                 )
         except Exception as e:  # reported, not fatal: the default needs no compiler
-            note = f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}"
+            notes.append(f"{kernel} failed: {type(e).__name__}: {str(e)[:300]}")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(
         f"\n## device digests: {name}, {n} messages of {args.bucket_mb} MiB ({gb:.2f} GB), "
@@ -93,8 +85,7 @@ def main() -> None:
     print("| way | seconds | GB/s |\n|---|---|---|")
     for label, s in rows:
         print(f"| {label} | {s:.4f} | {gb / s:.1f} |")
-    if note:
-        print(f"\n{note}")
+    print("\n" + "\n".join(notes))
 
 
 if __name__ == "__main__":

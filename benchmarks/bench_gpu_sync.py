@@ -23,6 +23,8 @@ Rows:
 * ipc link (``links="ipc"``, a second group in the same processes; ``--no-ipc`` skips it): a
   full round and a 1-tensor delta round through tensor handles (CUDA buckets, ``ipc_device``,
   on a GPU; shared CPU storage without one), after one untimed round that plans and shares;
+  then the same with the fingerprints (scan and digests) by the Triton kernel
+  (``DELTACKPT_FINGERPRINT_COMPILE=triton``; the torch operations where Triton is missing);
 * ceilings: one pinned D2H + H2D of the bytes (trainer's tensors -> pinned host buffers ->
   fresh device tensors), and a raw CUDA IPC round (the receiver maps the trainer's tensors with
   ``torch.multiprocessing`` and copies device to device; skipped without CUDA).
@@ -89,7 +91,20 @@ def ipc_plan(repeats: int) -> list[tuple[str, int]]:
         ("delta_1", repeats),
         # detect="version": the tensors torch did not write are not even scanned
         ("delta_1_version", repeats),
+        # the fingerprints by the Triton kernel (DELTACKPT_FINGERPRINT_COMPILE=triton) on both
+        # sides; the first round of it compiles the kernel (nothing changed in it)
+        ("triton_first", 1),
+        ("full_triton", repeats),
+        ("rl_triton", repeats),
+        ("rl_dp_triton_first", 1),  # device bases again (rounds without patches drop them)
+        ("rl_dp_triton", repeats),
+        ("delta_1_version_triton", repeats),
     ]
+
+
+def kernel_knob(kind: str) -> dict[str, str]:
+    """``DELTACKPT_FINGERPRINT_COMPILE`` for a round of ``kind`` (both processes set it)."""
+    return {"DELTACKPT_FINGERPRINT_COMPILE": "triton" if "triton" in kind else "off"}
 
 
 def _log(msg: str) -> None:
@@ -191,14 +206,14 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     ) -> None:
         nonlocal version
         for kind, n in plan:
-            sender.detect = "version" if kind.endswith("_version") else "hash"
-            with overrides(**knobs, DELTACKPT_DEVICE_PATCH=patch_mode(kind)):
+            sender.detect = "version" if "_version" in kind else "hash"
+            with overrides(**knobs, **kernel_knob(kind), DELTACKPT_DEVICE_PATCH=patch_mode(kind)):
                 for i in range(n):
                     change(kind, i)
                     version += 1
                     _barrier(group)
                     t0 = time.perf_counter()
-                    st = sender.push(state, version=version, full=kind == "full")
+                    st = sender.push(state, version=version, full=kind.startswith("full"))
                     rows.setdefault(kind, []).append(
                         {
                             "push_s": time.perf_counter() - t0,
@@ -241,6 +256,7 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
 
 def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     from deltackpt import sync
+    from deltackpt.options import overrides
 
     dev = torch.device("cuda" if CUDA else "cpu")
     mine = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in shapes(cfg["gb"])}
@@ -260,11 +276,12 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     ) -> dict[str, list[dict[str, float]]]:
         rows: dict[str, list[dict[str, float]]] = {}
         for kind, n in plan:
-            for _ in range(n):
-                _barrier(group)
-                t0 = time.perf_counter()
-                recv.pull(load)
-                rows.setdefault(kind, []).append({"round_s": time.perf_counter() - t0})
+            with overrides(**kernel_knob(kind)):
+                for _ in range(n):
+                    _barrier(group)
+                    t0 = time.perf_counter()
+                    recv.pull(load)
+                    rows.setdefault(kind, []).append({"round_s": time.perf_counter() - t0})
         return rows
 
     res: dict[str, Any] = {"rows": pull_rounds(recv, group, plan)}
@@ -362,6 +379,14 @@ def report(s: dict[str, Any], device: str) -> str:
         labels["ipc_rl_dp"] = f"ipc link, device rounds: RL-like ({RL_SHARE:.0%}), device patches"
         labels["ipc_delta_1"] = "ipc link, device rounds: delta, 1 tensor changed"
         labels["ipc_delta_1_version"] = "ipc link, device rounds: delta, 1 tensor, detect=version"
+    if "ipc_full_triton" in s:
+        labels["ipc_triton_first"] = "ipc, Triton fingerprints: first round (compiles; no change)"
+        labels["ipc_full_triton"] = "ipc, Triton fingerprints: full round"
+        labels["ipc_rl_triton"] = f"ipc, Triton fingerprints: RL-like ({RL_SHARE:.0%})"
+        labels["ipc_rl_dp_triton"] = (
+            f"ipc, Triton fingerprints: RL-like ({RL_SHARE:.0%}), device patches"
+        )
+        labels["ipc_delta_1_version_triton"] = "ipc, Triton fingerprints: delta, 1 tensor, version"
     rows = []
     for kind, label in labels.items():
         x = s[kind]

@@ -33,7 +33,9 @@ DELTACKPT_FINGERPRINT_COMPILE  chunk fingerprints of CUDA bytes (device       of
                            scans, device digests): ``off`` (torch ops, ~16
                            passes), ``on`` (fused by ``torch.compile``, the
                            same integers; the first call compiles for
-                           seconds; until a GPU measures it, off)
+                           ~15 s), ``triton`` (one hand-written Triton
+                           kernel for all the chunks of a call, where
+                           Triton is installed; else ``off``)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -152,16 +154,17 @@ def default_device_rounds() -> str:
     return _env_choice("DELTACKPT_DEVICE_ROUNDS", DEVICE_ROUNDS, "auto")
 
 
-FINGERPRINT_COMPILES = ("off", "on")
+FINGERPRINT_COMPILES = ("off", "on", "triton")
 
 
 def default_fingerprint_compile() -> str:
     return _env_choice("DELTACKPT_FINGERPRINT_COMPILE", FINGERPRINT_COMPILES, "off")
 
 
-def fused_fingerprints() -> bool:
-    """Whether chunk fingerprints of CUDA bytes run fused (``DELTACKPT_FINGERPRINT_COMPILE``)."""
-    return default_fingerprint_compile() == "on"
+def fingerprint_kernel() -> str:
+    """How chunk fingerprints of CUDA bytes run (``DELTACKPT_FINGERPRINT_COMPILE``), as
+    ``format.fingerprint.KERNELS`` names it: ``torch`` (off), ``compile`` (on), ``triton``."""
+    return {"off": "torch", "on": "compile", "triton": "triton"}[default_fingerprint_compile()]
 
 
 STAGE_DEFERS = ("auto", "off", "always")

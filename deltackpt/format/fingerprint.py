@@ -36,9 +36,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["SLAB_BYTES", "many_fingerprints", "source_fingerprints"]
+from deltackpt.format import fingerprint_kernel
+
+__all__ = ["KERNELS", "SLAB_BYTES", "many_fingerprints", "source_fingerprints"]
 
 SLAB_BYTES = 64 << 20  # bytes fingerprinted per pass (bounds the work buffers)
+KERNELS = ("torch", "compile", "triton")  # how (source_fingerprints): the same integers
 
 
 def _signed(x: int) -> int:
@@ -116,12 +119,12 @@ def _words(data: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprint_rows(
-    words: torch.Tensor, p: torch.Tensor, q: torch.Tensor, fused: bool = False
+    words: torch.Tensor, p: torch.Tensor, q: torch.Tensor, kernel: str = "torch"
 ) -> torch.Tensor:
-    """``words`` [rows, n] (n <= len(p)) -> [rows, 2] fingerprints (``fused``, on CUDA: by
-    the compiled :func:`_rows_pure`)."""
+    """``words`` [rows, n] (n <= len(p)) -> [rows, 2] fingerprints (``kernel="compile"``, on
+    CUDA: by the compiled :func:`_rows_pure`)."""
     n = words.shape[1]
-    if fused and words.device.type == "cuda":
+    if kernel == "compile" and words.device.type == "cuda":
         return _fused()(words, p[:n], q[:n])
     z = torch.bitwise_xor(words, p[:n])
     tmp = torch.empty_like(z)
@@ -147,19 +150,26 @@ _FUSED: list[object] = []
 
 def _fused() -> object:
     """:func:`_rows_pure` compiled once per process (the first call compiles: seconds;
-    measured by benchmarks/bench_digest.py). Callers pass ``fused`` from
+    measured by benchmarks/bench_digest.py). Callers pass ``kernel`` from
     ``DELTACKPT_FINGERPRINT_COMPILE`` (this module reads no environment)."""
     if not _FUSED:
         _FUSED.append(torch.compile(_rows_pure, dynamic=True))
     return _FUSED[0]
 
 
-def source_fingerprints(data: torch.Tensor, chunk_bytes: int, fused: bool = False) -> torch.Tensor:
+def source_fingerprints(
+    data: torch.Tensor, chunk_bytes: int, kernel: str = "torch"
+) -> torch.Tensor:
     """Fingerprints of the chunks of one source: ``data`` (1-D uint8, on any device) cut at
     multiples of ``chunk_bytes`` (a multiple of 8, as the store's always is). Returns an int64
-    tensor [chunks, 2] on ``data``'s device; nothing is copied to the host."""
+    tensor [chunks, 2] on ``data``'s device; nothing is copied to the host. ``kernel``: how
+    (:data:`KERNELS`; all give the same integers): ``torch`` operations, fused by
+    ``torch.compile`` on CUDA (``compile``), or the Triton kernel of ``fingerprint_kernel.py``
+    where it can run (``triton``; else the torch operations)."""
     if chunk_bytes <= 0 or chunk_bytes % 8:
         raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
+    if kernel == "triton" and fingerprint_kernel.available(data.device):
+        return many_fingerprints([data], chunk_bytes, kernel)[0]
     n = data.numel()
     device = data.device
     words_per_chunk = chunk_bytes // 8
@@ -170,19 +180,19 @@ def source_fingerprints(data: torch.Tensor, chunk_bytes: int, fused: bool = Fals
     for lo in range(0, full, rows):
         hi = min(full, lo + rows)
         slab = _words(data[lo * chunk_bytes : hi * chunk_bytes]).view(hi - lo, words_per_chunk)
-        out.append(_fingerprint_rows(slab, p, q, fused))
+        out.append(_fingerprint_rows(slab, p, q, kernel))
     tail = n - full * chunk_bytes
     if tail:
         padded = torch.zeros(-(-tail // 8) * 8, dtype=torch.uint8, device=device)
         padded[:tail] = data[full * chunk_bytes :]
-        out.append(_fingerprint_rows(padded.view(torch.int64).view(1, -1), p, q, fused))
+        out.append(_fingerprint_rows(padded.view(torch.int64).view(1, -1), p, q, kernel))
     if not out:
         return torch.zeros(0, 2, dtype=torch.int64, device=device)
     return torch.cat(out)
 
 
 def many_fingerprints(
-    sources: Sequence[torch.Tensor], chunk_bytes: int, fused: bool = False
+    sources: Sequence[torch.Tensor], chunk_bytes: int, kernel: str = "torch"
 ) -> list[torch.Tensor]:
     """:func:`source_fingerprints` of each of ``sources`` (1-D uint8, all on one device), with
     the same integers, in a few passes instead of one set per source: the full chunks of
@@ -191,7 +201,8 @@ def many_fingerprints(
     partial chunk, a small source whole) together, zero-padded to a power of two of words per
     row (at most 2x their bytes; the padding's share taken off by :func:`_padding_sums`).
     What a device round's digests and a device scan of many tensors cost: the launches of a
-    few passes, not of ~20 per tensor."""
+    few passes, not of ~20 per tensor. ``kernel="triton"`` (where it can run): all of them in
+    one launch of ``fingerprint_kernel.py``, nothing copied."""
     if chunk_bytes <= 0 or chunk_bytes % 8:
         raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
     if not sources:
@@ -201,6 +212,8 @@ def many_fingerprints(
         raise ValueError("sources must be 1-D uint8 tensors on one device")
     wpc = chunk_bytes // 8
     p, q = position_keys(device, wpc)
+    if kernel == "triton" and fingerprint_kernel.available(device):
+        return fingerprint_kernel.many(sources, chunk_bytes, p, q)
     parts: list[list[torch.Tensor]] = [[] for _ in sources]  # per source, its rows in order
     heads: list[list[torch.Tensor]] = [[] for _ in sources]  # full-chunk rows (before the tail)
     group: list[int] = []
@@ -213,7 +226,7 @@ def many_fingerprints(
                 sources[i][: (sources[i].numel() // chunk_bytes) * chunk_bytes] for i in group
             ]
             slab = torch.cat(regions) if len(regions) > 1 else _words(regions[0]).view(torch.uint8)
-            rows = _fingerprint_rows(slab.view(torch.int64).view(-1, wpc), p, q, fused)
+            rows = _fingerprint_rows(slab.view(torch.int64).view(-1, wpc), p, q, kernel)
             at = 0
             for i, r in zip(group, regions, strict=True):
                 k = r.numel() // chunk_bytes
@@ -231,7 +244,7 @@ def many_fingerprints(
             for lo in range(0, full, per):
                 hi = min(full, lo + per)
                 slab = _words(s[lo * chunk_bytes : hi * chunk_bytes]).view(hi - lo, wpc)
-                heads[i].append(_fingerprint_rows(slab, p, q, fused))
+                heads[i].append(_fingerprint_rows(slab, p, q, kernel))
             continue
         if group_bytes + nbytes > SLAB_BYTES:
             flush()
@@ -262,7 +275,7 @@ def many_fingerprints(
                 pieces += [tail, zeros[: width * 8 - tail.numel()]]
                 lengths.append(-(-tail.numel() // 8))
             mat = torch.cat(pieces).view(torch.int64).view(len(batch), width)
-            rows = _fingerprint_rows(mat, p, q, fused)
+            rows = _fingerprint_rows(mat, p, q, kernel)
             at = torch.tensor(lengths, dtype=torch.int64).to(device)
             rows = rows - (sums.index_select(0, at) - sums[width])
             for j, i in enumerate(batch):

@@ -31,7 +31,7 @@ from deltackpt.cuda import HostCopies, is_device
 from deltackpt.format.fingerprint import many_fingerprints
 from deltackpt.format.hashing import digest
 from deltackpt.format.manifest import ChunkRecord
-from deltackpt.options import fused_fingerprints
+from deltackpt.options import fingerprint_kernel
 from deltackpt.saving.hooks import hooks
 from deltackpt.saving.plan import SavePlan, chunk_view
 from deltackpt.saving.stage import Arena, StagedChunks, Unfilled
@@ -61,7 +61,7 @@ def fingerprints(plan: SavePlan, chunk_bytes: int) -> list[Fingerprint | None]:
     host: dict[int, list[list[int]]] = {}
     for group in by_device.values():  # fingerprinted together, one copy to the host
         fps = many_fingerprints(
-            [plan.sources[si].data for si in group], chunk_bytes, fused_fingerprints()
+            [plan.sources[si].data for si in group], chunk_bytes, fingerprint_kernel()
         )
         rows = torch.cat(fps).cpu().tolist()
         pos = 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from deltackpt.format.fingerprint import _mix_, position_keys, source_fingerprints
-from deltackpt.options import fused_fingerprints
+from deltackpt.options import fingerprint_kernel
 from deltackpt.sync.device_digest import CHUNK, fold
 
 __all__ = ["INT", "patch_bytes", "patched_digest", "read_patch", "write_patch"]
@@ -84,7 +84,7 @@ def patched_digest(
     words, where it lives) with the elements ``idx`` set to ``vals``, without writing it."""
     if base.numel() % 8:
         raise ValueError(f"a device patch applies to whole 8-byte words, not {base.numel()} bytes")
-    fps = source_fingerprints(base, CHUNK, fused_fingerprints())
+    fps = source_fingerprints(base, CHUNK, fingerprint_kernel())
     if idx.numel():
         dev = base.device
         per = 8 // itemsize

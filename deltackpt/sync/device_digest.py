@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from deltackpt.format.fingerprint import _mix_, many_fingerprints, position_keys
-from deltackpt.options import fused_fingerprints
+from deltackpt.options import fingerprint_kernel
 
 __all__ = ["CHUNK", "fold", "message_digests", "piece_digest"]
 
@@ -84,7 +84,7 @@ def message_digests(
     ]
     todo = [k for k, (_, n) in enumerate(spans) if fps[k] is None and n]
     got = many_fingerprints(
-        [buf[spans[k][0] : sum(spans[k])] for k in todo], CHUNK, fused_fingerprints()
+        [buf[spans[k][0] : sum(spans[k])] for k in todo], CHUNK, fingerprint_kernel()
     )
     for k, f in zip(todo, got, strict=True):
         fps[k] = f

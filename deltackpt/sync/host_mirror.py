@@ -58,7 +58,7 @@ import torch
 
 from deltackpt import cuda
 from deltackpt.format.fingerprint import many_fingerprints
-from deltackpt.options import default_device_patch, default_device_scan, fused_fingerprints
+from deltackpt.options import default_device_patch, default_device_scan, fingerprint_kernel
 from deltackpt.sync.device_patches import DevicePatches
 
 __all__ = ["CHUNK_BYTES", "HostMirror", "MirrorRound", "mirrored_names", "wire_casts"]
@@ -303,7 +303,7 @@ class HostMirror:
             by_device.setdefault(tensors[n].device, []).append(n)
         for group in by_device.values():  # one batch of fingerprints, one wait per device
             fps = many_fingerprints(
-                [_flat(tensors[n]) for n in group], self.chunk_bytes, fused_fingerprints()
+                [_flat(tensors[n]) for n in group], self.chunk_bytes, fingerprint_kernel()
             )
             same: list[tuple[str, torch.Tensor, torch.Tensor]] = []
             for n, fp in zip(group, fps, strict=True):

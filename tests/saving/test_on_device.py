@@ -8,6 +8,11 @@ that CUDA state takes this path.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +20,7 @@ from hypothesis import strategies as hst
 
 import deltackpt
 from deltackpt.errors import InvalidArgumentError
-from deltackpt.format import fingerprint
+from deltackpt.format import fingerprint, fingerprint_kernel
 from deltackpt.format.fingerprint import source_fingerprints
 from deltackpt.options import overrides
 from deltackpt.saving.engine import saver_for
@@ -264,10 +269,47 @@ def test_cuda_many_fingerprints_equal_the_cpu_ones():
     chunk = 1 << 20
     srcs = _many_sources(chunk)
     cpu = fingerprint.many_fingerprints(srcs, chunk)
-    for fused in (False, True):
-        got = fingerprint.many_fingerprints([s.cuda() for s in srcs], chunk, fused)
+    kernels = ["torch", "compile"]
+    kernels += ["triton"] if fingerprint_kernel.available(torch.device("cuda")) else []
+    for kernel in kernels:
+        got = fingerprint.many_fingerprints([s.cuda() for s in srcs], chunk, kernel)
         for s, g, c in zip(srcs, got, cpu, strict=True):
-            assert torch.equal(g.cpu(), c), (s.numel(), fused)
+            assert torch.equal(g.cpu(), c), (s.numel(), kernel)
+        one = fingerprint.source_fingerprints(srcs[-1].cuda(), chunk, kernel)
+        assert torch.equal(one.cpu(), cpu[-1]), kernel
+    assert "triton" in kernels, "Triton is not importable next to torch's CUDA build"
+
+
+_INTERPRET = """
+import sys, torch
+sys.path[:0] = sys.argv[1:]
+from deltackpt.format import fingerprint, fingerprint_kernel
+from tests.saving.test_on_device import _many_sources
+assert fingerprint_kernel.available(torch.device("cpu"))
+for chunk in (64, 4096, 1 << 16):
+    srcs = _many_sources(chunk)
+    got = fingerprint.many_fingerprints(srcs, chunk, "triton")
+    for s, g in zip(srcs, got, strict=True):
+        assert torch.equal(g, fingerprint.source_fingerprints(s, chunk)), (chunk, s.numel())
+print("same")
+"""
+
+
+def test_the_triton_kernel_gives_the_torch_fingerprints_in_its_interpreter():
+    """DELTACKPT_FINGERPRINT_COMPILE=triton: the hand-written kernel, run by Triton's
+    interpreter on CPU tensors (it must be asked for before Triton is imported: a process of
+    its own), gives the torch operations' integers for every kind of source."""
+    pytest.importorskip("triton", reason="Triton is not installed (torch's CUDA builds bring it)")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERPRET, root],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and "same" in r.stdout, r.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -91,10 +91,12 @@ def test_cuda_gives_the_cpu_digests() -> None:
     # the fingerprints fused by torch.compile (DELTACKPT_FINGERPRINT_COMPILE=on): same integers
     for o, n in spans:
         piece = buf.cuda()[o : o + n]
-        fused = source_fingerprints(piece, CHUNK, fused=True)
+        fused = source_fingerprints(piece, CHUNK, "compile")
         assert torch.equal(fused.cpu(), source_fingerprints(buf[o : o + n], CHUNK)), n
-    with overrides(DELTACKPT_FINGERPRINT_COMPILE="on"):
-        assert message_digests(buf.cuda(), spans) == ref
+    for knob in ("on", "triton"):  # torch.compile, the Triton kernel: the same digests
+        with overrides(DELTACKPT_FINGERPRINT_COMPILE=knob):
+            assert message_digests(buf.cuda(), spans) == ref, knob
+            assert message_digests(buf.cuda(), spans, known) == ref, knob
 
 
 # ---- device patches (sync/device_delta.py): untrusted bytes of a bucket -------------------

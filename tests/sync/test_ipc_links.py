@@ -438,10 +438,23 @@ def _cuda_receiver(port: int, staging: str) -> dict[str, Any]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode, staging", [("off", "cpu"), ("auto", "cpu"), ("auto", "cuda:0")])
-def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(mode: str, staging: str) -> None:
+@pytest.mark.parametrize(
+    "mode, staging, kernel",
+    [
+        ("off", "cpu", "off"),
+        ("auto", "cpu", "off"),
+        ("auto", "cuda:0", "off"),
+        ("auto", "cuda:0", "triton"),
+        ("auto", "cpu", "triton"),
+    ],
+)
+def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
+    mode: str, staging: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Host rounds (pinned buffer, xxh3) and device rounds (packed into the CUDA bucket,
-    device digests), into host staging or device staging (``into`` on the device)."""
+    device digests), into host staging or device staging (``into`` on the device); the
+    device rounds' fingerprints by the torch operations or the Triton kernel (both sides)."""
+    monkeypatch.setenv("DELTACKPT_FINGERPRINT_COMPILE", kernel)  # the spawned ranks inherit it
     port = free_port()
     trainer, rec = (
         o.unwrap()

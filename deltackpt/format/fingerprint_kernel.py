@@ -1,0 +1,134 @@
+"""The chunk fingerprints of ``fingerprint.py`` as one Triton kernel (CUDA;
+``DELTACKPT_FINGERPRINT_COMPILE=triton``): the same integers as the torch operations, which stay
+the reference.
+
+The torch operations make ~16 passes over the bytes (each a kernel, each reading and writing the
+work buffers); ``torch.compile`` fuses them (about 4x faster on an H100, measured) but its first
+call compiles for ~15 s, and each call checks its guards. This kernel reads each word once and
+keeps everything else in registers, fingerprints every chunk of every source in one launch
+without copying them together (each row of its table is a word address and a word count, as
+the grouped GEMM of Triton's tutorials takes its matrices), and needs no work buffers: one row
+of partial sums per block of words, summed by torch afterwards. Its first call compiles in about
+a second (cached on disk by Triton).
+
+On CPU tensors it runs in Triton's interpreter (numpy, ``TRITON_INTERPRET=1`` set before Triton
+is imported): how the test suite checks it where Triton is installed without a GPU; nothing on
+CPU uses it otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+try:  # the kernel's language, at module level as Triton's compiler reads it
+    import triton.language as tl
+except ImportError:  # no Triton: available() says so and nothing here runs
+    tl = None
+
+__all__ = ["BLOCK", "available", "many"]
+
+BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
+
+
+def _body(addr_ptr, words_ptr, p_ptr, q_ptr, out_ptr, NBLK, BLOCK: tl.constexpr):
+    """Block ``blk`` of row ``row``: its words' two partial sums into ``out[row, blk]``."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    n = tl.load(words_ptr + row)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    base = tl.load(addr_ptr + row).to(tl.pointer_type(tl.int64))
+    w = tl.load(base + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
+    p = tl.load(p_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
+    q = tl.load(q_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
+    z = w ^ p
+    z = z ^ (z >> 30)
+    z = z * 0xBF58476D1CE4E5B9
+    z = z ^ (z >> 27)
+    z = z * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    z = tl.where(m, z, 0)
+    a = tl.sum(z, axis=0)
+    b = tl.sum(z * q, axis=0)
+    at = out_ptr + (row * NBLK + blk) * 2
+    tl.store(at, a.to(tl.int64, bitcast=True))
+    tl.store(at + 1, b.to(tl.int64, bitcast=True))
+
+
+_KERNEL: list[Any] = []
+
+
+def _kernel() -> Any:
+    """The kernel (``triton.jit``: compiled for the GPU at its first launch; under
+    ``TRITON_INTERPRET=1``, set before Triton is imported, run by its interpreter)."""
+    if not _KERNEL:
+        import triton
+
+        _KERNEL.append(triton.jit(_body))
+    return _KERNEL[0]
+
+
+def available(device: torch.device) -> bool:
+    """Whether this kernel can fingerprint bytes on ``device``: Triton is importable, and on
+    CPU its interpreter was asked for (``TRITON_INTERPRET=1``: the tests)."""
+    if tl is None:
+        return False
+    return device.type == "cuda" or (
+        device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    )
+
+
+def many(
+    sources: Sequence[torch.Tensor], chunk_bytes: int, p: torch.Tensor, q: torch.Tensor
+) -> list[torch.Tensor]:
+    """``fingerprint.many_fingerprints`` of ``sources`` (1-D uint8, one device) in one launch;
+    ``p``, ``q``: the position keys of a chunk (``fingerprint.position_keys``). A source not
+    8-byte aligned is copied first, and so is a tail that ends inside a word (zero-padded)."""
+    device = sources[0].device
+    wpc = chunk_bytes // 8
+    keep: list[torch.Tensor] = []  # copies that must live until the launch
+    addrs: list[np.ndarray] = []
+    counts: list[np.ndarray] = []
+    rows_of: list[int] = []
+    for s in sources:
+        n = s.numel()
+        if n and s.data_ptr() % 8:
+            s = s.clone()
+            keep.append(s)
+        full, tail = divmod(n, chunk_bytes)
+        addr = np.arange(full, dtype=np.int64) * chunk_bytes + (s.data_ptr() if n else 0)
+        cnt = np.full(full, wpc, dtype=np.int64)
+        if tail:
+            t = s[full * chunk_bytes :]
+            if tail % 8:  # the last word zero-padded: a copy
+                padded = torch.zeros(-(-tail // 8) * 8, dtype=torch.uint8, device=device)
+                padded[:tail] = t
+                keep.append(padded)
+                t = padded
+            addr = np.append(addr, t.data_ptr())
+            cnt = np.append(cnt, -(-tail // 8))
+        addrs.append(addr)
+        counts.append(cnt)
+        rows_of.append(addr.size)
+    rows = sum(rows_of)
+    if not rows:
+        return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in sources]
+    table = torch.from_numpy(np.stack([np.concatenate(addrs), np.concatenate(counts)]))
+    table = table.to(device)
+    nblk = -(-wpc // BLOCK)
+    part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
+    kernel = _kernel()
+    kernel[(rows, nblk)](table[0], table[1], p, q, part, nblk, BLOCK=BLOCK)
+    out = part.sum(dim=1)  # wrapping sums: in any order, the same
+    del keep  # the launch is queued on the stream: the copies' memory is reused after it
+    res: list[torch.Tensor] = []
+    at = 0
+    for k in rows_of:
+        res.append(out[at : at + k])
+        at += k
+    return res
