@@ -25,6 +25,7 @@ __all__ = [
     "host_buffer",
     "ipc_collect",
     "is_device",
+    "to_device",
     "wait_for",
 ]
 
@@ -65,6 +66,16 @@ def copy_and_wait(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     dst.copy_(src, non_blocking=src.is_pinned())
     torch.cuda.current_stream(dst.device).synchronize()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (indices, lengths) on ``device`` without waiting: through pinned
+    memory, a non-blocking copy queued on the current stream (a plain ``.to(device)`` from
+    pageable memory synchronises the stream: every kernel queued before it must finish first).
+    The pinned block returns to torch's cache once the copy has run. On CPU: ``t``."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def wait_for(t: torch.Tensor) -> None:

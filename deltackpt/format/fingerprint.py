@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
+from deltackpt import cuda
 from deltackpt.format import fingerprint_kernel
 
 __all__ = ["KERNELS", "SLAB_BYTES", "many_fingerprints", "source_fingerprints"]
@@ -276,7 +277,7 @@ def many_fingerprints(
                 lengths.append(-(-tail.numel() // 8))
             mat = torch.cat(pieces).view(torch.int64).view(len(batch), width)
             rows = _fingerprint_rows(mat, p, q, kernel)
-            at = torch.tensor(lengths, dtype=torch.int64).to(device)
+            at = cuda.to_device(torch.tensor(lengths, dtype=torch.int64), device)
             rows = rows - (sums.index_select(0, at) - sums[width])
             for j, i in enumerate(batch):
                 parts[i].append(rows[j : j + 1])

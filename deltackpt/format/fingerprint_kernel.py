@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltackpt import cuda
+
 try:  # the kernel's language, at module level as Triton's compiler reads it
     import triton.language as tl
 except ImportError:  # no Triton: available() says so and nothing here runs
@@ -119,7 +121,7 @@ def many(
     if not rows:
         return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in sources]
     table = torch.from_numpy(np.stack([np.concatenate(addrs), np.concatenate(counts)]))
-    table = table.to(device)
+    table = cuda.to_device(table, device)  # queued, no wait for the stream
     nblk = -(-wpc // BLOCK)
     part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
     kernel = _kernel()

@@ -33,10 +33,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from deltackpt.format.fingerprint import _mix_, many_fingerprints, position_keys
+from deltackpt.format.fingerprint import many_fingerprints
 from deltackpt.options import fingerprint_kernel
 
-__all__ = ["CHUNK", "fold", "message_digests", "piece_digest"]
+__all__ = ["CHUNK", "fold", "message_digest_rows", "message_digests", "piece_digest"]
 
 CHUNK = 1 << 20  # bytes per chunk fingerprint (the sender's device scan uses the same)
 _WORDS = CHUNK // 8
@@ -44,43 +44,38 @@ _WORDS = CHUNK // 8
 
 def fold(fps: Sequence[torch.Tensor]) -> torch.Tensor:
     """The digests [n, 2] of ``n`` pieces from their chunk fingerprints (each [chunks, 2], on
-    one device): the fingerprint of each list of words ``a_0, b_0, a_1, ...``, all at once."""
-    dev = fps[0].device
-    words = torch.cat([f.reshape(-1) for f in fps])
+    one device): the fingerprint of each list of words ``a_0, b_0, a_1, ...`` (a list of no
+    words: 0, 0), all at once (``many_fingerprints``: each list is one row of words)."""
     counts = [f.numel() for f in fps]
     if max(counts) > _WORDS:
         raise ValueError(f"a piece of more than {_WORDS // 2} chunks ({_WORDS // 2} MiB)")
-    starts = torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0)
-    # each word's position in its piece's list: arange minus its piece's start
-    owner = torch.repeat_interleave(torch.arange(len(fps)), torch.tensor(counts))
-    rel = (torch.arange(words.numel()) - starts[owner]).to(dev)
-    p, q = position_keys(dev, _WORDS)
-    z = torch.bitwise_xor(words, p[rel])
-    _mix_(z, torch.empty_like(z))
-    at = owner.to(dev)
-    a = torch.zeros(len(fps), dtype=torch.int64, device=dev).index_add_(0, at, z)
-    b = torch.zeros(len(fps), dtype=torch.int64, device=dev).index_add_(0, at, z.mul_(q[rel]))
-    return torch.stack([a, b], dim=1)
+    dev = fps[0].device
+    rows = many_fingerprints(
+        [f.reshape(-1).view(torch.uint8) for f in fps], CHUNK, fingerprint_kernel()
+    )
+    return torch.cat(
+        [r if r.shape[0] else torch.zeros(1, 2, dtype=torch.int64, device=dev) for r in rows]
+    )
 
 
-def message_digests(
+def message_digest_rows(
     buf: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     known: Mapping[int, torch.Tensor] | None = None,
-) -> list[tuple[int, int]]:
-    """The digest of each ``(offset, nbytes)`` span of ``buf`` (1-D uint8, on any device).
-    ``known``: span index -> its chunk fingerprints, already taken (the sender's device scan
-    of a whole tensor): only folded. One device-to-host copy."""
+) -> torch.Tensor:
+    """:func:`message_digests` left where ``buf`` lives: an int64 tensor [len(spans), 2],
+    nothing waited for (the sender writes them into its header on the device, the receiver
+    compares a round's at once)."""
     if not spans:
-        return []
+        return torch.zeros(0, 2, dtype=torch.int64, device=buf.device)
     if any(o < 0 or n < 0 or o + n > buf.numel() for o, n in spans):
         raise ValueError(f"spans must lie in the buffer of {buf.numel()} bytes: {list(spans)[:4]}")
     known = known or {}
-    # a known list of another length than the piece's chunks (an empty tensor's scan gives
-    # none; the digest counts one chunk of no words) is not used: fingerprinted from the bytes
+    # a known list of no chunks (an empty tensor's scan) is not used: the digest counts one
+    # chunk of no words. (A known list need not match its span: a device patch's span is the
+    # patch, its digest the new piece's, from the scan.)
     fps: list[torch.Tensor | None] = [
-        f if (f := known.get(k)) is not None and f.shape == (max(1, -(-n // CHUNK)), 2) else None
-        for k, (_, n) in enumerate(spans)
+        f if (f := known.get(k)) is not None and f.shape[0] else None for k in range(len(spans))
     ]
     todo = [k for k, (_, n) in enumerate(spans) if fps[k] is None and n]
     got = many_fingerprints(
@@ -91,7 +86,18 @@ def message_digests(
     for k, (_, n) in enumerate(spans):
         if not n:  # one chunk of no words
             fps[k] = torch.zeros(1, 2, dtype=torch.int64, device=buf.device)
-    out = fold([f.to(buf.device) for f in fps if f is not None]).cpu().tolist()
+    return fold([f.to(buf.device) for f in fps if f is not None])
+
+
+def message_digests(
+    buf: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    known: Mapping[int, torch.Tensor] | None = None,
+) -> list[tuple[int, int]]:
+    """The digest of each ``(offset, nbytes)`` span of ``buf`` (1-D uint8, on any device).
+    ``known``: span index -> its chunk fingerprints, already taken (the sender's device scan
+    of a whole tensor): only folded. One device-to-host copy."""
+    out = message_digest_rows(buf, spans, known).cpu().tolist()
     return [(int(a), int(b)) for a, b in out]
 
 

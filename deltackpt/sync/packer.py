@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltackpt import cuda
 from deltackpt.sync import wire
 from deltackpt.sync.detect import Detector
 from deltackpt.sync.device_delta import patch_bytes, write_patch
-from deltackpt.sync.device_digest import message_digests
+from deltackpt.sync.device_digest import message_digest_rows
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.group import SyncGroup
 from deltackpt.sync.patches import Bases, base_key
@@ -27,10 +28,29 @@ from deltackpt.sync.rounds import payload_start
 from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
 from deltackpt.sync.schedule_decl import Held
 
-__all__ = ["Packed", "Packer"]
+__all__ = ["DeviceDigests", "Packed", "Packer"]
+
+
+@dataclass
+class DeviceDigests:
+    """A device round's piece digests, still on the device: piece ``present[j]`` has digest
+    ``rows[j]`` (the sender reads a round's at once, after its last bucket)."""
+
+    present: list[int]
+    rows: torch.Tensor
+
+    def resolve(self, host: list[list[int]], n: int) -> list[tuple[int, int] | None]:
+        """The digests per piece of a bucket of ``n`` pieces, from ``host`` (``rows`` read)."""
+        out: list[tuple[int, int] | None] = [None] * n
+        for k, (a, b) in zip(self.present, host, strict=True):
+            out[k] = (int(a), int(b))
+        return out
+
 
 # message bytes, digests, payload bytes, zero-copy pieces (flat bytes of the source, tag)
-Packed = tuple[int, list[tuple[int, int] | None], int, list[tuple[torch.Tensor, int]]]
+Packed = tuple[
+    int, list[tuple[int, int] | None] | DeviceDigests, int, list[tuple[torch.Tensor, int]]
+]
 
 
 @dataclass
@@ -50,6 +70,8 @@ class Packer:
     fingerprints: dict[str, torch.Tensor] = field(default_factory=dict)
     # ... and the changed elements found against the device bases (device_patches.py)
     device_changes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (receiver, bucket index) -> its header's host buffer in device rounds
+    _headers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     def message(
         self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
@@ -185,15 +207,28 @@ class Packer:
             present.append(k)
             pos += length
         heads: list[wire.Piece | None] = [None] * len(bk.pieces)
-        digests = message_digests(buf, spans, known)
-        for k, (_, n), d in zip(present, spans, digests, strict=True):
-            heads[k] = wire.Piece(wire.IN_MESSAGE, kinds.get(k, wire.RAW), n, d)
+        for k, (_, n) in zip(present, spans, strict=True):  # digests: written on the device
+            heads[k] = wire.Piece(wire.IN_MESSAGE, kinds.get(k, wire.RAW), n, (0, 0))
         base = self.base_version if kinds else None
-        wire.write_header(
-            buf, seq, version, bk.index, wire.OK, heads, pos - start, base, device=True
+        host = self._header_buffer(bk, buf.device)
+        size = wire.write_header(
+            host, seq, version, bk.index, wire.OK, heads, pos - start, base, device=True
         )
-        digests = [None if h is None else h.digest for h in heads]
-        return pos, digests, sum(n for _, n in spans), []
+        buf[:size].copy_(host[:size], non_blocking=host.is_pinned())
+        rows = message_digest_rows(buf, spans, known)
+        wire.put_digests(buf, present, rows)  # nothing waited for: the publish waits once
+        return pos, DeviceDigests(present, rows), sum(n for _, n in spans), []
+
+    def _header_buffer(self, bk: LinkBucket, device: torch.device) -> torch.Tensor:
+        """Bucket ``bk``'s own host buffer for its header (pinned where the bucket is on a
+        GPU: copied without waiting; reused next round, after this round's publish waited for
+        the copy)."""
+        key = (bk.receiver, bk.index)
+        size = wire.header_words(len(bk.pieces)) * 8
+        got = self._headers.get(key)
+        if got is None or got.numel() < size:
+            got = self._headers[key] = cuda.host_buffer(size, device.type == "cuda")
+        return got
 
     def _changed(
         self, sched: Schedule, bk: LinkBucket, full: bool, scratch: torch.Tensor

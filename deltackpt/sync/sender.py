@@ -46,7 +46,7 @@ from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line
 from deltackpt.sync.host_mirror import HostMirror, mirrored_names, wire_casts
-from deltackpt.sync.packer import Packed, Packer
+from deltackpt.sync.packer import DeviceDigests, Packed, Packer
 from deltackpt.sync.rounds import (
     RoundStats,
     link_slots,
@@ -329,6 +329,7 @@ class WeightSender:
         stubs: list[tuple[int, object, torch.Tensor]] = []
         directs: list[tuple[int, object]] = []  # zero-copy sends: (receiver, work)
         zero_copy_bytes = 0
+        on_device: list[tuple[LinkBucket, DeviceDigests]] = []  # digests not yet read
         failure: str | None = None  # this rank's own: the error it raises
         cause: BaseException | None = None
         if staged is not None:
@@ -399,9 +400,12 @@ class WeightSender:
                 continue
             if packed is not None and not (failure or aborted or lost):
                 nbytes, present, payload, zero_copy = packed
-                for k, d in enumerate(present):
-                    if d is not None:
-                        digests[(bk.receiver, bk.index, k)] = d
+                if isinstance(present, DeviceDigests):  # read with the round's others
+                    on_device.append((bk, present))
+                else:
+                    for k, d in enumerate(present):
+                        if d is not None:
+                            digests[(bk.receiver, bk.index, k)] = d
                 per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
                 buf = bufs[i % _RING][:nbytes]
                 try:
@@ -436,6 +440,15 @@ class WeightSender:
             fut.result()
         for slot in range(_RING):
             settle(slot)
+        if on_device:  # a device round's digests: one copy to the host for all its buckets
+            host = torch.cat([d.rows for _, d in on_device]).cpu().tolist()
+            at = 0
+            for bk, d in on_device:
+                got = d.resolve(host[at : at + len(d.present)], len(bk.pieces))
+                at += len(d.present)
+                for k, dg in enumerate(got):
+                    if dg is not None:
+                        digests[(bk.receiver, bk.index, k)] = dg
         rest = [(d, w) for d, w in [*directs, *((d, w) for d, w, _ in stubs)] if d not in dead]
         drained = g.drain_sends(seq, rest)  # always waited for, even after a loss
         lost = lost or drained

@@ -18,9 +18,16 @@ pytestmark = pytest.mark.multiproc
 BUCKET = 16 << 10
 
 
-def _state() -> dict[str, torch.Tensor]:
+def _state(big: bool = False) -> dict[str, torch.Tensor]:
+    """Six 4 KiB tensors; ``big``: w3 of 4 MiB (four 1 MiB chunks of the device digests)."""
     g = torch.Generator().manual_seed(0)
-    return {f"w{i}": torch.randn(32, 32, generator=g) for i in range(6)}  # 4 KiB each
+    out = {f"w{i}": torch.randn(32, 32, generator=g) for i in range(6)}  # 4 KiB each
+    if big:
+        out["w3"] = torch.randn(1024, 1024, generator=g)
+    return out
+
+
+BIG_BUCKET = 5 << 20  # holds the big w3 whole (a device patch needs the whole tensor)
 
 
 def _trainer(port: int, detect: str) -> dict[str, Any]:
@@ -86,7 +93,7 @@ def test_a_delta_round_scans_only_what_torch_wrote_under_version_detection(detec
 # ---- device patches: an RL-like step's few changed elements ---------------------------------
 
 
-def _patch_trainer(port: int, dev: str = "cpu") -> dict[str, Any]:
+def _patch_trainer(port: int, dev: str = "cpu", big: bool = False) -> dict[str, Any]:
     """``dev="cpu"``: the CPU stand-in (``always``); ``"cuda:0"``: the real thing (``auto``)."""
     from deltackpt import sync
     from deltackpt.options import overrides
@@ -98,8 +105,8 @@ def _patch_trainer(port: int, dev: str = "cpu") -> dict[str, Any]:
         group = sync.SyncGroup(
             "127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device=dev
         )
-        sender = sync.WeightSender(group, bucket_bytes=BUCKET)
-        state = {n: t.to(dev) for n, t in _state().items()}
+        sender = sync.WeightSender(group, bucket_bytes=BIG_BUCKET if big else BUCKET)
+        state = {n: t.to(dev) for n, t in _state(big).items()}
         for v in (1, 2, 3, 4):
             _step(state, v)
             try:
@@ -123,13 +130,13 @@ def _step(state: dict[str, torch.Tensor], v: int) -> None:
             state["w1"].add_(1.0)
 
 
-def _patch_receiver(port: int, edit: bool, dev: str = "cpu") -> dict[str, Any]:
+def _patch_receiver(port: int, edit: bool, dev: str = "cpu", big: bool = False) -> dict[str, Any]:
     from deltackpt import sync
 
     group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
-    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET, device=dev)
+    receiver = sync.WeightReceiver(group, bucket_bytes=BIG_BUCKET if big else BUCKET, device=dev)
     held: dict[str, torch.Tensor] = {}
-    expect = _state()
+    expect = _state(big)
     out: dict[str, Any] = {"bad": [], "patched": [], "errors": [], "versions": []}
     for v in (1, 2, 3, 4):
         _step(expect, v)
@@ -147,18 +154,27 @@ def _patch_receiver(port: int, edit: bool, dev: str = "cpu") -> dict[str, Any]:
     return out
 
 
-def test_an_rl_step_goes_as_device_patches_bit_exact() -> None:
+@pytest.mark.parametrize("big", [False, True], ids=["one-chunk", "four-chunks"])
+def test_an_rl_step_goes_as_device_patches_bit_exact(big: bool) -> None:
+    """``four-chunks``: the changed tensor spans four chunks and its patch less than one, so
+    the digest the header announces (the new tensor's, folded from the scan) is not the
+    patch bytes'."""
     port = free_port()
     trainer, rec = (
         o.unwrap()
         for o in spawn(
-            [(_patch_trainer, (port,)), (_patch_receiver, (port, False))],
+            [(_patch_trainer, (port, "cpu", big)), (_patch_receiver, (port, False, "cpu", big))],
             timeout=90,
             fast_exit=True,
         )
     )
     assert trainer["errors"] == [] and rec["errors"] == []
     assert trainer["full"] == [True, False, False, False]
+    if big:
+        assert 0 < trainer["payload"][1] < (4 << 20) // 8  # w3's patch
+        assert rec["patched"] == [0, 1, 1, 1]
+        assert rec["bad"] == [[], [], [], []] and rec["versions"] == [1, 2, 3, 4]
+        return
     one = 32 * 32 * 4
     # 3% of w3's elements: their indices and values, far less than the tensor
     assert 0 < trainer["payload"][1] < one // 4
