@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import torch
 
-from deltackpt.format.fingerprint import _mix_, position_keys, source_fingerprints
+from deltackpt.format.fingerprint import _mix_, many_fingerprints, position_keys
 from deltackpt.options import fingerprint_kernel
 from deltackpt.sync.device_digest import CHUNK, fold
 
-__all__ = ["INT", "patch_bytes", "patched_digest", "read_patch", "write_patch"]
+__all__ = [
+    "INT",
+    "patch_bytes",
+    "patched_digest",
+    "patched_digest_rows",
+    "read_patch",
+    "write_patch",
+]
 
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WORDS = CHUNK // 8
@@ -82,26 +89,58 @@ def patched_digest(
 ) -> tuple[int, int]:
     """The digest (``device_digest.py``) of ``base`` (flat uint8, a whole number of 8-byte
     words, where it lives) with the elements ``idx`` set to ``vals``, without writing it."""
-    if base.numel() % 8:
-        raise ValueError(f"a device patch applies to whole 8-byte words, not {base.numel()} bytes")
-    fps = source_fingerprints(base, CHUNK, fingerprint_kernel())
-    if idx.numel():
-        dev = base.device
-        per = 8 // itemsize
-        idx = idx.to(dev)
-        words = base.view(torch.int64)
-        touched, slot = torch.unique(idx // per, sorted=True, return_inverse=True)
-        old = words[touched]
-        new = old.clone()
-        new.view(INT[itemsize]).view(-1, per)[slot, idx % per] = vals.to(dev).view(INT[itemsize])
-        p, q = position_keys(dev, _WORDS)
-        at = touched % _WORDS
-        terms = []
-        for w in (old, new):
-            z = torch.bitwise_xor(w, p[at])
-            _mix_(z, torch.empty_like(z))
-            terms.append(torch.stack([z, z * q[at]], dim=1))
-        fps = fps.clone()
-        fps.index_add_(0, touched // _WORDS, terms[1] - terms[0])
-    out = fold([fps]).cpu().tolist()[0]
-    return int(out[0]), int(out[1])
+    a, b = patched_digest_rows([(base, idx, vals, itemsize)]).cpu().tolist()[0]
+    return int(a), int(b)
+
+
+def patched_digest_rows(
+    items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+) -> torch.Tensor:
+    """:func:`patched_digest` of each ``(base, idx, vals, itemsize)`` (bases on one device),
+    as an int64 tensor [len(items), 2] where they live, nothing waited for: the bases'
+    chunk fingerprints in one batch, each corrected by its changed words, folded together."""
+    for base, _, _, _ in items:
+        if base.numel() % 8:
+            raise ValueError(
+                f"a device patch applies to whole 8-byte words, not {base.numel()} bytes"
+            )
+    fps = many_fingerprints([b for b, _, _, _ in items], CHUNK, fingerprint_kernel())
+    out = []
+    for (base, idx, vals, itemsize), fp in zip(items, fps, strict=True):
+        if idx.numel():
+            fp = fp.clone()
+            at, delta = _word_changes(base, idx, vals, itemsize)
+            fp.index_add_(0, at, delta)
+        out.append(fp)
+    return fold(out)
+
+
+def _word_changes(
+    base: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, itemsize: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What setting elements ``idx`` (strictly rising: ``read_patch`` checked) to ``vals``
+    changes in ``base``'s chunk fingerprints: per changed element, its chunk and the two
+    terms its word moves by (new word's minus old word's; counted once per word, on the
+    first of its elements, which carries all of that word's changes). Fixed-size work, so
+    nothing waits for the device (no ``unique``)."""
+    dev = base.device
+    per = 8 // itemsize
+    idx = idx.to(dev).long()
+    k = idx.numel()
+    w = idx // per  # each element's word: non-decreasing
+    first = torch.ones(k, dtype=torch.bool, device=dev)
+    first[1:] = w[1:] != w[:-1]
+    pos = torch.arange(k, device=dev)
+    head = torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), 0).values
+    old = base.view(torch.int64)[w]
+    new = old.clone()
+    new.view(INT[itemsize]).view(k, per)[head, idx % per] = vals.to(dev).view(INT[itemsize])
+    p, q = position_keys(dev, _WORDS)
+    at = w % _WORDS
+    terms = []
+    for x in (old, new):
+        z = torch.bitwise_xor(x, p[at])
+        _mix_(z, torch.empty_like(z))
+        terms.append(torch.stack([z, z * q[at]], dim=1))
+    delta = (terms[1] - terms[0]) * first.unsqueeze(1)
+    return w // _WORDS, delta

@@ -32,8 +32,8 @@ import torch
 
 from deltackpt.sync import patches, wire
 from deltackpt.sync.apply import Staged, Undo, apply_round, revert
-from deltackpt.sync.device_delta import patched_digest, read_patch
-from deltackpt.sync.device_digest import message_digests, piece_digest
+from deltackpt.sync.device_delta import patched_digest_rows, read_patch
+from deltackpt.sync.device_digest import message_digest_rows, piece_digest
 from deltackpt.sync.dtypes import DtypeSpec, resolve_dtype, wire_dtype, wire_name
 from deltackpt.sync.errors import (
     DigestMismatchError,
@@ -321,7 +321,7 @@ class WeightReceiver:
         g = self.group
         sched = self._setup()
         seq = g.next_round()
-        st = _Round(seq)
+        st = _Round(seq, deferred=None if self._ring else [])
         # ring staging: what the buckets written before the vote overwrote, and their wants
         early: Undo = []
         touched: set[int] = set()
@@ -334,6 +334,11 @@ class WeightReceiver:
                 raise
         else:
             self._receive_round(st)
+        if st.deferred and st.failure is None:  # the device digests: one copy to the host
+            bad = self._compare(st.deferred)
+            if bad is not None:
+                st.fail(bad)
+                st.mismatch = st.failure
         if len(st.versions) > 1:
             st.fail(f"senders sent different versions {sorted(st.versions)} in one round")
         if self.verify == "all" and st.failure is None:
@@ -690,7 +695,9 @@ class WeightReceiver:
             st.patched += sum(p is not None and p.kind != wire.RAW for p in h.pieces)
         present = [None if p is None else p.digest for p in h.pieces]
         st.digests[(bk.index, bk.sender)] = present
-        bad = self._verify(bk, got.slot, present, offsets, h.device, changes)
+        bad = self._verify(
+            bk, got.slot, present, offsets, h.device, changes, st.deferred, h.version
+        )
         if bad is not None:
             st.fail(f"round {h.version}: bucket {bk.index} from rank {bk.sender}: {bad}")
             st.mismatch = st.failure
@@ -776,10 +783,14 @@ class WeightReceiver:
         offsets: list[int | None],
         device: bool = False,
         changes: dict[int, Any] | None = None,
+        defer: list[_DeviceCheck] | None = None,
+        version: int = 0,
     ) -> str | None:
         """Each present piece at its offset in ``slot`` hashed against its digest (``device``:
         device digests, all of the message's at once where the slot lives; a device patch's
-        piece is this rank's base with the patch, digested without being written)."""
+        piece is this rank's base with the patch, digested without being written; ``defer``:
+        the device digests appended there, compared with the round's others by
+        :meth:`_compare` before the vote, not waited for here)."""
         patched = changes if device and changes else {}
         ks = [
             k
@@ -798,22 +809,70 @@ class WeightReceiver:
                 # (fingerprints run at ~0.3 GB/s on a core, ~117 GB/s on an H200)
                 end = max(o + n for o, n in spans)  # type: ignore[operator]
                 where = slot[:end].to(torch.device("cuda", torch.cuda.current_device()))
-            digests = dict(zip(ks, message_digests(where, spans), strict=True))  # type: ignore[arg-type]
-            for k, (idx, vals) in patched.items():
-                base = self._target_box(bk.pieces[k]).reshape(-1).view(torch.uint8)
-                digests[k] = patched_digest(base, idx, vals, vals.element_size())
-                ks.append(k)
+            rows = [message_digest_rows(where, spans)]  # type: ignore[arg-type]
+            if patched:
+                items = [
+                    (
+                        self._target_box(bk.pieces[k]).reshape(-1).view(torch.uint8),
+                        idx,
+                        vals,
+                        vals.element_size(),
+                    )
+                    for k, (idx, vals) in patched.items()
+                ]
+                rows.append(patched_digest_rows(items).to(rows[0].device))
+                ks += list(patched)
+            found = _DeviceCheck(bk, ks, present, torch.cat(rows), version)
+            if defer is not None:  # compared with the round's others, before the vote
+                defer.append(found)
+                return None
+            return self._compare([found], where=False)
         for k in ks:
             p, d, off = bk.pieces[k], present[k], offsets[k]
             assert off is not None
             got = digests[k] if device else wire.verify(slot[off : off + p.nbytes])
             if got != d:
-                name = self.schedule.tensors[p.tensor].name if self.schedule else "?"
-                return (
-                    f"piece {k} ({name} box {p.box}) has digest {got}, the sender announced {d}; "
-                    "check the network / memory of both hosts"
-                )
+                return self._mismatch(bk, k, got, d)
         return None
+
+    def _mismatch(self, bk: LinkBucket, k: int, got: object, d: object) -> str:
+        p = bk.pieces[k]
+        name = self.schedule.tensors[p.tensor].name if self.schedule else "?"
+        return (
+            f"piece {k} ({name} box {p.box}) has digest {got}, the sender announced {d}; "
+            "check the network / memory of both hosts"
+        )
+
+    def _compare(self, checks: list[_DeviceCheck], where: bool = True) -> str | None:
+        """Device digests against the announced ones: one copy to the host for all of
+        ``checks``; the first mismatch, named (``where``: with its round, bucket and
+        sender), or None."""
+        if not checks:
+            return None
+        host = torch.cat([c.rows.to(checks[0].rows.device) for c in checks]).cpu().tolist()
+        at = 0
+        for c in checks:
+            for k in c.ks:
+                got = (int(host[at][0]), int(host[at][1]))
+                at += 1
+                if got != c.present[k]:
+                    why = self._mismatch(c.bk, k, got, c.present[k])
+                    if not where:
+                        return why
+                    return f"round {c.version}: bucket {c.bk.index} from rank {c.bk.sender}: {why}"
+        return None
+
+
+@dataclass
+class _DeviceCheck:
+    """A message's device digests, computed and not yet read: piece ``ks[j]`` of ``bk`` got
+    ``rows[j]``, its header announced ``present[ks[j]]``."""
+
+    bk: LinkBucket
+    ks: list[int]
+    present: list[tuple[int, int] | None]
+    rows: torch.Tensor
+    version: int = 0
 
 
 @dataclass
@@ -822,6 +881,9 @@ class _Round:
     is also kept as ``mismatch``), the senders' versions, and the verified buckets."""
 
     seq: int
+    # a device round's digests not yet compared (None: each message's compared as it comes,
+    # as ring staging writes a verified message into the targets before the vote)
+    deferred: list[_DeviceCheck] | None = None
     failure: str | None = None
     echo: bool = False  # the failure is a sender's abort stub, not this rank's own finding
     mismatch: str | None = None
