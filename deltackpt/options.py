@@ -29,13 +29,15 @@ DELTACKPT_DEVICE_ROUNDS    weight sync on an ipc link: ``auto`` (rounds on   aut
                            digests, applied from device staging), ``off``
                            (through the host, as on every other link),
                            ``always`` (CPU buckets too: the test suite)
-DELTACKPT_FINGERPRINT_COMPILE  chunk fingerprints of CUDA bytes (device       off
-                           scans, device digests): ``off`` (torch ops, ~16
-                           passes), ``on`` (fused by ``torch.compile``, the
-                           same integers; the first call compiles for
-                           ~15 s), ``triton`` (one hand-written Triton
-                           kernel for all the chunks of a call, where
-                           Triton is installed; else ``off``)
+DELTACKPT_FINGERPRINT_COMPILE  chunk fingerprints of CUDA bytes (device       auto
+                           scans, device saves, device digests): ``auto``
+                           (one Triton kernel for all the chunks of a call
+                           where Triton is installed, as with torch's CUDA
+                           builds; the torch ops if it is missing or fails,
+                           with a warning), ``triton`` (the kernel, its
+                           errors raised), ``off`` (torch ops, ~16 passes),
+                           ``on`` (fused by ``torch.compile``; its first
+                           call compiles for ~15 s). The same integers
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -154,17 +156,19 @@ def default_device_rounds() -> str:
     return _env_choice("DELTACKPT_DEVICE_ROUNDS", DEVICE_ROUNDS, "auto")
 
 
-FINGERPRINT_COMPILES = ("off", "on", "triton")
+FINGERPRINT_COMPILES = ("auto", "off", "on", "triton")
 
 
 def default_fingerprint_compile() -> str:
-    return _env_choice("DELTACKPT_FINGERPRINT_COMPILE", FINGERPRINT_COMPILES, "off")
+    return _env_choice("DELTACKPT_FINGERPRINT_COMPILE", FINGERPRINT_COMPILES, "auto")
 
 
 def fingerprint_kernel() -> str:
     """How chunk fingerprints of CUDA bytes run (``DELTACKPT_FINGERPRINT_COMPILE``), as
-    ``format.fingerprint.KERNELS`` names it: ``torch`` (off), ``compile`` (on), ``triton``."""
-    return {"off": "torch", "on": "compile", "triton": "triton"}[default_fingerprint_compile()]
+    ``format.fingerprint.KERNELS`` names it: ``auto``, ``torch`` (off), ``compile`` (on),
+    ``triton``."""
+    mode = default_fingerprint_compile()
+    return {"auto": "auto", "off": "torch", "on": "compile", "triton": "triton"}[mode]
 
 
 STAGE_DEFERS = ("auto", "off", "always")

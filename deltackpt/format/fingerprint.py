@@ -32,6 +32,7 @@ work buffers of at most :data:`SLAB_BYTES` while it runs.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -42,7 +43,7 @@ from deltackpt.format import fingerprint_kernel
 __all__ = ["KERNELS", "SLAB_BYTES", "many_fingerprints", "source_fingerprints"]
 
 SLAB_BYTES = 64 << 20  # bytes fingerprinted per pass (bounds the work buffers)
-KERNELS = ("torch", "compile", "triton")  # how (source_fingerprints): the same integers
+KERNELS = ("auto", "torch", "compile", "triton")  # how (source_fingerprints): the same integers
 
 
 def _signed(x: int) -> int:
@@ -166,10 +167,11 @@ def source_fingerprints(
     tensor [chunks, 2] on ``data``'s device; nothing is copied to the host. ``kernel``: how
     (:data:`KERNELS`; all give the same integers): ``torch`` operations, fused by
     ``torch.compile`` on CUDA (``compile``), or the Triton kernel of ``fingerprint_kernel.py``
-    where it can run (``triton``; else the torch operations)."""
+    where it can run (``triton``: its errors raised; ``auto``: the torch operations where it
+    cannot run or failed once, with a warning)."""
     if chunk_bytes <= 0 or chunk_bytes % 8:
         raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
-    if kernel == "triton" and fingerprint_kernel.available(data.device):
+    if kernel in ("auto", "triton") and fingerprint_kernel.available(data.device):
         return many_fingerprints([data], chunk_bytes, kernel)[0]
     n = data.numel()
     device = data.device
@@ -192,6 +194,28 @@ def source_fingerprints(
     return torch.cat(out)
 
 
+def _by_kernel(
+    sources: Sequence[torch.Tensor], chunk_bytes: int, p: torch.Tensor, q: torch.Tensor, kernel: str
+) -> list[torch.Tensor] | None:
+    """The Triton kernel's fingerprints; under ``auto`` None when it fails (warned once, then
+    not tried again in this process: the torch operations give the same integers)."""
+    if kernel == "triton":
+        return fingerprint_kernel.many(sources, chunk_bytes, p, q)
+    try:
+        return fingerprint_kernel.many(sources, chunk_bytes, p, q)
+    except Exception as e:
+        fingerprint_kernel.disable(e)
+        warnings.warn(
+            f"deltackpt: the Triton fingerprint kernel failed ({type(e).__name__}: "
+            f"{str(e)[:300]}); chunk fingerprints use torch operations from now on (the same "
+            "integers, slower). DELTACKPT_FINGERPRINT_COMPILE=off skips the kernel; =triton "
+            "raises its error",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
 def many_fingerprints(
     sources: Sequence[torch.Tensor], chunk_bytes: int, kernel: str = "torch"
 ) -> list[torch.Tensor]:
@@ -202,8 +226,8 @@ def many_fingerprints(
     partial chunk, a small source whole) together, zero-padded to a power of two of words per
     row (at most 2x their bytes; the padding's share taken off by :func:`_padding_sums`).
     What a device round's digests and a device scan of many tensors cost: the launches of a
-    few passes, not of ~20 per tensor. ``kernel="triton"`` (where it can run): all of them in
-    one launch of ``fingerprint_kernel.py``, nothing copied."""
+    few passes, not of ~20 per tensor. ``kernel="triton"`` or ``"auto"`` (where it can run):
+    all of them in one launch of ``fingerprint_kernel.py``, nothing copied."""
     if chunk_bytes <= 0 or chunk_bytes % 8:
         raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
     if not sources:
@@ -213,8 +237,10 @@ def many_fingerprints(
         raise ValueError("sources must be 1-D uint8 tensors on one device")
     wpc = chunk_bytes // 8
     p, q = position_keys(device, wpc)
-    if kernel == "triton" and fingerprint_kernel.available(device):
-        return fingerprint_kernel.many(sources, chunk_bytes, p, q)
+    if kernel in ("auto", "triton") and fingerprint_kernel.available(device):
+        got = _by_kernel(sources, chunk_bytes, p, q, kernel)
+        if got is not None:
+            return got
     parts: list[list[torch.Tensor]] = [[] for _ in sources]  # per source, its rows in order
     heads: list[list[torch.Tensor]] = [[] for _ in sources]  # full-chunk rows (before the tail)
     group: list[int] = []

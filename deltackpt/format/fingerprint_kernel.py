@@ -1,5 +1,5 @@
 """The chunk fingerprints of ``fingerprint.py`` as one Triton kernel (CUDA;
-``DELTACKPT_FINGERPRINT_COMPILE=triton``): the same integers as the torch operations, which stay
+``DELTACKPT_FINGERPRINT_COMPILE=auto``, the default, or ``triton``): the same integers as the torch operations, which stay
 the reference.
 
 The torch operations make ~16 passes over the bytes (each a kernel, each reading and writing the
@@ -32,7 +32,7 @@ try:  # the kernel's language, at module level as Triton's compiler reads it
 except ImportError:  # no Triton: available() says so and nothing here runs
     tl = None
 
-__all__ = ["BLOCK", "available", "many"]
+__all__ = ["BLOCK", "available", "disable", "many"]
 
 BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
 
@@ -75,10 +75,20 @@ def _kernel() -> Any:
     return _KERNEL[0]
 
 
+_FAILED: list[BaseException] = []  # the kernel failed under ``auto``: not tried again
+
+
+def disable(why: BaseException) -> None:
+    """The kernel failed (``DELTACKPT_FINGERPRINT_COMPILE=auto``): :func:`available` says no
+    from now on in this process."""
+    _FAILED.append(why)
+
+
 def available(device: torch.device) -> bool:
-    """Whether this kernel can fingerprint bytes on ``device``: Triton is importable, and on
-    CPU its interpreter was asked for (``TRITON_INTERPRET=1``: the tests)."""
-    if tl is None:
+    """Whether this kernel can fingerprint bytes on ``device``: Triton is importable (and the
+    kernel did not fail under ``auto``), and on CPU its interpreter was asked for
+    (``TRITON_INTERPRET=1``: the tests)."""
+    if tl is None or _FAILED:
         return False
     return device.type == "cuda" or (
         device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -125,7 +135,11 @@ def many(
     nblk = -(-wpc // BLOCK)
     part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
     kernel = _kernel()
-    kernel[(rows, nblk)](table[0], table[1], p, q, part, nblk, BLOCK=BLOCK)
+    if device.type == "cuda":  # Triton launches on the current device: make it the sources'
+        with torch.cuda.device(device):
+            kernel[(rows, nblk)](table[0], table[1], p, q, part, nblk, BLOCK=BLOCK)
+    else:
+        kernel[(rows, nblk)](table[0], table[1], p, q, part, nblk, BLOCK=BLOCK)
     out = part.sum(dim=1)  # wrapping sums: in any order, the same
     del keep  # the launch is queued on the stream: the copies' memory is reused after it
     res: list[torch.Tensor] = []

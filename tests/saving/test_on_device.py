@@ -280,6 +280,32 @@ def test_cuda_many_fingerprints_equal_the_cpu_ones():
     assert "triton" in kernels, "Triton is not importable next to torch's CUDA build"
 
 
+def test_auto_falls_back_to_torch_ops_once_the_kernel_fails(monkeypatch):
+    """DELTACKPT_FINGERPRINT_COMPILE=auto (the default): a kernel that fails (a Triton too old
+    for it, a compiler error) is warned about once and not tried again; the fingerprints come
+    from the torch operations, the same integers. ``triton`` raises the error instead."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no such intrinsic")
+
+    monkeypatch.setattr(fingerprint_kernel, "tl", object())  # as if Triton were importable
+    monkeypatch.setattr(fingerprint_kernel, "many", broken)
+    monkeypatch.setattr(fingerprint_kernel, "_FAILED", [])
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(fingerprint_kernel, "available", lambda d: not fingerprint_kernel._FAILED)
+    srcs = _many_sources(4096)
+    ref = [source_fingerprints(s, 4096) for s in srcs]
+    with pytest.raises(RuntimeError, match="no such intrinsic"):
+        fingerprint.many_fingerprints(srcs, 4096, "triton")
+    with pytest.warns(RuntimeWarning, match="Triton fingerprint kernel failed"):
+        got = fingerprint.many_fingerprints(srcs, 4096, "auto")
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    again = fingerprint.source_fingerprints(srcs[-1], 4096, "auto")  # not tried again
+    assert torch.equal(again, ref[-1]) and len(calls) == 2 and not fingerprint_kernel.available(cpu)
+
+
 _INTERPRET = """
 import sys, torch
 sys.path[:0] = sys.argv[1:]
