@@ -146,6 +146,36 @@ def _fingerprints(state: dict[str, torch.Tensor]) -> dict[str, list[list[int]]]:
     }
 
 
+class _profiled:
+    """``--profile KIND``: the last round of that kind (a kind of both links: both) under
+    ``torch.profiler``, its busiest operations printed to stderr (a round's anatomy for the
+    next change; the round's time in the table is then not comparable)."""
+
+    def __init__(self, cfg: dict[str, Any], kind: str, i: int, n: int, who: str) -> None:
+        self.on = cfg.get("profile") == kind and i == n - 1
+        self.who, self.kind = who, kind
+        self.prof: Any = None
+
+    def __enter__(self) -> None:
+        if self.on:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prof is None:
+            return
+        self.prof.__exit__(None, None, None)
+        ev = self.prof.key_averages()
+        key = "self_device_time_total" if CUDA else "self_cpu_time_total"
+        _log(
+            f"profile of one {self.kind} round, {self.who}:\n" + ev.table(sort_by=key, row_limit=18)
+        )
+        _log(f"... by calls, {self.who}:\n" + ev.table(sort_by="count", row_limit=12))
+
+
 def _barrier(group: Any) -> None:
     group.pg.barrier().wait()
 
@@ -213,7 +243,8 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
                     version += 1
                     _barrier(group)
                     t0 = time.perf_counter()
-                    st = sender.push(state, version=version, full=kind.startswith("full"))
+                    with _profiled(cfg, kind, i, n, "trainer"):
+                        st = sender.push(state, version=version, full=kind.startswith("full"))
                     rows.setdefault(kind, []).append(
                         {
                             "push_s": time.perf_counter() - t0,
@@ -277,10 +308,11 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         rows: dict[str, list[dict[str, float]]] = {}
         for kind, n in plan:
             with overrides(**kernel_knob(kind)):
-                for _ in range(n):
+                for i in range(n):
                     _barrier(group)
                     t0 = time.perf_counter()
-                    recv.pull(load)
+                    with _profiled(cfg, kind, i, n, "receiver"):
+                        recv.pull(load)
                     rows.setdefault(kind, []).append({"round_s": time.perf_counter() - t0})
         return rows
 
@@ -448,6 +480,11 @@ def main() -> None:
         "--no-device-patch", action="store_true", help="skip the device-patch rows (rl_dp)"
     )
     ap.add_argument("--timeout", type=float, default=85 if CUDA else 60)
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="profile the last round of this kind (e.g. full_triton) on both sides, to stderr",
+    )
     ap.add_argument("--out", default=str(C.OUT_DIR), help="directory for the JSON and table")
     args = ap.parse_args()
     cfg = {
@@ -458,6 +495,7 @@ def main() -> None:
         "ipc": not args.no_ipc,
         "device_patch": not args.no_device_patch,
         "timeout": args.timeout,
+        "profile": args.profile,
     }
     t0 = time.perf_counter()
     res = run(cfg)

@@ -17,10 +17,11 @@ PKG = ROOT / "deltackpt"
 
 # Each layer may import only itself and the layers listed for it. errors, options (the env
 # knobs and option dataclasses) and cuda (what only CUDA has: pinned memory, streams) are shared
-# leaves; format is pure: no store, no threads, no collectives.
+# leaves; format is pure: no store, no threads, no collectives (cuda: its fingerprints' small
+# index copies to the device go through pinned memory).
 LAYERS: dict[str, set[str]] = {
     "cuda": set(),  # torch only
-    "format": {"errors", "_native"},  # _native: the optional C loop of format/changes.py
+    "format": {"errors", "cuda", "_native"},  # _native: the optional C loop of format/changes.py
     "store": {"errors", "options", "format"},
     "saving": {"errors", "options", "cuda", "format", "store"},
     "loading": {"errors", "options", "cuda", "format", "store"},
