@@ -490,6 +490,16 @@ class SyncGroup:
             return self._ipc.publish(dst, tag, nbytes, device=True)
         return self._host.publish(dst, tag, nbytes)
 
+    def publish_inline(self, dst: int, tag: int, header: torch.Tensor) -> Any:
+        """A device round's header-only message, in the ipc link's cell (``ipc_links.py``)."""
+        assert self._ipc is not None
+        return self._ipc.publish_inline(dst, tag, header)
+
+    def inline_header(self, src: int, tag: int) -> torch.Tensor | None:
+        """The header the last receive of bucket ``tag`` from ``src`` found in its ipc cell
+        (None: the message is in the slot, as on every other link)."""
+        return None if self._ipc is None else self._ipc.inline_header(src, tag)
+
     def device_window(self, dst: int, tag: int) -> torch.Tensor:
         """A device round's bucket ``tag`` for ``dst`` (:attr:`device_rounds`)."""
         assert self._ipc is not None

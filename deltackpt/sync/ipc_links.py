@@ -22,6 +22,12 @@ names a generation it has not mapped, copies the message out into its private st
 is verified and from where it is applied (the bucket is writable by other processes: docs/
 sync.md, Untrusted shared memory), and acknowledges the round in the cell.
 
+A device round's message with no piece in it (a bucket none of whose tensors changed) travels
+in its cell instead: the header's words after the four columns, ``NBYTES`` negative (minus the
+header's bytes), the bucket untouched; the receiver copies the words out of the cell and reads
+the header from that copy (:meth:`IpcLinks.inline_header`), as untrusted as a bucket's. So an
+unchanged bucket costs neither side any work on the device.
+
 Lifetimes: the sender keeps a bucket until the receiver acknowledged the last round published
 in it; a bucket a re-plan replaces is retired and dropped once acknowledged, or at ``close``.
 ``SyncGroup.close`` and ``reconnect`` drop every bucket, cell table and mapping of this rank.
@@ -53,6 +59,8 @@ if TYPE_CHECKING:
 __all__ = ["IpcLinks", "open_handle", "share", "tensor_handle"]
 
 SEQ, NBYTES, GEN, ACK = range(4)  # the columns of a link's cells
+INLINE_WORDS = 200  # then room for a header-only message (device rounds: wire.header_words)
+CELL_WORDS = 4 + INLINE_WORDS
 _NAME = re.compile(r"/torch_\d+_\d+_\d+")
 
 
@@ -227,6 +235,7 @@ class IpcLinks:
         self._out: dict[int, _Out] = {}
         self._in: dict[int, _In] = {}
         self._retired: list[_Retired] = []
+        self._inline: dict[tuple[int, int], torch.Tensor] = {}  # (src, tag) -> header bytes
         self._gen = 0
         self.handles_sent = 0
         self.handles_opened = 0
@@ -263,7 +272,8 @@ class IpcLinks:
         if old is not None:
             kept = {id(b) for b in buckets}
             self._retire(old, [(t, b) for t, b in enumerate(old.buckets) if id(b) not in kept])
-        cells = share(n * 4 * 8, torch.device("cpu")).view(torch.int64).view(n, 4)
+        cells = share(n * CELL_WORDS * 8, torch.device("cpu")).view(torch.int64)
+        cells = cells.view(n, CELL_WORDS)
         cells.zero_()
         cellv = cells.numpy()
         for t, b in enumerate(buckets):
@@ -329,6 +339,27 @@ class IpcLinks:
         self._drop_acknowledged()
         return Done()
 
+    def publish_inline(self, dst: int, tag: int, header: torch.Tensor) -> Done:
+        """A header-only message of the current round (``header``: its bytes, on the host, at
+        most ``8 * INLINE_WORDS``) written into bucket ``tag``'s cell, the bucket untouched
+        (module doc); the words before the round number, as :meth:`publish` does."""
+        o = self._out[dst]
+        n = header.numel()
+        if n % 8 or n > 8 * INLINE_WORDS:
+            raise ValueError(f"an inline header is whole words, at most {8 * INLINE_WORDS} bytes")
+        o.cellv[tag, 4 : 4 + n // 8] = header.numpy().view(np.int64)
+        o.cellv[tag, NBYTES] = -n
+        seq = self.g.seq
+        o.cellv[tag, SEQ] = seq
+        o.buckets[tag].published = seq
+        self._drop_acknowledged()
+        return Done()
+
+    def inline_header(self, src: int, tag: int) -> torch.Tensor | None:
+        """The header of bucket ``tag`` from ``src`` that the last receive found in its cell
+        (a private copy of its words; None when the message was in the bucket)."""
+        return self._inline.pop((src, tag), None)
+
     def send(self, buf: torch.Tensor, dst: int, tag: int) -> Done:
         self.window(dst, tag)[: buf.numel()].copy_(buf)
         return self.publish(dst, tag, buf.numel())
@@ -350,9 +381,9 @@ class IpcLinks:
             seq,
         )
         raw = bytes(g.guard("store get", lambda: g.store.get(lk.key)))
-        t = open_handle(raw, lk.n * 4 * 8, self._name(src, g.rank) + " cells")
+        t = open_handle(raw, lk.n * CELL_WORDS * 8, self._name(src, g.rank) + " cells")
         self.handles_opened += 1
-        lk.cells = t.view(torch.int64).view(lk.n, 4)
+        lk.cells = t.view(torch.int64).view(lk.n, CELL_WORDS)
         lk.cellv = lk.cells.numpy()
         return lk.cellv
 
@@ -383,6 +414,17 @@ class IpcLinks:
         what = self._name(src, self.g.rank)
         wait_published(self.g, src, tag, seq, lambda: int(cellv[tag, SEQ]), what)
         n, gen = int(cellv[tag, NBYTES]), int(cellv[tag, GEN])
+        self._inline.pop((src, tag), None)
+        if n < 0:  # a header-only message in the cell: its words copied out before anything
+            if -n % 8 or -n > 8 * INLINE_WORDS:
+                raise PeerLostError(
+                    f"{what}: the cell of bucket {tag} claims an inline header of {-n} bytes, "
+                    f"at most {8 * INLINE_WORDS} in whole words fit"
+                )
+            words = torch.from_numpy(cellv[tag, 4 : 4 + -n // 8].copy())
+            self._inline[(src, tag)] = words.view(torch.uint8)
+            cellv[tag, ACK] = seq
+            return
         bucket = self._bucket(src, lk, tag, gen)
         if not 0 < n <= min(bucket.numel(), into.numel()):
             raise PeerLostError(

@@ -23,6 +23,7 @@ from deltackpt.sync.device_delta import patch_bytes, write_patch
 from deltackpt.sync.device_digest import message_digest_rows
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.group import SyncGroup
+from deltackpt.sync.ipc_links import INLINE_WORDS
 from deltackpt.sync.patches import Bases, base_key
 from deltackpt.sync.rounds import payload_start
 from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
@@ -38,6 +39,9 @@ class DeviceDigests:
 
     present: list[int]
     rows: torch.Tensor
+    # a message with no piece: its header's bytes on the host, sent in the ipc link's cell
+    # (``ipc_links.py``), the bucket untouched
+    inline: torch.Tensor | None = None
 
     def resolve(self, host: list[list[int]], n: int) -> list[tuple[int, int] | None]:
         """The digests per piece of a bucket of ``n`` pieces, from ``host`` (``rows`` read)."""
@@ -214,6 +218,8 @@ class Packer:
         size = wire.write_header(
             host, seq, version, bk.index, wire.OK, heads, pos - start, base, device=True
         )
+        if not spans and size <= 8 * INLINE_WORDS:  # nothing changed: the header in the cell
+            return pos, DeviceDigests([], torch.zeros(0, 2, dtype=torch.int64), host[:size]), 0, []
         buf[:size].copy_(host[:size], non_blocking=host.is_pinned())
         rows = message_digest_rows(buf, spans, known)
         wire.put_digests(buf, present, rows)  # nothing waited for: the publish waits once

@@ -608,12 +608,25 @@ class WeightReceiver:
             raise self._lost(st, bk, e) from e
         got = _Arrived(bk, slot)
         start = payload_start(bk, self.align)
+        inline = g.inline_header(bk.sender, bk.index)  # a device round's header-only message
         try:
             got.header = wire.read_header(
-                slot, st.seq, bk.index, [p.nbytes for p in bk.pieces], slot.numel() - start
+                slot if inline is None else inline,
+                st.seq,
+                bk.index,
+                [p.nbytes for p in bk.pieces],
+                slot.numel() - start,
             )
+            if inline is not None and (
+                got.header.payload or any(p is not None for p in got.header.pieces)
+            ):
+                raise SyncError(
+                    f"bucket {bk.index} from rank {bk.sender}: a header in the link's cell names "
+                    f"{got.header.payload} payload bytes; only a message with no piece goes there"
+                )
         except SyncError as e:
             st.fail(str(e))
+            got.header = None
             return got
         if got.header.status != wire.OK:
             return got

@@ -409,7 +409,12 @@ class WeightSender:
                 per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
                 buf = bufs[i % _RING][:nbytes]
                 try:
-                    if device:  # packed in the bucket, on its device
+                    if device and isinstance(present, DeviceDigests) and present.inline is not None:
+                        works[i % _RING] = (  # no piece: the header in the link's cell
+                            bk.receiver,
+                            g.publish_inline(bk.receiver, bk.index, present.inline),
+                        )
+                    elif device:  # packed in the bucket, on its device
                         works[i % _RING] = (
                             bk.receiver,
                             g.publish(bk.receiver, bk.index, nbytes, device=True),

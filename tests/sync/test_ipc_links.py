@@ -301,6 +301,104 @@ def test_a_tampered_shared_bucket_is_refused_and_nothing_is_applied(
     assert rec["bad"] == [[], [], []]
 
 
+# ---- a header-only message in the cell (device rounds) -------------------------------------
+
+
+def _inline_trainer(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.sync.ipc_links import NBYTES
+
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc")
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    out: dict[str, Any] = {"errors": [], "inline": []}
+    # v2: the state of v1 again, a delta round: no bucket has a piece to send
+    for v, state, full in ((1, make_state(1), True), (2, make_state(1), False)):
+        try:
+            sender.push(state, version=v, full=full)
+            out["errors"].append(None)
+        except sync.SyncError as e:
+            out["errors"].append(type(e).__name__)
+        assert group._ipc is not None
+        out["inline"].append(int((group._ipc._out[1].cellv[:, NBYTES] < 0).sum()))
+    out["buckets"] = len(sender._buckets)
+    sender.push(make_state(3), version=3, full=True)
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+def _inline_receiver(port: int, tamper: bool) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.sync import wire
+    from deltackpt.sync.ipc_links import NBYTES, SEQ, IpcLinks
+
+    layout = ("full",)
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    wants = wants_for(layout)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    orig = IpcLinks._wait_copy
+    seen: list[int] = []
+
+    def hostile(self: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        if seq == 2 and tag == 0:  # round 2, bucket 0: its header is in the cell
+            lk = self._in[src]
+            cellv = self._cells(src, lk, seq)
+            while cellv[tag, SEQ] != seq:
+                pass
+            seen.append(int(cellv[tag, NBYTES]))
+            if tamper:  # a scribbler claims payload the bucket would hold
+                cellv[tag, 4 + wire.HEAD - 2] = 64
+        orig(self, src, tag, into, seq)
+
+    IpcLinks._wait_copy = hostile  # type: ignore[method-assign]
+    loaded: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {"errors": [], "bad": [], "versions": []}
+    for _ in range(3):
+        try:
+            receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+            out["errors"].append(None)
+        except sync.SyncError as e:
+            out["errors"].append((type(e).__name__, str(e)))
+        out["versions"].append(receiver.version)
+        v = receiver.version or 0
+        out["bad"].append(mismatches(wants, loaded, layout, 1 if v == 2 else v))
+    out["seen"] = seen
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+@pytest.mark.parametrize("tamper", [False, True], ids=["clean", "scribbled"])
+def test_an_unchanged_bucket_sends_its_header_in_the_cell(
+    tamper: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device round's bucket with nothing to send: the header in the link's cell, the bucket
+    untouched (no work on the device on either side); a header there that claims payload (a
+    process scribbling the cell) fails the round and nothing is applied."""
+    port = free_port()
+    monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", "always")
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_inline_trainer, (port,)), (_inline_receiver, (port, tamper))],
+            timeout=90,
+            fast_exit=True,
+        )
+    )
+    assert trainer["inline"] == [0, trainer["buckets"]]  # the full round: every header in a bucket
+    assert len(rec["seen"]) == 1 and rec["seen"][0] < 0  # minus the header's bytes
+    if not tamper:
+        assert trainer["errors"] == [None, None] and rec["errors"] == [None, None, None]
+        assert rec["versions"] == [1, 2, 3]
+    else:
+        name, message = rec["errors"][1]
+        assert name == "RoundAbortedError", name  # this rank's finding fails the round
+        assert "a header in the link's cell names 64 payload bytes" in message, message
+        assert trainer["errors"] == [None, "RoundAbortedError"]
+        assert rec["versions"] == [1, 1, 3]
+    assert rec["bad"] == [[], [], []]
+
+
 # ---- a trainer killed mid-round ------------------------------------------------------------
 
 
