@@ -483,11 +483,18 @@ class SyncGroup:
         straight into (then :meth:`publish`); None on gloo."""
         return None if self._host is None else self._host.window(dst, tag)
 
-    def publish(self, dst: int, tag: int, nbytes: int, device: bool = False) -> Any:
+    def publish(
+        self,
+        dst: int,
+        tag: int,
+        nbytes: int,
+        device: bool = False,
+        header: torch.Tensor | None = None,
+    ) -> Any:
         assert self._host is not None
-        if device:  # a device round: packed in the ipc bucket itself
+        if device:  # a device round: packed in the ipc bucket itself, its header in the cell
             assert self._ipc is not None
-            return self._ipc.publish(dst, tag, nbytes, device=True)
+            return self._ipc.publish(dst, tag, nbytes, device=True, header=header)
         return self._host.publish(dst, tag, nbytes)
 
     def publish_inline(self, dst: int, tag: int, header: torch.Tensor) -> Any:
@@ -495,10 +502,17 @@ class SyncGroup:
         assert self._ipc is not None
         return self._ipc.publish_inline(dst, tag, header)
 
-    def inline_header(self, src: int, tag: int) -> torch.Tensor | None:
-        """The header the last receive of bucket ``tag`` from ``src`` found in its ipc cell
-        (None: the message is in the slot, as on every other link)."""
+    def inline_header(self, src: int, tag: int) -> tuple[torch.Tensor, bool] | None:
+        """The header the last receive of bucket ``tag`` from ``src`` found in its ipc cell,
+        and whether it is the whole message (None: the header is in the slot, as on every
+        other link)."""
         return None if self._ipc is None else self._ipc.inline_header(src, tag)
+
+    def settle_receives(self) -> None:
+        """Receives on ipc links whose copies were not waited for: waited for and
+        acknowledged (before this rank votes)."""
+        if self._ipc is not None:
+            self._ipc.settle()
 
     def device_window(self, dst: int, tag: int) -> torch.Tensor:
         """A device round's bucket ``tag`` for ``dst`` (:attr:`device_rounds`)."""

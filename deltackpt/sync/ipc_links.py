@@ -22,11 +22,16 @@ names a generation it has not mapped, copies the message out into its private st
 is verified and from where it is applied (the bucket is writable by other processes: docs/
 sync.md, Untrusted shared memory), and acknowledges the round in the cell.
 
-A device round's message with no piece in it (a bucket none of whose tensors changed) travels
-in its cell instead: the header's words after the four columns, ``NBYTES`` negative (minus the
-header's bytes), the bucket untouched; the receiver copies the words out of the cell and reads
-the header from that copy (:meth:`IpcLinks.inline_header`), as untrusted as a bucket's. So an
-unchanged bucket costs neither side any work on the device.
+A device round's header travels in the cell (after the columns, ``HDR`` its bytes) whenever it
+fits, written with its digests once the bucket has landed, so the receiver reads it without
+waiting for its device; a message with no piece in it (a bucket none of whose tensors changed)
+is only that, ``NBYTES`` negative (minus the header's bytes), the bucket untouched. The receiver
+copies the words out of the cell and reads the header from that copy
+(:meth:`IpcLinks.inline_header`), as untrusted as a bucket's. With a header in its cell, the
+receiver's copy of the bucket is not waited for message by message: :meth:`IpcLinks.settle`
+waits once for all of a round's, before the receiver's vote, and only then acknowledges them.
+So an unchanged bucket costs neither side any work on the device, and a changed one the
+sender one wait and the receiver none of its own.
 
 Lifetimes: the sender keeps a bucket until the receiver acknowledged the last round published
 in it; a bucket a re-plan replaces is retired and dropped once acknowledged, or at ``close``.
@@ -58,9 +63,10 @@ if TYPE_CHECKING:
 
 __all__ = ["IpcLinks", "open_handle", "share", "tensor_handle"]
 
-SEQ, NBYTES, GEN, ACK = range(4)  # the columns of a link's cells
-INLINE_WORDS = 200  # then room for a header-only message (device rounds: wire.header_words)
-CELL_WORDS = 4 + INLINE_WORDS
+SEQ, NBYTES, GEN, ACK, HDR = range(5)  # the columns of a link's cells
+HEAD = 5  # a device round's header words follow the columns
+INLINE_WORDS = 200  # room for a header of up to 64 pieces (wire.header_words)
+CELL_WORDS = HEAD + INLINE_WORDS
 _NAME = re.compile(r"/torch_\d+_\d+_\d+")
 
 
@@ -235,7 +241,10 @@ class IpcLinks:
         self._out: dict[int, _Out] = {}
         self._in: dict[int, _In] = {}
         self._retired: list[_Retired] = []
-        self._inline: dict[tuple[int, int], torch.Tensor] = {}  # (src, tag) -> header bytes
+        # (src, tag) -> the header the cell carried, and whether it was the whole message
+        self._inline: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
+        # receives whose copy out of the bucket is queued, acknowledged by settle()
+        self._pending: list[tuple[np.ndarray, int, int, torch.Tensor]] = []
         self._gen = 0
         self.handles_sent = 0
         self.handles_opened = 0
@@ -320,13 +329,24 @@ class IpcLinks:
         o = self._out[dst]
         return o.buckets[tag].shared[: o.slot]
 
-    def publish(self, dst: int, tag: int, n: int, device: bool = False) -> Done:
+    def publish(
+        self,
+        dst: int,
+        tag: int,
+        n: int,
+        device: bool = False,
+        header: torch.Tensor | None = None,
+    ) -> Done:
         """The first ``n`` bytes of the bucket are the message of the current round: packed
         in :meth:`window` (copied to a CUDA bucket here) or, ``device``, in
         :meth:`device_window` (the device's work queued so far has landed when the cell
-        says so)."""
+        says so; ``header``: the message's header bytes on the host, written into the cell,
+        the bucket's own header room left as it is)."""
         o = self._out[dst]
         b = o.buckets[tag]
+        o.cellv[tag, HDR] = 0
+        if header is not None:
+            self._put_header(o, tag, header)
         if device:
             cuda.wait_for(b.shared)
         elif b.shared is not b.host:  # a CUDA bucket: landed on the device before the cell says so
@@ -344,10 +364,7 @@ class IpcLinks:
         most ``8 * INLINE_WORDS``) written into bucket ``tag``'s cell, the bucket untouched
         (module doc); the words before the round number, as :meth:`publish` does."""
         o = self._out[dst]
-        n = header.numel()
-        if n % 8 or n > 8 * INLINE_WORDS:
-            raise ValueError(f"an inline header is whole words, at most {8 * INLINE_WORDS} bytes")
-        o.cellv[tag, 4 : 4 + n // 8] = header.numpy().view(np.int64)
+        n = self._put_header(o, tag, header)
         o.cellv[tag, NBYTES] = -n
         seq = self.g.seq
         o.cellv[tag, SEQ] = seq
@@ -355,10 +372,29 @@ class IpcLinks:
         self._drop_acknowledged()
         return Done()
 
-    def inline_header(self, src: int, tag: int) -> torch.Tensor | None:
-        """The header of bucket ``tag`` from ``src`` that the last receive found in its cell
-        (a private copy of its words; None when the message was in the bucket)."""
+    def _put_header(self, o: _Out, tag: int, header: torch.Tensor) -> int:
+        n = header.numel()
+        if n % 8 or not 0 < n <= 8 * INLINE_WORDS:
+            raise ValueError(f"a header in a cell is whole words, at most {8 * INLINE_WORDS} bytes")
+        o.cellv[tag, HEAD : HEAD + n // 8] = header.numpy().view(np.int64)
+        o.cellv[tag, HDR] = n
+        return n
+
+    def inline_header(self, src: int, tag: int) -> tuple[torch.Tensor, bool] | None:
+        """The header of bucket ``tag`` from ``src`` that the last receive found in its cell (a
+        private copy of its words) and whether the message is that header alone; None when
+        the header is in the bucket's message."""
         return self._inline.pop((src, tag), None)
+
+    def settle(self) -> None:
+        """Wait once for the copies out of the buckets whose header came in the cell (queued,
+        not waited for, by the receives), then acknowledge them: before the receiver votes."""
+        if self._pending:
+            for t in {p[3].device: p[3] for p in self._pending}.values():
+                cuda.wait_for(t)
+            for cellv, tag, seq, _ in self._pending:
+                cellv[tag, ACK] = seq
+            self._pending.clear()
 
     def send(self, buf: torch.Tensor, dst: int, tag: int) -> Done:
         self.window(dst, tag)[: buf.numel()].copy_(buf)
@@ -413,18 +449,20 @@ class IpcLinks:
         cellv = self._cells(src, lk, seq)
         what = self._name(src, self.g.rank)
         wait_published(self.g, src, tag, seq, lambda: int(cellv[tag, SEQ]), what)
-        n, gen = int(cellv[tag, NBYTES]), int(cellv[tag, GEN])
+        n, gen, hdr = int(cellv[tag, NBYTES]), int(cellv[tag, GEN]), int(cellv[tag, HDR])
         self._inline.pop((src, tag), None)
-        if n < 0:  # a header-only message in the cell: its words copied out before anything
-            if -n % 8 or -n > 8 * INLINE_WORDS:
+        if n < 0 or hdr:  # the header in the cell: its words copied out before anything
+            size = -n if n < 0 else hdr
+            if size % 8 or not 0 < size <= 8 * INLINE_WORDS:
                 raise PeerLostError(
-                    f"{what}: the cell of bucket {tag} claims an inline header of {-n} bytes, "
+                    f"{what}: the cell of bucket {tag} claims a header of {size} bytes, "
                     f"at most {8 * INLINE_WORDS} in whole words fit"
                 )
-            words = torch.from_numpy(cellv[tag, 4 : 4 + -n // 8].copy())
-            self._inline[(src, tag)] = words.view(torch.uint8)
-            cellv[tag, ACK] = seq
-            return
+            words = torch.from_numpy(cellv[tag, HEAD : HEAD + size // 8].copy())
+            self._inline[(src, tag)] = (words.view(torch.uint8), n < 0)
+            if n < 0:
+                cellv[tag, ACK] = seq
+                return
         bucket = self._bucket(src, lk, tag, gen)
         if not 0 < n <= min(bucket.numel(), into.numel()):
             raise PeerLostError(
@@ -432,6 +470,9 @@ class IpcLinks:
                 f"{bucket.numel()} and the staging {into.numel()}"
             )
         into[:n].copy_(bucket[:n])  # out of the shared bucket before anything reads it
+        if hdr:  # waited for once a round, before the vote (settle; on CPU the copy has landed)
+            self._pending.append((cellv, tag, seq, into))
+            return
         cuda.wait_for(into)  # a copy on the device: landed before the acknowledgement
         cellv[tag, ACK] = seq
 
@@ -442,6 +483,8 @@ class IpcLinks:
         self._out.clear()
         self._in.clear()
         self._retired.clear()
+        self._inline.clear()
+        self._pending.clear()
         if self.device.type == "cuda":
             cuda.ipc_collect()
 

@@ -39,9 +39,19 @@ class DeviceDigests:
 
     present: list[int]
     rows: torch.Tensor
-    # a message with no piece: its header's bytes on the host, sent in the ipc link's cell
-    # (``ipc_links.py``), the bucket untouched
+    # the header's bytes on the host (digests not yet in), sent in the ipc link's cell
+    # (``ipc_links.py``) once the bucket has landed; with no piece, all of the message
     inline: torch.Tensor | None = None
+
+    def header(self, host: list[list[int]]) -> torch.Tensor:
+        """:attr:`inline` with the digests ``host`` (``rows`` read) written in."""
+        assert self.inline is not None
+        out = self.inline.clone()
+        words = out.view(torch.int64)
+        for k, (a, b) in zip(self.present, host, strict=True):
+            words[wire.HEAD + 3 * k + 1] = a
+            words[wire.HEAD + 3 * k + 2] = b
+        return out
 
     def resolve(self, host: list[list[int]], n: int) -> list[tuple[int, int] | None]:
         """The digests per piece of a bucket of ``n`` pieces, from ``host`` (``rows`` read)."""
@@ -218,12 +228,13 @@ class Packer:
         size = wire.write_header(
             host, seq, version, bk.index, wire.OK, heads, pos - start, base, device=True
         )
-        if not spans and size <= 8 * INLINE_WORDS:  # nothing changed: the header in the cell
-            return pos, DeviceDigests([], torch.zeros(0, 2, dtype=torch.int64), host[:size]), 0, []
-        buf[:size].copy_(host[:size], non_blocking=host.is_pinned())
         rows = message_digest_rows(buf, spans, known)
+        payload = sum(n for _, n in spans)
+        if size <= 8 * INLINE_WORDS:  # the header goes in the link's cell, digests filled in
+            return pos, DeviceDigests(present, rows, host[:size]), payload, []
+        buf[:size].copy_(host[:size], non_blocking=host.is_pinned())
         wire.put_digests(buf, present, rows)  # nothing waited for: the publish waits once
-        return pos, DeviceDigests(present, rows), sum(n for _, n in spans), []
+        return pos, DeviceDigests(present, rows), payload, []
 
     def _header_buffer(self, bk: LinkBucket, device: torch.device) -> torch.Tensor:
         """Bucket ``bk``'s own host buffer for its header (pinned where the bucket is on a

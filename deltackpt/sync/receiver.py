@@ -334,6 +334,7 @@ class WeightReceiver:
                 raise
         else:
             self._receive_round(st)
+        g.settle_receives()  # ipc copies not waited for one by one: landed, acknowledged
         if st.deferred and st.failure is None:  # the device digests: one copy to the host
             bad = self._compare(st.deferred)
             if bad is not None:
@@ -608,7 +609,8 @@ class WeightReceiver:
             raise self._lost(st, bk, e) from e
         got = _Arrived(bk, slot)
         start = payload_start(bk, self.align)
-        inline = g.inline_header(bk.sender, bk.index)  # a device round's header-only message
+        cell = g.inline_header(bk.sender, bk.index)  # a device round's header, in the cell
+        inline, alone = (None, False) if cell is None else cell
         try:
             got.header = wire.read_header(
                 slot if inline is None else inline,
@@ -617,12 +619,10 @@ class WeightReceiver:
                 [p.nbytes for p in bk.pieces],
                 slot.numel() - start,
             )
-            if inline is not None and (
-                got.header.payload or any(p is not None for p in got.header.pieces)
-            ):
+            if alone and (got.header.payload or any(p is not None for p in got.header.pieces)):
                 raise SyncError(
-                    f"bucket {bk.index} from rank {bk.sender}: a header in the link's cell names "
-                    f"{got.header.payload} payload bytes; only a message with no piece goes there"
+                    f"bucket {bk.index} from rank {bk.sender}: a header-only message in the "
+                    f"link's cell names {got.header.payload} payload bytes"
                 )
         except SyncError as e:
             st.fail(str(e))

@@ -400,8 +400,9 @@ class WeightSender:
                 continue
             if packed is not None and not (failure or aborted or lost):
                 nbytes, present, payload, zero_copy = packed
-                if isinstance(present, DeviceDigests):  # read with the round's others
-                    on_device.append((bk, present))
+                if isinstance(present, DeviceDigests):  # read at the publish or the round's end
+                    if present.inline is None:
+                        on_device.append((bk, present))
                 else:
                     for k, d in enumerate(present):
                         if d is not None:
@@ -410,10 +411,25 @@ class WeightSender:
                 buf = bufs[i % _RING][:nbytes]
                 try:
                     if device and isinstance(present, DeviceDigests) and present.inline is not None:
-                        works[i % _RING] = (  # no piece: the header in the link's cell
-                            bk.receiver,
-                            g.publish_inline(bk.receiver, bk.index, present.inline),
-                        )
+                        if not present.present:  # no piece: the header in the link's cell alone
+                            works[i % _RING] = (
+                                bk.receiver,
+                                g.publish_inline(bk.receiver, bk.index, present.inline),
+                            )
+                        else:  # read after the bucket landed (it waits), header in the cell
+                            host = present.rows.cpu().tolist()
+                            for k, (a, b) in zip(present.present, host, strict=True):
+                                digests[(bk.receiver, bk.index, k)] = (int(a), int(b))
+                            works[i % _RING] = (
+                                bk.receiver,
+                                g.publish(
+                                    bk.receiver,
+                                    bk.index,
+                                    nbytes,
+                                    device=True,
+                                    header=present.header(host),
+                                ),
+                            )
                     elif device:  # packed in the bucket, on its device
                         works[i % _RING] = (
                             bk.receiver,

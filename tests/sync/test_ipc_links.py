@@ -330,7 +330,7 @@ def _inline_trainer(port: int) -> dict[str, Any]:
 def _inline_receiver(port: int, tamper: bool) -> dict[str, Any]:
     from deltackpt import sync
     from deltackpt.sync import wire
-    from deltackpt.sync.ipc_links import NBYTES, SEQ, IpcLinks
+    from deltackpt.sync.ipc_links import HEAD, NBYTES, SEQ, IpcLinks
 
     layout = ("full",)
     group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
@@ -347,7 +347,7 @@ def _inline_receiver(port: int, tamper: bool) -> dict[str, Any]:
                 pass
             seen.append(int(cellv[tag, NBYTES]))
             if tamper:  # a scribbler claims payload the bucket would hold
-                cellv[tag, 4 + wire.HEAD - 2] = 64
+                cellv[tag, HEAD + wire.HEAD - 2] = 64
         orig(self, src, tag, into, seq)
 
     IpcLinks._wait_copy = hostile  # type: ignore[method-assign]
@@ -393,7 +393,7 @@ def test_an_unchanged_bucket_sends_its_header_in_the_cell(
     else:
         name, message = rec["errors"][1]
         assert name == "RoundAbortedError", name  # this rank's finding fails the round
-        assert "a header in the link's cell names 64 payload bytes" in message, message
+        assert "a header-only message in the link's cell names 64 payload bytes" in message
         assert trainer["errors"] == [None, "RoundAbortedError"]
         assert rec["versions"] == [1, 1, 3]
     assert rec["bad"] == [[], [], []]
@@ -413,10 +413,10 @@ def _kill_trainer(port: int) -> None:
     sender.push(make_state(1), version=1)
     publish = IpcLinks.publish
 
-    def dying(self: IpcLinks, dst: int, tag: int, n: int, device: bool = False) -> Any:
+    def dying(self: IpcLinks, dst: int, tag: int, n: int, *args: Any, **kw: Any) -> Any:
         if tag == 2:  # buckets 0 and 1 are published: the crash is mid-round
             os.kill(os.getpid(), signal.SIGKILL)
-        return publish(self, dst, tag, n, device)
+        return publish(self, dst, tag, n, *args, **kw)
 
     IpcLinks.publish = dying  # type: ignore[method-assign]
     sender.push(make_state(2), version=2, full=True)
