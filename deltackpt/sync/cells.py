@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from deltackpt.sync.group import SyncGroup
 
 CHECK_S = 0.02  # how often a waiting receiver checks for an abort and the sender's process
+# the longest sleep between two looks at a cell: a bucket published during a sleep waits up to
+# this long (a round of 60 buckets could lose up to 60 of them; was 1 ms)
+MAX_SLEEP_S = 2e-4
 
 
 class _Copies(Protocol):
@@ -66,4 +69,4 @@ def wait_published(
                 f"cell says round {cell_round()}); the sender is hung: reconnect the group"
             )
         time.sleep(delay)
-        delay = min(2 * delay, 1e-3)
+        delay = min(2 * delay, MAX_SLEEP_S)
