@@ -410,30 +410,11 @@ class WeightSender:
                 per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
                 buf = bufs[i % _RING][:nbytes]
                 try:
-                    if device and isinstance(present, DeviceDigests) and present.inline is not None:
-                        if not present.present:  # no piece: the header in the link's cell alone
-                            works[i % _RING] = (
-                                bk.receiver,
-                                g.publish_inline(bk.receiver, bk.index, present.inline),
-                            )
-                        else:  # read after the bucket landed (it waits), header in the cell
-                            host = present.rows.cpu().tolist()
-                            for k, (a, b) in zip(present.present, host, strict=True):
-                                digests[(bk.receiver, bk.index, k)] = (int(a), int(b))
-                            works[i % _RING] = (
-                                bk.receiver,
-                                g.publish(
-                                    bk.receiver,
-                                    bk.index,
-                                    nbytes,
-                                    device=True,
-                                    header=present.header(host),
-                                ),
-                            )
-                    elif device:  # packed in the bucket, on its device
+                    if device:  # packed in the bucket, on its device
+                        assert isinstance(present, DeviceDigests)
                         works[i % _RING] = (
                             bk.receiver,
-                            g.publish(bk.receiver, bk.index, nbytes, device=True),
+                            self._publish_device(bk, nbytes, present, digests),
                         )
                     elif g.window(bk.receiver, bk.index) is not None:  # packed in place
                         works[i % _RING] = (bk.receiver, g.publish(bk.receiver, bk.index, nbytes))
@@ -474,6 +455,27 @@ class WeightSender:
         drained = g.drain_sends(seq, rest)  # always waited for, even after a loss
         lost = lost or drained
         return failure, cause, lost, wire_bytes, len(self._buckets), zero_copy_bytes
+
+    def _publish_device(
+        self,
+        bk: LinkBucket,
+        nbytes: int,
+        packed: DeviceDigests,
+        digests: dict[tuple[int, int, int], tuple[int, int]],
+    ) -> object:
+        """A device round's bucket published (``ipc_links.py``): its header in the link's cell
+        when it fits, the digests read into it now (the read waits for the device: the bucket
+        has landed), or the header alone when nothing was packed; else the header in the
+        bucket, its digests read with the round's others after the last bucket."""
+        g = self.group
+        if packed.inline is None:
+            return g.publish(bk.receiver, bk.index, nbytes, device=True)
+        if not packed.present:
+            return g.publish_inline(bk.receiver, bk.index, packed.inline)
+        host = packed.rows.cpu().tolist()
+        for k, (a, b) in zip(packed.present, host, strict=True):
+            digests[(bk.receiver, bk.index, k)] = (int(a), int(b))
+        return g.publish(bk.receiver, bk.index, nbytes, device=True, header=packed.header(host))
 
     def _untouched_tensors(self, vers: dict[str, tuple[int, int, torch.Tensor]]) -> frozenset[str]:
         """``detect="version"``: the local tensors whose storage and in-place version counter
