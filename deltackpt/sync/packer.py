@@ -35,7 +35,8 @@ __all__ = ["DeviceDigests", "Packed", "Packer"]
 @dataclass
 class DeviceDigests:
     """A device round's piece digests, still on the device: piece ``present[j]`` has digest
-    ``rows[j]`` (the sender reads a round's at once, after its last bucket)."""
+    ``rows[j]``; the sender reads them when it publishes the bucket with its header in the
+    link's cell (``inline``), else with the round's others after its last bucket."""
 
     present: list[int]
     rows: torch.Tensor
@@ -177,8 +178,9 @@ class Packer:
         """A device round's message of ``bk`` (``WeightSender``: an ipc link on CUDA): every
         changed (or, ``full``, every) piece copied and cast from the local tensor into ``buf``,
         the bucket itself, where both live (device to device), raw; then the device digests of
-        all of them in one pass (``device_digest.py``: one small copy to the host); then the
-        header. The change is the device scan's (``Detector.start_round(scanned=)``), and so
+        all of them in one pass (``device_digest.py``), left on the device; then the header, on
+        the host for the link's cell when it fits (:class:`DeviceDigests`), else into the
+        bucket with the digests written in there. The change is the device scan's (``Detector.start_round(scanned=)``), and so
         are the chunk fingerprints of a piece that is a whole scanned tensor: its digest is
         their fold (the bytes the sender meant to send, read once this round). A whole tensor
         whose changed elements the device found (``DELTACKPT_DEVICE_PATCH``) goes as a device
@@ -221,7 +223,7 @@ class Packer:
             present.append(k)
             pos += length
         heads: list[wire.Piece | None] = [None] * len(bk.pieces)
-        for k, (_, n) in zip(present, spans, strict=True):  # digests: written on the device
+        for k, (_, n) in zip(present, spans, strict=True):  # digests: written in later
             heads[k] = wire.Piece(wire.IN_MESSAGE, kinds.get(k, wire.RAW), n, (0, 0))
         base = self.base_version if kinds else None
         host = self._header_buffer(bk, buf.device)
