@@ -16,9 +16,12 @@ if TYPE_CHECKING:
     from deltackpt.sync.group import SyncGroup
 
 CHECK_S = 0.02  # how often a waiting receiver checks for an abort and the sender's process
-# the longest sleep between two looks at a cell: a bucket published during a sleep waits up to
-# this long (a round of 60 buckets could lose up to 60 of them; was 1 ms)
+# the longest sleep between two looks at a cell in the first FAST_S of a wait (a bucket of a
+# streaming round is published within it: a round of 60 buckets could lose up to 60 sleeps),
+# then the longest after (a long wait costs little CPU: ~1000 looks a second)
 MAX_SLEEP_S = 2e-4
+FAST_S = 0.02
+SLOW_SLEEP_S = 1e-3
 
 
 class _Copies(Protocol):
@@ -69,4 +72,4 @@ def wait_published(
                 f"cell says round {cell_round()}); the sender is hung: reconnect the group"
             )
         time.sleep(delay)
-        delay = min(2 * delay, MAX_SLEEP_S)
+        delay = min(2 * delay, MAX_SLEEP_S if now - start < FAST_S else SLOW_SLEEP_S)

@@ -31,9 +31,11 @@ from deltackpt.sync.device_digest import CHUNK, fold
 __all__ = [
     "INT",
     "patch_bytes",
+    "patch_count",
     "patched_digest",
     "patched_digest_rows",
     "read_patch",
+    "read_patch_lazy",
     "write_patch",
 ]
 
@@ -60,24 +62,61 @@ def write_patch(room: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> in
     return n
 
 
+def patch_count(length: int, itemsize: int, numel: int) -> int:
+    """The element count a device patch of ``length`` bytes holds (it fixes the count: no
+    two counts give one length), checked against the piece of ``numel`` elements, from the
+    header alone (nothing read on the device). ValueError when none fits."""
+    if length < 8 or itemsize not in INT:
+        raise ValueError(f"a device patch of {length} bytes cannot hold its count")
+    for pad in (0, 4):  # an even count, or an odd one (its indices padded to 8 bytes)
+        k, rest = divmod(length - 8 - pad, 4 + itemsize)
+        if not rest and k >= 0 and k % 2 == pad // 4 and patch_bytes(k, itemsize) == length:
+            if k > numel:
+                raise ValueError(
+                    f"a device patch of {length} bytes claims {k} elements of {itemsize} bytes "
+                    f"(a piece of {numel})"
+                )
+            return k
+    raise ValueError(
+        f"a device patch of {length} bytes holds no whole count of {itemsize}-byte elements; "
+        f"expected 8 + 4k rounded up to 8 + {itemsize}k bytes"
+    )
+
+
+def read_patch_lazy(
+    room: torch.Tensor, length: int, itemsize: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The patch at the start of ``room`` (untrusted bytes), without waiting for the device:
+    its indices (int64, clamped into the piece, so that nothing indexes outside it whatever the
+    bytes say), its values, and a 0-d bool on ``room``'s device that is true only when the
+    stored count is the one ``length`` holds and the indices lie in the piece and rise
+    strictly; the caller reads it before anything computed from the patch is used (the
+    receiver: with the round's digests, before its vote). ValueError for a length that fits
+    no count (header values, checked on the host)."""
+    k = patch_count(length, itemsize, numel)
+    at = 8 + -(-4 * k // 8) * 8
+    raw = room[8 : 8 + 4 * k].view(torch.int32).to(torch.int64)
+    ok = room[:8].view(torch.int64)[0] == k
+    if k:
+        ok = ok & ((raw >= 0) & (raw < numel)).all() & (raw[1:] > raw[:-1]).all()
+    vals = room[at:length].view(INT[itemsize])
+    return raw.clamp(0, max(numel - 1, 0)), vals, ok
+
+
 def read_patch(
     room: torch.Tensor, length: int, itemsize: int, numel: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The patch at the start of ``room`` (untrusted bytes): its indices (int64) and values, on
-    ``room``'s device. ValueError when the length, count or any index does not fit the piece
-    of ``numel`` elements."""
-    if length < 8 or itemsize not in INT:
-        raise ValueError(f"a device patch of {length} bytes cannot hold its count")
-    k = int(room[:8].view(torch.int64).item())
-    if k < 0 or k > numel or patch_bytes(k, itemsize) != length:
-        raise ValueError(
-            f"a device patch of {length} bytes claims {k} elements of {itemsize} bytes (a piece "
-            f"of {numel}); expected {patch_bytes(max(k, 0), itemsize)} bytes"
-        )
-    at = 8 + -(-4 * k // 8) * 8
-    idx = room[8 : 8 + 4 * k].view(torch.int32).to(torch.int64)
-    vals = room[at:length].view(INT[itemsize])
-    if k and not bool(((idx >= 0) & (idx < numel)).all() & (idx[1:] > idx[:-1]).all()):
+    """:func:`read_patch_lazy`, checked now: ValueError when the length, count or any index
+    does not fit the piece of ``numel`` elements."""
+    idx, vals, ok = read_patch_lazy(room, length, itemsize, numel)
+    if not bool(ok):
+        k = patch_count(length, itemsize, numel)
+        stored = int(room[:8].view(torch.int64).item())
+        if stored != k:
+            raise ValueError(
+                f"a device patch of {length} bytes claims {stored} elements of {itemsize} bytes "
+                f"(a piece of {numel}); expected {patch_bytes(max(stored, 0), itemsize)} bytes"
+            )
         raise ValueError(
             f"a device patch's indices must rise strictly and lie in the piece's {numel} elements"
         )

@@ -32,7 +32,7 @@ import torch
 
 from deltackpt.sync import patches, wire
 from deltackpt.sync.apply import Staged, Undo, apply_round, revert
-from deltackpt.sync.device_delta import patched_digest_rows, read_patch
+from deltackpt.sync.device_delta import patched_digest_rows, read_patch_lazy
 from deltackpt.sync.device_digest import message_digest_rows, piece_digest
 from deltackpt.sync.dtypes import DtypeSpec, resolve_dtype, wire_dtype, wire_name
 from deltackpt.sync.errors import (
@@ -674,6 +674,7 @@ class WeightReceiver:
         st.versions.add(h.version)
         offsets = got.offsets
         changes: dict[int, patches.Changes] = {}
+        patch_ok: list[tuple[int, torch.Tensor]] = []
         if h.base is not None:  # patches against the version this rank holds
             if h.base != self.version:
                 st.fail(
@@ -684,7 +685,7 @@ class WeightReceiver:
                 return
             try:
                 if h.device:  # device patches: read where the slot is, applied after the vote
-                    changes = self._device_patches(bk, got.slot, h, offsets)
+                    changes, patch_ok = self._device_patches(bk, got.slot, h, offsets)
                 elif got.slot.device.type != "cpu":
                     raise SyncError(
                         "host patches cannot be expanded in device staging; send with "
@@ -709,7 +710,7 @@ class WeightReceiver:
         present = [None if p is None else p.digest for p in h.pieces]
         st.digests[(bk.index, bk.sender)] = present
         bad = self._verify(
-            bk, got.slot, present, offsets, h.device, changes, st.deferred, h.version
+            bk, got.slot, present, offsets, h.device, changes, st.deferred, h.version, patch_ok
         )
         if bad is not None:
             st.fail(f"round {h.version}: bucket {bk.index} from rank {bk.sender}: {bad}")
@@ -721,11 +722,15 @@ class WeightReceiver:
 
     def _device_patches(
         self, bk: LinkBucket, slot: torch.Tensor, h: wire.Header, offsets: list[int | None]
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
         """The device patches of a device round's message (``device_delta.py``): per piece,
-        its element indices and values, read where the slot lives; :class:`SyncError` when
-        one does not fit its piece or this rank's target cannot take it element by element."""
+        its element indices (clamped into the piece) and values, read where the slot lives,
+        and the flags that say whether each patch's count and indices are what they must be,
+        not waited for (read with the round's digests, before the vote: :meth:`_compare`);
+        :class:`SyncError` when a length fits no count or this rank's target cannot take a
+        patch element by element."""
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        oks: list[tuple[int, torch.Tensor]] = []
         for k, (piece, off) in enumerate(zip(h.pieces, offsets, strict=True)):
             if piece is None or piece.kind != wire.DEVICE_PATCH or off is None:
                 continue
@@ -741,12 +746,14 @@ class WeightReceiver:
             if off + piece.length > slot.numel():
                 raise SyncError(f"piece {k}: its device patch does not fit in the message")
             try:
-                out[k] = read_patch(
+                idx, vals, ok = read_patch_lazy(
                     slot[off : off + piece.length], piece.length, dt.itemsize, dst.numel()
                 )
             except ValueError as e:
                 raise SyncError(f"piece {k}: {e}") from e
-        return out
+            out[k] = (idx, vals)
+            oks.append((k, ok))
+        return out, oks
 
     def _check_kept(self, st: _Round) -> str | None:
         """verify="all": every piece this round does not bring, re-hashed in its target against
@@ -798,6 +805,7 @@ class WeightReceiver:
         changes: dict[int, Any] | None = None,
         defer: list[_DeviceCheck] | None = None,
         version: int = 0,
+        patch_ok: list[tuple[int, torch.Tensor]] | None = None,
     ) -> str | None:
         """Each present piece at its offset in ``slot`` hashed against its digest (``device``:
         device digests, all of the message's at once where the slot lives; a device patch's
@@ -835,7 +843,7 @@ class WeightReceiver:
                 ]
                 rows.append(patched_digest_rows(items).to(rows[0].device))
                 ks += list(patched)
-            found = _DeviceCheck(bk, ks, present, torch.cat(rows), version)
+            found = _DeviceCheck(bk, ks, present, torch.cat(rows), version, patch_ok or [])
             if defer is not None:  # compared with the round's others, before the vote
                 defer.append(found)
                 return None
@@ -862,6 +870,21 @@ class WeightReceiver:
         sender), or None."""
         if not checks:
             return None
+        oks = [(c, k, ok) for c in checks for k, ok in c.patch_ok]
+        if oks:  # a patch whose count or indices do not fit: refused before its digest counts
+            fine = torch.stack([ok.to(checks[0].rows.device) for _, _, ok in oks]).cpu().tolist()
+            for (c, k, _), good in zip(oks, fine, strict=True):
+                if not good:
+                    p = c.bk.pieces[k]
+                    name = self.schedule.tensors[p.tensor].name if self.schedule else "?"
+                    why = (
+                        f"piece {k} ({name} box {p.box}): its device patch's count or indices "
+                        "do not fit the piece (the count its length holds; indices rising "
+                        "strictly, inside the piece)"
+                    )
+                    if not where:
+                        return why
+                    return f"round {c.version}: bucket {c.bk.index} from rank {c.bk.sender}: {why}"
         host = torch.cat([c.rows.to(checks[0].rows.device) for c in checks]).cpu().tolist()
         at = 0
         for c in checks:
@@ -886,6 +909,8 @@ class _DeviceCheck:
     present: list[tuple[int, int] | None]
     rows: torch.Tensor
     version: int = 0
+    # device patches: (piece, whether its count and indices fit: read_patch_lazy)
+    patch_ok: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass

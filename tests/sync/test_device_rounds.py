@@ -200,6 +200,61 @@ def test_a_device_patch_onto_an_edited_base_fails_the_round_and_the_next_heals_i
     assert rec["bad"][3] == []  # healed bit-exactly
 
 
+def _hostile_patch_receiver(port: int) -> dict[str, Any]:
+    """Round 3's device patch arrives with an index past its piece (the bytes of a bucket are
+    untrusted): read without waiting, clamped, flagged, refused with the digests."""
+    import deltackpt.sync.receiver as receiver_mod
+    from deltackpt import sync
+
+    real = receiver_mod.read_patch_lazy
+    rounds: list[int] = []
+
+    def scribbled(room: torch.Tensor, length: int, itemsize: int, numel: int) -> Any:
+        if rounds and rounds[-1] == 3:
+            room[8:12].view(torch.int32).fill_(numel + 5)  # the first index, past the piece
+        return real(room, length, itemsize, numel)
+
+    receiver_mod.read_patch_lazy = scribbled  # type: ignore[assignment]
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET)
+    held: dict[str, torch.Tensor] = {}
+    expect = _state()
+    out: dict[str, Any] = {"errors": [], "versions": [], "bad": []}
+    for v in (1, 2, 3, 4):
+        rounds.append(v)
+        before = {n: t.clone() for n, t in held.items()}
+        try:
+            receiver.pull(lambda ws: held.update((n, t.cpu().clone()) for n, t in ws))
+            _step(expect, v)
+        except sync.SyncError as e:
+            _step(expect, v)  # the trainer stepped; this rank kept version 2
+            out["errors"].append((v, type(e).__name__, str(e)))
+            out["untouched"] = all(torch.equal(held[n], t) for n, t in before.items())
+        out["versions"].append(receiver.version)
+        if receiver.version == v:
+            out["bad"].append(sorted(n for n, t in expect.items() if not torch.equal(held[n], t)))
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+def test_a_device_patch_with_an_index_past_its_piece_fails_the_round_unapplied() -> None:
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_patch_trainer, (port,)), (_hostile_patch_receiver, (port,))],
+            timeout=90,
+            fast_exit=True,
+        )
+    )
+    assert [e[:2] for e in rec["errors"]] == [(3, "DigestMismatchError")], rec["errors"]
+    assert "device patch's count or indices do not fit the piece" in rec["errors"][0][2]
+    assert rec["untouched"] and rec["versions"] == [1, 2, 2, 4]
+    assert trainer["errors"] == [(3, "RoundAbortedError")]
+    assert rec["bad"] == [[], [], []]  # versions 1, 2 and 4 bit-exact
+
+
 @pytest.mark.gpu
 def test_device_patches_on_cuda_bit_exact() -> None:
     """The same rounds on a GPU: CUDA bucket, device bases, device staging."""
