@@ -29,12 +29,12 @@ python3 setup.py -q build_ext --inplace >>"$LOG" 2>&1 || echo "no C extension (n
 rc=0
 # a box of 0 skips its step (a rerun that needs only some of them)
 box() { [ "${1}" != 0 ]; }
-if box "${GPU_TESTS_S:-120}"; then
-  timeout "${GPU_TESTS_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
+if box "${GPU_TESTS_S:-140}"; then
+  timeout "${GPU_TESTS_S:-140}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
     tests 2>&1 | tee -a "$LOG" || rc=1
 fi
-if box "${BENCH_S:-100}"; then
-  timeout "${BENCH_S:-100}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
+if box "${BENCH_S:-90}"; then
+  timeout "${BENCH_S:-90}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
 fi
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
 if box "${SYNC_BENCH_S:-70}"; then
@@ -42,13 +42,13 @@ if box "${SYNC_BENCH_S:-70}"; then
     --profile "${SYNC_PROFILE-full_triton}" 2>&1 \
     | tee -a "$LOG" || rc=1
 fi
-if box "${DIGEST_S:-40}"; then  # device digests beside the fingerprints and a device copy
-  timeout "${DIGEST_S:-40}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
+if box "${DIGEST_S:-35}"; then  # device digests beside the fingerprints and a device copy
+  timeout "${DIGEST_S:-35}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order)
-if box "${SUITE_S:-150}"; then
-  timeout "${SUITE_S:-150}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
+if box "${SUITE_S:-145}"; then
+  timeout "${SUITE_S:-145}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
     ${SUITE_TESTS:-tests} >"$OUT/suite.log" 2>&1 || rc=1
   grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; tail -n 3 "$OUT/suite.log"
 fi
