@@ -44,30 +44,9 @@ def init_gloo(rank: int, world: int, port: int, timeout: float = 30.0) -> Any:
     return dist.group.WORLD
 
 
-_PORTS = 500  # ports per pytest-xdist worker, below the kernel's ephemeral range
-_next_port: list[int] = []
-
-
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1, from a block of its own per
-    pytest-xdist worker, taken in turn, below the ephemeral range (32768-60999 on Linux). A port
-    bind(0) hands out comes from that range, which every outgoing connection on the machine and
-    every other worker's bind(0) draw from too: on a busy machine one was taken between this
-    call and the test's listen (EADDRINUSE)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    lo = 20000 + (int(worker) % 24 if worker.isdigit() else 0) * _PORTS
-    if not _next_port:
-        _next_port.append((os.getpid() * 7919) % _PORTS)  # a fresh process: anywhere in its block
-    for k in range(_PORTS):
-        port = lo + (_next_port[0] + k) % _PORTS
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _next_port[0] = (port - lo + 1) % _PORTS
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the block is full: any
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
