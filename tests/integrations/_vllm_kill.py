@@ -29,10 +29,15 @@ class PipeClient:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.lock = threading.Lock()
+        self.sent: dict[str, threading.Event] = {}  # name -> set once a call of it was sent
+
+    def was_sent(self, name: str) -> threading.Event:
+        return self.sent.setdefault(name, threading.Event())
 
     def call(self, name: str, *args: Any) -> Any:
         with self.lock:
             self.conn.send((name, args))
+            self.was_sent(name).set()
             ok, value = self.conn.recv()
         if not ok:
             raise RuntimeError(f"the engine's {name} failed: {value}")
@@ -84,6 +89,7 @@ def doomed_trainer(conn: Connection) -> None:
     nudge(sd, 11)
     eng.send_weights(sd, version=version)
     client.call("mark")
+    client.was_sent("update_weights").clear()  # the next round's is the one to wait for
     nudge(sd, 12)
     real = Packer.message
     calls = [0]
@@ -91,6 +97,9 @@ def doomed_trainer(conn: Connection) -> None:
     def dying(self: Packer, *args: Any, **kw: Any) -> Any:
         calls[0] += 1
         if calls[0] == 2:
+            # update_weights goes to the engine from a thread beside the push: sent (the pipe
+            # keeps it for the engine) before the death, or a busy machine reorders the two
+            client.was_sent("update_weights").wait(60)
             os._exit(17)  # killed mid-round: bucket 0 went out, the rest never will
         return real(self, *args, **kw)
 
