@@ -473,8 +473,9 @@ class WeightSender:
         if not packed.present:
             return g.publish_inline(bk.receiver, bk.index, packed.inline)
         host = packed.rows.cpu().tolist()
-        for k, (a, b) in zip(packed.present, host, strict=True):
-            digests[(bk.receiver, bk.index, k)] = (int(a), int(b))
+        for k, d in enumerate(packed.resolve(host, len(bk.pieces))):
+            if d is not None:
+                digests[(bk.receiver, bk.index, k)] = d
         return g.publish(bk.receiver, bk.index, nbytes, device=True, header=packed.header(host))
 
     def _untouched_tensors(self, vers: dict[str, tuple[int, int, torch.Tensor]]) -> frozenset[str]:
