@@ -20,7 +20,7 @@ import torch
 
 from deltackpt.format.changes import UINT
 
-__all__ = ["changed_elements_on", "changed_on_device", "to_host"]
+__all__ = ["changed_elements_on", "changed_many_on_device", "changed_on_device", "to_host"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -39,19 +39,43 @@ def changed_on_device(
     int32 below 2**31 elements else int64, and their new values as signed integers of
     ``itemsize`` bytes), both on the buffers' device, or None when more than ``cap`` elements
     differ. For a caller that also writes the changes into a device copy (a sender's base)."""
-    if new.numel() != base.numel() or new.numel() % itemsize or itemsize not in _INT:
-        raise ValueError(
-            f"changed_elements_on: buffers of {new.numel()} and {base.numel()} bytes with "
-            f"itemsize {itemsize}: expected equal sizes, whole elements of 1, 2, 4 or 8 bytes"
-        )
-    a, b = _elements(new, itemsize), _elements(base, itemsize)
-    mask = a != b
-    k = int(mask.sum())  # the one wait for the device
-    if k > cap:
-        return None
-    idx = torch.nonzero(mask).squeeze(1)
-    narrow = torch.int32 if a.numel() < 1 << 31 else torch.int64
-    return idx.to(narrow), a[idx]
+    return changed_many_on_device([(new, base, itemsize, cap)])[0]
+
+
+def changed_many_on_device(
+    pairs: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`changed_on_device` of each ``(new, base, itemsize, cap)``, with one wait for each
+    device among them instead of two per pair: the counts of every pair are brought to the
+    host together, then each list is taken with ``torch.nonzero_static`` at its known size (a
+    plain ``nonzero`` waits for the device to learn its output's size). The comparison runs
+    twice per listed pair (once to count, once to list: on a GPU a pass over the bytes costs
+    less than a wait), and one pair's mask (one byte per element) is alive at a time."""
+    for new, base, itemsize, _ in pairs:
+        if new.numel() != base.numel() or new.numel() % itemsize or itemsize not in _INT:
+            raise ValueError(
+                f"changed_elements_on: buffers of {new.numel()} and {base.numel()} bytes with "
+                f"itemsize {itemsize}: expected equal sizes, whole elements of 1, 2, 4 or 8 "
+                "bytes"
+            )
+    views = [(_elements(n, i), _elements(b, i)) for n, b, i, _ in pairs]
+    by_device: dict[torch.device, list[int]] = {}
+    for j, (a, _) in enumerate(views):
+        by_device.setdefault(a.device, []).append(j)
+    counts = [0] * len(pairs)
+    for js in by_device.values():
+        sums = torch.stack([(views[j][0] != views[j][1]).sum() for j in js])
+        for j, k in zip(js, sums.tolist(), strict=True):  # the one wait for this device
+            counts[j] = int(k)
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for (a, b), (_, _, _, cap), k in zip(views, pairs, counts, strict=True):
+        if k > cap:
+            out.append(None)
+            continue
+        idx = torch.nonzero_static(a != b, size=k).squeeze(1)
+        narrow = torch.int32 if a.numel() < 1 << 31 else torch.int64
+        out.append((idx.to(narrow), a[idx]))
+    return out
 
 
 def to_host(found: tuple[torch.Tensor, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:

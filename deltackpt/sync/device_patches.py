@@ -8,8 +8,9 @@ chunk, so the whole model crosses PCIe each round. Here the sender also keeps, w
 has room, a **device base** per mirrored tensor: a device copy of its bytes at the last
 committed round. A delta round then, per tensor the fingerprints found changed:
 
-1. finds the changed elements on the device (``format.device_changes.changed_on_device``: one
-   comparison against the device base, one count brought to the host), at most
+1. finds the changed elements on the device (``format.device_changes.changed_many_on_device``:
+   a comparison against the device base, the counts of every such tensor brought to the host in
+   one wait, the lists taken at their known sizes without another), at most
    :data:`DEVICE_PATCH_BELOW` of the elements (above that the tensor's changed chunks are
    copied as before);
 2. copies the element indices and new values to the host, (4 + itemsize) bytes per changed
@@ -51,7 +52,7 @@ import torch
 
 from deltackpt import cuda
 from deltackpt.format.changes import UINT
-from deltackpt.format.device_changes import changed_on_device
+from deltackpt.format.device_changes import changed_many_on_device
 from deltackpt.sync import delta_codec
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.patches import BaseKey, Bases, Changes
@@ -181,14 +182,21 @@ class DevicePatches:
         device base and at most :data:`DEVICE_PATCH_BELOW` of them changed; each is kept for
         :meth:`commit` and counted in :attr:`last`."""
         rec = self.last
+        todo = []
         for n in names:
             t, base = self._local.get(n), self.bases.get(n)
-            if t is None or base is None:
-                continue
-            size = t.element_size()
-            got = changed_on_device(_flat(t), base, size, int(t.numel() * DEVICE_PATCH_BELOW))
+            if t is not None and base is not None:
+                todo.append((n, t, base))
+        found = changed_many_on_device(  # one wait for the counts of every tensor
+            [
+                (_flat(t), b, t.element_size(), int(t.numel() * DEVICE_PATCH_BELOW))
+                for _, t, b in todo
+            ]
+        )
+        for (n, t, _), got in zip(todo, found, strict=True):
             if got is None:
                 continue
+            size = t.element_size()
             self._pending[n] = got
             rec.patched.append(n)
             rec.patched_bytes += got[0].numel() * (got[0].element_size() + size)

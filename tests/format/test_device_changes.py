@@ -10,7 +10,12 @@ import torch
 import zstandard
 
 from deltackpt.format import changes
-from deltackpt.format.device_changes import changed_elements_on
+from deltackpt.format.device_changes import (
+    changed_elements_on,
+    changed_many_on_device,
+    changed_on_device,
+    to_host,
+)
 
 
 def _rl_step(n: int, dtype: torch.dtype, share: float, seed: int) -> tuple[torch.Tensor, ...]:
@@ -73,6 +78,55 @@ def test_over_the_cap_is_none_and_unaligned_views_work():
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="whole elements"):
         changed_elements_on(new[:3], base[:3], 2, 10)
+
+
+def _pairs() -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    a = _rl_step(50_001, torch.bfloat16, 0.02, 5)
+    b = _rl_step(4_096, torch.float32, 0.3, 6)
+    same = torch.arange(300, dtype=torch.int16).view(torch.uint8)
+    over = _rl_step(1_000, torch.bfloat16, 0.5, 7)
+    return [(*a, 2, 50_001), (*b, 4, 4_096), (same, same.clone(), 2, 10), (*over, 2, 100)]
+
+
+def test_many_pairs_give_each_pairs_list():
+    """One call over tensors of several sizes and widths (one unchanged, one over its cap) is
+    the list of one call per pair, element for element and in the same dtypes."""
+    pairs = _pairs()
+    many = changed_many_on_device(pairs)
+    assert many[3] is None  # half of the elements changed, the cap is 10%
+    assert many[2] is not None and many[2][0].numel() == 0 and many[2][0].dtype == torch.int32
+    for (new, base, size, cap), got in zip(pairs, many, strict=True):
+        one = changed_on_device(new, base, size, cap)
+        assert (one is None) == (got is None)
+        if got is not None:
+            assert got[0].dtype == one[0].dtype == torch.int32 and got[1].dtype == one[1].dtype
+            host = _host(new, base, size, cap)
+            assert np.array_equal(to_host(got)[0], host[0])
+            assert np.array_equal(to_host(got)[1], host[1])
+    assert changed_many_on_device([]) == []
+    with pytest.raises(ValueError, match="whole elements"):
+        changed_many_on_device([*pairs, (pairs[0][0][:3], pairs[0][1][:3], 2, 10)])
+
+
+@pytest.mark.gpu
+def test_cuda_lists_many_tensors_with_one_wait():
+    """On CUDA the lists of many tensors cost one wait for the device (the counts), not two
+    per tensor: ``torch.cuda.set_sync_debug_mode`` counts the synchronising calls."""
+    pairs = [(n.cuda(), b.cuda(), s, c) for n, b, s, c in _pairs()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as seen:
+            many = changed_many_on_device(pairs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(seen) == 1, [str(w.message) for w in seen]
+    for (new, base, size, cap), got in zip(_pairs(), many, strict=True):
+        host = _host(new, base, size, cap)
+        assert (host is None) == (got is None)
+        if got is not None:
+            assert np.array_equal(to_host(got)[0], host[0])
+            assert np.array_equal(to_host(got)[1], host[1])
 
 
 @pytest.mark.gpu
