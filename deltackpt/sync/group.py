@@ -490,11 +490,12 @@ class SyncGroup:
         nbytes: int,
         device: bool = False,
         header: torch.Tensor | None = None,
+        landed: bool = False,
     ) -> Any:
         assert self._host is not None
         if device:  # a device round: packed in the ipc bucket itself, its header in the cell
             assert self._ipc is not None
-            return self._ipc.publish(dst, tag, nbytes, device=True, header=header)
+            return self._ipc.publish(dst, tag, nbytes, device=True, header=header, landed=landed)
         return self._host.publish(dst, tag, nbytes)
 
     def publish_inline(self, dst: int, tag: int, header: torch.Tensor) -> Any:

@@ -336,19 +336,22 @@ class IpcLinks:
         n: int,
         device: bool = False,
         header: torch.Tensor | None = None,
+        landed: bool = False,
     ) -> Done:
         """The first ``n`` bytes of the bucket are the message of the current round: packed
         in :meth:`window` (copied to a CUDA bucket here) or, ``device``, in
         :meth:`device_window` (the device's work queued so far has landed when the cell
-        says so; ``header``: the message's header bytes on the host, written into the cell,
-        the bucket's own header room left as it is)."""
+        says so, waited for here unless ``landed``: the caller waited; ``header``: the
+        message's header bytes on the host, written into the cell, the bucket's own header room
+        left as it is)."""
         o = self._out[dst]
         b = o.buckets[tag]
         o.cellv[tag, HDR] = 0
         if header is not None:
             self._put_header(o, tag, header)
         if device:
-            cuda.wait_for(b.shared)
+            if not landed:
+                cuda.wait_for(b.shared)
         elif b.shared is not b.host:  # a CUDA bucket: landed on the device before the cell says so
             assert b.host is not None
             cuda.copy_and_wait(b.shared[:n], b.host[:n])

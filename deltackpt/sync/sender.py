@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from deltackpt import cuda
 from deltackpt.options import default_device_scan
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
@@ -69,6 +70,10 @@ _FAST = (frozenset({delta_codec.PACKED, delta_codec.SPARSE}), 1 / 16)
 _SMALL = (delta_codec.ALL, delta_codec.PACKED_BELOW)
 ENCODES = {"auto": ("gloo", _FAST), "patch": ("*", _SMALL), "dense": ("", _SMALL)}
 _ABORT_CHECK = 0.05  # seconds between looks at the abort key while sending
+# a device round publishes its packed buckets in groups of about this many bytes: one wait for
+# the device and one copy of the digests to the host per group, not per bucket (on one GPU the
+# sender's and the receiver's copies share its memory bandwidth: overlapping them gains little)
+_DEVICE_GROUP_BYTES = 256 << 20
 
 
 class WeightSender:
@@ -339,6 +344,18 @@ class WeightSender:
         dead: set[int] = set()
         wire_bytes = 0
         next_check = time.monotonic() + _ABORT_CHECK
+        group: list[tuple[LinkBucket, int, DeviceDigests]] = []  # packed, not yet published
+        group_bytes = 0
+
+        def flush() -> None:
+            nonlocal lost, group_bytes
+            if group:
+                for dst, work in self._publish_device(group, digests):
+                    if isinstance(work, SyncError):
+                        dead.add(dst)
+                        lost = lost or f"sending to rank {dst} failed ({cause_line(work)})"
+                group.clear()
+                group_bytes = 0
 
         def settle(slot: int) -> None:
             nonlocal lost
@@ -398,7 +415,11 @@ class WeightSender:
             fut = submit(i + 1)
             if bk.receiver in dead:
                 continue
-            if packed is not None and not (failure or aborted or lost):
+            ok = packed is not None and not (failure or aborted or lost)
+            if group and (not ok or group_bytes >= _DEVICE_GROUP_BYTES):
+                flush()
+            if ok:
+                assert packed is not None
                 nbytes, present, payload, zero_copy = packed
                 if isinstance(present, DeviceDigests):  # read at the publish or the round's end
                     if present.inline is None:
@@ -409,14 +430,14 @@ class WeightSender:
                             digests[(bk.receiver, bk.index, k)] = d
                 per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
                 buf = bufs[i % _RING][:nbytes]
+                if device:  # packed in the bucket, on its device: published with its group
+                    assert isinstance(present, DeviceDigests)
+                    group.append((bk, nbytes, present))
+                    group_bytes += nbytes
+                    wire_bytes += nbytes
+                    continue
                 try:
-                    if device:  # packed in the bucket, on its device
-                        assert isinstance(present, DeviceDigests)
-                        works[i % _RING] = (
-                            bk.receiver,
-                            self._publish_device(bk, nbytes, present, digests),
-                        )
-                    elif g.window(bk.receiver, bk.index) is not None:  # packed in place
+                    if g.window(bk.receiver, bk.index) is not None:  # packed in place
                         works[i % _RING] = (bk.receiver, g.publish(bk.receiver, bk.index, nbytes))
                     else:
                         works[i % _RING] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
@@ -440,6 +461,7 @@ class WeightSender:
                     dead.add(bk.receiver)
         if fut is not None:
             fut.result()
+        flush()
         for slot in range(_RING):
             settle(slot)
         if on_device:  # a device round's digests: one copy to the host for all its buckets
@@ -458,25 +480,41 @@ class WeightSender:
 
     def _publish_device(
         self,
-        bk: LinkBucket,
-        nbytes: int,
-        packed: DeviceDigests,
+        group: list[tuple[LinkBucket, int, DeviceDigests]],
         digests: dict[tuple[int, int, int], tuple[int, int]],
-    ) -> object:
-        """A device round's bucket published (``ipc_links.py``): its header in the link's cell
-        when it fits, the digests read into it now (the read waits for the device: the bucket
-        has landed), or the header alone when nothing was packed; else the header in the
-        bucket, its digests read with the round's others after the last bucket."""
+    ) -> list[tuple[int, object]]:
+        """A group of a device round's packed buckets (``bucket, message bytes, digests``)
+        published (``ipc_links.py``) after one wait for the device: the digests of those whose
+        header goes in the link's cell read in one copy and written into their headers (a
+        bucket with nothing packed is its header alone); the others' digests are read with the
+        round's last. Returns (receiver, work or the SyncError its publish raised) per bucket."""
         g = self.group
-        if packed.inline is None:
-            return g.publish(bk.receiver, bk.index, nbytes, device=True)
-        if not packed.present:
-            return g.publish_inline(bk.receiver, bk.index, packed.inline)
-        host = packed.rows.cpu().tolist()
-        for k, d in enumerate(packed.resolve(host, len(bk.pieces))):
-            if d is not None:
-                digests[(bk.receiver, bk.index, k)] = d
-        return g.publish(bk.receiver, bk.index, nbytes, device=True, header=packed.header(host))
+        rows = [p.rows for _, _, p in group if p.inline is not None and p.present]
+        host = torch.cat(rows).cpu().tolist() if rows else []
+        bk0 = group[0][0]
+        cuda.wait_for(g.device_window(bk0.receiver, bk0.index))  # the group has landed
+        out: list[tuple[int, object]] = []
+        at = 0
+        for bk, nbytes, packed in group:
+            try:
+                if packed.inline is None:
+                    work = g.publish(bk.receiver, bk.index, nbytes, device=True, landed=True)
+                elif not packed.present:
+                    work = g.publish_inline(bk.receiver, bk.index, packed.inline)
+                else:
+                    mine = host[at : at + len(packed.present)]
+                    at += len(packed.present)
+                    for k, d in enumerate(packed.resolve(mine, len(bk.pieces))):
+                        if d is not None:
+                            digests[(bk.receiver, bk.index, k)] = d
+                    header = packed.header(mine)
+                    work = g.publish(
+                        bk.receiver, bk.index, nbytes, device=True, header=header, landed=True
+                    )
+            except SyncError as e:
+                work = e
+            out.append((bk.receiver, work))
+        return out
 
     def _untouched_tensors(self, vers: dict[str, tuple[int, int, torch.Tensor]]) -> frozenset[str]:
         """``detect="version"``: the local tensors whose storage and in-place version counter

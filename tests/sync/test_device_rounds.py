@@ -30,10 +30,13 @@ def _state(big: bool = False) -> dict[str, torch.Tensor]:
 BIG_BUCKET = 5 << 20  # holds the big w3 whole (a device patch needs the whole tensor)
 
 
-def _trainer(port: int, detect: str) -> dict[str, Any]:
+def _trainer(port: int, detect: str, group_bytes: int | None = None) -> dict[str, Any]:
     from deltackpt import sync
     from deltackpt.options import overrides
+    from deltackpt.sync import sender as sender_mod
 
+    if group_bytes is not None:  # published in groups of this many bytes (default: one group)
+        sender_mod._DEVICE_GROUP_BYTES = group_bytes
     out: dict[str, Any] = {"scanned": [], "payload": [], "full": []}
     with overrides(DELTACKPT_DEVICE_ROUNDS="always"):
         group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc")
@@ -71,13 +74,21 @@ def _receiver(port: int) -> list[list[str]]:
     return bad
 
 
-@pytest.mark.parametrize("detect", ["version", "hash"])
-def test_a_delta_round_scans_only_what_torch_wrote_under_version_detection(detect: str) -> None:
+@pytest.mark.parametrize(
+    ("detect", "group_bytes"),
+    [("version", None), ("hash", None), ("hash", 1)],
+    ids=["version", "hash", "hash-one-bucket-per-publish"],
+)
+def test_a_delta_round_scans_only_what_torch_wrote_under_version_detection(
+    detect: str, group_bytes: int | None
+) -> None:
     port = free_port()
     trainer, bad = (
         o.unwrap()
         for o in spawn(
-            [(_trainer, (port, detect)), (_receiver, (port,))], timeout=90, fast_exit=True
+            [(_trainer, (port, detect, group_bytes)), (_receiver, (port,))],
+            timeout=90,
+            fast_exit=True,
         )
     )
     assert trainer["device"] and trainer["full"] == [True, False, False]
