@@ -25,7 +25,9 @@ __all__ = [
     "host_buffer",
     "ipc_collect",
     "is_device",
+    "register_host",
     "to_device",
+    "unregister_host",
     "wait_for",
 ]
 
@@ -83,6 +85,39 @@ def wait_for(t: torch.Tensor) -> None:
     (a device round's bucket before its peer is told, sync/ipc_links.py); nothing on CPU."""
     if is_device(t):
         torch.cuda.current_stream(t.device).synchronize()
+
+
+_REGISTERED: dict[int, int] = {}  # host address -> bytes, page-locked by register_host
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Page-lock the host memory of the contiguous CPU tensor ``t`` where it lies
+    (``cudaHostRegister``, portable to every device): copies between it and a GPU then run at
+    the link's speed and may be non-blocking, as from a pinned buffer, without a copy into one
+    (a shared-memory bucket another process maps: NCCL's shared-memory transport does the
+    same). True when ``t``'s memory is page-locked after the call (also when it already was);
+    False without CUDA, for an empty tensor, or when the driver refuses (a locked-memory limit:
+    the caller copies through pageable memory, slower). Undo with :func:`unregister_host`
+    before the memory is unmapped."""
+    if t.device.type != "cpu" or not t.numel() or not torch.cuda.is_available():
+        return False
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if ptr in _REGISTERED:
+        return True
+    if t.is_pinned():
+        return True
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # cudaHostRegisterPortable
+    if rc != 0:
+        torch.cuda.cudart().cudaGetLastError()  # clear it: the next CUDA call must not see it
+        return False
+    _REGISTERED[ptr] = nbytes
+    return True
+
+
+def unregister_host(t: torch.Tensor) -> None:
+    """Undo :func:`register_host` of ``t`` (nothing if it did not lock it)."""
+    if _REGISTERED.pop(t.data_ptr(), None) is not None:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
 def ipc_collect() -> None:

@@ -50,15 +50,16 @@ def patch_bytes(k: int, itemsize: int) -> int:
 
 def write_patch(room: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> int:
     """Write the patch (``idx``: element indices, ``vals``: their new values as integers of
-    their width) at the start of ``room`` (flat uint8, where the bucket lives); returns its
-    length."""
+    their width, where the tensor lives) at the start of ``room`` (flat uint8, where the
+    bucket lives); returns its length."""
     k, size = idx.numel(), vals.element_size()
     n = patch_bytes(k, size)
     room[:8].view(torch.int64).fill_(k)
     at = 8 + -(-4 * k // 8) * 8
-    room[8 : 8 + 4 * k].view(torch.int32).copy_(idx.to(torch.int32))
+    # from a GPU into a page-locked host bucket: queued, waited for with the bucket's publish
+    room[8 : 8 + 4 * k].view(torch.int32).copy_(idx.to(torch.int32), non_blocking=True)
     room[8 + 4 * k : at].zero_()
-    room[at:n].view(INT[size]).copy_(vals.view(INT[size]))
+    room[at:n].view(INT[size]).copy_(vals.view(INT[size]), non_blocking=True)
     return n
 
 

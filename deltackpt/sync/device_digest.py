@@ -62,12 +62,21 @@ def message_digest_rows(
     buf: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     known: Mapping[int, torch.Tensor] | None = None,
+    sources: Mapping[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`message_digests` left where ``buf`` lives: an int64 tensor [len(spans), 2],
     nothing waited for (the sender writes them into its header on the device, the receiver
-    compares a round's at once)."""
+    compares a round's at once). ``sources``: span index -> the span's bytes (flat uint8) on
+    another device, where they were copied into ``buf`` from (a GPU's tensors packed into a
+    host bucket): given for every span that is not ``known``, the digests are taken there and
+    left there, and nothing of ``buf`` is read."""
+    dev = buf.device
+    if sources:
+        dev = next(iter(sources.values())).device
+    elif known:
+        dev = next(iter(known.values())).device
     if not spans:
-        return torch.zeros(0, 2, dtype=torch.int64, device=buf.device)
+        return torch.zeros(0, 2, dtype=torch.int64, device=dev)
     if any(o < 0 or n < 0 or o + n > buf.numel() for o, n in spans):
         raise ValueError(f"spans must lie in the buffer of {buf.numel()} bytes: {list(spans)[:4]}")
     known = known or {}
@@ -78,26 +87,30 @@ def message_digest_rows(
         f if (f := known.get(k)) is not None and f.shape[0] else None for k in range(len(spans))
     ]
     todo = [k for k, (_, n) in enumerate(spans) if fps[k] is None and n]
-    got = many_fingerprints(
-        [buf[spans[k][0] : sum(spans[k])] for k in todo], CHUNK, fingerprint_kernel()
-    )
+    srcs = sources or {}
+    pieces = [srcs[k] if k in srcs else buf[spans[k][0] : sum(spans[k])] for k in todo]
+    if any(p.numel() != spans[k][1] for k, p in zip(todo, pieces, strict=True)):
+        raise ValueError("a source must hold its span's bytes")
+    got = many_fingerprints(pieces, CHUNK, fingerprint_kernel())
     for k, f in zip(todo, got, strict=True):
         fps[k] = f
     for k, (_, n) in enumerate(spans):
         if not n:  # one chunk of no words
-            fps[k] = torch.zeros(1, 2, dtype=torch.int64, device=buf.device)
-    return fold([f.to(buf.device) for f in fps if f is not None])
+            fps[k] = torch.zeros(1, 2, dtype=torch.int64, device=dev)
+    return fold([f.to(dev) for f in fps if f is not None])
 
 
 def message_digests(
     buf: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     known: Mapping[int, torch.Tensor] | None = None,
+    sources: Mapping[int, torch.Tensor] | None = None,
 ) -> list[tuple[int, int]]:
     """The digest of each ``(offset, nbytes)`` span of ``buf`` (1-D uint8, on any device).
     ``known``: span index -> its chunk fingerprints, already taken (the sender's device scan
-    of a whole tensor): only folded. One device-to-host copy."""
-    out = message_digest_rows(buf, spans, known).cpu().tolist()
+    of a whole tensor): only folded; ``sources``: as :func:`message_digest_rows`. One
+    device-to-host copy."""
+    out = message_digest_rows(buf, spans, known, sources).cpu().tolist()
     return [(int(a), int(b)) for a, b in out]
 
 

@@ -515,10 +515,11 @@ class SyncGroup:
         if self._ipc is not None:
             self._ipc.settle()
 
-    def device_window(self, dst: int, tag: int) -> torch.Tensor:
-        """A device round's bucket ``tag`` for ``dst`` (:attr:`device_rounds`)."""
+    def device_window(self, dst: int, tag: int, lock: bool = False) -> torch.Tensor:
+        """A device round's bucket ``tag`` for ``dst`` (:attr:`device_rounds`; ``lock``: a
+        host bucket a GPU copies into, page-locked first)."""
         assert self._ipc is not None
-        return self._ipc.device_window(dst, tag)
+        return self._ipc.device_window(dst, tag, lock)
 
     @property
     def device_rounds(self) -> bool:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,13 @@ def _open_cuda_handle(doc: dict[str, Any]) -> torch.Tensor:
 # ---- links --------------------------------------------------------------------------------
 
 
+def _unlock(buckets: Iterable[_Bucket]) -> None:
+    for b in buckets:
+        if b.locked:
+            b.locked = False
+            cuda.unregister_host(b.shared)
+
+
 @dataclass
 class _Bucket:
     """One bucket a sender owns: ``shared`` is what the receiver maps, ``host`` where a host
@@ -193,6 +201,7 @@ class _Bucket:
     shared: torch.Tensor
     host: torch.Tensor | None
     published: int = 0  # the last round published in it
+    locked: bool = False  # a host bucket page-locked for a device's copies (cuda.register_host)
 
 
 @dataclass
@@ -216,6 +225,7 @@ class _In:
     cells: torch.Tensor | None = None
     cellv: np.ndarray | None = None
     mapped: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    locked: set[int] = field(default_factory=set)  # mapped host buckets page-locked
 
 
 @dataclass
@@ -309,7 +319,13 @@ class IpcLinks:
 
     def _drop_acknowledged(self) -> None:
         if self._retired:
-            self._retired = [x for x in self._retired if not x.acknowledged()]
+            keep = []
+            for x in self._retired:
+                if x.acknowledged():
+                    _unlock(b for _, b in x.buckets)
+                else:
+                    keep.append(x)
+            self._retired = keep
 
     # ---- sender ---------------------------------------------------------------------------
 
@@ -323,11 +339,16 @@ class IpcLinks:
             b.host = cuda.host_buffer(o.slot, True)
         return b.host[: o.slot]
 
-    def device_window(self, dst: int, tag: int) -> torch.Tensor:
+    def device_window(self, dst: int, tag: int, lock: bool = False) -> torch.Tensor:
         """The bucket itself, where a device round packs (then ``publish(..., device=True)``):
-        device memory for a CUDA bucket, the shared tensor on CPU."""
+        device memory for a CUDA bucket, the shared tensor on CPU. ``lock``: a host bucket a
+        GPU copies into is page-locked first (once; ``cuda.register_host``), so those copies
+        run at the link's speed without waiting."""
         o = self._out[dst]
-        return o.buckets[tag].shared[: o.slot]
+        b = o.buckets[tag]
+        if lock and not b.locked and b.shared.device.type == "cpu":
+            b.locked = cuda.register_host(b.shared)
+        return b.shared[: o.slot]
 
     def publish(
         self,
@@ -440,7 +461,10 @@ class IpcLinks:
                 f"{what}: bucket {tag} names handle generation {gen}, which rank {src} never "
                 "posted (its cell was overwritten); the round fails, reconnect the group"
             )
-        lk.mapped.pop(tag, None)
+        old = lk.mapped.pop(tag, None)
+        if old is not None and tag in lk.locked:
+            lk.locked.discard(tag)
+            cuda.unregister_host(old[1])
         raw = bytes(g.guard("store get", lambda: g.store.get(key)))
         t = open_handle(raw, lk.slot, f"{what} bucket {tag}")
         lk.mapped[tag] = (gen, t)
@@ -472,7 +496,10 @@ class IpcLinks:
                 f"{what}: the cell of bucket {tag} claims {n} bytes, the bucket holds "
                 f"{bucket.numel()} and the staging {into.numel()}"
             )
-        into[:n].copy_(bucket[:n])  # out of the shared bucket before anything reads it
+        if into.device != bucket.device and tag not in lk.locked and cuda.register_host(bucket):
+            lk.locked.add(tag)  # a host bucket copied to a GPU: page-locked once, then async
+        # out of the shared bucket before anything reads it
+        into[:n].copy_(bucket[:n], non_blocking=tag in lk.locked)
         if hdr:  # waited for once a round, before the vote (settle; on CPU the copy has landed)
             self._pending.append((cellv, tag, seq, into))
             return
@@ -483,6 +510,14 @@ class IpcLinks:
 
     def close(self) -> None:
         """Drop every bucket, cell table and mapping of this rank (see module doc)."""
+        self.settle_copies()
+        for o in self._out.values():
+            _unlock(o.buckets)
+        for x in self._retired:
+            _unlock(b for _, b in x.buckets)
+        for lk in self._in.values():
+            for tag in lk.locked:
+                cuda.unregister_host(lk.mapped[tag][1])
         self._out.clear()
         self._in.clear()
         self._retired.clear()
@@ -494,6 +529,12 @@ class IpcLinks:
     def unlink(self) -> None:
         """Nothing to remove by name: PyTorch removes a shared bucket's file with its last
         mapping (:meth:`close`)."""
+
+    def settle_copies(self) -> None:
+        """Wait for queued copies out of mapped buckets (before they are unlocked or
+        dropped)."""
+        for t in {p[3].device: p[3] for p in self._pending}.values():
+            cuda.wait_for(t)
 
     @property
     def retired(self) -> int:

@@ -193,6 +193,7 @@ class Packer:
         present: list[int] = []
         known: dict[int, torch.Tensor] = {}  # a whole scanned tensor: its digest is a fold
         kinds: dict[int, int] = {}  # pieces sent as device patches
+        sources: dict[int, torch.Tensor] = {}  # pieces copied from another device: their bytes
         for k, (p, got) in enumerate(
             zip(bk.pieces, self._changed(sched, bk, full, scratch), strict=True)
         ):
@@ -215,6 +216,11 @@ class Packer:
             ):  # the changed elements only; the digest is of the new piece (its scan's fold)
                 length = write_patch(buf[pos : pos + p.nbytes], *found)
                 kinds[k] = wire.DEVICE_PATCH
+            elif src.device != buf.device:  # a GPU's tensor into a host bucket (page-locked)
+                piece = _on_device(src, dt, p.nbytes)
+                buf[pos : pos + p.nbytes].copy_(piece, non_blocking=True)
+                if not (fp is not None and whole):
+                    sources[len(spans)] = piece  # its digest taken where it is
             else:
                 wire.fill(buf[pos : pos + p.nbytes], src, dt)
             if fp is not None and whole:
@@ -230,7 +236,7 @@ class Packer:
         size = wire.write_header(
             host, seq, version, bk.index, wire.OK, heads, pos - start, base, device=True
         )
-        rows = message_digest_rows(buf, spans, known)
+        rows = message_digest_rows(buf, spans, known, sources)
         payload = sum(n for _, n in spans)
         if size <= 8 * INLINE_WORDS:  # the header goes in the link's cell, digests filled in
             return pos, DeviceDigests(present, rows, host[:size]), payload, []
@@ -309,3 +315,14 @@ class Packer:
         """Whether piece ``p`` needs a base: its link patches and its receiver holds the
         piece in the wire dtype (``Want.patch``)."""
         return bk.receiver in self.patch_links and sched.wanted[bk.receiver][p.want][0].patch
+
+
+def _on_device(src: torch.Tensor, dt: torch.dtype, nbytes: int) -> torch.Tensor:
+    """``src``'s bytes as ``dt``, flat uint8, where ``src`` lives: the tensor itself when it
+    is contiguous in that dtype, else a cast copy there (kept alive by the caching allocator
+    until the copies queued after it ran)."""
+    if src.dtype == dt and src.is_contiguous():
+        return src.reshape(-1).view(torch.uint8)
+    out = torch.empty(nbytes, dtype=torch.uint8, device=src.device)
+    wire.fill(out, src, dt)
+    return out

@@ -329,6 +329,7 @@ class WeightSender:
         message is a stub. ``device``: a device round, packed into the ipc buckets
         themselves (``Packer.device_message``)."""
         g = self.group
+        from_gpu = device and any(cuda.is_device(t) for t in self._local.values())
         works: list[tuple[int, object] | None] = [None] * _RING
         bufs: list[torch.Tensor] = list(self._ring)
         stubs: list[tuple[int, object, torch.Tensor]] = []
@@ -374,8 +375,8 @@ class WeightSender:
                 return None
             settle(i % _RING)
             bk = self._buckets[i]
-            if device:
-                win: torch.Tensor | None = g.device_window(bk.receiver, bk.index)
+            if device:  # a host bucket the GPU copies into: page-locked
+                win: torch.Tensor | None = g.device_window(bk.receiver, bk.index, lock=from_gpu)
             else:  # shm: pack straight into the link's slot
                 win = g.window(bk.receiver, bk.index)
             bufs[i % _RING] = self._ring[i % _RING] if win is None else win
@@ -491,8 +492,10 @@ class WeightSender:
         g = self.group
         rows = [p.rows for _, _, p in group if p.inline is not None and p.present]
         host = torch.cat(rows).cpu().tolist() if rows else []
-        bk0 = group[0][0]
-        cuda.wait_for(g.device_window(bk0.receiver, bk0.index))  # the group has landed
+        # the group has landed: packed where the digests were taken (a CUDA bucket's device,
+        # or the GPU whose tensors were copied into host buckets), so waited for there
+        for t in {p.rows.device: p.rows for _, _, p in group}.values():
+            cuda.wait_for(t)
         out: list[tuple[int, object]] = []
         at = 0
         for bk, nbytes, packed in group:

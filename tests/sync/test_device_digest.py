@@ -10,7 +10,12 @@ import torch
 
 from deltackpt.format.fingerprint import source_fingerprints
 from deltackpt.options import overrides
-from deltackpt.sync.device_digest import CHUNK, message_digests, piece_digest
+from deltackpt.sync.device_digest import (
+    CHUNK,
+    message_digest_rows,
+    message_digests,
+    piece_digest,
+)
 
 SIZES = (0, 3, 8, 13, 64, CHUNK, 2 * CHUNK + 5)  # empty, within a word, one, two chunks + a tail
 
@@ -73,6 +78,20 @@ def test_a_senders_known_chunk_fingerprints_fold_into_the_same_digests() -> None
     assert message_digests(buf, spans, known) == message_digests(buf, spans)
 
 
+def test_digests_taken_from_the_sources_are_those_of_the_buffer() -> None:
+    """A GPU's tensors packed into a host bucket: the digests are taken from the bytes where
+    they were copied from (``sources``), some spans known, and equal the bucket's; a source
+    that is not its span's size is refused. (On a GPU: ``test_cuda_gives_the_cpu_digests``.)"""
+    buf, spans, pieces = _message(4)
+    ref = message_digests(buf, spans)
+    known = {1: source_fingerprints(pieces[1], CHUNK)}
+    sources = {k: p.clone() for k, p in enumerate(pieces) if k != 1 and p.numel()}
+    scribbled = torch.zeros_like(buf)  # nothing of the buffer is read
+    assert message_digests(scribbled, spans, known, sources) == ref
+    with pytest.raises(ValueError, match="its span's bytes"):
+        message_digests(buf, spans, None, {6: pieces[6][:-1]})
+
+
 def test_spans_past_the_buffer_are_refused() -> None:
     buf = torch.zeros(64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="lie in the buffer"):
@@ -93,6 +112,10 @@ def test_cuda_gives_the_cpu_digests() -> None:
         piece = buf.cuda()[o : o + n]
         fused = source_fingerprints(piece, CHUNK, "compile")
         assert torch.equal(fused.cpu(), source_fingerprints(buf[o : o + n], CHUNK)), n
+    # a GPU's pieces copied into a host bucket: digests taken on the GPU, left there
+    sources = {k: buf.cuda()[o : o + n] for k, (o, n) in enumerate(spans) if n}
+    rows = message_digest_rows(torch.zeros_like(buf), spans, None, sources)
+    assert rows.is_cuda and [tuple(r) for r in rows.cpu().tolist()] == ref
     for knob in ("on", "triton"):  # torch.compile, the Triton kernel: the same digests
         with overrides(DELTACKPT_FINGERPRINT_COMPILE=knob):
             assert message_digests(buf.cuda(), spans) == ref, knob

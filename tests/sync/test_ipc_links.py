@@ -469,12 +469,12 @@ def test_a_trainer_killed_mid_round_fails_the_receiver_with_peer_lost(
 # ---- on a GPU: CUDA buckets ---------------------------------------------------------------
 
 
-def _cuda_trainer(port: int, mode: str) -> dict[str, Any]:
+def _cuda_trainer(port: int, mode: str, buckets_on: str = "cuda:0") -> dict[str, Any]:
     from deltackpt import sync
     from deltackpt.options import overrides
 
     group = sync.SyncGroup(
-        "127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device="cuda:0"
+        "127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device=buckets_on
     )
     sender = sync.WeightSender(group, bucket_bytes=BUCKET)
     stats = []
@@ -489,8 +489,11 @@ def _cuda_trainer(port: int, mode: str) -> dict[str, Any]:
         "payload": [s.payload_bytes for s in stats],
         "device_rounds": sender._device,
         "on_device": all(b.shared.is_cuda for b in buckets),
+        "locked": [b.locked and b.shared.is_pinned() for b in buckets],
         # a host round packs into a pinned buffer; a device round makes none
-        "pinned": [b.host is not None and b.host.is_pinned() for b in buckets],
+        "pinned": [
+            b.host is not None and b.host is not b.shared and b.host.is_pinned() for b in buckets
+        ],
     }
     group.pg.barrier().wait()
     group.close()
@@ -527,47 +530,63 @@ def _cuda_receiver(port: int, staging: str) -> dict[str, Any]:
         bad.append(mismatches(held, loaded, layout, receiver.version or 0))
     assert group._ipc is not None
     mapped_cuda = all(t.is_cuda for lk in group._ipc._in.values() for _, t in lk.mapped.values())
+    locked = [t.is_pinned() for lk in group._ipc._in.values() for _, t in lk.mapped.values()]
     staged = {str(s.device) for s in receiver._slots}
     if staging == "cpu":
         assert all(s.is_pinned() for s in receiver._slots)
     group.pg.barrier().wait()
     group.close()
-    return {"bad": bad, "version": receiver.version, "mapped_cuda": mapped_cuda, "staged": staged}
+    return {
+        "bad": bad,
+        "version": receiver.version,
+        "mapped_cuda": mapped_cuda,
+        "staged": staged,
+        "locked": locked,
+    }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "mode, staging, kernel",
+    "mode, staging, kernel, buckets_on",
     [
-        ("off", "cpu", "off"),
-        ("auto", "cpu", "off"),
-        ("auto", "cuda:0", "off"),
-        ("auto", "cuda:0", "triton"),
-        ("auto", "cpu", "triton"),
+        ("off", "cpu", "off", "cuda:0"),
+        ("auto", "cpu", "off", "cuda:0"),
+        ("auto", "cuda:0", "off", "cuda:0"),
+        ("auto", "cuda:0", "triton", "cuda:0"),
+        ("auto", "cpu", "triton", "cuda:0"),
+        # device rounds through host shared memory: the GPU's tensors copied into page-locked
+        # host buckets, digests taken on the trainer's GPU, checked on the receiver's
+        ("always", "cuda:0", "triton", "cpu"),
+        ("always", "cpu", "off", "cpu"),
     ],
 )
 def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
-    mode: str, staging: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+    mode: str, staging: str, kernel: str, buckets_on: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Host rounds (pinned buffer, xxh3) and device rounds (packed into the CUDA bucket,
     device digests), into host staging or device staging (``into`` on the device); the
-    device rounds' fingerprints by the torch operations or the Triton kernel (both sides)."""
+    device rounds' fingerprints by the torch operations or the Triton kernel (both sides);
+    device rounds through host buckets."""
     monkeypatch.setenv("DELTACKPT_FINGERPRINT_COMPILE", kernel)  # the spawned ranks inherit it
     port = free_port()
     trainer, rec = (
         o.unwrap()
         for o in spawn(
-            [(_cuda_trainer, (port, mode)), (_cuda_receiver, (port, staging))],
+            [(_cuda_trainer, (port, mode, buckets_on)), (_cuda_receiver, (port, staging))],
             timeout=120,
             fast_exit=True,
         )
     )
-    assert trainer["full"] == [True, False, True] and trainer["on_device"]
-    assert trainer["device_rounds"] == (mode == "auto")
+    host_buckets = buckets_on == "cpu"
+    assert trainer["full"] == [True, False, True] and trainer["on_device"] == (not host_buckets)
+    assert trainer["device_rounds"] == (mode != "off")
     assert all(trainer["pinned"]) == (mode == "off") and any(trainer["pinned"]) == (mode == "off")
+    assert all(trainer["locked"]) == host_buckets and any(trainer["locked"]) == host_buckets
     assert 0 < trainer["payload"][1] < trainer["payload"][0]  # only the changed tensor
-    assert rec["bad"] == [[], [], []] and rec["version"] == 3 and rec["mapped_cuda"]
-    assert rec["staged"] == {staging}
+    assert rec["bad"] == [[], [], []] and rec["version"] == 3
+    assert rec["mapped_cuda"] == (not host_buckets) and rec["staged"] == {staging}
+    # the receiver page-locks the host buckets it copies to its GPU from
+    assert all(rec["locked"]) == (host_buckets and staging != "cpu")
 
 
 # ---- handles, in one process ---------------------------------------------------------------
@@ -606,3 +625,24 @@ def test_a_handle_maps_the_same_bytes_and_a_wrong_one_is_refused() -> None:
     before = _files(os.getpid())
     del t, mapped
     assert len(_files(os.getpid())) == len(before) - 1  # the last mapping removed its file
+
+
+def test_a_host_bucket_is_page_locked_only_where_cuda_is() -> None:
+    """``cuda.register_host`` page-locks a shared host bucket for a GPU's copies where CUDA
+    is present (and unlocks it); without CUDA it says no and the bucket stays as it is."""
+    from deltackpt import cuda
+    from deltackpt.sync.ipc_links import share
+
+    t = share(1 << 20, torch.device("cpu"))
+    if not torch.cuda.is_available():
+        assert cuda.register_host(t) is False and not t.is_pinned()
+        cuda.unregister_host(t)  # nothing to undo
+        return
+    assert cuda.register_host(t) and t.is_pinned() and cuda.register_host(t)  # once
+    back = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    t.fill_(7)
+    back.copy_(t, non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(back.sum()) == 7 << 20
+    cuda.unregister_host(t)
+    assert not t.is_pinned() and cuda.register_host(torch.empty(0, dtype=torch.uint8)) is False
