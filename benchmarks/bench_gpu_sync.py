@@ -25,6 +25,11 @@ Rows:
   on a GPU; shared CPU storage without one), after one untimed round that plans and shares;
   then the same with the fingerprints (scan and digests) by the Triton kernel
   (``DELTACKPT_FINGERPRINT_COMPILE=triton``; the torch operations where Triton is missing);
+* host buckets (a third group, ``links="ipc", ipc_device="cpu"`` with
+  ``DELTACKPT_DEVICE_ROUNDS=always``; ``--no-host-buckets`` skips it): device rounds through
+  host shared memory, the trainer's tensors copied into page-locked buckets, digests taken on
+  its GPU (Triton), the receiver copying to its GPU and checking there: the shared-memory row
+  of issue 36's goals (<= 2x pinned D2H + H2D) without the host mirror or xxh3;
 * ceilings: one pinned D2H + H2D of the bytes (trainer's tensors -> pinned host buffers ->
   fresh device tensors), and a raw CUDA IPC round (the receiver maps the trainer's tensors with
   ``torch.multiprocessing`` and copies device to device; skipped without CUDA).
@@ -98,6 +103,16 @@ def ipc_plan(repeats: int) -> list[tuple[str, int]]:
         ("rl_triton", repeats),
         ("rl_dp_triton_first", 1),  # device bases again (rounds without patches drop them)
         ("rl_dp_triton", repeats),
+        ("delta_1_version_triton", repeats),
+    ]
+
+
+def host_bucket_plan(repeats: int) -> list[tuple[str, int]]:
+    """The host-bucket group's rounds (device rounds through host shared memory)."""
+    return [
+        ("triton_first", 1),  # plans, shares and page-locks the buckets, compiles the kernel
+        ("full_triton", repeats),
+        ("rl_triton", repeats),
         ("delta_1_version_triton", repeats),
     ]
 
@@ -232,12 +247,17 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     version = 0
 
     def push_rounds(
-        sender: Any, group: Any, plan: list[tuple[str, int]], rows: dict[str, list[Any]]
+        sender: Any,
+        group: Any,
+        plan: list[tuple[str, int]],
+        rows: dict[str, list[Any]],
+        extra: dict[str, str] | None = None,
     ) -> None:
         nonlocal version
         for kind, n in plan:
             sender.detect = "version" if "_version" in kind else "hash"
-            with overrides(**knobs, **kernel_knob(kind), DELTACKPT_DEVICE_PATCH=patch_mode(kind)):
+            knob = {**knobs, **kernel_knob(kind), "DELTACKPT_DEVICE_PATCH": patch_mode(kind)}
+            with overrides(**{**knob, **(extra or {})}):
                 for i in range(n):
                     change(kind, i)
                     version += 1
@@ -276,6 +296,18 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["ipc_handles"] = ipc_group._ipc.handles_sent
         _barrier(ipc_group)
         ipc_group.close()
+    if cfg["hb_port"]:  # device rounds through host shared memory
+        hb_group = sync.SyncGroup(
+            "127.0.0.1", cfg["hb_port"], 0, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
+        )
+        hb_sender = sync.WeightSender(hb_group, bucket_bytes=cfg["bucket_mb"] << 20)
+        res["hb_rows"] = {}
+        always = {"DELTACKPT_DEVICE_ROUNDS": "always"}
+        push_rounds(hb_sender, hb_group, host_bucket_plan(cfg["repeats"]), res["hb_rows"], always)
+        assert hb_group._ipc is not None
+        res["hb_locked"] = all(b.locked for o in hb_group._ipc._out.values() for b in o.buckets)
+        _barrier(hb_group)
+        hb_group.close()
     res["fingerprints"] = _fingerprints(state)
     if ipc is not None:
         _barrier(group)  # the receiver's IPC rounds
@@ -324,6 +356,14 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["ipc_rows"] = pull_rounds(ipc_recv, ipc_group, ipc_plan(cfg["repeats"]))
         _barrier(ipc_group)
         ipc_group.close()
+    if cfg["hb_port"]:
+        hb_group = sync.SyncGroup(
+            "127.0.0.1", cfg["hb_port"], 1, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
+        )
+        hb_recv = sync.WeightReceiver(hb_group, bucket_bytes=cfg["bucket_mb"] << 20, device=dev)
+        res["hb_rows"] = pull_rounds(hb_recv, hb_group, host_bucket_plan(cfg["repeats"]))
+        _barrier(hb_group)
+        hb_group.close()
     res["fingerprints"] = _fingerprints(mine)
     if ipc is not None:
         theirs = ipc.get(timeout=cfg["timeout"])
@@ -365,7 +405,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     q = ctx.Queue()
     ipc = ctx.Queue() if CUDA else None
     port = C.free_port()
-    cfg = {**cfg, "ipc_port": C.free_port() if cfg["ipc"] else 0}
+    cfg = {
+        **cfg,
+        "ipc_port": C.free_port() if cfg["ipc"] else 0,
+        "hb_port": C.free_port() if cfg["host_buckets"] else 0,
+    }
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, q, ipc)) for r in range(2)]
     for p in procs:
         p.start()
@@ -392,6 +436,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
         out["ipc_" + kind] = {**t["ipc_rows"][kind][best], **recs[best]}
     out["ipc_handles"] = t.get("ipc_handles")
+    for kind, recs in r.get("hb_rows", {}).items():
+        best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
+        out["hb_" + kind] = {**t["hb_rows"][kind][best], **recs[best]}
+    out["hb_locked"] = t.get("hb_locked")
     return out
 
 
@@ -419,6 +467,11 @@ def report(s: dict[str, Any], device: str) -> str:
             f"ipc, Triton fingerprints: RL-like ({RL_SHARE:.0%}), device patches"
         )
         labels["ipc_delta_1_version_triton"] = "ipc, Triton fingerprints: delta, 1 tensor, version"
+    if "hb_full_triton" in s:
+        hb = "host buckets, device rounds"
+        labels["hb_full_triton"] = f"{hb}: full round"
+        labels["hb_rl_triton"] = f"{hb}: RL-like ({RL_SHARE:.0%})"
+        labels["hb_delta_1_version_triton"] = f"{hb}: delta, 1 tensor, version"
     rows = []
     for kind, label in labels.items():
         x = s[kind]
@@ -447,7 +500,8 @@ def report(s: dict[str, Any], device: str) -> str:
     )
     head = (
         f"device {device}, {gb:.2f} GB bf16, 1 trainer -> 1 receiver, {s['links']} link (ipc rows: "
-        f"links='ipc', {s['ipc_handles']} bucket handles posted); best of the "
+        f"links='ipc', {s['ipc_handles']} bucket handles posted; host-bucket rows: ipc_device="
+        f"'cpu', buckets page-locked: {s.get('hb_locked')}); best of the "
         "repeats; round = receiver's pull incl. load_weights into its device tensors; "
         f"receiver bit-exact: {s['exact']}; trainer mirror {C.fmt_bytes(s['mirror_bytes'])} "
         f"(pinned: {s['mirror_pinned']}); device bases (device patches) "
@@ -479,7 +533,10 @@ def main() -> None:
     ap.add_argument(
         "--no-device-patch", action="store_true", help="skip the device-patch rows (rl_dp)"
     )
-    ap.add_argument("--timeout", type=float, default=85 if CUDA else 60)
+    ap.add_argument(
+        "--no-host-buckets", action="store_true", help="skip the host-bucket rows (hb_*)"
+    )
+    ap.add_argument("--timeout", type=float, default=100 if CUDA else 60)
     ap.add_argument(
         "--profile",
         default="",
@@ -494,6 +551,7 @@ def main() -> None:
         "links": args.links,
         "ipc": not args.no_ipc,
         "device_patch": not args.no_device_patch,
+        "host_buckets": not args.no_host_buckets,
         "timeout": args.timeout,
         "profile": args.profile,
     }

@@ -37,8 +37,8 @@ if box "${BENCH_S:-90}"; then
   timeout "${BENCH_S:-90}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
 fi
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
-if box "${SYNC_BENCH_S:-70}"; then
-  timeout "${SYNC_BENCH_S:-70}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" \
+if box "${SYNC_BENCH_S:-105}"; then
+  timeout "${SYNC_BENCH_S:-105}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" \
     --profile "${SYNC_PROFILE-full_triton}" 2>&1 \
     | tee -a "$LOG" || rc=1
 fi
@@ -47,8 +47,8 @@ if box "${DIGEST_S:-35}"; then  # device digests beside the fingerprints and a d
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order)
-if box "${SUITE_S:-145}"; then
-  timeout "${SUITE_S:-145}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
+if box "${SUITE_S:-110}"; then
+  timeout "${SUITE_S:-110}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
     ${SUITE_TESTS:-tests} >"$OUT/suite.log" 2>&1 || rc=1
   grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; tail -n 3 "$OUT/suite.log"
 fi
