@@ -28,7 +28,9 @@ DELTACKPT_DEVICE_ROUNDS    weight sync on an ipc link: ``auto`` (rounds on   aut
                            the trainer's tensors, verified with device
                            digests, applied from device staging), ``off``
                            (through the host, as on every other link),
-                           ``always`` (CPU buckets too: the test suite)
+                           ``always`` (host buckets too: a CUDA trainer's
+                           tensors copied into page-locked shared memory;
+                           the test suite's CPU stand-in)
 DELTACKPT_FINGERPRINT_COMPILE  chunk fingerprints of CUDA bytes (device       auto
                            scans, device saves, device digests): ``auto``
                            (one Triton kernel for all the chunks of a call
