@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -44,11 +45,25 @@ def init_gloo(rank: int, world: int, port: int, timeout: float = 30.0) -> Any:
     return dist.group.WORLD
 
 
+# ports below Linux's ephemeral range (32768-60999): the kernel never hands them to a client
+# socket, so between this check and the store's bind only another test can take one (the
+# kernel's own pick, bind(0), lies inside the range: seen taken by a connection's local end
+# before the store bound it, EADDRINUSE)
+_PORTS = (20000, 32767)
+_RNG = random.SystemRandom()  # not the random module's: a test that seeds it must not steer this
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free a moment ago on every address, below the ephemeral range, at random."""
+    for _ in range(200):
+        port = _RNG.randint(*_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_PORTS} after 200 tries")
 
 
 @dataclass
