@@ -46,10 +46,26 @@ if box "${DIGEST_S:-35}"; then  # device digests beside the fingerprints and a d
   timeout "${DIGEST_S:-35}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
-# SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order)
+# SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order).
+# Without SUITE_TESTS the suite runs in two parts within the box: first SUITE_FIRST (the tests
+# no GPU machine has run yet, session note 2026-11-27), then the rest of tests/ without them
 if box "${SUITE_S:-110}"; then
-  timeout "${SUITE_S:-110}" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
-    ${SUITE_TESTS:-tests} >"$OUT/suite.log" 2>&1 || rc=1
-  grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; tail -n 3 "$OUT/suite.log"
+  first=${SUITE_FIRST-tests/distributed tests/test_bad_args.py tests/test_checkpointer.py tests/test_checkpointer_tiers.py tests/integrations/test_lightning.py tests/integrations/test_lightning_tiers.py tests/format/test_patch_codec.py}
+  suite() {  # $1: seconds; the rest: what to run
+    local s=$1; shift
+    timeout "$s" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
+      "$@" >>"$OUT/suite.log" 2>&1 || rc=1
+  }
+  : >"$OUT/suite.log"
+  start=$(date +%s)
+  if [ -n "${SUITE_TESTS:-}" ] || [ -z "$first" ]; then
+    suite "${SUITE_S:-110}" ${SUITE_TESTS:-tests}
+  else
+    suite "${SUITE_S:-110}" $first
+    left=$(( ${SUITE_S:-110} - ($(date +%s) - start) ))
+    ignores=$(for p in $first; do printf -- "--ignore=%s " "$p"; done)
+    [ "$left" -gt 5 ] && suite "$left" tests $ignores
+  fi
+  grep -E "(FAILED|ERROR)( |$)" "$OUT/suite.log" | grep -v "^\[gw.*PASSED" | tail -n 40; grep -E "^(=+ .*(passed|failed).*=+)$" "$OUT/suite.log"
 fi
 exit $rc
