@@ -108,7 +108,7 @@ def register_host(t: torch.Tensor) -> bool:
         return True
     rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # cudaHostRegisterPortable
     if rc != 0:
-        torch.cuda.cudart().cudaGetLastError()  # clear it: the next CUDA call must not see it
+        _drain_error()
         return False
     _REGISTERED[ptr] = nbytes
     return True
@@ -116,8 +116,20 @@ def register_host(t: torch.Tensor) -> bool:
 
 def unregister_host(t: torch.Tensor) -> None:
     """Undo :func:`register_host` of ``t`` (nothing if it did not lock it)."""
-    if _REGISTERED.pop(t.data_ptr(), None) is not None:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    locked = _REGISTERED.pop(t.data_ptr(), None) is not None
+    if locked and int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
+        _drain_error()
+
+
+def _drain_error() -> None:
+    """A failed runtime call (``cudaHostRegister``) leaves its error as the thread's last CUDA
+    error, which torch's next kernel-launch check would raise as its own (torch binds no
+    ``cudaGetLastError``): a tiny kernel's check takes it here instead, and it is dropped."""
+    try:
+        torch.ones(1, dtype=torch.uint8, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
 
 
 def ipc_collect() -> None:
