@@ -115,9 +115,12 @@ def register_host(t: torch.Tensor) -> bool:
 
 
 def unregister_host(t: torch.Tensor) -> None:
-    """Undo :func:`register_host` of ``t`` (nothing if it did not lock it)."""
-    locked = _REGISTERED.pop(t.data_ptr(), None) is not None
-    if locked and int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
+    """Undo :func:`register_host` of ``t`` (nothing if it did not lock it), once the copies
+    queued on the devices have run (a failed round may leave one in flight)."""
+    if _REGISTERED.pop(t.data_ptr(), None) is None:
+        return
+    torch.cuda.synchronize()
+    if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
         _drain_error()
 
 

@@ -277,7 +277,15 @@ class IpcLinks:
                 old = self._in.get(s)
                 keep = {} if old is None or old.slot != slot else old.mapped
                 mapped = {t: m for t, m in keep.items() if t < n}
-                ins[s] = _In(f"ipc/c/{setup}/{s}-{me}", n, slot, mapped=mapped)
+                locked = set() if old is None else old.locked & set(mapped)
+                if old is not None:  # mappings dropped: unlocked first
+                    for t in old.locked - locked:
+                        cuda.unregister_host(old.mapped[t][1])
+                ins[s] = _In(f"ipc/c/{setup}/{s}-{me}", n, slot, mapped=mapped, locked=locked)
+        for s_, lk in self._in.items():  # links this rank no longer receives on
+            if s_ not in ins:
+                for t in lk.locked:
+                    cuda.unregister_host(lk.mapped[t][1])
         for r, o in self._out.items():
             if r not in out:
                 self._retire(o, list(enumerate(o.buckets)))
