@@ -30,8 +30,14 @@ copies the words out of the cell and reads the header from that copy
 (:meth:`IpcLinks.inline_header`), as untrusted as a bucket's. With a header in its cell, the
 receiver's copy of the bucket is not waited for message by message: :meth:`IpcLinks.settle`
 waits once for all of a round's, before the receiver's vote, and only then acknowledges them.
-So an unchanged bucket costs neither side any work on the device, and a changed one the
-sender one wait and the receiver none of its own.
+So an unchanged bucket costs neither side any work on the device, and the sender waits for its
+device once per group of buckets it publishes (``WeightSender``), the receiver once per round.
+
+Host buckets (``ipc_device="cpu"``) of a trainer whose tensors are on a GPU (a device round
+through host shared memory, ``DELTACKPT_DEVICE_ROUNDS=always``) are page-locked by the sender
+when it first packs into them, and by a receiver when it first copies one to its GPU
+(``cuda.register_host``), so those copies run at the link's speed and without waiting; each side
+unlocks what it locked when the mapping or bucket is dropped (a re-plan, ``close``).
 
 Lifetimes: the sender keeps a bucket until the receiver acknowledged the last round published
 in it; a bucket a re-plan replaces is retired and dropped once acknowledged, or at ``close``.
