@@ -14,17 +14,24 @@ collective or starts a thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 __all__ = [
     "DeviceCopies",
     "HostCopies",
     "StageCopies",
     "copy_and_wait",
+    "current_stream",
     "device_room",
     "host_buffer",
     "ipc_collect",
     "is_device",
+    "on_stream",
     "register_host",
     "to_device",
     "unregister_host",
@@ -133,6 +140,21 @@ def _drain_error() -> None:
         torch.cuda.synchronize()
     except RuntimeError:
         pass
+
+
+def on_stream(stream: Any, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with ``stream`` (a CUDA stream, or None: the CPU stand-in) as the
+    thread's current stream: for a worker thread that must queue its device work where the
+    thread that handed it over queues its own (a thread starts on the default stream)."""
+    if stream is None:
+        return fn(*args)
+    with torch.cuda.stream(stream):
+        return fn(*args)
+
+
+def current_stream(device: torch.device) -> Any:
+    """The calling thread's current stream on ``device``, or None for a CPU device."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 def ipc_collect() -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -329,7 +330,11 @@ class WeightSender:
         message is a stub. ``device``: a device round, packed into the ipc buckets
         themselves (``Packer.device_message``)."""
         g = self.group
-        from_gpu = device and any(cuda.is_device(t) for t in self._local.values())
+        gpu = next((t.device for t in self._local.values() if cuda.is_device(t)), None)
+        from_gpu = device and gpu is not None
+        # the packing thread queues its device work on the caller's stream (a thread starts on
+        # the default stream): after the caller's writes, before this thread's reads of it
+        stream = None if gpu is None else cuda.current_stream(gpu)
         works: list[tuple[int, object] | None] = [None] * _RING
         bufs: list[torch.Tensor] = list(self._ring)
         stubs: list[tuple[int, object, torch.Tensor]] = []
@@ -381,7 +386,11 @@ class WeightSender:
                 win = g.window(bk.receiver, bk.index)
             bufs[i % _RING] = self._ring[i % _RING] if win is None else win
             args = (sched, bk, bufs[i % _RING], seq, version, full)
-            pack = self._packer.device_message if device else self._packer.message
+            pack = partial(
+                cuda.on_stream,
+                stream,
+                self._packer.device_message if device else self._packer.message,
+            )
             if not full and self._untouched(sched, bk):  # a header only: no thread hand-off
                 done: Future[Packed] = Future()
                 try:

@@ -469,7 +469,11 @@ def test_a_trainer_killed_mid_round_fails_the_receiver_with_peer_lost(
 # ---- on a GPU: CUDA buckets ---------------------------------------------------------------
 
 
-def _cuda_trainer(port: int, mode: str, buckets_on: str = "cuda:0") -> dict[str, Any]:
+def _cuda_trainer(
+    port: int, mode: str, buckets_on: str = "cuda:0", side_stream: bool = False
+) -> dict[str, Any]:
+    import contextlib
+
     from deltackpt import sync
     from deltackpt.options import overrides
 
@@ -478,9 +482,15 @@ def _cuda_trainer(port: int, mode: str, buckets_on: str = "cuda:0") -> dict[str,
     )
     sender = sync.WeightSender(group, bucket_bytes=BUCKET)
     stats = []
-    with overrides(DELTACKPT_DEVICE_ROUNDS=mode):
+    # side_stream: the trainer writes its tensors and pushes on a stream of its own (the sender
+    # must queue its device work after those writes, not on the default stream)
+    ctx = torch.cuda.stream(torch.cuda.Stream()) if side_stream else contextlib.nullcontext()
+    with overrides(DELTACKPT_DEVICE_ROUNDS=mode), ctx:
         for v in (1, 2, 3):
             state = {n: t.to("cuda:0") for n, t in make_state(v).items()}
+            if side_stream:  # a long kernel queued last on this stream: a race would show
+                for t in state.values():
+                    t.mul_(2.0).mul_(0.5)
             stats.append(sender.push(state, version=v, full=v == 3))
     assert group._ipc is not None
     buckets = [b for o in group._ipc._out.values() for b in o.buckets]
@@ -547,21 +557,27 @@ def _cuda_receiver(port: int, staging: str) -> dict[str, Any]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "mode, staging, kernel, buckets_on",
+    "mode, staging, kernel, buckets_on, side_stream",
     [
-        ("off", "cpu", "off", "cuda:0"),
-        ("auto", "cpu", "off", "cuda:0"),
-        ("auto", "cuda:0", "off", "cuda:0"),
-        ("auto", "cuda:0", "triton", "cuda:0"),
-        ("auto", "cpu", "triton", "cuda:0"),
+        ("off", "cpu", "off", "cuda:0", False),
+        ("auto", "cpu", "off", "cuda:0", False),
+        ("auto", "cuda:0", "off", "cuda:0", False),
+        ("auto", "cuda:0", "triton", "cuda:0", False),
+        ("auto", "cpu", "triton", "cuda:0", False),
+        ("auto", "cuda:0", "triton", "cuda:0", True),
         # device rounds through host shared memory: the GPU's tensors copied into page-locked
         # host buckets, digests taken on the trainer's GPU, checked on the receiver's
-        ("always", "cuda:0", "triton", "cpu"),
-        ("always", "cpu", "off", "cpu"),
+        ("always", "cuda:0", "triton", "cpu", False),
+        ("always", "cpu", "off", "cpu", True),
     ],
 )
 def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
-    mode: str, staging: str, kernel: str, buckets_on: str, monkeypatch: pytest.MonkeyPatch
+    mode: str,
+    staging: str,
+    kernel: str,
+    buckets_on: str,
+    side_stream: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Host rounds (pinned buffer, xxh3) and device rounds (packed into the CUDA bucket,
     device digests), into host staging or device staging (``into`` on the device); the
@@ -572,7 +588,10 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
     trainer, rec = (
         o.unwrap()
         for o in spawn(
-            [(_cuda_trainer, (port, mode, buckets_on)), (_cuda_receiver, (port, staging))],
+            [
+                (_cuda_trainer, (port, mode, buckets_on, side_stream)),
+                (_cuda_receiver, (port, staging)),
+            ],
             timeout=120,
             fast_exit=True,
         )
