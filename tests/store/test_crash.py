@@ -269,6 +269,20 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def open_files(under: Path) -> set[str]:
+    """The files under ``under`` this process holds open (a count of every descriptor would
+    also see an earlier test's sockets closed by the garbage collector meanwhile)."""
+    root, out = str(under.resolve()), set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith(root + os.sep):
+            out.add(target)
+    return out
+
+
 def settle(store: Path, quiet: float = 0.3, timeout: float = 10.0) -> None:
     """Wait until packs/ and our open files stop changing for ``quiet`` seconds."""
     deadline = time.monotonic() + timeout
@@ -314,7 +328,7 @@ def _faulty(store: Path, where: str) -> Store:
 def test_failed_save_is_invisible_and_can_be_retried(small_store: Path, where: str) -> None:
     store = small_store
     packs_before = set(pack_sizes(store))
-    fds_before = open_fds()
+    files_before = open_files(store)
     faulty = _faulty(store, where)
     try:
         with pytest.raises(OSError, match="injected"):
@@ -323,7 +337,7 @@ def test_failed_save_is_invisible_and_can_be_retried(small_store: Path, where: s
     finally:
         close_store(faulty)
     if where == "pack_create":  # no writer ever existed: nothing may stay open or on disk
-        assert open_fds() == fds_before
+        assert open_files(store) == files_before
         assert set(pack_sizes(store)) == packs_before
 
     # the failed name does not exist, the earlier snapshots are intact
@@ -363,7 +377,7 @@ def test_failed_save_stops_writing_before_it_raises(tmp_path: Path) -> None:
         time.sleep(0.002)
 
     faulty = faulty_store(store, on_write=on_write)
-    fds_before = open_fds()
+    files_before = open_files(store)
     try:
         with pytest.raises(OSError, match="injected"):
             deltackpt.save({"w": torch.randn(4 << 20)}, faulty, "s", threads=4)  # 256 chunks
@@ -371,6 +385,6 @@ def test_failed_save_stops_writing_before_it_raises(tmp_path: Path) -> None:
         settle(store)
         assert calls[0] == at_raise, f"{calls[0] - at_raise} payloads written after save() raised"
         assert pack_sizes(store) == {}
-        assert open_fds() == fds_before
+        assert open_files(store) == files_before
     finally:
         close_store(faulty)
