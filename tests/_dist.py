@@ -85,10 +85,18 @@ class Outcome:
 
 
 def _child(
-    index: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any, fast_exit: bool
+    index: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    q: Any,
+    fast_exit: bool,
+    env: dict[str, str] | None = None,
 ) -> None:
     import torch
 
+    if env is not None:  # the parent's environment now, not the fork server's at its start
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(1)
     try:
         q.put((index, True, fn(*args)))
@@ -98,6 +106,19 @@ def _child(
         q.close()
         q.join_thread()  # the result is in the pipe
         os._exit(0)
+
+
+def _context() -> Any:
+    """Children forked from a server that imported torch once (``forkserver``, preloaded): a
+    spawned child imports it again, ~1.7 s of CPU each, hundreds of times a suite run. Each
+    child gets the parent's environment as it is when it starts (``_child``); what torch reads
+    at import comes from the server's (started at a worker's first ``spawn``).
+    ``DELTACKPT_TEST_SPAWN=spawn``: a fresh interpreter per child, as before."""
+    if os.environ.get("DELTACKPT_TEST_SPAWN", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 def spawn(
@@ -110,10 +131,11 @@ def spawn(
 
     ``fast_exit``: children leave with ``os._exit`` once their result is sent, skipping
     interpreter teardown (atexit handlers, unflushed files) — seconds saved per process."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(i, fn, args, q, fast_exit), daemon=True)
+        ctx.Process(target=_child, args=(i, fn, args, q, fast_exit, env), daemon=True)
         for i, (fn, args) in enumerate(targets)
     ]
     outcomes = [Outcome(i) for i in range(len(procs))]
