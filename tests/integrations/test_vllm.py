@@ -8,10 +8,7 @@ vLLM's CPU build keeps linear weights in their parameters on some processors (AV
 them into kernels, leaving the parameters empty, on others (AVX-512, AMX). Both layouts are
 forced (``_vllm_linear/``), so the worker's two paths run on every machine: ``run`` (every
 scenario) keeps them, as a GPU does, so its commits write into the parameters (in-place
-commits, ``inplace.py``); ``other`` (the short run) repacks them, so its commits reload. The
-short run costs another engine (~30-50 s of the suite's 10-minute budget) and runs with
-``DELTACKPT_TEST_VLLM_LAYOUTS=keep,repack``; the repacked layout's commits (reloads) run in
-every suite run at TP=2 (``test_vllm_tp.py``, whose engine repacks on every processor).
+commits, ``inplace.py``); ``other`` (the short run) repacks them, so its commits reload.
 
 The refit through the store (the worker extension's ``deltackpt_follow``: a trainer publishes
 versions to a store, the engine's workers pull them, incrementally after the first, and fail
@@ -22,7 +19,6 @@ linear weights, so the follower's commits go in place), which saves an engine st
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -49,10 +45,6 @@ def layout(run: dict[str, Any]) -> str:
     return "repack" if LINEAR in run["emptied"] else "keep"
 
 
-LAYOUTS = os.environ.get("DELTACKPT_TEST_VLLM_LAYOUTS", "keep").split(",")
-RUNS = [{"keep": "run", "repack": "other"}[x] for x in LAYOUTS]
-
-
 @pytest.fixture(scope="module")
 def other(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The short run (rounds, tampering, and the same weights reloaded by vLLM from disk in the
@@ -60,7 +52,7 @@ def other(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict
     return run_script(tmp_path_factory, "_vllm_run.py", "--short", linear="repack")
 
 
-@pytest.fixture(params=RUNS)
+@pytest.fixture(params=["run", "other"])
 def either(request: pytest.FixtureRequest) -> dict[str, Any]:
     """Each run in turn: linear weights kept, then repacked."""
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
@@ -77,10 +69,8 @@ def test_every_round_commits_the_trainers_bits(either):
         assert r["engine_version"] == str(r["version"]), r["tag"]
 
 
-def test_both_linear_layouts_run(run, request):
-    assert layout(run) == "keep"
-    if "repack" in LAYOUTS:
-        assert layout(request.getfixturevalue("other")) == "repack"
+def test_both_linear_layouts_run(run, other):
+    assert (layout(run), layout(other)) == ("keep", "repack")
     # every parameter readable where they are kept, fused ones too
     assert "model.layers.1.self_attn.qkv_proj.weight" in rounds(run)["delta3"]["readable"]
     assert "model.layers.1.mlp.gate_up_proj.weight" in rounds(run)["delta3"]["readable"]
@@ -175,17 +165,15 @@ def test_after_a_commit_requests_are_served_by_the_new_weights_only(run):
     check_prefix_cache(run["commit"])
 
 
-def test_commits_write_into_kept_parameters_and_take_failures_back_there(run, request):
+def test_commits_write_into_kept_parameters_and_take_failures_back_there(run, other):
     """``run`` keeps its linear weights: the staged commit, every failed one and its rollback
     go in place (checked bit-exact by the tests above); ``other`` repacks them: reloads."""
     c = run["commit"]
     assert c["staged"]["path"] == ["in place"]
     assert [f["path"] for f in c["failures"]] == [["in place"]] * len(c["failures"])
-    if "repack" in LAYOUTS:
-        other = request.getfixturevalue("other")
-        assert [r["worker"]["path"] for r in other["rounds"][1:]] == ["reload"] * (
-            len(other["rounds"]) - 1
-        )
+    assert [r["worker"]["path"] for r in other["rounds"][1:]] == ["reload"] * (
+        len(other["rounds"]) - 1
+    )
 
 
 # ---- refit through the store (_vllm_store.py, at the end of the main run) -------------------

@@ -3,9 +3,7 @@
 Skipped when that environment is absent (``.ci/vllm-env``) or the machine has fewer than two
 cores to bind. The engine runs with its linear weights repacked into CPU kernels whatever the
 processor (``linear="repack"``, ``_vllm_linear/``): so the layout report of an emptied
-tensor-parallel parameter is checked on every machine, and so are the repacked layout's
-commits (reloads); ``test_vllm.py`` runs the kept layout at TP=1 (both with
-``DELTACKPT_TEST_VLLM_LAYOUTS=keep,repack``).
+tensor-parallel parameter is checked on every machine; ``test_vllm.py`` runs both layouts.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ weights (``reload_weights``; ``test_vllm.py`` compares with a fresh engine at TP
 with the weights repacked into CPU kernels (``linear="repack"``: parameters emptied, checked by
 tokens) passes too but costs another TP=2 engine (~60 s of the suite's 10-minute budget): it runs
 with ``DELTACKPT_TEST_TP_BOXES_LAYOUTS=keep,repack``. The repack path itself runs in every suite
-run at TP=2 with whole tensors (``test_vllm_tp.py``, repacked on every processor).
+run at TP=1 (``test_vllm.py``) and at TP=2 with whole tensors (``test_vllm_tp.py``, on processors
+where vLLM repacks, this one included).
 """
 
 from __future__ import annotations
