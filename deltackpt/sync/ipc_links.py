@@ -207,7 +207,9 @@ class _Bucket:
     shared: torch.Tensor
     host: torch.Tensor | None
     published: int = 0  # the last round published in it
-    locked: bool = False  # a host bucket page-locked for a device's copies (cuda.register_host)
+    # a host bucket page-locked for a device's copies (cuda.register_host); None: not tried
+    # (a refusal is not retried every round)
+    locked: bool | None = None
 
 
 @dataclass
@@ -231,7 +233,14 @@ class _In:
     cells: torch.Tensor | None = None
     cellv: np.ndarray | None = None
     mapped: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    locked: set[int] = field(default_factory=set)  # mapped host buckets page-locked
+    # mapped host buckets copied to a GPU: page-locked (True) or refused (False, not retried)
+    locked: dict[int, bool] = field(default_factory=dict)
+
+    def unlock(self, tags: Iterable[int]) -> None:
+        """Unlock the mappings of ``tags`` this rank page-locked (before they are dropped)."""
+        for t in list(tags):
+            if self.locked.pop(t, False):
+                cuda.unregister_host(self.mapped[t][1])
 
 
 @dataclass
@@ -283,15 +292,13 @@ class IpcLinks:
                 old = self._in.get(s)
                 keep = {} if old is None or old.slot != slot else old.mapped
                 mapped = {t: m for t, m in keep.items() if t < n}
-                locked = set() if old is None else old.locked & set(mapped)
                 if old is not None:  # mappings dropped: unlocked first
-                    for t in old.locked - locked:
-                        cuda.unregister_host(old.mapped[t][1])
+                    old.unlock([t for t in old.locked if t not in mapped])
+                locked = {} if old is None else old.locked
                 ins[s] = _In(f"ipc/c/{setup}/{s}-{me}", n, slot, mapped=mapped, locked=locked)
         for s_, lk in self._in.items():  # links this rank no longer receives on
             if s_ not in ins:
-                for t in lk.locked:
-                    cuda.unregister_host(lk.mapped[t][1])
+                lk.unlock(lk.locked)
         for r, o in self._out.items():
             if r not in out:
                 self._retire(o, list(enumerate(o.buckets)))
@@ -360,7 +367,7 @@ class IpcLinks:
         run at the link's speed without waiting."""
         o = self._out[dst]
         b = o.buckets[tag]
-        if lock and not b.locked and b.shared.device.type == "cpu":
+        if lock and b.locked is None and b.shared.device.type == "cpu":
             b.locked = cuda.register_host(b.shared)
         return b.shared[: o.slot]
 
@@ -428,8 +435,7 @@ class IpcLinks:
         """Wait once for the copies out of the buckets whose header came in the cell (queued,
         not waited for, by the receives), then acknowledge them: before the receiver votes."""
         if self._pending:
-            for t in {p[3].device: p[3] for p in self._pending}.values():
-                cuda.wait_for(t)
+            self.settle_copies()
             for cellv, tag, seq, _ in self._pending:
                 cellv[tag, ACK] = seq
             self._pending.clear()
@@ -475,10 +481,8 @@ class IpcLinks:
                 f"{what}: bucket {tag} names handle generation {gen}, which rank {src} never "
                 "posted (its cell was overwritten); the round fails, reconnect the group"
             )
-        old = lk.mapped.pop(tag, None)
-        if old is not None and tag in lk.locked:
-            lk.locked.discard(tag)
-            cuda.unregister_host(old[1])
+        lk.unlock([tag])
+        lk.mapped.pop(tag, None)
         raw = bytes(g.guard("store get", lambda: g.store.get(key)))
         t = open_handle(raw, lk.slot, f"{what} bucket {tag}")
         lk.mapped[tag] = (gen, t)
@@ -510,10 +514,10 @@ class IpcLinks:
                 f"{what}: the cell of bucket {tag} claims {n} bytes, the bucket holds "
                 f"{bucket.numel()} and the staging {into.numel()}"
             )
-        if into.device != bucket.device and tag not in lk.locked and cuda.register_host(bucket):
-            lk.locked.add(tag)  # a host bucket copied to a GPU: page-locked once, then async
+        if into.device != bucket.device and tag not in lk.locked and bucket.device.type == "cpu":
+            lk.locked[tag] = cuda.register_host(bucket)  # once: then copied without waiting
         # out of the shared bucket before anything reads it
-        into[:n].copy_(bucket[:n], non_blocking=tag in lk.locked)
+        into[:n].copy_(bucket[:n], non_blocking=lk.locked.get(tag, False))
         if hdr:  # waited for once a round, before the vote (settle; on CPU the copy has landed)
             self._pending.append((cellv, tag, seq, into))
             return
@@ -530,8 +534,7 @@ class IpcLinks:
         for x in self._retired:
             _unlock(b for _, b in x.buckets)
         for lk in self._in.values():
-            for tag in lk.locked:
-                cuda.unregister_host(lk.mapped[tag][1])
+            lk.unlock(lk.locked)
         self._out.clear()
         self._in.clear()
         self._retired.clear()
