@@ -74,10 +74,12 @@ def async_save(
     """Stage ``state`` into reused host buffers and save it in the background.
 
     Returns once the state is staged (on CPU; on CUDA once the copies are queued, with
-    ``handle.staged`` done when they land). Training may mutate the state as soon as
-    ``handle.staged`` is done. ``handle.result()`` returns the :class:`SnapshotInfo` once the
-    snapshot is committed, or raises the background failure. ``after_commit`` runs (on every
-    rank) after a successful commit; its failure only warns.
+    ``handle.staged`` done when they land). Training may mutate the state as soon as this
+    returns: on CUDA the device's current stream waits for the copies, so the next step's
+    kernels run after them while this thread goes on (work on another stream, or writes from
+    the host, wait for ``handle.staged`` first). ``handle.result()`` returns the
+    :class:`SnapshotInfo` once the snapshot is committed, or raises the background failure.
+    ``after_commit`` runs (on every rank) after a successful commit; its failure only warns.
 
     >>> h = deltackpt.async_save({"model": model.state_dict()}, "ckpts", "step-200")  # doctest: +SKIP
     >>> ...  # keep training

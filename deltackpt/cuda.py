@@ -204,16 +204,13 @@ class StageCopies(_SideStreams):
     * :meth:`to_host`: into a (pinned) host buffer, non-blocking;
     * :meth:`hold`: into fresh device memory (~3 TB/s on an H100, where pinning a new host buffer
       runs at ~2.5 GB/s); the copy goes to the host later, by :meth:`to_host` from any thread;
-    * :meth:`mark`: an event per device after the copies queued so far. Where it held copies, the
-      device's current stream waits for that event, so kernels the caller queues after the call
-      cannot change the bytes before they are held (the host thread does not wait).
+    * :meth:`mark`: an event per device after the copies queued so far; the device's current
+      stream waits for it, so kernels the caller queues there after the call cannot change the
+      bytes before they are copied or held (the host thread does not wait: an async save returns
+      while its copies run, and the training step queued next runs after them on the device).
 
     On CPU (the stand-in) every copy is synchronous and :meth:`hold` is a clone into an ordinary
     buffer. :meth:`synchronize` returns once every queued copy has landed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._holding: set[torch.device] = set()
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)`` (``dst`` on the host; ``src`` live or held)."""
@@ -237,7 +234,6 @@ class StageCopies(_SideStreams):
             dst.copy_(src, non_blocking=True)
         src.record_stream(s)
         dst.record_stream(s)
-        self._holding.add(src.device)
         return dst
 
     def mark(self) -> Events | None:
@@ -248,8 +244,8 @@ class StageCopies(_SideStreams):
         for device, s in self._streams.items():
             ev = torch.cuda.Event()
             ev.record(s)
-            if device in self._holding:
-                torch.cuda.current_stream(device).wait_event(ev)
+            # the caller's next kernels (an optimizer step) wait for the copies, not its thread
+            torch.cuda.current_stream(device).wait_event(ev)
             events.append(ev)
         return Events(events)
 

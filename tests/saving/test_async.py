@@ -311,6 +311,26 @@ def test_cuda_state_is_staged_into_pinned_buffers(store_dir):
     assert buf.is_pinned()
 
 
+@pytest.mark.gpu
+def test_cuda_state_changed_right_after_a_warm_async_save_is_saved_as_it_was(store_dir):
+    # A warm save copies into pinned buffers on a side stream and returns before they land;
+    # the step queued next (on the current stream) must not change the bytes under them
+    # (Checkpointer and the Lightning plug-in return to training without waiting for staged).
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {f"w{i}": torch.randn(16 << 20, device="cuda", generator=g) for i in range(4)}
+    deltackpt.async_save(state, store_dir, "warm").result(timeout=120)  # buffers pinned
+    for step in range(3):
+        for v in state.values():
+            v.mul_(1.5)  # every element changes: every chunk is copied
+        expected = {k: v.cpu() for k, v in state.items()}
+        h = deltackpt.async_save(state, store_dir, f"s{step}")
+        for v in state.values():  # no wait for h.staged: queued behind the copies
+            v.add_(1.0)
+        h.result(timeout=120)
+        got = deltackpt.load(store_dir, f"s{step}")
+        assert all(torch.equal(got[k], expected[k]) for k in expected), step
+
+
 def test_unchanged_chunks_are_hashed_in_place_not_copied(store_dir):
     calls: list[int] = []
     copied: list[int] = []
