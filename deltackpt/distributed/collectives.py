@@ -72,6 +72,14 @@ class Group:
         return self.rank == 0
 
     @property
+    def wire_device(self) -> Any:
+        """Where tensors this group sends must be: the CPU where its backend carries host
+        tensors (gloo; ``init_process_group()`` without a backend has gloo beside NCCL), else
+        this rank's current CUDA device (an NCCL-only group: torch refuses a CPU tensor there).
+        The object collectives pick their device themselves."""
+        return wire_device(self.pg) if self.distributed else _cpu()
+
+    @property
     def timeout(self) -> float:
         """Seconds this rank waits for any peer (the process group's timeout; see
         :func:`group_timeout`); a world of one waits for nobody."""
@@ -174,6 +182,28 @@ class FileRendezvous:
                     return None
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.1)
+
+
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")
+
+
+def wire_device(process_group: Any) -> Any:
+    """:attr:`Group.wire_device` of ``process_group``."""
+    import torch
+
+    types = getattr(process_group, "_device_types", None)
+    if types is None:  # an older torch: the backend's name says it
+        import torch.distributed as dist
+
+        host = dist.get_backend(process_group) != "nccl"
+    else:
+        host = any(torch.device(t).type == "cpu" for t in types)
+    if host or not torch.cuda.is_available():
+        return _cpu()
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def group_timeout(process_group: Any) -> float:

@@ -291,12 +291,19 @@ class BroadcastLoad:
         most = max(plan.sizes) + 1  # + the status byte
         import torch.distributed as dist
 
+        # the buckets travel where the group's backend carries tensors: host memory for gloo,
+        # the rank's GPU for an NCCL-only group (the reading rank copies each one there)
+        wire = g.wire_device
+        on_wire = torch.empty(most, dtype=torch.uint8, device=wire) if wire.type != "cpu" else None
+
         def send(v: torch.Tensor) -> None:
+            if on_wire is not None and v.device.type == "cpu":
+                v = on_wire[: v.numel()].copy_(v)
             _collective(g, "bucket", lambda: dist.broadcast(v, group=g.pg, group_src=0))
 
         self.copy_error: BaseException | None = None
         if not g.coordinator:
-            buf = torch.empty(most, dtype=torch.uint8)
+            buf = torch.empty(most, dtype=torch.uint8, device=wire)
             for k, size in enumerate(plan.sizes):
                 view = buf[: size + 1]
                 send(view)
