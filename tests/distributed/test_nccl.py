@@ -1,7 +1,8 @@
 """An NCCL process group (what GPU training passes as ``process_group``): its backend carries no
 host tensors, so a broadcast load sends its buckets through the rank's GPU
 (``Group.wire_device``). The selection runs here with stand-ins; a one-rank NCCL group runs
-on a GPU machine (``gpu``)."""
+on a GPU machine (``gpu``): a save, broadcast loads, and FSDP2 on the GPU resumed by a
+``Checkpointer`` with that group."""
 
 from __future__ import annotations
 
@@ -59,9 +60,52 @@ def _nccl_rank(rank: int, world: int, port: int, store: str) -> bool:
         assert all(torch.equal(into[k], state[k]) for k in ("w", "b", "n")) and into["step"] == 3
         got = deltackpt.load(store, "s0", process_group=pg, mode="broadcast", bucket_bytes=8192)
         assert torch.equal(got["w"], state["w"].cpu()) and torch.equal(got["b"], state["b"].cpu())
+        _fsdp_resume(store + "-fsdp", pg)
         return True
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    mesh = init_device_mesh("cuda", (1,))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _fsdp_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x = torch.randn(8, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _fsdp_resume(store: str, pg: object) -> None:
+    """FSDP2 on the GPU with AdamW: an async Checkpointer saves, a fresh model and optimizer
+    resume bit-exactly and train on as the uninterrupted run does."""
+    model, opt = _fsdp_model(0)
+    ckpt = deltackpt.Checkpointer(
+        store, every=2, keep_last=2, process_group=pg, async_=True, rng=False
+    )
+    for step in range(4):
+        _fsdp_step(model, opt, step)
+        ckpt.maybe_save(step, {"model": model, "optim": opt})  # saves after steps 1 and 3
+    ckpt.close()
+    _fsdp_step(model, opt, 4)
+    want = [p.full_tensor().cpu() for p in model.parameters()]
+    model2, opt2 = _fsdp_model(1)
+    ckpt2 = deltackpt.Checkpointer(store, every=2, process_group=pg, rng=False)
+    assert ckpt2.restore_latest({"model": model2, "optim": opt2}) == 4
+    ckpt2.close()
+    assert all(p.device.type == "cuda" for p in model2.parameters())
+    _fsdp_step(model2, opt2, 4)
+    got = [p.full_tensor().cpu() for p in model2.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.gpu
