@@ -24,6 +24,7 @@ What DCP calls, in order:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -41,16 +42,18 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from deltackpt.api import _check_metadata
+from deltackpt.cuda import is_device
 from deltackpt.dcp.commit import RankInfo, check_dcp_save, commit_dcp
 from deltackpt.errors import CheckpointExistsError, InvalidArgumentError
 from deltackpt.format.dcp_values import DCP_KEY  # manifest metadata key of the DCP facts (JSON)
 from deltackpt.format.tree import flatten
-from deltackpt.options import SaveOptions
+from deltackpt.options import SaveOptions, default_device_scan
 from deltackpt.saving.commit import Timing
 from deltackpt.saving.engine import saver_for
+from deltackpt.saving.on_device import scan
 from deltackpt.saving.plan import SavePlan as DkPlan
 from deltackpt.saving.plan import Source, layout_chunks, tensor_bytes
-from deltackpt.saving.write import write_chunks
+from deltackpt.saving.write import closure, write_chunks
 from deltackpt.store.store import SnapshotInfo, Store, open_store, validate_name
 
 __all__ = ["CheckpointExistsError", "StoreWriter"]  # the error's home is deltackpt.errors
@@ -285,11 +288,14 @@ class StoreWriter(StorageWriter):
             st.small_bytes,
         )
         dk_plan = DkPlan(None, [], [], sources, chunks, slices)
-        arrays = [s.data.numpy() if s.data.numel() else np.empty(0, np.uint8) for s in sources]
         index = st.chunk_index()
-        wr = write_chunks(
-            st, dk_plan, arrays.__getitem__, opts, saver_for(st).pool(opts.threads), index, None
-        )
+        how = default_device_scan()
+        if how == "always" or any(is_device(s.data) for s in sources):
+            wr = _write_from_device(st, dk_plan, opts, index, self.name, trust=how != "off")
+        else:
+            arrays = [s.data.numpy() if s.data.numel() else np.empty(0, np.uint8) for s in sources]
+            pool = saver_for(st).pool(opts.threads)
+            wr = write_chunks(st, dk_plan, arrays.__getitem__, opts, pool, index, None)
         if self.is_coordinator:
             self._packs = wr.packs  # removed if the commit certainly fails
         info = RankInfo.of(self.rank, wr, index)
@@ -367,8 +373,35 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def _write_from_device(
+    st: Store, plan: DkPlan, opts: SaveOptions, index: dict[str, Any], name: str | None,
+    trust: bool,
+) -> Any:  # fmt: skip
+    """A rank's write items in device memory (CUDA), as ``deltackpt.save`` of device state
+    does (saving/on_device.py): every chunk fingerprinted where it lives, only the chunks that
+    changed since this process's last DCP save of the store (``trust``; all of them with
+    ``DELTACKPT_DEVICE_SCAN=off``) copied into reused pinned host buffers with one wait, hashed
+    and written; an unchanged chunk keeps its digest and never crosses to the host. CPU items
+    of the same save go the same way (their "copy" is a host copy)."""
+    saver = saver_for(st)
+    pool = saver.pool(opts.threads)
+    saver.dcp_arena.retain({(s.key, s.nbytes) for s in plan.sources})
+    bufs: dict[int, np.ndarray] = {}
+    known = saver.dcp_fingerprints if trust else None
+    found = scan(plan, st.chunk_bytes, known, index, saver.dcp_arena, pool, bufs)
+    wr = write_chunks(
+        st, plan, found.arrays.__getitem__, opts, pool, index, None, digests=found.digests,
+        owned=found.copies.new, group_bufs=bufs, chunk_data=found.copies.data, name=name,
+    )  # fmt: skip
+    if trust:  # trusted next time only where its digest is committed by then (scan checks)
+        saver.dcp_fingerprints = found.fingerprints
+    # every chunk the items reference, the unchanged ones' records from the index
+    return dataclasses.replace(wr, records=closure(set(wr.digests), wr.written, index))
+
+
 def _resolve_tensor(item: Any, planner: SavePlanner) -> torch.Tensor:
-    """The CPU tensor of a DCP tensor write item, in the dtype and shape the plan says."""
+    """The tensor of a DCP tensor write item where it lives (host or device), in the dtype
+    and shape the plan says."""
     fqn, td = item.index.fqn, item.tensor_data
     if td is None:
         raise ValueError(f"DCP write item {fqn!r} is a tensor write without tensor_data")
@@ -376,8 +409,6 @@ def _resolve_tensor(item: Any, planner: SavePlanner) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"planner.resolve_data({fqn!r}) returned {type(t)}, not a tensor")
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
     if t.dtype != td.properties.dtype:
         t = t.to(td.properties.dtype)
     if tuple(t.shape) != tuple(td.chunk.sizes):

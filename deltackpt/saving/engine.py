@@ -178,6 +178,10 @@ class StoreSaver:
         self.order = StageOrder()  # hash-first or copy-first (saving/order.py)
         # the last committed device save's chunk fingerprints and digests (saving/on_device.py)
         self._fingerprints: dict[FingerprintKey, tuple[Fingerprint, str]] = {}
+        # the DCP plug-in's saves of device state (dcp/writer.py): its own host buffers and
+        # fingerprints (its sources are DCP's write items, not this engine's)
+        self.dcp_arena = Arena()
+        self.dcp_fingerprints: dict[FingerprintKey, tuple[Fingerprint, str]] = {}
 
     @property
     def arenas(self) -> tuple[Arena, Arena]:
@@ -248,6 +252,8 @@ class StoreSaver:
             self.drop_delta_bases()
             self._arenas[0].buffers.clear()
             self._fingerprints = {}
+            self.dcp_arena.buffers.clear()
+            self.dcp_fingerprints = {}
             self._group_caches.clear()
             self._history = ChangeHistory()
             self.order = StageOrder()
