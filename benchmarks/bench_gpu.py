@@ -13,7 +13,9 @@ Rows (every save fsyncs; torch.save is followed by an fsync):
 * ``deltackpt.save``: first (cold), nothing changed, after a step, after a sparse step;
 * ``deltackpt.async_save``: blocking of the first and of a warm one (after a step);
 * ``load(into=)`` the state's own CUDA tensors, warm and cold (page cache dropped: on CUDA
-  only, as root; skipped otherwise), vs ``dcp.load``.
+  only, as root; skipped otherwise), vs ``dcp.load``;
+* the DCP plug-in (``StoreWriter`` / ``StoreReader``): ``dcp.save`` unchanged and after a step,
+  ``dcp.load`` warm, vs DCP's own files.
 
 Without CUDA it runs the same rows on CPU tensors with the device path forced
 (``DELTACKPT_DEVICE_SCAN=always``), as a check that the script works, not as figures.
@@ -165,6 +167,9 @@ def run(gb: float, work: Path) -> dict[str, Any]:
 
     res["torch_save_s"] = clock(torch_save)
     res["dcp_save_s"], res["dcp_load_s"] = dcp_rows(state, work)
+    res["plugin"] = plugin_rows(model, opt, work)
+    C_log(f"DCP plug-in {res['plugin']}")
+    state = state_of(model, opt)
     store = deltackpt.open_store(work / "dk")
     rows: dict[str, float] = {}
     rows["first"] = clock(lambda: deltackpt.save(state, store, "s0"))
@@ -255,12 +260,35 @@ def dcp_rows(state: dict[str, Any], work: Path) -> tuple[float, float]:
     return s, load
 
 
+def plugin_rows(model: torch.nn.Module, opt: torch.optim.Optimizer, work: Path) -> dict[str, float]:
+    """The DCP plug-in (``StoreWriter`` / ``StoreReader``) on the same state: ``dcp.save`` the
+    first time, unchanged, after a step; ``dcp.load`` warm (the process group of dcp_rows)."""
+    import torch.distributed.checkpoint as dcp
+
+    from deltackpt.dcp import StoreReader, StoreWriter
+
+    store = deltackpt.open_store(work / "dk-dcp")
+    state = state_of(model, opt)
+
+    def save(name: str) -> float:
+        return clock(lambda: dcp.save(state, storage_writer=StoreWriter(store, name)))
+
+    out = {"first": save("p0"), "unchanged": save("p1")}
+    step(model, opt)
+    state = state_of(model, opt)
+    out["after_step"] = save("p2")
+    out["load_warm"] = min(
+        clock(lambda: dcp.load(state, storage_reader=StoreReader(store, "p2"))) for _ in range(2)
+    )
+    return out
+
+
 def C_log(msg: str) -> None:
     print(f"[bench_gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def report(res: dict[str, Any]) -> str:
-    lim, sv, a = res["limits"], res["save"], res["async"]
+    lim, sv, a, pl = res["limits"], res["save"], res["async"], res["plugin"]
     gb = lim["gb"]
     rows = [
         [
@@ -316,6 +344,25 @@ def report(res: dict[str, Any]) -> str:
             f"{a['blocking_2']:.3f} s",
             f"{a['blocking_2'] / lim['pinned_d2h_s']:.2f}x pinned D2H",
             "keep",
+        ],
+        [
+            "DCP plug-in: dcp.save unchanged",
+            f"{pl['unchanged']:.3f} s",
+            f"{pl['unchanged'] / res['dcp_save_s']:.3f}x dcp.save",
+            "-",
+        ],
+        [
+            "DCP plug-in: dcp.save after a step",
+            f"{gb / pl['after_step']:.2f} GB/s",
+            f"{(gb / pl['after_step']) / (gb / lim['write_fsync_s']):.2f} of write+fsync, "
+            f"{pl['after_step'] / res['dcp_save_s']:.2f}x dcp.save",
+            "-",
+        ],
+        [
+            "DCP plug-in: dcp.load warm",
+            f"{pl['load_warm']:.3f} s",
+            f"{pl['load_warm'] / res['dcp_load_s']:.2f}x dcp.load",
+            "-",
         ],
         [
             "find an RL step's change (3%, bf16)",

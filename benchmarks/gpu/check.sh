@@ -33,8 +33,8 @@ if box "${GPU_TESTS_S:-160}"; then
   timeout "${GPU_TESTS_S:-160}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
     tests 2>&1 | tee -a "$LOG" || rc=1
 fi
-if box "${BENCH_S:-90}"; then
-  timeout "${BENCH_S:-90}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
+if box "${BENCH_S:-100}"; then
+  timeout "${BENCH_S:-100}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
 fi
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
 if box "${SYNC_BENCH_S:-105}"; then
@@ -49,7 +49,7 @@ fi
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order).
 # Without SUITE_TESTS the suite runs in two parts within the box: first SUITE_FIRST (the tests
 # no GPU machine has run yet, session note 2026-11-27), then the rest of tests/ without them
-if box "${SUITE_S:-95}"; then
+if box "${SUITE_S:-85}"; then
   first=${SUITE_FIRST-tests/distributed tests/test_bad_args.py tests/test_checkpointer.py tests/test_checkpointer_tiers.py tests/integrations/test_lightning.py tests/integrations/test_lightning_tiers.py tests/format/test_patch_codec.py}
   suite() {  # $1: seconds; the rest: what to run
     local s=$1; shift
@@ -59,10 +59,10 @@ if box "${SUITE_S:-95}"; then
   : >"$OUT/suite.log"
   start=$(date +%s)
   if [ -n "${SUITE_TESTS:-}" ] || [ -z "$first" ]; then
-    suite "${SUITE_S:-95}" ${SUITE_TESTS:-tests}
+    suite "${SUITE_S:-85}" ${SUITE_TESTS:-tests}
   else
-    suite "${SUITE_S:-95}" $first
-    left=$(( ${SUITE_S:-95} - ($(date +%s) - start) ))
+    suite "${SUITE_S:-85}" $first
+    left=$(( ${SUITE_S:-85} - ($(date +%s) - start) ))
     ignores=$(for p in $first; do printf -- "--ignore=%s " "$p"; done)
     [ "$left" -gt 5 ] && suite "$left" tests $ignores
   fi
