@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deltackpt.cuda import device_room
 from deltackpt.errors import UndoSpillWarning
 from deltackpt.sync.errors import SyncError
 
@@ -157,11 +158,19 @@ def open_spill(directory: str) -> UndoSpill | None:
 
 
 def keep_old(dst: torch.Tensor, spill: UndoSpill | None) -> torch.Tensor | Spilled:
-    """``dst``'s bytes, before a round overwrites them: in ``spill`` where there is one and
-    ``dst`` is on the host, else (or if the write fails: a full disk) a copy in memory."""
-    if spill is not None and dst.device.type == "cpu":
+    """``dst``'s bytes, before a round overwrites them: in ``spill`` where there is one, else
+    (or if the write fails: a full disk) a copy in memory. A target in device memory keeps them
+    in a second copy on its device where that leaves the device a margin
+    (:func:`~deltackpt.cuda.device_room`), else on the host like a host target's: an inference
+    engine fills its GPU with its cache, and a copy there could take what its next step needs."""
+    data, own = dst.detach(), False
+    if data.device.type != "cpu":
+        if device_room(data.device, data.numel() * data.element_size()):
+            return data.clone()
+        data, own = data.cpu(), True  # a copy of its own: spilled, or kept as it is
+    if spill is not None:
         try:
-            return spill.keep(dst)
+            return spill.keep(data)
         except OSError as e:
             warnings.warn(
                 UndoSpillWarning(
@@ -170,4 +179,4 @@ def keep_old(dst: torch.Tensor, spill: UndoSpill | None) -> torch.Tensor | Spill
                 ),
                 stacklevel=3,
             )
-    return dst.detach().clone()
+    return data if own else data.clone()

@@ -75,3 +75,39 @@ def test_a_receiver_whose_undo_dir_is_unusable_keeps_undo_in_memory(tmp_path):
     good._undo_spill = first  # a round's undo lives in it: the next round takes the other
     second = good._round_spill()
     assert second is not None and second is not first and good.spilled_bytes == 0
+
+
+def test_a_host_target_without_a_file_is_kept_as_a_copy():
+    t = torch.randn(10, 6)
+    old = keep_old(t[:, 2:4], None)
+    assert isinstance(old, torch.Tensor) and torch.equal(old, t[:, 2:4])
+    t.zero_()
+    assert old.abs().sum() > 0  # a copy, not a view
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("room", [True, False])
+@pytest.mark.parametrize("with_file", [True, False])
+def test_a_device_target_keeps_its_bytes_on_the_device_only_where_it_has_room(
+    tmp_path, monkeypatch, room, with_file
+):
+    import deltackpt.sync.spill as spill_mod
+
+    monkeypatch.setattr(spill_mod, "device_room", lambda device, n: room)
+    spill = UndoSpill(tmp_path) if with_file else None
+    t = torch.randn(64, 48, device="cuda").to(torch.bfloat16)
+    box = t[:, 16:32]  # a tensor-parallel column box
+    was = box.clone()
+    old = keep_old(box, spill)
+    if room:  # a second copy where the target is
+        assert isinstance(old, torch.Tensor) and old.device.type == "cuda"
+    elif with_file:
+        assert isinstance(old, Spilled) and spill is not None and spill.nbytes == box.numel() * 2
+    else:  # on the host: the device's memory is left to the engine
+        assert isinstance(old, torch.Tensor) and old.device.type == "cpu"
+    t.fill_(0)
+    if isinstance(old, Spilled):
+        old.restore(box)
+    else:
+        box.copy_(old)
+    assert torch.equal(box, was)
