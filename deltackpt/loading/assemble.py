@@ -34,7 +34,7 @@ from deltackpt.loading.homes import storage_homes
 from deltackpt.loading.plan import Reads, copy_into, read_entry
 from deltackpt.loading.select import KeySelection, Select, key_filter, prune_tree
 from deltackpt.loading.stats import LoadStats, pack_readers
-from deltackpt.loading.to_device import move_tensors, read_to_device, takes
+from deltackpt.loading.to_device import device_items, move_tensors, read_to_device, takes
 from deltackpt.options import LoadOptions, default_device_scan
 from deltackpt.store.store import LATEST, Store, open_store
 
@@ -97,8 +97,9 @@ def load_reusing(
             if (e.storage is None or is_dtensor(targets.get(e.path)))
             and _reusable(targets.get(e.path), e)
         ]
+        rest = _to_device(st, m, opts, wanted, targets, None)  # GPU targets: pinned buckets
         with torch.no_grad():
-            for i, t in _read_entries(st, m, opts, wanted, targets).items():
+            for i, t in _read_entries(st, m, opts, rest, targets).items():
                 dst = targets[m.tensors[i].path]
                 if t is not dst:
                     copy_into(dst, t, m.tensors[i].path)
@@ -237,6 +238,25 @@ def _read_entries(
     return out
 
 
+def _to_device(
+    st: Store,
+    m: Manifest,
+    opts: LoadOptions,
+    wanted: list[int],
+    targets: dict[str, torch.Tensor],
+    stats: LoadStats | None,
+) -> list[int]:
+    """Fill the targets in device memory that take their saved bytes as they are (whole
+    tensors, and DTensors' leading-row boxes: loading/to_device.py) through pinned buckets;
+    returns the wanted entries left to the general way (read, then ``copy_``)."""
+    items = device_items(m, wanted, targets, default_device_scan() == "always")
+    if not items:
+        return wanted
+    _read_to_device(st, m, opts, [(e, t) for _, e, t in items], stats)
+    done = {i for i, _, _ in items}
+    return [i for i in wanted if i not in done]
+
+
 def _read_to_device(
     st: Store,
     m: Manifest,
@@ -315,12 +335,7 @@ def _load_into(
     # (loading/to_device.py). The rest: read into fresh buffers (or straight into CPU
     # targets), then copy_.
     wanted = [i for p, i in saved.items() if p in targets]
-    forced = default_device_scan() == "always"
-    dev = {i for i in wanted if takes(m.tensors[i], targets[m.tensors[i].path], forced)}
-    if dev:
-        items = [(m.tensors[i], targets[m.tensors[i].path]) for i in wanted if i in dev]
-        _read_to_device(st, m, opts, items, stats)
-        wanted = [i for i in wanted if i not in dev]
+    wanted = _to_device(st, m, opts, wanted, targets, stats)
     new = _read_entries(st, m, opts, wanted, targets, stats)
     with torch.no_grad():
         for i, t in new.items():

@@ -25,18 +25,20 @@ is read into in place too); the error names the chunk and key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from deltackpt.cuda import DeviceCopies, host_buffer, is_device
-from deltackpt.format.dtensor import is_dtensor
+from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest, Slice, TensorEntry
 from deltackpt.loading.plan import Reads, np_bytes
+from deltackpt.loading.reshard import Box, entry_shards, sub_slices
 from deltackpt.store.packs import PackReaders
 
-__all__ = ["BUCKET", "move_tensors", "read_to_device", "takes"]
+__all__ = ["BUCKET", "box_entry", "device_items", "move_tensors", "read_to_device", "takes"]
 
 BUCKET = 64 << 20  # bytes a host buffer holds (chunks are 4 MiB by default: 16 a bucket)
 
@@ -55,6 +57,59 @@ def takes(e: TensorEntry, dst: torch.Tensor, forced: bool) -> bool:
         and dst.dtype == dtype_from_name(e.dtype)
         and tuple(dst.shape) == tuple(e.shape)
     )
+
+
+def box_entry(e: TensorEntry, box: Box) -> TensorEntry | None:
+    """The part of ``e`` a DTensor's local ``box`` holds, as an entry of its own whose ``data``
+    is the box's saved bytes in C order, where the box is whole leading rows (``Shard(0)``,
+    ``Replicate``: every other dimension whole) and the saved pieces it overlaps are whole rows
+    too (a tensor saved whole, or by ``Shard(0)`` ranks, whatever their number); else None (the
+    general way: loading/reshard.py)."""
+    off, shape = box
+    if not e.shape or e.storage is not None or len(shape) != len(e.shape):
+        return None
+    if tuple(shape[1:]) != tuple(e.shape[1:]) or any(off[1:]):
+        return None
+    rb = math.prod(e.shape[1:]) * dtype_from_name(e.dtype).itemsize
+    r0, r1 = off[0], off[0] + shape[0]
+    out: list[Slice] = []
+    covered = r0
+    for sh in sorted(entry_shards(e), key=lambda s: s.offsets[0]):
+        if tuple(sh.shape[1:]) != tuple(e.shape[1:]) or any(sh.offsets[1:]):
+            return None  # a piece of some columns only
+        a, b = max(r0, sh.offsets[0]), min(r1, sh.offsets[0] + sh.shape[0])
+        if a >= b:
+            continue
+        if a != covered:  # a gap, or pieces that overlap
+            return None
+        out.extend(sub_slices(sh.data, (a - sh.offsets[0]) * rb, (b - sh.offsets[0]) * rb))
+        covered = b
+    if covered != r1:
+        return None
+    return replace(e, shape=tuple(shape), data=tuple(out), shards=None)
+
+
+def device_items(
+    m: Manifest, wanted: list[int], targets: dict[str, torch.Tensor], forced: bool
+) -> list[tuple[int, TensorEntry, torch.Tensor]]:
+    """The wanted entries of ``m`` (indices) whose targets go through :func:`read_to_device`,
+    as (index, entry, destination): a target that :func:`takes` its entry, or a DTensor whose
+    local tensor takes the part of the entry its box holds (:func:`box_entry`: FSDP2's
+    ``Shard(0)`` parameters and their optimizer moments)."""
+    out: list[tuple[int, TensorEntry, torch.Tensor]] = []
+    for i in wanted:
+        e = m.tensors[i]
+        t = targets.get(e.path)
+        if t is None:
+            continue
+        if takes(e, t, forced):
+            out.append((i, e, t))
+        elif is_dtensor(t):
+            sub = box_entry(e, local_box(t, e.path))
+            lt = local_tensor(t)
+            if sub is not None and takes(sub, lt, forced):
+                out.append((i, sub, lt))
+    return out
 
 
 @dataclass
