@@ -315,8 +315,12 @@ class Checkpointer:
         optimizer gets its moments as DTensors like its parameters. With a ``process_group``
         every rank calls this: rank 0 picks the snapshot for all, and if any rank fails every
         rank raises (:class:`~deltackpt.errors.DistributedError` on the others).
+
+        A save of this checkpointer still in flight (``async_=True``) is waited for first, so
+        "newest" includes it (a failed one raises its error here, as at any next call).
         """
         self._check_state(state, "restore_latest")
+        self.wait()
         pg = self.save_options.get("process_group")
         found = chosen_by_rank0(pg, "Checkpointer.restore_latest", self._latest_name)
         if found is None:

@@ -13,6 +13,7 @@ import copy
 import json
 import random
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from deltackpt.errors import (
 )
 from deltackpt.format.tree import flatten, unflatten
 from deltackpt.options import overrides
+from tests._faults import faulty_store
 from tests._workers import Child, assert_same_state
 
 README = Path(__file__).resolve().parent.parent / "docs" / "api.md"  # the recipes live there
@@ -123,6 +125,19 @@ def test_restore_latest_ignores_a_later_user_snapshot(store_dir: Path) -> None:
     state = {"w": torch.zeros(2)}
     assert deltackpt.Checkpointer(store_dir).restore_latest(state) == 3
     assert torch.equal(state["w"], torch.full((2,), 2.0))
+
+
+def test_restore_latest_waits_for_its_own_save_in_flight(store_dir: Path) -> None:
+    gate = threading.Event()
+    gated = faulty_store(store_dir, on_write=lambda key, n: gate.wait(timeout=30))
+    ckpt = deltackpt.Checkpointer(gated, every=1, rng=False)  # async: the write waits for the gate
+    state = {"w": torch.full((3,), 5.0)}
+    ckpt.save(5, state)
+    state["w"].zero_()  # the snapshot holds the 5s (staged before save returned)
+    threading.Timer(0.2, gate.set).start()
+    assert ckpt.restore_latest(state) == 6  # the save in flight, committed first
+    assert torch.equal(state["w"], torch.full((3,), 5.0))
+    ckpt.close()
 
 
 def test_save_refuses_to_overwrite_a_snapshot_it_did_not_write(store_dir: Path) -> None:
