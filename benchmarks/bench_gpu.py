@@ -13,7 +13,7 @@ Rows (every save fsyncs; torch.save is followed by an fsync):
 * ``deltackpt.save``: first (cold), nothing changed, after a step, after a sparse step;
 * ``deltackpt.async_save``: blocking of the first and of a warm one (after a step);
 * ``load(into=)`` the state's own CUDA tensors, warm and cold (page cache dropped: on CUDA
-  only, as root; skipped otherwise), vs ``dcp.load``;
+  only, as root; skipped otherwise), vs ``dcp.load``; ``Checkpointer.restore_latest`` warm;
 * the DCP plug-in (``StoreWriter`` / ``StoreReader``): ``dcp.save`` unchanged and after a step,
   ``dcp.load`` warm, vs DCP's own files.
 
@@ -186,6 +186,7 @@ def run(gb: float, work: Path) -> dict[str, Any]:
     res["load_into_warm_s"] = min(
         clock(lambda: deltackpt.load(store, "s2", into=state)) for _ in range(2)
     )
+    res["restore_warm_s"] = restore_rows(model, opt, work)
     # cold rows on the device machine only: dropping the page cache of a shared box here would
     # slow everyone else's work
     res["cold"] = cold_rows(state, store, work) if DEV.type == "cuda" else None
@@ -283,6 +284,18 @@ def plugin_rows(model: torch.nn.Module, opt: torch.optim.Optimizer, work: Path) 
     return out
 
 
+def restore_rows(model: torch.nn.Module, opt: torch.optim.Optimizer, work: Path) -> float:
+    """``Checkpointer.restore_latest`` into the live model and optimizer (warm): the resume
+    path, which reads into the live tensors (``load_reusing``)."""
+    live = {"model": model, "optim": opt}
+    ck = deltackpt.Checkpointer(work / "dk-ckpt", every=1, rng=False)
+    ck.save(0, live)
+    ck.wait()
+    t = min(clock(lambda: ck.restore_latest(live)) for _ in range(2))
+    ck.close()
+    return t
+
+
 def C_log(msg: str) -> None:
     print(f"[bench_gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -320,6 +333,12 @@ def report(res: dict[str, Any]) -> str:
             f"{res['load_into_warm_s']:.3f} s",
             f"{res['load_into_warm_s'] / res['dcp_load_s']:.2f}x dcp.load",
             "<= 0.2x",
+        ],
+        [
+            "Checkpointer.restore_latest warm",
+            f"{res['restore_warm_s']:.3f} s",
+            f"{res['restore_warm_s'] / res['dcp_load_s']:.2f}x dcp.load",
+            "-",
         ],
         [
             "load(into=) cold",
