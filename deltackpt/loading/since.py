@@ -10,7 +10,11 @@ changed chunks as deltas against the previous save. Each chunk the target puts i
 * **read**: anything else, read whole (decoded down its chain) as a plain load reads it. So are
   the entries this cannot address byte by byte: views of a shared storage (tied weights), saved
   shards (a snapshot saved by several ranks), and targets whose bytes are not one contiguous
-  CPU range of the tensor (GPU tensors, DTensors sharded on another dimension than the first).
+  CPU range of the tensor (DTensors sharded on another dimension than the first).
+
+A whole contiguous tensor in GPU memory skips the chunks ``held`` has at the same bytes, as a CPU
+target does, and reads each other chunk whole (its bytes are not on the host to patch): those are
+staged in pinned memory and copied in at the commit (with ``verify="full"`` it is read whole).
 
 A DTensor whose local piece is a contiguous CPU tensor of whole leading rows (``Shard(0)``,
 ``Replicate``: what FSDP2 holds) is a *window* of the tensor's bytes: chunks inside it are
@@ -59,6 +63,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from deltackpt.cuda import host_buffer, is_device
 from deltackpt.errors import (
     CodecError,
     CorruptChunkError,
@@ -71,14 +76,14 @@ from deltackpt.format.dcp_nesting import nested_manifest
 from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.hashing import digest
-from deltackpt.format.manifest import Manifest, TensorEntry
+from deltackpt.format.manifest import Manifest, Slice, TensorEntry
 from deltackpt.format.tree import flatten
 from deltackpt.loading import inplace
 from deltackpt.loading.assemble import _agree, _assign_values, _check_into, _retrying
 from deltackpt.loading.plan import Reads, copy_into, np_bytes, plain_cpu, read_entry
 from deltackpt.loading.select import Select
 from deltackpt.loading.stats import LoadStats, pack_readers
-from deltackpt.options import LoadOptions
+from deltackpt.options import LoadOptions, default_device_scan
 from deltackpt.store.chunks import ChunkReader
 from deltackpt.store.store import Store, open_store
 
@@ -144,12 +149,14 @@ class CatchUp:
 
 
 def held_bytes(
-    h: Manifest, leaves: dict[str, torch.Tensor]
+    h: Manifest, leaves: dict[str, torch.Tensor], forced: bool = False
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """The bytes ``into`` holds of each of ``h``'s entries, by key path, and where they start in
     the tensor: a contiguous CPU tensor of the entry's dtype and shape holds all of them (start
     0), a DTensor of whole leading rows (see the module) a window (whatever is selected for
-    loading: a chunk of small tensors is rebuilt from all of them)."""
+    loading: a chunk of small tensors is rebuilt from all of them). ``forced``: plain CPU
+    tensors stand in for device tensors (``DELTACKPT_DEVICE_SCAN=always``, the CPU suite), whose
+    bytes are not here."""
     out: dict[str, np.ndarray] = {}
     lo: dict[str, int] = {}
     for e in h.tensors:
@@ -159,6 +166,7 @@ def held_bytes(
             and isinstance(t, torch.Tensor)
             and tuple(t.shape) == e.shape
             and t.dtype == dtype_from_name(e.dtype)
+            and not (forced and plain_cpu(t))
             and (win := _window(t, e)) is not None
         ):
             out[e.path], lo[e.path] = win
@@ -260,6 +268,37 @@ def _each(fn: Callable[[_T], _U], items: list[_T], threads: int) -> list[_U]:
         return list(ex.map(fn, items))
 
 
+def _device_parts(
+    e: TensorEntry, dst: torch.Tensor, held: HeldIndex, forced: bool
+) -> tuple[int, list[tuple[int, tuple[Slice, ...]]]] | None:
+    """For a whole tensor in device memory (``forced``: a plain CPU tensor standing in for one):
+    how many of its chunks ``held`` has at the same bytes (not read: into holds them), and the
+    runs of the others as (byte offset in the tensor, their slices), read whole and copied in.
+    None for any other target (read whole)."""
+    on_device = is_device(dst) or (forced and plain_cpu(dst))
+    if e.data is None or not on_device or is_dtensor(dst) or not dst.is_contiguous():
+        return None
+    if dst.is_conj() or dst.is_neg() or not dst.numel():
+        return None
+    same, runs = 0, []
+    run: list[Slice] = []
+    start = pos = 0
+    for d, s, n in e.data:
+        if held.at.get((e.path, pos)) == (d, s, n):
+            same += 1
+            if run:
+                runs.append((start, tuple(run)))
+                run = []
+        else:
+            if not run:
+                start = pos
+            run.append((d, s, n))
+        pos += n
+    if run:
+        runs.append((start, tuple(run)))
+    return same, runs
+
+
 def _stage_entry(r: Reads, e: TensorEntry, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan a whole entry's read into fresh memory: (where it goes, what will hold it)."""
     if is_dtensor(dst) and e.storage is None:  # only this rank's box of the saved pieces
@@ -286,7 +325,8 @@ def prepare(
     path (already checked for shape and dtype); ``leaves`` are all of ``into``'s tensors, whose
     bytes rebuild ``h``'s chunks."""
     stats = stats if stats is not None else LoadStats()
-    up = CatchUp(*held_bytes(h, leaves))
+    forced = default_device_scan() == "always"
+    up = CatchUp(*held_bytes(h, leaves, forced))
     plan = _Planner(h, up.mem, up.lo)
     want: dict[str, list[Ref]] = {}  # target chunk -> its places in contiguous CPU targets
     whole: list[int] = []
@@ -405,7 +445,19 @@ def prepare(
             up.chunks[d] = buf
         for i in whole:
             e = m.tensors[i]
-            dst, t = _stage_entry(r, e, targets[e.path])
+            dst = targets[e.path]
+            parts = None if full else _device_parts(e, dst, plan.index, forced)
+            if parts is not None:  # a device tensor: only its chunks that changed since held
+                same, runs = parts
+                stats.chunks_unchanged += same
+                u8 = dst.detach().reshape(-1).view(torch.uint8)
+                for pos, slices in runs:
+                    n = sum(x[2] for x in slices)
+                    buf = host_buffer(n, is_device(dst))  # pinned for a GPU
+                    r.want(e.path, slices, np_bytes(buf))
+                    up.copies.append((u8[pos : pos + n], buf, e.path))
+                continue
+            dst, t = _stage_entry(r, e, dst)
             up.copies.append((dst, t, e.path))
         stats.chunks_read += len(r.jobs)
         r.run(packs, opts.verify, opts.threads, "deltackpt-since")
