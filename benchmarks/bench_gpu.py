@@ -14,6 +14,7 @@ Rows (every save fsyncs; torch.save is followed by an fsync):
 * ``deltackpt.async_save``: blocking of the first and of a warm one (after a step);
 * ``load(into=)`` the state's own CUDA tensors, warm and cold (page cache dropped: on CUDA
   only, as root; skipped otherwise), vs ``dcp.load``; ``Checkpointer.restore_latest`` warm;
+  ``load(since=)`` of the sparse step into a device copy of the state before it;
 * the DCP plug-in (``StoreWriter`` / ``StoreReader``): ``dcp.save`` unchanged and after a step,
   ``dcp.load`` warm, vs DCP's own files.
 
@@ -178,10 +179,14 @@ def run(gb: float, work: Path) -> dict[str, Any]:
     )
     step(model, opt)
     rows["after_step"] = clock(lambda: deltackpt.save(state, store, "s1"))
+    held = C.map_tensors(state, torch.clone)  # a follower's copy of s1, on the device
     with torch.no_grad():
         next(iter(model.parameters())).add_(1e-3)
     rows["sparse_step"] = clock(lambda: deltackpt.save(state, store, "s2"))
     res["save"] = rows
+    # catch-up s1 -> s2 into the device copy: only the changed tensor's chunks are read
+    res["since_s"] = clock(lambda: deltackpt.load(store, "s2", into=held, since="s1"))
+    held.clear()  # the device copy is freed before the async rows
     res["async"] = async_rows(model, opt, work)
     res["load_into_warm_s"] = min(
         clock(lambda: deltackpt.load(store, "s2", into=state)) for _ in range(2)
@@ -333,6 +338,12 @@ def report(res: dict[str, Any]) -> str:
             f"{res['load_into_warm_s']:.3f} s",
             f"{res['load_into_warm_s'] / res['dcp_load_s']:.2f}x dcp.load",
             "<= 0.2x",
+        ],
+        [
+            "load(since=) after a sparse step, into the device",
+            f"{res['since_s']:.3f} s",
+            f"{res['since_s'] / res['load_into_warm_s']:.2f}x load(into=) warm",
+            "-",
         ],
         [
             "Checkpointer.restore_latest warm",
