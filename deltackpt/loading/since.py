@@ -269,17 +269,19 @@ def _each(fn: Callable[[_T], _U], items: list[_T], threads: int) -> list[_U]:
 
 
 def _device_parts(
-    e: TensorEntry, dst: torch.Tensor, held: HeldIndex, forced: bool
+    e: TensorEntry, dst: torch.Tensor, was: TensorEntry | None, held: HeldIndex, forced: bool
 ) -> tuple[int, list[tuple[int, tuple[Slice, ...]]]] | None:
     """For a whole tensor in device memory (``forced``: a plain CPU tensor standing in for one):
     how many of its chunks ``held`` has at the same bytes (not read: into holds them), and the
     runs of the others as (byte offset in the tensor, their slices), read whole and copied in.
-    None for any other target (read whole)."""
+    ``was``: held's entry at that key. None for any other target (read whole)."""
     on_device = is_device(dst) or (forced and plain_cpu(dst))
     if e.data is None or not on_device or is_dtensor(dst) or not dst.is_contiguous():
         return None
     if dst.is_conj() or dst.is_neg() or not dst.numel():
         return None
+    if was is None or was.shape != e.shape or was.dtype != e.dtype:
+        return None  # held has another tensor there: nothing of it can be relied on
     same, runs = 0, []
     run: list[Slice] = []
     start = pos = 0
@@ -443,10 +445,12 @@ def prepare(
             buf = np.empty(m.chunks[d].size, dtype=np.uint8)
             r.want(want[d][0][0], ((d, 0, buf.size),), buf)
             up.chunks[d] = buf
+        held_entries = {x.path: x for x in h.tensors}
         for i in whole:
             e = m.tensors[i]
             dst = targets[e.path]
-            parts = None if full else _device_parts(e, dst, plan.index, forced)
+            was = held_entries.get(e.path)
+            parts = None if full else _device_parts(e, dst, was, plan.index, forced)
             if parts is not None:  # a device tensor: only its chunks that changed since held
                 same, runs = parts
                 stats.chunks_unchanged += same
