@@ -320,7 +320,7 @@ class Checkpointer:
         "newest" includes it (a failed one raises its error here, as at any next call).
         """
         self._check_state(state, "restore_latest")
-        self.wait()
+        self._collect()  # the save in flight (not a background fold: readers are safe with it)
         pg = self.save_options.get("process_group")
         found = chosen_by_rank0(pg, "Checkpointer.restore_latest", self._latest_name)
         if found is None:
