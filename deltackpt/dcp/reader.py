@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from deltackpt.cuda import DeviceCopies, host_buffer, is_device
 from deltackpt.dcp.metadata import (
     ByteValue,
     Saved,
@@ -46,9 +47,10 @@ from deltackpt.dcp.metadata import (
 from deltackpt.errors import InvalidArgumentError, StoreError, StoreFormatError
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest
+from deltackpt.loading import to_device
 from deltackpt.loading.plan import Reads, read_entry
 from deltackpt.loading.select import KeySelection, key_filter
-from deltackpt.options import LoadOptions
+from deltackpt.options import LoadOptions, default_device_scan
 from deltackpt.store.packs import PackReaders
 from deltackpt.store.store import LATEST, Store, open_store, validate_name
 
@@ -215,18 +217,76 @@ class StoreReader(StorageReader):
                 deliveries.append(_ValueItem(reqs, src, tensors))
         opts = self.options
         r.run(packs, opts.verify, opts.threads, "deltackpt-dcp")
+        to_dev = _ToDevice(default_device_scan() == "always")
         for d in deliveries:
-            d.deliver(planner)
+            d.deliver(planner, to_dev)
+        to_dev.run(planner)
 
 
 # ----------------------------------------------------------------------------------- delivery
 
 
 class _Delivery(Protocol):
-    def deliver(self, planner: LoadPlanner) -> None: ...
+    def deliver(self, planner: LoadPlanner, to_dev: _ToDevice) -> None: ...
 
 
-def _copy_into(req: ReadItem, region: torch.Tensor, planner: LoadPlanner) -> None:
+class _ToDevice:
+    """A batch's copies into targets in device memory (``forced``: CPU targets standing in for
+    them, the CPU suite), queued by :func:`_copy_into` and run by :meth:`run`: packed into two
+    reused pinned buffers of ``to_device.BUCKET`` bytes, each copied to the device on a side
+    stream while the next is filled (``cuda.DeviceCopies``), instead of a pageable, waiting
+    ``copy_`` per read item; every item is committed to the planner once all have landed. An
+    item larger than a buffer, or a target that is not contiguous, is copied directly."""
+
+    def __init__(self, forced: bool) -> None:
+        self.forced = forced
+        self.items: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+
+    def takes(self, target: torch.Tensor) -> bool:
+        return is_device(target) or (self.forced and target.device.type == "cpu")
+
+    def run(self, planner: LoadPlanner) -> None:
+        if not self.items:
+            return
+        cap = to_device.BUCKET
+        groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        used = cap
+        with torch.no_grad():
+            for _, target, region in self.items:
+                n = region.numel() * region.element_size()
+                if n > cap or not target.is_contiguous() or n == 0:
+                    target.copy_(region)
+                    continue
+                if used + n > cap:
+                    groups.append([])
+                    used = 0
+                groups[-1].append((target, region))
+                used += -(-n // 64) * 64
+            on_device = any(is_device(t) for _, t, _ in self.items)
+            bufs = [host_buffer(cap, on_device) for _ in range(min(2, len(groups)))]
+            copies = DeviceCopies()
+            try:
+                for k, group in enumerate(groups):
+                    slot = k % len(bufs)
+                    copies.reusable(slot)
+                    at = 0
+                    for target, region in group:
+                        n = region.numel() * region.element_size()
+                        staged = bufs[slot][at : at + n].view(region.dtype).view(region.shape)
+                        staged.copy_(region)  # a host copy (the region may be strided)
+                        copies.copy(target, staged)
+                        at += -(-n // 64) * 64
+                    copies.release(slot)
+            finally:
+                copies.wait()  # never drop a buffer with copies out of it in flight
+        for req, target, _ in self.items:
+            planner.commit_tensor(req, target)
+        self.items.clear()
+
+
+def _copy_into(
+    req: ReadItem, region: torch.Tensor, planner: LoadPlanner, to_dev: _ToDevice
+) -> None:
     if req.type != LoadItemType.TENSOR:
         raise StoreFormatError(f"{req.storage_index.fqn!r} is a tensor in the snapshot")
     target = planner.resolve_tensor(req).detach()
@@ -235,6 +295,9 @@ def _copy_into(req: ReadItem, region: torch.Tensor, planner: LoadPlanner) -> Non
             f"read of {req.storage_index.fqn!r}: target block {tuple(target.size())} != "
             f"saved block {tuple(region.size())}"
         )
+    if to_dev.takes(target) and target.dtype == region.dtype:
+        to_dev.items.append((req, target, region))  # copied and committed with the batch
+        return
     with torch.no_grad():
         target.copy_(region)
     planner.commit_tensor(req, target)
@@ -262,7 +325,7 @@ class _BlockSpan:
     dtype: torch.dtype
     strides: tuple[int, ...]  # of the block, C order
 
-    def deliver(self, planner: LoadPlanner) -> None:
+    def deliver(self, planner: LoadPlanner, to_dev: _ToDevice) -> None:
         typed = (
             self.span.view(self.dtype) if self.span.numel() else torch.empty(0, dtype=self.dtype)
         )
@@ -273,7 +336,7 @@ class _BlockSpan:
             else:
                 off = _flat(req.storage_offsets, self.strides) - self.lo
                 region = torch.as_strided(typed, lengths, self.strides, off)
-            _copy_into(req, region, planner)
+            _copy_into(req, region, planner, to_dev)
 
 
 def _plan_block(r: Reads, m: Manifest, src: SavedBlock, reqs: list[ReadItem]) -> _BlockSpan:
@@ -303,12 +366,12 @@ class _Narrowed:
     reqs: list[ReadItem]
     tensor: torch.Tensor
 
-    def deliver(self, planner: LoadPlanner) -> None:
+    def deliver(self, planner: LoadPlanner, to_dev: _ToDevice) -> None:
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
         for req in self.reqs:
             block = narrow_tensor_by_index(self.tensor, req.storage_offsets, req.lengths)
-            _copy_into(req, block, planner)
+            _copy_into(req, block, planner, to_dev)
 
 
 @dataclass
@@ -318,7 +381,7 @@ class _Bytes:
     reqs: list[ReadItem]
     u8: torch.Tensor
 
-    def deliver(self, planner: LoadPlanner) -> None:
+    def deliver(self, planner: LoadPlanner, to_dev: _ToDevice) -> None:
         for req in self.reqs:
             planner.load_bytes(req, io.BytesIO(self.u8.numpy().tobytes()))
 
@@ -331,7 +394,7 @@ class _ValueItem:
     src: Value
     tensors: dict[int, torch.Tensor]
 
-    def deliver(self, planner: LoadPlanner) -> None:
+    def deliver(self, planner: LoadPlanner, to_dev: _ToDevice) -> None:
         value = self._materialize(self.src.value) if self.src.has_tensors else self.src.value
         for req in self.reqs:
             bio = io.BytesIO()

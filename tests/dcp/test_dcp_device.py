@@ -79,6 +79,30 @@ def test_a_chunk_gc_removed_is_copied_again(tmp_path, forced):
     assert _same(got, state)
 
 
+@pytest.mark.parametrize("bucket", [200 << 10, 1 << 20])
+def test_dcp_load_into_device_targets_goes_through_pinned_buffers(tmp_path, forced, bucket):
+    from deltackpt.dcp import reader as reader_mod
+    from deltackpt.loading import to_device
+
+    store = deltackpt.open_store(tmp_path / "s", chunk_bytes=CHUNK, small_bytes=1024)
+    state = _state("cpu")
+    dcp.save(state, storage_writer=StoreWriter(store, "s0"))
+    queued: list[int] = []
+    run = reader_mod._ToDevice.run
+
+    def spy(self, planner):  # type: ignore[no-untyped-def]
+        queued.append(len(self.items))
+        return run(self, planner)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(to_device, "BUCKET", bucket)  # 200 KiB: "a" (256 KiB) is copied directly
+        mp.setattr(reader_mod._ToDevice, "run", spy)
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(got, storage_reader=StoreReader(store, "s0"))
+    assert _same(got, state)
+    assert sum(queued) == 3  # every tensor item queued with its batch, committed after
+
+
 @pytest.mark.gpu
 def test_dcp_save_and_load_of_cuda_state(tmp_path):
     store = deltackpt.open_store(tmp_path / "s", chunk_bytes=CHUNK, small_bytes=1024)
