@@ -9,7 +9,8 @@ changed chunks as deltas against the previous save. Each chunk the target puts i
   only the payloads above it are read and applied to the bytes ``into`` holds;
 * **read**: anything else, read whole (decoded down its chain) as a plain load reads it. So are
   the entries this cannot address byte by byte: views of a shared storage (tied weights), saved
-  shards (a snapshot saved by several ranks), and targets whose bytes are not one contiguous
+  shards other than row blocks (:func:`rows_as_data`: the ``Shard(0)`` blocks of FSDP2 ranks
+  are addressed as the whole tensor they tile), and targets whose bytes are not one contiguous
   CPU range of the tensor (DTensors sharded on another dimension than the first).
 
 A whole contiguous tensor in GPU memory skips the chunks ``held`` has at the same bytes, as a CPU
@@ -50,6 +51,7 @@ What is checked (``verify``, docs/loading.md):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections import Counter
@@ -83,6 +85,7 @@ from deltackpt.loading.assemble import _agree, _assign_values, _check_into, _ret
 from deltackpt.loading.plan import Reads, copy_into, np_bytes, plain_cpu, read_entry
 from deltackpt.loading.select import Select
 from deltackpt.loading.stats import LoadStats, pack_readers
+from deltackpt.loading.to_device import box_entry
 from deltackpt.options import LoadOptions, default_device_scan
 from deltackpt.store.chunks import ChunkReader
 from deltackpt.store.store import Store, open_store
@@ -477,6 +480,21 @@ def prepare(
     return up
 
 
+def rows_as_data(m: Manifest) -> Manifest:
+    """``m`` with each tensor saved as row blocks that tile it (``Shard(0)`` ranks of a
+    distributed save: FSDP2) described as one whole tensor, its bytes the blocks' in row order,
+    so that its chunks are skipped or patched by their place in the tensor as a tensor saved by
+    one process is. Other sharded tensors stay as they are (read whole)."""
+    tensors = list(m.tensors)
+    changed = False
+    for i, e in enumerate(tensors):
+        if e.shards is not None and e.shape:
+            whole = box_entry(e, ((0,) * len(e.shape), e.shape))
+            if whole is not None:
+                tensors[i], changed = whole, True
+    return dataclasses.replace(m, tensors=tuple(tensors)) if changed else m
+
+
 def catch_up(
     store: str | os.PathLike[str] | Store,
     name: str,
@@ -498,7 +516,7 @@ def catch_up(
         )
 
     def stage(m: Manifest) -> Callable[[], None]:
-        m = nested_manifest(m)  # a DCP-written snapshot: the nesting DCP flattened
+        m = rows_as_data(nested_manifest(m))  # DCP's nesting; row blocks as whole tensors
         _, found = flatten(into, allow_pickle=True, check_tensors=False)
         leaves = {leaf.path: leaf.tensor for leaf in found}
         targets = {p: t for p, t in leaves.items() if select is None or select(p)}
@@ -519,7 +537,7 @@ def catch_up(
         return commit
 
     st = open_store(store, create=False)
-    held = nested_manifest(st.manifest(since))
+    held = rows_as_data(nested_manifest(st.manifest(since)))
     prepared: list[CatchUp] = []
     if process_group is None:
         _retrying(st, st.manifest(name), stage)()
