@@ -13,9 +13,10 @@ changed chunks as deltas against the previous save. Each chunk the target puts i
   are addressed as the whole tensor they tile), and targets whose bytes are not one contiguous
   CPU range of the tensor (DTensors sharded on another dimension than the first).
 
-A whole contiguous tensor in GPU memory skips the chunks ``held`` has at the same bytes, as a CPU
-target does, and reads each other chunk whole (its bytes are not on the host to patch): those are
-staged in pinned memory and copied in at the commit (with ``verify="full"`` it is read whole).
+A whole contiguous tensor in GPU memory, or a DTensor whose local piece there is whole leading
+rows, skips the chunks ``held`` has at the same bytes, as a CPU target does, and reads each other
+chunk whole (its bytes are not on the host to patch), the part in its bytes staged in pinned
+memory and copied in at the commit (with ``verify="full"`` it is read whole).
 
 A DTensor whose local piece is a contiguous CPU tensor of whole leading rows (``Shard(0)``,
 ``Replicate``: what FSDP2 holds) is a *window* of the tensor's bytes: chunks inside it are
@@ -157,8 +158,8 @@ def held_bytes(
     """The bytes ``into`` holds of each of ``h``'s entries, by key path, and where they start in
     the tensor: a contiguous CPU tensor of the entry's dtype and shape holds all of them (start
     0), a DTensor of whole leading rows (see the module) a window (whatever is selected for
-    loading: a chunk of small tensors is rebuilt from all of them). ``forced``: plain CPU
-    tensors stand in for device tensors (``DELTACKPT_DEVICE_SCAN=always``, the CPU suite), whose
+    loading: a chunk of small tensors is rebuilt from all of them). ``forced``: CPU tensors and
+    DTensors stand in for device ones (``DELTACKPT_DEVICE_SCAN=always``, the CPU suite), whose
     bytes are not here."""
     out: dict[str, np.ndarray] = {}
     lo: dict[str, int] = {}
@@ -169,7 +170,7 @@ def held_bytes(
             and isinstance(t, torch.Tensor)
             and tuple(t.shape) == e.shape
             and t.dtype == dtype_from_name(e.dtype)
-            and not (forced and plain_cpu(t))
+            and not (forced and (plain_cpu(t) or is_dtensor(t)))
             and (win := _window(t, e)) is not None
         ):
             out[e.path], lo[e.path] = win
@@ -273,35 +274,51 @@ def _each(fn: Callable[[_T], _U], items: list[_T], threads: int) -> list[_U]:
 
 def _device_parts(
     e: TensorEntry, dst: torch.Tensor, was: TensorEntry | None, held: HeldIndex, forced: bool
-) -> tuple[int, list[tuple[int, tuple[Slice, ...]]]] | None:
-    """For a whole tensor in device memory (``forced``: a plain CPU tensor standing in for one):
-    how many of its chunks ``held`` has at the same bytes (not read: into holds them), and the
-    runs of the others as (byte offset in the tensor, their slices), read whole and copied in.
-    ``was``: held's entry at that key. None for any other target (read whole)."""
-    on_device = is_device(dst) or (forced and plain_cpu(dst))
-    if e.data is None or not on_device or is_dtensor(dst) or not dst.is_contiguous():
+) -> tuple[int, list[tuple[int, tuple[Slice, ...]]], torch.Tensor] | None:
+    """For a whole tensor in device memory, or a DTensor whose local piece there is whole
+    leading rows (a window of the tensor's bytes; ``forced``: CPU tensors standing in for device
+    ones): how many of the chunks in its bytes ``held`` has at the same place (not read: into
+    holds them), the runs of the others as (byte offset in the local bytes, the slices of the
+    saved bytes that go there), read and copied in, and the local bytes (flat uint8). ``was``:
+    held's entry at that key. None for any other target (read whole)."""
+    local, lo = dst, 0
+    if is_dtensor(dst):
+        local = local_tensor(dst)
+        try:
+            off, shape = local_box(dst, e.path)
+        except DeltackptError:  # a Partial placement: refused elsewhere
+            return None
+        if not e.shape or any(off[1:]) or tuple(shape[1:]) != e.shape[1:]:
+            return None  # not whole rows: its bytes are strided in the tensor's
+        lo = off[0] * local.element_size() * math.prod(e.shape[1:])
+    on_device = is_device(local) or (forced and plain_cpu(local))
+    if e.data is None or not on_device or not local.is_contiguous():
         return None
-    if dst.is_conj() or dst.is_neg() or not dst.numel():
+    if local.is_conj() or local.is_neg() or not local.numel():
         return None
     if was is None or was.shape != e.shape or was.dtype != e.dtype:
         return None  # held has another tensor there: nothing of it can be relied on
+    u8 = local.detach().reshape(-1).view(torch.uint8)
+    hi = lo + u8.numel()
     same, runs = 0, []
     run: list[Slice] = []
-    start = pos = 0
+    start = end = pos = 0
     for d, s, n in e.data:
-        if held.at.get((e.path, pos)) == (d, s, n):
-            same += 1
-            if run:
-                runs.append((start, tuple(run)))
-                run = []
-        else:
-            if not run:
-                start = pos
-            run.append((d, s, n))
+        a, b = max(pos, lo), min(pos + n, hi)
+        if a < b:  # a chunk of the bytes this rank holds (clipped at the window's edges)
+            if held.at.get((e.path, pos)) == (d, s, n):
+                same += 1
+            else:
+                if not run or a != end:
+                    if run:
+                        runs.append((start - lo, tuple(run)))
+                    run, start = [], a
+                run.append((d, s + a - pos, b - a))
+                end = b
         pos += n
     if run:
-        runs.append((start, tuple(run)))
-    return same, runs
+        runs.append((start - lo, tuple(run)))
+    return same, runs, u8
 
 
 def _stage_entry(r: Reads, e: TensorEntry, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,12 +472,11 @@ def prepare(
             was = held_entries.get(e.path)
             parts = None if full else _device_parts(e, dst, was, plan.index, forced)
             if parts is not None:  # a device tensor: only its chunks that changed since held
-                same, runs = parts
+                same, runs, u8 = parts
                 stats.chunks_unchanged += same
-                u8 = dst.detach().reshape(-1).view(torch.uint8)
                 for pos, slices in runs:
                     n = sum(x[2] for x in slices)
-                    buf = host_buffer(n, is_device(dst))  # pinned for a GPU
+                    buf = host_buffer(n, is_device(u8))  # pinned for a GPU
                     r.want(e.path, slices, np_bytes(buf))
                     up.copies.append((u8[pos : pos + n], buf, e.path))
                 continue
