@@ -177,24 +177,34 @@ def held_bytes(
     return out, lo
 
 
-def _window(t: torch.Tensor, e: TensorEntry) -> tuple[np.ndarray, int] | None:
-    """``t``'s bytes of entry ``e`` and their byte offset in the tensor, or None when they are
-    not one contiguous CPU range of it."""
+def _local_bytes(t: torch.Tensor, e: TensorEntry) -> tuple[torch.Tensor, int] | None:
+    """``t``'s bytes of entry ``e`` (flat uint8, on whatever device ``t`` is) and their byte
+    offset in the tensor, where they are one contiguous range of it: a contiguous tensor (offset
+    0), or a DTensor whose local piece is whole leading rows; else None."""
+    local, lo = t, 0
     if is_dtensor(t):
         local = local_tensor(t)
-        if not e.shape or not plain_cpu(local) or not local.is_contiguous() or not local.numel():
-            return None
         try:
             off, shape = local_box(t, e.path)
         except DeltackptError:  # a Partial placement: checked (and refused) elsewhere
             return None
-        if any(off[1:]) or tuple(shape[1:]) != e.shape[1:]:
+        if not e.shape or any(off[1:]) or tuple(shape[1:]) != e.shape[1:]:
             return None  # not whole rows: its bytes are strided in the tensor's
-        row = local.element_size() * math.prod(e.shape[1:])
-        return np_bytes(local.detach().reshape(-1).view(torch.uint8)), off[0] * row
-    if plain_cpu(t) and t.is_contiguous() and t.numel() > 0:
-        return np_bytes(t.detach().reshape(-1).view(torch.uint8)), 0
-    return None
+        lo = off[0] * local.element_size() * math.prod(e.shape[1:])
+    if local.is_meta or local.is_conj() or local.is_neg():
+        return None
+    if not local.is_contiguous() or not local.numel():
+        return None
+    return local.detach().reshape(-1).view(torch.uint8), lo
+
+
+def _window(t: torch.Tensor, e: TensorEntry) -> tuple[np.ndarray, int] | None:
+    """``t``'s bytes of entry ``e`` and their byte offset in the tensor, or None when they are
+    not one contiguous CPU range of it."""
+    got = _local_bytes(t, e)
+    if got is None or got[0].device.type != "cpu":
+        return None
+    return np_bytes(got[0]), got[1]
 
 
 class _Planner:
@@ -281,24 +291,14 @@ def _device_parts(
     holds them), the runs of the others as (byte offset in the local bytes, the slices of the
     saved bytes that go there), read and copied in, and the local bytes (flat uint8). ``was``:
     held's entry at that key. None for any other target (read whole)."""
-    local, lo = dst, 0
-    if is_dtensor(dst):
-        local = local_tensor(dst)
-        try:
-            off, shape = local_box(dst, e.path)
-        except DeltackptError:  # a Partial placement: refused elsewhere
-            return None
-        if not e.shape or any(off[1:]) or tuple(shape[1:]) != e.shape[1:]:
-            return None  # not whole rows: its bytes are strided in the tensor's
-        lo = off[0] * local.element_size() * math.prod(e.shape[1:])
-    on_device = is_device(local) or (forced and plain_cpu(local))
-    if e.data is None or not on_device or not local.is_contiguous():
+    got = _local_bytes(dst, e)
+    if e.data is None or got is None:
         return None
-    if local.is_conj() or local.is_neg() or not local.numel():
+    u8, lo = got
+    if not (is_device(u8) or (forced and u8.device.type == "cpu")):
         return None
     if was is None or was.shape != e.shape or was.dtype != e.dtype:
         return None  # held has another tensor there: nothing of it can be relied on
-    u8 = local.detach().reshape(-1).view(torch.uint8)
     hi = lo + u8.numel()
     same, runs = 0, []
     run: list[Slice] = []
