@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from deltackpt.cuda import DeviceCopies, host_buffer, is_device
+from deltackpt.cuda import is_device
 from deltackpt.dcp.metadata import (
     ByteValue,
     Saved,
@@ -234,7 +234,7 @@ class _ToDevice:
     """A batch's copies into targets in device memory (``forced``: CPU targets standing in for
     them, the CPU suite), queued by :func:`_copy_into` and run by :meth:`run`: packed into two
     reused pinned buffers of ``to_device.BUCKET`` bytes, each copied to the device on a side
-    stream while the next is filled (``cuda.DeviceCopies``), instead of a pageable, waiting
+    stream while the next is filled (``to_device.Ring``), instead of a pageable, waiting
     ``copy_`` per read item; every item is committed to the planner once all have landed. An
     item larger than a buffer, or a target that is not contiguous, is copied directly."""
 
@@ -249,7 +249,7 @@ class _ToDevice:
         if not self.items:
             return
         cap = to_device.BUCKET
-        groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        groups: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []  # (target, region, at)
         used = cap
         with torch.no_grad():
             for _, target, region in self.items:
@@ -260,25 +260,18 @@ class _ToDevice:
                 if used + n > cap:
                     groups.append([])
                     used = 0
-                groups[-1].append((target, region))
-                used += -(-n // 64) * 64
+                groups[-1].append((target, region, used))
+                used += -(-n // 64) * 64  # the next item starts aligned
             on_device = any(is_device(t) for _, t, _ in self.items)
-            bufs = [host_buffer(cap, on_device) for _ in range(min(2, len(groups)))]
-            copies = DeviceCopies()
-            try:
-                for k, group in enumerate(groups):
-                    slot = k % len(bufs)
-                    copies.reusable(slot)
-                    at = 0
-                    for target, region in group:
+            with to_device.Ring(len(groups), cap, on_device) as ring:
+                for i, group in enumerate(groups):
+                    buf = ring.take(i)
+                    for target, region, at in group:
                         n = region.numel() * region.element_size()
-                        staged = bufs[slot][at : at + n].view(region.dtype).view(region.shape)
+                        staged = buf[at : at + n].view(region.dtype).view(region.shape)
                         staged.copy_(region)  # a host copy (the region may be strided)
-                        copies.copy(target, staged)
-                        at += -(-n // 64) * 64
-                    copies.release(slot)
-            finally:
-                copies.wait()  # never drop a buffer with copies out of it in flight
+                        ring.copy(target, staged)
+                    ring.done(i)
         for req, target, _ in self.items:
             planner.commit_tensor(req, target)
         self.items.clear()

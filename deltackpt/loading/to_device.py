@@ -38,7 +38,15 @@ from deltackpt.loading.plan import Reads, np_bytes
 from deltackpt.loading.reshard import Box, entry_shards, sub_slices
 from deltackpt.store.packs import PackReaders
 
-__all__ = ["BUCKET", "box_entry", "device_items", "move_tensors", "read_to_device", "takes"]
+__all__ = [
+    "BUCKET",
+    "Ring",
+    "box_entry",
+    "device_items",
+    "move_tensors",
+    "read_to_device",
+    "takes",
+]
 
 BUCKET = 64 << 20  # bytes a host buffer holds (chunks are 4 MiB by default: 16 a bucket)
 
@@ -155,6 +163,36 @@ def _buckets(items: list[tuple[TensorEntry, torch.Tensor]], size: int) -> list[_
     return out
 
 
+class Ring:
+    """Two reused host buffers of ``cap`` bytes (pinned where ``on_device``) that ``batches``
+    batches are staged in, in turn, each copied to the device from there on a side stream while
+    the next is staged (``cuda.DeviceCopies``): :meth:`take` hands out batch ``i``'s buffer once
+    its earlier copies have landed, :meth:`copy` queues a copy out of it, :meth:`done` marks its
+    last; leaving the ``with`` block waits for every copy (also on failure), so no buffer is
+    dropped with copies out of it in flight. Loads into device tensors and the DCP reader's."""
+
+    def __init__(self, batches: int, cap: int, on_device: bool) -> None:
+        self._bufs = [host_buffer(cap, on_device) for _ in range(min(2, batches))]
+        self._copies = DeviceCopies()
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._copies.wait()
+
+    def take(self, i: int) -> torch.Tensor:
+        slot = i % len(self._bufs)
+        self._copies.reusable(slot)
+        return self._bufs[slot]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._copies.copy(dst, src)
+
+    def done(self, i: int) -> None:
+        self._copies.release(i % len(self._bufs))
+
+
 def read_to_device(
     packs: PackReaders,
     m: Manifest,
@@ -171,25 +209,18 @@ def read_to_device(
     if not buckets:
         return 0
     on_device = any(is_device(dst) for _, dst in items)
-    cap = max(b.nbytes for b in buckets)
-    bufs = [host_buffer(cap, on_device) for _ in range(min(2, len(buckets)))]
-    copies = DeviceCopies()
     jobs = 0
-    try:
+    with Ring(len(buckets), max(b.nbytes for b in buckets), on_device) as ring:
         for i, b in enumerate(buckets):
-            slot = i % len(bufs)
-            copies.reusable(slot)
-            host = bufs[slot]
+            host = ring.take(i)
             r = Reads(m)
             for s in b.spans:
                 r.want(s.path, tuple(s.slices), np_bytes(host[s.offset : s.offset + s.n]))
             r.run(packs, verify, threads, "deltackpt-load")
             jobs += len(r.jobs)
             for s in b.spans:
-                copies.copy(s.dst[s.start : s.start + s.n], host[s.offset : s.offset + s.n])
-            copies.release(slot)
-    finally:
-        copies.wait()  # never drop a host buffer with copies out of it in flight
+                ring.copy(s.dst[s.start : s.start + s.n], host[s.offset : s.offset + s.n])
+            ring.done(i)
     return jobs
 
 
