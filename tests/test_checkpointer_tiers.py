@@ -92,3 +92,56 @@ def test_replicas_need_a_process_group(tmp_path: Path) -> None:
         deltackpt.Checkpointer(Tiers(local=tmp_path / "shm", replicas=1))
     plain = deltackpt.Checkpointer(tmp_path / "plain", every=1)
     assert type(plain) is deltackpt.Checkpointer  # a store path is still a plain Checkpointer
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["copy-beside", "parked-on-host"])
+def test_a_restore_that_fails_midway_puts_the_state_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parked: bool
+) -> None:
+    """A load attempt that wrote into the live tensors and then failed, with nothing else to
+    try: the state is put back bit-exactly, in the same tensor objects. ``parked``: the copy
+    taken before the attempt is kept on the host, as for GPU state with no room beside it on
+    the device (forced here: the CPU stands in for the device)."""
+    import deltackpt.tiers.checkpointer as tc
+
+    ckpt = TieredCheckpointer(_tiers(tmp_path), every=1, async_=False)
+    state = _state(0)
+    for step in range(2):
+        _train(state, step)
+        ckpt.maybe_save(step, state)
+    ckpt.close()
+
+    fresh = _state(1)
+    _train(fresh, 1)  # the optimizer holds moments: they must come back too
+    weight = fresh["model"].weight
+    moment = fresh["opt"].state[weight]["exp_avg"]
+    want = {k: v.clone() for k, v in fresh["model"].state_dict().items()}
+    want_moment = moment.clone()
+    if parked:
+        monkeypatch.setattr(tc, "is_device", lambda t: True)
+        monkeypatch.setattr(tc, "device_room", lambda d, n: False)
+    backups: list[Any] = []
+    real_backup = tc._backup
+    monkeypatch.setattr(
+        tc, "_backup", lambda tree: backups.append(real_backup(tree)) or backups[-1]
+    )
+
+    def half_read(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            weight.fill_(7.0)
+            moment.fill_(7.0)
+        raise OSError("read failed halfway")
+
+    monkeypatch.setattr(tc, "restore_state", half_read)
+    again = TieredCheckpointer(Tiers(local=tmp_path / "shm", durable=None, replicas=0), every=1)
+    assert again.restore_latest(fresh) == 0
+    again.close()
+    assert again.last_restore is not None and again.last_restore.step is None
+    assert any("read failed halfway" in r for r in again.last_restore.refused)
+    kinds = {type(v).__name__ for v in backups[0]["model"].values()}
+    assert kinds == ({"_Parked"} if parked else {"Tensor"}), kinds
+    assert fresh["model"].weight is weight  # the module's own tensors, in place
+    for k, v in fresh["model"].state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert torch.equal(fresh["opt"].state[weight]["exp_avg"], want_moment)
+    assert want_moment.abs().sum() > 0

@@ -45,8 +45,10 @@ from deltackpt.checkpointer import (
     restore_into,
     to_saveable,
 )
+from deltackpt.cuda import device_room, is_device
 from deltackpt.distributed.collectives import Group, group_timeout
 from deltackpt.errors import InvalidArgumentError
+from deltackpt.format.dtensor import is_dtensor
 from deltackpt.resume import restore_state
 from deltackpt.store.lifecycle import gc
 from deltackpt.store.store import Store, open_store
@@ -338,12 +340,12 @@ class TieredCheckpointer:
         local_sd, layout, back = localize(to_saveable(state), _moment_paths(state))
         # An attempt loads in place, and another rank may fail the same step: if no step ends
         # up restored, every rank is put back as it was (never a mix of steps and zeros). The
-        # cost: one copy of the state, taken before this rank's first attempt.
+        # cost: one copy of the state, taken before this rank's first attempt (see _backup).
         before: list[dict[str, Any]] = []
 
         def load_local(store: Store, name: str) -> None:
             if not before:
-                before.append(map_leaves(to_saveable(state), _copy_leaf))
+                before.append(_backup(to_saveable(state)))
             loaded = delocalize(restore_state(store, name, state, local_sd, None), back)
             moments_as_dtensors(state, loaded)
             restore_into(state, loaded)
@@ -355,7 +357,7 @@ class TieredCheckpointer:
 
         report = restore(self._fg, self.tiers, durable_steps, load_local, load_durable, layout)
         if report.step is None and before:
-            restore_into(state, before[0])
+            _put_back(state, before[0])
         self.last_restore = report
         return 0 if report.step is None else report.step + 1
 
@@ -447,6 +449,54 @@ def from_checkpointer(
 TIERED[Tiers] = from_checkpointer
 
 
-def _copy_leaf(v: Any, _path: str) -> Any:
-    """A leaf of the state as restore_into puts it back: tensors cloned, values copied."""
-    return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+@dataclass(frozen=True)
+class _Parked:
+    """A device tensor of the state (``live``) and a host copy of its (local) bytes."""
+
+    live: torch.Tensor
+    host: torch.Tensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _backup(tree: Any) -> Any:
+    """A copy of ``tree`` (a saveable state) that :func:`_put_back` restores: values
+    deep-copied, host tensors cloned, device tensors cloned on their device where all of them fit
+    with :func:`~deltackpt.cuda.device_room`'s margin, else parked on the host (a second copy of
+    a GPU's model and optimizer state on that GPU would take what training holds there)."""
+    need: dict[torch.device, int] = {}
+
+    def count(v: Any, _path: str) -> Any:
+        if isinstance(v, torch.Tensor) and is_device(v):
+            t = _local(v)
+            need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
+        return v
+
+    map_leaves(tree, count)
+    park = {d for d, n in need.items() if not device_room(d, n)}
+
+    def leaf(v: Any, _path: str) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return copy.deepcopy(v)
+        v = v.detach()
+        if not is_device(v) or _local(v).device not in park:
+            return v.clone()
+        return _Parked(v, _local(v).to("cpu", copy=True))
+
+    return map_leaves(tree, leaf)
+
+
+def _put_back(state: dict[str, Any], backup: Any) -> None:
+    """Put ``state`` back as :func:`_backup` found it: parked bytes copied into their live
+    tensors first, then everything restored in place as ``restore_into`` does."""
+
+    def leaf(v: Any, _path: str) -> Any:
+        if isinstance(v, _Parked):
+            with torch.no_grad():
+                _local(v.live).copy_(v.host)
+            return v.live
+        return v
+
+    restore_into(state, map_leaves(backup, leaf))
