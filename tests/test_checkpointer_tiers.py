@@ -17,16 +17,17 @@ from deltackpt.store.store import open_store
 from deltackpt.tiers import TieredCheckpointer, Tiers
 
 
-def _state(seed: int) -> dict[str, Any]:
+def _state(seed: int, device: str = "cpu") -> dict[str, Any]:
     torch.manual_seed(seed)
-    model = torch.nn.Linear(64, 32)
+    model = torch.nn.Linear(64, 32).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return {"model": model, "opt": opt, "step": 0}
 
 
 def _train(state: dict[str, Any], step: int) -> None:
     model, opt = state["model"], state["opt"]
-    loss = model(torch.full((4, 64), float(step))).square().mean()
+    x = torch.full((4, 64), float(step), device=model.weight.device)
+    loss = model(x).square().mean()
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -94,14 +95,22 @@ def test_replicas_need_a_process_group(tmp_path: Path) -> None:
     assert type(plain) is deltackpt.Checkpointer  # a store path is still a plain Checkpointer
 
 
-@pytest.mark.parametrize("parked", [False, True], ids=["copy-beside", "parked-on-host"])
+@pytest.mark.parametrize(
+    ("device", "parked"),
+    [
+        ("cpu", False),
+        ("cpu", True),
+        pytest.param("cuda", True, marks=pytest.mark.gpu),
+    ],
+    ids=["copy-beside", "parked-on-host", "cuda-parked-on-host"],
+)
 def test_a_restore_that_fails_midway_puts_the_state_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parked: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, parked: bool
 ) -> None:
     """A load attempt that wrote into the live tensors and then failed, with nothing else to
     try: the state is put back bit-exactly, in the same tensor objects. ``parked``: the copy
     taken before the attempt is kept on the host, as for GPU state with no room beside it on
-    the device (forced here: the CPU stands in for the device)."""
+    the device (on "cpu" forced: the CPU stands in for the device)."""
     import deltackpt.tiers.checkpointer as tc
 
     ckpt = TieredCheckpointer(_tiers(tmp_path), every=1, async_=False)
@@ -111,14 +120,15 @@ def test_a_restore_that_fails_midway_puts_the_state_back(
         ckpt.maybe_save(step, state)
     ckpt.close()
 
-    fresh = _state(1)
+    fresh = _state(1, device)
     _train(fresh, 1)  # the optimizer holds moments: they must come back too
     weight = fresh["model"].weight
     moment = fresh["opt"].state[weight]["exp_avg"]
     want = {k: v.clone() for k, v in fresh["model"].state_dict().items()}
     want_moment = moment.clone()
     if parked:
-        monkeypatch.setattr(tc, "is_device", lambda t: True)
+        if device == "cpu":
+            monkeypatch.setattr(tc, "is_device", lambda t: True)
         monkeypatch.setattr(tc, "device_room", lambda d, n: False)
     backups: list[Any] = []
     real_backup = tc._backup
