@@ -29,7 +29,8 @@ the read engine verifies what it reads; all new bytes are staged, and last the c
 (:mod:`deltackpt.loading.inplace`: only the changed elements written, old ones kept, all undone on
 any failure or by :meth:`CatchUp.abort`). :meth:`CatchUp.commit` then only copies. So a failure
 leaves ``into`` as it was; the price is staging memory the size of the changed chunks that are
-not patched in place.
+decoded (a raw chunk of a local store is not staged: it is verified where it lies in the mapped
+pack, which is never written in place, and copied from there at the commit).
 
 What is checked (``verify``, docs/loading.md):
 
@@ -130,10 +131,12 @@ class CatchUp:
 
     mem: dict[str, np.ndarray]  # into's bytes by key path (contiguous CPU targets)
     lo: dict[str, int] = field(default_factory=dict)  # where mem[path] starts in its tensor
-    chunks: dict[str, np.ndarray] = field(default_factory=dict)  # digest -> new raw bytes
+    # digest -> new raw bytes: staged, or a view of a mapped local pack (verified)
+    chunks: dict[str, np.ndarray] = field(default_factory=dict)
     refs: dict[str, list[Ref]] = field(default_factory=dict)  # digest -> its places in into
     copies: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
     in_place: list[inplace.InPlace] = field(default_factory=list)  # applied; abort() undoes
+    threads: int = 1  # the commit's copies
 
     def abort(self) -> None:  # undo the in-place patches (another rank failed, say)
         inplace.revert_all(self.in_place)
@@ -141,12 +144,16 @@ class CatchUp:
     def commit(self) -> None:
         """Copy the staged bytes into ``into`` (memory copies only: nothing left can fail on
         CPU targets; a GPU target's ``copy_`` is the one step that still could)."""
-        for d, new in self.chunks.items():
+
+        def put(item: tuple[str, np.ndarray]) -> None:
+            d, new = item
             for p, pos, s, n in self.refs[d]:
                 lo, mem = self.lo.get(p, 0), self.mem[p]
                 a, b = max(pos, lo), min(pos + n, lo + mem.size)  # clipped to into's window
                 if a < b:
                     mem[a - lo : b - lo] = new[s + a - pos : s + b - pos]
+
+        _each(put, list(self.chunks.items()), self.threads)  # numpy copies drop the GIL
         with torch.no_grad():
             for dst, t, path in self.copies:
                 copy_into(dst, t, path)
@@ -348,7 +355,7 @@ def prepare(
     bytes rebuild ``h``'s chunks."""
     stats = stats if stats is not None else LoadStats()
     forced = default_device_scan() == "always"
-    up = CatchUp(*held_bytes(h, leaves, forced))
+    up = CatchUp(*held_bytes(h, leaves, forced), threads=opts.threads)
     plan = _Planner(h, up.mem, up.lo)
     want: dict[str, list[Ref]] = {}  # target chunk -> its places in contiguous CPU targets
     whole: list[int] = []
@@ -459,12 +466,26 @@ def prepare(
         rest = list(compress(patches, [not f for f in fits]))
         up.chunks.update(_each(patch, rest, opts.threads))
 
-        # 3. everything else, read whole into fresh memory and verified by the read engine.
+        # 3. everything else, read whole into fresh memory and verified by the read engine;
+        # a raw chunk in a mapped local pack is verified where it lies and copied from there at
+        # the commit (packs are never written in place): no staging memory, no second copy.
         r = Reads(m)
+        mapped: list[tuple[str, np.ndarray]] = []
         for d in read:
-            buf = np.empty(m.chunks[d].size, dtype=np.uint8)
+            rec = m.chunks[d]
+            if rec.codec == codecs.RAW and rec.length == rec.size:
+                view = packs.view(rec.pack, rec.offset, rec.size)
+                if view is not None:
+                    mapped.append((d, view))
+                    continue
+            buf = np.empty(rec.size, dtype=np.uint8)
             r.want(want[d][0][0], ((d, 0, buf.size),), buf)
             up.chunks[d] = buf
+        in_map = ChunkReader(packs, m.chunks, verify=bool(opts.verify))
+        _each(lambda x: in_map.check_mapped(*x, f"snapshot {m.name!r} key {want[x[0]][0][0]!r}"),
+              mapped, opts.threads)  # fmt: skip
+        up.chunks.update(mapped)
+        stats.chunks_read += len(mapped)
         held_entries = {x.path: x for x in h.tensors}
         for i in whole:
             e = m.tensors[i]

@@ -59,6 +59,12 @@ class CountingPackReaders(PackReaders):
         self.stats.add_read(n)
         return n
 
+    def view(self, pack: str, offset: int, n: int) -> np.ndarray | None:
+        got = super().view(pack, offset, n)
+        if got is not None:  # its bytes are read where they lie (hashed, then copied out)
+            self.stats.add_read(n)
+        return got
+
 
 def pack_readers(store: Store, stats: LoadStats | None) -> PackReaders:
     """The pack readers of one load: counting into ``stats`` when the caller asked for them."""

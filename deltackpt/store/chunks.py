@@ -143,6 +143,11 @@ class ChunkReader:
         self._read_payload(d, rec, out, where)
         return out
 
+    def check_mapped(self, d: str, view: np.ndarray, where: str) -> None:
+        """Verify raw chunk ``d`` where it lies in its mapped pack (``view``: from
+        :meth:`PackReaders.view`), as a read would once its bytes landed."""
+        self._check(d, view, where)
+
     def _check(self, d: str, raw: np.ndarray, where: str) -> None:
         if self.verify:
             actual = digest(raw)

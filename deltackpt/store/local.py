@@ -337,6 +337,16 @@ class LocalReader:
             return _copy_out(src, offset, bufs)
         return _preadv(self._fd, offset, list(bufs))
 
+    def view(self, offset: int, n: int) -> np.ndarray | None:
+        """Bytes ``[offset, offset + n)`` of the file as a read-only array over its memory map
+        (no copy: the page cache's pages), or None where the file is not mapped or ends first.
+        The view keeps the mapping alive after :meth:`close` until it is freed; the file is
+        never written in place (packs are immutable), so its bytes stay what they were."""
+        src = self._mapped()
+        if src is None or offset < 0 or offset + n > src.size:
+            return None
+        return src[offset : offset + n]
+
     def close(self) -> None:
         with self._lock:
             m, self._map, self._array = self._map, None, None  # drop our view, so m can close

@@ -155,6 +155,17 @@ class PackReaders:
         read (less than their total only at the end of the pack)."""
         return self.reader(pack).read_into(offset, bufs)
 
+    def view(self, pack: str, offset: int, n: int) -> np.ndarray | None:
+        """``n`` bytes of ``pack`` at ``offset`` without a copy (a read-only array over the
+        local pack's memory map, alive after :meth:`close` while it is held), or None where
+        that cannot be had (an object store, a pack that cannot be opened or mapped, or that
+        ends first): the caller reads the bytes instead, and that read reports any damage."""
+        try:
+            fn = getattr(self.reader(pack), "view", None)
+        except (OSError, UnsafePathError):
+            return None
+        return fn(offset, n) if fn is not None else None
+
     def close(self) -> None:
         with self._lock:
             for r in self._readers.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,3 +223,53 @@ def test_object_store(tmp_path: Path) -> None:
     stats = LoadStats()
     deltackpt.load(mem, "s2", into=state, since="s0", stats=stats)
     assert _same(state, saved[2]) and stats.chunks_unchanged >= 10
+
+
+def _flip(st: deltackpt.Store, root: Path, name: str, d: str) -> None:
+    rec = st.manifest(name).chunks[d]
+    with open(root / "packs" / pack_name(rec.pack), "r+b") as f:
+        f.seek(rec.offset + rec.length // 2)
+        b = f.read(1)
+        f.seek(rec.offset + rec.length // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _mapped(a: Any) -> bool:
+    import mmap
+
+    while isinstance(a, (np.ndarray, memoryview)):
+        a = a.obj if isinstance(a, memoryview) else a.base
+    return isinstance(a, mmap.mmap)
+
+
+def test_raw_chunks_are_verified_and_copied_from_the_mapped_pack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed raw chunk of a local store is not staged: it is hashed where it lies in the
+    mapped pack and copied from there at the commit (a copy of the changed bytes fewer, and no
+    staging memory); a damaged one still fails the load with into unchanged."""
+    from deltackpt.loading import since
+
+    st, saved = _history(tmp_path / "s", None)
+    staged: list[since.CatchUp] = []
+    real = since.prepare
+    monkeypatch.setattr(
+        since, "prepare", lambda *a, **k: staged.append(real(*a, **k)) or staged[-1]
+    )
+    into = _copy(saved[0])
+    deltackpt.load(st, "s1", into=into, since="s0")
+    assert _same(into, saved[1])
+    m = st.manifest("s1")
+    raw = [a for d, a in staged[0].chunks.items() if m.chunks[d].codec == "raw"]
+    assert raw and all(_mapped(a) for a in raw)  # views of the pack's mapping, nothing staged
+
+    d = st.manifest("s2").tensors[0].data[0][0]  # w0's changed first chunk, raw
+    assert st.manifest("s2").chunks[d].codec == "raw"
+    _flip(st, tmp_path / "s", "s2", d)
+    into = _copy(saved[1])
+    before = _copy(into)
+    with pytest.raises(CorruptChunkError, match=r"model/w0.*hash to"):
+        deltackpt.load(st, "s2", into=into, since="s1")
+    assert _same(into, before)
+    deltackpt.load(st, "s2", into=into, since="s1", verify=False)  # not hashed: as a plain load
+    assert not torch.equal(into["model"]["w0"], saved[2]["model"]["w0"])
