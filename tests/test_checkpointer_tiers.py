@@ -155,3 +155,46 @@ def test_a_restore_that_fails_midway_puts_the_state_back(
         assert torch.equal(v, want[k]), k
     assert torch.equal(fresh["opt"].state[weight]["exp_avg"], want_moment)
     assert want_moment.abs().sum() > 0
+
+
+def test_a_damaged_own_snapshot_fails_its_load_and_the_one_before_is_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load of a rank's own local snapshot checks every chunk it reads, so no verify pass
+    runs before it; a damaged chunk fails that attempt (after it wrote into the state) and the
+    step before is loaded over it, bit-exactly."""
+    import numpy as np
+
+    import deltackpt.tiers.restore as tr
+
+    tiers = Tiers(local=tmp_path / "shm", durable=None, replicas=0)
+    ckpt = TieredCheckpointer(tiers, every=1, async_=False)
+    state = _state(0)
+    saved = []
+    for step in range(2):
+        _train(state, step + 1)
+        ckpt.maybe_save(step, state)
+        saved.append({k: v.clone() for k, v in state["model"].state_dict().items()})
+    ckpt.close()
+    st = open_store(tiers.own_dir(0), create=False)
+    names = [i.name for i in deltackpt.snapshots(st)]
+    new = st.manifest(names[1]).chunks
+    d = sorted(set(new) - set(st.manifest(names[0]).chunks))[0]
+    data = np.fromfile(st.pack_path(new[d].pack), dtype=np.uint8)
+    data[new[d].offset + new[d].length // 2] ^= 0xFF
+    data.tofile(st.pack_path(new[d].pack))
+
+    passes: list[Any] = []
+    real = tr.verify
+    monkeypatch.setattr(tr, "verify", lambda *a, **k: passes.append(a) or real(*a, **k))
+    fresh = _state(1)
+    again = TieredCheckpointer(tiers, every=1)
+    assert again.restore_latest(fresh) == 1
+    again.close()
+    assert passes == []  # no hashing pass before the loads
+    rep = again.last_restore
+    assert rep is not None and rep.step == 0
+    assert len(rep.refused) == 1 and "step 1, rank 0, local" in rep.refused[0]
+    assert "corrupt" in rep.refused[0] and d in rep.refused[0]
+    for k, v in fresh["model"].state_dict().items():
+        assert torch.equal(v, saved[0][k]), k

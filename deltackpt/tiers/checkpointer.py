@@ -355,7 +355,17 @@ class TieredCheckpointer:
             name, st = self.durable.name(step), self.durable.store
             restore_into(state, restore_state(st, name, state, to_saveable(state), self.pg))
 
-        report = restore(self._fg, self.tiers, durable_steps, load_local, load_durable, layout)
+        # load_local reads every chunk into the state and checks it: no verify pass before it
+        # (a damaged chunk fails the attempt; the next one, or _put_back, overwrites it all)
+        report = restore(
+            self._fg,
+            self.tiers,
+            durable_steps,
+            load_local,
+            load_durable,
+            layout,
+            load_reads_all=True,
+        )
         if report.step is None and before:
             _put_back(state, before[0])
         self.last_restore = report

@@ -140,11 +140,14 @@ def restore_local(
     plan: Plan,
     load: Callable[[Store, str], None],
     layout: str,
+    load_reads_all: bool = False,
 ) -> str | None:
     """Assemble ``plan``'s step on this rank (fetch, verify, load); None or the reason it failed.
 
     Fetches run pair by pair in rank order (every rank walks the same list), so no two
-    transfers wait on each other."""
+    transfers wait on each other. A rank's own local snapshot is verified whole first, unless
+    ``load_reads_all``: ``load`` itself reads every chunk and checks its digest, and its failure
+    is refused as a damaged snapshot would be (a second hashing pass would only cost time)."""
     step, sources = plan
     rank = link.rank if link is not None else 0
     world = len(sources)
@@ -174,7 +177,7 @@ def restore_local(
                 problem = "; ".join(moved.problems) or f"replica of {name!r} from rank {h} refused"
     if problem is not None or own is None:
         return problem
-    if sources[rank] == LOCAL:
+    if sources[rank] == LOCAL and not load_reads_all:
         report = verify(own, [name])
         if not report.ok:
             bad = report.problems[0]
@@ -193,8 +196,10 @@ def restore(
     load_local: Callable[[Store, str], None],
     load_durable: Callable[[int], None],
     layout: str,
+    load_reads_all: bool = False,
 ) -> RestoreReport:
-    """Run the agreement and the restore on every rank (see the module docstring)."""
+    """Run the agreement and the restore on every rank (see the module docstring);
+    ``load_reads_all``: see :func:`restore_local`."""
     rank = link.rank if link is not None else 0
     world = link.world if link is not None else 1
     mine = inventory(tiers, rank, world, layout)
@@ -227,7 +232,7 @@ def restore(
                 ) from e
             return RestoreReport(step, tuple(sources), tuple(notes))
         try:
-            problem = restore_local(link, tiers, plan, load_local, layout)
+            problem = restore_local(link, tiers, plan, load_local, layout, load_reads_all)
         except Exception as e:  # still take part in the agreement below
             problem = f"{type(e).__name__}: {e}"
         problems = link.all_gather(problem) if link is not None else [problem]
