@@ -195,6 +195,13 @@ class ReplicaMismatchError(DistributedError, ValueError):
     written."""
 
 
+class PartialRestoreError(DeltackptError, RuntimeError):
+    """A tiered restore wrote into the live state, the load then failed (after every chunk had
+    been verified: an I/O or device error), and no other tier could restore a step over it: the
+    state holds part of the step tried. The message lists every attempt; restart the process
+    (the tiers are unchanged)."""
+
+
 class InsufficientMemoryError(DeltackptError, MemoryError):
     """A load would need more memory than this machine has; nothing was allocated."""
 

@@ -95,79 +95,21 @@ def test_replicas_need_a_process_group(tmp_path: Path) -> None:
     assert type(plain) is deltackpt.Checkpointer  # a store path is still a plain Checkpointer
 
 
-@pytest.mark.parametrize(
-    ("device", "parked"),
-    [
-        ("cpu", False),
-        ("cpu", True),
-        pytest.param("cuda", True, marks=pytest.mark.gpu),
-    ],
-    ids=["copy-beside", "parked-on-host", "cuda-parked-on-host"],
-)
-def test_a_restore_that_fails_midway_puts_the_state_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, parked: bool
-) -> None:
-    """A load attempt that wrote into the live tensors and then failed, with nothing else to
-    try: the state is put back bit-exactly, in the same tensor objects. ``parked``: the copy
-    taken before the attempt is kept on the host, as for GPU state with no room beside it on
-    the device (on "cpu" forced: the CPU stands in for the device)."""
-    import deltackpt.tiers.checkpointer as tc
-
-    ckpt = TieredCheckpointer(_tiers(tmp_path), every=1, async_=False)
-    state = _state(0)
-    for step in range(2):
-        _train(state, step)
-        ckpt.maybe_save(step, state)
-    ckpt.close()
-
-    fresh = _state(1, device)
-    _train(fresh, 1)  # the optimizer holds moments: they must come back too
-    weight = fresh["model"].weight
-    moment = fresh["opt"].state[weight]["exp_avg"]
-    want = {k: v.clone() for k, v in fresh["model"].state_dict().items()}
-    want_moment = moment.clone()
-    if parked:
-        if device == "cpu":
-            monkeypatch.setattr(tc, "is_device", lambda t: True)
-        monkeypatch.setattr(tc, "device_room", lambda d, n: False)
-    backups: list[Any] = []
-    real_backup = tc._backup
-    monkeypatch.setattr(
-        tc, "_backup", lambda tree: backups.append(real_backup(tree)) or backups[-1]
-    )
-
-    def half_read(*args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
-            weight.fill_(7.0)
-            moment.fill_(7.0)
-        raise OSError("read failed halfway")
-
-    monkeypatch.setattr(tc, "restore_state", half_read)
-    again = TieredCheckpointer(Tiers(local=tmp_path / "shm", durable=None, replicas=0), every=1)
-    assert again.restore_latest(fresh) == 0
-    again.close()
-    assert again.last_restore is not None and again.last_restore.step is None
-    assert any("read failed halfway" in r for r in again.last_restore.refused)
-    kinds = {type(v).__name__ for v in backups[0]["model"].values()}
-    assert kinds == ({"_Parked"} if parked else {"Tensor"}), kinds
-    assert fresh["model"].weight is weight  # the module's own tensors, in place
-    for k, v in fresh["model"].state_dict().items():
-        assert torch.equal(v, want[k]), k
-    assert torch.equal(fresh["opt"].state[weight]["exp_avg"], want_moment)
-    assert want_moment.abs().sum() > 0
-
-
-def test_a_damaged_own_snapshot_fails_its_load_and_the_one_before_is_restored(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The load of a rank's own local snapshot checks every chunk it reads, so no verify pass
-    runs before it; a damaged chunk fails that attempt (after it wrote into the state) and the
-    step before is loaded over it, bit-exactly."""
+def _corrupt_new_chunk(tiers: Tiers) -> str:
+    """Flip a byte of a chunk the newest local snapshot has and the one before has not."""
     import numpy as np
 
-    import deltackpt.tiers.restore as tr
+    st = open_store(tiers.own_dir(0), create=False)
+    names = [i.name for i in deltackpt.snapshots(st)]
+    new = st.manifest(names[-1]).chunks
+    d = sorted(set(new) - set(st.manifest(names[-2]).chunks))[0]
+    data = np.fromfile(st.pack_path(new[d].pack), dtype=np.uint8)
+    data[new[d].offset + new[d].length // 2] ^= 0xFF
+    data.tofile(st.pack_path(new[d].pack))
+    return d
 
-    tiers = Tiers(local=tmp_path / "shm", durable=None, replicas=0)
+
+def _two_steps(tiers: Tiers) -> list[dict[str, torch.Tensor]]:
     ckpt = TieredCheckpointer(tiers, every=1, async_=False)
     state = _state(0)
     saved = []
@@ -176,25 +118,69 @@ def test_a_damaged_own_snapshot_fails_its_load_and_the_one_before_is_restored(
         ckpt.maybe_save(step, state)
         saved.append({k: v.clone() for k, v in state["model"].state_dict().items()})
     ckpt.close()
-    st = open_store(tiers.own_dir(0), create=False)
-    names = [i.name for i in deltackpt.snapshots(st)]
-    new = st.manifest(names[1]).chunks
-    d = sorted(set(new) - set(st.manifest(names[0]).chunks))[0]
-    data = np.fromfile(st.pack_path(new[d].pack), dtype=np.uint8)
-    data[new[d].offset + new[d].length // 2] ^= 0xFF
-    data.tofile(st.pack_path(new[d].pack))
+    return saved
 
-    passes: list[Any] = []
-    real = tr.verify
-    monkeypatch.setattr(tr, "verify", lambda *a, **k: passes.append(a) or real(*a, **k))
+
+def test_a_damaged_own_snapshot_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's own local snapshot is verified whole before any rank loads it: a damaged one is
+    refused with the live state untouched (no copy of the state is kept to put it back), and
+    the step before is restored, bit-exactly."""
+    import deltackpt.tiers.checkpointer as tc
+
+    tiers = Tiers(local=tmp_path / "shm", durable=None, replicas=0)
+    saved = _two_steps(tiers)
+    d = _corrupt_new_chunk(tiers)
+    loads: list[str] = []
+    real = tc.restore_state
+    monkeypatch.setattr(
+        tc, "restore_state", lambda st, name, *a: loads.append(name) or real(st, name, *a)
+    )
     fresh = _state(1)
     again = TieredCheckpointer(tiers, every=1)
     assert again.restore_latest(fresh) == 1
     again.close()
-    assert passes == []  # no hashing pass before the loads
     rep = again.last_restore
-    assert rep is not None and rep.step == 0
+    assert rep is not None and rep.step == 0 and len(loads) == 1  # step 1 was never loaded
     assert len(rep.refused) == 1 and "step 1, rank 0, local" in rep.refused[0]
-    assert "corrupt" in rep.refused[0] and d in rep.refused[0]
+    assert "damaged" in rep.refused[0] and d in rep.refused[0]
     for k, v in fresh["model"].state_dict().items():
         assert torch.equal(v, saved[0][k]), k
+
+
+def test_a_load_that_fails_after_verification_with_nothing_else_is_a_partial_restore_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that wrote into the state and then failed (an I/O or device error after every
+    chunk was verified) is refused, the step before is loaded over it; when nothing else can
+    be, PartialRestoreError says the state holds part of a step."""
+    import deltackpt.tiers.checkpointer as tc
+    from deltackpt.errors import PartialRestoreError
+
+    tiers = Tiers(local=tmp_path / "shm", durable=None, replicas=0)
+    saved = _two_steps(tiers)
+    real = tc.restore_state
+    fail = {"step-00000001"}
+
+    def half_read(st: Any, name: str, state: Any, *a: Any) -> Any:
+        if name in fail:
+            with torch.no_grad():
+                state["model"].weight.fill_(7.0)
+            raise OSError("read failed halfway")
+        return real(st, name, state, *a)
+
+    monkeypatch.setattr(tc, "restore_state", half_read)
+    fresh = _state(1)
+    again = TieredCheckpointer(tiers, every=1)
+    assert again.restore_latest(fresh) == 1  # step 0 loaded over the half-written step 1
+    again.close()
+    assert again.last_restore is not None and "read failed halfway" in again.last_restore.refused[0]
+    for k, v in fresh["model"].state_dict().items():
+        assert torch.equal(v, saved[0][k]), k
+
+    fail.add("step-00000000")
+    again = TieredCheckpointer(tiers, every=1)
+    with pytest.raises(PartialRestoreError, match=r"step-00000000.*read failed halfway"):
+        again.restore_latest(_state(2))
+    again.close()

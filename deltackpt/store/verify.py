@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltackpt.errors import CorruptChunkError, ManifestError, StoreIOError, UnsafePathError
+from deltackpt.format.codecs import RAW
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import default_threads
 from deltackpt.store.chunks import ChunkReader
@@ -122,14 +123,21 @@ def verify(
             while stack:
                 node, base_raw = stack.pop()
                 d, rec = node
-                # A chunk no delta builds on is only hashed: a per-thread scratch buffer, reused
-                # (fresh memory per chunk costs page faults on every chunk of the store).
+                # A chunk no delta builds on is only hashed: where it lies in a mapped local pack
+                # (raw), else in a per-thread scratch buffer, reused (fresh memory per chunk
+                # costs page faults on every chunk of the store).
                 kids = children.get(node)
-                raw = np.empty(rec.size, dtype=np.uint8) if kids else scratch("verify", rec.size)
+                reader = ChunkReader(packs, {d: rec}, verify=True)
+                view = None
+                if not kids and rec.codec == RAW and rec.length == rec.size:
+                    view = packs.view(rec.pack, rec.offset, rec.size)
+                raw = None
                 try:
-                    ChunkReader(packs, {d: rec}, verify=True).decode_into(
-                        d, raw, _where(users[node]), base_raw=base_raw
-                    )
+                    if view is not None:
+                        reader.check_mapped(d, view, _where(users[node]))
+                    else:
+                        raw = np.empty(rec.size, np.uint8) if kids else scratch("verify", rec.size)
+                        reader.decode_into(d, raw, _where(users[node]), base_raw=base_raw)
                 except CorruptChunkError as e:
                     out.append((node, str(e)))
                     todo = list(children.get(node, ()))

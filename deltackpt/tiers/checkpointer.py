@@ -25,7 +25,6 @@ does not count on it).
 
 from __future__ import annotations
 
-import copy
 import datetime
 import signal
 import socket
@@ -45,10 +44,8 @@ from deltackpt.checkpointer import (
     restore_into,
     to_saveable,
 )
-from deltackpt.cuda import device_room, is_device
 from deltackpt.distributed.collectives import Group, group_timeout
-from deltackpt.errors import InvalidArgumentError
-from deltackpt.format.dtensor import is_dtensor
+from deltackpt.errors import InvalidArgumentError, PartialRestoreError
 from deltackpt.resume import restore_state
 from deltackpt.store.lifecycle import gc
 from deltackpt.store.store import Store, open_store
@@ -58,7 +55,6 @@ from deltackpt.tiers.localize import (
     delocalize,
     dtensor_boxes,
     localize,
-    map_leaves,
     moments_as_dtensors,
     optimizer_keys,
 )
@@ -338,14 +334,15 @@ class TieredCheckpointer:
         self._collect()
         durable_steps = self.durable_steps() if self.rank == 0 else []
         local_sd, layout, back = localize(to_saveable(state), _moment_paths(state))
-        # An attempt loads in place, and another rank may fail the same step: if no step ends
-        # up restored, every rank is put back as it was (never a mix of steps and zeros). The
-        # cost: one copy of the state, taken before this rank's first attempt (see _backup).
-        before: list[dict[str, Any]] = []
+        # Every rank's snapshot of a step is made whole and verified (restore_local) before any
+        # rank loads it in place, so damage is refused with the state untouched on every rank
+        # (never a mix of steps and zeros), at the cost of one hashing pass and no copy of the
+        # state. A load can still fail after that (an I/O or device error): the choice is made
+        # again and loads over it; if nothing does, PartialRestoreError says so.
+        wrote: list[str] = []
 
         def load_local(store: Store, name: str) -> None:
-            if not before:
-                before.append(_backup(to_saveable(state)))
+            wrote.append(name)
             loaded = delocalize(restore_state(store, name, state, local_sd, None), back)
             moments_as_dtensors(state, loaded)
             restore_into(state, loaded)
@@ -355,20 +352,15 @@ class TieredCheckpointer:
             name, st = self.durable.name(step), self.durable.store
             restore_into(state, restore_state(st, name, state, to_saveable(state), self.pg))
 
-        # load_local reads every chunk into the state and checks it: no verify pass before it
-        # (a damaged chunk fails the attempt; the next one, or _put_back, overwrites it all)
-        report = restore(
-            self._fg,
-            self.tiers,
-            durable_steps,
-            load_local,
-            load_durable,
-            layout,
-            load_reads_all=True,
-        )
-        if report.step is None and before:
-            _put_back(state, before[0])
+        report = restore(self._fg, self.tiers, durable_steps, load_local, load_durable, layout)
         self.last_restore = report
+        if report.step is None and wrote:
+            raise PartialRestoreError(
+                f"TieredCheckpointer.restore_latest: loading {wrote} into the live state failed "
+                f"after it was verified, and no tier could restore a step over it: the state "
+                f"holds part of {wrote[-1]!r}. Attempts: {list(report.refused)}. Restart the "
+                "process (the tiers are unchanged)"
+            )
         return 0 if report.step is None else report.step + 1
 
     def durable_steps(self) -> list[int]:
@@ -457,56 +449,3 @@ def from_checkpointer(
 
 
 TIERED[Tiers] = from_checkpointer
-
-
-@dataclass(frozen=True)
-class _Parked:
-    """A device tensor of the state (``live``) and a host copy of its (local) bytes."""
-
-    live: torch.Tensor
-    host: torch.Tensor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
-
-
-def _backup(tree: Any) -> Any:
-    """A copy of ``tree`` (a saveable state) that :func:`_put_back` restores: values
-    deep-copied, host tensors cloned, device tensors cloned on their device where all of them fit
-    with :func:`~deltackpt.cuda.device_room`'s margin, else parked on the host (a second copy of
-    a GPU's model and optimizer state on that GPU would take what training holds there)."""
-    need: dict[torch.device, int] = {}
-
-    def count(v: Any, _path: str) -> Any:
-        if isinstance(v, torch.Tensor) and is_device(v):
-            t = _local(v)
-            need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
-        return v
-
-    map_leaves(tree, count)
-    park = {d for d, n in need.items() if not device_room(d, n)}
-
-    def leaf(v: Any, _path: str) -> Any:
-        if not isinstance(v, torch.Tensor):
-            return copy.deepcopy(v)
-        v = v.detach()
-        if not is_device(v) or _local(v).device not in park:
-            return v.clone()
-        return _Parked(v, _local(v).to("cpu", copy=True))
-
-    return map_leaves(tree, leaf)
-
-
-def _put_back(state: dict[str, Any], backup: Any) -> None:
-    """Put ``state`` back as :func:`_backup` found it: parked bytes copied into their live
-    tensors first, then everything restored in place as ``restore_into`` does."""
-
-    def leaf(v: Any, _path: str) -> Any:
-        if isinstance(v, _Parked):
-            with torch.no_grad():
-                _local(v.live).copy_(v.host)
-            return v.live
-        return v
-
-    restore_into(state, map_leaves(backup, leaf))

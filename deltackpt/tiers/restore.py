@@ -135,19 +135,14 @@ def choose(
 
 
 def restore_local(
-    link: Link | None,
-    tiers: Tiers,
-    plan: Plan,
-    load: Callable[[Store, str], None],
-    layout: str,
-    load_reads_all: bool = False,
+    link: Link | None, tiers: Tiers, plan: Plan, layout: str, verify_own: bool
 ) -> str | None:
-    """Assemble ``plan``'s step on this rank (fetch, verify, load); None or the reason it failed.
+    """Make ``plan``'s step whole in this rank's own local tier (fetch a peer's replica, or with
+    ``verify_own`` hash every chunk of its own snapshot); None or the reason it failed. Nothing
+    is loaded: the ranks agree on the outcome first (:func:`restore`).
 
     Fetches run pair by pair in rank order (every rank walks the same list), so no two
-    transfers wait on each other. A rank's own local snapshot is verified whole first, unless
-    ``load_reads_all``: ``load`` itself reads every chunk and checks its digest, and its failure
-    is refused as a damaged snapshot would be (a second hashing pass would only cost time)."""
+    transfers wait on each other."""
     step, sources = plan
     rank = link.rank if link is not None else 0
     world = len(sources)
@@ -177,13 +172,19 @@ def restore_local(
                 problem = "; ".join(moved.problems) or f"replica of {name!r} from rank {h} refused"
     if problem is not None or own is None:
         return problem
-    if sources[rank] == LOCAL and not load_reads_all:
+    if sources[rank] == LOCAL and verify_own:
         report = verify(own, [name])
         if not report.ok:
             bad = report.problems[0]
             return f"own local {name!r} is damaged: chunk {bad.chunk or '-'}: {bad.reason}"
+    return None
+
+
+def load_own(tiers: Tiers, rank: int, step: int, load: Callable[[Store, str], None]) -> str | None:
+    """``load`` this rank's own local snapshot of ``step``; None or the reason it failed."""
+    name = local_name(step)
     try:
-        load(own, name)
+        load(open_store(tiers.own_dir(rank), create=False), name)
     except Exception as e:
         return f"loading {name!r} from the local tier failed: {type(e).__name__}: {e}"
     return None
@@ -196,10 +197,16 @@ def restore(
     load_local: Callable[[Store, str], None],
     load_durable: Callable[[int], None],
     layout: str,
-    load_reads_all: bool = False,
+    verify_own: bool = True,
 ) -> RestoreReport:
-    """Run the agreement and the restore on every rank (see the module docstring);
-    ``load_reads_all``: see :func:`restore_local`."""
+    """Run the agreement and the restore on every rank (see the module docstring).
+
+    Each attempt has two agreed phases: every rank makes the chosen step whole in its local tier
+    (fetched replicas are checked on receipt; ``verify_own``: a rank's own snapshot is hashed
+    whole first), and only when every rank succeeded does any rank ``load_local`` (which may
+    write into the live state). A load that fails is refused like any other source and the
+    choice is made again; the caller decides what a failed load left behind (``verify_own=False``
+    when ``load_local`` checks every chunk as it reads and the caller can put the state back)."""
     rank = link.rank if link is not None else 0
     world = link.world if link is not None else 1
     mine = inventory(tiers, rank, world, layout)
@@ -231,14 +238,20 @@ def restore(
                     e.failures,
                 ) from e
             return RestoreReport(step, tuple(sources), tuple(notes))
-        try:
-            problem = restore_local(link, tiers, plan, load_local, layout, load_reads_all)
-        except Exception as e:  # still take part in the agreement below
-            problem = f"{type(e).__name__}: {e}"
-        problems = link.all_gather(problem) if link is not None else [problem]
-        if all(p is None for p in problems):
+        for phase in ("fetch", "load"):
+            try:
+                if phase == "fetch":
+                    problem = restore_local(link, tiers, plan, layout, verify_own)
+                else:
+                    problem = load_own(tiers, rank, step, load_local)
+            except Exception as e:  # still take part in the agreement below
+                problem = f"{type(e).__name__}: {e}"
+            problems = link.all_gather(problem) if link is not None else [problem]
+            if any(p is not None for p in problems):
+                for q, p in enumerate(problems):
+                    if p is not None:
+                        refused.add((step, q, sources[q]))
+                        notes.append(f"step {step}, rank {q}, {sources[q]}: {p}")
+                break
+        else:
             return RestoreReport(step, tuple(sources), tuple(notes))
-        for q, p in enumerate(problems):
-            if p is not None:
-                refused.add((step, q, sources[q]))
-                notes.append(f"step {step}, rank {q}, {sources[q]}: {p}")
