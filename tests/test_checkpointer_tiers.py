@@ -184,3 +184,30 @@ def test_a_load_that_fails_after_verification_with_nothing_else_is_a_partial_res
     with pytest.raises(PartialRestoreError, match=r"step-00000000.*read failed halfway"):
         again.restore_latest(_state(2))
     again.close()
+
+
+@pytest.mark.gpu
+def test_a_tiered_restore_of_cuda_state_keeps_no_copy_of_it_on_the_device(tmp_path: Path) -> None:
+    """CUDA model and optimizer state restored from the local tier, bit-exactly, in place: the
+    device holds no second copy of the state while it runs (damage is refused before any
+    write, so nothing is kept to put it back)."""
+    tiers = Tiers(local=tmp_path / "shm", durable=None, replicas=0)
+    state = _state(0, "cuda")
+    _train(state, 1)
+    ckpt = TieredCheckpointer(tiers, every=1, async_=False)
+    ckpt.maybe_save(0, state)
+    ckpt.close()
+    want = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    fresh = _state(1, "cuda")
+    _train(fresh, 2)  # its moments exist: read in place
+    nbytes = sum(t.numel() * t.element_size() for t in fresh["model"].state_dict().values()) * 3
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    again = TieredCheckpointer(tiers, every=1)
+    assert again.restore_latest(fresh) == 1
+    again.close()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < nbytes // 4
+    for k, v in fresh["model"].state_dict().items():
+        assert v.is_cuda and torch.equal(v, want[k]), k

@@ -134,12 +134,11 @@ def choose(
     return best
 
 
-def restore_local(
-    link: Link | None, tiers: Tiers, plan: Plan, layout: str, verify_own: bool
-) -> str | None:
-    """Make ``plan``'s step whole in this rank's own local tier (fetch a peer's replica, or with
-    ``verify_own`` hash every chunk of its own snapshot); None or the reason it failed. Nothing
-    is loaded: the ranks agree on the outcome first (:func:`restore`).
+def restore_local(link: Link | None, tiers: Tiers, plan: Plan, layout: str) -> str | None:
+    """Make ``plan``'s step whole and verified in this rank's own local tier (fetch a peer's
+    replica, every chunk checked on receipt, or hash every chunk of its own snapshot where it
+    lies); None or the reason it failed. Nothing is loaded: the ranks agree on the outcome
+    first (:func:`restore`).
 
     Fetches run pair by pair in rank order (every rank walks the same list), so no two
     transfers wait on each other."""
@@ -172,7 +171,7 @@ def restore_local(
                 problem = "; ".join(moved.problems) or f"replica of {name!r} from rank {h} refused"
     if problem is not None or own is None:
         return problem
-    if sources[rank] == LOCAL and verify_own:
+    if sources[rank] == LOCAL:
         report = verify(own, [name])
         if not report.ok:
             bad = report.problems[0]
@@ -197,16 +196,15 @@ def restore(
     load_local: Callable[[Store, str], None],
     load_durable: Callable[[int], None],
     layout: str,
-    verify_own: bool = True,
 ) -> RestoreReport:
     """Run the agreement and the restore on every rank (see the module docstring).
 
-    Each attempt has two agreed phases: every rank makes the chosen step whole in its local tier
-    (fetched replicas are checked on receipt; ``verify_own``: a rank's own snapshot is hashed
-    whole first), and only when every rank succeeded does any rank ``load_local`` (which may
-    write into the live state). A load that fails is refused like any other source and the
-    choice is made again; the caller decides what a failed load left behind (``verify_own=False``
-    when ``load_local`` checks every chunk as it reads and the caller can put the state back)."""
+    Each attempt has two agreed phases: every rank makes the chosen step whole and verified in
+    its local tier (:func:`restore_local`), and only when every rank succeeded does any rank
+    ``load_local`` (which writes into the live state): damage is refused with every rank's
+    state untouched. A load that fails after that is refused like any other source and the
+    choice is made again (its load goes over what the failed one wrote); the caller decides what
+    to say when nothing could be loaded over it."""
     rank = link.rank if link is not None else 0
     world = link.world if link is not None else 1
     mine = inventory(tiers, rank, world, layout)
@@ -241,7 +239,7 @@ def restore(
         for phase in ("fetch", "load"):
             try:
                 if phase == "fetch":
-                    problem = restore_local(link, tiers, plan, layout, verify_own)
+                    problem = restore_local(link, tiers, plan, layout)
                 else:
                     problem = load_own(tiers, rank, step, load_local)
             except Exception as e:  # still take part in the agreement below
