@@ -470,18 +470,16 @@ def prepare(
         # a raw chunk in a mapped local pack is verified where it lies and copied from there at
         # the commit (packs are never written in place): no staging memory, no second copy.
         r = Reads(m)
+        in_map = ChunkReader(packs, m.chunks, verify=bool(opts.verify))
         mapped: list[tuple[str, np.ndarray]] = []
         for d in read:
-            rec = m.chunks[d]
-            if rec.codec == codecs.RAW and rec.length == rec.size:
-                view = packs.view(rec.pack, rec.offset, rec.size)
-                if view is not None:
-                    mapped.append((d, view))
-                    continue
-            buf = np.empty(rec.size, dtype=np.uint8)
+            view = in_map.mapped(d)
+            if view is not None:
+                mapped.append((d, view))
+                continue
+            buf = np.empty(m.chunks[d].size, dtype=np.uint8)
             r.want(want[d][0][0], ((d, 0, buf.size),), buf)
             up.chunks[d] = buf
-        in_map = ChunkReader(packs, m.chunks, verify=bool(opts.verify))
         _each(lambda x: in_map.check_mapped(*x, f"snapshot {m.name!r} key {want[x[0]][0][0]!r}"),
               mapped, opts.threads)  # fmt: skip
         up.chunks.update(mapped)

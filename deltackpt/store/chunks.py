@@ -143,9 +143,18 @@ class ChunkReader:
         self._read_payload(d, rec, out, where)
         return out
 
+    def mapped(self, d: str) -> np.ndarray | None:
+        """Raw chunk ``d`` where it lies in its mapped local pack, without a copy
+        (:meth:`PackReaders.view`), or None: an encoded chunk, an object store, or a pack that
+        cannot be mapped or ends first (then a read reports what is wrong)."""
+        rec = self.records.get(d)
+        if rec is None or rec.codec != codecs.RAW or rec.length != rec.size:
+            return None
+        return self.packs.view(rec.pack, rec.offset, rec.size)
+
     def check_mapped(self, d: str, view: np.ndarray, where: str) -> None:
-        """Verify raw chunk ``d`` where it lies in its mapped pack (``view``: from
-        :meth:`PackReaders.view`), as a read would once its bytes landed."""
+        """Verify raw chunk ``d`` where it lies (``view``: from :meth:`mapped`), as a read
+        would once its bytes landed."""
         self._check(d, view, where)
 
     def _check(self, d: str, raw: np.ndarray, where: str) -> None:

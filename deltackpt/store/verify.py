@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltackpt.errors import CorruptChunkError, ManifestError, StoreIOError, UnsafePathError
-from deltackpt.format.codecs import RAW
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import default_threads
 from deltackpt.store.chunks import ChunkReader
@@ -128,9 +127,7 @@ def verify(
                 # costs page faults on every chunk of the store).
                 kids = children.get(node)
                 reader = ChunkReader(packs, {d: rec}, verify=True)
-                view = None
-                if not kids and rec.codec == RAW and rec.length == rec.size:
-                    view = packs.view(rec.pack, rec.offset, rec.size)
+                view = None if kids else reader.mapped(d)
                 raw = None
                 try:
                     if view is not None:
