@@ -236,20 +236,22 @@ def restore(
                     e.failures,
                 ) from e
             return RestoreReport(step, tuple(sources), tuple(notes))
-        for phase in ("fetch", "load"):
-            try:
-                if phase == "fetch":
-                    problem = restore_local(link, tiers, plan, layout)
-                else:
-                    problem = load_own(tiers, rank, step, load_local)
-            except Exception as e:  # still take part in the agreement below
-                problem = f"{type(e).__name__}: {e}"
-            problems = link.all_gather(problem) if link is not None else [problem]
-            if any(p is not None for p in problems):
-                for q, p in enumerate(problems):
-                    if p is not None:
-                        refused.add((step, q, sources[q]))
-                        notes.append(f"step {step}, rank {q}, {sources[q]}: {p}")
-                break
-        else:
+        problems = _agreed(link, restore_local, link, tiers, plan, layout)
+        if all(p is None for p in problems):  # whole and verified everywhere: now load
+            problems = _agreed(link, load_own, tiers, rank, step, load_local)
+        if all(p is None for p in problems):
             return RestoreReport(step, tuple(sources), tuple(notes))
+        for q, p in enumerate(problems):
+            if p is not None:
+                refused.add((step, q, sources[q]))
+                notes.append(f"step {step}, rank {q}, {sources[q]}: {p}")
+
+
+def _agreed(link: Link | None, step: Callable[..., str | None], *args: Any) -> list[str | None]:
+    """Every rank's outcome of ``step(*args)`` (None, or why it failed), all-gathered: a rank
+    whose step raised still takes part."""
+    try:
+        problem = step(*args)
+    except Exception as e:
+        problem = f"{type(e).__name__}: {e}"
+    return link.all_gather(problem) if link is not None else [problem]
