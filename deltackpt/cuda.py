@@ -14,7 +14,8 @@ collective or starts a thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -150,6 +151,20 @@ def on_stream(stream: Any, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     with torch.cuda.stream(stream):
         return fn(*args)
+
+
+def on_streams(streams: Sequence[Any], fn: Callable[..., T], *args: Any) -> T:
+    """:func:`on_stream` with several devices' streams current at once (a worker copying into
+    targets on more than one GPU)."""
+    with contextlib.ExitStack() as stack:
+        for s in streams:
+            stack.enter_context(torch.cuda.stream(s))
+        return fn(*args)
+
+
+def current_streams(devices: Iterable[torch.device]) -> list[Any]:
+    """The calling thread's current stream on each CUDA device of ``devices`` (none on CPU)."""
+    return [torch.cuda.current_stream(d) for d in dict.fromkeys(devices) if d.type == "cuda"]
 
 
 def current_stream(device: torch.device) -> Any:

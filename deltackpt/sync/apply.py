@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from deltackpt import cuda
 from deltackpt.sync import wire
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.schedule import LinkBucket
@@ -91,7 +92,11 @@ def apply_round(
             runs.append([])
         runs[-1].append((dst, src))
         acc += src.numel() * src.element_size()
-    for f in [pool.submit(_copy_all, r) for r in runs]:
+    # the pool's threads queue their copies on this thread's streams (a thread starts on the
+    # default stream: a pull under a side stream, or the undo's copies queued above on it,
+    # would not be ordered with them)
+    streams = cuda.current_streams(dst.device for dst, _ in jobs)
+    for f in [pool.submit(cuda.on_streams, streams, _copy_all, r) for r in runs]:
         f.result()
     return changed
 

@@ -36,7 +36,14 @@ import torch
 from deltackpt.format.fingerprint import many_fingerprints
 from deltackpt.options import fingerprint_kernel
 
-__all__ = ["CHUNK", "fold", "message_digest_rows", "message_digests", "piece_digest"]
+__all__ = [
+    "CHUNK",
+    "fold",
+    "message_digest_rows",
+    "message_digests",
+    "piece_digest",
+    "rows_on_host",
+]
 
 CHUNK = 1 << 20  # bytes per chunk fingerprint (the sender's device scan uses the same)
 _WORDS = CHUNK // 8
@@ -98,6 +105,25 @@ def message_digest_rows(
         if not n:  # one chunk of no words
             fps[k] = torch.zeros(1, 2, dtype=torch.int64, device=dev)
     return fold([f.to(dev) for f in fps if f is not None])
+
+
+def rows_on_host(rows: Sequence[torch.Tensor]) -> list[list[list[int]]]:
+    """Digest rows (:func:`message_digest_rows`' tensors) read to the host, each as a list of
+    ``[a, b]``: one copy per device they lie on (the rows of a round's messages may lie on
+    the GPU whose tensors were copied into host buckets, on the CPU where a bucket had nothing
+    to digest, or on another GPU), never a concatenation across devices."""
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.shape[0]:
+            by_dev.setdefault(r.device, []).append(i)
+    out: list[list[list[int]]] = [[] for _ in rows]
+    for idx in by_dev.values():
+        flat = torch.cat([rows[i] for i in idx]).cpu().tolist()
+        at = 0
+        for i in idx:
+            out[i] = flat[at : at + rows[i].shape[0]]
+            at += rows[i].shape[0]
+    return out
 
 
 def message_digests(

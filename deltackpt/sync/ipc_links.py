@@ -283,6 +283,7 @@ class IpcLinks:
         """``links``: (sender, receiver) -> (buckets, slot bytes) for this rank's links; called
         inside a setup attempt (its number names the cells' handles)."""
         me, setup = self.g.rank, self.g.setups
+        self.settle()  # copies a failed round left queued: landed before mappings are dropped
         out: dict[int, _Out] = {}
         ins: dict[int, _In] = {}
         for (s, r), (n, slot) in links.items():

@@ -216,7 +216,9 @@ class Packer:
             ):  # the changed elements only; the digest is of the new piece (its scan's fold)
                 length = write_patch(buf[pos : pos + p.nbytes], *found)
                 kinds[k] = wire.DEVICE_PATCH
-            elif src.device != buf.device:  # a GPU's tensor into a host bucket (page-locked)
+            elif src.is_cuda and not buf.is_cuda:  # a GPU's tensor into a host bucket
+                # (page-locked): digested on that GPU; a host tensor into a CUDA bucket, or
+                # one GPU's into another's, is copied in below and digested in the bucket
                 piece = _on_device(src, dt, p.nbytes)
                 buf[pos : pos + p.nbytes].copy_(piece, non_blocking=True)
                 if not (fp is not None and whole):

@@ -612,6 +612,13 @@ class WeightReceiver:
         cell = g.inline_header(bk.sender, bk.index)  # a device round's header, in the cell
         inline, alone = (None, False) if cell is None else cell
         try:
+            want = wire.header_words(len(bk.pieces)) * 8
+            if inline is not None and inline.numel() != want:
+                raise SyncError(
+                    f"bucket {bk.index} of round {st.seq} from rank {bk.sender}: the header in "
+                    f"the link's cell holds {inline.numel()} bytes, one of {len(bk.pieces)} "
+                    f"pieces {want}"
+                )
             got.header = wire.read_header(
                 slot if inline is None else inline,
                 st.seq,

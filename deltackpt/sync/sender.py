@@ -42,7 +42,7 @@ from deltackpt import cuda
 from deltackpt.options import default_device_scan
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
-from deltackpt.sync.device_digest import CHUNK
+from deltackpt.sync.device_digest import CHUNK, rows_on_host
 from deltackpt.sync.device_patches import DeviceBases, piece_finder
 from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
@@ -474,13 +474,11 @@ class WeightSender:
         flush()
         for slot in range(_RING):
             settle(slot)
-        if on_device:  # a device round's digests: one copy to the host for all its buckets
-            host = torch.cat([d.rows for _, d in on_device]).cpu().tolist()
-            at = 0
-            for bk, d in on_device:
-                got = d.resolve(host[at : at + len(d.present)], len(bk.pieces))
-                at += len(d.present)
-                for k, dg in enumerate(got):
+        if on_device:  # a device round's digests: one copy to the host per device they lie on
+            for (bk, d), host in zip(
+                on_device, rows_on_host([d.rows for _, d in on_device]), strict=True
+            ):
+                for k, dg in enumerate(d.resolve(host, len(bk.pieces))):
                     if dg is not None:
                         digests[(bk.receiver, bk.index, k)] = dg
         rest = [(d, w) for d, w in [*directs, *((d, w) for d, w, _ in stubs)] if d not in dead]
@@ -499,14 +497,20 @@ class WeightSender:
         bucket with nothing packed is its header alone); the others' digests are read with the
         round's last. Returns (receiver, work or the SyncError its publish raised) per bucket."""
         g = self.group
-        rows = [p.rows for _, _, p in group if p.inline is not None and p.present]
-        host = torch.cat(rows).cpu().tolist() if rows else []
-        # the group has landed: packed where the digests were taken (a CUDA bucket's device,
-        # or the GPU whose tensors were copied into host buckets), so waited for there
-        for t in {p.rows.device: p.rows for _, _, p in group}.values():
+        inline = [p for _, _, p in group if p.inline is not None and p.present]
+        host = iter(rows_on_host([p.rows for p in inline]))
+        # the group has landed: waited for where its digests were taken (a CUDA bucket's
+        # device, or the GPU whose tensors were copied into host buckets) and where its buckets
+        # lie (a header copied into a CUDA bucket on another GPU); a group of header-only
+        # messages in the cells queued nothing on a device, and waits for none
+        queued = [(bk, p) for bk, _, p in group if p.present or p.inline is None]
+        landed = {p.rows.device: p.rows for _, p in queued}
+        for bk, _ in queued:
+            w = g.device_window(bk.receiver, bk.index)
+            landed.setdefault(w.device, w)
+        for t in landed.values():
             cuda.wait_for(t)
         out: list[tuple[int, object]] = []
-        at = 0
         for bk, nbytes, packed in group:
             try:
                 if packed.inline is None:
@@ -514,8 +518,7 @@ class WeightSender:
                 elif not packed.present:
                     work = g.publish_inline(bk.receiver, bk.index, packed.inline)
                 else:
-                    mine = host[at : at + len(packed.present)]
-                    at += len(packed.present)
+                    mine = next(host)
                     for k, d in enumerate(packed.resolve(mine, len(bk.pieces))):
                         if d is not None:
                             digests[(bk.receiver, bk.index, k)] = d

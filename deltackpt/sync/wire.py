@@ -201,6 +201,12 @@ def read_header(buf: torch.Tensor, seq: int, index: int, sizes: list[int], capac
     :class:`SyncError` when it is not the message expected here (untrusted input)."""
     n_pieces = len(sizes)
     size = header_words(n_pieces) * 8
+    if buf.numel() < size:
+        raise SyncError(
+            f"bucket {index} of round {seq}: its header holds {buf.numel()} bytes, a header of "
+            f"{n_pieces} pieces {size}; the ranks disagree about the schedule or a message was "
+            "corrupted"
+        )
     head = buf[:size] if buf.device.type == "cpu" else buf[:size].cpu()  # a device slot
     words = head.numpy().view(np.int64)
     magic, s, version, idx, status, npresent, payload, base = (int(x) for x in words[:HEAD])

@@ -15,6 +15,7 @@ from deltackpt.sync.device_digest import (
     message_digest_rows,
     message_digests,
     piece_digest,
+    rows_on_host,
 )
 
 SIZES = (0, 3, 8, 13, 64, CHUNK, 2 * CHUNK + 5)  # empty, within a word, one, two chunks + a tail
@@ -167,3 +168,15 @@ def test_a_hostile_device_patch_is_refused(
         read_patch(room, n + length_delta, 2, numel)
     with pytest.raises(ValueError):
         read_patch(room, 4, 2, numel)  # too short to hold its count
+
+
+def test_rows_on_host_keeps_each_tensors_rows_in_order() -> None:
+    """A round's digest rows read per device (never concatenated across devices: the rows of
+    a bucket with nothing to digest lie on the CPU, the others on the GPU that took them)."""
+    rows = [
+        torch.tensor([[1, 2], [3, 4]]),
+        torch.zeros(0, 2, dtype=torch.int64),
+        torch.tensor([[5, 6]]),
+    ]
+    assert rows_on_host(rows) == [[[1, 2], [3, 4]], [], [[5, 6]]]
+    assert rows_on_host([]) == []

@@ -327,7 +327,7 @@ def _inline_trainer(port: int) -> dict[str, Any]:
     return out
 
 
-def _inline_receiver(port: int, tamper: bool) -> dict[str, Any]:
+def _inline_receiver(port: int, tamper: str) -> dict[str, Any]:
     from deltackpt import sync
     from deltackpt.sync import wire
     from deltackpt.sync.ipc_links import HEAD, NBYTES, SEQ, IpcLinks
@@ -346,8 +346,10 @@ def _inline_receiver(port: int, tamper: bool) -> dict[str, Any]:
             while cellv[tag, SEQ] != seq:
                 pass
             seen.append(int(cellv[tag, NBYTES]))
-            if tamper:  # a scribbler claims payload the bucket would hold
+            if tamper == "payload":  # a scribbler claims payload the bucket would hold
                 cellv[tag, HEAD + wire.HEAD - 2] = 64
+            elif tamper == "short":  # ... or a header two words shorter than its pieces'
+                cellv[tag, NBYTES] += 16
         orig(self, src, tag, into, seq)
 
     IpcLinks._wait_copy = hostile  # type: ignore[method-assign]
@@ -368,13 +370,14 @@ def _inline_receiver(port: int, tamper: bool) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("tamper", [False, True], ids=["clean", "scribbled"])
+@pytest.mark.parametrize("tamper", ["clean", "payload", "short"])
 def test_an_unchanged_bucket_sends_its_header_in_the_cell(
-    tamper: bool, monkeypatch: pytest.MonkeyPatch
+    tamper: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A device round's bucket with nothing to send: the header in the link's cell, the bucket
-    untouched (no work on the device on either side); a header there that claims payload (a
-    process scribbling the cell) fails the round and nothing is applied."""
+    untouched (no work on the device on either side); a header there that claims payload, or
+    is shorter than its bucket's pieces need (a process scribbling the cell), fails the round
+    (a typed error on every rank, not a crash of the receiver) and nothing is applied."""
     port = free_port()
     monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", "always")
     trainer, rec = (
@@ -387,13 +390,16 @@ def test_an_unchanged_bucket_sends_its_header_in_the_cell(
     )
     assert trainer["inline"] == [0, trainer["buckets"]]  # the full round: every header in a bucket
     assert len(rec["seen"]) == 1 and rec["seen"][0] < 0  # minus the header's bytes
-    if not tamper:
+    if tamper == "clean":
         assert trainer["errors"] == [None, None] and rec["errors"] == [None, None, None]
         assert rec["versions"] == [1, 2, 3]
     else:
         name, message = rec["errors"][1]
         assert name == "RoundAbortedError", name  # this rank's finding fails the round
-        assert "a header-only message in the link's cell names 64 payload bytes" in message
+        assert {
+            "payload": "a header-only message in the link's cell names 64 payload bytes",
+            "short": "the header in the link's cell holds",
+        }[tamper] in message, message
         assert trainer["errors"] == [None, "RoundAbortedError"]
         assert rec["versions"] == [1, 1, 3]
     assert rec["bad"] == [[], [], []]
@@ -606,6 +612,73 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
     assert rec["mapped_cuda"] == (not host_buckets) and rec["staged"] == {staging}
     # the receiver page-locks the host buckets it copies to its GPU from
     assert all(rec["locked"]) == (host_buckets and staging != "cpu")
+
+
+def _many_state(v: int, dev: str) -> dict[str, torch.Tensor]:
+    """One tensor over several 8 KiB buckets, then 300 of 16 elements (about 140 pieces to a
+    bucket: headers too long for the link's cell); round ``v`` changes only the first."""
+    g = torch.Generator().manual_seed(0)
+    out = {"big": torch.randn(8192, generator=g).to(torch.bfloat16) + v}
+    out.update((f"s{i:03d}", torch.randn(16, generator=g).to(torch.bfloat16)) for i in range(300))
+    return {n: t.to(dev) for n, t in out.items()}
+
+
+def _many_trainer(port: int, dev: str) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.options import overrides
+
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device="cpu")
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    with overrides(DELTACKPT_DEVICE_ROUNDS="always"):
+        stats = [sender.push(_many_state(v, dev), version=v) for v in (1, 2)]
+    sched = sender.schedule
+    names = [{sched.tensors[p.tensor].name for p in bk.pieces} for bk in sender._buckets]
+    group.pg.barrier().wait()
+    group.close()
+    return {
+        "payload": [s.payload_bytes for s in stats],
+        # a bucket of small tensors only, with a header too long for its cell
+        "unchanged_long": sum("big" not in n and len(n) > 64 for n in names),
+    }
+
+
+def _many_receiver(port: int, dev: str) -> dict[str, Any]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc", ipc_device="cpu")
+    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET, device=torch.device(dev))
+    held: dict[str, torch.Tensor] = {}
+    bad = []
+    for v in (1, 2):
+        receiver.pull(lambda ws: held.update((n, t.clone()) for n, t in ws))
+        want = _many_state(v, dev)
+        bad.append(sorted(n for n, t in want.items() if not torch.equal(held[n], t)))
+    group.pg.barrier().wait()
+    group.close()
+    return {"bad": bad, "version": receiver.version}
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_host_buckets_with_long_headers_carry_a_delta_round(
+    dev: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Device rounds through host buckets: a bucket whose header is too long for its cell
+    (over 64 pieces) with nothing changed goes whole, with a header in it; on CUDA its (no)
+    digests lie on the host, the changed bucket's on the GPU, and the round reads each where it
+    lies (a concatenation across the two devices failed the trainer's push)."""
+    monkeypatch.setenv("DELTACKPT_DEVICE_SCAN", "always")  # the CPU stand-in of a GPU's scan
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_many_trainer, (port, dev)), (_many_receiver, (port, dev))],
+            timeout=120,
+            fast_exit=True,
+        )
+    )
+    assert trainer["unchanged_long"] >= 1
+    assert 0 < trainer["payload"][1] < trainer["payload"][0]
+    assert rec["bad"] == [[], []] and rec["version"] == 2
 
 
 # ---- handles, in one process ---------------------------------------------------------------
