@@ -67,7 +67,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from deltackpt.cuda import host_buffer, is_device
+from deltackpt.cuda import is_device
 from deltackpt.errors import (
     CodecError,
     CorruptChunkError,
@@ -87,7 +87,7 @@ from deltackpt.loading.assemble import _agree, _assign_values, _check_into, _ret
 from deltackpt.loading.plan import Reads, copy_into, np_bytes, plain_cpu, read_entry
 from deltackpt.loading.select import Select
 from deltackpt.loading.stats import LoadStats, pack_readers
-from deltackpt.loading.to_device import box_entry
+from deltackpt.loading.to_device import box_entry, copy_runs
 from deltackpt.options import LoadOptions, default_device_scan
 from deltackpt.store.chunks import ChunkReader
 from deltackpt.store.store import Store, open_store
@@ -135,6 +135,8 @@ class CatchUp:
     chunks: dict[str, np.ndarray] = field(default_factory=dict)
     refs: dict[str, list[Ref]] = field(default_factory=dict)  # digest -> its places in into
     copies: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
+    # changed runs of device tensors' bytes: (their range of the tensor, staged on the host)
+    device_runs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     in_place: list[inplace.InPlace] = field(default_factory=list)  # applied; abort() undoes
     threads: int = 1  # the commit's copies
 
@@ -157,6 +159,7 @@ class CatchUp:
         with torch.no_grad():
             for dst, t, path in self.copies:
                 copy_into(dst, t, path)
+            copy_runs(self.device_runs)  # through two pinned buckets, one wait
 
 
 def held_bytes(
@@ -495,9 +498,9 @@ def prepare(
                 stats.chunks_unchanged += same
                 for pos, slices in runs:
                     n = sum(x[2] for x in slices)
-                    buf = host_buffer(n, is_device(u8))  # pinned for a GPU
+                    buf = torch.empty(n, dtype=torch.uint8)  # pinned only at the commit's copy
                     r.want(e.path, slices, np_bytes(buf))
-                    up.copies.append((u8[pos : pos + n], buf, e.path))
+                    up.device_runs.append((u8[pos : pos + n], buf))
                 continue
             dst, t = _stage_entry(r, e, dst)
             up.copies.append((dst, t, e.path))

@@ -42,6 +42,7 @@ __all__ = [
     "BUCKET",
     "Ring",
     "box_entry",
+    "copy_runs",
     "device_items",
     "move_tensors",
     "read_to_device",
@@ -191,6 +192,40 @@ class Ring:
 
     def done(self, i: int) -> None:
         self._copies.release(i % len(self._bufs))
+
+
+def copy_runs(runs: list[tuple[torch.Tensor, torch.Tensor]], cap: int = BUCKET) -> None:
+    """Copy each ``(dst, src)`` of ``runs`` (flat uint8: ``src`` staged in ordinary host
+    memory, ``dst`` a byte range of a device tensor) through a :class:`Ring`: each run cut to at
+    most ``cap`` bytes, packed into the two reused pinned buckets in turn and copied to the
+    device from there on a side stream while the next is packed; landed when this returns. Not
+    pinned staging of every run (pinning runs at ~2.5 GB/s, and the pinned blocks stay cached
+    at up to twice their size), nor a blocking copy from pageable memory per run (~1.3 GB/s)."""
+    cuts = [
+        (dst[a : a + cap], src[a : a + cap])
+        for dst, src in runs
+        for a in range(0, src.numel(), cap)
+    ]
+    batches: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    size = cap
+    for d, src in cuts:
+        if size + src.numel() > cap:
+            batches.append([])
+            size = 0
+        batches[-1].append((d, src))
+        size += src.numel()
+    if not batches:
+        return
+    most = max(sum(x.numel() for _, x in b) for b in batches)
+    with Ring(len(batches), most, any(is_device(d) for d, _ in cuts)) as ring:
+        for i, b in enumerate(batches):
+            host, at = ring.take(i), 0
+            for d, src in b:
+                n = src.numel()
+                host[at : at + n].copy_(src)
+                ring.copy(d, host[at : at + n])
+                at += n
+            ring.done(i)
 
 
 def read_to_device(

@@ -203,3 +203,21 @@ def test_load_with_device_cuda() -> None:
         if isinstance(v, torch.Tensor):
             assert got[k].is_cuda and torch.equal(got[k].cpu(), v), k
     assert got["w"].data_ptr() == got["tied"].data_ptr()
+
+
+def test_copy_runs_cuts_and_packs_runs_through_the_ring() -> None:
+    """``copy_runs`` (a catch-up's changed runs of device tensors, at its commit): runs longer
+    than a bucket cut, short ones packed several to a bucket, every byte where it belongs."""
+    g = torch.Generator().manual_seed(3)
+    dst = torch.zeros(1000, dtype=torch.uint8)
+    spans = [(0, 250), (300, 10), (310, 7), (500, 1), (600, 400)]  # two over the 100-byte cap
+    runs = [
+        (dst[a : a + n], torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+        for a, n in spans
+    ]
+    to_device.copy_runs(runs, cap=100)
+    want = torch.zeros(1000, dtype=torch.uint8)
+    for (a, n), (_, src) in zip(spans, runs, strict=True):
+        want[a : a + n] = src
+    assert torch.equal(dst, want)
+    to_device.copy_runs([])  # nothing to copy: no buffers
