@@ -236,7 +236,8 @@ class _ToDevice:
     reused pinned buffers of ``to_device.BUCKET`` bytes, each copied to the device on a side
     stream while the next is filled (``to_device.Ring``), instead of a pageable, waiting
     ``copy_`` per read item; every item is committed to the planner once all have landed. An
-    item larger than a buffer, or a target that is not contiguous, is copied directly."""
+    item larger than a buffer goes through them in byte ranges; a target that is not
+    contiguous is copied directly. The buffers are no larger than the batch needs."""
 
     def __init__(self, forced: bool) -> None:
         self.forced = forced
@@ -249,21 +250,32 @@ class _ToDevice:
         if not self.items:
             return
         cap = to_device.BUCKET
-        groups: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []  # (target, region, at)
-        used = cap
+        cuts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, region) of a buffer at most
         with torch.no_grad():
             for _, target, region in self.items:
                 n = region.numel() * region.element_size()
-                if n > cap or not target.is_contiguous() or n == 0:
-                    target.copy_(region)
+                if n == 0:
                     continue
+                if n <= cap and target.is_contiguous():
+                    cuts.append((target, region))
+                elif target.is_contiguous() and region.is_contiguous():  # cut in byte ranges
+                    t8 = target.reshape(-1).view(torch.uint8)
+                    r8 = region.reshape(-1).view(torch.uint8)
+                    cuts += [(t8[a : a + cap], r8[a : a + cap]) for a in range(0, n, cap)]
+                else:  # a strided target (or a strided region over a buffer): copied directly
+                    target.copy_(region)
+            groups: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []  # (target, region, at)
+            used, most = cap, 0
+            for target, region in cuts:
+                n = region.numel() * region.element_size()
                 if used + n > cap:
                     groups.append([])
                     used = 0
                 groups[-1].append((target, region, used))
                 used += -(-n // 64) * 64  # the next item starts aligned
+                most = max(most, used)
             on_device = any(is_device(t) for _, t, _ in self.items)
-            with to_device.Ring(len(groups), cap, on_device) as ring:
+            with to_device.Ring(len(groups), most, on_device) as ring:  # no bigger than needed
                 for i, group in enumerate(groups):
                     buf = ring.take(i)
                     for target, region, at in group:
