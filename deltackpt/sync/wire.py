@@ -181,8 +181,10 @@ def write_header(
 
 def put_digests(buf: torch.Tensor, present: list[int], rows: torch.Tensor) -> None:
     """Write the digests ``rows`` [len(present), 2] (where ``buf`` lives) of pieces
-    ``present`` (rising) into the header :func:`write_header` left at the start of ``buf``,
-    device to device: one copy per run of consecutive pieces, nothing waited for."""
+    ``present`` (rising) into the header :func:`write_header` left at the start of ``buf``:
+    one copy per run of consecutive pieces, nothing waited for (device to device, or from a GPU
+    into a page-locked host bucket: the publish waits for the digests' device; into pageable
+    memory CUDA itself copies before returning)."""
     if not present:
         return
     n = present[-1] + 1
@@ -192,7 +194,7 @@ def put_digests(buf: torch.Tensor, present: list[int], rows: torch.Tensor) -> No
         e = j
         while e + 1 < len(present) and present[e + 1] == present[e] + 1:
             e += 1
-        words[present[j] : present[e] + 1, 1:].copy_(rows[j : e + 1])
+        words[present[j] : present[e] + 1, 1:].copy_(rows[j : e + 1], non_blocking=True)
         j = e + 1
 
 
