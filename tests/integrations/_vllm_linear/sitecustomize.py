@@ -9,8 +9,9 @@ machine. ``tests/integrations/_vllm_env.py`` puts this folder on ``PYTHONPATH`` 
 the engine core and its workers) with ``DELTACKPT_TEST_VLLM_LINEAR``:
 
 - ``keep``: vLLM's own fallback (``F.linear`` on the parameter), as on an AVX2 processor;
-- ``repack``: whatever vLLM chose, then the weight moved into the "kernel" (a private copy
-  that ``F.linear`` reads) and the parameter emptied, as the repacking builds do.
+- ``repack``: whatever vLLM chose, then the weight copied into the "kernel" (a private copy
+  that ``F.linear`` reads) and the parameter emptied where vLLM removes it, as the repacking
+  builds do (a kept parameter, such as an lm_head's, keeps its values beside the copy).
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ def _patch(mod: Any) -> None:
             layer.cpu_linear = lambda x, weight, bias: F.linear(x, weight, bias)
             return None
         original(layer, remove_weight)
-        if remove_weight and layer.weight.numel():
+        if layer.weight.numel():
+            # the repacking builds' private copy, also where the parameter is kept (an lm_head
+            # vLLM asks to keep: AVX-512 builds keep it beside the packed copy, the AVX2
+            # fallback computes from it, so this is what makes the test the same everywhere)
             kernel = layer.weight.detach().clone()
             layer.cpu_linear = lambda x, weight, bias: F.linear(x, kernel, bias)
-            layer.weight = torch.nn.Parameter(
-                torch.empty(0, dtype=kernel.dtype, device=kernel.device), requires_grad=False
-            )
+            if remove_weight:
+                layer.weight = torch.nn.Parameter(
+                    torch.empty(0, dtype=kernel.dtype, device=kernel.device), requires_grad=False
+                )
         return None
 
     mod.dispatch_cpu_unquantized_gemm = dispatch
