@@ -162,6 +162,14 @@ def on_streams(streams: Sequence[Any], fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
 
 
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait for every stream of each CUDA device of ``devices`` (a commit into an engine's
+    weights, ordered with kernels any thread queued there); nothing on CPU."""
+    for d in dict.fromkeys(devices):
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
 def current_streams(devices: Iterable[torch.device]) -> list[Any]:
     """The calling thread's current stream on each CUDA device of ``devices`` (none on CPU)."""
     return [torch.cuda.current_stream(d) for d in dict.fromkeys(devices) if d.type == "cuda"]

@@ -232,3 +232,21 @@ def test_parameters_on_the_gpu_take_host_held_tensors(sparse):
     new.view(-1)[idx] += 1
     inplace.write(slots, held, [(name, new)], elements={name: idx} if sparse else None)
     assert torch.equal(model.layers[0].qkv_proj.weight[HEADS * HD : (HEADS + KV) * HD].cpu(), new)
+
+
+def test_elements_are_written_alone_only_where_that_moves_fewer_bytes():
+    """An element write costs its int64 index and its value (10 bytes for bf16, against 2 for
+    the element written whole), and every changed element of the tensor goes to the device
+    (a rank's part is picked there): bf16 pays below a fifth of the region changed, and a rank
+    holding half of the tensor below a tenth of the tensor."""
+    t = torch.zeros(10, 10, dtype=torch.bfloat16)
+    p = torch.nn.Parameter(torch.zeros(10, 10, dtype=torch.bfloat16), requires_grad=False)
+
+    def slot(src: tuple[slice, ...]) -> inplace.Slot:
+        return inplace.Slot("m", "weight", p, p.data_ptr(), src, src)
+
+    whole, half = slot((slice(None), slice(None))), slot((slice(0, 5), slice(None)))
+    assert inplace._sparse_pays(whole, t, torch.arange(19))
+    assert not inplace._sparse_pays(whole, t, torch.arange(20))
+    assert inplace._sparse_pays(half, t, torch.arange(9))
+    assert not inplace._sparse_pays(half, t, torch.arange(10))

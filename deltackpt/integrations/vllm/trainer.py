@@ -250,7 +250,11 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
 
         ``stage=True``: the workers receive, verify and apply the round to their own copies in
         the background while the engine keeps serving; the model changes only at
-        :meth:`commit`, in a short pause (the reload of the changed layers)."""
+        :meth:`commit`, in a short pause (the reload of the changed layers).
+
+        ``full=True``: every tensor is sent and written, as the first round is; needed after
+        vLLM's ``sleep(level=2)`` and ``wake_up()``, which discard the engine's weights while
+        the workers keep the last version (a delta would write only what changed)."""
         if self.sender is None:
             raise RuntimeError("send_weights before trainer_init")
         if self._staged is not None:

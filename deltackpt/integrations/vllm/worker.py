@@ -62,6 +62,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from deltackpt import cuda
 from deltackpt.integrations.vllm import inplace, tp_boxes
 from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
 from deltackpt.sync.schedule_decl import Box
@@ -218,6 +219,33 @@ def commit_layers(
     per tensor, written alone where few (:func:`.inplace.write`). Returns ``"in place"`` or
     ``"reload"``."""
     names = [n for n, _ in changed]
+    # ordered with the engine on its GPU whichever thread commits (vLLM's Ray compiled-graph
+    # executor runs its steps on another thread, on another stream): a step still running
+    # reads the weights about to be written; the next one must see every byte
+    devices = {p.device for p in model.parameters()}
+    cuda.synchronize(devices)
+    try:
+        return _commit_layers(
+            model, model_config, held, changed, slots, names, fail_at, expand, shapes, boxes,
+            elements,
+        )  # fmt: skip
+    finally:
+        cuda.synchronize(devices)
+
+
+def _commit_layers(
+    model: Any,
+    model_config: Any,
+    held: dict[str, torch.Tensor],
+    changed: list[tuple[str, torch.Tensor]],
+    slots: dict[str, inplace.Slot] | None,
+    names: list[str],
+    fail_at: str | None,
+    expand: Callable[[str, torch.Tensor], torch.Tensor] | None,
+    shapes: dict[str, tuple[int, ...]] | None,
+    boxes: dict[str, Box | None] | None,
+    elements: dict[str, torch.Tensor | None] | None,
+) -> str:
     if slots is not None and names and inplace.usable(model, slots, names):
 
         def hook(name: str) -> None:
@@ -423,8 +451,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type != "cpu":  # the base class's sync, where there is a device
-            torch.accelerator.synchronize()
+        cuda.synchronize([self.device])  # the base class's sync, on the worker's device
 
     def receive_weights(self, update_info: DeltackptUpdateInfo) -> None:
         if self.receiver is None:
@@ -485,6 +512,8 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         receiver's copies, keep the changed tensors for the commit."""
         assert self.receiver is not None and self.group is not None
         g = self.group
+        if self.device.type == "cuda":  # a thread starts on GPU 0, not the worker's
+            torch.cuda.set_device(self.device)
         try:
             self.last_stats = self.receiver.pull(staged.changed.extend, undo=True)
             # applied to the copies: the trainer's send_weights(stage=True) returns once every
