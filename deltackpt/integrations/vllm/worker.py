@@ -225,45 +225,28 @@ def commit_layers(
     devices = {p.device for p in model.parameters()}
     cuda.synchronize(devices)
     try:
-        return _commit_layers(
-            model, model_config, held, changed, slots, names, fail_at, expand, shapes, boxes,
-            elements,
-        )  # fmt: skip
+        if slots is not None and names and inplace.usable(model, slots, names):
+
+            def hook(name: str) -> None:
+                if fail_at is not None and layer_key(name) == fail_at:
+                    raise RuntimeError(
+                        f"deltackpt test hook: the commit fails at layer {fail_at!r}"
+                    )
+
+            inplace.write(slots, held, changed, hook, elements)
+            if fail_at == "end":
+                raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
+            return "in place"
+        touched = {layer_key(n) for n in names}
+        try:
+            reload_layers(model, model_config, held, changed, fail_at, expand)
+        finally:  # a failed reload may have replaced parameters: what is seen now counts
+            if slots is not None:
+                again = [n for n in held if layer_key(n) in touched]
+                inplace.learn(model, held, again, shapes or {}, boxes or {}, slots)
+        return "reload"
     finally:
         cuda.synchronize(devices)
-
-
-def _commit_layers(
-    model: Any,
-    model_config: Any,
-    held: dict[str, torch.Tensor],
-    changed: list[tuple[str, torch.Tensor]],
-    slots: dict[str, inplace.Slot] | None,
-    names: list[str],
-    fail_at: str | None,
-    expand: Callable[[str, torch.Tensor], torch.Tensor] | None,
-    shapes: dict[str, tuple[int, ...]] | None,
-    boxes: dict[str, Box | None] | None,
-    elements: dict[str, torch.Tensor | None] | None,
-) -> str:
-    if slots is not None and names and inplace.usable(model, slots, names):
-
-        def hook(name: str) -> None:
-            if fail_at is not None and layer_key(name) == fail_at:
-                raise RuntimeError(f"deltackpt test hook: the commit fails at layer {fail_at!r}")
-
-        inplace.write(slots, held, changed, hook, elements)
-        if fail_at == "end":
-            raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
-        return "in place"
-    touched = {layer_key(n) for n in names}
-    try:
-        reload_layers(model, model_config, held, changed, fail_at, expand)
-    finally:  # a failed reload may have replaced parameters: what is seen now counts
-        if slots is not None:
-            again = [n for n in held if layer_key(n) in touched]
-            inplace.learn(model, held, again, shapes or {}, boxes or {}, slots)
-    return "reload"
 
 
 def _failing_at(
