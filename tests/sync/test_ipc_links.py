@@ -516,7 +516,7 @@ def _cuda_trainer(
     return out
 
 
-def _cuda_receiver(port: int, staging: str) -> dict[str, Any]:
+def _cuda_receiver(port: int, staging: str, side_stream: bool = False) -> dict[str, Any]:
     import dataclasses
 
     from deltackpt import sync
@@ -538,8 +538,12 @@ def _cuda_receiver(port: int, staging: str) -> dict[str, Any]:
         loaded.update((n, t.to("cuda:0").cpu()) for n, t in ws)
 
     bad = []
+    # side_stream: the engine pulls under a stream of its own (the commit's copies, on the
+    # receiver's threads too, must queue there, not on the default stream)
+    side = torch.cuda.Stream() if side_stream else None
     for _ in range(3):
-        receiver.pull(load)
+        with torch.cuda.stream(side):  # None: the current stream
+            receiver.pull(load)
         held = [
             dataclasses.replace(w, into=None if w.into is None else w.into.cpu()) for w in wants
         ]
@@ -588,7 +592,8 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
     """Host rounds (pinned buffer, xxh3) and device rounds (packed into the CUDA bucket,
     device digests), into host staging or device staging (``into`` on the device); the
     device rounds' fingerprints by the torch operations or the Triton kernel (both sides);
-    device rounds through host buckets."""
+    device rounds through host buckets; ``side_stream``: the trainer pushes and the receiver
+    pulls on streams of their own."""
     monkeypatch.setenv("DELTACKPT_FINGERPRINT_COMPILE", kernel)  # the spawned ranks inherit it
     port = free_port()
     trainer, rec = (
@@ -596,7 +601,7 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
         for o in spawn(
             [
                 (_cuda_trainer, (port, mode, buckets_on, side_stream)),
-                (_cuda_receiver, (port, staging)),
+                (_cuda_receiver, (port, staging, side_stream)),
             ],
             timeout=120,
             fast_exit=True,
