@@ -99,7 +99,20 @@ def learned(model: Model, held: dict[str, torch.Tensor]) -> dict[str, inplace.Sl
     return slots
 
 
-def test_slots_are_learned_only_where_seen_with_distinct_values_and_writes_match_a_reload():
+@pytest.fixture(params=[False, True], ids=["direct", "bounced"])
+def bounce(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whole writes copied directly (parameters on the host) or, as into parameters on a GPU,
+    through the two reused pinned buffers; here of 100 bytes, so a tensor goes in blocks of
+    rows (and a 48-byte row of down_proj two to a block)."""
+    if request.param:
+        monkeypatch.setattr(inplace, "BOUNCE_ON_HOST", True)
+        monkeypatch.setattr(inplace, "BOUNCE", 100)
+    return bool(request.param)
+
+
+def test_slots_are_learned_only_where_seen_with_distinct_values_and_writes_match_a_reload(
+    bounce,
+):
     model, held = Model(), checkpoint(0)
     load(model, held)
     slots = learned(model, held)
@@ -143,7 +156,7 @@ def test_a_kernel_with_its_own_copy_is_never_written_in_place():
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_tensor_parallel_shards_and_boxes(rank):
+def test_tensor_parallel_shards_and_boxes(rank, bounce):
     """TP=2: q rows and down_proj columns of this rank; k/v replicated (1 kv head)."""
     model, held = Model(tp=2, rank=rank), checkpoint(0)
     L, p = model.layers[0], "layers.0."

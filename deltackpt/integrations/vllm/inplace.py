@@ -23,6 +23,7 @@ kernel that caches the weight somewhere else than the module; such a build must 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import types
@@ -34,9 +35,20 @@ import torch
 
 from deltackpt import cuda
 from deltackpt.integrations.vllm import tp_boxes
+from deltackpt.loading.to_device import Ring
 from deltackpt.sync.schedule_decl import Box
 
-__all__ = ["ENV", "SPARSE_ON_HOST", "Slot", "enabled", "learn", "usable", "write"]
+__all__ = [
+    "BOUNCE",
+    "BOUNCE_ON_HOST",
+    "ENV",
+    "SPARSE_ON_HOST",
+    "Slot",
+    "enabled",
+    "learn",
+    "usable",
+    "write",
+]
 
 #: the workers' switch: ``0`` keeps every commit on the model's reload
 ENV = "DELTACKPT_VLLM_INPLACE"
@@ -212,8 +224,8 @@ def write(
     and indices where written element by element). ``held`` is updated with ``changed`` first,
     as a reload does."""
     held.update(changed)
-    n = 0
-    with torch.no_grad():
+    n, ring = 0, None
+    with torch.no_grad(), contextlib.ExitStack() as stack:  # leaving it: the copies landed
         for name, t in sorted(changed, key=lambda c: c[0]):
             if fail is not None:
                 fail(name)
@@ -221,14 +233,62 @@ def write(
             idx = None if elements is None else elements.get(name)
             if idx is not None and _sparse_pays(s, t, idx) and _sparse_ok(s, t):
                 n += _write_elements(s, t, idx)
+                continue
+            src, dst = t[s.src], s.param.data[s.dst]
+            if BOUNCE_ON_HOST or s.param.device.type != "cpu":
+                if ring is None:
+                    ring = stack.enter_context(_Bounce())
+                ring.copy(dst, src)
             else:
-                src = t[s.src]
-                s.param.data[s.dst].copy_(src)
-                n += src.numel() * src.element_size()
+                dst.copy_(src)
+            n += src.numel() * src.element_size()
     # the engine's next step must see every byte (its devices named: a thread other than the
     # one that set the worker's device would otherwise wait for GPU 0)
     cuda.synchronize(slots[name].param.device for name, _ in changed)
     return n
+
+
+#: whole writes into parameters on a device go from the receiver's host copies (ordinary
+#: memory) through two reused pinned buffers of this many bytes, copied in on a side stream
+#: while the next is filled (a copy from pageable memory runs at a few GB/s, blocking, per
+#: tensor); :data:`BOUNCE_ON_HOST`: the same for parameters on the host (the CPU suite's cover)
+BOUNCE = 64 << 20
+BOUNCE_ON_HOST = False
+
+
+class _Bounce:
+    """Two pinned buffers (``to_device.Ring``) that whole writes go through, in turn; a tensor
+    larger than one goes in blocks of rows, a row larger than one directly."""
+
+    def __init__(self) -> None:
+        self._ring = Ring(2, BOUNCE, True)
+        self._i = 0
+
+    def __enter__(self) -> _Bounce:
+        self._ring.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ring.__exit__(*exc)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        size = src.element_size()
+        row = size * (math.prod(src.shape[1:]) if src.dim() else 1)
+        if row == 0 or src.numel() == 0:
+            return
+        if row > BOUNCE:
+            dst.copy_(src)
+            return
+        rows = src.shape[0] if src.dim() else 1
+        step = max(1, BOUNCE // row)
+        for a in range(0, rows, step):
+            part, into = (src, dst) if not src.dim() else (src[a : a + step], dst[a : a + step])
+            buf = self._ring.take(self._i)
+            staged = buf[: part.numel() * size].view(part.dtype).view(part.shape)
+            staged.copy_(part)  # a host copy (the held region may be strided)
+            self._ring.copy(into, staged)
+            self._ring.done(self._i)
+            self._i += 1
 
 
 def _sparse_pays(s: Slot, t: torch.Tensor, idx: torch.Tensor) -> bool:
