@@ -147,10 +147,7 @@ def on_stream(stream: Any, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` with ``stream`` (a CUDA stream, or None: the CPU stand-in) as the
     thread's current stream: for a worker thread that must queue its device work where the
     thread that handed it over queues its own (a thread starts on the default stream)."""
-    if stream is None:
-        return fn(*args)
-    with torch.cuda.stream(stream):
-        return fn(*args)
+    return on_streams([] if stream is None else [stream], fn, *args)
 
 
 def on_streams(streams: Sequence[Any], fn: Callable[..., T], *args: Any) -> T:

@@ -232,12 +232,10 @@ class _Delivery(Protocol):
 
 class _ToDevice:
     """A batch's copies into targets in device memory (``forced``: CPU targets standing in for
-    them, the CPU suite), queued by :func:`_copy_into` and run by :meth:`run`: packed into two
-    reused pinned buffers of ``to_device.BUCKET`` bytes, each copied to the device on a side
-    stream while the next is filled (``to_device.Ring``), instead of a pageable, waiting
-    ``copy_`` per read item; every item is committed to the planner once all have landed. An
-    item larger than a buffer goes through them in byte ranges; a target that is not
-    contiguous is copied directly. The buffers are no larger than the batch needs."""
+    them, the CPU suite), queued by :func:`_copy_into` and run by :meth:`run`: through two
+    reused pinned buffers, each copied to the device on a side stream while the next is filled
+    (``to_device.copy_through``), instead of a pageable, waiting ``copy_`` per read item; every
+    item is committed to the planner once all have landed."""
 
     def __init__(self, forced: bool) -> None:
         self.forced = forced
@@ -247,43 +245,8 @@ class _ToDevice:
         return is_device(target) or (self.forced and target.device.type == "cpu")
 
     def run(self, planner: LoadPlanner) -> None:
-        if not self.items:
-            return
-        cap = to_device.BUCKET
-        cuts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, region) of a buffer at most
         with torch.no_grad():
-            for _, target, region in self.items:
-                n = region.numel() * region.element_size()
-                if n == 0:
-                    continue
-                if n <= cap and target.is_contiguous():
-                    cuts.append((target, region))
-                elif target.is_contiguous() and region.is_contiguous():  # cut in byte ranges
-                    t8 = target.reshape(-1).view(torch.uint8)
-                    r8 = region.reshape(-1).view(torch.uint8)
-                    cuts += [(t8[a : a + cap], r8[a : a + cap]) for a in range(0, n, cap)]
-                else:  # a strided target (or a strided region over a buffer): copied directly
-                    target.copy_(region)
-            groups: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []  # (target, region, at)
-            used, most = cap, 0
-            for target, region in cuts:
-                n = region.numel() * region.element_size()
-                if used + n > cap:
-                    groups.append([])
-                    used = 0
-                groups[-1].append((target, region, used))
-                used += -(-n // 64) * 64  # the next item starts aligned
-                most = max(most, used)
-            on_device = any(is_device(t) for _, t, _ in self.items)
-            with to_device.Ring(len(groups), most, on_device) as ring:  # no bigger than needed
-                for i, group in enumerate(groups):
-                    buf = ring.take(i)
-                    for target, region, at in group:
-                        n = region.numel() * region.element_size()
-                        staged = buf[at : at + n].view(region.dtype).view(region.shape)
-                        staged.copy_(region)  # a host copy (the region may be strided)
-                        ring.copy(target, staged)
-                    ring.done(i)
+            to_device.copy_through([(target, region) for _, target, region in self.items])
         for req, target, _ in self.items:
             planner.commit_tensor(req, target)
         self.items.clear()

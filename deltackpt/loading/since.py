@@ -15,8 +15,9 @@ changed chunks as deltas against the previous save. Each chunk the target puts i
 
 A whole contiguous tensor in GPU memory, or a DTensor whose local piece there is whole leading
 rows, skips the chunks ``held`` has at the same bytes, as a CPU target does, and reads each other
-chunk whole (its bytes are not on the host to patch), the part in its bytes staged in pinned
-memory and copied in at the commit (with ``verify="full"`` it is read whole).
+chunk whole (its bytes are not on the host to patch), the part in its bytes staged in host
+memory and copied in at the commit through two reused pinned buffers (with ``verify="full"`` it
+is read whole).
 
 A DTensor whose local piece is a contiguous CPU tensor of whole leading rows (``Shard(0)``,
 ``Replicate``: what FSDP2 holds) is a *window* of the tensor's bytes: chunks inside it are
@@ -87,7 +88,7 @@ from deltackpt.loading.assemble import _agree, _assign_values, _check_into, _ret
 from deltackpt.loading.plan import Reads, copy_into, np_bytes, plain_cpu, read_entry
 from deltackpt.loading.select import Select
 from deltackpt.loading.stats import LoadStats, pack_readers
-from deltackpt.loading.to_device import box_entry, copy_runs
+from deltackpt.loading.to_device import box_entry, copy_through
 from deltackpt.options import LoadOptions, default_device_scan
 from deltackpt.store.chunks import ChunkReader
 from deltackpt.store.store import Store, open_store
@@ -159,7 +160,7 @@ class CatchUp:
         with torch.no_grad():
             for dst, t, path in self.copies:
                 copy_into(dst, t, path)
-            copy_runs(self.device_runs)  # through two pinned buckets, one wait
+            copy_through(self.device_runs)  # through two pinned buckets, one wait
 
 
 def held_bytes(

@@ -42,7 +42,7 @@ __all__ = [
     "BUCKET",
     "Ring",
     "box_entry",
-    "copy_runs",
+    "copy_through",
     "device_items",
     "move_tensors",
     "read_to_device",
@@ -194,37 +194,48 @@ class Ring:
         self._copies.release(i % len(self._bufs))
 
 
-def copy_runs(runs: list[tuple[torch.Tensor, torch.Tensor]], cap: int = BUCKET) -> None:
-    """Copy each ``(dst, src)`` of ``runs`` (flat uint8: ``src`` staged in ordinary host
-    memory, ``dst`` a byte range of a device tensor) through a :class:`Ring`: each run cut to at
-    most ``cap`` bytes, packed into the two reused pinned buckets in turn and copied to the
-    device from there on a side stream while the next is packed; landed when this returns. Not
-    pinned staging of every run (pinning runs at ~2.5 GB/s, and the pinned blocks stay cached
-    at up to twice their size), nor a blocking copy from pageable memory per run (~1.3 GB/s)."""
-    cuts = [
-        (dst[a : a + cap], src[a : a + cap])
-        for dst, src in runs
-        for a in range(0, src.numel(), cap)
-    ]
-    batches: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-    size = cap
-    for d, src in cuts:
-        if size + src.numel() > cap:
+def copy_through(pairs: list[tuple[torch.Tensor, torch.Tensor]], cap: int | None = None) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)`` of ``pairs`` (``src`` in ordinary host
+    memory, any strides; ``dst`` on a device, any strides) through a :class:`Ring` of two
+    reused buffers of at most ``cap`` bytes (:data:`BUCKET`; no larger than the pairs need),
+    pinned for a device: each ``src`` staged into a buffer (64-byte aligned, several to a
+    buffer), copied to the device from there on a side stream while the next buffer is filled;
+    a pair larger than a buffer goes in blocks of rows (of bytes, for flat ones), a row larger
+    than one directly. Landed when this returns. Not pinned memory per tensor (pinning runs at
+    ~2.5 GB/s, and the pinned blocks stay cached at up to twice their size), nor a blocking
+    copy from pageable memory per tensor (~1.3 GB/s). On CPU (the stand-in) plain copies."""
+    cap = BUCKET if cap is None else cap
+    cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for dst, src in pairs:
+        n = src.numel() * src.element_size()
+        if n <= cap:
+            cuts += [(dst, src)] if n else []
+            continue
+        step = cap // (n // src.shape[0]) if src.dim() else 0
+        if step:
+            cuts += [(dst[a : a + step], src[a : a + step]) for a in range(0, src.shape[0], step)]
+        else:
+            dst.copy_(src)
+    batches: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []  # (dst, src, offset)
+    used, most = cap, 0
+    for dst, src in cuts:
+        n = src.numel() * src.element_size()
+        if used + n > cap:
             batches.append([])
-            size = 0
-        batches[-1].append((d, src))
-        size += src.numel()
+            used = 0
+        batches[-1].append((dst, src, used))
+        used += -(-n // 64) * 64  # the next one starts aligned
+        most = max(most, used)
     if not batches:
         return
-    most = max(sum(x.numel() for _, x in b) for b in batches)
-    with Ring(len(batches), most, any(is_device(d) for d, _ in cuts)) as ring:
-        for i, b in enumerate(batches):
-            host, at = ring.take(i), 0
-            for d, src in b:
-                n = src.numel()
-                host[at : at + n].copy_(src)
-                ring.copy(d, host[at : at + n])
-                at += n
+    with Ring(len(batches), min(most, cap), any(is_device(d) for d, _ in cuts)) as ring:
+        for i, batch in enumerate(batches):
+            buf = ring.take(i)
+            for dst, src, at in batch:
+                n = src.numel() * src.element_size()
+                staged = buf[at : at + n].view(src.dtype).view(src.shape)
+                staged.copy_(src)  # a host copy (src may be strided)
+                ring.copy(dst, staged)
             ring.done(i)
 
 

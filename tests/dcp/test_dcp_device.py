@@ -95,7 +95,7 @@ def test_dcp_load_into_device_targets_goes_through_pinned_buffers(tmp_path, forc
         return run(self, planner)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(to_device, "BUCKET", bucket)  # 200 KiB: "a" (256 KiB) is copied directly
+        mp.setattr(to_device, "BUCKET", bucket)  # 200 KiB: "a" (256 KiB) goes in blocks of rows
         mp.setattr(reader_mod._ToDevice, "run", spy)
         got = {k: torch.zeros_like(v) for k, v in state.items()}
         dcp.load(got, storage_reader=StoreReader(store, "s0"))

@@ -205,8 +205,8 @@ def test_load_with_device_cuda() -> None:
     assert got["w"].data_ptr() == got["tied"].data_ptr()
 
 
-def test_copy_runs_cuts_and_packs_runs_through_the_ring() -> None:
-    """``copy_runs`` (a catch-up's changed runs of device tensors, at its commit): runs longer
+def test_copy_through_cuts_and_packs_runs_through_the_ring() -> None:
+    """``copy_through`` (a catch-up's changed runs of device tensors, at its commit): runs longer
     than a bucket cut, short ones packed several to a bucket, every byte where it belongs."""
     g = torch.Generator().manual_seed(3)
     dst = torch.zeros(1000, dtype=torch.uint8)
@@ -215,9 +215,9 @@ def test_copy_runs_cuts_and_packs_runs_through_the_ring() -> None:
         (dst[a : a + n], torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
         for a, n in spans
     ]
-    to_device.copy_runs(runs, cap=100)
+    to_device.copy_through(runs, cap=100)
     want = torch.zeros(1000, dtype=torch.uint8)
     for (a, n), (_, src) in zip(spans, runs, strict=True):
         want[a : a + n] = src
     assert torch.equal(dst, want)
-    to_device.copy_runs([])  # nothing to copy: no buffers
+    to_device.copy_through([])  # nothing to copy: no buffers

@@ -23,7 +23,6 @@ kernel that caches the weight somewhere else than the module; such a build must 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import types
@@ -33,9 +32,8 @@ from typing import Any
 
 import torch
 
-from deltackpt import cuda
 from deltackpt.integrations.vllm import tp_boxes
-from deltackpt.loading.to_device import Ring
+from deltackpt.loading.to_device import copy_through
 from deltackpt.sync.schedule_decl import Box
 
 __all__ = [
@@ -217,15 +215,17 @@ def write(
     fail: Callable[[str], None] | None = None,
     elements: dict[str, torch.Tensor | None] | None = None,
 ) -> int:
-    """Copy ``changed`` (held tensors, by name) into their parameter regions, in name order;
-    ``fail(name)`` is called before each (a test hook that may raise). ``elements``: per name,
+    """Copy ``changed`` (held tensors, by name) into their parameter regions, in name order
+    (whole tensors into device parameters land together, through the pinned buffers, after the
+    last); ``fail(name)`` is called before each (a test hook that may raise). ``elements``: per name,
     the flat indices of the elements that changed (``WeightReceiver.changed_elements``; None:
     unknown): where they are few, only those are written. Returns the bytes written (values,
     and indices where written element by element). ``held`` is updated with ``changed`` first,
-    as a reload does."""
+    as a reload does. Element writes are queued on the current stream: the caller waits for
+    the parameters' devices before the engine's next step (``worker.commit_layers``)."""
     held.update(changed)
-    n, ring = 0, None
-    with torch.no_grad(), contextlib.ExitStack() as stack:  # leaving it: the copies landed
+    n, bounced = 0, []
+    with torch.no_grad():
         for name, t in sorted(changed, key=lambda c: c[0]):
             if fail is not None:
                 fail(name)
@@ -236,59 +236,21 @@ def write(
                 continue
             src, dst = t[s.src], s.param.data[s.dst]
             if BOUNCE_ON_HOST or s.param.device.type != "cpu":
-                if ring is None:
-                    ring = stack.enter_context(_Bounce())
-                ring.copy(dst, src)
+                bounced.append((dst, src))
             else:
                 dst.copy_(src)
             n += src.numel() * src.element_size()
-    # the engine's next step must see every byte (its devices named: a thread other than the
-    # one that set the worker's device would otherwise wait for GPU 0)
-    cuda.synchronize(slots[name].param.device for name, _ in changed)
+        copy_through(bounced, BOUNCE)
     return n
 
 
 #: whole writes into parameters on a device go from the receiver's host copies (ordinary
-#: memory) through two reused pinned buffers of this many bytes, copied in on a side stream
-#: while the next is filled (a copy from pageable memory runs at a few GB/s, blocking, per
-#: tensor); :data:`BOUNCE_ON_HOST`: the same for parameters on the host (the CPU suite's cover)
-BOUNCE = 64 << 20
+#: memory) through two reused pinned buffers of ``BOUNCE`` bytes (None: ``to_device.BUCKET``),
+#: copied in on a side stream while the next is filled (``to_device.copy_through``; a copy from
+#: pageable memory runs at a few GB/s, blocking, per tensor); ``BOUNCE_ON_HOST``: the same for
+#: parameters on the host (the CPU suite's cover)
+BOUNCE: int | None = None
 BOUNCE_ON_HOST = False
-
-
-class _Bounce:
-    """Two pinned buffers (``to_device.Ring``) that whole writes go through, in turn; a tensor
-    larger than one goes in blocks of rows, a row larger than one directly."""
-
-    def __init__(self) -> None:
-        self._ring = Ring(2, BOUNCE, True)
-        self._i = 0
-
-    def __enter__(self) -> _Bounce:
-        self._ring.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._ring.__exit__(*exc)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        size = src.element_size()
-        row = size * (math.prod(src.shape[1:]) if src.dim() else 1)
-        if row == 0 or src.numel() == 0:
-            return
-        if row > BOUNCE:
-            dst.copy_(src)
-            return
-        rows = src.shape[0] if src.dim() else 1
-        step = max(1, BOUNCE // row)
-        for a in range(0, rows, step):
-            part, into = (src, dst) if not src.dim() else (src[a : a + step], dst[a : a + step])
-            buf = self._ring.take(self._i)
-            staged = buf[: part.numel() * size].view(part.dtype).view(part.shape)
-            staged.copy_(part)  # a host copy (the held region may be strided)
-            self._ring.copy(into, staged)
-            self._ring.done(self._i)
-            self._i += 1
 
 
 def _sparse_pays(s: Slot, t: torch.Tensor, idx: torch.Tensor) -> bool:
