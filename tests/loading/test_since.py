@@ -273,3 +273,21 @@ def test_raw_chunks_are_verified_and_copied_from_the_mapped_pack(
     assert _same(into, before)
     deltackpt.load(st, "s2", into=into, since="s1", verify=False)  # not hashed: as a plain load
     assert not torch.equal(into["model"]["w0"], saved[2]["model"]["w0"])
+
+
+def test_a_raw_chunk_past_the_end_of_its_pack_is_read_and_reported(tmp_path: Path) -> None:
+    """Hostile input on the mapped path: a pack cut short before a changed raw chunk's end
+    gives no view of it (nothing past the mapped size is touched); the read that takes over
+    reports the truncation naming the chunk, and into is unchanged."""
+    st, saved = _history(tmp_path / "s", None)
+    d = st.manifest("s2").tensors[0].data[0][0]
+    rec = st.manifest("s2").chunks[d]
+    assert rec.codec == "raw"
+    with open(tmp_path / "s" / "packs" / pack_name(rec.pack), "r+b") as f:
+        f.truncate(rec.offset + rec.length // 2)
+    into = _copy(saved[1])
+    before = _copy(into)
+    with pytest.raises(CorruptChunkError, match="truncated") as ei:
+        deltackpt.load(st, "s2", into=into, since="s1")
+    assert d in str(ei.value) and _same(into, before)
+    assert any(p.chunk == d for p in deltackpt.verify(st).problems)
