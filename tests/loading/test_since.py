@@ -278,16 +278,20 @@ def test_raw_chunks_are_verified_and_copied_from_the_mapped_pack(
 def test_a_raw_chunk_past_the_end_of_its_pack_is_read_and_reported(tmp_path: Path) -> None:
     """Hostile input on the mapped path: a pack cut short before a changed raw chunk's end
     gives no view of it (nothing past the mapped size is touched); the read that takes over
-    reports the truncation naming the chunk, and into is unchanged."""
+    reports the truncation naming a chunk the cut took (this one, or a later one of its pack:
+    the reads run on threads), and into is unchanged."""
     st, saved = _history(tmp_path / "s", None)
-    d = st.manifest("s2").tensors[0].data[0][0]
-    rec = st.manifest("s2").chunks[d]
+    m = st.manifest("s2")
+    d = m.tensors[0].data[0][0]
+    rec = m.chunks[d]
     assert rec.codec == "raw"
+    cut = rec.offset + rec.length // 2
     with open(tmp_path / "s" / "packs" / pack_name(rec.pack), "r+b") as f:
-        f.truncate(rec.offset + rec.length // 2)
+        f.truncate(cut)
+    lost = {x for x, r in m.chunks.items() if r.pack == rec.pack and r.offset + r.length > cut}
     into = _copy(saved[1])
     before = _copy(into)
     with pytest.raises(CorruptChunkError, match="truncated") as ei:
         deltackpt.load(st, "s2", into=into, since="s1")
-    assert d in str(ei.value) and _same(into, before)
-    assert any(p.chunk == d for p in deltackpt.verify(st).problems)
+    assert any(x in str(ei.value) for x in lost) and _same(into, before)
+    assert d in {p.chunk for p in deltackpt.verify(st).problems}
