@@ -53,7 +53,7 @@ def serve(model_dir: str, port: int, log_path: str) -> subprocess.Popen[bytes]:
         try:
             if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
                 return proc
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not up, or busy answering yet
             pass
         time.sleep(0.5)
     proc.kill()
