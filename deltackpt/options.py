@@ -26,11 +26,12 @@ DELTACKPT_DEVICE_PATCH     a weight-sync sender's delta round of CUDA        off
 DELTACKPT_DEVICE_ROUNDS    weight sync on an ipc link: ``auto`` (rounds on   auto
                            a CUDA bucket stay on the device: packed from
                            the trainer's tensors, verified with device
-                           digests, applied from device staging), ``off``
-                           (through the host, as on every other link),
-                           ``always`` (host buckets too: a CUDA trainer's
-                           tensors copied into page-locked shared memory;
-                           the test suite's CPU stand-in)
+                           digests, applied from device staging; so do
+                           rounds of CUDA tensors through host buckets:
+                           copied into page-locked shared memory),
+                           ``off`` (through the host, as on every other
+                           link), ``always`` (host tensors too: the test
+                           suite's CPU stand-in)
 DELTACKPT_FINGERPRINT_COMPILE  chunk fingerprints of CUDA bytes (device       auto
                            scans, device saves, device digests): ``auto``
                            (one Triton kernel for all the chunks of a call

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -516,19 +516,23 @@ class SyncGroup:
             self._ipc.settle()
 
     def device_window(self, dst: int, tag: int, lock: bool = False) -> torch.Tensor:
-        """A device round's bucket ``tag`` for ``dst`` (:attr:`device_rounds`; ``lock``: a
+        """A device round's bucket ``tag`` for ``dst`` (:meth:`device_rounds`; ``lock``: a
         host bucket a GPU copies into, page-locked first)."""
         assert self._ipc is not None
         return self._ipc.device_window(dst, tag, lock)
 
-    @property
-    def device_rounds(self) -> bool:
-        """Whether a sender's rounds stay on the device (``DELTACKPT_DEVICE_ROUNDS``): an ipc
-        link on CUDA (``auto``), or any ipc link (``always``: the CPU stand-in)."""
+    def device_rounds(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether a sender's rounds of ``tensors`` stay on the device
+        (``DELTACKPT_DEVICE_ROUNDS``): ``auto``, an ipc link on CUDA, or host buckets of an ipc
+        link carrying CUDA tensors (copied into page-locked shared memory, verified with device
+        digests: on one H100 a full round 1.12x a pinned D2H + H2D copy of the bytes, where host
+        rounds take 9.8x, BENCHMARKS.md); ``always``, any ipc link (the CPU stand-in)."""
         mode = default_device_rounds()
         if self._ipc is None or mode == "off":
             return False
-        return mode == "always" or self.ipc_device.type == "cuda"
+        if mode == "always" or self.ipc_device.type == "cuda":
+            return True
+        return any(t.is_cuda for t in tensors)
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
         if self._host is not None:

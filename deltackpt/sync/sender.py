@@ -216,7 +216,7 @@ class WeightSender:
         anchor = self.full_every is not None and self._since_full + 1 >= self.full_every
         # a device round (an ipc link on CUDA) packs from the tensors where they live and
         # leaves the host mirror behind: a switch either way starts over with a full round
-        device = g.device_rounds and self.align % 8 == 0
+        device = g.device_rounds(self._local.values()) and self.align % 8 == 0
         if device != self._device:
             full, self._device = True, device
             self.mirror.clear()

@@ -155,7 +155,7 @@ def test_modes_reshard_bit_exact_and_only_the_reader_reads(saved: str, world: in
     reads = {k: [out[k][-1] for out in results] for k in results[0]}
     # broadcast: the reading rank reads every chunk once (a chunk cut by a bucket's end too),
     # and no other rank reads at all
-    chunk_bytes = sum(c.size for c in deltackpt.open_store(saved).manifest("s0").chunks.values())
+    chunk_bytes = sum(c.length for c in deltackpt.open_store(saved).manifest("s0").chunks.values())
     for k in ("broadcast/sharded", "auto/replicated"):
         # every chunk once; at most the alignment padding a single process reads on top
         assert chunk_bytes <= reads[k][0] <= one[0], (k, reads[k], chunk_bytes, one[0])

@@ -496,7 +496,8 @@ def _cuda_trainer(
             state = {n: t.to("cuda:0") for n, t in make_state(v).items()}
             if side_stream:  # a long kernel queued last on this stream: a race would show
                 for t in state.values():
-                    t.mul_(2.0).mul_(0.5)
+                    if t.is_floating_point():  # (integer tensors cannot take a float product)
+                        t.mul_(2.0).mul_(0.5)
             stats.append(sender.push(state, version=v, full=v == 3))
     assert group._ipc is not None
     buckets = [b for o in group._ipc._out.values() for b in o.buckets]
@@ -579,6 +580,7 @@ def _cuda_receiver(port: int, staging: str, side_stream: bool = False) -> dict[s
         # host buckets, digests taken on the trainer's GPU, checked on the receiver's
         ("always", "cuda:0", "triton", "cpu", False),
         ("always", "cpu", "off", "cpu", True),
+        ("auto", "cuda:0", "off", "cpu", False),  # auto's choice for CUDA tensors
     ],
 )
 def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
