@@ -176,7 +176,7 @@ class _profiled:
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
-            self.prof = profile(activities=acts)
+            self.prof = profile(activities=acts, with_stack=True)  # who makes the host wait
             self.prof.__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -189,6 +189,20 @@ class _profiled:
             f"profile of one {self.kind} round, {self.who}:\n" + ev.table(sort_by=key, row_limit=18)
         )
         _log(f"... by calls, {self.who}:\n" + ev.table(sort_by="count", row_limit=12))
+        # our functions by their host time with what they call (with_stack): where it waits
+        ours = sorted(
+            (e for e in ev if "deltackpt/" in e.key),
+            key=lambda e: e.cpu_time_total,
+            reverse=True,
+        )[:25]
+        _log(
+            f"... our functions by host time (ms total, self, calls), {self.who}:\n"
+            + "\n".join(
+                f"{e.cpu_time_total / 1e3:9.2f} {e.self_cpu_time_total / 1e3:8.2f} {e.count:5d}  "
+                f"{e.key[e.key.find('deltackpt/') :]}"
+                for e in ours
+            )
+        )
 
 
 def _barrier(group: Any) -> None:
