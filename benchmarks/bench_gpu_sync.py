@@ -205,6 +205,11 @@ class _profiled:
         )
 
 
+def _bucket(cfg: dict[str, Any]) -> int | None:
+    """``bucket_bytes`` of every sender and receiver: the link's default unless --bucket-mb."""
+    return None if cfg["bucket_mb"] is None else cfg["bucket_mb"] << 20
+
+
 def _barrier(group: Any) -> None:
     group.pg.barrier().wait()
 
@@ -242,7 +247,7 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         ipc.put(state)
     knobs = {} if CUDA else {"DELTACKPT_DEVICE_SCAN": "always", "DELTACKPT_DEVICE_ROUNDS": "always"}
     group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links=cfg["links"])
-    sender = sync.WeightSender(group, bucket_bytes=cfg["bucket_mb"] << 20)
+    sender = sync.WeightSender(group, bucket_bytes=_bucket(cfg))
     names = list(state)
     g = torch.Generator(device=dev).manual_seed(1)
     rows: dict[str, list[dict[str, float]]] = {}
@@ -303,7 +308,7 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         ipc_group = sync.SyncGroup(
             "127.0.0.1", cfg["ipc_port"], 0, 2, [0], timeout=60, links="ipc", ipc_device=dev
         )
-        ipc_sender = sync.WeightSender(ipc_group, bucket_bytes=cfg["bucket_mb"] << 20)
+        ipc_sender = sync.WeightSender(ipc_group, bucket_bytes=_bucket(cfg))
         res["ipc_rows"] = {}
         push_rounds(ipc_sender, ipc_group, ipc_plan(cfg["repeats"]), res["ipc_rows"])
         assert ipc_group._ipc is not None
@@ -314,7 +319,7 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         hb_group = sync.SyncGroup(
             "127.0.0.1", cfg["hb_port"], 0, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
         )
-        hb_sender = sync.WeightSender(hb_group, bucket_bytes=cfg["bucket_mb"] << 20)
+        hb_sender = sync.WeightSender(hb_group, bucket_bytes=_bucket(cfg))
         res["hb_rows"] = {}
         always = {"DELTACKPT_DEVICE_ROUNDS": "always"}
         push_rounds(hb_sender, hb_group, host_bucket_plan(cfg["repeats"]), res["hb_rows"], always)
@@ -339,7 +344,7 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     mine = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s in shapes(cfg["gb"])}
     group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links=cfg["links"])
     # its own tensors pinned: load_weights copies them to the device at the link's speed
-    recv = sync.WeightReceiver(group, bucket_bytes=cfg["bucket_mb"] << 20, pin=CUDA)
+    recv = sync.WeightReceiver(group, bucket_bytes=_bucket(cfg), pin=CUDA)
 
     def load(ws: list[tuple[str, torch.Tensor]]) -> None:
         for n, t in ws:
@@ -366,7 +371,7 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
     if cfg["ipc_port"]:
         ipc_group = sync.SyncGroup("127.0.0.1", cfg["ipc_port"], 1, 2, [0], timeout=60, links="ipc")
         # staged on the device: a device round goes device to device
-        ipc_recv = sync.WeightReceiver(ipc_group, bucket_bytes=cfg["bucket_mb"] << 20, device=dev)
+        ipc_recv = sync.WeightReceiver(ipc_group, bucket_bytes=_bucket(cfg), device=dev)
         res["ipc_rows"] = pull_rounds(ipc_recv, ipc_group, ipc_plan(cfg["repeats"]))
         _barrier(ipc_group)
         ipc_group.close()
@@ -374,7 +379,7 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         hb_group = sync.SyncGroup(
             "127.0.0.1", cfg["hb_port"], 1, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
         )
-        hb_recv = sync.WeightReceiver(hb_group, bucket_bytes=cfg["bucket_mb"] << 20, device=dev)
+        hb_recv = sync.WeightReceiver(hb_group, bucket_bytes=_bucket(cfg), device=dev)
         res["hb_rows"] = pull_rounds(hb_recv, hb_group, host_bucket_plan(cfg["repeats"]))
         _barrier(hb_group)
         hb_group.close()
@@ -541,7 +546,12 @@ def main() -> None:
     )
     ap.add_argument("--gb", type=float, default=2.0 if CUDA else 0.02)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=None,
+        help="bucket size of every group (default: each link's, 64 MiB shm, 256 MiB ipc)",
+    )
     ap.add_argument("--links", default="shm", help="shm (default) or gloo")
     ap.add_argument("--no-ipc", action="store_true", help="skip the ipc link's rows (links='ipc')")
     ap.add_argument(

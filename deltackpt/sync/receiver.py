@@ -42,7 +42,7 @@ from deltackpt.sync.errors import (
     RoundAbortedError,
     SyncError,
 )
-from deltackpt.sync.group import SyncGroup, cause_line
+from deltackpt.sync.group import SyncGroup, cause_line, default_bucket_bytes
 from deltackpt.sync.rounds import (
     RoundStats,
     link_slots,
@@ -83,7 +83,8 @@ class WeightReceiver:
     as the dtype ``dtype`` picks (a dtype for floating tensors or ``f(name, dtype) -> dtype |
     None``; default: the trainer's), handed to ``load_weights``; ``wants`` lists them after the
     first round. ``apply_threads``: threads copying the committed pieces into the targets (default: up to 4,
-    one per core); ``bucket_bytes``/``align`` must be the same on every rank of the group.
+    one per core); ``bucket_bytes`` (default: 64 MiB, 256 MiB on an ipc link) and ``align``
+    must be the same on every rank of the group.
 
     ``boxes`` (with ``wants=None``): ``boxes(name, shape) -> Box | None`` picks, per trainer
     tensor, the box this rank wants (None: whole), once the trainers' declarations are known
@@ -132,7 +133,7 @@ class WeightReceiver:
         wants: Sequence[Want] | None = None,
         *,
         dtype: DtypeSpec = None,
-        bucket_bytes: int = 64 << 20,
+        bucket_bytes: int | None = None,
         align: int = 64,
         apply_threads: int | None = None,
         verify: str = "sent",
@@ -160,7 +161,10 @@ class WeightReceiver:
         self.pin = bool(pin) and self.device.type == "cpu"
         # (bucket index, sender, piece) -> the digest its committed bytes had (verify="all")
         self._kept: dict[tuple[int, int, int], tuple[int, int]] = {}
-        self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
+        self.group, self.align = group, int(align)
+        self.bucket_bytes = (
+            default_bucket_bytes(group.links) if bucket_bytes is None else int(bucket_bytes)
+        )
         self.every = wants is None
         if boxes is not None and not self.every:
             raise PlanError("WeightReceiver(boxes=...) picks boxes of every tensor: pass no wants")

@@ -4,7 +4,7 @@ point, in the receiver's dtype.
 Called on every trainer rank of the :class:`~deltackpt.sync.group.SyncGroup`, once per
 round, with the same ``version``::
 
-    sender = WeightSender(group, bucket_bytes=64 << 20)
+    sender = WeightSender(group)  # buckets of 64 MiB (256 MiB on an ipc link)
     stats = sender.push(model.state_dict(), version=step)   # DTensor shards as they are
 
 The first push declares this rank's shards (``schedule_decl.held_from``) and, with every other
@@ -46,7 +46,7 @@ from deltackpt.sync.device_digest import CHUNK, rows_on_host
 from deltackpt.sync.device_patches import DeviceBases, piece_finder
 from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
-from deltackpt.sync.group import SyncGroup, cause_line
+from deltackpt.sync.group import SyncGroup, cause_line, default_bucket_bytes
 from deltackpt.sync.host_mirror import HostMirror, mirrored_names, wire_casts
 from deltackpt.sync.packer import DeviceDigests, Packed, Packer
 from deltackpt.sync.rounds import (
@@ -80,7 +80,8 @@ _DEVICE_GROUP_BYTES = 256 << 20
 class WeightSender:
     """Sends this trainer rank's shards to the inference ranks of ``group`` (see module doc).
 
-    ``bucket_bytes``/``align`` must be the same on every rank of the group. ``zero_copy_min``
+    ``bucket_bytes`` (default: 64 MiB, 256 MiB on an ipc link, ``group.BUCKET_BYTES``) and
+    ``align`` must be the same on every rank of the group. ``zero_copy_min``
     (gloo links): pieces of at least this many bytes that are contiguous in the local tensor
     and need no cast are sent from the tensor itself, not copied into a bucket first (None:
     never); the tensors must not change until ``push`` returns. ``dtype``: the dtype the
@@ -93,7 +94,7 @@ class WeightSender:
         self,
         group: SyncGroup,
         *,
-        bucket_bytes: int = 64 << 20,
+        bucket_bytes: int | None = None,
         align: int = 64,
         detect: str = "hash",
         zero_copy_min: int | None = 256 << 10,
@@ -116,7 +117,10 @@ class WeightSender:
         self._since_full = 0
         self._bases = DeviceBases()  # patches from changed elements found on the device too
         self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
-        self.group, self.bucket_bytes, self.align = group, int(bucket_bytes), int(align)
+        self.group, self.align = group, int(align)
+        self.bucket_bytes = (
+            default_bucket_bytes(group.links) if bucket_bytes is None else int(bucket_bytes)
+        )
         self.version: int | None = None
         self.schedule: Schedule | None = None
         self._epoch = -1

@@ -74,9 +74,14 @@ def test_roles_are_checked(pair: tuple[sync.SyncGroup, sync.SyncGroup]) -> None:
         sync.WeightReceiver(trainer)
     with pytest.raises(sync.SyncError, match="is a trainer"):
         sync.WeightReceiver(trainer, [sync.Want("w")])
-    # the right roles construct
-    sync.WeightSender(trainer)
-    sync.WeightReceiver(inference)
+    # the right roles construct, with the link's bucket size where given none (the same on
+    # both ends, as the plan's check wants): 64 MiB on gloo and shm, 256 MiB on ipc links
+    assert sync.WeightSender(trainer).bucket_bytes == 64 << 20
+    assert sync.WeightReceiver(inference).bucket_bytes == 64 << 20
+    assert sync.WeightReceiver(inference, bucket_bytes=1 << 20).bucket_bytes == 1 << 20
+    from deltackpt.sync.group import default_bucket_bytes
+
+    assert [default_bucket_bytes(k) for k in ("gloo", "shm", "ipc")] == [64 << 20] * 2 + [256 << 20]
 
 
 @pytest.mark.parametrize(
