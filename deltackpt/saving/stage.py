@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
@@ -346,7 +346,7 @@ class DeltaRef:
 class StagedChunks:
     """What the hash pass copied into the arenas, per chunk index."""
 
-    data: dict[int, np.ndarray] = field(default_factory=dict)  # chunk -> its staged bytes
+    data: MutableMapping[int, np.ndarray] = field(default_factory=dict)  # chunk -> its bytes
     refs: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)  # -> (bytes, arena)
     new: set[int] = field(default_factory=set)  # copied because the store lacks them
 

@@ -54,7 +54,7 @@ def write_chunks(
     digests: list[str] | None = None,
     owned: set[int] | None = None,
     group_bufs: dict[int, np.ndarray] | None = None,
-    chunk_data: dict[int, np.ndarray] | None = None,
+    chunk_data: Mapping[int, np.ndarray] | None = None,
     name: str | None = None,
 ) -> WriteResult:
     """Hash, dedupe, encode and append every chunk of ``plan``; fsync the packs.
@@ -88,14 +88,15 @@ def write_chunks(
                 writers[tid] = w
         return w
 
+    def bytes_of(ci: int) -> np.ndarray:
+        if chunk_data is not None and ci in chunk_data:
+            return chunk_data[ci]  # staged copy (or a device save's chunk, copied when asked)
+        return chunk_view(plan.chunks[ci], source_array, group_bufs, ci, reuse=pre)
+
     def job(ci: int) -> None:
         spec = plan.chunks[ci]
-        if chunk_data is not None and ci in chunk_data:
-            view = chunk_data[ci]  # staged copy
-        elif pre and owned is not None and ci not in owned:
-            view = None  # digest known and someone else (or the store) has it: no bytes needed
-        else:
-            view = chunk_view(spec, source_array, group_bufs, ci, reuse=pre)
+        # a known digest: the bytes are needed only if this call writes the chunk
+        view = None if pre else bytes_of(ci)
         if not pre:
             assert view is not None  # every chunk has bytes when nothing was hashed before
             digests[ci] = digest(view)
@@ -108,7 +109,8 @@ def write_chunks(
                 fresh = d not in index and d not in claimed
             claimed.add(d)
         if fresh:
-            assert view is not None  # owned chunks always have bytes
+            if view is None:
+                view = bytes_of(ci)
             scan = np.zeros(5, np.uint64) if deltas else None
             enc = _encode(view, spec.itemsize, spec.size, ref, opts, index, new_records, scan)
             lin = _lin(view, enc, ref, index, new_records, scan) if deltas else None

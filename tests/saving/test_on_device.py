@@ -204,6 +204,57 @@ def test_a_failed_save_leaves_nothing_that_a_later_save_trusts(store_dir):
     assert _same(deltackpt.load(store, "c"), state)
 
 
+def test_host_memory_of_a_device_save_is_a_ring_not_a_copy_of_the_state(store_dir, monkeypatch):
+    """The hash pass copies changed chunks through RING_SLOTS buffers of SLOT_BYTES, step 3
+    copies each chunk it writes into a buffer of its thread: the host memory a sync save of
+    device state allocates stays bounded however large the state, and the arena holds only the
+    small sources of group chunks; every chunk written is still the state's."""
+    from deltackpt.saving import on_device
+
+    monkeypatch.setattr(on_device, "SLOT_BYTES", 256 << 10)
+    made: list[int] = []
+    real = on_device.host_buffer
+    monkeypatch.setattr(on_device, "host_buffer", lambda n, pin: made.append(n) or real(n, pin))
+    store = deltackpt.open_store(store_dir, chunk_bytes=64 << 10)
+    g = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn(250_000, generator=g) for i in range(4)}  # 4 MB, 64 chunks
+    state["small"] = torch.randn(10, generator=g)
+    info, copied = _save(state, store, "a")
+    assert info.chunks_new == copied == 64 + 1
+    threads = 16  # at most one chunk buffer per writing thread
+    assert sum(made) <= on_device.RING_SLOTS * (256 << 10) + threads * (64 << 10)
+    assert sum(made) < 4_000_000 / 2  # well under a copy of the state
+    assert saver_for(store)._arenas[0].nbytes() < 1 << 10  # the small tensor's bytes only
+    assert _same(deltackpt.load(store, "a"), state)
+    # a step that changes a few chunks: only they are copied, twice, and written
+    made.clear()
+    state["w2"][1000] += 1.0
+    info, copied = _save(state, store, "b")
+    assert info.chunks_new == 1 and copied == 2
+    assert _same(deltackpt.load(store, "b"), state)
+
+
+def test_state_written_during_a_device_save_fails_it_naming_the_tensor(store_dir):
+    """A chunk whose bytes change between the hash pass and its write (a write from another
+    stream or thread during a sync save) fails the save, naming the tensor; nothing is
+    committed, and the next save writes the state as it is then."""
+    store = deltackpt.open_store(store_dir, chunk_bytes=64 << 10)
+    state = {"w": torch.zeros(100_000), "v": torch.ones(50_000)}
+
+    def scribble(ci: int) -> None:  # after the hash pass copied chunk ci
+        state["w"][-1] = float(ci + 1)
+
+    with (
+        overrides(DELTACKPT_DEVICE_SCAN="always"),
+        hooks.override(on_stage_copy=scribble),
+        pytest.raises(deltackpt.errors.SaveFailedError, match="'w' changed while it was being"),
+    ):
+        deltackpt.save(state, store, "a")
+    assert deltackpt.snapshots(store) == []
+    _save(state, store, "b")
+    assert _same(deltackpt.load(store, "b"), state)
+
+
 def test_a_resized_tensor_is_not_matched_by_an_old_fingerprint(store_dir):
     store = deltackpt.open_store(store_dir, chunk_bytes=256 << 10)
     state = {"w": torch.zeros(1000)}
