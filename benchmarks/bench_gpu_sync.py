@@ -176,8 +176,9 @@ class _profiled:
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
-            self.prof = profile(activities=acts, with_stack=True)  # who makes the host wait
+            self.prof = profile(activities=acts)
             self.prof.__enter__()
+            self.sampler = _Sampler()
 
     def __exit__(self, *exc: object) -> None:
         if self.prof is None:
@@ -189,20 +190,55 @@ class _profiled:
             f"profile of one {self.kind} round, {self.who}:\n" + ev.table(sort_by=key, row_limit=18)
         )
         _log(f"... by calls, {self.who}:\n" + ev.table(sort_by="count", row_limit=12))
-        # our functions by their host time with what they call (with_stack): where it waits
-        ours = sorted(
-            (e for e in ev if "deltackpt/" in e.key),
-            key=lambda e: e.cpu_time_total,
-            reverse=True,
-        )[:25]
-        _log(
-            f"... our functions by host time (ms total, self, calls), {self.who}:\n"
-            + "\n".join(
-                f"{e.cpu_time_total / 1e3:9.2f} {e.self_cpu_time_total / 1e3:8.2f} {e.count:5d}  "
-                f"{e.key[e.key.find('deltackpt/') :]}"
-                for e in ours
-            )
+        _log(f"... where its threads spend host time, {self.who}:\n" + self.sampler.stop())
+
+
+class _Sampler:
+    """Every thread's Python stack sampled every millisecond (a profiler that sees every
+    thread, on any torch): per sample, the innermost frame of deltackpt and what it was in
+    (a torch call, a wait), counted; the top lines say where a round's host time goes."""
+
+    def __init__(self, every: float = 0.001) -> None:
+        import threading
+
+        self.counts: dict[tuple[str, str], int] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._t.start()
+
+    def _run(self, every: float) -> None:
+        import sys
+
+        while not self._stop.wait(every):
+            self.samples += 1
+            for tid, frame in sys._current_frames().items():
+                if tid == threading_ident():  # this sampler
+                    continue
+                inner = f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]})"
+                f = frame
+                while f is not None and "deltackpt/" not in f.f_code.co_filename:
+                    f = f.f_back
+                if f is None or f.f_code.co_name == "_beat_loop":  # (the idle heartbeat)
+                    continue
+                code = f.f_code
+                ours = f"{code.co_filename[code.co_filename.find('deltackpt/') :]}:{f.f_lineno} {code.co_name}"
+                key = (ours, inner)
+                self.counts[key] = self.counts.get(key, 0) + 1
+
+    def stop(self) -> str:
+        self._stop.set()
+        self._t.join()
+        top = sorted(self.counts.items(), key=lambda kv: -kv[1])[:25]
+        return f"{self.samples} samples of 1 ms (count: our line <- innermost frame)\n" + "\n".join(
+            f"{n:6d}  {ours}  <-  {inner}" for (ours, inner), n in top
         )
+
+
+def threading_ident() -> int:
+    import threading
+
+    return threading.get_ident()
 
 
 def _bucket(cfg: dict[str, Any]) -> int | None:
