@@ -48,9 +48,9 @@ fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order).
 # Without SUITE_TESTS the suite runs in two parts within the box: first SUITE_FIRST (the tests
-# no GPU machine has run yet, session note 2026-11-27), then the rest of tests/ without them
+# no GPU machine has finished yet: BENCHMARKS.md, the H100 run of 2026-11-28), then the rest of tests/ without them
 if box "${SUITE_S:-85}"; then
-  first=${SUITE_FIRST-tests/distributed tests/test_bad_args.py tests/test_checkpointer.py tests/test_checkpointer_tiers.py tests/integrations/test_lightning.py tests/integrations/test_lightning_tiers.py tests/format/test_patch_codec.py}
+  first=${SUITE_FIRST-tests/saving/test_on_device.py tests/distributed/test_load_modes.py tests/distributed/test_disagreeing_ranks.py tests/distributed/test_tiers.py tests/distributed/test_tiers_dcp.py tests/distributed/test_peer_deadline.py}
   suite() {  # $1: seconds; the rest: what to run
     local s=$1; shift
     timeout "$s" python3 -m pytest -v -m "${SUITE_MARK-not gpu}" $xdist -p no:cacheprovider -o addopts="-ra" -o timeout=120 \
