@@ -60,7 +60,7 @@ def test_a_receiver_whose_undo_dir_is_unusable_keeps_undo_in_memory(tmp_path):
     from deltackpt import sync
 
     class G:
-        rank, trainers = 1, [0]
+        rank, trainers, links = 1, [0], "gloo"
 
     missing = tmp_path / "gone"
     with pytest.warns(UndoSpillWarning, match="cannot create the undo file"):
