@@ -7,7 +7,7 @@
 # round's digests beside the device's copy); 3. the rest of the suite on 14 workers,
 # stopped at its time box. Logs and figures go to
 # $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, DIGEST_S, SUITE_S override the time
-# boxes (0 skips the step); SYNC_PROFILE: the sync round kind profiled into check.log ("" none). Without CUDA it runs too: the gpu tests skip and say why,
+# boxes (0 skips the step); SYNC_PROFILE: the sync round kind profiled into check.log ("" none). SYNC_ARGS: more arguments of bench_gpu_sync.py (e.g. "--gb 8": issue 36's size, ~4x the time). Without CUDA it runs too: the gpu tests skip and say why,
 # the benchmark runs its CPU dry run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -39,7 +39,7 @@ fi
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
 if box "${SYNC_BENCH_S:-105}"; then
   timeout "${SYNC_BENCH_S:-105}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" \
-    --profile "${SYNC_PROFILE-full_triton}" 2>&1 \
+    --profile "${SYNC_PROFILE-full_triton}" ${SYNC_ARGS:-} 2>&1 \
     | tee -a "$LOG" || rc=1
 fi
 if box "${DIGEST_S:-30}"; then  # device digests beside the fingerprints and a device copy
