@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -199,8 +200,6 @@ class _Sampler:
     (a torch call, a wait), counted; the top lines say where a round's host time goes."""
 
     def __init__(self, every: float = 0.001) -> None:
-        import threading
-
         self.counts: dict[tuple[str, str], int] = {}
         self.samples = 0
         self._stop = threading.Event()
@@ -208,12 +207,10 @@ class _Sampler:
         self._t.start()
 
     def _run(self, every: float) -> None:
-        import sys
-
         while not self._stop.wait(every):
             self.samples += 1
             for tid, frame in sys._current_frames().items():
-                if tid == threading_ident():  # this sampler
+                if tid == threading.get_ident():  # this sampler
                     continue
                 inner = f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]})"
                 f = frame
@@ -233,12 +230,6 @@ class _Sampler:
         return f"{self.samples} samples of 1 ms (count: our line <- innermost frame)\n" + "\n".join(
             f"{n:6d}  {ours}  <-  {inner}" for (ours, inner), n in top
         )
-
-
-def threading_ident() -> int:
-    import threading
-
-    return threading.get_ident()
 
 
 def _bucket(cfg: dict[str, Any]) -> int | None:

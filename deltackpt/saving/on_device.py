@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deltackpt.cuda import HostCopies, is_device
+from deltackpt.cuda import HostCopies, host_buffer, is_device
 from deltackpt.errors import SaveFailedError
 from deltackpt.format.fingerprint import many_fingerprints
 from deltackpt.format.hashing import digest
@@ -208,11 +208,6 @@ def _hash_through_ring(
             for f in fs:
                 f.cancel()
     return out
-
-
-def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of host memory, page-locked where ``pin`` (a device's copies into it)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 class DeviceChunks(MutableMapping[int, np.ndarray]):

@@ -95,10 +95,9 @@ def write_chunks(
 
     def job(ci: int) -> None:
         spec = plan.chunks[ci]
-        # a known digest: the bytes are needed only if this call writes the chunk
-        view = None if pre else bytes_of(ci)
+        view = None  # a known digest: the bytes are needed only if this call writes the chunk
         if not pre:
-            assert view is not None  # every chunk has bytes when nothing was hashed before
+            view = bytes_of(ci)
             digests[ci] = digest(view)
         d = digests[ci]
         ref = refs.get(spec.base_key) if (refs is not None and spec.base_key) else None
