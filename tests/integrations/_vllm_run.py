@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -278,28 +279,28 @@ def finish(
     fresh_engine: bool = True,
 ) -> None:
     """Greedy tokens and readable parameters against the trainer's weights loaded by vLLM itself
-    from disk, into ``res``. ``fresh_engine``: a fresh engine started from them (the
-    same layout: it runs in this process's environment); else this engine reloads them in place
-    (``reload_weights``: vLLM's own loader and post-processing, without a second engine start:
-    ~20 s less; the short run does this)."""
+    from disk, into ``res``. ``fresh_engine``: a fresh engine started from them in a process of
+    its own (``_vllm_fresh.py``: the same layout, it inherits this process's environment; its
+    engine core in that process); else this engine reloads them in place (``reload_weights``:
+    vLLM's own loader and post-processing, without a second engine start; the short run does
+    this)."""
     res["tokens"] = greedy(llm)
     mine = _unpack(llm.collective_rpc(_readable)[0])
     if fresh_engine:
         trainer.save_pretrained(f"{tmp}/final")
-        fresh = engine(f"{tmp}/final", transfer=False)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_fresh.py")
+        subprocess.run(
+            [sys.executable, script, f"{tmp}/final", f"{tmp}/fresh.pt"], check=True, timeout=300
+        )
+        fresh = torch.load(f"{tmp}/fresh.pt")
+        res["fresh_tokens"], fr = fresh["tokens"], fresh["readable"]
     else:
         vllm_reload(llm, trainer, f"{tmp}/final")
-        fresh = llm
-    res["fresh_tokens"] = greedy(fresh)
-    fr = _unpack(fresh.collective_rpc(_readable)[0])
+        res["fresh_tokens"] = greedy(llm)
+        fr = _unpack(llm.collective_rpc(_readable)[0])
     res["readable_same_as_fresh"] = fr.keys() == mine.keys() and all(
         same(fr[k], mine[k]) for k in fr
     )
-    if fresh is not llm:  # its processes go now, before this engine's next work
-        del fresh
-        import gc
-
-        gc.collect()
 
 
 def vllm_reload(llm: Any, trainer: torch.nn.Module, path: str) -> None:
