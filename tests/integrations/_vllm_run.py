@@ -47,9 +47,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def engine(model_dir: str, transfer: bool, extension: bool = False) -> Any:
+def engine(model_dir: str, transfer: bool, extension: bool = False, core_here: bool = False) -> Any:
     """``transfer``: with the ``deltackpt`` weight-transfer backend; ``extension``: with the
-    deltackpt worker extension (``deltackpt_follow``, ...). Both can be on one engine."""
+    deltackpt worker extension (``deltackpt_follow``, ...). Both can be on one engine.
+    ``core_here``: the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
+    colocated RL trainers run vLLM), its worker still a process of its own (the multiprocess
+    executor): one interpreter fewer to start and stop; else vLLM's default (the engine core
+    in a process of its own)."""
+    if core_here:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -62,7 +68,8 @@ def engine(model_dir: str, transfer: bool, extension: bool = False) -> Any:
         kw["worker_extension_cls"] = EXTENSION
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, max_num_seqs=4, enable_prefix_caching=True, **kw,
+        max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
+        distributed_executor_backend="mp" if core_here else None, **kw,
     )  # fmt: skip
 
 
@@ -173,7 +180,7 @@ def main(out_path: str, short: bool = False) -> None:
     trainer = tiny_qwen2(1)
     # the trainer process the full run kills mid-round starts its interpreter meanwhile
     doomed = None if short else Doomed()
-    llm = engine(f"{tmp}/start", transfer=True, extension=not short)
+    llm = engine(f"{tmp}/start", transfer=True, extension=not short, core_here=short)
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     res: dict[str, Any] = {"rounds": []}

@@ -33,6 +33,13 @@ from _vllm_run import (
 
 
 def tp_engine(model_dir: str, transfer: bool) -> Any:
+    """The TP=2 engine: its two workers are processes of their own (vLLM's multiprocess
+    executor: the trainer here syncs with them across processes, as with any engine); its
+    engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as colocated RL
+    trainers run vLLM), one interpreter fewer to start and stop (~14 s of the suite on 2
+    cores). ``test_vllm.py`` and ``test_vllm_http.py`` run the engine core in a process of its
+    own, vLLM's default."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 

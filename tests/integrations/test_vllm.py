@@ -9,6 +9,11 @@ them into kernels, leaving the parameters empty, on others (AVX-512, AMX). Both 
 forced (``_vllm_linear/``), so the worker's two paths run on every machine: ``run`` (every
 scenario) keeps them, as a GPU does, so its commits write into the parameters (in-place
 commits, ``inplace.py``); ``other`` (the short run) repacks them, so its commits reload.
+``run``'s engine is vLLM's default multiprocess one (engine core and worker each a process of
+their own); ``other``'s runs its engine core in the trainer's process (as colocated RL trainers
+run vLLM; its worker still a process of its own), and the fresh engine ``run`` compares with
+runs in a process of its own with the engine core in it (``_vllm_fresh.py``): fewer
+interpreters to start, the same loader and kernels.
 
 The refit through the store (the worker extension's ``deltackpt_follow``: a trainer publishes
 versions to a store, the engine's workers pull them, incrementally after the first, and fail
