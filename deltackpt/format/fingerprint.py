@@ -40,7 +40,13 @@ import torch
 from deltackpt import cuda
 from deltackpt.format import fingerprint_kernel
 
-__all__ = ["KERNELS", "SLAB_BYTES", "many_fingerprints", "source_fingerprints"]
+__all__ = [
+    "KERNELS",
+    "SLAB_BYTES",
+    "fingerprint_rows",
+    "many_fingerprints",
+    "source_fingerprints",
+]
 
 SLAB_BYTES = 64 << 20  # bytes fingerprinted per pass (bounds the work buffers)
 KERNELS = ("auto", "torch", "compile", "triton")  # how (source_fingerprints): the same integers
@@ -134,6 +140,15 @@ def _fingerprint_rows(
     a = z.sum(dim=1)
     b = torch.mul(z, q[:n], out=tmp).sum(dim=1)
     return torch.stack([a, b], dim=1)
+
+
+def fingerprint_rows(words: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
+    """The fingerprints [rows, 2] of each row of ``words`` (int64 [rows, n], ``n`` at most a
+    chunk's words, on any device): each row as the words of one chunk, the same integers as
+    :func:`source_fingerprints` of those bytes. ``kernel``: ``torch`` or ``compile``."""
+    n = words.shape[1]  # the keys of a position are the same in keys of any length: a few kept
+    p, q = position_keys(words.device, 1 << max(0, n - 1).bit_length())
+    return _fingerprint_rows(words, p, q, kernel)
 
 
 def _rows_pure(words: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

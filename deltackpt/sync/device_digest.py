@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from deltackpt.format.fingerprint import many_fingerprints
+from deltackpt import cuda
+from deltackpt.format.fingerprint import fingerprint_rows, many_fingerprints
 from deltackpt.options import fingerprint_kernel
 
 __all__ = [
@@ -52,17 +53,32 @@ _WORDS = CHUNK // 8
 def fold(fps: Sequence[torch.Tensor]) -> torch.Tensor:
     """The digests [n, 2] of ``n`` pieces from their chunk fingerprints (each [chunks, 2], on
     one device): the fingerprint of each list of words ``a_0, b_0, a_1, ...`` (a list of no
-    words: 0, 0), all at once (``many_fingerprints``: each list is one row of words)."""
+    words: 0, 0), all at once. Lists of as many words are stacked into one matrix and
+    fingerprinted together (``fingerprint.fingerprint_rows``): a few operations per distinct
+    length, not per piece (a bucket of a model's tensors has a handful of lengths; the host
+    work of a round of many tensors is what a device round is short of)."""
     counts = [f.numel() for f in fps]
     if max(counts) > _WORDS:
         raise ValueError(f"a piece of more than {_WORDS // 2} chunks ({_WORDS // 2} MiB)")
     dev = fps[0].device
-    rows = many_fingerprints(
-        [f.reshape(-1).view(torch.uint8) for f in fps], CHUNK, fingerprint_kernel()
-    )
-    return torch.cat(
-        [r if r.shape[0] else torch.zeros(1, 2, dtype=torch.int64, device=dev) for r in rows]
-    )
+    by_words: dict[int, list[int]] = {}
+    for i, n in enumerate(counts):
+        by_words.setdefault(n, []).append(i)
+    kernel = "compile" if fingerprint_kernel() == "compile" else "torch"
+    parts: list[torch.Tensor] = []
+    order: list[int] = []
+    for n, idx in by_words.items():
+        if n:
+            words = torch.stack([fps[i].reshape(-1) for i in idx])  # [len(idx), n] int64
+            parts.append(fingerprint_rows(words, kernel))
+        else:
+            parts.append(torch.zeros(len(idx), 2, dtype=torch.int64, device=dev))
+        order += idx
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if order == list(range(len(fps))):
+        return rows
+    at = cuda.to_device(torch.tensor(order, dtype=torch.int64), dev)
+    return torch.empty_like(rows).index_copy_(0, at, rows)
 
 
 def message_digest_rows(

@@ -180,3 +180,20 @@ def test_rows_on_host_keeps_each_tensors_rows_in_order() -> None:
     ]
     assert rows_on_host(rows) == [[[1, 2], [3, 4]], [], [[5, 6]]]
     assert rows_on_host([]) == []
+
+
+def test_fold_gives_each_pieces_fingerprint_of_its_chunk_fingerprints() -> None:
+    """The fold stacks lists of as many words and fingerprints them together: the same
+    integers as each list fingerprinted alone, in the pieces' order, whatever lengths mix."""
+    from deltackpt.sync.device_digest import fold
+
+    g = torch.Generator().manual_seed(3)
+    chunks = [1, 3, 0, 1, 2, 3, 1, 0, 5, 1]  # interleaved lengths, empty lists among them
+    fps = [torch.randint(-(2**62), 2**62, (c, 2), dtype=torch.int64, generator=g) for c in chunks]
+    want = []
+    for f in fps:
+        rows = source_fingerprints(f.reshape(-1).view(torch.uint8), CHUNK)
+        want.append(rows[0].tolist() if rows.shape[0] else [0, 0])
+    assert fold(fps).tolist() == want
+    assert fold(fps[:1]).tolist() == want[:1]  # one length: no reordering
+    assert fold([fps[1], fps[5]]).tolist() == [want[1], want[5]]
