@@ -32,7 +32,7 @@ try:  # the kernel's language, at module level as Triton's compiler reads it
 except ImportError:  # no Triton: available() says so and nothing here runs
     tl = None
 
-__all__ = ["BLOCK", "available", "disable", "many"]
+__all__ = ["BLOCK", "available", "disable", "many", "table"]
 
 BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
 
@@ -95,56 +95,66 @@ def available(device: torch.device) -> bool:
     )
 
 
+def table(
+    sources: Sequence[torch.Tensor], chunk_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[torch.Tensor]]:
+    """The kernel's table for ``sources`` (1-D uint8, one device): per row (a chunk, or a
+    source's last partial chunk), its first word's address and its word count; the rows per
+    source; the copies the table points into, which must live until the launch. A source not
+    8-byte aligned is copied first, and so is a tail that ends inside a word (zero-padded):
+    both rare, done per source; everything else is a few numpy operations for all the sources
+    (no Python per source past reading its address and size: a round of many small tensors is
+    host work otherwise)."""
+    n = len(sources)
+    ptr = np.fromiter((s.data_ptr() for s in sources), np.int64, n)
+    size = np.fromiter((s.numel() for s in sources), np.int64, n)
+    full, tail = np.divmod(size, chunk_bytes)
+    tail_at = ptr + full * chunk_bytes
+    keep: list[torch.Tensor] = []
+    for i in np.flatnonzero(((ptr % 8 != 0) & (size > 0)) | (tail % 8 != 0)).tolist():
+        s = sources[i]
+        if s.data_ptr() % 8:
+            s = s.clone()
+            keep.append(s)
+            ptr[i] = s.data_ptr()
+            tail_at[i] = ptr[i] + full[i] * chunk_bytes
+        if tail[i] % 8:  # the last word zero-padded: a copy
+            t = int(tail[i])
+            padded = torch.zeros(-(-t // 8) * 8, dtype=torch.uint8, device=s.device)
+            padded[:t] = s[int(full[i]) * chunk_bytes :]
+            keep.append(padded)
+            tail_at[i] = padded.data_ptr()
+    rows_of = full + (tail > 0)
+    src = np.repeat(np.arange(n, dtype=np.int64), rows_of)
+    first = np.cumsum(rows_of) - rows_of  # each source's first row
+    j = np.arange(src.size, dtype=np.int64) - first[src]  # a row's chunk in its source
+    last = j == full[src]  # a source's partial last chunk
+    addr = np.where(last, tail_at[src], ptr[src] + j * chunk_bytes)
+    words = np.where(last, -(-tail[src] // 8), chunk_bytes // 8)
+    return addr, words, rows_of, keep
+
+
 def many(
     sources: Sequence[torch.Tensor], chunk_bytes: int, p: torch.Tensor, q: torch.Tensor
 ) -> list[torch.Tensor]:
     """``fingerprint.many_fingerprints`` of ``sources`` (1-D uint8, one device) in one launch;
-    ``p``, ``q``: the position keys of a chunk (``fingerprint.position_keys``). A source not
-    8-byte aligned is copied first, and so is a tail that ends inside a word (zero-padded)."""
+    ``p``, ``q``: the position keys of a chunk (``fingerprint.position_keys``); the rows of the
+    launch from :func:`table`."""
     device = sources[0].device
     wpc = chunk_bytes // 8
-    keep: list[torch.Tensor] = []  # copies that must live until the launch
-    addrs: list[np.ndarray] = []
-    counts: list[np.ndarray] = []
-    rows_of: list[int] = []
-    for s in sources:
-        n = s.numel()
-        if n and s.data_ptr() % 8:
-            s = s.clone()
-            keep.append(s)
-        full, tail = divmod(n, chunk_bytes)
-        addr = np.arange(full, dtype=np.int64) * chunk_bytes + (s.data_ptr() if n else 0)
-        cnt = np.full(full, wpc, dtype=np.int64)
-        if tail:
-            t = s[full * chunk_bytes :]
-            if tail % 8:  # the last word zero-padded: a copy
-                padded = torch.zeros(-(-tail // 8) * 8, dtype=torch.uint8, device=device)
-                padded[:tail] = t
-                keep.append(padded)
-                t = padded
-            addr = np.append(addr, t.data_ptr())
-            cnt = np.append(cnt, -(-tail // 8))
-        addrs.append(addr)
-        counts.append(cnt)
-        rows_of.append(addr.size)
-    rows = sum(rows_of)
+    addr, words, rows_of, keep = table(sources, chunk_bytes)
+    rows = int(addr.size)
     if not rows:
         return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in sources]
-    table = torch.from_numpy(np.stack([np.concatenate(addrs), np.concatenate(counts)]))
-    table = cuda.to_device(table, device)  # queued, no wait for the stream
+    tab = cuda.to_device(torch.from_numpy(np.stack([addr, words])), device)  # queued, no wait
     nblk = -(-wpc // BLOCK)
     part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
     kernel = _kernel()
     if device.type == "cuda":  # Triton launches on the current device: make it the sources'
         with torch.cuda.device(device):
-            kernel[(rows, nblk)](table[0], table[1], p, q, part, nblk, BLOCK=BLOCK)
+            kernel[(rows, nblk)](tab[0], tab[1], p, q, part, nblk, BLOCK=BLOCK)
     else:
-        kernel[(rows, nblk)](table[0], table[1], p, q, part, nblk, BLOCK=BLOCK)
+        kernel[(rows, nblk)](tab[0], tab[1], p, q, part, nblk, BLOCK=BLOCK)
     out = part.sum(dim=1)  # wrapping sums: in any order, the same
     del keep  # the launch is queued on the stream: the copies' memory is reused after it
-    res: list[torch.Tensor] = []
-    at = 0
-    for k in rows_of:
-        res.append(out[at : at + k])
-        at += k
-    return res
+    return list(out.split(rows_of.tolist()))

@@ -134,6 +134,38 @@ def test_many_fingerprints_are_each_sources_fingerprints(chunk, monkeypatch):
         fingerprint.many_fingerprints([torch.zeros(8)], chunk)
 
 
+@pytest.mark.parametrize("chunk", [64, 4096])
+def test_the_kernels_table_points_at_every_chunk_of_every_source(chunk):
+    """The Triton kernel's rows (built for all sources at once, ``fingerprint_kernel.table``):
+    read here on the CPU, each row's words are the bytes of its chunk in order, a tail that
+    ends inside a word zero-padded, an unaligned source read from an aligned copy; the rows of
+    a source are its chunks and partial last chunk. (The kernel itself: the gpu tests and
+    TRITON_INTERPRET.)"""
+    import ctypes
+
+    srcs = _many_sources(chunk)
+    addr, words, rows_of, keep = fingerprint_kernel.table(srcs, chunk)
+    assert rows_of.tolist() == [-(-s.numel() // chunk) for s in srcs]
+    assert addr.size == words.size == sum(rows_of.tolist())
+    assert all(int(a) % 8 == 0 for a in addr)
+    assert keep  # the unaligned sources and the tails inside a word were copied
+    at = 0
+    for s in srcs:
+        for c in range(-(-s.numel() // chunk)):
+            want = bytes(s[c * chunk : (c + 1) * chunk].tolist())
+            want += bytes(-len(want) % 8)
+            assert int(words[at]) == len(want) // 8
+            assert ctypes.string_at(int(addr[at]), len(want)) == want, (s.numel(), c)
+            at += 1
+    aligned = torch.zeros(3 * chunk, dtype=torch.uint8)  # none copied: the sources' own bytes
+    a2, w2, r2, k2 = fingerprint_kernel.table(
+        [aligned, aligned[:0], aligned[8 : chunk + 16]], chunk
+    )
+    base = aligned.data_ptr()
+    assert a2.tolist() == [base, base + chunk, base + 2 * chunk, base + 8, base + 8 + chunk]
+    assert w2.tolist() == [chunk // 8] * 4 + [1] and r2.tolist() == [3, 0, 2] and not k2
+
+
 # ---- saves through the device path, on CPU tensors ------------------------------------------
 
 
