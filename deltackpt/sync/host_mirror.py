@@ -54,6 +54,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deltackpt import cuda
@@ -144,6 +145,9 @@ class HostMirror:
         self._layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
         self._committed: dict[str, torch.Tensor] = {}  # name -> fingerprints at the last commit
         self._round: dict[str, torch.Tensor] = {}
+        # name -> (a contiguous tensor a scan got, its flat bytes): the same tensor next round
+        # is not flattened again (_flat_of)
+        self._flats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.last = MirrorRound()
         self.total_copied_bytes = 0
         #: device copies of the last committed bytes (``DELTACKPT_DEVICE_PATCH``)
@@ -159,6 +163,7 @@ class HostMirror:
         device bases."""
         self._committed.clear()
         self._round.clear()
+        self._flats.clear()
         self.device.clear()
 
     def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -204,7 +209,7 @@ class HostMirror:
         self.device.start(tensors, "off" if scan == "off" else patch)
         # name -> per-chunk change mask on the host (None: copy it whole); "off": every tensor
         changed: dict[str, torch.Tensor | None] = (
-            dict.fromkeys(names) if scan == "off" else self._compare(tensors, full)
+            dict.fromkeys(names) if scan == "off" else self._compare(tensors, full, local)
         )
         rec = MirrorRound()
         # tensors with a device base: their changed elements only (device_patches.py)
@@ -276,7 +281,7 @@ class HostMirror:
         tensors = {n: _as_wire(local[n], (cast or {}).get(n)) for n in names if n not in kept}
         self._round = {n: self._committed[n] for n in kept}
         self.device.start(tensors, "off" if scan == "off" else patch, frozenset(kept))
-        changed = dict.fromkeys(tensors) if scan == "off" else self._compare(tensors, full)
+        changed = dict.fromkeys(tensors) if scan == "off" else self._compare(tensors, full, local)
         rec = MirrorRound(unchanged=frozenset(n for n in names if n not in changed))
         # changed elements on the device where a base allows; the others' bases are refreshed
         # whole at the commit (``copied``)
@@ -291,7 +296,10 @@ class HostMirror:
         return out, frozenset(names), rec.unchanged
 
     def _compare(
-        self, tensors: dict[str, torch.Tensor], full: bool
+        self,
+        tensors: dict[str, torch.Tensor],
+        full: bool,
+        own: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor | None]:
         """This round's fingerprints of every tensor (kept for :meth:`commit`) and, per tensor
         that changed since the last commit, its per-chunk change mask on the host (None: copy it
@@ -303,7 +311,9 @@ class HostMirror:
             by_device.setdefault(tensors[n].device, []).append(n)
         for group in by_device.values():  # one batch of fingerprints, one wait per device
             fps = many_fingerprints(
-                [_flat(tensors[n]) for n in group], self.chunk_bytes, fingerprint_kernel()
+                [self._flat_of(n, tensors[n], own) for n in group],
+                self.chunk_bytes,
+                fingerprint_kernel(),
             )
             same: list[tuple[str, torch.Tensor, torch.Tensor]] = []
             for n, fp in zip(group, fps, strict=True):
@@ -317,13 +327,32 @@ class HostMirror:
                 continue
             moved = torch.cat([f for _, f, _ in same]) != torch.cat([b for _, _, b in same])
             flat = moved.any(dim=1).cpu()
-            pos = 0
-            for n, fp, _ in same:
-                m = flat[pos : pos + fp.shape[0]]
-                pos += fp.shape[0]
-                if bool(m.any()):
-                    out[n] = m
+            if not bool(flat.any()):  # nothing moved: no tensor is looked at again
+                continue
+            rows = np.fromiter((fp.shape[0] for _, fp, _ in same), np.int64, len(same))
+            ends = np.cumsum(rows)
+            starts = ends - rows  # every tensor here has a chunk or more
+            hit = np.logical_or.reduceat(flat.numpy(), starts)
+            for i in np.flatnonzero(hit).tolist():
+                out[same[i][0]] = flat[int(starts[i]) : int(ends[i])]
         return out
+
+    def _flat_of(
+        self, name: str, t: torch.Tensor, own: Mapping[str, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """:func:`_flat` of ``t``, kept for the next round while it is the same contiguous
+        tensor of the caller's (``own``; a non-contiguous one is copied every round, and a
+        tensor cast for the wire is a new one every round: neither is kept, nothing of the
+        device's memory is held between rounds)."""
+        got = self._flats.get(name)
+        if got is not None and got[0] is t:
+            return got[1]
+        flat = _flat(t)
+        if own is not None and own.get(name) is t and t.is_contiguous():
+            self._flats[name] = (t, flat)
+        else:
+            self._flats.pop(name, None)
+        return flat
 
     def commit(self) -> None:
         """The round committed: its fingerprints are what the next delta round compares with

@@ -126,6 +126,9 @@ class WeightSender:
         self._epoch = -1
         self._held: tuple[Held, ...] = ()
         self._local: dict[str, torch.Tensor] = {}
+        # the plain tensors the last checked push got, as (tensor, shape, dtype, address,
+        # strides) by name: a push of the very same tensors skips the check (_same_tensors)
+        self._seen: dict[str, tuple[torch.Tensor, torch.Size, torch.dtype, int, tuple]] = {}
         self._casts: dict[str, torch.dtype] = {}  # mirrored in their wire dtype (_setup)
         self._boxes: dict[str, Held] = {}
         self._buckets: list[LinkBucket] = []
@@ -154,6 +157,8 @@ class WeightSender:
 
     def _setup(self, named_tensors: Mapping[str, torch.Tensor] | Iterable) -> None:
         if self.schedule is not None and self._epoch == self.group.epoch:
+            if self._same_tensors(named_tensors):  # the last push's: checked then
+                return
             # refused before any round, on this rank only: the others wait for the next push
             held, local = held_from(named_tensors, self.dtype)
             if tuple(held) != self._held:
@@ -163,6 +168,7 @@ class WeightSender:
                     "on every rank to re-plan"
                 )
             self._local = local
+            self._remember(named_tensors)
             return
         g = self.group
         got: list[tuple[list[Held], dict[str, torch.Tensor]]] = []
@@ -178,6 +184,7 @@ class WeightSender:
         held, local = got[0]
         self.schedule = sched
         self._held, self._local = tuple(held), local
+        self._remember(named_tensors)
         self._boxes = {h.name: h for h in held}
         links = sched.links_of(g.rank)
         self._buckets = sorted(
@@ -200,6 +207,41 @@ class WeightSender:
         self._vers = {}
         self._dirty = True
         self._epoch = g.epoch
+
+    def _remember(self, named_tensors: object) -> None:
+        """Keep what :meth:`_same_tensors` compares the next push with: the tensors of a
+        mapping of plain tensors (a DTensor, a LocalShard or pairs: nothing kept, checked
+        every push)."""
+        self._seen = {}
+        if not isinstance(named_tensors, Mapping):
+            return
+        seen = {}
+        for name, t in named_tensors.items():
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):
+                return
+            seen[name] = (t, t.shape, t.dtype, t.data_ptr(), t.stride())
+        self._seen = seen
+
+    def _same_tensors(self, named_tensors: object) -> bool:
+        """Whether this push got the very tensors of the last checked one, each still where
+        it was with the same shape, dtype and strides (a ``param.data = ...`` moves it): then
+        the declaration and the local views are those checked (the per-tensor work of a
+        check, ~15 us a tensor, is a round's host time when the round is short)."""
+        seen = self._seen
+        if not seen or not isinstance(named_tensors, Mapping) or len(named_tensors) != len(seen):
+            return False
+        for name, t in named_tensors.items():
+            got = seen.get(name)
+            if (
+                got is None
+                or got[0] is not t
+                or t.data_ptr() != got[3]
+                or t.shape != got[1]
+                or t.dtype != got[2]
+                or t.stride() != got[4]
+            ):
+                return False
+        return True
 
     def push(
         self,

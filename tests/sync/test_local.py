@@ -250,3 +250,39 @@ def test_module_adapter_errors() -> None:
     no_buffers = sync.ModuleAdapter(m, buffers=False)
     no_buffers([("steps", torch.tensor([5, 6]))])
     assert m.steps.tolist() == [3, 4] and no_buffers.coverage().unexpected == ("steps",)
+
+
+def test_the_same_tensors_again_skip_the_check_but_a_moved_one_is_seen(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup],
+) -> None:
+    """A push of the very tensors of the last one skips their check (the per-tensor host work
+    of a round); written in place, their new bytes go; a tensor whose storage was swapped
+    (``param.data = ...``) is read where it is now; one of another shape is refused."""
+    g0, g1 = pair
+    sender = sync.WeightSender(g0, bucket_bytes=4096)
+    receiver = sync.WeightReceiver(g1, bucket_bytes=4096)
+    w = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+    state = {"w": w, "b": torch.ones(8)}
+
+    def round_(v: int) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        out = run_threads(
+            lambda: sender.push(state, version=v),
+            lambda: receiver.pull(lambda ws: got.update((n, t.clone()) for n, t in ws)),
+        )
+        for o in out:
+            if isinstance(o, BaseException):
+                raise o
+        return got
+
+    round_(1)
+    w.data[3] = 5.0  # in place: the same storage
+    assert round_(2)["w"][3] == 5.0
+    assert sender._same_tensors(state)
+    w.data = torch.full((64,), 7.0)  # swapped: the same Parameter, another storage
+    assert not sender._same_tensors(state)
+    assert torch.equal(round_(3)["w"], torch.full((64,), 7.0))
+    assert sender._same_tensors(state)  # remembered again after the check
+    w.data = torch.zeros(32)
+    with pytest.raises(sync.PlanError, match="different tensors"):
+        sender.push(state, version=4)
