@@ -16,7 +16,8 @@ Links: ``shm`` (host rounds: the trainer's tensors packed from the host) and ``i
 rounds forced (``DELTACKPT_DEVICE_ROUNDS=always``: the path a CUDA trainer takes on an ipc link,
 fingerprints, device digests and packing by torch operations, here on CPU tensors). A round is
 timed on the trainer, from the start of ``push`` to its return after the commit vote (the
-receiver's pull inside it); median of ``--repeats``. Beside them, in the same run, the floor of
+receiver's pull inside it); median of ``--repeats``; beside it the CPU time each process spent
+in a round (all its threads: steadier than the wall clock on a busy machine). Beside them, in the same run, the floor of
 any round: one round trip of the group's TCP store (a vote is at least one).
 
     python benchmarks/bench_sync_overhead.py            # ~30 s
@@ -66,19 +67,22 @@ def _trainer(cfg: dict[str, Any], port: int, q: Any) -> None:
     state = _state(cfg["n"], cfg["kb"], cfg["total_kb"])
     first = next(iter(state.values()))
     times: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu: dict[str, list[float]] = {k: [] for k in KINDS}
     store_rtt = []
     for i, kind in enumerate(_plan(cfg["repeats"])):
         if kind == "one changed":
             first[0] += 1.0
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         sender.push(state, version=i + 1, full=kind == "full")
         if i:
             times[kind].append(time.perf_counter() - t)
+            cpu[kind].append(time.process_time() - c)
     for _ in range(50):
         t = time.perf_counter()
         group.store.check(["rtt"])
         store_rtt.append(time.perf_counter() - t)
     q.put({"rounds": {k: statistics.median(v) for k, v in times.items()},
+           "cpu": {k: statistics.median(v) for k, v in cpu.items()},
            "store_rtt": statistics.median(store_rtt), "device_rounds": sender._device})  # fmt: skip
     group.close()
 
@@ -89,8 +93,13 @@ def _receiver(cfg: dict[str, Any], port: int, q: Any) -> None:
 
     group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links=cfg["links"])
     receiver = sync.WeightReceiver(group)
-    for _ in _plan(cfg["repeats"]):
+    cpu: dict[str, list[float]] = {k: [] for k in KINDS}
+    for i, kind in enumerate(_plan(cfg["repeats"])):
+        c = time.process_time()
         receiver.pull()
+        if i:
+            cpu[kind].append(time.process_time() - c)
+    q.put({"receiver_cpu": {k: statistics.median(v) for k, v in cpu.items()}})
     group.close()
 
 
@@ -108,7 +117,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     for p in procs:
         p.start()
     try:
-        got = q.get(timeout=cfg["timeout"])
+        got: dict[str, Any] = {}
+        for _ in procs:
+            got.update(q.get(timeout=cfg["timeout"]))
     finally:
         for p in procs:
             p.join(30)
@@ -122,7 +133,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--tensors", type=int, default=240)
-    ap.add_argument("--kb", type=int, default=16, help="KiB of each small tensor (fp32)")
+    ap.add_argument("--kb", type=int, default=1, help="KiB of each small tensor (fp32)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--links", default="shm,ipc")
     ap.add_argument("--timeout", type=float, default=300)
@@ -150,9 +161,12 @@ def main() -> None:
         for k in KINDS:
             a, b = one["rounds"][k], many["rounds"][k]
             per = (b - a) / (args.tensors - 1)
+            tc, rc = many["cpu"][k], many["receiver_cpu"][k]
+            tc1, rc1 = one["cpu"][k], one["receiver_cpu"][k]
             lines.append(
                 f"| {links} ({how}) | {k} | {1e3 * a:.2f} ms | {1e3 * b:.2f} ms | "
-                f"{1e6 * per:.0f} us | {b / a:.1f}x |"
+                f"{1e6 * per:.0f} us | {b / a:.1f}x | {1e3 * tc:.1f} / {1e3 * rc:.1f} ms "
+                f"({1e3 * tc1:.1f} / {1e3 * rc1:.1f}) |"
             )
     text = "\n".join(lines)
     out = Path(args.out)

@@ -39,6 +39,13 @@ _SIGNED[8] = (torch.int64, np.int64)
 Undo = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | Spilled]]
 
 
+#: (bucket, piece) -> (the bucket, the target, where its bytes were, the piece's view of the
+#: target): kept by a receiver for its schedule, so a round does not index its targets again
+#: piece by piece while each is the same tensor in the same place (``param.data = ...`` moves
+#: a parameter: then the view is made again)
+Views = dict[tuple[int, int], tuple[LinkBucket, torch.Tensor, tuple, torch.Tensor]]
+
+
 def apply_round(
     targets: Sequence[torch.Tensor],
     wanted: Sequence[tuple[Wanted, int, Box]],
@@ -46,20 +53,31 @@ def apply_round(
     pool: ThreadPoolExecutor | None,
     undo: Undo | None = None,
     spill: UndoSpill | None = None,
+    views: Views | None = None,
 ) -> set[int]:
     """Copy every staged piece into its target; returns the wants touched. The copies run on
     ``pool`` (a copy releases the GIL): after the vote the senders are idle, so this rank may
     use the cores they used. With ``undo``, what is overwritten is kept there first (for a
     patch, only the changed elements), so :func:`revert` can put the previous round back; with
-    ``spill`` the old bytes of pieces copied whole into host targets go into that file."""
+    ``spill`` the old bytes of pieces copied whole into host targets go into that file.
+    ``views``: where the pieces' views of their targets are kept from round to round (the
+    receiver's, for its schedule)."""
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     changed: set[int] = set()
+    views = {} if views is None else views
     for bk, slot, offsets, _, sparse in staged:
         for k, (p, off) in enumerate(zip(bk.pieces, offsets, strict=True)):
             if off is None:
                 continue
             dt = wire_dtype(p.dtype)
-            dst = targets[p.want][p.box.within(wanted[p.want][2])]
+            target = targets[p.want]
+            at = (target.data_ptr(), target.shape, target.stride())
+            got = views.get((id(bk), k))
+            if got is not None and got[0] is bk and got[1] is target and got[2] == at:
+                dst = got[3]
+            else:
+                dst = target[p.box.within(wanted[p.want][2])]
+                views[(id(bk), k)] = (bk, target, at, dst)
             changed.add(p.want)
             if k in sparse and dst.is_contiguous() and dst.dtype == dt:
                 idx, vals = sparse[k]
@@ -115,6 +133,23 @@ def revert(undo: Undo) -> None:
 
 
 def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every copy of ``jobs``: those between contiguous tensors of one dtype and device as raw
+    bytes in one call (``torch._foreach_copy_``: on a GPU a few launches for all of them, not
+    one per piece), the others (a cast, a box of a target) one by one."""
+    into: list[torch.Tensor] = []
+    froms: list[torch.Tensor] = []
     with torch.no_grad():
         for dst, src in jobs:
-            wire.copy_into(dst, src)
+            if (
+                dst.dtype == src.dtype
+                and dst.device == src.device
+                and dst.is_contiguous()
+                and src.is_contiguous()
+                and not (dst.is_conj() or src.is_conj() or dst.is_neg() or src.is_neg())
+            ):
+                into.append(dst.reshape(-1).view(torch.uint8))
+                froms.append(src.reshape(-1).view(torch.uint8))
+            else:
+                wire.copy_into(dst, src)
+        if into:
+            torch._foreach_copy_(into, froms)

@@ -87,6 +87,16 @@ class Packer:
     device_changes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (receiver, bucket index) -> its header's host buffer in device rounds
     _headers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # (receiver, bucket index, piece) -> (the piece, the local tensor, the piece's view of it):
+    # the view again while both are the same objects (_changed)
+    _views: dict[tuple[int, int, int], tuple[Transfer, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+    def forget(self) -> None:
+        """A new schedule: drop the views of the last one's pieces (and the tensors they
+        hold)."""
+        self._views.clear()
 
     def message(
         self, sched: Schedule, bk: LinkBucket, buf: torch.Tensor, seq: int, version: int, full: bool
@@ -194,6 +204,10 @@ class Packer:
         known: dict[int, torch.Tensor] = {}  # a whole scanned tensor: its digest is a fold
         kinds: dict[int, int] = {}  # pieces sent as device patches
         sources: dict[int, torch.Tensor] = {}  # pieces copied from another device: their bytes
+        # plain copies on the bucket's device, all in one call (torch._foreach_copy_: on a GPU
+        # a few launches for all of them, not one per piece)
+        into: list[torch.Tensor] = []
+        froms: list[torch.Tensor] = []
         for k, (p, got) in enumerate(
             zip(bk.pieces, self._changed(sched, bk, full, scratch), strict=True)
         ):
@@ -223,6 +237,9 @@ class Packer:
                 buf[pos : pos + p.nbytes].copy_(piece, non_blocking=True)
                 if not (fp is not None and whole):
                     sources[len(spans)] = piece  # its digest taken where it is
+            elif src.dtype == dt and src.is_contiguous() and src.device == buf.device:
+                into.append(buf[pos : pos + p.nbytes])  # copied together below
+                froms.append(src.reshape(-1).view(torch.uint8))
             else:
                 wire.fill(buf[pos : pos + p.nbytes], src, dt)
             if fp is not None and whole:
@@ -230,6 +247,8 @@ class Packer:
             spans.append((pos, length))
             present.append(k)
             pos += length
+        if into:
+            torch._foreach_copy_(into, froms)
         heads: list[wire.Piece | None] = [None] * len(bk.pieces)
         for k, (_, n) in zip(present, spans, strict=True):  # digests: written in later
             heads[k] = wire.Piece(wire.IN_MESSAGE, kinds.get(k, wire.RAW), n, (0, 0))
@@ -264,11 +283,18 @@ class Packer:
         goes this round (every piece if ``full``, else those the detector says changed), None
         when it does not."""
         out: list[tuple[str, torch.Tensor, torch.dtype] | None] = []
+        views = self._views
         for k, p in enumerate(bk.pieces):
             name = sched.tensors[p.tensor].name
-            src = self.local[name][p.box.within(self.boxes[name].box)]
-            dt = wire_dtype(p.dtype)
             key = (bk.receiver, bk.index, k)
+            t = self.local[name]
+            got = views.get(key)
+            if got is not None and got[0] is p and got[1] is t:
+                src = got[2]
+            else:  # a new schedule or another local tensor: the view made again
+                src = t[p.box.within(self.boxes[name].box)]
+                views[key] = (p, t, src)
+            dt = wire_dtype(p.dtype)
             sent = full or self.detector.piece_changed(name, key, src, dt, scratch)
             out.append((name, src, dt) if sent else None)
         return out

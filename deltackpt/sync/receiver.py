@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from deltackpt.sync import patches, wire
-from deltackpt.sync.apply import Staged, Undo, apply_round, revert
+from deltackpt.sync.apply import Staged, Undo, Views, apply_round, revert
 from deltackpt.sync.device_delta import patched_digest_rows, read_patch_lazy
 from deltackpt.sync.device_digest import message_digest_rows, piece_digest
 from deltackpt.sync.dtypes import DtypeSpec, resolve_dtype, wire_dtype, wire_name
@@ -177,6 +177,7 @@ class WeightReceiver:
         self._buckets: list[LinkBucket] = []
         self._slots: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
+        self._views: Views = {}  # the pieces' views of their targets (apply_round)
         self._empty: set[int] = set()
         n = min(4, os.cpu_count() or 1) if apply_threads is None else int(apply_threads)
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="sync-apply") if n > 1 else None
@@ -280,6 +281,7 @@ class WeightReceiver:
             g, self._decl, self.bucket_bytes, self.align, self.dtype, prepare=prepare
         )
         self.wants, self._targets = wants, targets
+        self._views.clear()  # the pieces' views of the last schedule's targets
         # zero-element wants have no piece on any link: handed over in every full round
         self._empty = {i for i, (_, _, box) in enumerate(sched.wanted[g.rank]) if not box.numel}
         links = sched.links_of(g.rank)
@@ -378,7 +380,13 @@ class WeightReceiver:
                 kept.extend(early)
         else:
             changed = apply_round(
-                self._targets, sched.wanted[g.rank], st.staged, self._pool, kept, spill
+                self._targets,
+                sched.wanted[g.rank],
+                st.staged,
+                self._pool,
+                kept,
+                spill,
+                self._views,
             )
         self._round = (kept, sorted(changed))
         if self.verify == "all":
@@ -579,7 +587,9 @@ class WeightReceiver:
             self._settle(st, got)
             if len(st.staged) > n and st.failure is None:  # verified: into the targets now
                 staged = st.staged[n:]
-                touched.update(apply_round(self._targets, wanted, staged, self._pool, keep, spill))
+                touched.update(
+                    apply_round(self._targets, wanted, staged, self._pool, keep, spill, self._views)
+                )
 
         posted = {i: post(i) for i in range(min(2, len(bks)))}
         pending: _Arrived | None = None

@@ -204,6 +204,7 @@ class WeightSender:
         self._detector.clear()
         self._bases.clear()
         self.mirror.clear()
+        self._packer.forget()
         self._vers = {}
         self._dirty = True
         self._epoch = g.epoch

@@ -224,27 +224,48 @@ def read_header(buf: torch.Tensor, seq: int, index: int, sizes: list[int], capac
             f"{magic:#x} round {s} bucket {idx} status {status}; the ranks disagree about "
             "the schedule or a message was corrupted"
         )
-    pieces: list[Piece | None] = []
-    for k in range(n_pieces):
-        code, hi, lo = (int(x) for x in words[HEAD + 3 * k : HEAD + 3 * k + 3])
-        flag, kind, length = code & 3, (code >> 2) & 63, code >> 8
-        ok = flag in (0, IN_MESSAGE, DIRECT) and code >= 0
-        if flag == 0:
-            ok = ok and code == 0
-        elif kind == RAW:
-            ok = ok and length == sizes[k]
-        else:  # a patch: in the message, never longer than the piece; a host patch in a host
-            # round's message, a device patch in a device round's
-            ok = ok and flag == IN_MESSAGE and 0 < length <= sizes[k]
-            ok = ok and (kind in PATCH_KINDS if magic == MAGIC else kind == DEVICE_PATCH)
-        if not ok or (status != OK and flag):
-            raise SyncError(
-                f"bucket {index} of round {seq}: piece {k} has flag {flag} kind {kind} length "
-                f"{length} (status {status}, planned {sizes[k]} bytes); expected flag 0, 1 or 2 "
-                "(none in an abort message), a raw piece of its planned size or a patch no "
-                "longer than it"
-            )
-        pieces.append(Piece(flag, kind, length, (hi, lo)) if flag else None)
+    # every piece's word checked at once (numpy), then the present ones made into Pieces
+    table = words[HEAD : HEAD + 3 * n_pieces].reshape(n_pieces, 3)
+    code = table[:, 0]
+    flag, kind, length = code & 3, (code >> 2) & 63, code >> 8
+    planned = np.asarray(sizes, dtype=np.int64)
+    present = flag != 0
+    raw = kind == RAW
+    if magic == MAGIC:
+        patch_kind = np.isin(kind, np.fromiter(PATCH_KINDS, np.int64, len(PATCH_KINDS)))
+    else:
+        patch_kind = kind == DEVICE_PATCH
+    ok = ((flag == 0) | (flag == IN_MESSAGE) | (flag == DIRECT)) & (code >= 0)
+    ok &= present | (code == 0)
+    ok &= ~(present & raw) | (length == planned)
+    # a patch: in the message, never longer than the piece; a host patch in a host round's
+    # message, a device patch in a device round's
+    ok &= ~(present & ~raw) | (
+        (flag == IN_MESSAGE) & (length > 0) & (length <= planned) & patch_kind
+    )
+    if status != OK:
+        ok &= ~present
+    bad = np.flatnonzero(~ok)
+    if bad.size:
+        k = int(bad[0])
+        raise SyncError(
+            f"bucket {index} of round {seq}: piece {k} has flag {int(flag[k])} kind "
+            f"{int(kind[k])} length {int(length[k])} (status {status}, planned {sizes[k]} "
+            "bytes); expected flag 0, 1 or 2 (none in an abort message), a raw piece of its "
+            "planned size or a patch no longer than it"
+        )
+    pieces: list[Piece | None] = [None] * n_pieces
+    at = np.flatnonzero(present)
+    for k, f, kd, n, hi, lo in zip(
+        at.tolist(),
+        flag[at].tolist(),
+        kind[at].tolist(),
+        length[at].tolist(),
+        table[at, 1].tolist(),
+        table[at, 2].tolist(),
+        strict=True,
+    ):
+        pieces[k] = Piece(f, kd, n, (hi, lo))
     if sum(p is not None for p in pieces) != npresent or not 0 <= payload <= capacity:
         raise SyncError(
             f"bucket {index} of round {seq}: header claims {npresent} pieces / {payload} "

@@ -286,3 +286,42 @@ def test_the_same_tensors_again_skip_the_check_but_a_moved_one_is_seen(
     w.data = torch.zeros(32)
     with pytest.raises(sync.PlanError, match="different tensors"):
         sender.push(state, version=4)
+
+
+def test_a_parameter_moved_between_rounds_is_written_where_it_is_now(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup],
+) -> None:
+    """The receiver keeps each piece's view of its ``into`` parameter from round to round; a
+    parameter whose storage was swapped (``param.data = ...``) gets the next round's bytes in
+    its new storage, the old one left alone. A box of a larger tensor too."""
+    g0, g1 = pair
+    sender = sync.WeightSender(g0, bucket_bytes=4096)
+    p = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+    rows = torch.nn.Parameter(torch.zeros(4, 8), requires_grad=False)
+    wants = [
+        sync.Want("w", into=p),
+        sync.Want("m", box=sync.Box((2, 0), (2, 8)), into=rows[2:]),
+    ]
+    receiver = sync.WeightReceiver(g1, wants, bucket_bytes=4096)
+    state = {"w": torch.zeros(64), "m": torch.zeros(4, 8)}
+
+    def round_(v: int, full: bool = False) -> None:
+        state["w"].fill_(float(v))
+        state["m"].fill_(float(v))
+        out = run_threads(lambda: sender.push(state, version=v, full=full), lambda: receiver.pull())
+        for o in out:
+            if isinstance(o, BaseException):
+                raise o
+
+    round_(1)
+    assert torch.equal(p, torch.full((64,), 1.0)) and torch.equal(rows[2:], torch.full((2, 8), 1.0))
+    old = p.data
+    p.data = torch.zeros(64)  # swapped
+    round_(2, full=True)
+    assert torch.equal(p, torch.full((64,), 2.0))
+    assert torch.equal(old, torch.full((64,), 1.0))  # the old storage left alone
+    assert torch.equal(rows[:2], torch.zeros(2, 8)) and torch.equal(
+        rows[2:], torch.full((2, 8), 2.0)
+    )
+    round_(3)
+    assert torch.equal(p, torch.full((64,), 3.0)) and torch.equal(old, torch.full((64,), 1.0))
