@@ -16,8 +16,9 @@ Links: ``shm`` (host rounds: the trainer's tensors packed from the host) and ``i
 rounds forced (``DELTACKPT_DEVICE_ROUNDS=always``: the path a CUDA trainer takes on an ipc link,
 fingerprints, device digests and packing by torch operations, here on CPU tensors). A round is
 timed on the trainer, from the start of ``push`` to its return after the commit vote (the
-receiver's pull inside it); median of ``--repeats``; beside it the CPU time each process spent
-in a round (all its threads: steadier than the wall clock on a busy machine). Beside them, in the same run, the floor of
+receiver's pull inside it), best of ``--repeats`` (what a round costs without the machine's
+noise: this is host work, which noise only adds to); beside it the CPU time each process spent
+in a round (all its threads, best of the repeats). Beside them, in the same run, the floor of
 any round: one round trip of the group's TCP store (a vote is at least one).
 
     python benchmarks/bench_sync_overhead.py            # ~30 s
@@ -81,8 +82,8 @@ def _trainer(cfg: dict[str, Any], port: int, q: Any) -> None:
         t = time.perf_counter()
         group.store.check(["rtt"])
         store_rtt.append(time.perf_counter() - t)
-    q.put({"rounds": {k: statistics.median(v) for k, v in times.items()},
-           "cpu": {k: statistics.median(v) for k, v in cpu.items()},
+    q.put({"rounds": {k: min(v) for k, v in times.items()},
+           "cpu": {k: min(v) for k, v in cpu.items()},
            "store_rtt": statistics.median(store_rtt), "device_rounds": sender._device})  # fmt: skip
     group.close()
 
@@ -99,7 +100,7 @@ def _receiver(cfg: dict[str, Any], port: int, q: Any) -> None:
         receiver.pull()
         if i:
             cpu[kind].append(time.process_time() - c)
-    q.put({"receiver_cpu": {k: statistics.median(v) for k, v in cpu.items()}})
+    q.put({"receiver_cpu": {k: min(v) for k, v in cpu.items()}})
     group.close()
 
 
@@ -148,7 +149,7 @@ def main() -> None:
             res[f"{links}/{n}"] = run(cfg)
     lines = [
         f"{args.tensors} tensors of {args.kb} KiB against one of {total} KiB, one trainer -> one "
-        f"receiver, median of {args.repeats}; store round trip "
+        f"receiver, best of {args.repeats}; store round trip "
         f"{1e3 * statistics.median(r['store_rtt'] for r in res.values()):.2f} ms",
         "",
         "| link | round | 1 tensor | "

@@ -40,10 +40,15 @@ Undo = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | Spilled]]
 
 
 #: (bucket, piece) -> (the bucket, the target, where its bytes were, the piece's view of the
-#: target): kept by a receiver for its schedule, so a round does not index its targets again
-#: piece by piece while each is the same tensor in the same place (``param.data = ...`` moves
-#: a parameter: then the view is made again)
-Views = dict[tuple[int, int], tuple[LinkBucket, torch.Tensor, tuple, torch.Tensor]]
+#: target, that view as raw bytes where a piece is copied in byte for byte): kept by a
+#: receiver for its schedule, so a round does not index its targets again piece by piece while
+#: each is the same tensor in the same place (``param.data = ...`` moves a parameter: then the
+#: view is made again)
+Views = dict[
+    tuple[int, int], tuple[LinkBucket, torch.Tensor, tuple, torch.Tensor, torch.Tensor | None]
+]
+#: a copy of a round: (into, from, whether both are raw bytes of one device)
+Job = tuple[torch.Tensor, torch.Tensor, bool]
 
 
 def apply_round(
@@ -62,7 +67,7 @@ def apply_round(
     ``spill`` the old bytes of pieces copied whole into host targets go into that file.
     ``views``: where the pieces' views of their targets are kept from round to round (the
     receiver's, for its schedule)."""
-    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    jobs: list[Job] = []
     changed: set[int] = set()
     views = {} if views is None else views
     for bk, slot, offsets, _, sparse in staged:
@@ -73,50 +78,60 @@ def apply_round(
             target = targets[p.want]
             at = (target.data_ptr(), target.shape, target.stride())
             got = views.get((id(bk), k))
-            if got is not None and got[0] is bk and got[1] is target and got[2] == at:
-                dst = got[3]
-            else:
+            if got is None or got[0] is not bk or got[1] is not target or got[2] != at:
                 dst = target[p.box.within(wanted[p.want][2])]
-                views[(id(bk), k)] = (bk, target, at, dst)
+                got = views[(id(bk), k)] = (bk, target, at, dst, _bytes_of(dst, dt))
+            dst, flat = got[3], got[4]
             changed.add(p.want)
-            if k in sparse and dst.is_contiguous() and dst.dtype == dt:
+            if k in sparse and flat is not None:
                 idx, vals = sparse[k]
                 as_torch, as_numpy = _SIGNED[dt.itemsize]
                 with torch.no_grad():  # raw bits: no cast, no NaN compare
-                    flat = dst.view(-1).view(as_torch)
+                    words = dst.view(-1).view(as_torch)
                     if isinstance(idx, torch.Tensor):  # a device patch, where the slot was
-                        at = idx.to(device=dst.device, dtype=torch.int64)
+                        where = idx.to(device=dst.device, dtype=torch.int64)
                         new = vals.to(dst.device).view(as_torch)
                     else:
-                        at = torch.from_numpy(idx.view(np.int64))
+                        where = torch.from_numpy(idx.view(np.int64))
                         new = torch.from_numpy(vals.view(as_numpy))
                     if undo is not None:
-                        undo.append((flat, at, flat[at]))  # fancy indexing: a copy
-                    flat[at] = new
+                        undo.append((words, where, words[where]))  # fancy indexing: a copy
+                    words[where] = new
                 continue
-            src = slot[off : off + p.nbytes].view(dt).view(p.box.size)
             if undo is not None:
                 undo.append((dst, None, keep_old(dst, spill)))
-            jobs.append((dst, src))
+            if flat is not None and slot.device == flat.device:  # raw bytes, copied together
+                jobs.append((flat, slot[off : off + p.nbytes], True))
+            else:
+                jobs.append((dst, slot[off : off + p.nbytes].view(dt).view(p.box.size), False))
     if pool is None or len(jobs) < 2:
         _copy_all(jobs)
         return changed
     n = pool._max_workers  # type: ignore[attr-defined]
-    total = sum(src.numel() * src.element_size() for _, src in jobs)
-    runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    total = sum(src.numel() * src.element_size() for _, src, _ in jobs)
+    runs: list[list[Job]] = [[]]
     acc = 0
-    for dst, src in jobs:  # runs of about equal bytes, one per thread
+    for job in jobs:  # runs of about equal bytes, one per thread
         if acc >= total * len(runs) / n and len(runs) < n:
             runs.append([])
-        runs[-1].append((dst, src))
-        acc += src.numel() * src.element_size()
+        runs[-1].append(job)
+        acc += job[1].numel() * job[1].element_size()
     # the pool's threads queue their copies on this thread's streams (a thread starts on the
     # default stream: a pull under a side stream, or the undo's copies queued above on it,
     # would not be ordered with them)
-    streams = cuda.current_streams(dst.device for dst, _ in jobs)
+    streams = cuda.current_streams(dst.device for dst, _, _ in jobs)
     for f in [pool.submit(cuda.on_streams, streams, _copy_all, r) for r in runs]:
         f.result()
     return changed
+
+
+def _bytes_of(dst: torch.Tensor, dt: torch.dtype) -> torch.Tensor | None:
+    """``dst`` as flat raw bytes where a piece of ``dt`` is copied into it byte for byte (it is
+    contiguous and of that dtype, a plain layout); None where the copy needs more (a cast, a
+    box of rows with gaps)."""
+    if dst.dtype != dt or not dst.is_contiguous() or dst.is_conj() or dst.is_neg():
+        return None
+    return dst.reshape(-1).view(torch.uint8)
 
 
 def revert(undo: Undo) -> None:
@@ -132,23 +147,17 @@ def revert(undo: Undo) -> None:
                 dst[at] = old
 
 
-def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Every copy of ``jobs``: those between contiguous tensors of one dtype and device as raw
-    bytes in one call (``torch._foreach_copy_``: on a GPU a few launches for all of them, not
-    one per piece), the others (a cast, a box of a target) one by one."""
+def _copy_all(jobs: list[Job]) -> None:
+    """Every copy of ``jobs``: the raw byte copies in one call (``torch._foreach_copy_``: on a
+    GPU a few launches for all of them, not one per piece), the others (a cast, a box of a
+    target, another device) one by one."""
     into: list[torch.Tensor] = []
     froms: list[torch.Tensor] = []
     with torch.no_grad():
-        for dst, src in jobs:
-            if (
-                dst.dtype == src.dtype
-                and dst.device == src.device
-                and dst.is_contiguous()
-                and src.is_contiguous()
-                and not (dst.is_conj() or src.is_conj() or dst.is_neg() or src.is_neg())
-            ):
-                into.append(dst.reshape(-1).view(torch.uint8))
-                froms.append(src.reshape(-1).view(torch.uint8))
+        for dst, src, raw in jobs:
+            if raw:
+                into.append(dst)
+                froms.append(src)
             else:
                 wire.copy_into(dst, src)
         if into:
