@@ -43,6 +43,9 @@ __all__ = ["SyncGroup", "cause_line"]
 
 T = TypeVar("T")
 _JOIN_ATTEMPT_S = 5.0  # seconds of one attempt to connect to the store while joining
+# how often a rank waiting for the commit vote looks for a lost peer's abort (a lost rank
+# never votes; the votes themselves are looked for at every poll)
+VOTE_LOST_CHECK_S = 0.02
 _GRAVEYARD: list[object] = []  # groups of failed connections: never destroyed (see above)
 
 
@@ -368,14 +371,23 @@ class SyncGroup:
         self.guard("store set", lambda: self.store.set(f"r/{seq}/v/{self.rank}", mine))
         keys = [f"r/{seq}/v/{r}" for r in range(self.world_size)]
         found: list[str | None] = [None]
+        next_lost = [time.monotonic() + VOTE_LOST_CHECK_S]
 
         def ready() -> bool:
             # votes first, then the abort key: a rank that rejects writes the abort key before
             # its vote, so once every vote is seen the abort check cannot miss a rejection (the
             # other order could read "no abort", then every vote, and commit a rejected round)
-            voted = bool(self.store.check(keys))
+            if self.store.check(keys):
+                found[0] = self.aborted(seq)
+                return True
+            # a lost peer never votes: its abort ends the wait early, looked for now and then
+            # (one store round trip a look, not two)
+            now = time.monotonic()
+            if now < next_lost[0]:
+                return False
+            next_lost[0] = now + VOTE_LOST_CHECK_S
             found[0] = self.aborted(seq)
-            return voted or (found[0] is not None and found[0].startswith("lost: "))
+            return found[0] is not None and found[0].startswith("lost: ")
 
         self.wait_until(ready, f"round {seq}: waiting for the commit vote", seq)
         if found[0] is None and len(self.trainers) > 1:
