@@ -21,8 +21,8 @@ noise: this is host work, which noise only adds to); beside it the CPU time each
 in a round (all its threads, best of the repeats). Beside them, in the same run, the floor of
 any round: one round trip of the group's TCP store (a vote is at least one).
 
-    python benchmarks/bench_sync_overhead.py            # ~30 s
-    python benchmarks/bench_sync_overhead.py --tensors 120 --kb 64
+    python benchmarks/bench_sync_overhead.py                    # ~30 s, CPU tensors
+    python benchmarks/bench_sync_overhead.py --device cuda:0    # on a GPU (the device check)
 """
 
 from __future__ import annotations
@@ -46,26 +46,40 @@ import _common as C
 KINDS = ("unchanged", "one changed", "full")
 
 
-def _state(n: int, kb: int, total: int) -> dict[str, Any]:
+def _state(n: int, kb: int, total: int, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(0)
     if n == 1:
-        return {"t0": torch.randn(total * 256, generator=g)}
-    return {f"t{i}": torch.randn(kb * 256, generator=g) for i in range(n)}
+        return {"t0": torch.randn(total * 256, generator=g).to(device)}
+    return {f"t{i}": torch.randn(kb * 256, generator=g).to(device) for i in range(n)}
+
+
+def _group(cfg: dict[str, Any], port: int, rank: int) -> Any:
+    from deltackpt import sync
+
+    os.environ["DELTACKPT_DEVICE_ROUNDS"] = "always" if cfg["links"] == "ipc" else "off"
+    kw = {"ipc_device": cfg["device"]} if cfg["links"] == "ipc" and cfg["device"] != "cpu" else {}
+    return sync.SyncGroup("127.0.0.1", port, rank, 2, [0], timeout=60, links=cfg["links"], **kw)
 
 
 def _plan(repeats: int) -> list[str]:
     return ["full"] + [k for _ in range(repeats) for k in KINDS]  # the first: untimed
 
 
+def _sync(device: str) -> None:
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def _trainer(cfg: dict[str, Any], port: int, q: Any) -> None:
-    os.environ["DELTACKPT_DEVICE_ROUNDS"] = "always" if cfg["links"] == "ipc" else "off"
+    group = _group(cfg, port, 0)
     from deltackpt import sync
 
-    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links=cfg["links"])
     sender = sync.WeightSender(group)
-    state = _state(cfg["n"], cfg["kb"], cfg["total_kb"])
+    state = _state(cfg["n"], cfg["kb"], cfg["total_kb"], cfg["device"])
     first = next(iter(state.values()))
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     cpu: dict[str, list[float]] = {k: [] for k in KINDS}
@@ -73,6 +87,7 @@ def _trainer(cfg: dict[str, Any], port: int, q: Any) -> None:
     for i, kind in enumerate(_plan(cfg["repeats"])):
         if kind == "one changed":
             first[0] += 1.0
+        _sync(cfg["device"])
         t, c = time.perf_counter(), time.process_time()
         sender.push(state, version=i + 1, full=kind == "full")
         if i:
@@ -89,15 +104,16 @@ def _trainer(cfg: dict[str, Any], port: int, q: Any) -> None:
 
 
 def _receiver(cfg: dict[str, Any], port: int, q: Any) -> None:
-    os.environ["DELTACKPT_DEVICE_ROUNDS"] = "always" if cfg["links"] == "ipc" else "off"
+    group = _group(cfg, port, 1)
     from deltackpt import sync
 
-    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links=cfg["links"])
-    receiver = sync.WeightReceiver(group)
+    # device rounds land in the receiver's GPU; host rounds in its host memory
+    receiver = sync.WeightReceiver(group, device=cfg["device"] if cfg["links"] == "ipc" else "cpu")
     cpu: dict[str, list[float]] = {k: [] for k in KINDS}
     for i, kind in enumerate(_plan(cfg["repeats"])):
         c = time.process_time()
         receiver.pull()
+        _sync(cfg["device"])
         if i:
             cpu[kind].append(time.process_time() - c)
     q.put({"receiver_cpu": {k: min(v) for k, v in cpu.items()}})
@@ -137,6 +153,11 @@ def main() -> None:
     ap.add_argument("--kb", type=int, default=1, help="KiB of each small tensor (fp32)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--links", default="shm,ipc")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where both sides' tensors live: cpu (the stand-in) or cuda:N (ipc: CUDA buckets)",
+    )
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default=str(C.OUT_DIR), help="directory for the JSON and table")
     args = ap.parse_args()
@@ -145,16 +166,17 @@ def main() -> None:
     for links in args.links.split(","):
         for n in (1, args.tensors):
             cfg = {"links": links, "n": n, "kb": args.kb, "total_kb": total,
-                   "repeats": args.repeats, "timeout": args.timeout}  # fmt: skip
+                   "repeats": args.repeats, "timeout": args.timeout,
+                   "device": args.device}  # fmt: skip
             res[f"{links}/{n}"] = run(cfg)
     lines = [
-        f"{args.tensors} tensors of {args.kb} KiB against one of {total} KiB, one trainer -> one "
-        f"receiver, best of {args.repeats}; store round trip "
+        f"{args.tensors} tensors of {args.kb} KiB against one of {total} KiB on {args.device}, one "
+        f"trainer -> one receiver, best of {args.repeats}; store round trip "
         f"{1e3 * statistics.median(r['store_rtt'] for r in res.values()):.2f} ms",
         "",
-        "| link | round | 1 tensor | "
-        + f"{args.tensors} tensors | per extra tensor | x 1 tensor |",
-        "|---|---|---|---|---|---|",
+        f"| link | round | 1 tensor | {args.tensors} tensors | per extra tensor | x 1 tensor "
+        f"| host CPU a round, {args.tensors} tensors: trainer / receiver (1 tensor) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for links in args.links.split(","):
         one, many = res[f"{links}/1"], res[f"{links}/{args.tensors}"]
