@@ -68,6 +68,10 @@ Packed = tuple[
 ]
 
 
+#: a piece's view of its local tensor (``Packer._views``)
+_View = tuple[Transfer, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]
+
+
 @dataclass
 class Packer:
     """Fills bucket messages of one trainer rank (see module doc)."""
@@ -87,11 +91,10 @@ class Packer:
     device_changes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (receiver, bucket index) -> its header's host buffer in device rounds
     _headers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    # (receiver, bucket index, piece) -> (the piece, the local tensor, the piece's view of it):
-    # the view again while both are the same objects (_changed)
-    _views: dict[tuple[int, int, int], tuple[Transfer, torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )
+    # (receiver, bucket index, piece) -> (the piece, the local tensor, the piece's view of it,
+    # that view's raw bytes where it is contiguous in the wire dtype (else None), whether it is
+    # the whole tensor so): kept while both are the same objects (_changed)
+    _views: dict[tuple[int, int, int], _View] = field(default_factory=dict)
 
     def forget(self) -> None:
         """A new schedule: drop the views of the last one's pieces (and the tensors they
@@ -216,7 +219,7 @@ class Packer:
             name, src, dt = got
             pos = -(-pos // self.align) * self.align
             fp = self.fingerprints.get(name)
-            whole = p.box == self.boxes[name].box and src.dtype == dt and src.is_contiguous()
+            _, _, _, flat, whole = self._views[(bk.receiver, bk.index, k)]  # by _changed
             found = self.device_changes.get(name) if whole and fp is not None else None
             length = p.nbytes
             if (
@@ -237,9 +240,9 @@ class Packer:
                 buf[pos : pos + p.nbytes].copy_(piece, non_blocking=True)
                 if not (fp is not None and whole):
                     sources[len(spans)] = piece  # its digest taken where it is
-            elif src.dtype == dt and src.is_contiguous() and src.device == buf.device:
+            elif flat is not None and src.device == buf.device:
                 into.append(buf[pos : pos + p.nbytes])  # copied together below
-                froms.append(src.reshape(-1).view(torch.uint8))
+                froms.append(flat)
             else:
                 wire.fill(buf[pos : pos + p.nbytes], src, dt)
             if fp is not None and whole:
@@ -288,13 +291,16 @@ class Packer:
             name = sched.tensors[p.tensor].name
             key = (bk.receiver, bk.index, k)
             t = self.local[name]
+            dt = wire_dtype(p.dtype)
             got = views.get(key)
             if got is not None and got[0] is p and got[1] is t:
                 src = got[2]
             else:  # a new schedule or another local tensor: the view made again
-                src = t[p.box.within(self.boxes[name].box)]
-                views[key] = (p, t, src)
-            dt = wire_dtype(p.dtype)
+                held = self.boxes[name].box
+                src = t[p.box.within(held)]
+                plain = src.dtype == dt and src.is_contiguous()
+                flat = src.reshape(-1).view(torch.uint8) if plain else None
+                views[key] = (p, t, src, flat, plain and p.box == held)
             sent = full or self.detector.piece_changed(name, key, src, dt, scratch)
             out.append((name, src, dt) if sent else None)
         return out
