@@ -80,7 +80,7 @@ def apply_round(
             got = views.get((id(bk), k))
             if got is None or got[0] is not bk or got[1] is not target or got[2] != at:
                 dst = target[p.box.within(wanted[p.want][2])]
-                got = views[(id(bk), k)] = (bk, target, at, dst, _bytes_of(dst, dt))
+                got = views[(id(bk), k)] = (bk, target, at, dst, wire.raw_bytes(dst, dt))
             dst, flat = got[3], got[4]
             changed.add(p.want)
             if k in sparse and flat is not None:
@@ -123,15 +123,6 @@ def apply_round(
     for f in [pool.submit(cuda.on_streams, streams, _copy_all, r) for r in runs]:
         f.result()
     return changed
-
-
-def _bytes_of(dst: torch.Tensor, dt: torch.dtype) -> torch.Tensor | None:
-    """``dst`` as flat raw bytes where a piece of ``dt`` is copied into it byte for byte (it is
-    contiguous and of that dtype, a plain layout); None where the copy needs more (a cast, a
-    box of rows with gaps)."""
-    if dst.dtype != dt or not dst.is_contiguous() or dst.is_conj() or dst.is_neg():
-        return None
-    return dst.reshape(-1).view(torch.uint8)
 
 
 def revert(undo: Undo) -> None:

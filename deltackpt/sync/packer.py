@@ -298,9 +298,8 @@ class Packer:
             else:  # a new schedule or another local tensor: the view made again
                 held = self.boxes[name].box
                 src = t[p.box.within(held)]
-                plain = src.dtype == dt and src.is_contiguous()
-                flat = src.reshape(-1).view(torch.uint8) if plain else None
-                views[key] = (p, t, src, flat, plain and p.box == held)
+                flat = wire.raw_bytes(src, dt)
+                views[key] = (p, t, src, flat, flat is not None and p.box == held)
             sent = full or self.detector.piece_changed(name, key, src, dt, scratch)
             out.append((name, src, dt) if sent else None)
         return out

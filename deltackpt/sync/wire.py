@@ -59,6 +59,7 @@ __all__ = [
     "header_words",
     "layout",
     "pack",
+    "raw_bytes",
     "read_header",
 ]
 
@@ -359,10 +360,20 @@ def pack(
     return digest_words(h)
 
 
+def raw_bytes(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor | None:
+    """``t`` as its flat uint8 bytes where they are its values as ``wire`` (of that dtype,
+    contiguous, no conjugate or negative bit): a piece copied to or from it is a byte copy;
+    None where it needs more (a cast, a box with gaps)."""
+    if t.dtype != wire or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    return t.reshape(-1).view(torch.uint8)
+
+
 def fill(dst: torch.Tensor, src: torch.Tensor, wire: torch.dtype) -> None:
     """Copy (cast) ``src`` into the flat uint8 ``dst`` (exactly its bytes), without hashing."""
-    if src.dtype == wire and src.is_contiguous():
-        dst.copy_(src.reshape(-1).view(torch.uint8))
+    raw = raw_bytes(src, wire)
+    if raw is not None:
+        dst.copy_(raw)
     elif src.numel():
         copy_into(dst.view(wire).view(src.shape), src)
 
