@@ -97,6 +97,8 @@ def test_header_rejects_unknown_flags_and_pieces_in_an_abort() -> None:
         (wire.IN_MESSAGE, 3, 0, "empty patch"),
         (wire.DIRECT, 3, 10, "zero-copy patch"),
         (wire.IN_MESSAGE, 9, 10, "unknown kind"),
+        (0, 3, 10, "an absent piece with a kind and a length"),
+        (wire.IN_MESSAGE, wire.RAW, -1, "a negative word"),
     ],
 )
 def test_header_rejects_bad_piece_lengths_and_kinds(
