@@ -108,6 +108,24 @@ def _child(
         os._exit(0)
 
 
+# what rank bodies import, once in the server instead of in every child: DTensor and its first
+# distribute_tensor (dynamo, sympy) and deltackpt cost ~2-6 s of CPU a child (tests/distributed/
+# test_tiers.py alone: 75 -> 39 s; the suite 643 -> 417 s). Safe to share: deltackpt reads its
+# environment when called, never at import (deltackpt/options.py)
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "numpy",
+    "deltackpt",
+    "deltackpt.dcp",
+    "deltackpt.sync",
+    "deltackpt.tiers",
+)
+
+
 def _context() -> Any:
     """Children forked from a server that imported torch once (``forkserver``, preloaded): a
     spawned child imports it again, ~1.7 s of CPU each, hundreds of times a suite run. Each
@@ -117,7 +135,7 @@ def _context() -> Any:
     if os.environ.get("DELTACKPT_TEST_SPAWN", "forkserver") == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
