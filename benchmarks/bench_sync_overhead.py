@@ -84,12 +84,16 @@ def _trainer(cfg: dict[str, Any], port: int, q: Any) -> None:
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     cpu: dict[str, list[float]] = {k: [] for k in KINDS}
     store_rtt = []
+    prof = _Profile(cfg, "trainer")
     for i, kind in enumerate(_plan(cfg["repeats"])):
         if kind == "one changed":
             first[0] += 1.0
         _sync(cfg["device"])
+        if i:
+            prof.on(kind)
         t, c = time.perf_counter(), time.process_time()
         sender.push(state, version=i + 1, full=kind == "full")
+        prof.off()
         if i:
             times[kind].append(time.perf_counter() - t)
             cpu[kind].append(time.process_time() - c)
@@ -100,6 +104,7 @@ def _trainer(cfg: dict[str, Any], port: int, q: Any) -> None:
     q.put({"rounds": {k: min(v) for k, v in times.items()},
            "cpu": {k: min(v) for k, v in cpu.items()},
            "store_rtt": statistics.median(store_rtt), "device_rounds": sender._device})  # fmt: skip
+    prof.write()
     group.close()
 
 
@@ -110,14 +115,59 @@ def _receiver(cfg: dict[str, Any], port: int, q: Any) -> None:
     # device rounds land in the receiver's GPU; host rounds in its host memory
     receiver = sync.WeightReceiver(group, device=cfg["device"] if cfg["links"] == "ipc" else "cpu")
     cpu: dict[str, list[float]] = {k: [] for k in KINDS}
+    prof = _Profile(cfg, "receiver")
     for i, kind in enumerate(_plan(cfg["repeats"])):
+        if i:
+            prof.on(kind)
         c = time.process_time()
         receiver.pull()
         _sync(cfg["device"])
+        prof.off()
         if i:
             cpu[kind].append(time.process_time() - c)
     q.put({"receiver_cpu": {k: min(v) for k, v in cpu.items()}})
+    prof.write()
     group.close()
+
+
+class _Profile:
+    """cProfile around every other round of one kind (``--profile``), its top functions written
+    to ``<out>/bench_sync_overhead.<links>-<n>.<side>.prof.txt``: where a round's host time
+    goes. The rounds between are not profiled, so the best of the repeats (what the table
+    reports) is a round without the profiler's cost."""
+
+    def __init__(self, cfg: dict[str, Any], side: str) -> None:
+        import cProfile
+
+        self.kind, self.side, self.out = cfg.get("profile"), side, cfg.get("out")
+        self.prof = cProfile.Profile() if self.kind else None
+        self.tag = f"{cfg['links']}/{cfg['n']}"
+        self.seen = 0
+
+    def on(self, kind: str) -> None:
+        if self.prof is not None and kind == self.kind:
+            self.seen += 1
+            if self.seen % 2:
+                self.prof.enable()
+
+    def off(self) -> None:
+        if self.prof is not None:
+            self.prof.disable()
+
+    def write(self) -> None:
+        if self.prof is None or self.out is None:
+            return
+        import io
+        import pstats
+
+        buf = io.StringIO()
+        st = pstats.Stats(self.prof, stream=buf)
+        buf.write(f"# {self.side}, {self.tag}, rounds of kind {self.kind!r}\n")
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(40)
+        name = f"bench_sync_overhead.{self.tag.replace('/', '-')}.{self.side}.prof.txt"
+        Path(self.out).mkdir(parents=True, exist_ok=True)
+        (Path(self.out) / name).write_text(buf.getvalue())
 
 
 def _free_port() -> int:
@@ -159,6 +209,13 @@ def main() -> None:
         help="where both sides' tensors live: cpu (the stand-in) or cuda:N (ipc: CUDA buckets)",
     )
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument(
+        "--profile",
+        choices=KINDS,
+        help="cProfile both processes over every other round of this kind (the best of the "
+        "repeats stays an unprofiled round); top functions into "
+        "<out>/bench_sync_overhead.*.prof.txt",
+    )
     ap.add_argument("--out", default=str(C.OUT_DIR), help="directory for the JSON and table")
     args = ap.parse_args()
     total = args.tensors * args.kb
@@ -167,7 +224,7 @@ def main() -> None:
         for n in (1, args.tensors):
             cfg = {"links": links, "n": n, "kb": args.kb, "total_kb": total,
                    "repeats": args.repeats, "timeout": args.timeout,
-                   "device": args.device}  # fmt: skip
+                   "device": args.device, "profile": args.profile, "out": args.out}  # fmt: skip
             res[f"{links}/{n}"] = run(cfg)
     lines = [
         f"{args.tensors} tensors of {args.kb} KiB against one of {total} KiB on {args.device}, one "

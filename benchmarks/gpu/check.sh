@@ -46,7 +46,12 @@ fi
 if box "${OVERHEAD_S:-40}"; then  # a round's host time per tensor, CUDA tensors (issue 36's gap)
   dev=$(python3 -c "import torch; print('cuda:0' if torch.cuda.is_available() else 'cpu')")
   timeout "${OVERHEAD_S:-40}" python3 benchmarks/bench_sync_overhead.py --device "$dev" \
-    --repeats 10 --out /tmp/overhead 2>&1 | tee -a "$LOG" || rc=1
+    --repeats 10 --profile full --out /tmp/overhead 2>&1 | tee -a "$LOG" || rc=1
+  # where a full device round of 240 tensors spends its host time, each side (every other
+  # full round profiled; the table's best is an unprofiled one)
+  for side in trainer receiver; do
+    head -n 40 "/tmp/overhead/bench_sync_overhead.ipc-240.$side.prof.txt" >>"$LOG" 2>/dev/null
+  done
 fi
 if box "${DIGEST_S:-30}"; then  # device digests beside the fingerprints and a device copy
   timeout "${DIGEST_S:-30}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
