@@ -15,7 +15,6 @@ server's log and the states go in a folder beside ``OUT.json``)
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 import requests
 import torch
 from _vllm_kill import BUCKET, nudge
-from _vllm_ranks import Server, TwoTrainers
+from _vllm_ranks import Server, TwoTrainers, trainer_context
 from _vllm_run import free_port, rl_step, tiny_qwen2
 
 STARTUP_S = 240  # the server's start (~20 s here), bounded
@@ -61,8 +60,8 @@ def serve(model_dir: str, port: int, log_path: str) -> subprocess.Popen[bytes]:
 
 
 def doomed(url: str, port: int, state_path: str, out_path: str, go: Event, start: Event) -> None:
-    """A second trainer process over HTTP: once ``start`` is set (the parent spawns it early, so
-    that its interpreter starts meanwhile), commit version 3, write its digests, wait for the
+    """A second trainer process over HTTP: once ``start`` is set (the parent starts it early, so
+    that it is ready meanwhile), commit version 3, write its digests, wait for the
     parent to read the engine back, then die mid-round (``os._exit``) while pushing 4."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -112,9 +111,10 @@ def main(out_path: str) -> None:
     trainer = tiny_qwen2(1)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    # the other trainer processes start their interpreters while the server starts
+    # the other trainer processes start while the server starts (forked from one server that
+    # imported vLLM's clients once: _vllm_ranks.trainer_context)
     state = f"{tmp}/state.pt"
-    ctx = multiprocessing.get_context("spawn")
+    ctx = trainer_context()
     go, start = ctx.Event(), ctx.Event()
     child = ctx.Process(
         target=doomed, args=(url, free_port(), state, f"{tmp}/v3.json", go, start), daemon=True

@@ -17,6 +17,34 @@ from _vllm_run import PROMPTS, tiny_qwen2
 
 GROUP_TIMEOUT = 60.0
 
+# what a trainer process imports: vLLM's weight-transfer clients pull in most of vLLM (~11 s
+# of CPU here), transformers builds the model. Imported once, by a fork server, for the
+# several trainer processes a module starts (each spawned child imported them again)
+TRAINER_IMPORTS = (
+    "torch",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "requests",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "vllm.distributed.weight_transfer",
+    "vllm.distributed.weight_transfer.clients",
+    "vllm.distributed.weight_transfer.m2n_source",
+    "deltackpt.integrations.vllm.trainer",
+    "deltackpt.integrations.vllm.extension",
+)
+
+
+def trainer_context() -> Any:
+    """The multiprocessing context of trainer processes: forked from a server that imported
+    :data:`TRAINER_IMPORTS` (nothing here starts threads at import or touches a GPU: vLLM's
+    CPU build); the server starts with this process's first trainer."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(TRAINER_IMPORTS))
+    return ctx
+
 
 class Server:
     """A vLLM OpenAI server with the deltackpt backend and worker extension, read back."""
@@ -82,7 +110,7 @@ def full_digests(model: torch.nn.Module) -> dict[str, str]:
 def trainer_rank(
     rank: int, url: str, dist_port: int, sync_port: int, out_dir: str, start: Any = None
 ) -> None:
-    """One of the two trainer ranks (spawned); writes ``rank<r>.json`` to ``out_dir``.
+    """One of the two trainer ranks (a process of :func:`trainer_context`); writes ``rank<r>.json`` to ``out_dir``.
     ``start``: an event to wait for once imported (the parent starts the ranks early, so that
     their interpreters start while it does other work)."""
     import torch.distributed as dist
@@ -158,12 +186,11 @@ def trainer_rank(
 
 
 class TwoTrainers:
-    """Both ranks, spawned now (their interpreters start meanwhile) and run by :meth:`run`."""
+    """Both ranks, started now (forked once the fork server has imported) and run by
+    :meth:`run`."""
 
     def __init__(self, url: str, out_dir: str, free_port: Any) -> None:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
+        ctx = trainer_context()
         self.start, self.out_dir = ctx.Event(), out_dir
         ports = (free_port(), free_port())
         self.procs = [
