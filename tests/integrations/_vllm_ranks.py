@@ -110,9 +110,9 @@ def full_digests(model: torch.nn.Module) -> dict[str, str]:
 def trainer_rank(
     rank: int, url: str, dist_port: int, sync_port: int, out_dir: str, start: Any = None
 ) -> None:
-    """One of the two trainer ranks (a process of :func:`trainer_context`); writes ``rank<r>.json`` to ``out_dir``.
-    ``start``: an event to wait for once imported (the parent starts the ranks early, so that
-    their interpreters start while it does other work)."""
+    """One of the two trainer ranks (a process of :func:`trainer_context`); writes
+    ``rank<r>.json`` to ``out_dir``. ``start``: an event to wait for (the parent starts the
+    ranks early, so that they are ready while it does other work)."""
     import torch.distributed as dist
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import ModuleSource
