@@ -23,7 +23,7 @@ from deltackpt.sync.schedule import LinkBucket
 from deltackpt.sync.schedule_decl import Box, Wanted
 from deltackpt.sync.spill import Spilled, UndoSpill, keep_old
 
-__all__ = ["Staged", "Undo", "apply_round", "revert"]
+__all__ = ["Staged", "Undo", "View", "Views", "apply_round", "revert"]
 
 # a verified bucket: its slot, piece offsets (each piece whole there), flags, and the changed
 # elements of its PACKED pieces (patches.expand)
@@ -39,14 +39,27 @@ _SIGNED[8] = (torch.int64, np.int64)
 Undo = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | Spilled]]
 
 
-#: (bucket, piece) -> (the bucket, the target, where its bytes were, the piece's view of the
-#: target, that view as raw bytes where a piece is copied in byte for byte): kept by a
-#: receiver for its schedule, so a round does not index its targets again piece by piece while
-#: each is the same tensor in the same place (``param.data = ...`` moves a parameter: then the
-#: view is made again)
-Views = dict[
-    tuple[int, int], tuple[LinkBucket, torch.Tensor, tuple, torch.Tensor, torch.Tensor | None]
-]
+class View:
+    """What a receiver keeps of one piece of its schedule from round to round, so that a round
+    does not index its target and its slot again piece by piece: the target's view (and that
+    view as raw bytes where the piece is copied in byte for byte) while the target is the same
+    tensor in the same place (``param.data = ...`` moves a parameter: then it is made again),
+    and the piece's bytes in its slot while the slot and the offset are the same."""
+
+    __slots__ = ("at", "bk", "dst", "dt", "flat", "off", "slot", "src", "target")
+
+    def __init__(
+        self, bk: LinkBucket, target: torch.Tensor, at: tuple, dst: torch.Tensor, dt: torch.dtype
+    ) -> None:
+        self.bk, self.target, self.at, self.dst, self.dt = bk, target, at, dst, dt
+        self.flat = wire.raw_bytes(dst, dt)
+        self.slot: torch.Tensor | None = None
+        self.off = -1
+        self.src: torch.Tensor | None = None
+
+
+#: (bucket, piece) -> its :class:`View`: kept by a receiver for its schedule
+Views = dict[tuple[int, int], View]
 #: a copy of a round: (into, from, whether both are raw bytes of one device)
 Job = tuple[torch.Tensor, torch.Tensor, bool]
 
@@ -74,14 +87,13 @@ def apply_round(
         for k, (p, off) in enumerate(zip(bk.pieces, offsets, strict=True)):
             if off is None:
                 continue
-            dt = wire_dtype(p.dtype)
             target = targets[p.want]
             at = (target.data_ptr(), target.shape, target.stride())
-            got = views.get((id(bk), k))
-            if got is None or got[0] is not bk or got[1] is not target or got[2] != at:
+            v = views.get((id(bk), k))
+            if v is None or v.bk is not bk or v.target is not target or v.at != at:
                 dst = target[p.box.within(wanted[p.want][2])]
-                got = views[(id(bk), k)] = (bk, target, at, dst, wire.raw_bytes(dst, dt))
-            dst, flat = got[3], got[4]
+                v = views[(id(bk), k)] = View(bk, target, at, dst, wire_dtype(p.dtype))
+            dst, flat, dt = v.dst, v.flat, v.dt
             changed.add(p.want)
             if k in sparse and flat is not None:
                 idx, vals = sparse[k]
@@ -100,10 +112,13 @@ def apply_round(
                 continue
             if undo is not None:
                 undo.append((dst, None, keep_old(dst, spill)))
+            if v.slot is not slot or v.off != off:
+                v.slot, v.off, v.src = slot, off, slot[off : off + p.nbytes]
+            src = v.src
             if flat is not None and slot.device == flat.device:  # raw bytes, copied together
-                jobs.append((flat, slot[off : off + p.nbytes], True))
+                jobs.append((flat, src, True))
             else:
-                jobs.append((dst, slot[off : off + p.nbytes].view(dt).view(p.box.size), False))
+                jobs.append((dst, src.view(dt).view(p.box.size), False))
     if pool is None or len(jobs) < 2:
         _copy_all(jobs)
         return changed
