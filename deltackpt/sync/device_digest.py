@@ -111,9 +111,10 @@ def message_digest_rows(
     ]
     todo = [k for k, (_, n) in enumerate(spans) if fps[k] is None and n]
     srcs = sources or {}
-    pieces = [srcs[k] if k in srcs else buf[spans[k][0] : sum(spans[k])] for k in todo]
-    if any(p.numel() != spans[k][1] for k, p in zip(todo, pieces, strict=True)):
+    if any(srcs[k].numel() != spans[k][1] for k in todo if k in srcs):
         raise ValueError("a source must hold its span's bytes")
+    views = iter(_views(buf, [spans[k] for k in todo if k not in srcs]))
+    pieces = [srcs[k] if k in srcs else next(views) for k in todo]
     got = many_fingerprints(pieces, CHUNK, fingerprint_kernel())
     for k, f in zip(todo, got, strict=True):
         fps[k] = f
@@ -121,6 +122,22 @@ def message_digest_rows(
         if not n:  # one chunk of no words
             fps[k] = torch.zeros(1, 2, dtype=torch.int64, device=dev)
     return fold([f.to(dev) for f in fps if f is not None])
+
+
+def _views(buf: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """``buf[o : o + n]`` for each span, in order: where the spans lie in rising order without
+    overlapping (a message's pieces), from one ``split`` of ``buf`` into them and the gaps
+    between them (one call, not a slice per piece: the host work of a round of many tensors)."""
+    if not spans:
+        return []
+    sizes: list[int] = []
+    at = spans[0][0]
+    for o, n in spans:
+        if o < at:  # out of order or overlapping: a slice each
+            return [buf[o : o + n] for o, n in spans]
+        sizes += (o - at, n)
+        at = o + n
+    return list(buf[spans[0][0] : at].split(sizes)[1::2])
 
 
 def rows_on_host(rows: Sequence[torch.Tensor]) -> list[list[list[int]]]:

@@ -48,6 +48,11 @@ def test_a_piece_has_one_digest_wherever_it_lies_and_whatever_follows_it() -> No
     assert message_digests(other, spans) == got
     # the spans in another order: the same digests, in that order
     assert message_digests(buf, spans[::-1]) == got[::-1]
+    # spans that overlap (each piece read where it lies, not cut from its neighbour's end)
+    (o, n) = spans[5]
+    twice = [(o, n), (o + 8, n - 8), (o + n - 3, 3)]
+    assert message_digests(buf, twice) == [got[5], piece_digest(pieces[5][8:]),
+                                           piece_digest(pieces[5][-3:])]  # fmt: skip
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
