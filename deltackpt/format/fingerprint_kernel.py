@@ -32,7 +32,7 @@ try:  # the kernel's language, at module level as Triton's compiler reads it
 except ImportError:  # no Triton: available() says so and nothing here runs
     tl = None
 
-__all__ = ["BLOCK", "available", "disable", "many", "table"]
+__all__ = ["BLOCK", "available", "copy_many", "disable", "many", "table"]
 
 BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
 
@@ -62,7 +62,45 @@ def _body(addr_ptr, words_ptr, p_ptr, q_ptr, out_ptr, NBLK, BLOCK: tl.constexpr)
     tl.store(at + 1, b.to(tl.int64, bitcast=True))
 
 
+def _copy_body(addr_ptr, dst_ptr, words_ptr, p_ptr, q_ptr, out_ptr, NBLK, BLOCK: tl.constexpr):
+    """:func:`_body` that also stores the words it loaded at ``dst_ptr``'s row: a copy and its
+    fingerprints in one pass, the fingerprints those of exactly the bytes written."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    n = tl.load(words_ptr + row)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    base = tl.load(addr_ptr + row).to(tl.pointer_type(tl.int64))
+    raw = tl.load(base + offs, mask=m, other=0)
+    dst = tl.load(dst_ptr + row).to(tl.pointer_type(tl.int64))
+    tl.store(dst + offs, raw, mask=m)
+    w = raw.to(tl.uint64, bitcast=True)
+    p = tl.load(p_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
+    q = tl.load(q_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
+    z = w ^ p
+    z = z ^ (z >> 30)
+    z = z * 0xBF58476D1CE4E5B9
+    z = z ^ (z >> 27)
+    z = z * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    z = tl.where(m, z, 0)
+    a = tl.sum(z, axis=0)
+    b = tl.sum(z * q, axis=0)
+    at = out_ptr + (row * NBLK + blk) * 2
+    tl.store(at, a.to(tl.int64, bitcast=True))
+    tl.store(at + 1, b.to(tl.int64, bitcast=True))
+
+
 _KERNEL: list[Any] = []
+_COPY_KERNEL: list[Any] = []
+
+
+def _copy_kernel() -> Any:
+    if not _COPY_KERNEL:
+        import triton
+
+        _COPY_KERNEL.append(triton.jit(_copy_body))
+    return _COPY_KERNEL[0]
 
 
 def _kernel() -> Any:
@@ -157,4 +195,54 @@ def many(
         kernel[(rows, nblk)](tab[0], tab[1], p, q, part, nblk, BLOCK=BLOCK)
     out = part.sum(dim=1)  # wrapping sums: in any order, the same
     del keep  # the launch is queued on the stream: the copies' memory is reused after it
+    return list(out.split(rows_of.tolist()))
+
+
+def copy_many(
+    sources: Sequence[torch.Tensor],
+    dests: Sequence[torch.Tensor],
+    chunk_bytes: int,
+    p: torch.Tensor,
+    q: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Copy each of ``sources`` into its ``dests`` (1-D uint8, as many bytes, all on one
+    device) and return :func:`many`'s fingerprints of them, in one launch that reads each
+    word once: what a receiver's copy of a bucket out of the shared one and its verification
+    cost together (a copy, then fingerprints of the copy, read the bytes twice). The
+    fingerprints are those of the words stored, so they vouch for exactly what was written.
+    Every source and destination must start at a multiple of 8 bytes and hold whole words
+    (ValueError otherwise: a message's pieces are laid out so); benchmarks/bench_digest.py
+    measures it beside the copy and the fingerprints apart. Not yet used by a round (the
+    receiver copies, then verifies: docs/sync.md)."""
+    if len(sources) != len(dests):
+        raise ValueError(f"{len(sources)} sources but {len(dests)} destinations")
+    for s, d in zip(sources, dests, strict=True):
+        if s.numel() != d.numel() or s.device != d.device:
+            raise ValueError("each destination must hold its source's bytes, on its device")
+        if s.data_ptr() % 8 or d.data_ptr() % 8 or s.numel() % 8:
+            raise ValueError("copy_many needs sources and destinations of whole aligned words")
+    if not sources:
+        return []
+    device = sources[0].device
+    wpc = chunk_bytes // 8
+    addr, words, rows_of, keep = table(sources, chunk_bytes)
+    del keep  # aligned whole words: nothing was copied or padded
+    rows = int(addr.size)
+    if not rows:
+        return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in sources]
+    n = len(sources)
+    src_ptr = np.fromiter((s.data_ptr() for s in sources), np.int64, n)
+    dst_ptr = np.fromiter((d.data_ptr() for d in dests), np.int64, n)
+    which = np.repeat(np.arange(n, dtype=np.int64), rows_of)
+    dst = addr - src_ptr[which] + dst_ptr[which]  # each row at its offset in its destination
+    tab = cuda.to_device(torch.from_numpy(np.stack([addr, dst, words])), device)
+    nblk = -(-wpc // BLOCK)
+    part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
+    kernel = _copy_kernel()
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[(rows, nblk)](tab[0], tab[1], tab[2], p, q, part, nblk, BLOCK=BLOCK)
+    else:
+        kernel[(rows, nblk)](tab[0], tab[1], tab[2], p, q, part, nblk, BLOCK=BLOCK)
+    out = part.sum(dim=1)
     return list(out.split(rows_of.tolist()))

@@ -166,6 +166,32 @@ def test_the_kernels_table_points_at_every_chunk_of_every_source(chunk):
     assert w2.tolist() == [chunk // 8] * 4 + [1] and r2.tolist() == [3, 0, 2] and not k2
 
 
+def _word_sources(chunk: int) -> list[torch.Tensor]:
+    """Sources of whole aligned words (what ``fingerprint_kernel.copy_many`` takes): empty,
+    one word, a partial chunk, one and several chunks with a tail of words."""
+    sizes = [0, 8, 64, 4096, chunk, chunk + 8, 3 * chunk + 64]
+    buf, pos, out = _bytes(sum(sizes) + 8 * len(sizes), 12), 0, []
+    for n in sizes:
+        out.append(buf[pos : pos + n])
+        pos += n + 8
+    return out
+
+
+def test_the_fused_copy_refuses_what_it_cannot_copy_word_by_word():
+    """``fingerprint_kernel.copy_many``'s arguments are checked before anything launches."""
+    p, q = fingerprint.position_keys(torch.device("cpu"), 8)
+    src = torch.zeros(72, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="2 sources but 1"):
+        fingerprint_kernel.copy_many([src[:8], src[8:16]], [src[:8]], 64, p, q)
+    with pytest.raises(ValueError, match="hold its source's bytes"):
+        fingerprint_kernel.copy_many([src[:16]], [torch.zeros(8, dtype=torch.uint8)], 64, p, q)
+    with pytest.raises(ValueError, match="whole aligned words"):
+        fingerprint_kernel.copy_many([src[1:9]], [torch.zeros(8, dtype=torch.uint8)], 64, p, q)
+    with pytest.raises(ValueError, match="whole aligned words"):
+        fingerprint_kernel.copy_many([src[:12]], [torch.zeros(12, dtype=torch.uint8)], 64, p, q)
+    assert fingerprint_kernel.copy_many([], [], 64, p, q) == []
+
+
 # ---- saves through the device path, on CPU tensors ------------------------------------------
 
 
@@ -363,6 +389,19 @@ def test_cuda_many_fingerprints_equal_the_cpu_ones():
     assert "triton" in kernels, "Triton is not importable next to torch's CUDA build"
 
 
+@pytest.mark.gpu
+def test_the_fused_copy_on_cuda_copies_and_gives_the_cpu_fingerprints():
+    chunk = 1 << 20
+    words = _word_sources(chunk)
+    on = [w.cuda() for w in words]
+    dests = [torch.full_like(w, 0xAB) for w in on]
+    p, q = fingerprint.position_keys(torch.device("cuda"), chunk // 8)
+    got = fingerprint_kernel.copy_many(on, dests, chunk, p, q)
+    for w, d, g in zip(words, dests, got, strict=True):
+        assert torch.equal(d.cpu(), w), w.numel()
+        assert torch.equal(g.cpu(), fingerprint.source_fingerprints(w, chunk)), w.numel()
+
+
 def test_auto_falls_back_to_torch_ops_once_the_kernel_fails(monkeypatch):
     """DELTACKPT_FINGERPRINT_COMPILE=auto (the default): a kernel that fails (a Triton too old
     for it, a compiler error) is warned about once and not tried again; the fingerprints come
@@ -393,13 +432,21 @@ _INTERPRET = """
 import sys, torch
 sys.path[:0] = sys.argv[1:]
 from deltackpt.format import fingerprint, fingerprint_kernel
-from tests.saving.test_on_device import _many_sources
+from tests.saving.test_on_device import _many_sources, _word_sources
 assert fingerprint_kernel.available(torch.device("cpu"))
 for chunk in (64, 4096, 1 << 16):
     srcs = _many_sources(chunk)
     got = fingerprint.many_fingerprints(srcs, chunk, "triton")
     for s, g in zip(srcs, got, strict=True):
         assert torch.equal(g, fingerprint.source_fingerprints(s, chunk)), (chunk, s.numel())
+    # the fused copy: every byte copied, the fingerprints of what was written
+    words = _word_sources(chunk)
+    dests = [torch.full_like(w, 0xAB) for w in words]
+    p, q = fingerprint.position_keys(torch.device("cpu"), chunk // 8)
+    fused = fingerprint_kernel.copy_many(words, dests, chunk, p, q)
+    for w, d, g in zip(words, dests, fused, strict=True):
+        assert torch.equal(d, w), (chunk, w.numel())
+        assert torch.equal(g, fingerprint.source_fingerprints(w, chunk)), (chunk, w.numel())
 print("same")
 """
 
