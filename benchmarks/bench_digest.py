@@ -3,7 +3,9 @@ copy limit and the chunk fingerprints they are built from, on the messages of on
 large pieces and a tail of small ones per message), for each way to compute them
 (``DELTACKPT_FINGERPRINT_COMPILE``): the torch operations; on CUDA fused by ``torch.compile``
 (``on``) and the Triton kernel (``triton``, where Triton is installed), with their first call's
-time (the compile) and whether they give the same integers.
+time (the compile) and whether they give the same integers; where the kernel runs, also the copy
+of the messages and their fingerprints fused in one pass (``fingerprint_kernel.copy_many``: what
+a receiver's copy out of the shared bucket and its verification would cost together).
 
     python benchmarks/bench_digest.py --gb 1 --bucket-mb 64     # on a GPU (the device check)
     python benchmarks/bench_digest.py --gb 0.03                 # the CPU dry run
@@ -20,7 +22,7 @@ import torch
 from _harness.limits import device_best
 
 from deltackpt.format import fingerprint_kernel
-from deltackpt.format.fingerprint import many_fingerprints
+from deltackpt.format.fingerprint import many_fingerprints, position_keys
 from deltackpt.options import overrides
 from deltackpt.sync.device_digest import message_digests
 
@@ -77,6 +79,25 @@ def main() -> None:
                 )
         except Exception as e:  # reported, not fatal: the default needs no compiler
             notes.append(f"{kernel} failed: {type(e).__name__}: {str(e)[:300]}")
+    if fingerprint_kernel.available(dev):  # a receiver's copy and its verification in one pass
+        try:
+            p, q = position_keys(dev, (1 << 20) // 8)
+            outs = [other[i * bucket : (i + 1) * bucket] for i in range(n)]
+            got = fingerprint_kernel.copy_many(msgs, outs, 1 << 20, p, q)
+            same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+            notes.append(
+                f"fused copy: copied all: {torch.equal(other, data)}; same integers: {same}"
+            )
+            rows.append(
+                (
+                    "copy + chunk fingerprints fused (Triton, one pass)",
+                    device_best(
+                        lambda: fingerprint_kernel.copy_many(msgs, outs, 1 << 20, p, q), dev, 3
+                    ),
+                )
+            )
+        except Exception as e:
+            notes.append(f"fused copy failed: {type(e).__name__}: {str(e)[:300]}")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(
         f"\n## device digests: {name}, {n} messages of {args.bucket_mb} MiB ({gb:.2f} GB), "
