@@ -37,34 +37,20 @@ __all__ = ["BLOCK", "available", "copy_many", "disable", "many", "table"]
 BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
 
 
-def _body(addr_ptr, words_ptr, p_ptr, q_ptr, out_ptr, NBLK, BLOCK: tl.constexpr):
-    """Block ``blk`` of row ``row``: its words' two partial sums into ``out[row, blk]``."""
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    n = tl.load(words_ptr + row)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    base = tl.load(addr_ptr + row).to(tl.pointer_type(tl.int64))
-    w = tl.load(base + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
-    p = tl.load(p_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
-    q = tl.load(q_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
-    z = w ^ p
-    z = z ^ (z >> 30)
-    z = z * 0xBF58476D1CE4E5B9
-    z = z ^ (z >> 27)
-    z = z * 0x94D049BB133111EB
-    z = z ^ (z >> 31)
-    z = tl.where(m, z, 0)
-    a = tl.sum(z, axis=0)
-    b = tl.sum(z * q, axis=0)
-    at = out_ptr + (row * NBLK + blk) * 2
-    tl.store(at, a.to(tl.int64, bitcast=True))
-    tl.store(at + 1, b.to(tl.int64, bitcast=True))
-
-
-def _copy_body(addr_ptr, dst_ptr, words_ptr, p_ptr, q_ptr, out_ptr, NBLK, BLOCK: tl.constexpr):
-    """:func:`_body` that also stores the words it loaded at ``dst_ptr``'s row: a copy and its
-    fingerprints in one pass, the fingerprints those of exactly the bytes written."""
+def _body(
+    addr_ptr,
+    dst_ptr,
+    words_ptr,
+    p_ptr,
+    q_ptr,
+    out_ptr,
+    NBLK,
+    BLOCK: tl.constexpr,
+    COPY: tl.constexpr,
+):
+    """Block ``blk`` of row ``row``: its words' two partial sums into ``out[row, blk]``; with
+    ``COPY``, the words it loaded also stored at ``dst_ptr``'s row (:func:`copy_many`: the
+    fingerprints are those of exactly the bytes written)."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     n = tl.load(words_ptr + row)
@@ -72,8 +58,9 @@ def _copy_body(addr_ptr, dst_ptr, words_ptr, p_ptr, q_ptr, out_ptr, NBLK, BLOCK:
     m = offs < n
     base = tl.load(addr_ptr + row).to(tl.pointer_type(tl.int64))
     raw = tl.load(base + offs, mask=m, other=0)
-    dst = tl.load(dst_ptr + row).to(tl.pointer_type(tl.int64))
-    tl.store(dst + offs, raw, mask=m)
+    if COPY:
+        dst = tl.load(dst_ptr + row).to(tl.pointer_type(tl.int64))
+        tl.store(dst + offs, raw, mask=m)
     w = raw.to(tl.uint64, bitcast=True)
     p = tl.load(p_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
     q = tl.load(q_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
@@ -92,15 +79,6 @@ def _copy_body(addr_ptr, dst_ptr, words_ptr, p_ptr, q_ptr, out_ptr, NBLK, BLOCK:
 
 
 _KERNEL: list[Any] = []
-_COPY_KERNEL: list[Any] = []
-
-
-def _copy_kernel() -> Any:
-    if not _COPY_KERNEL:
-        import triton
-
-        _COPY_KERNEL.append(triton.jit(_copy_body))
-    return _COPY_KERNEL[0]
 
 
 def _kernel() -> Any:
@@ -188,11 +166,12 @@ def many(
     nblk = -(-wpc // BLOCK)
     part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
     kernel = _kernel()
+    args = (tab[0], tab[0], tab[1], p, q, part, nblk)
     if device.type == "cuda":  # Triton launches on the current device: make it the sources'
         with torch.cuda.device(device):
-            kernel[(rows, nblk)](tab[0], tab[1], p, q, part, nblk, BLOCK=BLOCK)
+            kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=False)
     else:
-        kernel[(rows, nblk)](tab[0], tab[1], p, q, part, nblk, BLOCK=BLOCK)
+        kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=False)
     out = part.sum(dim=1)  # wrapping sums: in any order, the same
     del keep  # the launch is queued on the stream: the copies' memory is reused after it
     return list(out.split(rows_of.tolist()))
@@ -238,11 +217,12 @@ def copy_many(
     tab = cuda.to_device(torch.from_numpy(np.stack([addr, dst, words])), device)
     nblk = -(-wpc // BLOCK)
     part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
-    kernel = _copy_kernel()
+    kernel = _kernel()
+    args = (tab[0], tab[1], tab[2], p, q, part, nblk)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            kernel[(rows, nblk)](tab[0], tab[1], tab[2], p, q, part, nblk, BLOCK=BLOCK)
+            kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=True)
     else:
-        kernel[(rows, nblk)](tab[0], tab[1], tab[2], p, q, part, nblk, BLOCK=BLOCK)
+        kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=True)
     out = part.sum(dim=1)
     return list(out.split(rows_of.tolist()))
