@@ -156,24 +156,39 @@ def many(
     """``fingerprint.many_fingerprints`` of ``sources`` (1-D uint8, one device) in one launch;
     ``p``, ``q``: the position keys of a chunk (``fingerprint.position_keys``); the rows of the
     launch from :func:`table`."""
-    device = sources[0].device
-    wpc = chunk_bytes // 8
     addr, words, rows_of, keep = table(sources, chunk_bytes)
+    out = _launch(sources[0].device, chunk_bytes, p, q, addr, addr, words, rows_of, copy=False)
+    del keep  # the launch is queued on the stream: the copies' memory is reused after it
+    return out
+
+
+def _launch(
+    device: torch.device,
+    chunk_bytes: int,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    addr: np.ndarray,
+    dst: np.ndarray,
+    words: np.ndarray,
+    rows_of: np.ndarray,
+    copy: bool,
+) -> list[torch.Tensor]:
+    """One launch over the rows of a table (with ``copy``, each row also stored at ``dst``);
+    each source's fingerprints [rows, 2] on ``device``."""
     rows = int(addr.size)
     if not rows:
-        return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in sources]
-    tab = cuda.to_device(torch.from_numpy(np.stack([addr, words])), device)  # queued, no wait
-    nblk = -(-wpc // BLOCK)
+        return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in rows_of]
+    tab = cuda.to_device(torch.from_numpy(np.stack([addr, dst, words])), device)  # no wait
+    nblk = -(-(chunk_bytes // 8) // BLOCK)
     part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
+    args = (tab[0], tab[1], tab[2], p, q, part, nblk)
     kernel = _kernel()
-    args = (tab[0], tab[0], tab[1], p, q, part, nblk)
     if device.type == "cuda":  # Triton launches on the current device: make it the sources'
         with torch.cuda.device(device):
-            kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=False)
+            kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=copy)
     else:
-        kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=False)
+        kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=copy)
     out = part.sum(dim=1)  # wrapping sums: in any order, the same
-    del keep  # the launch is queued on the stream: the copies' memory is reused after it
     return list(out.split(rows_of.tolist()))
 
 
@@ -202,27 +217,10 @@ def copy_many(
             raise ValueError("copy_many needs sources and destinations of whole aligned words")
     if not sources:
         return []
-    device = sources[0].device
-    wpc = chunk_bytes // 8
-    addr, words, rows_of, keep = table(sources, chunk_bytes)
-    del keep  # aligned whole words: nothing was copied or padded
-    rows = int(addr.size)
-    if not rows:
-        return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in sources]
+    addr, words, rows_of, _ = table(sources, chunk_bytes)  # aligned words: nothing copied
     n = len(sources)
     src_ptr = np.fromiter((s.data_ptr() for s in sources), np.int64, n)
     dst_ptr = np.fromiter((d.data_ptr() for d in dests), np.int64, n)
     which = np.repeat(np.arange(n, dtype=np.int64), rows_of)
     dst = addr - src_ptr[which] + dst_ptr[which]  # each row at its offset in its destination
-    tab = cuda.to_device(torch.from_numpy(np.stack([addr, dst, words])), device)
-    nblk = -(-wpc // BLOCK)
-    part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
-    kernel = _kernel()
-    args = (tab[0], tab[1], tab[2], p, q, part, nblk)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=True)
-    else:
-        kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=True)
-    out = part.sum(dim=1)
-    return list(out.split(rows_of.tolist()))
+    return _launch(sources[0].device, chunk_bytes, p, q, addr, dst, words, rows_of, copy=True)
