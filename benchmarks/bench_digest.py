@@ -4,8 +4,9 @@ large pieces and a tail of small ones per message), for each way to compute them
 (``DELTACKPT_FINGERPRINT_COMPILE``): the torch operations; on CUDA fused by ``torch.compile``
 (``on``) and the Triton kernel (``triton``, where Triton is installed), with their first call's
 time (the compile) and whether they give the same integers; where the kernel runs, also the copy
-of the messages and their fingerprints fused in one pass (``fingerprint_kernel.copy_many``: what
-a receiver's copy out of the shared bucket and its verification would cost together).
+of the messages' pieces and their fingerprints fused in one pass (``fingerprint_kernel.copy_spans``:
+what a receiver's copy out of the shared bucket and its verification cost together in a device
+round on an ipc link whose header comes in the cell).
 
     python benchmarks/bench_digest.py --gb 1 --bucket-mb 64     # on a GPU (the device check)
     python benchmarks/bench_digest.py --gb 0.03                 # the CPU dry run
@@ -82,17 +83,20 @@ def main() -> None:
     if fingerprint_kernel.available(dev):  # a receiver's copy and its verification in one pass
         try:
             p, q = position_keys(dev, (1 << 20) // 8)
-            outs = [other[i * bucket : (i + 1) * bucket] for i in range(n)]
-            got = fingerprint_kernel.copy_many(msgs, outs, 1 << 20, p, q)
-            same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
-            notes.append(
-                f"fused copy: copied all: {torch.equal(other, data)}; same integers: {same}"
-            )
+            every = [(i * bucket + o, k) for i in range(n) for o, k in spans]
+            want = many_fingerprints([data[o : o + k] for o, k in every], 1 << 20)
+            other.zero_()
+            got = fingerprint_kernel.copy_spans(data, other, every, 1 << 20, p, q)
+            copied = all(torch.equal(other[o : o + k], data[o : o + k]) for o, k in every)
+            same = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+            notes.append(f"fused copy: copied every piece: {copied}; same integers: {same}")
             rows.append(
                 (
-                    "copy + chunk fingerprints fused (Triton, one pass)",
+                    "pieces copied + chunk fingerprints fused (Triton, one pass)",
                     device_best(
-                        lambda: fingerprint_kernel.copy_many(msgs, outs, 1 << 20, p, q), dev, 3
+                        lambda: fingerprint_kernel.copy_spans(data, other, every, 1 << 20, p, q),
+                        dev,
+                        3,
                     ),
                 )
             )

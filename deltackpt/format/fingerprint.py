@@ -43,6 +43,7 @@ from deltackpt.format import fingerprint_kernel
 __all__ = [
     "KERNELS",
     "SLAB_BYTES",
+    "copy_fingerprinted",
     "fingerprint_rows",
     "many_fingerprints",
     "source_fingerprints",
@@ -219,15 +220,47 @@ def _by_kernel(
     try:
         return fingerprint_kernel.many(sources, chunk_bytes, p, q)
     except Exception as e:
-        fingerprint_kernel.disable(e)
-        warnings.warn(
-            f"deltackpt: the Triton fingerprint kernel failed ({type(e).__name__}: "
-            f"{str(e)[:300]}); chunk fingerprints use torch operations from now on (the same "
-            "integers, slower). DELTACKPT_FINGERPRINT_COMPILE=off skips the kernel; =triton "
-            "raises its error",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _kernel_failed(e)
+        return None
+
+
+def _kernel_failed(e: BaseException) -> None:
+    """Under ``auto``: the kernel failed; warned once and not tried again in this process."""
+    fingerprint_kernel.disable(e)
+    warnings.warn(
+        f"deltackpt: the Triton fingerprint kernel failed ({type(e).__name__}: "
+        f"{str(e)[:300]}); chunk fingerprints use torch operations from now on (the same "
+        "integers, slower). DELTACKPT_FINGERPRINT_COMPILE=off skips the kernel; =triton "
+        "raises its error",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def copy_fingerprinted(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    chunk_bytes: int,
+    kernel: str = "auto",
+) -> list[torch.Tensor] | None:
+    """Copy each ``(offset, nbytes)`` span of ``src`` to the same offset of ``dst`` and return
+    each span's :func:`source_fingerprints`, in one pass that reads each word once
+    (``fingerprint_kernel.copy_spans``), where that kernel runs: ``kernel`` ``auto`` or
+    ``triton``, on a device it runs on, spans it can copy word by word (``refused``). None
+    otherwise, nothing copied: the caller copies, then fingerprints the copy (the same
+    integers, one more read of the bytes)."""
+    if kernel not in ("auto", "triton") or not fingerprint_kernel.available(src.device):
+        return None
+    if fingerprint_kernel.refused(src, dst, spans) is not None:
+        return None
+    p, q = position_keys(src.device, chunk_bytes // 8)
+    if kernel == "triton":
+        return fingerprint_kernel.copy_spans(src, dst, spans, chunk_bytes, p, q)
+    try:
+        return fingerprint_kernel.copy_spans(src, dst, spans, chunk_bytes, p, q)
+    except Exception as e:
+        _kernel_failed(e)
         return None
 
 

@@ -32,7 +32,7 @@ try:  # the kernel's language, at module level as Triton's compiler reads it
 except ImportError:  # no Triton: available() says so and nothing here runs
     tl = None
 
-__all__ = ["BLOCK", "available", "copy_many", "disable", "many", "table"]
+__all__ = ["BLOCK", "available", "copy_spans", "disable", "many", "refused", "table"]
 
 BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
 
@@ -40,7 +40,7 @@ BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: 
 def _body(
     addr_ptr,
     dst_ptr,
-    words_ptr,
+    bytes_ptr,
     p_ptr,
     q_ptr,
     out_ptr,
@@ -48,12 +48,15 @@ def _body(
     BLOCK: tl.constexpr,
     COPY: tl.constexpr,
 ):
-    """Block ``blk`` of row ``row``: its words' two partial sums into ``out[row, blk]``; with
-    ``COPY``, the words it loaded also stored at ``dst_ptr``'s row (:func:`copy_many`: the
-    fingerprints are those of exactly the bytes written)."""
+    """Block ``blk`` of row ``row``: its words' two partial sums into ``out[row, blk]``; a
+    row's last word counts only its row's bytes (the rest zero, as a zero-padded tail: the
+    fingerprints of ``fingerprint.py``). With ``COPY``, the words it loaded also stored, whole,
+    at ``dst_ptr``'s row (:func:`copy_spans`: the fingerprints are those of exactly the bytes
+    written)."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
-    n = tl.load(words_ptr + row)
+    nb = tl.load(bytes_ptr + row)
+    n = (nb + 7) // 8
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     base = tl.load(addr_ptr + row).to(tl.pointer_type(tl.int64))
@@ -62,6 +65,10 @@ def _body(
         dst = tl.load(dst_ptr + row).to(tl.pointer_type(tl.int64))
         tl.store(dst + offs, raw, mask=m)
     w = raw.to(tl.uint64, bitcast=True)
+    # the last word's bytes past the row's end: zero (little-endian: its high bytes)
+    ones = tl.full((), -1, tl.int64).to(tl.uint64, bitcast=True)
+    keep = ones >> ((8 * n - nb) * 8).to(tl.uint64)
+    w = tl.where(offs == n - 1, w & keep, w)
     p = tl.load(p_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
     q = tl.load(q_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
     z = w ^ p
@@ -115,12 +122,12 @@ def table(
     sources: Sequence[torch.Tensor], chunk_bytes: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[torch.Tensor]]:
     """The kernel's table for ``sources`` (1-D uint8, one device): per row (a chunk, or a
-    source's last partial chunk), its first word's address and its word count; the rows per
+    source's last partial chunk), its first word's address and its byte count; the rows per
     source; the copies the table points into, which must live until the launch. A source not
-    8-byte aligned is copied first, and so is a tail that ends inside a word (zero-padded):
-    both rare, done per source; everything else is a few numpy operations for all the sources
-    (no Python per source past reading its address and size: a round of many small tensors is
-    host work otherwise)."""
+    8-byte aligned is copied first, and so is a tail that ends inside a word (zero-padded, so
+    that no word is read past a source's end): both rare, done per source; everything else is
+    a few numpy operations for all the sources (no Python per source past reading its address
+    and size: a round of many small tensors is host work otherwise)."""
     n = len(sources)
     ptr = np.fromiter((s.data_ptr() for s in sources), np.int64, n)
     size = np.fromiter((s.numel() for s in sources), np.int64, n)
@@ -140,14 +147,26 @@ def table(
             padded[:t] = s[int(full[i]) * chunk_bytes :]
             keep.append(padded)
             tail_at[i] = padded.data_ptr()
+    addr, nbytes, rows_of = _rows(ptr, size, chunk_bytes, tail_at)
+    return addr, nbytes, rows_of, keep
+
+
+def _rows(
+    ptr: np.ndarray, size: np.ndarray, chunk_bytes: int, tail_at: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row (a chunk of a source at ``ptr`` of ``size`` bytes, or its last partial chunk,
+    read at ``tail_at`` where given): its address and byte count; the rows per source."""
+    full, tail = np.divmod(size, chunk_bytes)
+    if tail_at is None:
+        tail_at = ptr + full * chunk_bytes
     rows_of = full + (tail > 0)
-    src = np.repeat(np.arange(n, dtype=np.int64), rows_of)
+    src = np.repeat(np.arange(ptr.size, dtype=np.int64), rows_of)
     first = np.cumsum(rows_of) - rows_of  # each source's first row
     j = np.arange(src.size, dtype=np.int64) - first[src]  # a row's chunk in its source
     last = j == full[src]  # a source's partial last chunk
     addr = np.where(last, tail_at[src], ptr[src] + j * chunk_bytes)
-    words = np.where(last, -(-tail[src] // 8), chunk_bytes // 8)
-    return addr, words, rows_of, keep
+    nbytes = np.where(last, tail[src], chunk_bytes)
+    return addr, nbytes, rows_of
 
 
 def many(
@@ -156,8 +175,8 @@ def many(
     """``fingerprint.many_fingerprints`` of ``sources`` (1-D uint8, one device) in one launch;
     ``p``, ``q``: the position keys of a chunk (``fingerprint.position_keys``); the rows of the
     launch from :func:`table`."""
-    addr, words, rows_of, keep = table(sources, chunk_bytes)
-    out = _launch(sources[0].device, chunk_bytes, p, q, addr, addr, words, rows_of, copy=False)
+    addr, nbytes, rows_of, keep = table(sources, chunk_bytes)
+    out = _launch(sources[0].device, chunk_bytes, p, q, addr, addr, nbytes, rows_of, copy=False)
     del keep  # the launch is queued on the stream: the copies' memory is reused after it
     return out
 
@@ -169,7 +188,7 @@ def _launch(
     q: torch.Tensor,
     addr: np.ndarray,
     dst: np.ndarray,
-    words: np.ndarray,
+    nbytes: np.ndarray,
     rows_of: np.ndarray,
     copy: bool,
 ) -> list[torch.Tensor]:
@@ -178,7 +197,7 @@ def _launch(
     rows = int(addr.size)
     if not rows:
         return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in rows_of]
-    tab = cuda.to_device(torch.from_numpy(np.stack([addr, dst, words])), device)  # no wait
+    tab = cuda.to_device(torch.from_numpy(np.stack([addr, dst, nbytes])), device)  # no wait
     nblk = -(-(chunk_bytes // 8) // BLOCK)
     part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
     args = (tab[0], tab[1], tab[2], p, q, part, nblk)
@@ -192,35 +211,51 @@ def _launch(
     return list(out.split(rows_of.tolist()))
 
 
-def copy_many(
-    sources: Sequence[torch.Tensor],
-    dests: Sequence[torch.Tensor],
+def refused(src: torch.Tensor, dst: torch.Tensor, spans: Sequence[tuple[int, int]]) -> str | None:
+    """Why :func:`copy_spans` cannot copy ``spans`` of ``src`` into ``dst``, or None."""
+    if src.dim() != 1 or dst.dim() != 1 or src.dtype != torch.uint8 or dst.dtype != torch.uint8:
+        return "copy_spans copies between 1-D uint8 tensors"
+    if src.device != dst.device:
+        return f"copy_spans copies on one device, not {src.device} -> {dst.device}"
+    if not spans:
+        return None
+    at = np.array(spans, dtype=np.int64).reshape(-1, 2)
+    off, size = at[:, 0], at[:, 1]
+    if (size < 0).any() or (off < 0).any():
+        return f"a span's offset and length cannot be negative: {list(spans)[:4]}"
+    if src.data_ptr() % 8 or dst.data_ptr() % 8 or (off % 8).any():
+        return "copy_spans copies spans that start at aligned words of both tensors"
+    room = min(src.numel(), dst.numel())
+    if (off + -(-size // 8) * 8 > room).any():
+        return f"a span's last word lies past the {room} bytes of the tensors"
+    return None
+
+
+def copy_spans(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
     chunk_bytes: int,
     p: torch.Tensor,
     q: torch.Tensor,
 ) -> list[torch.Tensor]:
-    """Copy each of ``sources`` into its ``dests`` (1-D uint8, as many bytes, all on one
-    device) and return :func:`many`'s fingerprints of them, in one launch that reads each
-    word once: what a receiver's copy of a bucket out of the shared one and its verification
-    cost together (a copy, then fingerprints of the copy, read the bytes twice). The
-    fingerprints are those of the words stored, so they vouch for exactly what was written.
-    Every source and destination must start at a multiple of 8 bytes and hold whole words
-    (ValueError otherwise: a message's pieces are laid out so); benchmarks/bench_digest.py
-    measures it beside the copy and the fingerprints apart. Not yet used by a round (the
-    receiver copies, then verifies: docs/sync.md)."""
-    if len(sources) != len(dests):
-        raise ValueError(f"{len(sources)} sources but {len(dests)} destinations")
-    for s, d in zip(sources, dests, strict=True):
-        if s.numel() != d.numel() or s.device != d.device:
-            raise ValueError("each destination must hold its source's bytes, on its device")
-        if s.data_ptr() % 8 or d.data_ptr() % 8 or s.numel() % 8:
-            raise ValueError("copy_many needs sources and destinations of whole aligned words")
-    if not sources:
+    """Copy each ``(offset, nbytes)`` span of ``src`` to the same offset of ``dst`` (1-D
+    uint8, one device) and return :func:`many`'s fingerprints of each span's bytes, in one
+    launch that reads each word once: a receiver's copy of a message out of the shared bucket
+    and its verification together (a copy, then fingerprints of the copy, read the bytes
+    twice). The fingerprints are those of the words stored, so they vouch for exactly what
+    was written. Words are copied whole: a span ending inside a word also copies the rest of
+    that word (a message's pieces start at aligned offsets, so it is padding). Every span must
+    start 8-byte aligned in both tensors and its last word lie in both (ValueError otherwise,
+    before anything launches: :func:`refused` says why)."""
+    why = refused(src, dst, spans)
+    if why is not None:
+        raise ValueError(why)
+    if not spans:
         return []
-    addr, words, rows_of, _ = table(sources, chunk_bytes)  # aligned words: nothing copied
-    n = len(sources)
-    src_ptr = np.fromiter((s.data_ptr() for s in sources), np.int64, n)
-    dst_ptr = np.fromiter((d.data_ptr() for d in dests), np.int64, n)
-    which = np.repeat(np.arange(n, dtype=np.int64), rows_of)
-    dst = addr - src_ptr[which] + dst_ptr[which]  # each row at its offset in its destination
-    return _launch(sources[0].device, chunk_bytes, p, q, addr, dst, words, rows_of, copy=True)
+    at = np.array(spans, dtype=np.int64).reshape(-1, 2)
+    off, size = at[:, 0], at[:, 1]
+    base = src.data_ptr()
+    addr, nbytes, rows_of = _rows(base + off, size, chunk_bytes)
+    dst_at = addr - base + dst.data_ptr()  # each row at its offset in ``dst``
+    return _launch(src.device, chunk_bytes, p, q, addr, dst_at, nbytes, rows_of, copy=True)

@@ -536,6 +536,16 @@ class SyncGroup:
         other link)."""
         return None if self._ipc is None else self._ipc.inline_header(src, tag)
 
+    def copy_received(
+        self, src: int, tag: int, spans: list[tuple[int, int]]
+    ) -> list[torch.Tensor] | None:
+        """A receive whose header came in its ipc cell left its copy out of the shared bucket
+        to the caller, who read the header: ``spans`` (offset, bytes) of the pieces it puts in
+        the message. Copies them, fingerprinted in the same pass where the fingerprint kernel
+        runs (their chunk fingerprints returned, one per span: ``IpcLinks.copy_out``), or the
+        message whole (None). Before anything reads the staging."""
+        return None if self._ipc is None else self._ipc.copy_out(src, tag, spans)
+
     def settle_receives(self) -> None:
         """Receives on ipc links whose copies were not waited for: waited for and
         acknowledged (before this rank votes)."""

@@ -28,8 +28,10 @@ waiting for its device; a message with no piece in it (a bucket none of whose te
 is only that, ``NBYTES`` negative (minus the header's bytes), the bucket untouched. The receiver
 copies the words out of the cell and reads the header from that copy
 (:meth:`IpcLinks.inline_header`), as untrusted as a bucket's. With a header in its cell, the
-receiver's copy of the bucket is not waited for message by message: :meth:`IpcLinks.settle`
-waits once for all of a round's, before the receiver's vote, and only then acknowledges them.
+receiver's copy of the bucket is left to the receiver, who has read the header and knows the
+pieces (:meth:`IpcLinks.copy_out`: the pieces copied and fingerprinted in one pass where the
+fingerprint kernel runs), and not waited for message by message: :meth:`IpcLinks.settle` waits
+once for all of a round's, before the receiver's vote, and only then acknowledges them.
 So an unchanged bucket costs neither side any work on the device, and the sender waits for its
 device once per group of buckets it publishes (``WeightSender``), the receiver once per round.
 
@@ -62,7 +64,10 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_tensor, reduce_tensor
 
 from deltackpt import cuda
+from deltackpt.format.fingerprint import copy_fingerprinted
+from deltackpt.options import fingerprint_kernel
 from deltackpt.sync.cells import Done, Recv, wait_published
+from deltackpt.sync.device_digest import CHUNK
 from deltackpt.sync.errors import PeerLostError
 
 if TYPE_CHECKING:
@@ -270,6 +275,8 @@ class IpcLinks:
         self._inline: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
         # receives whose copy out of the bucket is queued, acknowledged by settle()
         self._pending: list[tuple[np.ndarray, int, int, torch.Tensor]] = []
+        # (src, tag) -> a copy out of a bucket left to copy_out (bucket, staging, bytes)
+        self._deferred: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._gen = 0
         self.handles_sent = 0
         self.handles_opened = 0
@@ -435,6 +442,9 @@ class IpcLinks:
     def settle(self) -> None:
         """Wait once for the copies out of the buckets whose header came in the cell (queued,
         not waited for, by the receives), then acknowledge them: before the receiver votes."""
+        for (src, tag), (bucket, into, n) in list(self._deferred.items()):
+            self._copy(src, tag, bucket, into, n)  # receives the receiver did not read
+        self._deferred.clear()
         if self._pending:
             self.settle_copies()
             for cellv, tag, seq, _ in self._pending:
@@ -517,13 +527,39 @@ class IpcLinks:
             )
         if into.device != bucket.device and tag not in lk.locked and bucket.device.type == "cpu":
             lk.locked[tag] = cuda.register_host(bucket)  # once: then copied without waiting
-        # out of the shared bucket before anything reads it
-        into[:n].copy_(bucket[:n], non_blocking=lk.locked.get(tag, False))
-        if hdr:  # waited for once a round, before the vote (settle; on CPU the copy has landed)
+        if hdr:  # copied by copy_out, which knows the pieces (or by settle); waited for once
+            self._deferred[(src, tag)] = (bucket, into, n)  # a round, before the vote
             self._pending.append((cellv, tag, seq, into))
             return
+        self._copy(src, tag, bucket, into, n)  # out of the shared bucket before anything reads it
         cuda.wait_for(into)  # a copy on the device: landed before the acknowledgement
         cellv[tag, ACK] = seq
+
+    def _copy(self, src: int, tag: int, bucket: torch.Tensor, into: torch.Tensor, n: int) -> None:
+        lk = self._in[src]
+        into[:n].copy_(bucket[:n], non_blocking=lk.locked.get(tag, False))
+
+    def copy_out(
+        self, src: int, tag: int, spans: list[tuple[int, int]]
+    ) -> list[torch.Tensor] | None:
+        """The copy out of the shared bucket that the last receive of bucket ``tag`` from
+        ``src`` left to the receiver (its header came in the cell; ``spans``: where the header
+        puts its pieces): the pieces copied and fingerprinted in one pass where the
+        fingerprint kernel runs (``fingerprint.copy_fingerprinted``), their chunk
+        fingerprints returned, one per span, for the receiver's verification; else the
+        message copied whole and None. Nothing to copy (a header-only message, or copied
+        already): None. The fingerprints are of the bytes written to the staging, so a sender
+        that writes its bucket later changes nothing that was verified."""
+        got = self._deferred.pop((src, tag), None)
+        if got is None:
+            return None
+        bucket, into, n = got
+        fps = None
+        if spans and all(o + k <= n for o, k in spans):  # a span past the message: copied
+            fps = copy_fingerprinted(bucket, into, spans, CHUNK, fingerprint_kernel())
+        if fps is None:  # whole, and its digests miss where the sender's bytes end
+            self._copy(src, tag, bucket, into, n)
+        return fps
 
     # ---- cleanup --------------------------------------------------------------------------
 
@@ -541,6 +577,7 @@ class IpcLinks:
         self._retired.clear()
         self._inline.clear()
         self._pending.clear()
+        self._deferred.clear()
         if self.device.type == "cuda":
             cuda.ipc_collect()
 

@@ -144,17 +144,17 @@ def test_the_kernels_table_points_at_every_chunk_of_every_source(chunk):
     import ctypes
 
     srcs = _many_sources(chunk)
-    addr, words, rows_of, keep = fingerprint_kernel.table(srcs, chunk)
+    addr, nbytes, rows_of, keep = fingerprint_kernel.table(srcs, chunk)
     assert rows_of.tolist() == [-(-s.numel() // chunk) for s in srcs]
-    assert addr.size == words.size == sum(rows_of.tolist())
+    assert addr.size == nbytes.size == sum(rows_of.tolist())
     assert all(int(a) % 8 == 0 for a in addr)
     assert keep  # the unaligned sources and the tails inside a word were copied
     at = 0
     for s in srcs:
         for c in range(-(-s.numel() // chunk)):
             want = bytes(s[c * chunk : (c + 1) * chunk].tolist())
+            assert int(nbytes[at]) == len(want)
             want += bytes(-len(want) % 8)
-            assert int(words[at]) == len(want) // 8
             assert ctypes.string_at(int(addr[at]), len(want)) == want, (s.numel(), c)
             at += 1
     aligned = torch.zeros(3 * chunk, dtype=torch.uint8)  # none copied: the sources' own bytes
@@ -163,33 +163,38 @@ def test_the_kernels_table_points_at_every_chunk_of_every_source(chunk):
     )
     base = aligned.data_ptr()
     assert a2.tolist() == [base, base + chunk, base + 2 * chunk, base + 8, base + 8 + chunk]
-    assert w2.tolist() == [chunk // 8] * 4 + [1] and r2.tolist() == [3, 0, 2] and not k2
+    assert w2.tolist() == [chunk] * 4 + [8] and r2.tolist() == [3, 0, 2] and not k2
 
 
-def _word_sources(chunk: int) -> list[torch.Tensor]:
-    """Sources of whole aligned words (what ``fingerprint_kernel.copy_many`` takes): empty,
-    one word, a partial chunk, one and several chunks with a tail of words."""
-    sizes = [0, 8, 64, 4096, chunk, chunk + 8, 3 * chunk + 64]
-    buf, pos, out = _bytes(sum(sizes) + 8 * len(sizes), 12), 0, []
+def _message(chunk: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """A message (what ``fingerprint_kernel.copy_spans`` copies) and its pieces' spans, each
+    at an aligned offset as a message lays them out: empty, one byte, one word, pieces ending
+    inside a word, a partial chunk, one and several chunks with tails of words and of bytes."""
+    sizes = [0, 1, 8, 13, 64, 4094, chunk, chunk + 8, chunk + 3, 3 * chunk + 64]
+    spans, pos = [], 0
     for n in sizes:
-        out.append(buf[pos : pos + n])
-        pos += n + 8
-    return out
+        spans.append((pos, n))
+        pos = -(-(pos + n) // 64) * 64
+    return _bytes(pos + 64, 12), spans
 
 
 def test_the_fused_copy_refuses_what_it_cannot_copy_word_by_word():
-    """``fingerprint_kernel.copy_many``'s arguments are checked before anything launches."""
+    """``fingerprint_kernel.copy_spans``'s arguments are checked before anything launches."""
     p, q = fingerprint.position_keys(torch.device("cpu"), 8)
-    src = torch.zeros(72, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="2 sources but 1"):
-        fingerprint_kernel.copy_many([src[:8], src[8:16]], [src[:8]], 64, p, q)
-    with pytest.raises(ValueError, match="hold its source's bytes"):
-        fingerprint_kernel.copy_many([src[:16]], [torch.zeros(8, dtype=torch.uint8)], 64, p, q)
-    with pytest.raises(ValueError, match="whole aligned words"):
-        fingerprint_kernel.copy_many([src[1:9]], [torch.zeros(8, dtype=torch.uint8)], 64, p, q)
-    with pytest.raises(ValueError, match="whole aligned words"):
-        fingerprint_kernel.copy_many([src[:12]], [torch.zeros(12, dtype=torch.uint8)], 64, p, q)
-    assert fingerprint_kernel.copy_many([], [], 64, p, q) == []
+    src, dst = torch.zeros(72, dtype=torch.uint8), torch.zeros(80, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="1-D uint8"):
+        fingerprint_kernel.copy_spans(src.view(8, 9), dst, [(0, 8)], 64, p, q)
+    with pytest.raises(ValueError, match="aligned words"):
+        fingerprint_kernel.copy_spans(src, dst, [(0, 8), (4, 8)], 64, p, q)
+    with pytest.raises(ValueError, match="aligned words"):
+        fingerprint_kernel.copy_spans(src[1:], dst[1:], [(0, 8)], 64, p, q)
+    with pytest.raises(ValueError, match="past the 72 bytes"):
+        fingerprint_kernel.copy_spans(src, dst, [(64, 9)], 64, p, q)  # its last word: 72..79
+    with pytest.raises(ValueError, match="cannot be negative"):
+        fingerprint_kernel.copy_spans(src, dst, [(0, -8)], 64, p, q)
+    with pytest.raises(ValueError, match="one device"):
+        fingerprint_kernel.copy_spans(src, dst.to("meta"), [(0, 8)], 64, p, q)
+    assert fingerprint_kernel.copy_spans(src, dst, [], 64, p, q) == []
 
 
 # ---- saves through the device path, on CPU tensors ------------------------------------------
@@ -392,14 +397,15 @@ def test_cuda_many_fingerprints_equal_the_cpu_ones():
 @pytest.mark.gpu
 def test_the_fused_copy_on_cuda_copies_and_gives_the_cpu_fingerprints():
     chunk = 1 << 20
-    words = _word_sources(chunk)
-    on = [w.cuda() for w in words]
-    dests = [torch.full_like(w, 0xAB) for w in on]
+    msg, spans = _message(chunk)
+    on = msg.cuda()
+    dest = torch.full_like(on, 0xAB)
     p, q = fingerprint.position_keys(torch.device("cuda"), chunk // 8)
-    got = fingerprint_kernel.copy_many(on, dests, chunk, p, q)
-    for w, d, g in zip(words, dests, got, strict=True):
-        assert torch.equal(d.cpu(), w), w.numel()
-        assert torch.equal(g.cpu(), fingerprint.source_fingerprints(w, chunk)), w.numel()
+    got = fingerprint_kernel.copy_spans(on, dest, spans, chunk, p, q)
+    back = dest.cpu()
+    for (o, n), g in zip(spans, got, strict=True):
+        assert torch.equal(back[o : o + n], msg[o : o + n]), n
+        assert torch.equal(g.cpu(), fingerprint.source_fingerprints(msg[o : o + n], chunk)), n
 
 
 def test_auto_falls_back_to_torch_ops_once_the_kernel_fails(monkeypatch):
@@ -432,7 +438,7 @@ _INTERPRET = """
 import sys, torch
 sys.path[:0] = sys.argv[1:]
 from deltackpt.format import fingerprint, fingerprint_kernel
-from tests.saving.test_on_device import _many_sources, _word_sources
+from tests.saving.test_on_device import _many_sources, _message
 assert fingerprint_kernel.available(torch.device("cpu"))
 for chunk in (64, 4096, 1 << 16):
     srcs = _many_sources(chunk)
@@ -440,13 +446,13 @@ for chunk in (64, 4096, 1 << 16):
     for s, g in zip(srcs, got, strict=True):
         assert torch.equal(g, fingerprint.source_fingerprints(s, chunk)), (chunk, s.numel())
     # the fused copy: every byte copied, the fingerprints of what was written
-    words = _word_sources(chunk)
-    dests = [torch.full_like(w, 0xAB) for w in words]
+    msg, spans = _message(chunk)
+    dest = torch.full_like(msg, 0xAB)
     p, q = fingerprint.position_keys(torch.device("cpu"), chunk // 8)
-    fused = fingerprint_kernel.copy_many(words, dests, chunk, p, q)
-    for w, d, g in zip(words, dests, fused, strict=True):
-        assert torch.equal(d, w), (chunk, w.numel())
-        assert torch.equal(g, fingerprint.source_fingerprints(w, chunk)), (chunk, w.numel())
+    fused = fingerprint_kernel.copy_spans(msg, dest, spans, chunk, p, q)
+    for (o, n), g in zip(spans, fused, strict=True):
+        assert torch.equal(dest[o : o + n], msg[o : o + n]), (chunk, n)
+        assert torch.equal(g, fingerprint.source_fingerprints(msg[o : o + n], chunk)), (chunk, n)
 print("same")
 """
 

@@ -159,7 +159,9 @@ def _patch_receiver(port: int, edit: bool, dev: str = "cpu", big: bool = False) 
         except sync.SyncError as e:
             out["errors"].append((v, type(e).__name__))
         out["versions"].append(receiver.version)
-        out["bad"].append(sorted(n for n, t in expect.items() if not torch.equal(held[n], t)))
+        out["bad"].append(
+            sorted(n for n, t in expect.items() if n not in held or not torch.equal(held[n], t))
+        )
     group.pg.barrier().wait()
     group.close()
     return out
@@ -209,6 +211,63 @@ def test_a_device_patch_onto_an_edited_base_fails_the_round_and_the_next_heals_i
     assert rec["versions"] == [1, 2, 2, 4]
     assert trainer["full"] == [True, False, True]  # the round after a failure: whole
     assert rec["bad"][3] == []  # healed bit-exactly
+
+
+def _fused_receiver(port: int, lie: bool) -> dict[str, Any]:
+    """``_patch_receiver`` whose copies out of the link's buckets go through a stand-in of the
+    fused Triton copy (``fingerprint_kernel.copy_spans``, which this machine cannot run outside
+    Triton's interpreter): the spans copied one by one, their fingerprints from the torch
+    operations; ``lie``: every fingerprint it returns off by one."""
+    from deltackpt.format.fingerprint import many_fingerprints
+    from deltackpt.sync import ipc_links
+
+    calls: list[list[tuple[int, int]]] = []
+
+    def fused(src, dst, spans, chunk_bytes, kernel):
+        calls.append(list(spans))
+        for o, n in spans:  # whole words, as the kernel stores them
+            w = -(-n // 8) * 8
+            dst[o : o + w].copy_(src[o : o + w])
+        fps = many_fingerprints([dst[o : o + n] for o, n in spans], chunk_bytes)
+        return [f + 1 for f in fps] if lie else fps
+
+    ipc_links.copy_fingerprinted = fused
+    out = _patch_receiver(port, False, "cpu", True)
+    out["calls"] = calls
+    return out
+
+
+@pytest.mark.parametrize("lie", [False, True], ids=["honest", "lying"])
+def test_the_receivers_copy_out_of_the_bucket_carries_its_fingerprints_to_the_check(
+    lie: bool,
+) -> None:
+    """A device round's header comes in the link's cell, so the receiver knows the pieces
+    before it copies the bucket out: it copies them and takes their fingerprints in one pass
+    (on a GPU the Triton kernel; here a stand-in) and its check folds those fingerprints
+    instead of reading the copy again. Honest: every round bit-exact, the copies named the
+    pieces (a whole tensor, a patch), patches applied. Lying fingerprints fail the first round
+    by digest, though the bytes copied are right: the check used them."""
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_patch_trainer, (port, "cpu", True)), (_fused_receiver, (port, lie))],
+            timeout=90,
+            fast_exit=True,
+        )
+    )
+    if lie:
+        assert rec["errors"][0] == (1, "DigestMismatchError") and rec["calls"]
+        assert rec["versions"][0] is None
+        return
+    assert trainer["errors"] == [] and rec["errors"] == []
+    assert rec["bad"] == [[], [], [], []] and rec["versions"] == [1, 2, 3, 4]
+    assert rec["patched"] == [0, 1, 1, 1]
+    big = 1024 * 1024 * 4
+    sizes = [n for spans in rec["calls"] for _, n in spans]
+    assert big in sizes  # round 1: w3 whole (a bucket of its own)
+    assert any(0 < n < big // 8 for n in sizes)  # its patches
+    assert all(o % 8 == 0 for spans in rec["calls"] for o, _ in spans)
 
 
 def _hostile_patch_receiver(port: int) -> dict[str, Any]:
