@@ -213,50 +213,66 @@ def test_a_device_patch_onto_an_edited_base_fails_the_round_and_the_next_heals_i
     assert rec["bad"][3] == []  # healed bit-exactly
 
 
-def _fused_receiver(port: int, lie: bool) -> dict[str, Any]:
+def _fused_receiver(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     """``_patch_receiver`` whose copies out of the link's buckets go through a stand-in of the
     fused Triton copy (``fingerprint_kernel.copy_spans``, which this machine cannot run outside
     Triton's interpreter): the spans copied one by one, their fingerprints from the torch
-    operations; ``lie``: every fingerprint it returns off by one."""
+    operations; ``how="lying"``: every fingerprint it returns off by one; ``"real"``: the real
+    one, each call noted (whether the kernel ran)."""
     from deltackpt.format.fingerprint import many_fingerprints
     from deltackpt.sync import ipc_links
 
     calls: list[list[tuple[int, int]]] = []
+    ran: list[bool] = []
+    real = ipc_links.copy_fingerprinted
 
     def fused(src, dst, spans, chunk_bytes, kernel):
         calls.append(list(spans))
+        if how == "real":
+            got = real(src, dst, spans, chunk_bytes, kernel)
+            ran.append(got is not None)
+            return got
         for o, n in spans:  # whole words, as the kernel stores them
             w = -(-n // 8) * 8
             dst[o : o + w].copy_(src[o : o + w])
         fps = many_fingerprints([dst[o : o + n] for o, n in spans], chunk_bytes)
-        return [f + 1 for f in fps] if lie else fps
+        return [f + 1 for f in fps] if how == "lying" else fps
 
     ipc_links.copy_fingerprinted = fused
-    out = _patch_receiver(port, False, "cpu", True)
-    out["calls"] = calls
+    out = _patch_receiver(port, False, dev, True)
+    out["calls"], out["ran"] = calls, ran
     return out
 
 
-@pytest.mark.parametrize("lie", [False, True], ids=["honest", "lying"])
+@pytest.mark.parametrize(
+    ("how", "dev"),
+    [
+        ("honest", "cpu"),
+        ("lying", "cpu"),
+        pytest.param("real", "cuda:0", marks=pytest.mark.gpu),
+    ],
+    ids=["honest", "lying", "cuda"],
+)
 def test_the_receivers_copy_out_of_the_bucket_carries_its_fingerprints_to_the_check(
-    lie: bool,
+    how: str, dev: str
 ) -> None:
     """A device round's header comes in the link's cell, so the receiver knows the pieces
     before it copies the bucket out: it copies them and takes their fingerprints in one pass
     (on a GPU the Triton kernel; here a stand-in) and its check folds those fingerprints
     instead of reading the copy again. Honest: every round bit-exact, the copies named the
     pieces (a whole tensor, a patch), patches applied. Lying fingerprints fail the first round
-    by digest, though the bytes copied are right: the check used them."""
+    by digest, though the bytes copied are right: the check used them. On CUDA the kernel
+    itself ran for every message."""
     port = free_port()
     trainer, rec = (
         o.unwrap()
         for o in spawn(
-            [(_patch_trainer, (port, "cpu", True)), (_fused_receiver, (port, lie))],
+            [(_patch_trainer, (port, dev, True)), (_fused_receiver, (port, how, dev))],
             timeout=90,
             fast_exit=True,
         )
     )
-    if lie:
+    if how == "lying":
         assert rec["errors"][0] == (1, "DigestMismatchError") and rec["calls"]
         assert rec["versions"][0] is None
         return
@@ -268,6 +284,8 @@ def test_the_receivers_copy_out_of_the_bucket_carries_its_fingerprints_to_the_ch
     assert big in sizes  # round 1: w3 whole (a bucket of its own)
     assert any(0 < n < big // 8 for n in sizes)  # its patches
     assert all(o % 8 == 0 for spans in rec["calls"] for o, _ in spans)
+    if how == "real":
+        assert rec["ran"] and all(rec["ran"]), rec["ran"]
 
 
 def _hostile_patch_receiver(port: int) -> dict[str, Any]:
