@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,7 +45,9 @@ __all__ = [
     "SLAB_BYTES",
     "copy_fingerprinted",
     "fingerprint_rows",
+    "fuses",
     "many_fingerprints",
+    "pack_fingerprinted",
     "source_fingerprints",
 ]
 
@@ -237,6 +239,13 @@ def _kernel_failed(e: BaseException) -> None:
     )
 
 
+def fuses(device: torch.device, kernel: str = "auto") -> bool:
+    """Whether :func:`copy_fingerprinted` and :func:`pack_fingerprinted` can copy and
+    fingerprint in one pass on ``device``: ``kernel`` ``auto`` or ``triton`` and the Triton
+    kernel runs there (and did not fail under ``auto``)."""
+    return kernel in ("auto", "triton") and fingerprint_kernel.available(device)
+
+
 def copy_fingerprinted(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -246,19 +255,43 @@ def copy_fingerprinted(
 ) -> list[torch.Tensor] | None:
     """Copy each ``(offset, nbytes)`` span of ``src`` to the same offset of ``dst`` and return
     each span's :func:`source_fingerprints`, in one pass that reads each word once
-    (``fingerprint_kernel.copy_spans``), where that kernel runs: ``kernel`` ``auto`` or
-    ``triton``, on a device it runs on, spans it can copy word by word (``refused``). None
-    otherwise, nothing copied: the caller copies, then fingerprints the copy (the same
-    integers, one more read of the bytes)."""
-    if kernel not in ("auto", "triton") or not fingerprint_kernel.available(src.device):
-        return None
-    if fingerprint_kernel.refused(src, dst, spans) is not None:
+    (``fingerprint_kernel.copy_spans``), where that kernel runs (:func:`fuses`) and can copy
+    the spans word by word (``refused``). None otherwise, nothing copied: the caller copies,
+    then fingerprints the copy (the same integers, one more read of the bytes)."""
+    if not fuses(src.device, kernel) or fingerprint_kernel.refused(src, dst, spans) is not None:
         return None
     p, q = position_keys(src.device, chunk_bytes // 8)
+    return _fused(lambda: fingerprint_kernel.copy_spans(src, dst, spans, chunk_bytes, p, q), kernel)
+
+
+def pack_fingerprinted(
+    sources: Sequence[torch.Tensor],
+    dst: torch.Tensor,
+    offsets: Sequence[int],
+    chunk_bytes: int,
+    kernel: str = "auto",
+) -> list[torch.Tensor] | None:
+    """Copy each of ``sources`` (1-D uint8) into ``dst`` at its offset and return each one's
+    :func:`source_fingerprints`, in one pass (``fingerprint_kernel.copy_into``), where that
+    kernel runs (:func:`fuses`) and can copy them word by word (``refused_into``). None
+    otherwise, nothing copied."""
+    if not fuses(dst.device, kernel):
+        return None
+    if fingerprint_kernel.refused_into(sources, dst, offsets) is not None:
+        return None
+    p, q = position_keys(dst.device, chunk_bytes // 8)
+    return _fused(
+        lambda: fingerprint_kernel.copy_into(sources, dst, offsets, chunk_bytes, p, q), kernel
+    )
+
+
+def _fused(run: Callable[[], list[torch.Tensor]], kernel: str) -> list[torch.Tensor] | None:
+    """``run()``, the fused kernel's launch; under ``auto`` None when it fails (warned once,
+    the kernel not tried again in this process), under ``triton`` its error raised."""
     if kernel == "triton":
-        return fingerprint_kernel.copy_spans(src, dst, spans, chunk_bytes, p, q)
+        return run()
     try:
-        return fingerprint_kernel.copy_spans(src, dst, spans, chunk_bytes, p, q)
+        return run()
     except Exception as e:
         _kernel_failed(e)
         return None

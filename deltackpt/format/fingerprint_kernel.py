@@ -32,7 +32,18 @@ try:  # the kernel's language, at module level as Triton's compiler reads it
 except ImportError:  # no Triton: available() says so and nothing here runs
     tl = None
 
-__all__ = ["BLOCK", "available", "copy_spans", "disable", "many", "refused", "table"]
+__all__ = [
+    "BLOCK",
+    "available",
+    "copy_into",
+    "copy_spans",
+    "disable",
+    "many",
+    "refused",
+    "refused_into",
+    "table",
+    "whole_words",
+]
 
 BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
 
@@ -259,3 +270,62 @@ def copy_spans(
     addr, nbytes, rows_of = _rows(base + off, size, chunk_bytes)
     dst_at = addr - base + dst.data_ptr()  # each row at its offset in ``dst``
     return _launch(src.device, chunk_bytes, p, q, addr, dst_at, nbytes, rows_of, copy=True)
+
+
+def refused_into(
+    sources: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
+) -> str | None:
+    """Why :func:`copy_into` cannot copy ``sources`` into ``dst`` at ``offsets``, or None."""
+    if dst.dim() != 1 or dst.dtype != torch.uint8:
+        return "copy_into copies into a 1-D uint8 tensor"
+    if len(sources) != len(offsets):
+        return f"{len(sources)} sources but {len(offsets)} offsets"
+    if dst.data_ptr() % 8:
+        return "copy_into copies into a tensor that starts at an aligned word"
+    for s, o in zip(sources, offsets, strict=True):
+        if s.dim() != 1 or s.dtype != torch.uint8 or s.device != dst.device:
+            return f"a source must be 1-D uint8 on {dst.device}"
+        if not whole_words(s):
+            return "a source must start at an aligned word and its last word lie in its storage"
+        if o % 8 or o < 0 or o + -(-s.numel() // 8) * 8 > dst.numel():
+            return f"offset {o} is not an aligned word of the destination with room for its source"
+    return None
+
+
+def whole_words(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be read word by word in place: it starts at an aligned word
+    and the word its last byte is in lies inside its storage (no read past what it owns)."""
+    nbytes = t.numel() * t.element_size()
+    words = -(-nbytes // 8) * 8
+    at = t.storage_offset() * t.element_size()
+    return t.data_ptr() % 8 == 0 and at + words <= t.untyped_storage().nbytes()
+
+
+def copy_into(
+    sources: Sequence[torch.Tensor],
+    dst: torch.Tensor,
+    offsets: Sequence[int],
+    chunk_bytes: int,
+    p: torch.Tensor,
+    q: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Copy each of ``sources`` (1-D uint8) into ``dst`` at its offset and return
+    :func:`many`'s fingerprints of each, in one launch that reads each word once: a sender's
+    pack of whole tensors into a bucket and the fingerprints its header's digests and its next
+    round's change detection need (the scan's read of those tensors saved). Words are copied
+    whole, as by :func:`copy_spans`: a source ending inside a word is read to the end of that
+    word (inside its storage) and the word stored whole (the bucket's padding). ValueError
+    before anything launches where :func:`refused_into` says why."""
+    why = refused_into(sources, dst, offsets)
+    if why is not None:
+        raise ValueError(why)
+    if not sources:
+        return []
+    n = len(sources)
+    ptr = np.fromiter((s.data_ptr() for s in sources), np.int64, n)
+    size = np.fromiter((s.numel() for s in sources), np.int64, n)
+    to = np.asarray(offsets, dtype=np.int64) + dst.data_ptr()
+    addr, nbytes, rows_of = _rows(ptr, size, chunk_bytes)
+    which = np.repeat(np.arange(n, dtype=np.int64), rows_of)
+    dst_at = addr - ptr[which] + to[which]  # each row at its offset in its source's place
+    return _launch(dst.device, chunk_bytes, p, q, addr, dst_at, nbytes, rows_of, copy=True)

@@ -145,6 +145,7 @@ class HostMirror:
         self._layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
         self._committed: dict[str, torch.Tensor] = {}  # name -> fingerprints at the last commit
         self._round: dict[str, torch.Tensor] = {}
+        self._later: set[str] = set()  # a scan's deferred tensors, not yet provided
         # name -> (a contiguous tensor a scan got, its flat bytes): the same tensor next round
         # is not flattened again (_flat_of)
         self._flats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -163,6 +164,7 @@ class HostMirror:
         device bases."""
         self._committed.clear()
         self._round.clear()
+        self._later = set()
         self._flats.clear()
         self.device.clear()
 
@@ -260,6 +262,7 @@ class HostMirror:
         cast: Mapping[str, torch.dtype] | None = None,
         skip: frozenset[str] = frozenset(),
         patch: str | None = None,
+        defer: frozenset[str] = frozenset(),
     ) -> tuple[dict[str, torch.Tensor], frozenset[str], frozenset[str]]:
         """A device round (an ipc link on CUDA: ``ipc_links.py``): the change found as
         :meth:`stage` finds it, and nothing copied to the host. Returns ``local`` with the
@@ -272,7 +275,11 @@ class HostMirror:
         fingerprinted in a delta round: their committed fingerprints carry over. ``patch``
         (``DELTACKPT_DEVICE_PATCH``; None: the environment's): a changed tensor with a device
         base and few changed elements has them found on the device (``device_patches.py``,
-        :attr:`DevicePatches.on_device`), for the packer's device patches."""
+        :attr:`DevicePatches.on_device`), for the packer's device patches. ``defer`` (a
+        ``full`` round): tensors not fingerprinted here because the packer fingerprints them as
+        it copies them into the buckets (one read of their bytes, not two) and hands their
+        fingerprints to :meth:`provide`; one it does not provide has none committed, so the
+        next round sends it whole."""
         t0 = time.perf_counter()
         scan = default_device_scan() if scan is None else scan
         patch = default_device_patch() if patch is None else patch
@@ -281,7 +288,14 @@ class HostMirror:
         tensors = {n: _as_wire(local[n], (cast or {}).get(n)) for n in names if n not in kept}
         self._round = {n: self._committed[n] for n in kept}
         self.device.start(tensors, "off" if scan == "off" else patch, frozenset(kept))
-        changed = dict.fromkeys(tensors) if scan == "off" else self._compare(tensors, full, local)
+        later = {n for n in defer if n in tensors and tensors[n].numel()} if full else set()
+        if scan == "off":
+            changed: dict[str, torch.Tensor | None] = dict.fromkeys(tensors)
+        else:
+            now = {n: t for n, t in tensors.items() if n not in later}
+            changed = self._compare(now, full, local)
+            changed.update(dict.fromkeys(later))  # sent whole; fingerprinted by the pack
+        self._later = later
         rec = MirrorRound(unchanged=frozenset(n for n in names if n not in changed))
         # changed elements on the device where a base allows; the others' bases are refreshed
         # whole at the commit (``copied``)
@@ -294,6 +308,14 @@ class HostMirror:
         out = dict(local)
         out.update(tensors)
         return out, frozenset(names), rec.unchanged
+
+    def provide(self, name: str, fingerprints: torch.Tensor) -> None:
+        """The chunk fingerprints of tensor ``name`` that this round's :meth:`scan` deferred
+        (``defer``), taken by the packer as it copied the tensor's bytes into a bucket: this
+        round's, as the scan would have taken them. Others are ignored."""
+        if name in self._later:
+            self._later.discard(name)
+            self._round[name] = fingerprints
 
     def _compare(
         self,
@@ -359,11 +381,13 @@ class HostMirror:
         (none after a round that took none, ``DELTACKPT_DEVICE_SCAN=off``: the next round under
         another setting then copies everything), and the device bases take its bytes."""
         self._committed, self._round = self._round, {}
+        self._later = set()
         self.device.commit(self.last.copied)
 
     def abandon(self) -> None:
         """The round failed: keep the last committed fingerprints and device bases."""
         self._round = {}
+        self._later = set()
         self.device.abandon()
 
 

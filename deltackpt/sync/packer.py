@@ -12,15 +12,19 @@ it). The digest in the header is always that of the piece's new bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from deltackpt import cuda
+from deltackpt.format.fingerprint import pack_fingerprinted
+from deltackpt.format.fingerprint_kernel import whole_words
+from deltackpt.options import fingerprint_kernel
 from deltackpt.sync import wire
 from deltackpt.sync.detect import Detector
 from deltackpt.sync.device_delta import patch_bytes, write_patch
-from deltackpt.sync.device_digest import message_digest_rows
+from deltackpt.sync.device_digest import CHUNK, message_digest_rows
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.group import SyncGroup
 from deltackpt.sync.ipc_links import INLINE_WORDS
@@ -89,6 +93,10 @@ class Packer:
     fingerprints: dict[str, torch.Tensor] = field(default_factory=dict)
     # ... and the changed elements found against the device bases (device_patches.py)
     device_changes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # a full device round: the tensors the scan left to the pack to fingerprint as it copies
+    # them (host_mirror.scan(defer=)), and where their fingerprints go (HostMirror.provide)
+    fuse: frozenset[str] = frozenset()
+    provide: Callable[[str, torch.Tensor], None] | None = None
     # (receiver, bucket index) -> its header's host buffer in device rounds
     _headers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     # (receiver, bucket index, piece) -> (the piece, the local tensor, the piece's view of it,
@@ -211,6 +219,8 @@ class Packer:
         # a few launches for all of them, not one per piece)
         into: list[torch.Tensor] = []
         froms: list[torch.Tensor] = []
+        # whole tensors the scan left to this pack: copied and fingerprinted in one pass
+        fused: list[tuple[int, str, torch.Tensor, int]] = []  # (span, name, bytes, offset)
         for k, (p, got) in enumerate(
             zip(bk.pieces, self._changed(sched, bk, full, scratch), strict=True)
         ):
@@ -241,8 +251,11 @@ class Packer:
                 if not (fp is not None and whole):
                     sources[len(spans)] = piece  # its digest taken where it is
             elif flat is not None and src.device == buf.device:
-                into.append(buf[pos : pos + p.nbytes])  # copied together below
-                froms.append(flat)
+                if whole and fp is None and name in self.fuse and whole_words(flat):
+                    fused.append((len(spans), name, flat, pos))
+                else:
+                    into.append(buf[pos : pos + p.nbytes])  # copied together below
+                    froms.append(flat)
             else:
                 wire.fill(buf[pos : pos + p.nbytes], src, dt)
             if fp is not None and whole:
@@ -250,6 +263,18 @@ class Packer:
             spans.append((pos, length))
             present.append(k)
             pos += length
+        if fused:
+            fps = pack_fingerprinted(
+                [f[2] for f in fused], buf, [f[3] for f in fused], CHUNK, fingerprint_kernel()
+            )
+            if fps is None:  # the kernel did not run: copied plainly, digested in the bucket
+                into += [buf[o : o + f.numel()] for _, _, f, o in fused]
+                froms += [f for _, _, f, _ in fused]
+            else:
+                for (i, name, _, _), fp in zip(fused, fps, strict=True):
+                    known[i] = fp
+                    if self.provide is not None:
+                        self.provide(name, fp)
         if into:
             torch._foreach_copy_(into, froms)
         heads: list[wire.Piece | None] = [None] * len(bk.pieces)

@@ -39,7 +39,9 @@ from functools import partial
 import torch
 
 from deltackpt import cuda
-from deltackpt.options import default_device_scan
+from deltackpt.format.fingerprint import fuses
+from deltackpt.format.fingerprint_kernel import whole_words
+from deltackpt.options import default_device_scan, fingerprint_kernel
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
 from deltackpt.sync.device_digest import CHUNK, rows_on_host
@@ -131,6 +133,7 @@ class WeightSender:
         self._seen: dict[str, tuple[torch.Tensor, torch.Size, torch.dtype, int, tuple]] = {}
         self._casts: dict[str, torch.dtype] = {}  # mirrored in their wire dtype (_setup)
         self._boxes: dict[str, Held] = {}
+        self._whole: frozenset[str] = frozenset()  # carried whole by a bucket (_setup)
         self._buckets: list[LinkBucket] = []
         self._ring: list[torch.Tensor] = []
         self._dirty = True
@@ -200,6 +203,14 @@ class WeightSender:
                 for p in b.pieces
             ),
             local,
+        )
+        # tensors a bucket carries whole (not cut into boxes): a full device round's pack can
+        # fingerprint them as it copies them (_fusable)
+        self._whole = frozenset(
+            name
+            for b in self._buckets
+            for p in b.pieces
+            if p.box == self._boxes[(name := sched.tensors[p.tensor].name)].box
         )
         self._detector.clear()
         self._bases.clear()
@@ -283,6 +294,7 @@ class WeightSender:
         staged: tuple[str, BaseException] | None = None
         mirrored = 0
         scanned: frozenset[str] = frozenset()
+        defer: frozenset[str] = frozenset()
         scan = default_device_scan()
         if device:  # the change found on the device; nothing crosses to the host
             try:
@@ -290,8 +302,9 @@ class WeightSender:
                 # a device round are device digests, so xxh3 cannot tell its change)
                 how = "off" if scan == "off" else "always"
                 skip = self._untouched_tensors(vers) if not full else frozenset()
+                defer = self._fusable(local) if full and scan != "off" else frozenset()
                 local, scanned, unchanged = self.mirror.scan(
-                    local, full, how, cast=self._casts, skip=skip
+                    local, full, how, cast=self._casts, skip=skip, defer=defer
                 )
             except Exception as e:
                 staged = (f"rank {g.rank} failed scanning its tensors on the device: {e!r}", e)
@@ -310,6 +323,8 @@ class WeightSender:
         folds = device and self.mirror.chunk_bytes == CHUNK
         self._packer.fingerprints = self.mirror.fingerprints if folds else {}
         self._packer.device_changes = self.mirror.device.on_device if folds else {}
+        self._packer.fuse = defer if folds else frozenset()
+        self._packer.provide = self.mirror.provide
         self._packer.base_version = self.version
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
@@ -577,6 +592,33 @@ class WeightSender:
                 work = e
             out.append((bk.receiver, work))
         return out
+
+    def _fusable(self, local: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """A full device round: the tensors its pack copies and fingerprints in one pass (the
+        scan's read of them saved; ``fingerprint.pack_fingerprinted``), where the fused kernel
+        runs on the buckets' device: those a bucket carries whole, on that device, read in
+        place as whole words (cast ones: the cast copy's). One the pack cannot fuse after all
+        has no fingerprints committed and goes whole next round (``HostMirror.scan``)."""
+        dev = self.group.ipc_device
+        if dev is None or self.mirror.chunk_bytes != CHUNK:
+            return frozenset()
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if not fuses(dev, fingerprint_kernel()):
+            return frozenset()
+        out = []
+        for n in self._whole:
+            t = local.get(n)
+            if t is None or t.device != dev or not t.numel():
+                continue
+            cast = self._casts.get(n)
+            if cast is not None and cast != t.dtype:  # a new tensor of the wire dtype
+                fits = t.numel() * cast.itemsize % 8 == 0
+            else:
+                fits = t.is_contiguous() and whole_words(t)
+            if fits:
+                out.append(n)
+        return frozenset(out)
 
     def _untouched_tensors(self, vers: dict[str, tuple[int, int, torch.Tensor]]) -> frozenset[str]:
         """``detect="version"``: the local tensors whose storage and in-place version counter

@@ -197,6 +197,40 @@ def test_the_fused_copy_refuses_what_it_cannot_copy_word_by_word():
     assert fingerprint_kernel.copy_spans(src, dst, [], 64, p, q) == []
 
 
+def _pieces(chunk: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Sources of a sender's fused pack (``fingerprint_kernel.copy_into``): views of one
+    buffer at aligned words, of every kind of length (their last words inside the buffer)."""
+    sizes = [0, 1, 8, 13, 64, 4094, chunk, chunk + 8, chunk + 3, 3 * chunk + 64]
+    buf, pos, out = _bytes(sum(sizes) + 8 * len(sizes) + 64, 5), 0, []
+    for n in sizes:
+        out.append(buf[pos : pos + n])
+        pos = -(-(pos + n) // 8) * 8 + 8
+    return buf, out
+
+
+def test_the_fused_pack_refuses_what_it_cannot_copy_word_by_word():
+    """``fingerprint_kernel.copy_into``'s arguments are checked before anything launches; a
+    source whose last word lies past its storage is not read past it."""
+    p, q = fingerprint.position_keys(torch.device("cpu"), 8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    src = torch.zeros(24, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="1 sources but 2"):
+        fingerprint_kernel.copy_into([src], dst, [0, 8], 64, p, q)
+    with pytest.raises(ValueError, match="aligned word and its last word"):
+        fingerprint_kernel.copy_into([src[1:9]], dst, [0], 64, p, q)
+    with pytest.raises(ValueError, match="aligned word and its last word"):
+        fingerprint_kernel.copy_into([torch.zeros(13, dtype=torch.uint8)], dst, [0], 64, p, q)
+    assert fingerprint_kernel.whole_words(src[8:21])  # its last word is the storage's
+    with pytest.raises(ValueError, match="offset 4 is not"):
+        fingerprint_kernel.copy_into([src[:8]], dst, [4], 64, p, q)
+    with pytest.raises(ValueError, match="offset 48 is not"):
+        fingerprint_kernel.copy_into([src], dst, [48], 64, p, q)
+    with pytest.raises(ValueError, match="1-D uint8 on cpu"):
+        fingerprint_kernel.copy_into([src.view(torch.int64)], dst, [0], 64, p, q)
+    assert fingerprint_kernel.copy_into([], dst, [], 64, p, q) == []
+    assert fingerprint.pack_fingerprinted([src], dst, [0], 64) is None  # no kernel here
+
+
 # ---- saves through the device path, on CPU tensors ------------------------------------------
 
 
@@ -406,6 +440,17 @@ def test_the_fused_copy_on_cuda_copies_and_gives_the_cpu_fingerprints():
     for (o, n), g in zip(spans, got, strict=True):
         assert torch.equal(back[o : o + n], msg[o : o + n]), n
         assert torch.equal(g.cpu(), fingerprint.source_fingerprints(msg[o : o + n], chunk)), n
+    buf, srcs = _pieces(chunk)  # the pack: sources into one bucket
+    on_buf = buf.cuda()
+    on = [on_buf[s.data_ptr() - buf.data_ptr() :][: s.numel()] for s in srcs]
+    offs = [64 * 1024 * i + (0 if i < 6 else chunk * (i - 5) * 4) for i in range(len(srcs))]
+    bucket = torch.full((offs[-1] + 4 * chunk,), 0xAB, dtype=torch.uint8, device="cuda")
+    packed = fingerprint.pack_fingerprinted(on, bucket, offs, chunk)
+    assert packed is not None, "the fused pack did not run on CUDA"
+    back = bucket.cpu()
+    for s, o, g in zip(srcs, offs, packed, strict=True):
+        assert torch.equal(back[o : o + s.numel()], s), s.numel()
+        assert torch.equal(g.cpu(), fingerprint.source_fingerprints(s, chunk)), s.numel()
 
 
 def test_auto_falls_back_to_torch_ops_once_the_kernel_fails(monkeypatch):
@@ -438,7 +483,7 @@ _INTERPRET = """
 import sys, torch
 sys.path[:0] = sys.argv[1:]
 from deltackpt.format import fingerprint, fingerprint_kernel
-from tests.saving.test_on_device import _many_sources, _message
+from tests.saving.test_on_device import _many_sources, _message, _pieces
 assert fingerprint_kernel.available(torch.device("cpu"))
 for chunk in (64, 4096, 1 << 16):
     srcs = _many_sources(chunk)
@@ -453,6 +498,16 @@ for chunk in (64, 4096, 1 << 16):
     for (o, n), g in zip(spans, fused, strict=True):
         assert torch.equal(dest[o : o + n], msg[o : o + n]), (chunk, n)
         assert torch.equal(g, fingerprint.source_fingerprints(msg[o : o + n], chunk)), (chunk, n)
+    # the fused pack: each source at its offset, the fingerprints of each
+    _, srcs = _pieces(chunk)
+    offs = [0]
+    for s in srcs[:-1]:
+        offs.append(-(-(offs[-1] + s.numel()) // 64) * 64)
+    dest = torch.full((offs[-1] + srcs[-1].numel() + 64,), 0xAB, dtype=torch.uint8)
+    packed = fingerprint_kernel.copy_into(srcs, dest, offs, chunk, p, q)
+    for s, o, g in zip(srcs, offs, packed, strict=True):
+        assert torch.equal(dest[o : o + s.numel()], s), (chunk, s.numel())
+        assert torch.equal(g, fingerprint.source_fingerprints(s, chunk)), (chunk, s.numel())
 print("same")
 """
 

@@ -288,6 +288,85 @@ def test_the_receivers_copy_out_of_the_bucket_carries_its_fingerprints_to_the_ch
         assert rec["ran"] and all(rec["ran"]), rec["ran"]
 
 
+def _fused_trainer(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
+    """``_patch_trainer`` as if the fused Triton pack ran here (``fingerprint.fuses``; its
+    kernel, ``fingerprint_kernel.copy_into``, runs here only in Triton's interpreter): a
+    stand-in copies the sources and gives the torch operations' fingerprints (``"lying"``:
+    each off by one; ``"real"``: the real one, on CUDA); the bytes the scan fingerprints are
+    noted."""
+    from deltackpt.format.fingerprint import many_fingerprints
+    from deltackpt.sync import host_mirror, packer, sender
+
+    packs: list[list[int]] = []
+    scans: list[list[int]] = []
+    real = packer.pack_fingerprinted
+
+    def pack(sources, dst, offsets, chunk_bytes, kernel):
+        if how == "real":
+            got = real(sources, dst, offsets, chunk_bytes, kernel)
+            packs.append([s.numel() for s in sources] if got is not None else [])
+            return got
+        packs.append([s.numel() for s in sources])
+        for src, o in zip(sources, offsets, strict=True):
+            dst[o : o + src.numel()].copy_(src)
+        fps = many_fingerprints(list(sources), chunk_bytes)
+        return [f + 1 for f in fps] if how == "lying" else fps
+
+    def scan(sources, chunk_bytes, kernel="torch"):
+        scans.append([s.numel() for s in sources])
+        return many_fingerprints(sources, chunk_bytes, kernel)
+
+    if how != "real":
+        sender.fuses = lambda device, kernel="auto": True
+    packer.pack_fingerprinted = pack
+    host_mirror.many_fingerprints = scan
+    out = _patch_trainer(port, dev, True)
+    out["packs"], out["scans"] = packs, scans
+    return out
+
+
+@pytest.mark.parametrize(
+    ("how", "dev"),
+    [
+        ("honest", "cpu"),
+        ("lying", "cpu"),
+        pytest.param("real", "cuda:0", marks=pytest.mark.gpu),
+    ],
+    ids=["honest", "lying", "cuda"],
+)
+def test_a_full_device_round_fingerprints_its_tensors_as_it_packs_them(how: str, dev: str) -> None:
+    """A full device round sends every tensor whole, so the sender's scan leaves the
+    fingerprints of the tensors a bucket carries whole to the pack, which takes them as it
+    copies (on a GPU one Triton pass: each byte read once, not twice; here a stand-in). They
+    serve the header's digests and the next round's change detection: the next round finds
+    the one changed tensor and sends its patch alone, every round bit-exact. Lying
+    fingerprints fail the first round at the receiver: the digests came from them. On CUDA
+    the kernel itself ran."""
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_fused_trainer, (port, how, dev)), (_patch_receiver, (port, False, dev, True))],
+            timeout=90,
+            fast_exit=True,
+        )
+    )
+    big = 1024 * 1024 * 4
+    assert trainer["packs"] and big in trainer["packs"][0]  # round 1: every tensor, fused
+    if how == "lying":
+        assert rec["errors"][0] == (1, "DigestMismatchError") and rec["versions"][0] is None
+        return
+    assert trainer["errors"] == [] and rec["errors"] == []
+    assert trainer["full"] == [True, False, False, False]
+    assert len(trainer["packs"]) == 1  # delta rounds scan, then copy what changed
+    assert sorted(trainer["packs"][0]) == sorted([32 * 32 * 4] * 5 + [big])
+    # the scan read w3 in rounds 2-4 only: round 1's fingerprints came from the pack
+    assert sum(sizes.count(big) for sizes in trainer["scans"]) == 3
+    assert 0 < trainer["payload"][1] < big // 8  # round 2: w3's patch, nothing else
+    assert rec["bad"] == [[], [], [], []] and rec["versions"] == [1, 2, 3, 4]
+    assert rec["patched"] == [0, 1, 1, 1]
+
+
 def _hostile_patch_receiver(port: int) -> dict[str, Any]:
     """Round 3's device patch arrives with an index past its piece (the bytes of a bucket are
     untrusted): read without waiting, clamped, flagged, refused with the digests."""
