@@ -24,7 +24,9 @@ Rows:
   full round and a 1-tensor delta round through tensor handles (CUDA buckets, ``ipc_device``,
   on a GPU; shared CPU storage without one), after one untimed round that plans and shares;
   then the same with the fingerprints (scan and digests) by the Triton kernel
-  (``DELTACKPT_FINGERPRINT_COMPILE=triton``; the torch operations where Triton is missing);
+  (``DELTACKPT_FINGERPRINT_COMPILE=triton``; the torch operations where Triton is missing),
+  whose full round copies and fingerprints in one pass on both sides (docs/sync.md, Device
+  passes), and once more with those copies unfused (``DELTACKPT_FUSED_COPY=off``);
 * host buckets (a third group, ``links="ipc", ipc_device="cpu"`` with
   ``DELTACKPT_DEVICE_ROUNDS=always``; ``--no-host-buckets`` skips it): device rounds through
   host shared memory, the trainer's tensors copied into page-locked buckets, digests taken on
@@ -101,6 +103,9 @@ def ipc_plan(repeats: int) -> list[tuple[str, int]]:
         # sides; the first round of it compiles the kernel (nothing changed in it)
         ("triton_first", 1),
         ("full_triton", repeats),
+        # the same with the copies and their fingerprints apart (DELTACKPT_FUSED_COPY=off):
+        # what the fused pass of the pack and of the receiver's copy out saves
+        ("full_triton_apart", repeats),
         ("rl_triton", repeats),
         ("rl_dp_triton_first", 1),  # device bases again (rounds without patches drop them)
         ("rl_dp_triton", repeats),
@@ -119,8 +124,12 @@ def host_bucket_plan(repeats: int) -> list[tuple[str, int]]:
 
 
 def kernel_knob(kind: str) -> dict[str, str]:
-    """``DELTACKPT_FINGERPRINT_COMPILE`` for a round of ``kind`` (both processes set it)."""
-    return {"DELTACKPT_FINGERPRINT_COMPILE": "triton" if "triton" in kind else "off"}
+    """``DELTACKPT_FINGERPRINT_COMPILE`` and ``DELTACKPT_FUSED_COPY`` for a round of ``kind``
+    (both processes set them)."""
+    return {
+        "DELTACKPT_FINGERPRINT_COMPILE": "triton" if "triton" in kind else "off",
+        "DELTACKPT_FUSED_COPY": "off" if kind.endswith("_apart") else "auto",
+    }
 
 
 def _log(msg: str) -> None:
@@ -508,6 +517,7 @@ def report(s: dict[str, Any], device: str) -> str:
     if "ipc_full_triton" in s:
         labels["ipc_triton_first"] = "ipc, Triton fingerprints: first round (compiles; no change)"
         labels["ipc_full_triton"] = "ipc, Triton fingerprints: full round"
+        labels["ipc_full_triton_apart"] = "ipc, Triton fingerprints: full round, copies unfused"
         labels["ipc_rl_triton"] = f"ipc, Triton fingerprints: RL-like ({RL_SHARE:.0%})"
         labels["ipc_rl_dp_triton"] = (
             f"ipc, Triton fingerprints: RL-like ({RL_SHARE:.0%}), device patches"

@@ -41,6 +41,12 @@ DELTACKPT_FINGERPRINT_COMPILE  chunk fingerprints of CUDA bytes (device       au
                            errors raised), ``off`` (torch ops, ~16 passes),
                            ``on`` (fused by ``torch.compile``; its first
                            call compiles for ~15 s). The same integers
+DELTACKPT_FUSED_COPY       a device round's copies that are fingerprinted    auto
+                           too (the trainer's pack of a full round, the
+                           receiver's copy out of the ipc bucket):
+                           ``auto`` (one pass of the Triton kernel, which
+                           copies and fingerprints, where the fingerprints
+                           run by it), ``off`` (copied, then fingerprinted)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -172,6 +178,15 @@ def fingerprint_kernel() -> str:
     ``triton``."""
     mode = default_fingerprint_compile()
     return {"auto": "auto", "off": "torch", "on": "compile", "triton": "triton"}[mode]
+
+
+FUSED_COPIES = ("auto", "off")
+
+
+def fused_copies() -> bool:
+    """Whether a device round may copy and fingerprint in one pass
+    (``DELTACKPT_FUSED_COPY``; it then does so where the fingerprint kernel runs)."""
+    return _env_choice("DELTACKPT_FUSED_COPY", FUSED_COPIES, "auto") == "auto"
 
 
 STAGE_DEFERS = ("auto", "off", "always")

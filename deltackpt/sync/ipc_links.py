@@ -65,7 +65,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_tensor
 
 from deltackpt import cuda
 from deltackpt.format.fingerprint import copy_fingerprinted
-from deltackpt.options import fingerprint_kernel
+from deltackpt.options import fingerprint_kernel, fused_copies
 from deltackpt.sync.cells import Done, Recv, wait_published
 from deltackpt.sync.device_digest import CHUNK
 from deltackpt.sync.errors import PeerLostError
@@ -555,7 +555,7 @@ class IpcLinks:
             return None
         bucket, into, n = got
         fps = None
-        if spans and all(o + k <= n for o, k in spans):  # a span past the message: copied
+        if spans and fused_copies() and all(o + k <= n for o, k in spans):  # else: copied
             fps = copy_fingerprinted(bucket, into, spans, CHUNK, fingerprint_kernel())
         if fps is None:  # whole, and its digests miss where the sender's bytes end
             self._copy(src, tag, bucket, into, n)

@@ -41,7 +41,7 @@ import torch
 from deltackpt import cuda
 from deltackpt.format.fingerprint import fuses
 from deltackpt.format.fingerprint_kernel import whole_words
-from deltackpt.options import default_device_scan, fingerprint_kernel
+from deltackpt.options import default_device_scan, fingerprint_kernel, fused_copies
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
 from deltackpt.sync.device_digest import CHUNK, rows_on_host
@@ -600,7 +600,7 @@ class WeightSender:
         place as whole words (cast ones: the cast copy's). One the pack cannot fuse after all
         has no fingerprints committed and goes whole next round (``HostMirror.scan``)."""
         dev = self.group.ipc_device
-        if dev is None or self.mirror.chunk_bytes != CHUNK:
+        if dev is None or self.mirror.chunk_bytes != CHUNK or not fused_copies():
             return frozenset()
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())

@@ -6,6 +6,7 @@ way the receiver ends bit-exact and only the changed tensor is sent."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -239,6 +240,8 @@ def _fused_receiver(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
         return [f + 1 for f in fps] if how == "lying" else fps
 
     ipc_links.copy_fingerprinted = fused
+    if how == "off":  # DELTACKPT_FUSED_COPY=off: copied, then fingerprinted
+        os.environ["DELTACKPT_FUSED_COPY"] = "off"
     out = _patch_receiver(port, False, dev, True)
     out["calls"], out["ran"] = calls, ran
     return out
@@ -320,6 +323,8 @@ def _fused_trainer(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
         sender.fuses = lambda device, kernel="auto": True
     packer.pack_fingerprinted = pack
     host_mirror.many_fingerprints = scan
+    if how == "off":
+        os.environ["DELTACKPT_FUSED_COPY"] = "off"
     out = _patch_trainer(port, dev, True)
     out["packs"], out["scans"] = packs, scans
     return out
@@ -365,6 +370,25 @@ def test_a_full_device_round_fingerprints_its_tensors_as_it_packs_them(how: str,
     assert 0 < trainer["payload"][1] < big // 8  # round 2: w3's patch, nothing else
     assert rec["bad"] == [[], [], [], []] and rec["versions"] == [1, 2, 3, 4]
     assert rec["patched"] == [0, 1, 1, 1]
+
+
+def test_fused_copies_off_copies_then_fingerprints_on_both_sides() -> None:
+    """``DELTACKPT_FUSED_COPY=off`` (the other choice, for a device where the fused pass is
+    slower): neither the trainer's pack nor the receiver's copy out fuses, though the kernel
+    would run (the stand-ins say it does); the scan fingerprints every tensor every round and
+    the rounds are what they are with fusion."""
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_fused_trainer, (port, "off")), (_fused_receiver, (port, "off"))],
+            timeout=90,
+            fast_exit=True,
+        )
+    )
+    assert trainer["packs"] == [] and rec["calls"] == []
+    assert sum(sizes.count(1024 * 1024 * 4) for sizes in trainer["scans"]) == 4
+    assert rec["bad"] == [[], [], [], []] and rec["patched"] == [0, 1, 1, 1]
 
 
 def _hostile_patch_receiver(port: int) -> dict[str, Any]:
