@@ -226,6 +226,8 @@ def refused(src: torch.Tensor, dst: torch.Tensor, spans: Sequence[tuple[int, int
     """Why :func:`copy_spans` cannot copy ``spans`` of ``src`` into ``dst``, or None."""
     if src.dim() != 1 or dst.dim() != 1 or src.dtype != torch.uint8 or dst.dtype != torch.uint8:
         return "copy_spans copies between 1-D uint8 tensors"
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        return "copy_spans copies between contiguous tensors"
     if src.device != dst.device:
         return f"copy_spans copies on one device, not {src.device} -> {dst.device}"
     if not spans:
@@ -276,8 +278,8 @@ def refused_into(
     sources: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
 ) -> str | None:
     """Why :func:`copy_into` cannot copy ``sources`` into ``dst`` at ``offsets``, or None."""
-    if dst.dim() != 1 or dst.dtype != torch.uint8:
-        return "copy_into copies into a 1-D uint8 tensor"
+    if dst.dim() != 1 or dst.dtype != torch.uint8 or not dst.is_contiguous():
+        return "copy_into copies into a contiguous 1-D uint8 tensor"
     if len(sources) != len(offsets):
         return f"{len(sources)} sources but {len(offsets)} offsets"
     if dst.data_ptr() % 8:
@@ -293,12 +295,15 @@ def refused_into(
 
 
 def whole_words(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes can be read word by word in place: it starts at an aligned word
-    and the word its last byte is in lies inside its storage (no read past what it owns)."""
+    """Whether ``t``'s bytes can be read word by word in place: it is contiguous, starts at an
+    aligned word, and the word its last byte is in lies inside its storage (no read past what
+    it owns)."""
     nbytes = t.numel() * t.element_size()
     words = -(-nbytes // 8) * 8
     at = t.storage_offset() * t.element_size()
-    return t.data_ptr() % 8 == 0 and at + words <= t.untyped_storage().nbytes()
+    return (
+        t.is_contiguous() and t.data_ptr() % 8 == 0 and at + words <= t.untyped_storage().nbytes()
+    )
 
 
 def copy_into(

@@ -507,6 +507,7 @@ class IpcLinks:
         wait_published(self.g, src, tag, seq, lambda: int(cellv[tag, SEQ]), what)
         n, gen, hdr = int(cellv[tag, NBYTES]), int(cellv[tag, GEN]), int(cellv[tag, HDR])
         self._inline.pop((src, tag), None)
+        self._deferred.pop((src, tag), None)  # a failed round's, never to land in this one
         if n < 0 or hdr:  # the header in the cell: its words copied out before anything
             size = -n if n < 0 else hdr
             if size % 8 or not 0 < size <= 8 * INLINE_WORDS:

@@ -667,7 +667,13 @@ class WeightReceiver:
             spans = [(got.offsets[k], got.header.lengths[k]) for k in ks]
             fps = g.copy_received(bk.sender, bk.index, spans)  # type: ignore[misc]
             if fps is not None:  # copied and fingerprinted in one pass: verified from these
-                got.known = dict(zip(ks, fps, strict=True))
+                # where the piece's span is the one its check reads (a whole piece: a patch's
+                # payload is shorter, and its check is of the patched piece)
+                got.known = {
+                    k: f
+                    for k, f in zip(ks, fps, strict=True)
+                    if got.header.lengths[k] == bk.pieces[k].nbytes
+                }
         direct = [
             (p, o)
             for p, o, f in zip(bk.pieces, got.offsets, flags, strict=True)
@@ -702,6 +708,13 @@ class WeightReceiver:
         offsets = got.offsets
         changes: dict[int, patches.Changes] = {}
         patch_ok: list[tuple[int, torch.Tensor]] = []
+        if h.base is None and any(p is not None and p.kind != wire.RAW for p in h.pieces):
+            st.fail(
+                f"round {h.version}: bucket {bk.index} from rank {bk.sender}: its header names "
+                "patched pieces but no version they patch; the round fails"
+            )
+            st.mismatch = st.failure
+            return
         if h.base is not None:  # patches against the version this rank holds
             if h.base != self.version:
                 st.fail(

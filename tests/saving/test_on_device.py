@@ -228,7 +228,16 @@ def test_the_fused_pack_refuses_what_it_cannot_copy_word_by_word():
     with pytest.raises(ValueError, match="1-D uint8 on cpu"):
         fingerprint_kernel.copy_into([src.view(torch.int64)], dst, [0], 64, p, q)
     assert fingerprint_kernel.copy_into([], dst, [], 64, p, q) == []
-    assert fingerprint.pack_fingerprinted([src], dst, [0], 64) is None  # no kernel here
+    got = fingerprint.pack_fingerprinted([src], dst, [0], 64)
+    if fingerprint_kernel.available(torch.device("cpu")):  # Triton's interpreter
+        assert got is not None and torch.equal(got[0], source_fingerprints(src, 64))
+    else:  # no kernel: nothing copied, the caller copies and fingerprints apart
+        assert got is None
+    not_dense = torch.zeros(48, dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError, match="aligned word and its last word"):
+        fingerprint_kernel.copy_into([not_dense], dst, [0], 64, p, q)
+    with pytest.raises(ValueError, match="contiguous"):
+        fingerprint_kernel.copy_spans(not_dense, dst[:24], [(0, 8)], 64, p, q)
 
 
 # ---- saves through the device path, on CPU tensors ------------------------------------------

@@ -149,7 +149,7 @@ def _patch_receiver(port: int, edit: bool, dev: str = "cpu", big: bool = False) 
     receiver = sync.WeightReceiver(group, bucket_bytes=BIG_BUCKET if big else BUCKET, device=dev)
     held: dict[str, torch.Tensor] = {}
     expect = _state(big)
-    out: dict[str, Any] = {"bad": [], "patched": [], "errors": [], "versions": []}
+    out: dict[str, Any] = {"bad": [], "patched": [], "errors": [], "versions": [], "why": []}
     for v in (1, 2, 3, 4):
         _step(expect, v)
         if edit and v == 3:  # a hand edit of this rank's copy: base + patch is not the round
@@ -159,6 +159,7 @@ def _patch_receiver(port: int, edit: bool, dev: str = "cpu", big: bool = False) 
             out["patched"].append(st.patched)
         except sync.SyncError as e:
             out["errors"].append((v, type(e).__name__))
+            out["why"].append(str(e))
         out["versions"].append(receiver.version)
         out["bad"].append(
             sorted(n for n, t in expect.items() if n not in held or not torch.equal(held[n], t))
@@ -389,6 +390,43 @@ def test_fused_copies_off_copies_then_fingerprints_on_both_sides() -> None:
     assert trainer["packs"] == [] and rec["calls"] == []
     assert sum(sizes.count(1024 * 1024 * 4) for sizes in trainer["scans"]) == 4
     assert rec["bad"] == [[], [], [], []] and rec["patched"] == [0, 1, 1, 1]
+
+
+def _baseless_trainer(port: int) -> dict[str, Any]:
+    """``_patch_trainer`` whose headers name no base version, its patches kept (a sender's
+    bug, or bytes scribbled over the header)."""
+    from deltackpt.sync import wire
+
+    real = wire.write_header
+
+    def baseless(*args: Any, **kwargs: Any) -> int:
+        if len(args) > 7:
+            args = (*args[:7], None, *args[8:])
+        kwargs.pop("base", None)
+        return real(*args, **kwargs)
+
+    wire.write_header = baseless
+    return _patch_trainer(port, "cpu")
+
+
+def test_patches_whose_header_names_no_base_fail_the_round() -> None:
+    """A device patch is read against the version the receiver holds, which its header names;
+    a header with patched pieces and no version is refused, not read as whole pieces (a whole
+    piece's check would cover bytes the patch never wrote). The full round after each failure
+    commits."""
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_baseless_trainer, (port,)), (_patch_receiver, (port, False))],
+            timeout=90,
+            fast_exit=True,
+        )
+    )
+    assert [v for v, _ in rec["errors"]] == [2, 4], rec["why"]
+    assert all("no version they patch" in w for w in rec["why"]), rec["why"]
+    assert rec["versions"] == [1, 1, 3, 3]
+    assert trainer["full"] == [True, True]  # rounds 1 and 3 committed (2 and 4 raised)
 
 
 def _hostile_patch_receiver(port: int) -> dict[str, Any]:
