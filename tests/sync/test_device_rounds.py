@@ -215,6 +215,14 @@ def test_a_device_patch_onto_an_edited_base_fails_the_round_and_the_next_heals_i
     assert rec["bad"][3] == []  # healed bit-exactly
 
 
+# the fused passes' cases: a stand-in of the kernel, one that lies, the kernel on CUDA
+_FUSED = [
+    ("honest", "cpu"),
+    ("lying", "cpu"),
+    pytest.param("real", "cuda:0", marks=pytest.mark.gpu),
+]
+
+
 def _fused_receiver(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     """``_patch_receiver`` whose copies out of the link's buckets go through a stand-in of the
     fused Triton copy (``fingerprint_kernel.copy_spans``, which this machine cannot run outside
@@ -248,15 +256,7 @@ def _fused_receiver(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("how", "dev"),
-    [
-        ("honest", "cpu"),
-        ("lying", "cpu"),
-        pytest.param("real", "cuda:0", marks=pytest.mark.gpu),
-    ],
-    ids=["honest", "lying", "cuda"],
-)
+@pytest.mark.parametrize(("how", "dev"), _FUSED, ids=["honest", "lying", "cuda"])
 def test_the_receivers_copy_out_of_the_bucket_carries_its_fingerprints_to_the_check(
     how: str, dev: str
 ) -> None:
@@ -331,15 +331,7 @@ def _fused_trainer(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("how", "dev"),
-    [
-        ("honest", "cpu"),
-        ("lying", "cpu"),
-        pytest.param("real", "cuda:0", marks=pytest.mark.gpu),
-    ],
-    ids=["honest", "lying", "cuda"],
-)
+@pytest.mark.parametrize(("how", "dev"), _FUSED, ids=["honest", "lying", "cuda"])
 def test_a_full_device_round_fingerprints_its_tensors_as_it_packs_them(how: str, dev: str) -> None:
     """A full device round sends every tensor whole, so the sender's scan leaves the
     fingerprints of the tensors a bucket carries whole to the pack, which takes them as it
