@@ -6,10 +6,15 @@ The torch operations make ~16 passes over the bytes (each a kernel, each reading
 work buffers); ``torch.compile`` fuses them (about 4x faster on an H100, measured) but its first
 call compiles for ~15 s, and each call checks its guards. This kernel reads each word once and
 keeps everything else in registers, fingerprints every chunk of every source in one launch
-without copying them together (each row of its table is a word address and a word count, as
-the grouped GEMM of Triton's tutorials takes its matrices), and needs no work buffers: one row
-of partial sums per block of words, summed by torch afterwards. Its first call compiles in about
-a second (cached on disk by Triton).
+without copying them together (each row of its table is a word address and a byte count, as
+the grouped GEMM of Triton's tutorials takes its matrices; a row's last word counts only its
+bytes), and needs no work buffers: one row of partial sums per block of words, summed by torch
+afterwards. Its first call compiles in about a second (cached on disk by Triton).
+
+The same kernel also stores the words it loads (``COPY``): :func:`copy_spans` (a receiver's copy
+of a message out of the shared bucket) and :func:`copy_into` (a sender's pack of whole tensors
+into its bucket) copy and fingerprint in one pass, the fingerprints those of the words stored
+(docs/sync.md, Device passes; ``DELTACKPT_FUSED_COPY``).
 
 On CPU tensors it runs in Triton's interpreter (numpy, ``TRITON_INTERPRET=1`` set before Triton
 is imported): how the test suite checks it where Triton is installed without a GPU; nothing on
