@@ -77,7 +77,7 @@ __all__ = ["IpcLinks", "open_handle", "share", "tensor_handle"]
 
 SEQ, NBYTES, GEN, ACK, HDR = range(5)  # the columns of a link's cells
 HEAD = 5  # a device round's header words follow the columns
-INLINE_WORDS = 200  # room for a header of up to 64 pieces (wire.header_words)
+INLINE_WORDS = 392  # room for a header of up to 128 pieces (wire.header_words)
 CELL_WORDS = HEAD + INLINE_WORDS
 _NAME = re.compile(r"/torch_\d+_\d+_\d+")
 

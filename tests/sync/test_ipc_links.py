@@ -621,11 +621,14 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
     assert all(rec["locked"]) == (host_buckets and staging != "cpu")
 
 
+LONG_BUCKET = 16 << 10  # room for more pieces than a link's cell has header room for
+
+
 def _many_state(v: int, dev: str) -> dict[str, torch.Tensor]:
-    """One tensor over several 8 KiB buckets, then 300 of 16 elements (about 140 pieces to a
+    """One tensor over several 16 KiB buckets, then 300 of 16 elements (over 128 pieces to a
     bucket: headers too long for the link's cell); round ``v`` changes only the first."""
     g = torch.Generator().manual_seed(0)
-    out = {"big": torch.randn(8192, generator=g).to(torch.bfloat16) + v}
+    out = {"big": torch.randn(32768, generator=g).to(torch.bfloat16) + v}
     out.update((f"s{i:03d}", torch.randn(16, generator=g).to(torch.bfloat16)) for i in range(300))
     return {n: t.to(dev) for n, t in out.items()}
 
@@ -635,7 +638,7 @@ def _many_trainer(port: int, dev: str) -> dict[str, Any]:
     from deltackpt.options import overrides
 
     group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device="cpu")
-    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    sender = sync.WeightSender(group, bucket_bytes=LONG_BUCKET)
     with overrides(DELTACKPT_DEVICE_ROUNDS="always"):
         stats = [sender.push(_many_state(v, dev), version=v) for v in (1, 2)]
     sched = sender.schedule
@@ -645,7 +648,7 @@ def _many_trainer(port: int, dev: str) -> dict[str, Any]:
     return {
         "payload": [s.payload_bytes for s in stats],
         # a bucket of small tensors only, with a header too long for its cell
-        "unchanged_long": sum("big" not in n and len(n) > 64 for n in names),
+        "unchanged_long": sum("big" not in n and len(n) > 128 for n in names),
     }
 
 
@@ -653,7 +656,7 @@ def _many_receiver(port: int, dev: str) -> dict[str, Any]:
     from deltackpt import sync
 
     group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc", ipc_device="cpu")
-    receiver = sync.WeightReceiver(group, bucket_bytes=BUCKET, device=torch.device(dev))
+    receiver = sync.WeightReceiver(group, bucket_bytes=LONG_BUCKET, device=torch.device(dev))
     held: dict[str, torch.Tensor] = {}
     bad = []
     for v in (1, 2):
@@ -670,7 +673,7 @@ def test_host_buckets_with_long_headers_carry_a_delta_round(
     dev: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Device rounds through host buckets: a bucket whose header is too long for its cell
-    (over 64 pieces) with nothing changed goes whole, with a header in it; on CUDA its (no)
+    (over 128 pieces) with nothing changed goes whole, with a header in it; on CUDA its (no)
     digests lie on the host, the changed bucket's on the GPU, and the round reads each where it
     lies (a concatenation across the two devices failed the trainer's push)."""
     monkeypatch.setenv("DELTACKPT_DEVICE_SCAN", "always")  # the CPU stand-in of a GPU's scan
