@@ -273,10 +273,7 @@ def copy_spans(
         return []
     at = np.array(spans, dtype=np.int64).reshape(-1, 2)
     off, size = at[:, 0], at[:, 1]
-    base = src.data_ptr()
-    addr, nbytes, rows_of = _rows(base + off, size, chunk_bytes)
-    dst_at = addr - base + dst.data_ptr()  # each row at its offset in ``dst``
-    return _launch(src.device, chunk_bytes, p, q, addr, dst_at, nbytes, rows_of, copy=True)
+    return _copy(src.device, src.data_ptr() + off, size, dst.data_ptr() + off, chunk_bytes, p, q)
 
 
 def refused_into(
@@ -335,7 +332,21 @@ def copy_into(
     ptr = np.fromiter((s.data_ptr() for s in sources), np.int64, n)
     size = np.fromiter((s.numel() for s in sources), np.int64, n)
     to = np.asarray(offsets, dtype=np.int64) + dst.data_ptr()
+    return _copy(dst.device, ptr, size, to, chunk_bytes, p, q)
+
+
+def _copy(
+    device: torch.device,
+    ptr: np.ndarray,
+    size: np.ndarray,
+    to: np.ndarray,
+    chunk_bytes: int,
+    p: torch.Tensor,
+    q: torch.Tensor,
+) -> list[torch.Tensor]:
+    """One fused launch: the ``size[i]`` bytes at address ``ptr[i]`` stored at ``to[i]``, and
+    each one's fingerprints (:func:`copy_spans`, :func:`copy_into`: checked before)."""
     addr, nbytes, rows_of = _rows(ptr, size, chunk_bytes)
-    which = np.repeat(np.arange(n, dtype=np.int64), rows_of)
+    which = np.repeat(np.arange(ptr.size, dtype=np.int64), rows_of)
     dst_at = addr - ptr[which] + to[which]  # each row at its offset in its source's place
-    return _launch(dst.device, chunk_bytes, p, q, addr, dst_at, nbytes, rows_of, copy=True)
+    return _launch(device, chunk_bytes, p, q, addr, dst_at, nbytes, rows_of, copy=True)
