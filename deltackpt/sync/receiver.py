@@ -708,13 +708,6 @@ class WeightReceiver:
         offsets = got.offsets
         changes: dict[int, patches.Changes] = {}
         patch_ok: list[tuple[int, torch.Tensor]] = []
-        if h.base is None and any(p is not None and p.kind != wire.RAW for p in h.pieces):
-            st.fail(
-                f"round {h.version}: bucket {bk.index} from rank {bk.sender}: its header names "
-                "patched pieces but no version they patch; the round fails"
-            )
-            st.mismatch = st.failure
-            return
         if h.base is not None:  # patches against the version this rank holds
             if h.base != self.version:
                 st.fail(

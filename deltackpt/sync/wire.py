@@ -255,6 +255,12 @@ def read_header(buf: torch.Tensor, seq: int, index: int, sizes: list[int], capac
             "bytes); expected flag 0, 1 or 2 (none in an abort message), a raw piece of its "
             "planned size or a patch no longer than it"
         )
+    patches = np.flatnonzero(present & ~raw)
+    if patches.size and not base:  # a patch applies to the version the header names
+        raise SyncError(
+            f"bucket {index} of round {seq}: its header names patched pieces (piece "
+            f"{int(patches[0])}) but no version they patch; a message was corrupted"
+        )
     pieces: list[Piece | None] = [None] * n_pieces
     at = np.flatnonzero(present)
     for k, f, kd, n, hi, lo in zip(
