@@ -140,10 +140,12 @@ def table(
     """The kernel's table for ``sources`` (1-D uint8, one device): per row (a chunk, or a
     source's last partial chunk), its first word's address and its byte count; the rows per
     source; the copies the table points into, which must live until the launch. A source not
-    8-byte aligned is copied first, and so is a tail that ends inside a word (zero-padded, so
-    that no word is read past a source's end): both rare, done per source; everything else is
-    a few numpy operations for all the sources (no Python per source past reading its address
-    and size: a round of many small tensors is host work otherwise)."""
+    8-byte aligned is copied first, and so is a tail whose last word lies past the source's
+    storage (zero-padded, so that no word is read past what the source owns; a tail ending
+    inside a word of its storage is read in place, the kernel counting only its bytes): both
+    rare, done per source; everything else is a few numpy operations for all the sources (no
+    Python per source past reading its address and size: a round of many small tensors is
+    host work otherwise)."""
     n = len(sources)
     ptr = np.fromiter((s.data_ptr() for s in sources), np.int64, n)
     size = np.fromiter((s.numel() for s in sources), np.int64, n)
@@ -157,7 +159,7 @@ def table(
             keep.append(s)
             ptr[i] = s.data_ptr()
             tail_at[i] = ptr[i] + full[i] * chunk_bytes
-        if tail[i] % 8:  # the last word zero-padded: a copy
+        if tail[i] % 8 and not whole_words(s):  # its last word past its storage: a copy
             t = int(tail[i])
             padded = torch.zeros(-(-t // 8) * 8, dtype=torch.uint8, device=s.device)
             padded[:t] = s[int(full[i]) * chunk_bytes :]

@@ -137,10 +137,11 @@ def test_many_fingerprints_are_each_sources_fingerprints(chunk, monkeypatch):
 @pytest.mark.parametrize("chunk", [64, 4096])
 def test_the_kernels_table_points_at_every_chunk_of_every_source(chunk):
     """The Triton kernel's rows (built for all sources at once, ``fingerprint_kernel.table``):
-    read here on the CPU, each row's words are the bytes of its chunk in order, a tail that
-    ends inside a word zero-padded, an unaligned source read from an aligned copy; the rows of
-    a source are its chunks and partial last chunk. (The kernel itself: the gpu tests and
-    TRITON_INTERPRET.)"""
+    read here on the CPU, each row's first bytes are the bytes of its chunk in order (the
+    kernel counts only those of a row's last word), an unaligned source read from an aligned
+    copy; the rows of a source are its chunks and partial last chunk; a tail ending inside a
+    word is read in place where its last word lies in its storage, else from a zero-padded
+    copy. (The kernel itself: the gpu tests and TRITON_INTERPRET.)"""
     import ctypes
 
     srcs = _many_sources(chunk)
@@ -148,22 +149,29 @@ def test_the_kernels_table_points_at_every_chunk_of_every_source(chunk):
     assert rows_of.tolist() == [-(-s.numel() // chunk) for s in srcs]
     assert addr.size == nbytes.size == sum(rows_of.tolist())
     assert all(int(a) % 8 == 0 for a in addr)
-    assert keep  # the unaligned sources and the tails inside a word were copied
+    assert keep  # the unaligned sources were copied
     at = 0
     for s in srcs:
         for c in range(-(-s.numel() // chunk)):
             want = bytes(s[c * chunk : (c + 1) * chunk].tolist())
             assert int(nbytes[at]) == len(want)
-            want += bytes(-len(want) % 8)
             assert ctypes.string_at(int(addr[at]), len(want)) == want, (s.numel(), c)
             at += 1
     aligned = torch.zeros(3 * chunk, dtype=torch.uint8)  # none copied: the sources' own bytes
     a2, w2, r2, k2 = fingerprint_kernel.table(
-        [aligned, aligned[:0], aligned[8 : chunk + 16]], chunk
+        [aligned, aligned[:0], aligned[8 : chunk + 16], aligned[16 : 2 * chunk + 29]], chunk
     )
     base = aligned.data_ptr()
-    assert a2.tolist() == [base, base + chunk, base + 2 * chunk, base + 8, base + 8 + chunk]
-    assert w2.tolist() == [chunk] * 4 + [8] and r2.tolist() == [3, 0, 2] and not k2
+    # the last source's tail of 13 bytes is read in place: its last word is in the storage
+    at16 = [base + 16, base + 16 + chunk, base + 16 + 2 * chunk]
+    assert a2.tolist() == [base, base + chunk, base + 2 * chunk, base + 8, base + 8 + chunk, *at16]
+    assert w2.tolist() == [chunk] * 4 + [8] + [chunk] * 2 + [13] and r2.tolist() == [3, 0, 2, 3]
+    assert not k2
+    # a tail whose last word lies past its storage (a tensor of its own): a zero-padded copy
+    own = _bytes(chunk + 13, 5)
+    a3, w3, _, k3 = fingerprint_kernel.table([own], chunk)
+    assert a3[0] == own.data_ptr() and a3[1] == k3[0].data_ptr() and w3.tolist() == [chunk, 13]
+    assert ctypes.string_at(int(a3[1]), 16) == bytes(own[chunk:].tolist()) + bytes(3)
 
 
 def _message(chunk: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -495,7 +503,8 @@ from deltackpt.format import fingerprint, fingerprint_kernel
 from tests.saving.test_on_device import _many_sources, _message, _pieces
 assert fingerprint_kernel.available(torch.device("cpu"))
 for chunk in (64, 4096, 1 << 16):
-    srcs = _many_sources(chunk)
+    # views of one buffer (odd tails read in place) and a tensor of its own (its tail copied)
+    srcs = _many_sources(chunk) + [torch.randint(0, 256, (chunk + 13,), dtype=torch.uint8)]
     got = fingerprint.many_fingerprints(srcs, chunk, "triton")
     for s, g in zip(srcs, got, strict=True):
         assert torch.equal(g, fingerprint.source_fingerprints(s, chunk)), (chunk, s.numel())
