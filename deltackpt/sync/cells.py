@@ -45,12 +45,20 @@ class Recv:
 
 
 def wait_published(
-    g: SyncGroup, src: int, tag: int, seq: int, cell_round: Callable[[], int], what: str
+    g: SyncGroup,
+    src: int,
+    tag: int,
+    seq: int,
+    cell_round: Callable[[], int],
+    what: str,
+    acked: bool = False,
 ) -> None:
     """Poll until ``cell_round()`` (the round bucket ``tag``'s cell names) is ``seq``. Every
     ``CHECK_S``: a round aborted because a peer was lost, or ``src``'s process gone, is a
     :class:`PeerLostError` (a soft abort is waited out: the sender publishes a stub); past the
-    group's timeout, :class:`SyncTimeoutError`."""
+    group's timeout, :class:`SyncTimeoutError`. ``acked``: a sender waiting for receiver
+    ``src`` to acknowledge its copy of bucket ``tag`` (the errors say so)."""
+    done, peer = ("acknowledging", "receiver") if acked else ("publishing", "sender")
     start = time.monotonic()
     next_check = start + CHECK_S
     delay = 1e-5
@@ -63,13 +71,14 @@ def wait_published(
                 raise PeerLostError(why[6:])
             if not g.alive(src):
                 raise PeerLostError(
-                    f"{what}: rank {src} (pid {g.pid_of(src)[1]}) died before publishing "
+                    f"{what}: rank {src} (pid {g.pid_of(src)[1]}) died before {done} "
                     f"bucket {tag} of round {seq}"
                 )
         if now - start > g.timeout:
             raise SyncTimeoutError(
-                f"{what}: bucket {tag} of round {seq} not published within {g.timeout:g} s (its "
-                f"cell says round {cell_round()}); the sender is hung: reconnect the group"
+                f"{what}: bucket {tag} of round {seq} not {done.replace('ing', 'ed')} within "
+                f"{g.timeout:g} s (its cell says round {cell_round()}); the {peer} is hung: "
+                "reconnect the group"
             )
         time.sleep(delay)
         delay = min(2 * delay, MAX_SLEEP_S if now - start < FAST_S else SLOW_SLEEP_S)

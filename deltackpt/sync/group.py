@@ -78,7 +78,10 @@ class SyncGroup:
     timeout must not fail a peer that is still starting (importing torch with CUDA takes
     seconds). ``links``: ``"gloo"``, ``"shm"`` or ``"ipc"``
     (one host, tensor handles: ``ipc_links.py``); ``ipc_device``: where a trainer's ipc buckets
-    live, ``"cpu"`` (shared memory) or a CUDA device (CUDA IPC)."""
+    live, ``"cpu"`` (shared memory) or a CUDA device (CUDA IPC); ``ipc_buckets``: the most of
+    them a trainer holds per link (>= 2), reused within a round as the receiver copies each
+    out (a bound on the trainer's device memory: ``ipc_buckets * bucket_bytes``); None (the
+    default): one per bucket of the round, the round's bytes."""
 
     def __init__(
         self,
@@ -94,6 +97,7 @@ class SyncGroup:
         dead_after: float = 3.0,
         links: str = "gloo",
         ipc_device: str | torch.device = "cpu",
+        ipc_buckets: int | None = None,
     ) -> None:
         if links not in ("gloo", "shm", "ipc"):
             raise SyncError(
@@ -114,6 +118,14 @@ class SyncGroup:
                 "memory ('cpu') or on a CUDA device of this process ('cuda:N', needs CUDA)"
             )
         self.ipc_device = dev
+        if ipc_buckets is not None and (
+            isinstance(ipc_buckets, bool) or not isinstance(ipc_buckets, int) or ipc_buckets < 2
+        ):
+            raise SyncError(
+                f"ipc_buckets={ipc_buckets!r}: expected None (a bucket per bucket of a round) "
+                "or an int >= 2 (a ring of that many reused buckets per link)"
+            )
+        self.ipc_buckets = ipc_buckets
         self.links = links
         self.addr, self.rank, self.world_size = master_addr, int(rank), int(world_size)
         self.trainers = tuple(sorted(set(int(t) for t in trainers)))
@@ -165,7 +177,7 @@ class SyncGroup:
             job = bytes(self.guard("store get", lambda: self.store.get("job"))).decode()
             self._shm = ShmLinks(self, job)
         elif self.links == "ipc":
-            self._ipc = IpcLinks(self, self.ipc_device)
+            self._ipc = IpcLinks(self, self.ipc_device, self.ipc_buckets)
         # the one-host link that carries the buckets (None: gloo)
         self._host: ShmLinks | IpcLinks | None = self._ipc if self._shm is None else self._shm
 

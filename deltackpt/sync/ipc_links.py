@@ -219,12 +219,15 @@ class _Bucket:
 
 @dataclass
 class _Out:
-    """A link this rank sends on: its cells and buckets."""
+    """A link this rank sends on: its cells and buckets, one per bucket of the round
+    (``buckets[tag]``); with a ring of ``ring`` shared buckets, bucket ``tag`` is
+    ``buckets[tag % ring]``'s tensor, the same object at every ``ring``-th tag."""
 
     cells: torch.Tensor
     cellv: np.ndarray
     slot: int
     buckets: list[_Bucket]
+    ring: int = 0  # distinct shared buckets reused within a round; 0: one per bucket
 
 
 @dataclass
@@ -237,6 +240,9 @@ class _In:
     slot: int
     cells: torch.Tensor | None = None
     cellv: np.ndarray | None = None
+    # the sender reuses its buckets within a round (a ring: generations repeat in the cells),
+    # so each copy out is acknowledged as soon as it landed, not once before the vote
+    ring: bool = False
     mapped: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # mapped host buckets copied to a GPU: page-locked (True) or refused (False, not retried)
     locked: dict[int, bool] = field(default_factory=dict)
@@ -264,10 +270,13 @@ class _Retired:
 class IpcLinks:
     """The buckets of this rank's ipc links; ``open(links)`` once per schedule (module doc).
     ``device``: where the buckets a sender owns live (CPU shared memory, or a CUDA device).
-    ``handles_sent`` / ``handles_opened`` count handles posted and mapped by this rank."""
+    ``ring``: the most shared buckets this rank holds per link as a sender (>= 2), reused
+    within a round once the receiver acknowledged its copy of the last message in each; None:
+    one per bucket of the round. ``handles_sent`` / ``handles_opened`` count handles posted
+    and mapped by this rank."""
 
-    def __init__(self, group: SyncGroup, device: torch.device) -> None:
-        self.g, self.device = group, device
+    def __init__(self, group: SyncGroup, device: torch.device, ring: int | None = None) -> None:
+        self.g, self.device, self.ring = group, device, ring
         self._out: dict[int, _Out] = {}
         self._in: dict[int, _In] = {}
         self._retired: list[_Retired] = []
@@ -315,8 +324,14 @@ class IpcLinks:
     def _open_out(self, r: int, n: int, slot: int, setup: int) -> _Out:
         me = self.g.rank
         old = self._out.get(r)
-        keep = old.buckets if old is not None and old.slot == slot else []
-        buckets = [keep[t] if t < len(keep) else self._new_bucket(r, t, slot) for t in range(n)]
+        m = n if self.ring is None else min(n, self.ring)  # distinct shared buckets
+        keep = (
+            []
+            if old is None or old.slot != slot
+            else list({id(b): b for b in old.buckets}.values())
+        )
+        phys = [keep[i] if i < len(keep) else self._new_bucket(r, slot) for i in range(m)]
+        buckets = [phys[t % m] for t in range(n)] if m else []
         if old is not None:
             kept = {id(b) for b in buckets}
             self._retire(old, [(t, b) for t, b in enumerate(old.buckets) if id(b) not in kept])
@@ -330,13 +345,13 @@ class IpcLinks:
         key = f"ipc/c/{setup}/{me}-{r}"
         handle = tensor_handle(cells.view(-1).view(torch.uint8))
         self.g.guard("store set", lambda: self.g.store.set(key, handle))
-        return _Out(cells, cellv, slot, buckets)
+        return _Out(cells, cellv, slot, buckets, m if m < n else 0)
 
-    def _new_bucket(self, r: int, tag: int, slot: int) -> _Bucket:
+    def _new_bucket(self, r: int, slot: int) -> _Bucket:
         self._gen += 1
         shared = share(slot, self.device)
         host = shared if shared.device.type == "cpu" else None
-        key = f"ipc/h/{self.g.rank}-{r}/{tag}/{self._gen}"
+        key = f"ipc/h/{self.g.rank}-{r}/{self._gen}"
         handle = tensor_handle(shared)
         self.g.guard("store set", lambda: self.g.store.set(key, handle))
         self.handles_sent += 1
@@ -364,6 +379,7 @@ class IpcLinks:
         last round's vote is in."""
         o = self._out[dst]
         b = o.buckets[tag]
+        self._wait_free(dst, o, tag)
         if b.host is None:
             b.host = cuda.host_buffer(o.slot, True)
         return b.host[: o.slot]
@@ -375,9 +391,23 @@ class IpcLinks:
         run at the link's speed without waiting."""
         o = self._out[dst]
         b = o.buckets[tag]
+        self._wait_free(dst, o, tag)
         if lock and b.locked is None and b.shared.device.type == "cpu":
             b.locked = cuda.register_host(b.shared)
         return b.shared[: o.slot]
+
+    def _wait_free(self, dst: int, o: _Out, tag: int) -> None:
+        """With a ring: wait until the receiver acknowledged its copy of the message bucket
+        ``tag - ring`` carried in this round's shared bucket (published: the sender publishes
+        a ring's buckets one by one), with the liveness checks of a receive
+        (:class:`PeerLostError` when ``dst`` dies or the round is lost)."""
+        if not o.ring or tag < o.ring:
+            return
+        prev, seq, cellv = tag - o.ring, self.g.seq, o.cellv
+        if int(cellv[prev, SEQ]) != seq or int(cellv[prev, NBYTES]) < 0:
+            return  # not published in this round, or a header in its cell: the bucket unread
+        what = f"{self._name(self.g.rank, dst)}, bucket {tag} reusing bucket {prev}'s memory"
+        wait_published(self.g, dst, prev, seq, lambda: int(cellv[prev, ACK]), what, acked=True)
 
     def publish(
         self,
@@ -476,6 +506,7 @@ class IpcLinks:
         self.handles_opened += 1
         lk.cells = t.view(torch.int64).view(lk.n, CELL_WORDS)
         lk.cellv = lk.cells.numpy()
+        lk.ring = len(set(lk.cellv[:, GEN].tolist())) < lk.n  # set by the sender, then posted
         return lk.cellv
 
     def _bucket(self, src: int, lk: _In, tag: int, gen: int) -> torch.Tensor:
@@ -486,7 +517,11 @@ class IpcLinks:
             return got[1]
         g = self.g
         what = self._name(src, g.rank)
-        key = f"ipc/h/{src}-{g.rank}/{tag}/{gen}"
+        same = next((m for m_gen, m in lk.mapped.values() if m_gen == gen), None)
+        if same is not None:  # a ring: this memory is mapped for another bucket already
+            lk.mapped[tag] = (gen, same)
+            return same
+        key = f"ipc/h/{src}-{g.rank}/{gen}"
         if not g.guard("store check", lambda: g.store.check([key])):
             raise PeerLostError(
                 f"{what}: bucket {tag} names handle generation {gen}, which rank {src} never "
@@ -504,6 +539,8 @@ class IpcLinks:
         lk = self._in[src]
         cellv = self._cells(src, lk, seq)
         what = self._name(src, self.g.rank)
+        if lk.ring:  # a copy the receiver left (a header it refused): copied, acknowledged
+            self.settle()
         wait_published(self.g, src, tag, seq, lambda: int(cellv[tag, SEQ]), what)
         n, gen, hdr = int(cellv[tag, NBYTES]), int(cellv[tag, GEN]), int(cellv[tag, HDR])
         self._inline.pop((src, tag), None)
@@ -560,6 +597,8 @@ class IpcLinks:
             fps = copy_fingerprinted(bucket, into, spans, CHUNK, fingerprint_kernel())
         if fps is None:  # whole, and its digests miss where the sender's bytes end
             self._copy(src, tag, bucket, into, n)
+        if self._in[src].ring:  # the sender waits to reuse the bucket: landed, acknowledged
+            self.settle()
         return fps
 
     # ---- cleanup --------------------------------------------------------------------------

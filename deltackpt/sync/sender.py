@@ -414,6 +414,7 @@ class WeightSender:
         next_check = time.monotonic() + _ABORT_CHECK
         group: list[tuple[LinkBucket, int, DeviceDigests]] = []  # packed, not yet published
         group_bytes = 0
+        ring = g.ipc_buckets is not None
 
         def flush() -> None:
             nonlocal lost, group_bytes
@@ -438,14 +439,20 @@ class WeightSender:
                     lost = lost or f"sending to rank {dst} failed ({cause_line(e)})"
 
         def submit(i: int) -> Future[Packed] | None:
+            nonlocal lost
             if i >= len(self._buckets) or failure or aborted or lost:
                 return None
             settle(i % _RING)
             bk = self._buckets[i]
-            if device:  # a host bucket the GPU copies into: page-locked
-                win: torch.Tensor | None = g.device_window(bk.receiver, bk.index, lock=from_gpu)
-            else:  # shm: pack straight into the link's slot
-                win = g.window(bk.receiver, bk.index)
+            try:  # a ring of ipc buckets (ipc_buckets) waits here for the receiver's copy
+                if device:  # a host bucket the GPU copies into: page-locked
+                    win: torch.Tensor | None = g.device_window(bk.receiver, bk.index, lock=from_gpu)
+                else:  # shm: pack straight into the link's slot
+                    win = g.window(bk.receiver, bk.index)
+            except SyncError as e:
+                dead.add(bk.receiver)
+                lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
+                return None
             bufs[i % _RING] = self._ring[i % _RING] if win is None else win
             args = (sched, bk, bufs[i % _RING], seq, version, full)
             pack = partial(
@@ -507,6 +514,8 @@ class WeightSender:
                     group.append((bk, nbytes, present))
                     group_bytes += nbytes
                     wire_bytes += nbytes
+                    if ring:  # the receiver copies it out before its memory is packed again
+                        flush()
                     continue
                 try:
                     if g.window(bk.receiver, bk.index) is not None:  # packed in place

@@ -1,0 +1,345 @@
+"""A ring of ipc buckets (``SyncGroup(..., links="ipc", ipc_buckets=N)``, deltackpt/sync/
+ipc_links.py): a trainer holds N shared buckets per link instead of one per bucket of a round
+(on a GPU, N buckets of device memory instead of a copy of the round), reusing each within the
+round once the receiver acknowledged its copy of the message before. Real processes on CPU
+shared storage, as a GPU runs them on CUDA IPC handles, host and device rounds:
+
+* full and delta rounds bit-exact on two links of several buckets each, into round and ring
+  staging, through a re-plan; the trainer made N buckets per link (its /dev/shm files), posted N
+  handles, and each receiver mapped N (a bucket reusing memory maps nothing new);
+* the trainer really waits: a receiver that holds its copy of a bucket back holds back the
+  trainer's pack of the bucket N later (and not of the one before);
+* a receiver killed mid-round while the trainer waits for its acknowledgement: the trainer
+  raises ``PeerLostError`` naming the wait, not a hang;
+* a tampered message still fails the round on every rank, nothing applied, the next round exact;
+* a bad ``ipc_buckets`` is refused before connecting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import free_port, spawn
+from tests.sync._common import make_state, mismatches, wants_for
+from tests.sync.test_ipc_links import LAYOUTS, ROUNDS, _files
+
+pytestmark = pytest.mark.multiproc
+
+RING = 2
+BUCKET = 4 << 10  # many buckets per link: more than the ring
+
+
+def _trainer(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", port, 0, 3, [0], timeout=60, links="ipc", ipc_buckets=RING)
+    links = group._ipc
+    assert links is not None
+    out: dict[str, Any] = {"rounds": []}
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    for v in (1, 2, 3, 4):
+        out["rounds"].append(sender.push(make_state(v), version=v, full=v == 4))
+    out["device_rounds"] = sender._device
+    out["per_link"] = {r: len(o.buckets) for r, o in links._out.items()}
+    out["distinct"] = {r: len({id(b) for b in o.buckets}) for r, o in links._out.items()}
+    out["sent"] = links.handles_sent
+    out["files"] = len(_files(os.getpid()))
+    sender = sync.WeightSender(group, bucket_bytes=2 * BUCKET)  # a re-plan: other slot sizes
+    out["replan"] = sender.push(make_state(5), version=5)
+    out["replan_distinct"] = {r: len({id(b) for b in o.buckets}) for r, o in links._out.items()}
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+def _receiver(rank: int, port: int, staging: str) -> dict[str, Any]:
+    from deltackpt import sync
+
+    layout = LAYOUTS[rank]
+    group = sync.SyncGroup("127.0.0.1", port, rank, 3, [0], timeout=60, links="ipc")
+    links = group._ipc
+    assert links is not None
+    wants = wants_for(layout)
+    if staging == "ring":  # written into the receiver's own tensors before the vote
+        wants = [dataclasses.replace(w, into=None) for w in wants]
+    loaded: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {"versions": [], "bad": []}
+
+    def pull(receiver: Any) -> None:
+        receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+        out["versions"].append(receiver.version)
+        out["bad"].append(mismatches(wants, loaded, layout, receiver.version))
+
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET, staging=staging)
+    for _ in range(4):
+        pull(receiver)
+    out["opened"] = links.handles_opened
+    out["ring"] = receiver._ring
+    pull(sync.WeightReceiver(group, wants, bucket_bytes=2 * BUCKET, staging=staging))
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=[(r, s) for r in sorted(ROUNDS) for s in ("round", "ring")])
+def ring_rounds(request: pytest.FixtureRequest) -> tuple[str, str, list[Any]]:
+    mode, staging = request.param
+    port = free_port()
+    targets = [
+        (_trainer, (port,)),
+        (_receiver, (1, port, staging)),
+        (_receiver, (2, port, staging)),
+    ]
+    with pytest.MonkeyPatch.context() as mp:  # the spawned ranks inherit it
+        mp.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
+        got = [o.unwrap() for o in spawn(targets, timeout=120, fast_exit=True)]
+    assert got[0]["device_rounds"] == (mode == "device")
+    return mode, staging, got
+
+
+def test_a_ring_of_buckets_carries_full_and_delta_rounds_bit_exact(ring_rounds: Any) -> None:
+    _, staging, (trainer, *receivers) = ring_rounds
+    st = trainer["rounds"]
+    assert [s.full for s in st] == [True, False, False, True]
+    assert 0 < st[1].payload_bytes < st[0].payload_bytes
+    assert trainer["replan"].version == 5
+    for rec in receivers:
+        assert rec["versions"] == [1, 2, 3, 4, 5]
+        assert rec["bad"] == [[]] * 5
+    assert receivers[0]["ring"] == (staging == "ring")  # the link of many buckets: 2 slots
+
+
+def test_the_trainer_holds_only_its_ring_of_buckets_per_link(ring_rounds: Any) -> None:
+    _, _, (trainer, *receivers) = ring_rounds
+    per_link = trainer["per_link"]
+    assert per_link[1] > 2 * RING, per_link  # the whole model's link: more buckets than the ring
+    held = {r: min(n, RING) for r, n in per_link.items()}
+    assert trainer["distinct"] == held
+    assert trainer["sent"] == sum(held.values())  # a handle per shared bucket, not per bucket
+    assert trainer["files"] == sum(held.values()) + len(per_link)  # + each link's cells
+    assert all(v <= RING for v in trainer["replan_distinct"].values())
+    for rank, rec in enumerate(receivers, start=1):
+        assert rec["opened"] == held[rank] + 1  # its ring's buckets and its cells, mapped once
+
+
+# ---- the trainer waits for the receiver's copy ---------------------------------------------
+
+
+def _slow_trainer(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.sync.ipc_links import IpcLinks
+
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_buckets=RING)
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    sender.push(make_state(1), version=1)
+    asked: dict[int, float] = {}
+    orig = IpcLinks._wait_free
+
+    def timed(self: IpcLinks, dst: int, o: Any, tag: int) -> None:
+        orig(self, dst, o, tag)
+        asked.setdefault(tag, time.monotonic())
+
+    IpcLinks._wait_free = timed  # type: ignore[method-assign]
+    sender.push(make_state(2), version=2, full=True)
+    group.pg.barrier().wait()
+    group.close()
+    return {"asked": asked, "buckets": len(sender._buckets)}
+
+
+def _slow_receiver(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.sync.ipc_links import IpcLinks
+
+    layout = ("full",)
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    wants = wants_for(layout)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    loaded: dict[str, torch.Tensor] = {}
+    receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+    orig = IpcLinks._wait_copy
+    released: dict[int, float] = {}
+
+    def slow(self: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        if tag == 0:  # bucket 0 is copied (and acknowledged) only after a second
+            time.sleep(1.0)
+        released.setdefault(tag, time.monotonic())
+        orig(self, src, tag, into, seq)
+
+    IpcLinks._wait_copy = slow  # type: ignore[method-assign]
+    receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+    out = {"released": released, "bad": mismatches(wants, loaded, layout, 2)}
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", sorted(ROUNDS))
+def test_the_trainer_packs_a_ring_bucket_again_only_after_the_receivers_copy(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver sleeps 1 s before it copies bucket 0 out: the trainer got bucket 2's memory
+    (bucket 0's) only after that, and bucket 1's (its own) before it."""
+    monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_slow_trainer, (port,)), (_slow_receiver, (port,))], timeout=90, fast_exit=True
+        )
+    )
+    assert trainer["buckets"] > RING and rec["bad"] == []
+    asked, released = trainer["asked"], rec["released"]
+    assert asked[1] < released[0]  # bucket 1 is memory of its own: not waited for
+    assert asked[2] >= released[0]  # bucket 2 reuses bucket 0's: after the receiver's copy
+
+
+# ---- a receiver killed while the trainer waits ---------------------------------------------
+
+
+def _waiting_trainer(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+
+    # rank 1: the store lives on the receiver... which dies; so the trainer hosts it (rank 0)
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_buckets=RING)
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    sender.push(make_state(1), version=1)
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        sender.push(make_state(2), version=2, full=True)
+        out["error"] = None
+    except sync.SyncError as e:
+        out["error"] = (type(e).__name__, str(e))
+    out["seconds"] = time.monotonic() - t0
+    group.close()
+    return out
+
+
+def _dying_receiver(port: int) -> None:
+    from deltackpt import sync
+    from deltackpt.sync.ipc_links import IpcLinks
+
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    receiver = sync.WeightReceiver(group, wants_for(("full",)), bucket_bytes=BUCKET)
+    receiver.pull(lambda ws: None)
+    orig = IpcLinks._wait_copy
+
+    def dying(self: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        if tag == 1:  # bucket 0 received, never acknowledged: the trainer waits for it
+            os.kill(os.getpid(), signal.SIGKILL)
+        orig(self, src, tag, into, seq)
+
+    IpcLinks._wait_copy = dying  # type: ignore[method-assign]
+    receiver.pull(lambda ws: None)
+    raise AssertionError("unreachable: the receiver should have died")
+
+
+@pytest.mark.parametrize("mode", sorted(ROUNDS))
+def test_a_receiver_killed_while_the_trainer_waits_for_its_copy_is_a_lost_peer(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
+    port = free_port()
+    trainer, rec = spawn(
+        [(_waiting_trainer, (port,)), (_dying_receiver, (port,))], timeout=90, fast_exit=True
+    )
+    assert rec.exitcode == -signal.SIGKILL and not rec.reported
+    t = trainer.unwrap()
+    assert t["error"] is not None and t["error"][0] == "PeerLostError", t["error"]
+    assert "rank 1" in t["error"][1], t["error"]
+    assert t["seconds"] < 30  # the liveness check, not the 60 s timeout
+
+
+# ---- a tampered message ---------------------------------------------------------------------
+
+
+def _tamper_trainer(port: int) -> list[str | None]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_buckets=RING)
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    errors: list[str | None] = []
+    for v in (1, 2, 3):
+        try:
+            sender.push(make_state(v), version=v, full=True)
+            errors.append(None)
+        except sync.SyncError as e:
+            errors.append(type(e).__name__)
+    group.pg.barrier().wait()
+    group.close()
+    return errors
+
+
+def _tamper_receiver(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+    from deltackpt.sync import rounds
+    from deltackpt.sync.ipc_links import GEN, SEQ, IpcLinks
+
+    layout = ("full",)
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    wants = wants_for(layout)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    orig = IpcLinks._wait_copy
+    hit: list[int] = []
+
+    def hostile(self: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
+        if seq == 2 and tag == RING:  # round 2, the first bucket in reused memory: a byte
+            lk = self._in[src]  # of its payload flipped once it is published
+            cellv = self._cells(src, lk, seq)
+            while cellv[tag, SEQ] != seq:
+                pass
+            bucket = self._bucket(src, lk, tag, int(cellv[tag, GEN]))
+            bucket[rounds.payload_start(receiver._buckets[tag], receiver.align) + 3] ^= 0x40
+            hit.append(tag)
+        orig(self, src, tag, into, seq)
+
+    IpcLinks._wait_copy = hostile  # type: ignore[method-assign]
+    loaded: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {"errors": [], "versions": [], "bad": [], "hit": hit}
+    for _ in range(3):
+        try:
+            receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+            out["errors"].append(None)
+        except sync.SyncError as e:
+            out["errors"].append(type(e).__name__)
+        out["versions"].append(receiver.version)
+        out["bad"].append(mismatches(wants, loaded, layout, receiver.version))
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", sorted(ROUNDS))
+def test_a_tampered_ring_bucket_fails_the_round_and_the_next_is_exact(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A byte of a message in reused memory flipped after its publish: the round fails on
+    both ranks (its digest), nothing applied; the next (full) round is exact."""
+    monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_tamper_trainer, (port,)), (_tamper_receiver, (port,))], timeout=90, fast_exit=True
+        )
+    )
+    assert rec["hit"] == [RING]
+    assert trainer == [None, "RoundAbortedError", None]
+    assert rec["errors"] == [None, "DigestMismatchError", None]
+    assert rec["versions"] == [1, 1, 3]
+    assert rec["bad"] == [[], [], []]
+
+
+@pytest.mark.parametrize("bad", [1, 0, True, 2.0, "2"])
+def test_a_bad_ipc_buckets_is_refused_before_connecting(bad: Any) -> None:
+    from deltackpt import sync
+
+    with pytest.raises(sync.SyncError, match=r"ipc_buckets=.*int >= 2"):
+        sync.SyncGroup("127.0.0.1", 1, 0, 2, [0], links="ipc", ipc_buckets=bad)
