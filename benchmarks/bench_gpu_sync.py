@@ -32,6 +32,10 @@ Rows:
   host shared memory, the trainer's tensors copied into page-locked buckets, digests taken on
   its GPU (Triton), the receiver copying to its GPU and checking there: the shared-memory row
   of issue 36's goals (<= 2x pinned D2H + H2D) without the host mirror or xxh3;
+* a ring of ipc buckets (a fourth group, ``links="ipc", ipc_buckets=2`` on the same device;
+  ``--ring 0`` skips it): the trainer holds two shared buckets per link instead of one per
+  bucket of a round (device memory: 2 buckets instead of the round's bytes), each reused
+  once the receiver acknowledged its copy: its full and RL-like rounds against the rows above;
 * ceilings: one pinned D2H + H2D of the bytes (trainer's tensors -> pinned host buffers ->
   fresh device tensors), and a raw CUDA IPC round (the receiver maps the trainer's tensors with
   ``torch.multiprocessing`` and copies device to device; skipped without CUDA).
@@ -121,6 +125,11 @@ def host_bucket_plan(repeats: int) -> list[tuple[str, int]]:
         ("rl_triton", repeats),
         ("delta_1_version_triton", repeats),
     ]
+
+
+def ring_plan(repeats: int) -> list[tuple[str, int]]:
+    """The ring group's rounds (a ring of ipc buckets, Triton fingerprints)."""
+    return [("triton_first", 1), ("full_triton", repeats), ("rl_triton", repeats)]
 
 
 def kernel_knob(kind: str) -> dict[str, str]:
@@ -363,6 +372,27 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["hb_locked"] = all(b.locked for o in hb_group._ipc._out.values() for b in o.buckets)
         _barrier(hb_group)
         hb_group.close()
+    if cfg["ring_port"]:  # a ring of ipc buckets: the trainer's memory bounded, reused
+        ring_group = sync.SyncGroup(
+            "127.0.0.1",
+            cfg["ring_port"],
+            0,
+            2,
+            [0],
+            timeout=60,
+            links="ipc",
+            ipc_device=dev,
+            ipc_buckets=cfg["ring"],
+        )
+        ring_sender = sync.WeightSender(ring_group, bucket_bytes=_bucket(cfg))
+        res["ring_rows"] = {}
+        push_rounds(ring_sender, ring_group, ring_plan(cfg["repeats"]), res["ring_rows"])
+        assert ring_group._ipc is not None
+        held = {id(b): b.shared for o in ring_group._ipc._out.values() for b in o.buckets}
+        res["ring_bytes"] = sum(t.numel() for t in held.values())
+        res["ring_buckets"] = sum(len(o.buckets) for o in ring_group._ipc._out.values())
+        _barrier(ring_group)
+        ring_group.close()
     res["fingerprints"] = _fingerprints(state)
     if ipc is not None:
         _barrier(group)  # the receiver's IPC rounds
@@ -419,6 +449,14 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["hb_rows"] = pull_rounds(hb_recv, hb_group, host_bucket_plan(cfg["repeats"]))
         _barrier(hb_group)
         hb_group.close()
+    if cfg["ring_port"]:
+        ring_group = sync.SyncGroup(
+            "127.0.0.1", cfg["ring_port"], 1, 2, [0], timeout=60, links="ipc"
+        )
+        ring_recv = sync.WeightReceiver(ring_group, bucket_bytes=_bucket(cfg), device=dev)
+        res["ring_rows"] = pull_rounds(ring_recv, ring_group, ring_plan(cfg["repeats"]))
+        _barrier(ring_group)
+        ring_group.close()
     res["fingerprints"] = _fingerprints(mine)
     if ipc is not None:
         theirs = ipc.get(timeout=cfg["timeout"])
@@ -464,6 +502,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         **cfg,
         "ipc_port": C.free_port() if cfg["ipc"] else 0,
         "hb_port": C.free_port() if cfg["host_buckets"] else 0,
+        "ring_port": C.free_port() if cfg["ring"] else 0,
     }
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, q, ipc)) for r in range(2)]
     for p in procs:
@@ -495,6 +534,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
         out["hb_" + kind] = {**t["hb_rows"][kind][best], **recs[best]}
     out["hb_locked"] = t.get("hb_locked")
+    for kind, recs in r.get("ring_rows", {}).items():
+        best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
+        out["ring_" + kind] = {**t["ring_rows"][kind][best], **recs[best]}
+    out["ring"] = (t.get("ring_bytes"), t.get("ring_buckets"))
     return out
 
 
@@ -528,6 +571,10 @@ def report(s: dict[str, Any], device: str) -> str:
         labels["hb_full_triton"] = f"{hb}: full round"
         labels["hb_rl_triton"] = f"{hb}: RL-like ({RL_SHARE:.0%})"
         labels["hb_delta_1_version_triton"] = f"{hb}: delta, 1 tensor, version"
+    if "ring_full_triton" in s:
+        ring = f"ipc, a ring of {s['ring_n']} buckets (Triton fingerprints)"
+        labels["ring_full_triton"] = f"{ring}: full round"
+        labels["ring_rl_triton"] = f"{ring}: RL-like ({RL_SHARE:.0%})"
     rows = []
     for kind, label in labels.items():
         x = s[kind]
@@ -557,7 +604,9 @@ def report(s: dict[str, Any], device: str) -> str:
     head = (
         f"device {device}, {gb:.2f} GB bf16, 1 trainer -> 1 receiver, {s['links']} link (ipc rows: "
         f"links='ipc', {s['ipc_handles']} bucket handles posted; host-bucket rows: ipc_device="
-        f"'cpu', buckets page-locked: {s.get('hb_locked')}); best of the "
+        f"'cpu', buckets page-locked: {s.get('hb_locked')}; ring rows: the trainer's shared "
+        f"buckets {C.fmt_bytes(s['ring'][0] or 0)} for {s['ring'][1]} buckets of a round); "
+        "best of the "
         "repeats; round = receiver's pull incl. load_weights into its device tensors; "
         f"receiver bit-exact: {s['exact']}; trainer mirror {C.fmt_bytes(s['mirror_bytes'])} "
         f"(pinned: {s['mirror_pinned']}); device bases (device patches) "
@@ -597,6 +646,12 @@ def main() -> None:
     ap.add_argument(
         "--no-host-buckets", action="store_true", help="skip the host-bucket rows (hb_*)"
     )
+    ap.add_argument(
+        "--ring",
+        type=int,
+        default=2,
+        help="ipc_buckets of the ring rows (ring_*; default 2, 0 skips them)",
+    )
     ap.add_argument("--timeout", type=float, default=100 if CUDA else 60)
     ap.add_argument(
         "--profile",
@@ -613,6 +668,7 @@ def main() -> None:
         "ipc": not args.no_ipc,
         "device_patch": not args.no_device_patch,
         "host_buckets": not args.no_host_buckets,
+        "ring": args.ring,
         "timeout": args.timeout,
         "profile": args.profile,
     }
@@ -620,6 +676,7 @@ def main() -> None:
     res = run(cfg)
     s = summarize(res)
     s["links"] = cfg["links"]
+    s["ring_n"] = cfg["ring"]
     device = torch.cuda.get_device_name() if CUDA else "cpu (dry run: the mirror's stand-in)"
     doc = {
         "config": cfg,

@@ -134,23 +134,24 @@ def test_the_trainer_holds_only_its_ring_of_buckets_per_link(ring_rounds: Any) -
 
 def _slow_trainer(port: int) -> dict[str, Any]:
     from deltackpt import sync
-    from deltackpt.sync.ipc_links import IpcLinks
+    from deltackpt.sync import ipc_links
 
     group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_buckets=RING)
     sender = sync.WeightSender(group, bucket_bytes=BUCKET)
     sender.push(make_state(1), version=1)
-    asked: dict[int, float] = {}
-    orig = IpcLinks._wait_free
+    waits: dict[int, float] = {}  # a bucket whose memory's last message was waited for -> when
+    orig = ipc_links.wait_published
 
-    def timed(self: IpcLinks, dst: int, o: Any, tag: int) -> None:
-        orig(self, dst, o, tag)
-        asked.setdefault(tag, time.monotonic())
+    def timed(g: Any, src: int, tag: int, seq: int, *args: Any, **kw: Any) -> None:
+        orig(g, src, tag, seq, *args, **kw)
+        if kw.get("acked"):
+            waits.setdefault(tag + RING, time.monotonic())
 
-    IpcLinks._wait_free = timed  # type: ignore[method-assign]
+    ipc_links.wait_published = timed  # type: ignore[assignment]
     sender.push(make_state(2), version=2, full=True)
     group.pg.barrier().wait()
     group.close()
-    return {"asked": asked, "buckets": len(sender._buckets)}
+    return {"waits": waits, "buckets": len(sender._buckets)}
 
 
 def _slow_receiver(port: int) -> dict[str, Any]:
@@ -185,7 +186,7 @@ def test_the_trainer_packs_a_ring_bucket_again_only_after_the_receivers_copy(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The receiver sleeps 1 s before it copies bucket 0 out: the trainer got bucket 2's memory
-    (bucket 0's) only after that, and bucket 1's (its own) before it."""
+    (bucket 0's) only after that; buckets 0 and 1 (memory of their own) wait for nothing."""
     monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
     port = free_port()
     trainer, rec = (
@@ -195,9 +196,9 @@ def test_the_trainer_packs_a_ring_bucket_again_only_after_the_receivers_copy(
         )
     )
     assert trainer["buckets"] > RING and rec["bad"] == []
-    asked, released = trainer["asked"], rec["released"]
-    assert asked[1] < released[0]  # bucket 1 is memory of its own: not waited for
-    assert asked[2] >= released[0]  # bucket 2 reuses bucket 0's: after the receiver's copy
+    waits, released = trainer["waits"], rec["released"]
+    assert min(waits) == RING  # buckets 0 and 1 did not wait
+    assert waits[RING] >= released[0]  # bucket 2 reuses bucket 0's: after the receiver's copy
 
 
 # ---- a receiver killed while the trainer waits ---------------------------------------------
