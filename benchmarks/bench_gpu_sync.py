@@ -32,10 +32,11 @@ Rows:
   host shared memory, the trainer's tensors copied into page-locked buckets, digests taken on
   its GPU (Triton), the receiver copying to its GPU and checking there: the shared-memory row
   of issue 36's goals (<= 2x pinned D2H + H2D) without the host mirror or xxh3;
-* a ring of ipc buckets (a fourth group, ``links="ipc", ipc_buckets=2`` on the same device;
-  ``--ring 0`` skips it): the trainer holds two shared buckets per link instead of one per
-  bucket of a round (device memory: 2 buckets instead of the round's bytes), each reused
-  once the receiver acknowledged its copy: its full and RL-like rounds against the rows above;
+* a bucket per bucket of the round (a fourth group, ``links="ipc", ipc_buckets=None`` on the
+  same device; ``--no-per-bucket`` skips it): the ipc rows above run the default ring of two
+  shared buckets per link, each reused once the receiver acknowledged its copy (the trainer's
+  device memory: 2 buckets); these hold one per bucket (the round's bytes), as before the
+  ring: its full and RL-like rounds against the ring's;
 * ceilings: one pinned D2H + H2D of the bytes (trainer's tensors -> pinned host buffers ->
   fresh device tensors), and a raw CUDA IPC round (the receiver maps the trainer's tensors with
   ``torch.multiprocessing`` and copies device to device; skipped without CUDA).
@@ -127,8 +128,14 @@ def host_bucket_plan(repeats: int) -> list[tuple[str, int]]:
     ]
 
 
+def _held(group: Any) -> int:
+    """Bytes of the shared buckets a trainer's ipc links hold (a ring's once)."""
+    held = {id(b): b.shared for o in group._ipc._out.values() for b in o.buckets}
+    return sum(t.numel() for t in held.values())
+
+
 def ring_plan(repeats: int) -> list[tuple[str, int]]:
-    """The ring group's rounds (a ring of ipc buckets, Triton fingerprints)."""
+    """The per-bucket group's rounds (``ipc_buckets=None``, Triton fingerprints)."""
     return [("triton_first", 1), ("full_triton", repeats), ("rl_triton", repeats)]
 
 
@@ -358,6 +365,8 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         push_rounds(ipc_sender, ipc_group, ipc_plan(cfg["repeats"]), res["ipc_rows"])
         assert ipc_group._ipc is not None
         res["ipc_handles"] = ipc_group._ipc.handles_sent
+        res["ipc_bytes"] = _held(ipc_group)
+        res["ipc_buckets"] = sum(len(o.buckets) for o in ipc_group._ipc._out.values())
         _barrier(ipc_group)
         ipc_group.close()
     if cfg["hb_port"]:  # device rounds through host shared memory
@@ -372,7 +381,7 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["hb_locked"] = all(b.locked for o in hb_group._ipc._out.values() for b in o.buckets)
         _barrier(hb_group)
         hb_group.close()
-    if cfg["ring_port"]:  # a ring of ipc buckets: the trainer's memory bounded, reused
+    if cfg["ring_port"]:  # a bucket per bucket of the round, against the default ring
         ring_group = sync.SyncGroup(
             "127.0.0.1",
             cfg["ring_port"],
@@ -382,15 +391,13 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
             timeout=60,
             links="ipc",
             ipc_device=dev,
-            ipc_buckets=cfg["ring"],
+            ipc_buckets=None,
         )
         ring_sender = sync.WeightSender(ring_group, bucket_bytes=_bucket(cfg))
         res["ring_rows"] = {}
         push_rounds(ring_sender, ring_group, ring_plan(cfg["repeats"]), res["ring_rows"])
         assert ring_group._ipc is not None
-        held = {id(b): b.shared for o in ring_group._ipc._out.values() for b in o.buckets}
-        res["ring_bytes"] = sum(t.numel() for t in held.values())
-        res["ring_buckets"] = sum(len(o.buckets) for o in ring_group._ipc._out.values())
+        res["ring_bytes"] = _held(ring_group)
         _barrier(ring_group)
         ring_group.close()
     res["fingerprints"] = _fingerprints(state)
@@ -537,7 +544,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     for kind, recs in r.get("ring_rows", {}).items():
         best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
         out["ring_" + kind] = {**t["ring_rows"][kind][best], **recs[best]}
-    out["ring"] = (t.get("ring_bytes"), t.get("ring_buckets"))
+    out["held"] = (t.get("ipc_bytes"), t.get("ring_bytes"), t.get("ipc_buckets"))
     return out
 
 
@@ -572,7 +579,7 @@ def report(s: dict[str, Any], device: str) -> str:
         labels["hb_rl_triton"] = f"{hb}: RL-like ({RL_SHARE:.0%})"
         labels["hb_delta_1_version_triton"] = f"{hb}: delta, 1 tensor, version"
     if "ring_full_triton" in s:
-        ring = f"ipc, a ring of {s['ring_n']} buckets (Triton fingerprints)"
+        ring = "ipc, a bucket per bucket of the round (Triton fingerprints)"
         labels["ring_full_triton"] = f"{ring}: full round"
         labels["ring_rl_triton"] = f"{ring}: RL-like ({RL_SHARE:.0%})"
     rows = []
@@ -604,8 +611,9 @@ def report(s: dict[str, Any], device: str) -> str:
     head = (
         f"device {device}, {gb:.2f} GB bf16, 1 trainer -> 1 receiver, {s['links']} link (ipc rows: "
         f"links='ipc', {s['ipc_handles']} bucket handles posted; host-bucket rows: ipc_device="
-        f"'cpu', buckets page-locked: {s.get('hb_locked')}; ring rows: the trainer's shared "
-        f"buckets {C.fmt_bytes(s['ring'][0] or 0)} for {s['ring'][1]} buckets of a round); "
+        f"'cpu', buckets page-locked: {s.get('hb_locked')}; the trainer's shared buckets for "
+        f"the {s['held'][2]} buckets of a round: {C.fmt_bytes(s['held'][0] or 0)} in the "
+        f"default ring, {C.fmt_bytes(s['held'][1] or 0)} one per bucket); "
         "best of the "
         "repeats; round = receiver's pull incl. load_weights into its device tensors; "
         f"receiver bit-exact: {s['exact']}; trainer mirror {C.fmt_bytes(s['mirror_bytes'])} "
@@ -647,10 +655,9 @@ def main() -> None:
         "--no-host-buckets", action="store_true", help="skip the host-bucket rows (hb_*)"
     )
     ap.add_argument(
-        "--ring",
-        type=int,
-        default=2,
-        help="ipc_buckets of the ring rows (ring_*; default 2, 0 skips them)",
+        "--no-per-bucket",
+        action="store_true",
+        help="skip the rows of a bucket per bucket of the round (ring_*, ipc_buckets=None)",
     )
     ap.add_argument("--timeout", type=float, default=100 if CUDA else 60)
     ap.add_argument(
@@ -668,7 +675,7 @@ def main() -> None:
         "ipc": not args.no_ipc,
         "device_patch": not args.no_device_patch,
         "host_buckets": not args.no_host_buckets,
-        "ring": args.ring,
+        "ring": not args.no_per_bucket,
         "timeout": args.timeout,
         "profile": args.profile,
     }
@@ -676,7 +683,6 @@ def main() -> None:
     res = run(cfg)
     s = summarize(res)
     s["links"] = cfg["links"]
-    s["ring_n"] = cfg["ring"]
     device = torch.cuda.get_device_name() if CUDA else "cpu (dry run: the mirror's stand-in)"
     doc = {
         "config": cfg,

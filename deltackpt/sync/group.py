@@ -79,9 +79,9 @@ class SyncGroup:
     seconds). ``links``: ``"gloo"``, ``"shm"`` or ``"ipc"``
     (one host, tensor handles: ``ipc_links.py``); ``ipc_device``: where a trainer's ipc buckets
     live, ``"cpu"`` (shared memory) or a CUDA device (CUDA IPC); ``ipc_buckets``: the most of
-    them a trainer holds per link (>= 2), reused within a round as the receiver copies each
-    out (a bound on the trainer's device memory: ``ipc_buckets * bucket_bytes``); None (the
-    default): one per bucket of the round, the round's bytes."""
+    them a trainer holds per link (>= 2; default 2), reused within a round once the receiver
+    acknowledged its copy of each (the trainer's memory for a link: ``ipc_buckets *
+    bucket_bytes``); None: one per bucket of the round (the round's bytes, every round)."""
 
     def __init__(
         self,
@@ -97,7 +97,7 @@ class SyncGroup:
         dead_after: float = 3.0,
         links: str = "gloo",
         ipc_device: str | torch.device = "cpu",
-        ipc_buckets: int | None = None,
+        ipc_buckets: int | None = 2,
     ) -> None:
         if links not in ("gloo", "shm", "ipc"):
             raise SyncError(

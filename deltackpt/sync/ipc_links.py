@@ -270,9 +270,9 @@ class _Retired:
 class IpcLinks:
     """The buckets of this rank's ipc links; ``open(links)`` once per schedule (module doc).
     ``device``: where the buckets a sender owns live (CPU shared memory, or a CUDA device).
-    ``ring``: the most shared buckets this rank holds per link as a sender (>= 2), reused
-    within a round once the receiver acknowledged its copy of the last message in each; None:
-    one per bucket of the round. ``handles_sent`` / ``handles_opened`` count handles posted
+    ``ring``: the most shared buckets this rank holds per link as a sender (>= 2;
+    ``SyncGroup(ipc_buckets=)``), reused within a round once the receiver acknowledged its copy
+    of the last message in each; None: one per bucket of the round. ``handles_sent`` / ``handles_opened`` count handles posted
     and mapped by this rank."""
 
     def __init__(self, group: SyncGroup, device: torch.device, ring: int | None = None) -> None:

@@ -65,7 +65,10 @@ def new_handles(old: dict[int, tuple[int, int]], new: dict[int, tuple[int, int]]
 def _trainer(ports: list[int]) -> dict[str, Any]:
     from deltackpt import sync
 
-    group = sync.SyncGroup("127.0.0.1", ports[0], 0, 3, [0], timeout=60, links="ipc")
+    # a bucket of its own per bucket of a round (not the default ring: test_ipc_ring.py)
+    group = sync.SyncGroup(
+        "127.0.0.1", ports[0], 0, 3, [0], timeout=60, links="ipc", ipc_buckets=None
+    )
     links = group._ipc
     assert links is not None
     out: dict[str, Any] = {"rounds": [], "sent": []}
@@ -476,7 +479,11 @@ def test_a_trainer_killed_mid_round_fails_the_receiver_with_peer_lost(
 
 
 def _cuda_trainer(
-    port: int, mode: str, buckets_on: str = "cuda:0", side_stream: bool = False
+    port: int,
+    mode: str,
+    buckets_on: str = "cuda:0",
+    side_stream: bool = False,
+    ring: int | None = None,
 ) -> dict[str, Any]:
     import contextlib
 
@@ -484,7 +491,15 @@ def _cuda_trainer(
     from deltackpt.options import overrides
 
     group = sync.SyncGroup(
-        "127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device=buckets_on
+        "127.0.0.1",
+        port,
+        0,
+        2,
+        [0],
+        timeout=60,
+        links="ipc",
+        ipc_device=buckets_on,
+        ipc_buckets=ring,
     )
     sender = sync.WeightSender(group, bucket_bytes=BUCKET)
     stats = []
@@ -502,6 +517,8 @@ def _cuda_trainer(
     assert group._ipc is not None
     buckets = [b for o in group._ipc._out.values() for b in o.buckets]
     out = {
+        "buckets": len(buckets),
+        "distinct": len({id(b) for b in buckets}),
         "full": [s.full for s in stats],
         "payload": [s.payload_bytes for s in stats],
         "device_rounds": sender._device,
@@ -568,19 +585,23 @@ def _cuda_receiver(port: int, staging: str, side_stream: bool = False) -> dict[s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "mode, staging, kernel, buckets_on, side_stream",
+    "mode, staging, kernel, buckets_on, side_stream, ring",
     [
-        ("off", "cpu", "off", "cuda:0", False),
-        ("auto", "cpu", "off", "cuda:0", False),
-        ("auto", "cuda:0", "off", "cuda:0", False),
-        ("auto", "cuda:0", "triton", "cuda:0", False),
-        ("auto", "cpu", "triton", "cuda:0", False),
-        ("auto", "cuda:0", "triton", "cuda:0", True),
+        ("off", "cpu", "off", "cuda:0", False, None),
+        ("auto", "cpu", "off", "cuda:0", False, None),
+        ("auto", "cuda:0", "off", "cuda:0", False, None),
+        ("auto", "cuda:0", "triton", "cuda:0", False, None),
+        ("auto", "cpu", "triton", "cuda:0", False, None),
+        ("auto", "cuda:0", "triton", "cuda:0", True, None),
         # device rounds through host shared memory: the GPU's tensors copied into page-locked
         # host buckets, digests taken on the trainer's GPU, checked on the receiver's
-        ("always", "cuda:0", "triton", "cpu", False),
-        ("always", "cpu", "off", "cpu", True),
-        ("auto", "cuda:0", "off", "cpu", False),  # auto's choice for CUDA tensors
+        ("always", "cuda:0", "triton", "cpu", False, None),
+        ("always", "cpu", "off", "cpu", True, None),
+        ("auto", "cuda:0", "off", "cpu", False, None),  # auto's choice for CUDA tensors
+        # a ring of two shared buckets per link (ipc_buckets=2), reused within each round
+        ("auto", "cuda:0", "triton", "cuda:0", False, 2),
+        ("off", "cpu", "off", "cuda:0", False, 2),
+        ("always", "cuda:0", "triton", "cpu", False, 2),
     ],
 )
 def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
@@ -589,20 +610,21 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
     kernel: str,
     buckets_on: str,
     side_stream: bool,
+    ring: int | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Host rounds (pinned buffer, xxh3) and device rounds (packed into the CUDA bucket,
     device digests), into host staging or device staging (``into`` on the device); the
     device rounds' fingerprints by the torch operations or the Triton kernel (both sides);
     device rounds through host buckets; ``side_stream``: the trainer pushes and the receiver
-    pulls on streams of their own."""
+    pulls on streams of their own; ``ring``: a ring of that many buckets per link."""
     monkeypatch.setenv("DELTACKPT_FINGERPRINT_COMPILE", kernel)  # the spawned ranks inherit it
     port = free_port()
     trainer, rec = (
         o.unwrap()
         for o in spawn(
             [
-                (_cuda_trainer, (port, mode, buckets_on, side_stream)),
+                (_cuda_trainer, (port, mode, buckets_on, side_stream, ring)),
                 (_cuda_receiver, (port, staging, side_stream)),
             ],
             timeout=120,
@@ -611,6 +633,8 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
     )
     host_buckets = buckets_on == "cpu"
     assert trainer["full"] == [True, False, True] and trainer["on_device"] == (not host_buckets)
+    if ring is not None:  # more buckets than the ring, in its memory
+        assert trainer["buckets"] > ring and trainer["distinct"] == ring, trainer
     assert trainer["device_rounds"] == (mode != "off")
     assert all(trainer["pinned"]) == (mode == "off") and any(trainer["pinned"]) == (mode == "off")
     assert all(trainer["locked"]) == host_buckets and any(trainer["locked"]) == host_buckets
