@@ -30,8 +30,8 @@ python3 setup.py -q build_ext --inplace >>"$LOG" 2>&1 || echo "no C extension (n
 rc=0
 # a box of 0 skips its step (a rerun that needs only some of them)
 box() { [ "${1}" != 0 ]; }
-if box "${GPU_TESTS_S:-175}"; then
-  timeout "${GPU_TESTS_S:-175}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
+if box "${GPU_TESTS_S:-190}"; then
+  timeout "${GPU_TESTS_S:-190}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
     tests 2>&1 | tee -a "$LOG" || rc=1
 fi
 if box "${BENCH_S:-100}"; then
@@ -60,7 +60,7 @@ fi
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order).
 # Without SUITE_TESTS the suite runs in two parts within the box: first SUITE_FIRST (the tests
 # no GPU machine has finished yet: BENCHMARKS.md, the H100 run of 2026-11-28), then the rest of tests/ without them
-if box "${SUITE_S:-30}"; then
+if box "${SUITE_S:-20}"; then
   first=${SUITE_FIRST-tests/saving/test_on_device.py tests/distributed/test_load_modes.py tests/distributed/test_disagreeing_ranks.py tests/distributed/test_tiers.py tests/distributed/test_tiers_dcp.py tests/distributed/test_peer_deadline.py}
   suite() {  # $1: seconds; the rest: what to run
     local s=$1; shift
@@ -70,10 +70,10 @@ if box "${SUITE_S:-30}"; then
   : >"$OUT/suite.log"
   start=$(date +%s)
   if [ -n "${SUITE_TESTS:-}" ] || [ -z "$first" ]; then
-    suite "${SUITE_S:-30}" ${SUITE_TESTS:-tests}
+    suite "${SUITE_S:-20}" ${SUITE_TESTS:-tests}
   else
-    suite "${SUITE_S:-30}" $first
-    left=$(( ${SUITE_S:-30} - ($(date +%s) - start) ))
+    suite "${SUITE_S:-20}" $first
+    left=$(( ${SUITE_S:-20} - ($(date +%s) - start) ))
     ignores=$(for p in $first; do printf -- "--ignore=%s " "$p"; done)
     [ "$left" -gt 5 ] && suite "$left" tests $ignores
   fi

@@ -50,8 +50,9 @@ _GRAVEYARD: list[object] = []  # groups of failed connections: never destroyed (
 
 
 # bytes of a bucket when WeightSender/WeightReceiver are given none, per link: on an ipc link
-# (tensor handles; the trainer holds a bucket per bucket of the round, the receiver a slot per
-# bucket, so their size costs no memory) fewer, larger buckets cut the per-bucket handshakes: on
+# (tensor handles; the trainer holds a ring of two per link, ipc_buckets, the receiver a slot
+# per bucket, so their size costs little memory) fewer, larger buckets cut the per-bucket
+# handshakes: on
 # one H100 (2.01 GB bf16, benchmarks/bench_gpu_sync.py) 256 MiB made a full device round 0.039 s
 # and an RL-like one 0.041 s where 64 MiB took 0.056 s and 0.087 s; on gloo and shm links a
 # bucket is a ring slot or a window of pinned memory, and 64 MiB keeps them small
