@@ -565,6 +565,11 @@ class SyncGroup:
         if self._ipc is not None:
             self._ipc.settle()
 
+    def reuses_buckets(self) -> bool:
+        """Whether this rank's ipc links reuse their shared buckets within a round
+        (``ipc_buckets`` below a link's bucket count): each is then published once packed."""
+        return self._ipc is not None and self._ipc.reuses
+
     def device_window(self, dst: int, tag: int, lock: bool = False) -> torch.Tensor:
         """A device round's bucket ``tag`` for ``dst`` (:meth:`device_rounds`; ``lock``: a
         host bucket a GPU copies into, page-locked first)."""

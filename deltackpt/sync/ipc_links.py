@@ -272,8 +272,8 @@ class IpcLinks:
     ``device``: where the buckets a sender owns live (CPU shared memory, or a CUDA device).
     ``ring``: the most shared buckets this rank holds per link as a sender (>= 2;
     ``SyncGroup(ipc_buckets=)``), reused within a round once the receiver acknowledged its copy
-    of the last message in each; None: one per bucket of the round. ``handles_sent`` / ``handles_opened`` count handles posted
-    and mapped by this rank."""
+    of the last message in each; None: one per bucket of the round. ``handles_sent`` /
+    ``handles_opened`` count handles posted and mapped by this rank."""
 
     def __init__(self, group: SyncGroup, device: torch.device, ring: int | None = None) -> None:
         self.g, self.device, self.ring = group, device, ring
@@ -630,6 +630,12 @@ class IpcLinks:
         dropped)."""
         for t in {p[3].device: p[3] for p in self._pending}.values():
             cuda.wait_for(t)
+
+    @property
+    def reuses(self) -> bool:
+        """Whether a link this rank sends on reuses its buckets within a round (more buckets
+        than its ring): the sender then publishes each as soon as it is packed."""
+        return any(o.ring for o in self._out.values())
 
     @property
     def retired(self) -> int:

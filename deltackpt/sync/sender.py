@@ -414,7 +414,7 @@ class WeightSender:
         next_check = time.monotonic() + _ABORT_CHECK
         group: list[tuple[LinkBucket, int, DeviceDigests]] = []  # packed, not yet published
         group_bytes = 0
-        ring = g.ipc_buckets is not None
+        ring = g.reuses_buckets()  # a ring of ipc buckets smaller than a link's round
 
         def flush() -> None:
             nonlocal lost, group_bytes
