@@ -237,7 +237,9 @@ def _tamper_trainer(port: int) -> list[str | None]:
     return errors
 
 
-def _tamper_receiver(port: int) -> dict[str, Any]:
+def _tamper_receiver(port: int, at: int = 0) -> dict[str, Any]:
+    """``at``: the bucket of round 2 whose payload is flipped (in a ring's reused memory when
+    at least ``ipc_buckets``: test_ipc_ring.py)."""
     from deltackpt import sync
     from deltackpt.sync import rounds
     from deltackpt.sync.ipc_links import GEN, SEQ, IpcLinks
@@ -250,14 +252,14 @@ def _tamper_receiver(port: int) -> dict[str, Any]:
     hit: list[int] = []
 
     def hostile(self: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
-        if seq == 2 and tag == 0:  # round 2, bucket 0: wait for the publish, then write
+        if seq == 2 and tag == at:  # round 2, bucket `at`: wait for the publish, then write
             lk = self._in[src]
             cellv = self._cells(src, lk, seq)
             while cellv[tag, SEQ] != seq:
                 pass
             bucket = self._bucket(src, lk, tag, int(cellv[tag, GEN]))
             bucket[rounds.payload_start(receiver._buckets[tag], receiver.align) + 3] ^= 0x40
-            hit.append(seq)
+            hit.append(tag)
         orig(self, src, tag, into, seq)
 
     IpcLinks._wait_copy = hostile  # type: ignore[method-assign]
@@ -293,7 +295,7 @@ def test_a_tampered_shared_bucket_is_refused_and_nothing_is_applied(
             [(_tamper_trainer, (port,)), (_tamper_receiver, (port,))], timeout=90, fast_exit=True
         )
     )
-    assert rec["hit"] == [2]
+    assert rec["hit"] == [0]
     assert rec["errors"][0] is None and rec["errors"][2] is None
     name, message = rec["errors"][1]
     assert name == "DigestMismatchError" and "has digest" in message, message

@@ -18,6 +18,7 @@ shared storage, as a GPU runs them on CUDA IPC handles, host and device rounds:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import signal
 import time
@@ -28,7 +29,7 @@ import torch
 
 from tests._dist import free_port, spawn
 from tests.sync._common import make_state, mismatches, wants_for
-from tests.sync.test_ipc_links import LAYOUTS, ROUNDS, _files
+from tests.sync.test_ipc_links import LAYOUTS, ROUNDS, _files, _tamper_receiver, _tamper_trainer
 
 pytestmark = pytest.mark.multiproc
 
@@ -261,62 +262,6 @@ def test_a_receiver_killed_while_the_trainer_waits_for_its_copy_is_a_lost_peer(
 # ---- a tampered message ---------------------------------------------------------------------
 
 
-def _tamper_trainer(port: int) -> list[str | None]:
-    from deltackpt import sync
-
-    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_buckets=RING)
-    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
-    errors: list[str | None] = []
-    for v in (1, 2, 3):
-        try:
-            sender.push(make_state(v), version=v, full=True)
-            errors.append(None)
-        except sync.SyncError as e:
-            errors.append(type(e).__name__)
-    group.pg.barrier().wait()
-    group.close()
-    return errors
-
-
-def _tamper_receiver(port: int) -> dict[str, Any]:
-    from deltackpt import sync
-    from deltackpt.sync import rounds
-    from deltackpt.sync.ipc_links import GEN, SEQ, IpcLinks
-
-    layout = ("full",)
-    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
-    wants = wants_for(layout)
-    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
-    orig = IpcLinks._wait_copy
-    hit: list[int] = []
-
-    def hostile(self: IpcLinks, src: int, tag: int, into: torch.Tensor, seq: int) -> None:
-        if seq == 2 and tag == RING:  # round 2, the first bucket in reused memory: a byte
-            lk = self._in[src]  # of its payload flipped once it is published
-            cellv = self._cells(src, lk, seq)
-            while cellv[tag, SEQ] != seq:
-                pass
-            bucket = self._bucket(src, lk, tag, int(cellv[tag, GEN]))
-            bucket[rounds.payload_start(receiver._buckets[tag], receiver.align) + 3] ^= 0x40
-            hit.append(tag)
-        orig(self, src, tag, into, seq)
-
-    IpcLinks._wait_copy = hostile  # type: ignore[method-assign]
-    loaded: dict[str, torch.Tensor] = {}
-    out: dict[str, Any] = {"errors": [], "versions": [], "bad": [], "hit": hit}
-    for _ in range(3):
-        try:
-            receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
-            out["errors"].append(None)
-        except sync.SyncError as e:
-            out["errors"].append(type(e).__name__)
-        out["versions"].append(receiver.version)
-        out["bad"].append(mismatches(wants, loaded, layout, receiver.version))
-    group.pg.barrier().wait()
-    group.close()
-    return out
-
-
 @pytest.mark.parametrize("mode", sorted(ROUNDS))
 def test_a_tampered_ring_bucket_fails_the_round_and_the_next_is_exact(
     mode: str, monkeypatch: pytest.MonkeyPatch
@@ -325,15 +270,21 @@ def test_a_tampered_ring_bucket_fails_the_round_and_the_next_is_exact(
     both ranks (its digest), nothing applied; the next (full) round is exact."""
     monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
     port = free_port()
+    from deltackpt import sync
+
+    default = inspect.signature(sync.SyncGroup).parameters["ipc_buckets"].default
+    assert default == RING  # the trainer of test_ipc_links runs the default ring
     trainer, rec = (
         o.unwrap()
         for o in spawn(
-            [(_tamper_trainer, (port,)), (_tamper_receiver, (port,))], timeout=90, fast_exit=True
+            [(_tamper_trainer, (port,)), (_tamper_receiver, (port, RING))],
+            timeout=90,
+            fast_exit=True,
         )
     )
     assert rec["hit"] == [RING]
     assert trainer == [None, "RoundAbortedError", None]
-    assert rec["errors"] == [None, "DigestMismatchError", None]
+    assert [e and e[0] for e in rec["errors"]] == [None, "DigestMismatchError", None]
     assert rec["versions"] == [1, 1, 3]
     assert rec["bad"] == [[], [], []]
 
