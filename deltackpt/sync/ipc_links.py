@@ -1,15 +1,19 @@
 """Tensor-handle links of weight sync on one host (``SyncGroup(..., links="ipc")``).
 
-The sender owns one shared tensor per bucket of each of its links and hands the receiver a
-*handle* of it, built by PyTorch's own sharing (``torch.multiprocessing.reductions``:
+The sender owns a ring of shared tensors per link (``SyncGroup(ipc_buckets=2)``, the default;
+``None``: one per bucket of the round) and hands the receiver a *handle* of each, built by PyTorch's own sharing (``torch.multiprocessing.reductions``:
 ``reduce_tensor`` and the rebuild function it returns): on CPU the bucket's storage is shared
 memory under PyTorch's file_system strategy (a name in ``/dev/shm``, ``torch_<pid>_...``; the
 file-descriptor strategy needs a Unix socket between related processes, and ranks started by
 torchrun are not), on CUDA (``SyncGroup(ipc_device="cuda:N")``) the bucket is device memory and
-the handle a CUDA IPC handle. Handles are posted once per bucket to the group's TCP store
-(``ipc/h/<sender>-<receiver>/<bucket>/<generation>``, JSON, never pickle: the store is a
-control channel, not code) and reused every round while the link's layout (buckets, slot size)
-is unchanged; a re-plan that changes it makes new buckets under new generations.
+the handle a CUDA IPC handle. Handles are posted once per shared tensor to the group's TCP
+store (``ipc/h/<sender>-<receiver>/<generation>``, JSON, never pickle: the store is a control
+channel, not code) and reused every round while the link's layout (buckets, slot size) is
+unchanged; a re-plan that changes it makes new buckets under new generations. Bucket ``i`` of a
+round is ring tensor ``i % ipc_buckets``: the sender packs it once the receiver acknowledged its
+copy of bucket ``i - ipc_buckets`` in that round (``_wait_free``, with the liveness checks of a
+receive), the receiver acknowledges each copy as soon as it has landed (it sees the ring in the
+cells: generations repeat) and maps each ring tensor once.
 
 Per link, a small shared int64 table of cells (one row per bucket: round, message bytes,
 handle generation, acknowledged round), also owned by the sender; its handle is posted once per
@@ -31,9 +35,10 @@ copies the words out of the cell and reads the header from that copy
 receiver's copy of the bucket is left to the receiver, who has read the header and knows the
 pieces (:meth:`IpcLinks.copy_out`: the pieces copied and fingerprinted in one pass where the
 fingerprint kernel runs), and not waited for message by message: :meth:`IpcLinks.settle` waits
-once for all of a round's, before the receiver's vote, and only then acknowledges them.
-So an unchanged bucket costs neither side any work on the device, and the sender waits for its
-device once per group of buckets it publishes (``WeightSender``), the receiver once per round.
+once for all of a round's, before the receiver's vote, and only then acknowledges them (on a
+ring, whose sender waits for them, once per message). So an unchanged bucket costs neither
+side any work on the device, and the sender waits for its device once per group of buckets it
+publishes (``WeightSender``; per bucket on a ring), the receiver once per round.
 
 Host buckets (``ipc_device="cpu"``) of a trainer whose tensors are on a GPU (a device round
 through host shared memory, ``DELTACKPT_DEVICE_ROUNDS=always``) are page-locked by the sender
@@ -248,10 +253,17 @@ class _In:
     locked: dict[int, bool] = field(default_factory=dict)
 
     def unlock(self, tags: Iterable[int]) -> None:
-        """Unlock the mappings of ``tags`` this rank page-locked (before they are dropped)."""
-        for t in list(tags):
+        """Unlock the mappings of ``tags`` this rank page-locked (before they are dropped); a
+        ring's memory another tag still maps stays locked (that tag's record says so)."""
+        tags = list(tags)
+        for t in tags:
             if self.locked.pop(t, False):
-                cuda.unregister_host(self.mapped[t][1])
+                gen = self.mapped[t][0]
+                if not any(
+                    u not in tags and g == gen and self.locked.get(u)
+                    for u, (g, _) in self.mapped.items()
+                ):
+                    cuda.unregister_host(self.mapped[t][1])
 
 
 @dataclass
@@ -376,7 +388,8 @@ class IpcLinks:
     def window(self, dst: int, tag: int) -> torch.Tensor:
         """Where the sender packs bucket ``tag`` for ``dst`` (then :meth:`publish`); the
         receiver copied the last round's message out before it voted, so it is free once the
-        last round's vote is in."""
+        last round's vote is in (on a ring, once the receiver copied the message before it in
+        this round: waited for here)."""
         o = self._out[dst]
         b = o.buckets[tag]
         self._wait_free(dst, o, tag)
@@ -517,6 +530,8 @@ class IpcLinks:
             return got[1]
         g = self.g
         what = self._name(src, g.rank)
+        lk.unlock([tag])
+        lk.mapped.pop(tag, None)
         same = next((m for m_gen, m in lk.mapped.values() if m_gen == gen), None)
         if same is not None:  # a ring: this memory is mapped for another bucket already
             lk.mapped[tag] = (gen, same)
@@ -527,8 +542,6 @@ class IpcLinks:
                 f"{what}: bucket {tag} names handle generation {gen}, which rank {src} never "
                 "posted (its cell was overwritten); the round fails, reconnect the group"
             )
-        lk.unlock([tag])
-        lk.mapped.pop(tag, None)
         raw = bytes(g.guard("store get", lambda: g.store.get(key)))
         t = open_handle(raw, lk.slot, f"{what} bucket {tag}")
         lk.mapped[tag] = (gen, t)
@@ -539,8 +552,8 @@ class IpcLinks:
         lk = self._in[src]
         cellv = self._cells(src, lk, seq)
         what = self._name(src, self.g.rank)
-        if lk.ring:  # a copy the receiver left (a header it refused): copied, acknowledged
-            self.settle()
+        if self._deferred:  # copies the receiver left (headers it refused): a ring's sender
+            self.settle()  # may wait for them; copied and acknowledged before this wait
         wait_published(self.g, src, tag, seq, lambda: int(cellv[tag, SEQ]), what)
         n, gen, hdr = int(cellv[tag, NBYTES]), int(cellv[tag, GEN]), int(cellv[tag, HDR])
         self._inline.pop((src, tag), None)
@@ -640,4 +653,4 @@ class IpcLinks:
     @property
     def retired(self) -> int:
         """Buckets a re-plan replaced that wait for the receiver's acknowledgement."""
-        return sum(len(x.buckets) for x in self._retired)
+        return len({id(b) for x in self._retired for _, b in x.buckets})

@@ -538,8 +538,9 @@ class WeightSender:
                 )
                 try:
                     stubs.append((bk.receiver, g.isend(stub, bk.receiver, bk.index), stub))
-                except SyncError:
+                except SyncError as e:  # (on a ring, the wait for the receiver's copy too)
                     dead.add(bk.receiver)
+                    lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
         if fut is not None:
             fut.result()
         flush()
