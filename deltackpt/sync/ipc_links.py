@@ -60,6 +60,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,7 @@ from deltackpt.format.fingerprint import copy_fingerprinted
 from deltackpt.options import fingerprint_kernel, fused_copies
 from deltackpt.sync.cells import Done, Recv, wait_published
 from deltackpt.sync.device_digest import CHUNK
-from deltackpt.sync.errors import PeerLostError
+from deltackpt.sync.errors import PeerLostError, PlanError
 
 if TYPE_CHECKING:
     from deltackpt.sync.group import SyncGroup
@@ -92,11 +93,27 @@ _NAME = re.compile(r"/torch_\d+_\d+_\d+")
 
 def share(nbytes: int, device: torch.device) -> torch.Tensor:
     """A 1-D uint8 tensor of ``nbytes`` another process can map through :func:`tensor_handle`:
-    CPU shared memory (PyTorch's file_system strategy), or device memory on CUDA."""
+    CPU shared memory (PyTorch's file_system strategy), or device memory on CUDA. CPU shared
+    memory that ``/dev/shm`` has no room for (PyTorch reserves it up front) is a
+    :class:`PlanError` that says what to change."""
     if device.type == "cuda":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     t = torch.empty(nbytes, dtype=torch.uint8)
-    t.untyped_storage()._share_filename_cpu_()
+    try:
+        t.untyped_storage()._share_filename_cpu_()
+    except RuntimeError as e:
+        if "shared memory" not in str(e):
+            raise
+        try:
+            free = f"{shutil.disk_usage('/dev/shm').free} bytes free"
+        except OSError:
+            free = "no /dev/shm"
+        raise PlanError(
+            f"an ipc link's shared bucket needs {nbytes} bytes of shared memory, /dev/shm has "
+            f"{free} ({e}). Give it more room (e.g. docker run --shm-size=8g), lower "
+            "bucket_bytes or SyncGroup(ipc_buckets=) (a trainer holds ipc_buckets x "
+            "bucket_bytes per link), or use ipc_device='cuda:N' or links='gloo'"
+        ) from e
     return t
 
 

@@ -774,3 +774,34 @@ def test_a_host_bucket_is_page_locked_only_where_cuda_is() -> None:
     assert int(back.sum()) == 7 << 20
     cuda.unregister_host(t)
     assert not t.is_pinned() and cuda.register_host(torch.empty(0, dtype=torch.uint8)) is False
+
+
+def test_shared_memory_without_room_is_a_plan_error_that_says_what_to_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU bucket /dev/shm has no room for (PyTorch reserves it up front and raises; a
+    container's default /dev/shm is 64 MB): a typed error naming the bytes and the fixes, not
+    PyTorch's RuntimeError; another RuntimeError passes through. (Checked for real in a mount
+    namespace with a 6 MB /dev/shm: the trainer raises this, the receiver the round's abort.)"""
+    from deltackpt import sync
+    from deltackpt.sync.ipc_links import share
+
+    def full(self: Any) -> Any:
+        raise RuntimeError(
+            "unable to allocate shared memory(shm) for file </torch_1_2_3>: No space left on "
+            "device (28)"
+        )
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", full)
+    with pytest.raises(sync.PlanError) as got:
+        share(4096, torch.device("cpu"))
+    for part in ("needs 4096 bytes", "/dev/shm", "--shm-size", "bucket_bytes", "ipc_buckets"):
+        assert part in str(got.value), (part, str(got.value))
+
+    def broken(self: Any) -> Any:
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", broken)
+    with pytest.raises(RuntimeError, match="something else") as other:
+        share(4096, torch.device("cpu"))
+    assert not isinstance(other.value, sync.SyncError)
