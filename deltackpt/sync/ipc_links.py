@@ -93,11 +93,19 @@ _NAME = re.compile(r"/torch_\d+_\d+_\d+")
 
 def share(nbytes: int, device: torch.device) -> torch.Tensor:
     """A 1-D uint8 tensor of ``nbytes`` another process can map through :func:`tensor_handle`:
-    CPU shared memory (PyTorch's file_system strategy), or device memory on CUDA. CPU shared
-    memory that ``/dev/shm`` has no room for (PyTorch reserves it up front) is a
+    CPU shared memory (PyTorch's file_system strategy), or device memory on CUDA. Memory the
+    device or ``/dev/shm`` has no room for (PyTorch reserves shared memory up front) is a
     :class:`PlanError` that says what to change."""
     if device.type == "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError as e:
+            raise PlanError(
+                f"an ipc link's shared bucket needs {nbytes} bytes on {device}, which has no "
+                f"room for them ({str(e).splitlines()[0]}). Lower bucket_bytes or "
+                "SyncGroup(ipc_buckets=) (a trainer holds ipc_buckets x bucket_bytes per link), "
+                "or use ipc_device='cpu' (host shared memory)"
+            ) from e
     t = torch.empty(nbytes, dtype=torch.uint8)
     try:
         t.untyped_storage()._share_filename_cpu_()

@@ -805,3 +805,25 @@ def test_shared_memory_without_room_is_a_plan_error_that_says_what_to_change(
     with pytest.raises(RuntimeError, match="something else") as other:
         share(4096, torch.device("cpu"))
     assert not isinstance(other.value, sync.SyncError)
+
+
+def test_a_cuda_bucket_without_room_is_a_plan_error_that_says_what_to_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device out of memory for a CUDA bucket (the ring's two per link): a typed error
+    naming the bytes, the device and the fixes (the allocation stood in for on CPU)."""
+    from deltackpt import sync
+    from deltackpt.sync.ipc_links import share
+
+    empty = torch.empty
+
+    def oom(*args: Any, **kw: Any) -> torch.Tensor:
+        if str(kw.get("device", "")).startswith("cuda"):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 256 MiB")
+        return empty(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", oom)
+    with pytest.raises(sync.PlanError) as got:
+        share(1 << 28, torch.device("cuda", 0))
+    for part in ("needs 268435456 bytes on cuda:0", "bucket_bytes", "ipc_buckets", "ipc_device"):
+        assert part in str(got.value), (part, str(got.value))
