@@ -2,7 +2,8 @@
 into the receiver's own tensors before the vote and taken back when the round fails.
 
 1 trainer -> 2 receivers (every tensor whole; a tensor-parallel half through ``boxes``, in
-bf16), many small buckets, gloo and shared memory: full and patched rounds bit-exact as with
+bf16), many small buckets, gloo, shared memory and tensor handles (the trainer's ring of
+buckets): full and patched rounds bit-exact as with
 ``staging="round"``; a round one receiver refuses (its copy changed behind its back: a patch
 whose result does not check out, after earlier buckets were written) leaves both receivers
 bit-exact on the previous version; ``pull(undo=True)`` then ``revert()``; the arena is two
@@ -96,7 +97,8 @@ def _receiver(rank: int, world: int, port: int, links: str, spill_dir: str) -> l
     return out
 
 
-@pytest.mark.parametrize("links", ["gloo", "shm"])
+# ipc: the trainer's ring of shared buckets (ipc_buckets=2) against the receivers' ring slots
+@pytest.mark.parametrize("links", ["gloo", "shm", "ipc"])
 def test_ring_staging_is_bit_exact_and_takes_failed_rounds_back(links: str, tmp_path) -> None:
     port = free_port()
     spill = str(tmp_path)

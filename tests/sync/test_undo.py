@@ -120,7 +120,7 @@ def _receiver(rank: int, world: int, port: int, links: str) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize("links", ["gloo", "shm"])
+@pytest.mark.parametrize("links", ["gloo", "shm", "ipc"])  # ipc: the trainer's ring of buckets
 def test_a_round_taken_back_leaves_the_previous_version_bit_exact(links: str) -> None:
     port = free_port()
     jobs = [(_trainer, (0, 3, port, links))]
