@@ -47,6 +47,11 @@ DELTACKPT_FUSED_COPY       a device round's copies that are fingerprinted    aut
                            ``auto`` (one pass of the Triton kernel, which
                            copies and fingerprints, where the fingerprints
                            run by it), ``off`` (copied, then fingerprinted)
+DELTACKPT_IPC_BUCKETS      shared buckets a weight-sync trainer holds per    2
+                           ipc link (``SyncGroup(ipc_buckets="auto")``, the
+                           default): an integer >= 2 (a ring, reused within
+                           a round as the receiver copies each out), or
+                           ``none`` (one per bucket of the round)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -187,6 +192,14 @@ def fused_copies() -> bool:
     """Whether a device round may copy and fingerprint in one pass
     (``DELTACKPT_FUSED_COPY``; it then does so where the fingerprint kernel runs)."""
     return _env_choice("DELTACKPT_FUSED_COPY", FUSED_COPIES, "auto") == "auto"
+
+
+def default_ipc_buckets() -> int | None:
+    """``SyncGroup(ipc_buckets="auto")``: ``DELTACKPT_IPC_BUCKETS``, a ring of that many shared
+    buckets per ipc link (default 2), or None for ``none`` (one per bucket of the round)."""
+    if _env("DELTACKPT_IPC_BUCKETS", "2").strip().lower() == "none":
+        return None
+    return _env_int("DELTACKPT_IPC_BUCKETS", "2", 2, "2")
 
 
 STAGE_DEFERS = ("auto", "off", "always")

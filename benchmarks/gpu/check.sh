@@ -10,6 +10,8 @@
 # $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, OVERHEAD_S, DIGEST_S, SUITE_S override the time
 # boxes (0 skips the step); SYNC_PROFILE: the sync round kind profiled into check.log ("" none). SYNC_ARGS: more arguments of bench_gpu_sync.py (e.g. "--gb 8": issue 36's size, ~4x the time). Without CUDA it runs too: the gpu tests skip and say why,
 # the benchmark runs its CPU dry run.
+# The ipc link's trainer holds a ring of two buckets per link by default; DELTACKPT_IPC_BUCKETS=none
+# (one per bucket of the round, as before 2026-11-28) runs everything without it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench-out/gpu}

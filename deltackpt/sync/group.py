@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from deltackpt.options import default_device_rounds
+from deltackpt.options import default_device_rounds, default_ipc_buckets
 from deltackpt.sync.errors import PeerLostError, RoundAbortedError, SyncError, SyncTimeoutError
 from deltackpt.sync.ipc_links import IpcLinks
 from deltackpt.sync.peers import pid_alive
@@ -80,9 +80,10 @@ class SyncGroup:
     seconds). ``links``: ``"gloo"``, ``"shm"`` or ``"ipc"``
     (one host, tensor handles: ``ipc_links.py``); ``ipc_device``: where a trainer's ipc buckets
     live, ``"cpu"`` (shared memory) or a CUDA device (CUDA IPC); ``ipc_buckets``: the most of
-    them a trainer holds per link (>= 2; default 2), reused within a round once the receiver
-    acknowledged its copy of each (the trainer's memory for a link: ``ipc_buckets *
-    bucket_bytes``); None: one per bucket of the round (the round's bytes, every round)."""
+    them a trainer holds per link (>= 2), reused within a round once the receiver acknowledged
+    its copy of each (the trainer's memory for a link: ``ipc_buckets * bucket_bytes``); None:
+    one per bucket of the round (the round's bytes, every round); ``"auto"`` (the default):
+    ``DELTACKPT_IPC_BUCKETS``, 2 unless set."""
 
     def __init__(
         self,
@@ -98,7 +99,7 @@ class SyncGroup:
         dead_after: float = 3.0,
         links: str = "gloo",
         ipc_device: str | torch.device = "cpu",
-        ipc_buckets: int | None = 2,
+        ipc_buckets: int | str | None = "auto",
     ) -> None:
         if links not in ("gloo", "shm", "ipc"):
             raise SyncError(
@@ -119,14 +120,17 @@ class SyncGroup:
                 "memory ('cpu') or on a CUDA device of this process ('cuda:N', needs CUDA)"
             )
         self.ipc_device = dev
+        if ipc_buckets == "auto":
+            ipc_buckets = default_ipc_buckets()
         if ipc_buckets is not None and (
             isinstance(ipc_buckets, bool) or not isinstance(ipc_buckets, int) or ipc_buckets < 2
         ):
             raise SyncError(
-                f"ipc_buckets={ipc_buckets!r}: expected None (a bucket per bucket of a round) "
-                "or an int >= 2 (a ring of that many reused buckets per link)"
+                f"ipc_buckets={ipc_buckets!r}: expected None (a bucket per bucket of a round), "
+                "an int >= 2 (a ring of that many reused buckets per link) or 'auto' "
+                "(DELTACKPT_IPC_BUCKETS, default 2)"
             )
-        self.ipc_buckets = ipc_buckets
+        self.ipc_buckets: int | None = ipc_buckets
         self.links = links
         self.addr, self.rank, self.world_size = master_addr, int(rank), int(world_size)
         self.trainers = tuple(sorted(set(int(t) for t in trainers)))

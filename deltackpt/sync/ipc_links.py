@@ -1,7 +1,7 @@
 """Tensor-handle links of weight sync on one host (``SyncGroup(..., links="ipc")``).
 
-The sender owns a ring of shared tensors per link (``SyncGroup(ipc_buckets=2)``, the default;
-``None``: one per bucket of the round) and hands the receiver a *handle* of each, built by PyTorch's own sharing (``torch.multiprocessing.reductions``:
+The sender owns a ring of shared tensors per link (``SyncGroup(ipc_buckets=)``, two by default,
+``DELTACKPT_IPC_BUCKETS``; ``None``: one per bucket of the round) and hands the receiver a *handle* of each, built by PyTorch's own sharing (``torch.multiprocessing.reductions``:
 ``reduce_tensor`` and the rebuild function it returns): on CPU the bucket's storage is shared
 memory under PyTorch's file_system strategy (a name in ``/dev/shm``, ``torch_<pid>_...``; the
 file-descriptor strategy needs a Unix socket between related processes, and ranks started by

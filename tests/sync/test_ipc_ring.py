@@ -18,7 +18,6 @@ shared storage, as a GPU runs them on CUDA IPC handles, host and device rounds:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import signal
 import time
@@ -270,10 +269,9 @@ def test_a_tampered_ring_bucket_fails_the_round_and_the_next_is_exact(
     both ranks (its digest), nothing applied; the next (full) round is exact."""
     monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
     port = free_port()
-    from deltackpt import sync
+    from deltackpt.options import default_ipc_buckets
 
-    default = inspect.signature(sync.SyncGroup).parameters["ipc_buckets"].default
-    assert default == RING  # the trainer of test_ipc_links runs the default ring
+    assert default_ipc_buckets() == RING  # the trainer of test_ipc_links runs the default ring
     trainer, rec = (
         o.unwrap()
         for o in spawn(
@@ -295,3 +293,26 @@ def test_a_bad_ipc_buckets_is_refused_before_connecting(bad: Any) -> None:
 
     with pytest.raises(sync.SyncError, match=r"ipc_buckets=.*int >= 2"):
         sync.SyncGroup("127.0.0.1", 1, 0, 2, [0], links="ipc", ipc_buckets=bad)
+
+
+@pytest.mark.parametrize(("env", "want"), [(None, 2), ("3", 3), ("none", None), (" None ", None)])
+def test_the_default_ring_comes_from_the_environment(
+    env: str | None, want: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ipc_buckets="auto"`` (the default): ``DELTACKPT_IPC_BUCKETS`` (2 unless set), read when
+    the group is built; an explicit ``ipc_buckets`` wins; a bad value names the variable."""
+    from deltackpt import sync
+    from deltackpt.errors import InvalidArgumentError
+
+    if env is None:
+        monkeypatch.delenv("DELTACKPT_IPC_BUCKETS", raising=False)
+    else:
+        monkeypatch.setenv("DELTACKPT_IPC_BUCKETS", env)
+    # the options as the constructor resolves them, before it connects (not done here)
+    monkeypatch.setattr(sync.SyncGroup, "_connect", lambda self, port: None)
+    assert sync.SyncGroup("127.0.0.1", 1, 0, 2, [0], links="ipc").ipc_buckets == want
+    explicit = sync.SyncGroup("127.0.0.1", 1, 0, 2, [0], links="ipc", ipc_buckets=4)
+    assert explicit.ipc_buckets == 4
+    monkeypatch.setenv("DELTACKPT_IPC_BUCKETS", "1")
+    with pytest.raises(InvalidArgumentError, match="DELTACKPT_IPC_BUCKETS"):
+        sync.SyncGroup("127.0.0.1", 1, 0, 2, [0], links="ipc")
