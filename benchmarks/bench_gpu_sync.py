@@ -134,7 +134,7 @@ def _held(group: Any) -> int:
     return sum(t.numel() for t in held.values())
 
 
-def ring_plan(repeats: int) -> list[tuple[str, int]]:
+def perb_plan(repeats: int) -> list[tuple[str, int]]:
     """The per-bucket group's rounds (``ipc_buckets=None``, Triton fingerprints)."""
     return [("triton_first", 1), ("full_triton", repeats), ("rl_triton", repeats)]
 
@@ -381,10 +381,10 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["hb_locked"] = all(b.locked for o in hb_group._ipc._out.values() for b in o.buckets)
         _barrier(hb_group)
         hb_group.close()
-    if cfg["ring_port"]:  # a bucket per bucket of the round, against the default ring
-        ring_group = sync.SyncGroup(
+    if cfg["perb_port"]:  # a bucket per bucket of the round, against the default ring
+        perb_group = sync.SyncGroup(
             "127.0.0.1",
-            cfg["ring_port"],
+            cfg["perb_port"],
             0,
             2,
             [0],
@@ -393,13 +393,13 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
             ipc_device=dev,
             ipc_buckets=None,
         )
-        ring_sender = sync.WeightSender(ring_group, bucket_bytes=_bucket(cfg))
-        res["ring_rows"] = {}
-        push_rounds(ring_sender, ring_group, ring_plan(cfg["repeats"]), res["ring_rows"])
-        assert ring_group._ipc is not None
-        res["ring_bytes"] = _held(ring_group)
-        _barrier(ring_group)
-        ring_group.close()
+        perb_sender = sync.WeightSender(perb_group, bucket_bytes=_bucket(cfg))
+        res["perb_rows"] = {}
+        push_rounds(perb_sender, perb_group, perb_plan(cfg["repeats"]), res["perb_rows"])
+        assert perb_group._ipc is not None
+        res["perb_bytes"] = _held(perb_group)
+        _barrier(perb_group)
+        perb_group.close()
     res["fingerprints"] = _fingerprints(state)
     if ipc is not None:
         _barrier(group)  # the receiver's IPC rounds
@@ -456,14 +456,14 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["hb_rows"] = pull_rounds(hb_recv, hb_group, host_bucket_plan(cfg["repeats"]))
         _barrier(hb_group)
         hb_group.close()
-    if cfg["ring_port"]:
-        ring_group = sync.SyncGroup(
-            "127.0.0.1", cfg["ring_port"], 1, 2, [0], timeout=60, links="ipc"
+    if cfg["perb_port"]:
+        perb_group = sync.SyncGroup(
+            "127.0.0.1", cfg["perb_port"], 1, 2, [0], timeout=60, links="ipc"
         )
-        ring_recv = sync.WeightReceiver(ring_group, bucket_bytes=_bucket(cfg), device=dev)
-        res["ring_rows"] = pull_rounds(ring_recv, ring_group, ring_plan(cfg["repeats"]))
-        _barrier(ring_group)
-        ring_group.close()
+        perb_recv = sync.WeightReceiver(perb_group, bucket_bytes=_bucket(cfg), device=dev)
+        res["perb_rows"] = pull_rounds(perb_recv, perb_group, perb_plan(cfg["repeats"]))
+        _barrier(perb_group)
+        perb_group.close()
     res["fingerprints"] = _fingerprints(mine)
     if ipc is not None:
         theirs = ipc.get(timeout=cfg["timeout"])
@@ -509,7 +509,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         **cfg,
         "ipc_port": C.free_port() if cfg["ipc"] else 0,
         "hb_port": C.free_port() if cfg["host_buckets"] else 0,
-        "ring_port": C.free_port() if cfg["ring"] else 0,
+        "perb_port": C.free_port() if cfg["per_bucket"] else 0,
     }
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, q, ipc)) for r in range(2)]
     for p in procs:
@@ -541,10 +541,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
         out["hb_" + kind] = {**t["hb_rows"][kind][best], **recs[best]}
     out["hb_locked"] = t.get("hb_locked")
-    for kind, recs in r.get("ring_rows", {}).items():
+    for kind, recs in r.get("perb_rows", {}).items():
         best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
-        out["ring_" + kind] = {**t["ring_rows"][kind][best], **recs[best]}
-    out["held"] = (t.get("ipc_bytes"), t.get("ring_bytes"), t.get("ipc_buckets"))
+        out["perb_" + kind] = {**t["perb_rows"][kind][best], **recs[best]}
+    out["held"] = (t.get("ipc_bytes"), t.get("perb_bytes"), t.get("ipc_buckets"))
     return out
 
 
@@ -578,10 +578,10 @@ def report(s: dict[str, Any], device: str) -> str:
         labels["hb_full_triton"] = f"{hb}: full round"
         labels["hb_rl_triton"] = f"{hb}: RL-like ({RL_SHARE:.0%})"
         labels["hb_delta_1_version_triton"] = f"{hb}: delta, 1 tensor, version"
-    if "ring_full_triton" in s:
-        ring = "ipc, a bucket per bucket of the round (Triton fingerprints)"
-        labels["ring_full_triton"] = f"{ring}: full round"
-        labels["ring_rl_triton"] = f"{ring}: RL-like ({RL_SHARE:.0%})"
+    if "perb_full_triton" in s:
+        perb = "ipc, a bucket per bucket of the round (Triton fingerprints)"
+        labels["perb_full_triton"] = f"{perb}: full round"
+        labels["perb_rl_triton"] = f"{perb}: RL-like ({RL_SHARE:.0%})"
     rows = []
     for kind, label in labels.items():
         x = s[kind]
@@ -657,7 +657,7 @@ def main() -> None:
     ap.add_argument(
         "--no-per-bucket",
         action="store_true",
-        help="skip the rows of a bucket per bucket of the round (ring_*, ipc_buckets=None)",
+        help="skip the rows of a bucket per bucket of the round (perb_*, ipc_buckets=None)",
     )
     ap.add_argument("--timeout", type=float, default=100 if CUDA else 60)
     ap.add_argument(
@@ -675,7 +675,7 @@ def main() -> None:
         "ipc": not args.no_ipc,
         "device_patch": not args.no_device_patch,
         "host_buckets": not args.no_host_buckets,
-        "ring": not args.no_per_bucket,
+        "per_bucket": not args.no_per_bucket,
         "timeout": args.timeout,
         "profile": args.profile,
     }
