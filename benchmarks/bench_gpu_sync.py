@@ -37,6 +37,12 @@ Rows:
   shared buckets per link, each reused once the receiver acknowledged its copy (the trainer's
   device memory: 2 buckets); these hold one per bucket (the round's bytes), as before the
   ring: its full and RL-like rounds against the ring's;
+* host staging (a fifth group, ``links="ipc"`` with host buckets, device rounds; the receiver
+  as a vLLM worker on a GPU receives: ``staging="ring"`` into its own host tensors, its
+  ``load_weights`` copying them to the device; ``--no-worker-staging`` skips it): with the host
+  staging page-locked where it lies (``WeightReceiver(pin="auto")``, the default: each
+  message's check copies it to the GPU), then the same full round with the lock released
+  (pageable staging, as before ``"auto"``);
 * ceilings: one pinned D2H + H2D of the bytes (trainer's tensors -> pinned host buffers ->
   fresh device tensors), and a raw CUDA IPC round (the receiver maps the trainer's tensors with
   ``torch.multiprocessing`` and copies device to device; skipped without CUDA).
@@ -137,6 +143,17 @@ def _held(group: Any) -> int:
 def perb_plan(repeats: int) -> list[tuple[str, int]]:
     """The per-bucket group's rounds (``ipc_buckets=None``, Triton fingerprints)."""
     return [("triton_first", 1), ("full_triton", repeats), ("rl_triton", repeats)]
+
+
+def ws_plan(repeats: int) -> list[tuple[str, int]]:
+    """The host-staging group's rounds: page-locked staging, then pageable (the receiver
+    releases the lock before ``full_triton_pageable``)."""
+    return [
+        ("triton_first", 1),
+        ("full_triton", repeats),
+        ("rl_triton", repeats),
+        ("full_triton_pageable", repeats),
+    ]
 
 
 def kernel_knob(kind: str) -> dict[str, str]:
@@ -400,6 +417,16 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["perb_bytes"] = _held(perb_group)
         _barrier(perb_group)
         perb_group.close()
+    if cfg["ws_port"]:  # host buckets into a receiver's host staging (a vLLM worker's)
+        ws_group = sync.SyncGroup(
+            "127.0.0.1", cfg["ws_port"], 0, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
+        )
+        ws_sender = sync.WeightSender(ws_group, bucket_bytes=_bucket(cfg))
+        res["ws_rows"] = {}
+        always = {"DELTACKPT_DEVICE_ROUNDS": "always"}
+        push_rounds(ws_sender, ws_group, ws_plan(cfg["repeats"]), res["ws_rows"], always)
+        _barrier(ws_group)
+        ws_group.close()
     res["fingerprints"] = _fingerprints(state)
     if ipc is not None:
         _barrier(group)  # the receiver's IPC rounds
@@ -464,6 +491,21 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["perb_rows"] = pull_rounds(perb_recv, perb_group, perb_plan(cfg["repeats"]))
         _barrier(perb_group)
         perb_group.close()
+    if cfg["ws_port"]:
+        ws_group = sync.SyncGroup(
+            "127.0.0.1", cfg["ws_port"], 1, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
+        )
+        # as a vLLM worker: its own host tensors (no into: host staging), two message slots
+        ws_recv = sync.WeightReceiver(ws_group, bucket_bytes=_bucket(cfg), staging="ring")
+        plan = ws_plan(cfg["repeats"])
+        res["ws_rows"] = pull_rounds(ws_recv, ws_group, plan[:-1])
+        res["ws_locked"], res["ws_staging"] = ws_recv.staging_locked, ws_recv.staging_bytes
+        if ws_recv._lock is not None:  # the same rounds through pageable staging
+            ws_recv._lock.release()
+        ws_recv._auto_lock = False
+        res["ws_rows"].update(pull_rounds(ws_recv, ws_group, plan[-1:]))
+        _barrier(ws_group)
+        ws_group.close()
     res["fingerprints"] = _fingerprints(mine)
     if ipc is not None:
         theirs = ipc.get(timeout=cfg["timeout"])
@@ -510,6 +552,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "ipc_port": C.free_port() if cfg["ipc"] else 0,
         "hb_port": C.free_port() if cfg["host_buckets"] else 0,
         "perb_port": C.free_port() if cfg["per_bucket"] else 0,
+        "ws_port": C.free_port() if cfg["worker_staging"] else 0,
     }
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, q, ipc)) for r in range(2)]
     for p in procs:
@@ -544,6 +587,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     for kind, recs in r.get("perb_rows", {}).items():
         best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
         out["perb_" + kind] = {**t["perb_rows"][kind][best], **recs[best]}
+    for kind, recs in r.get("ws_rows", {}).items():
+        best = min(range(len(recs)), key=lambda i: recs[i]["round_s"])
+        out["ws_" + kind] = {**t["ws_rows"][kind][best], **recs[best]}
+    out["ws"] = (r.get("ws_locked"), r.get("ws_staging"))
     out["held"] = (t.get("ipc_bytes"), t.get("perb_bytes"), t.get("ipc_buckets"))
     return out
 
@@ -582,6 +629,11 @@ def report(s: dict[str, Any], device: str) -> str:
         perb = "ipc, a bucket per bucket of the round (Triton fingerprints)"
         labels["perb_full_triton"] = f"{perb}: full round"
         labels["perb_rl_triton"] = f"{perb}: RL-like ({RL_SHARE:.0%})"
+    if "ws_full_triton" in s:
+        ws = "host buckets into host staging (a vLLM worker's ring)"
+        labels["ws_full_triton"] = f"{ws}, page-locked: full round"
+        labels["ws_rl_triton"] = f"{ws}, page-locked: RL-like ({RL_SHARE:.0%})"
+        labels["ws_full_triton_pageable"] = f"{ws}, pageable: full round"
     rows = []
     for kind, label in labels.items():
         x = s[kind]
@@ -613,7 +665,8 @@ def report(s: dict[str, Any], device: str) -> str:
         f"links='ipc', {s['ipc_handles']} bucket handles posted; host-bucket rows: ipc_device="
         f"'cpu', buckets page-locked: {s.get('hb_locked')}; the trainer's shared buckets for "
         f"the {s['held'][2]} buckets of a round: {C.fmt_bytes(s['held'][0] or 0)} in the "
-        f"default ring, {C.fmt_bytes(s['held'][1] or 0)} one per bucket); "
+        f"default ring, {C.fmt_bytes(s['held'][1] or 0)} one per bucket; host-staging rows: "
+        f"{C.fmt_bytes(s['ws'][1] or 0)} of staging, page-locked: {s['ws'][0]}); "
         "best of the "
         "repeats; round = receiver's pull incl. load_weights into its device tensors; "
         f"receiver bit-exact: {s['exact']}; trainer mirror {C.fmt_bytes(s['mirror_bytes'])} "
@@ -659,7 +712,12 @@ def main() -> None:
         action="store_true",
         help="skip the rows of a bucket per bucket of the round (perb_*, ipc_buckets=None)",
     )
-    ap.add_argument("--timeout", type=float, default=100 if CUDA else 60)
+    ap.add_argument(
+        "--no-worker-staging",
+        action="store_true",
+        help="skip the rows of host staging, as a vLLM worker receives (ws_*)",
+    )
+    ap.add_argument("--timeout", type=float, default=115 if CUDA else 60)
     ap.add_argument(
         "--profile",
         default="",
@@ -676,6 +734,7 @@ def main() -> None:
         "device_patch": not args.no_device_patch,
         "host_buckets": not args.no_host_buckets,
         "per_bucket": not args.no_per_bucket,
+        "worker_staging": not args.no_worker_staging,
         "timeout": args.timeout,
         "profile": args.profile,
     }

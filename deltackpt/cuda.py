@@ -8,7 +8,8 @@ stream would carry it.
 Who calls this: ``saving/on_device.py`` (device-to-host copies of changed chunks),
 ``saving/stage.py`` (an async save's copies: to pinned buffers, or held on the device first) and
 ``loading/to_device.py`` (host-to-device copies of loaded chunks), ``sync/ipc_links.py`` (a
-CUDA bucket's copy before its peer is told, and the release of shared blocks). Nothing here runs a
+CUDA bucket's copy before its peer is told, and the release of shared blocks),
+``sync/receiver.py`` (its host staging page-locked once the process uses a GPU). Nothing here runs a
 collective or starts a thread.
 """
 
@@ -25,6 +26,7 @@ T = TypeVar("T")
 __all__ = [
     "DeviceCopies",
     "HostCopies",
+    "HostLock",
     "StageCopies",
     "copy_and_wait",
     "current_stream",
@@ -130,6 +132,31 @@ def unregister_host(t: torch.Tensor) -> None:
     torch.cuda.synchronize()
     if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
         _drain_error()
+
+
+class HostLock:
+    """A page-lock (:func:`register_host`) of the CPU tensor ``t`` for as long as this object
+    holds it: :meth:`release`, or this object collected, unlocks it; the lock keeps ``t``, so
+    its memory is never freed while locked. ``locked``: whether the driver took it (False
+    without CUDA, or where it refused: the copies then go through pageable memory)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = t
+        before = t.data_ptr() in _REGISTERED
+        self.locked = register_host(t)
+        # released only if this lock made it (not memory already pinned or locked before)
+        self._owned = self.locked and not before and t.data_ptr() in _REGISTERED
+
+    def release(self) -> None:
+        t, self.tensor = self.tensor, None
+        self.locked = False
+        if t is not None and self._owned:
+            self._owned = False
+            unregister_host(t)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone first)
+            self.release()
 
 
 def _drain_error() -> None:

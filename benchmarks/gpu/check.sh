@@ -40,14 +40,14 @@ if box "${BENCH_S:-100}"; then
   timeout "${BENCH_S:-100}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
 fi
 xdist=${SUITE_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 14")}
-if box "${SYNC_BENCH_S:-105}"; then
-  timeout "${SYNC_BENCH_S:-105}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" \
+if box "${SYNC_BENCH_S:-120}"; then
+  timeout "${SYNC_BENCH_S:-120}" python3 benchmarks/bench_gpu_sync.py --out "$OUT" \
     --profile "${SYNC_PROFILE-full_triton}" ${SYNC_ARGS:-} 2>&1 \
     | tee -a "$LOG" || rc=1
 fi
-if box "${OVERHEAD_S:-40}"; then  # a round's host time per tensor, CUDA tensors (issue 36's gap)
+if box "${OVERHEAD_S:-35}"; then  # a round's host time per tensor, CUDA tensors (issue 36's gap)
   dev=$(python3 -c "import torch; print('cuda:0' if torch.cuda.is_available() else 'cpu')")
-  timeout "${OVERHEAD_S:-40}" python3 benchmarks/bench_sync_overhead.py --device "$dev" \
+  timeout "${OVERHEAD_S:-35}" python3 benchmarks/bench_sync_overhead.py --device "$dev" \
     --repeats 10 --profile full --out /tmp/overhead 2>&1 | tee -a "$LOG" || rc=1
   # where a full device round of 240 tensors spends its host time, each side (every other
   # full round profiled; the table's best is an unprofiled one)
@@ -55,8 +55,8 @@ if box "${OVERHEAD_S:-40}"; then  # a round's host time per tensor, CUDA tensors
     head -n 40 "/tmp/overhead/bench_sync_overhead.ipc-240.$side.prof.txt" >>"$LOG" 2>/dev/null
   done
 fi
-if box "${DIGEST_S:-30}"; then  # device digests beside the fingerprints and a device copy
-  timeout "${DIGEST_S:-30}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
+if box "${DIGEST_S:-20}"; then  # device digests beside the fingerprints and a device copy
+  timeout "${DIGEST_S:-20}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order).

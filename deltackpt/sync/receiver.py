@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from deltackpt import cuda
 from deltackpt.sync import patches, wire
 from deltackpt.sync.apply import Staged, Undo, Views, apply_round, revert
 from deltackpt.sync.device_delta import patched_digest_rows, read_patch_lazy
@@ -120,11 +121,17 @@ class WeightReceiver:
     ``device_delta.py``). The cost: the staging in device memory (a round's messages, or two
     with ``staging="ring"``).
 
-    ``pin``: host staging and this rank's own tensors in pinned (page-locked) memory, so that
-    copies between them and a GPU (the ``into`` parameters, a CUDA bucket, a ``load_weights``
-    that copies to the device) run at the link's speed instead of through pageable memory.
-    Off by default: torch's pinned allocator rounds each block up to a power of two (up to 2x
-    the host memory), and the gain is not measured yet. Where the pinned allocation fails (a
+    ``pin``: ``True``: host staging and this rank's own tensors in pinned (page-locked) memory,
+    so that copies between them and a GPU (the ``into`` parameters, a CUDA bucket, a
+    ``load_weights`` that copies to the device) run at the link's speed instead of through
+    pageable memory; torch's pinned allocator rounds each block up to a power of two (up to 2x
+    the host memory), and the gain for the own tensors is not measured yet. ``"auto"`` (the
+    default): only the host staging, page-locked where it lies (``cuda.HostLock``: its exact
+    bytes, no rounding) on an ipc link once this process uses a GPU (CUDA initialised, or a
+    device round's check copying a message to it): there every message crosses to or from the
+    GPU (a CUDA bucket copied out, a device round's digests checked on the device), as in a
+    vLLM worker on a GPU; unlocked when a re-plan replaces the staging or the receiver is
+    collected. ``False``: nothing locked. Where the pinned allocation or the lock fails (a
     locked-memory limit), ordinary memory is used."""
 
     def __init__(
@@ -141,12 +148,14 @@ class WeightReceiver:
         staging: str = "round",
         undo_dir: str | os.PathLike[str] | None = None,
         device: str | torch.device | None = None,
-        pin: bool = False,
+        pin: bool | str = "auto",
     ) -> None:
         if group.rank in group.trainers:
             raise SyncError(f"rank {group.rank} is a trainer of the group; use WeightSender")
         if verify not in ("sent", "all"):
             raise PlanError(f"WeightReceiver(verify={verify!r}): expected 'sent' or 'all'")
+        if not (isinstance(pin, bool) or pin == "auto"):
+            raise PlanError(f"WeightReceiver(pin={pin!r}): expected True, False or 'auto'")
         if staging not in ("round", "ring"):
             raise PlanError(f"WeightReceiver(staging={staging!r}): expected 'round' or 'ring'")
         if staging == "ring" and wants is not None and any(w.into is not None for w in wants):
@@ -158,7 +167,14 @@ class WeightReceiver:
         self.verify, self.staging = verify, staging
         self.device = _staging_device(group, wants, device)
         # host staging and own tensors in pinned memory: copies to a GPU at the link's speed
-        self.pin = bool(pin) and self.device.type == "cpu"
+        self.pin = pin is True and self.device.type == "cpu"
+        # pin="auto": the host staging page-locked where it lies once this process uses a GPU
+        # on an ipc link (_lock_staging); the lock, None until then, and whether it was tried
+        ipc = getattr(group, "links", None) == "ipc"
+        self._auto_lock = pin == "auto" and self.device.type == "cpu" and ipc
+        self._lock: cuda.HostLock | None = None
+        self._lock_tried = False
+        self._arena: torch.Tensor | None = None
         # (bucket index, sender, piece) -> the digest its committed bytes had (verify="all")
         self._kept: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.group, self.align = group, int(align)
@@ -304,6 +320,9 @@ class WeightReceiver:
             for b, n in zip(self._buckets, sizes, strict=True):
                 self._slots.append(arena[pos : pos + message_bytes(b, self.align)])
                 pos += n
+        if self._lock is not None:  # the last staging's page-lock, before it can be freed
+            self._lock.release()
+        self._arena, self._lock, self._lock_tried = arena, None, False
         self.schedule, self._epoch = sched, g.epoch
         return sched
 
@@ -326,6 +345,7 @@ class WeightReceiver:
         t0 = time.perf_counter()
         g = self.group
         sched = self._setup()
+        self._lock_staging()
         seq = g.next_round()
         st = _Round(seq, deferred=None if self._ring else [])
         # ring staging: what the buckets written before the vote overwrote, and their wants
@@ -435,6 +455,28 @@ class WeightReceiver:
             st.per_link,
             zero_copy,
             st.patched,
+        )
+
+    def _lock_staging(self, now: bool = False) -> None:
+        """``pin="auto"``: page-lock the host staging, once per staging, when this process
+        uses a GPU (CUDA initialised; ``now``: it is about to)."""
+        if not self._auto_lock or self._lock_tried or self._arena is None:
+            return
+        if not torch.cuda.is_available() or not (now or torch.cuda.is_initialized()):
+            return
+        self._lock_tried = True
+        self._lock = cuda.HostLock(self._arena)
+
+    @property
+    def staging_locked(self) -> bool:
+        """Whether the host staging is page-locked (``pin``: pinned, or locked by ``"auto"``)."""
+        if self._lock is not None and self._lock.locked:
+            return True
+        return (
+            bool(self._slots)
+            and self._slots[0].device.type == "cpu"
+            and self.pin
+            and (self._slots[0].is_pinned())
         )
 
     @property
@@ -874,6 +916,7 @@ class WeightReceiver:
                 # host staging of a device round: its private copy checked on the device
                 # (fingerprints run at ~0.3 GB/s on a core, ~117 GB/s on an H200)
                 end = max(o + n for o, n in spans)  # type: ignore[operator]
+                self._lock_staging(now=True)  # (the copy at the link's speed)
                 where = slot[:end].to(torch.device("cuda", torch.cuda.current_device()))
             have = {i: known[k] for i, k in enumerate(ks) if k in known} if known else {}
             if where is not slot:  # the fingerprints were taken where the slot is

@@ -536,7 +536,7 @@ def _cuda_trainer(
     return out
 
 
-def _cuda_receiver(port: int, staging: str, side_stream: bool = False) -> dict[str, Any]:
+def _cuda_receiver(port: int, staging: str, side_stream: bool, pin: bool | str) -> dict[str, Any]:
     import dataclasses
 
     from deltackpt import sync
@@ -550,8 +550,9 @@ def _cuda_receiver(port: int, staging: str, side_stream: bool = False) -> dict[s
             for w in wants
         ]
         wants = [w for w in wants if w.into is not None]
-    # host staging pinned (pin=True): the bucket's device-to-host copy at the link's speed
-    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET, pin=staging == "cpu")
+    # host staging pinned (pin=True), or page-locked where it lies once CUDA is in use (the
+    # default, "auto"): the bucket's copies to and from the GPU at the link's speed
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET, pin=pin)
     loaded: dict[str, torch.Tensor] = {}
 
     def load(ws: list[tuple[str, torch.Tensor]]) -> None:  # into device tensors, then back
@@ -573,7 +574,7 @@ def _cuda_receiver(port: int, staging: str, side_stream: bool = False) -> dict[s
     locked = [t.is_pinned() for lk in group._ipc._in.values() for _, t in lk.mapped.values()]
     staged = {str(s.device) for s in receiver._slots}
     if staging == "cpu":
-        assert all(s.is_pinned() for s in receiver._slots)
+        assert receiver.staging_locked and all(s.is_pinned() for s in receiver._slots)
     group.pg.barrier().wait()
     group.close()
     return {
@@ -627,7 +628,8 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
         for o in spawn(
             [
                 (_cuda_trainer, (port, mode, buckets_on, side_stream, ring)),
-                (_cuda_receiver, (port, staging, side_stream)),
+                # host rounds: staging pinned by torch's allocator; device rounds: "auto"
+                (_cuda_receiver, (port, staging, side_stream, mode == "off" or "auto")),
             ],
             timeout=120,
             fast_exit=True,
@@ -715,6 +717,129 @@ def test_host_buckets_with_long_headers_carry_a_delta_round(
     assert trainer["unchanged_long"] >= 1
     assert 0 < trainer["payload"][1] < trainer["payload"][0]
     assert rec["bad"] == [[], []] and rec["version"] == 2
+
+
+# ---- the receiver's host staging, page-locked once its process uses a GPU -----------------
+
+
+def _lock_trainer(ports: list[int]) -> dict[str, Any]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", ports[0], 0, 2, [0], timeout=60, links="ipc")
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    for v in (1, 2):
+        sender.push(make_state(v), version=v)
+    sender = sync.WeightSender(group, bucket_bytes=2 * BUCKET)  # a re-plan: new staging
+    sender.push(make_state(3), version=3)
+    group.reconnect(ports[1])  # a new epoch: the same receiver plans its staging anew
+    sender.push(make_state(4), version=4)
+    sender = sync.WeightSender(group, bucket_bytes=2 * BUCKET)
+    sender.push(make_state(5), version=5)
+    group.pg.barrier().wait()
+    group.close()
+    return {}
+
+
+def _lock_receiver(ports: list[int]) -> dict[str, Any]:
+    """A receiver whose process uses a GPU (CUDA faked: the page-lock calls recorded), host
+    rounds: when its host staging is locked and unlocked."""
+    import gc
+
+    from deltackpt import cuda, sync
+
+    calls: list[tuple[str, int]] = []
+
+    def register(t: torch.Tensor) -> bool:
+        cuda._REGISTERED[t.data_ptr()] = t.numel()
+        calls.append(("lock", t.data_ptr()))
+        return True
+
+    def unregister(t: torch.Tensor) -> None:
+        if cuda._REGISTERED.pop(t.data_ptr(), None) is not None:
+            calls.append(("unlock", t.data_ptr()))
+
+    real = (torch.cuda.is_available, torch.cuda.is_initialized, cuda.register_host)
+    real_unregister = cuda.unregister_host
+    torch.cuda.is_available = torch.cuda.is_initialized = lambda: True  # type: ignore[assignment]
+    cuda.register_host, cuda.unregister_host = register, unregister  # type: ignore[assignment]
+    layout = ("full",)
+    wants = wants_for(layout)
+    loaded: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {"bad": []}
+
+    def pull(receiver: Any) -> None:
+        receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+        v = receiver.version
+        out["bad"].append(mismatches(wants, loaded, layout, v))
+
+    def arena(receiver: Any) -> int:
+        return receiver._arena.data_ptr()
+
+    try:
+        group = sync.SyncGroup("127.0.0.1", ports[0], 1, 2, [0], timeout=60, links="ipc")
+        r1 = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+        pull(r1)
+        pull(r1)
+        out["r1"] = (arena(r1), r1.staging_locked, list(calls))
+        r2 = sync.WeightReceiver(group, wants, bucket_bytes=2 * BUCKET)
+        pull(r2)
+        a2 = arena(r2)
+        del r1
+        gc.collect()  # a receiver collected: its lock released
+        out["r1_gone"] = list(calls)
+        group.reconnect(ports[1])
+        pull(r2)
+        out["r2"] = (a2, arena(r2), r2.staging_locked, list(calls))
+        r3 = sync.WeightReceiver(group, wants, bucket_bytes=2 * BUCKET, pin=False)
+        pull(r3)
+        out["r3"] = (r3.staging_locked, list(calls))
+        del r2
+        gc.collect()
+        out["end"] = list(calls)
+    finally:
+        torch.cuda.is_available, torch.cuda.is_initialized, cuda.register_host = real
+        cuda.unregister_host = real_unregister
+    group.pg.barrier().wait()
+    group.close()
+    return out
+
+
+def test_host_staging_is_page_locked_once_cuda_is_in_use_and_unlocked_when_replaced() -> None:
+    """``WeightReceiver(pin="auto")`` (the default) on an ipc link: its host staging is
+    page-locked once (where it lies, its exact bytes) in a process that uses a GPU, the lock
+    released before a re-plan's new staging replaces it and when the receiver is collected;
+    ``pin=False`` locks nothing; every round bit-exact."""
+    ports = [free_port(), free_port()]
+    _, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_lock_trainer, (ports,)), (_lock_receiver, (ports,))], timeout=120, fast_exit=True
+        )
+    )
+    assert rec["bad"] == [[]] * 5
+    a1, locked, calls = rec["r1"]
+    assert locked and calls == [("lock", a1)]  # once for both rounds
+    a2 = rec["r1_gone"][1][1]
+    assert rec["r1_gone"] == [("lock", a1), ("lock", a2), ("unlock", a1)]
+    was, a3, locked, calls = rec["r2"]
+    assert was == a2 and locked
+    # the reconnect's re-plan: the old staging unlocked, the new one locked
+    assert calls[3:] == [("unlock", a2), ("lock", a3)]
+    locked, calls = rec["r3"]
+    assert not locked and len(calls) == 5  # pin=False: nothing locked
+    assert rec["end"][5:] == [("unlock", a3)]
+
+
+@pytest.mark.parametrize("pin", ["yes", 1, None])
+def test_a_bad_pin_is_a_plan_error(pin: Any) -> None:
+    from deltackpt import sync
+    from deltackpt.sync.errors import PlanError
+
+    class _Group:  # checked before anything else of the group is looked at
+        rank, trainers, links = 1, [0], "ipc"
+
+    with pytest.raises(PlanError, match=r"pin=.*expected True, False or 'auto'"):
+        sync.WeightReceiver(_Group(), pin=pin)  # type: ignore[arg-type]
 
 
 # ---- handles, in one process ---------------------------------------------------------------
