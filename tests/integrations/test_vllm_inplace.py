@@ -93,6 +93,16 @@ def load(model: Model, sd: dict[str, torch.Tensor]) -> None:
         L.norm.weight.copy_(sd[p + "norm.weight"])
 
 
+def load_tp(model: Model, sd: dict[str, torch.Tensor], rank: int) -> None:
+    """What vLLM's loaders do at tp 2 for q/k/v (this rank's q rows, k and v whole: one kv
+    head) and down_proj (this rank's columns)."""
+    L, p = model.layers[0], "layers.0."
+    q = sd[p + "q_proj.weight"][rank * HD : (rank + 1) * HD]
+    with torch.no_grad():
+        L.qkv_proj.weight.copy_(torch.cat([q, sd[p + "k_proj.weight"], sd[p + "v_proj.weight"]]))
+        L.down_proj.weight.copy_(sd[p + "down_proj.weight"][:, rank * 12 : rank * 12 + 12])
+
+
 def learned(model: Model, held: dict[str, torch.Tensor]) -> dict[str, inplace.Slot]:
     slots: dict[str, inplace.Slot] = {}
     inplace.learn(model, held, list(held), {}, {}, slots)
@@ -230,6 +240,71 @@ def test_changed_elements_alone_land_where_the_whole_tensor_would(rank, monkeypa
     # and both hold the new bytes of this rank's part
     new = dict(changed)[p + "down_proj.weight"][:, rank * 12 : rank * 12 + 12]
     assert torch.equal(sparse.layers[0].down_proj.weight, new)
+
+
+def _rl_step(held: dict[str, torch.Tensor], names: list[str], seed: int = 3):
+    """New bytes of ``names``: a tenth of each tensor's elements changed, and their indices."""
+    g = torch.Generator().manual_seed(seed)
+    changed, elements = [], {}
+    for n in names:
+        t = held[n].clone()
+        idx = torch.randperm(t.numel(), generator=g)[: t.numel() // 10].sort().values
+        t.view(-1)[idx] += 1
+        changed.append((n, t))
+        elements[n] = idx
+    return changed, elements
+
+
+ELEMENT_NAMES = ["layers.0.q_proj.weight", "layers.0.v_proj.weight", "layers.0.down_proj.weight"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_element_writes_prepared_ahead_land_as_those_made_at_the_commit(rank, monkeypatch):
+    """A staged round's element writes moved to the parameters' device before the commit
+    (``inplace.prepare``, off the pause; indices as int32) give the same parameters and bytes
+    as those gathered and moved at the commit; a tensor prepared from other bytes (a rollback
+    writes the old ones) or for a slot learned anew is written from what the commit gets."""
+    monkeypatch.setattr(inplace, "SPARSE_ON_HOST", True)  # the CPU cover of device parameters
+    models, held = [Model(tp=2, rank=rank) for _ in range(4)], checkpoint(0)
+    sd = {n: t.clone() for n, t in held.items()}
+    for m in models:
+        load_tp(m, sd, rank)
+    changed, elements = _rl_step(held, ELEMENT_NAMES)
+    wrote, prep = [], None
+    for i, m in enumerate(models):
+        h = {n: t.clone() for n, t in held.items()}
+        slots: dict[str, inplace.Slot] = {}
+        inplace.learn(m, h, list(h), {}, {}, slots)
+        mine = [(n, t.clone()) for n, t in changed]
+        prep = inplace.prepare(slots, mine, elements) if i else None
+        if prep is not None:
+            assert set(prep.writes) == set(ELEMENT_NAMES)
+            assert all(w.idx.dtype == torch.int32 for w in prep.writes.values())
+            assert prep.device_bytes == sum(i.numel() * 6 for i in elements.values())
+        if i == 2:  # a rollback: the old bytes of the same elements, not the prepared ones
+            mine = [(n, held[n].clone()) for n, _ in mine]
+        if i == 3:  # a slot learned anew since: not used
+            inplace.learn(m, h, [ELEMENT_NAMES[0]], {}, {}, slots)
+        wrote.append(inplace.write(slots, h, mine, elements=elements, prepared=prep))
+    assert wrote[0] == wrote[1] == wrote[3] > 0
+    for name, p in models[0].named_parameters():
+        assert torch.equal(p, dict(models[1].named_parameters())[name]), name
+        assert torch.equal(p, dict(models[3].named_parameters())[name]), name
+    # the tensors the commit got, not the prepared ones: the model as it was
+    was = Model(tp=2, rank=rank)
+    load_tp(was, sd, rank)
+    for name, p in models[2].named_parameters():
+        assert torch.equal(p, dict(was.named_parameters())[name]), name
+
+
+def test_no_room_on_the_device_prepares_nothing(monkeypatch):
+    monkeypatch.setattr(inplace, "SPARSE_ON_HOST", True)
+    monkeypatch.setattr(inplace.cuda, "device_room", lambda device, nbytes: False)
+    model, held = Model(), checkpoint(0)
+    load(model, held)
+    slots = learned(model, held)
+    changed, elements = _rl_step(held, ELEMENT_NAMES)
+    assert inplace.prepare(slots, changed, elements).writes == {}
 
 
 @pytest.mark.gpu

@@ -27,11 +27,12 @@ import math
 import os
 import types
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from deltackpt import cuda
 from deltackpt.integrations.vllm import tp_boxes
 from deltackpt.loading.to_device import copy_through
 from deltackpt.sync.schedule_decl import Box
@@ -41,9 +42,12 @@ __all__ = [
     "BOUNCE_ON_HOST",
     "ENV",
     "SPARSE_ON_HOST",
+    "ElementWrite",
+    "Prepared",
     "Slot",
     "enabled",
     "learn",
+    "prepare",
     "usable",
     "write",
 ]
@@ -214,25 +218,34 @@ def write(
     changed: list[tuple[str, torch.Tensor]],
     fail: Callable[[str], None] | None = None,
     elements: dict[str, torch.Tensor | None] | None = None,
+    prepared: Prepared | None = None,
 ) -> int:
     """Copy ``changed`` (held tensors, by name) into their parameter regions, in name order
     (whole tensors into device parameters land together, through the pinned buffers, after the
     last); ``fail(name)`` is called before each (a test hook that may raise). ``elements``: per name,
     the flat indices of the elements that changed (``WeightReceiver.changed_elements``; None:
-    unknown): where they are few, only those are written. Returns the bytes written (values,
-    and indices where written element by element). ``held`` is updated with ``changed`` first,
-    as a reload does. Element writes are queued on the current stream: the caller waits for
-    the parameters' devices before the engine's next step (``worker.commit_layers``)."""
+    unknown): where they are few, only those are written, their indices and values moved to
+    the parameters' device together through the pinned buffers; ``prepared``: those already
+    there (:func:`prepare`, off the pause), used for the very tensors and slots it was made
+    from. Returns the bytes written (values, and indices where written element by element).
+    ``held`` is updated with ``changed`` first, as a reload does. Element writes are queued on
+    the current stream: the caller waits for the parameters' devices before the engine's next
+    step (``worker.commit_layers``)."""
     held.update(changed)
-    n, bounced = 0, []
+    n, bounced, sparse = 0, [], []
+    ready = prepared.writes if prepared is not None else {}
     with torch.no_grad():
         for name, t in sorted(changed, key=lambda c: c[0]):
             if fail is not None:
                 fail(name)
             s = slots[name]
+            got = ready.get(name)
+            if got is not None and got.slot is s and got.source is t:
+                n += _index_write(got)
+                continue
             idx = None if elements is None else elements.get(name)
             if idx is not None and _sparse_pays(s, t, idx) and _sparse_ok(s, t):
-                n += _write_elements(s, t, idx)
+                sparse.append((s, t, idx))
                 continue
             src, dst = t[s.src], s.param.data[s.dst]
             if BOUNCE_ON_HOST or s.param.device.type != "cpu":
@@ -240,8 +253,87 @@ def write(
             else:
                 dst.copy_(src)
             n += src.numel() * src.element_size()
-        copy_through(bounced, BOUNCE)
+        for w in _elements_to_device(sparse, bounced, narrow=False):
+            n += _index_write(w)
     return n
+
+
+@dataclass
+class ElementWrite:
+    """The changed elements of held tensor ``source`` for ``slot``, on the parameter's device:
+    their flat indices in ``source`` (int64, or int32 where they fit) and their values."""
+
+    slot: Slot
+    source: torch.Tensor
+    idx: torch.Tensor
+    vals: torch.Tensor
+
+
+@dataclass
+class Prepared:
+    """A commit's element writes moved to the parameters' device ahead of it (:func:`prepare`),
+    by held tensor name."""
+
+    writes: dict[str, ElementWrite] = field(default_factory=dict)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(
+            w.idx.numel() * w.idx.element_size() + w.vals.numel() * w.vals.element_size()
+            for w in self.writes.values()
+        )
+
+
+def prepare(
+    slots: dict[str, Slot],
+    changed: list[tuple[str, torch.Tensor]],
+    elements: dict[str, torch.Tensor | None],
+) -> Prepared:
+    """Off the pause (a staged round, received and applied to the held copies): the changed
+    elements :func:`write` would write one by one into device parameters, gathered from the held
+    tensors and moved to the parameters' devices now (indices as int32 where they fit), so the
+    commit only scatters them there. Only where the devices have room for them beside a margin
+    (``cuda.device_room``); what is not prepared :func:`write` does as before. Their device
+    memory lasts until the commit drops them. A prepared write is used only for the very tensor
+    and slot it was made from (a rollback writes other bytes: moved then)."""
+    items = []
+    for name, t in changed:
+        s, idx = slots.get(name), elements.get(name)
+        if s is None or idx is None or not (_sparse_pays(s, t, idx) and _sparse_ok(s, t)):
+            continue  # (parameters on the host: only with SPARSE_ON_HOST, the CPU suite's cover)
+        items.append((name, s, t, idx))
+    need = sum(idx.numel() * (4 + t.element_size()) for _, _, t, idx in items)
+    devices = {s.param.device for _, s, _, _ in items}
+    if not items or not all(cuda.device_room(d, need) for d in devices):
+        return Prepared()
+    with torch.no_grad():
+        done = _elements_to_device([(s, t, idx) for _, s, t, idx in items], [], narrow=True)
+    return Prepared({name: w for (name, *_), w in zip(items, done, strict=True)})
+
+
+def _elements_to_device(
+    items: list[tuple[Slot, torch.Tensor, torch.Tensor]],
+    bounced: list[tuple[torch.Tensor, torch.Tensor]],
+    narrow: bool,
+) -> list[ElementWrite]:
+    """The changed elements of each ``(slot, held, idx)`` gathered on the host and moved to
+    the slot's parameter's device in one pass through the pinned buffers, together with the
+    whole-tensor copies ``bounced`` (``to_device.copy_through``: landed on return); ``narrow``:
+    indices as int32 where the tensor's elements fit in one."""
+    pairs, out = list(bounced), []
+    for s, t, idx in items:
+        dev = s.param.device
+        vals = t.reshape(-1)[idx]  # gathered where the held copy is
+        if narrow and t.numel() < 2**31:
+            idx = idx.to(torch.int32)
+        if dev != idx.device:
+            idx_d = torch.empty(idx.shape, dtype=idx.dtype, device=dev)
+            vals_d = torch.empty(vals.shape, dtype=vals.dtype, device=dev)
+            pairs += [(idx_d, idx), (vals_d, vals)]
+            idx, vals = idx_d, vals_d
+        out.append(ElementWrite(s, t, idx, vals))
+    copy_through(pairs, BOUNCE)
+    return out
 
 
 #: whole writes into parameters on a device go from the receiver's host copies (ordinary
@@ -269,18 +361,20 @@ def _sparse_ok(s: Slot, t: torch.Tensor) -> bool:
     return (SPARSE_ON_HOST or not host) and s.param.data.is_contiguous() and t.is_contiguous()
 
 
-def _write_elements(s: Slot, t: torch.Tensor, idx: torch.Tensor) -> int:
-    """Write the elements of ``t`` at flat ``idx`` into the slot's parameter region."""
-    p = s.param.data
-    vals = t.reshape(-1)[idx]  # gathered where the held copy is, then the arithmetic on p's device
-    idx = idx.to(p.device, non_blocking=True)
-    rem, coords = idx, []
+def _index_write(w: ElementWrite) -> int:
+    """Scatter ``w``'s values into its slot's parameter region: each flat index of the held
+    tensor turned into the parameter's flat position, on the parameter's device (a rank's
+    part of a whole tensor picked there). Returns the bytes written (an int64 index and a
+    value each)."""
+    s, t, p = w.slot, w.source, w.slot.param.data
+    flat = w.idx.long()
+    rem, coords = flat, []
     for size in reversed(t.shape):
         coords.append(rem % size)
         rem = rem // size
     coords.reverse()
     keep: torch.Tensor | None = None
-    at = torch.zeros_like(idx)
+    at = torch.zeros_like(flat)
     for d, (c, a, b, stride) in enumerate(zip(coords, s.src, s.dst, p.stride(), strict=True)):
         lo = a.start or 0
         hi = t.shape[d] if a.stop is None else a.stop
@@ -288,7 +382,7 @@ def _write_elements(s: Slot, t: torch.Tensor, idx: torch.Tensor) -> int:
             inside = (c >= lo) & (c < hi)
             keep = inside if keep is None else keep & inside
         at += (c + ((b.start or 0) - lo)) * stride
-    vals = vals.to(p.device, non_blocking=True)
+    vals = w.vals
     if keep is not None:
         at, vals = at[keep], vals[keep]
     p.view(-1).index_copy_(0, at, vals)

@@ -211,13 +211,14 @@ def commit_layers(
     shapes: dict[str, tuple[int, ...]] | None = None,
     boxes: dict[str, Box | None] | None = None,
     elements: dict[str, torch.Tensor | None] | None = None,
+    prepared: inplace.Prepared | None = None,
 ) -> str:
     """Bring ``model`` to ``held`` updated with ``changed``: written into the parameters when
     every changed tensor has a current slot (``slots``; None: never, :mod:`.inplace`), else
     :func:`reload_layers` and the reloaded tensors' slots learned again. ``fail_at`` is the test
     hook of :func:`reload_layers` (a layer, or ``"end"``); ``elements``: the changed elements
-    per tensor, written alone where few (:func:`.inplace.write`). Returns ``"in place"`` or
-    ``"reload"``."""
+    per tensor, written alone where few (:func:`.inplace.write`); ``prepared``: those moved to
+    the device ahead (:func:`.inplace.prepare`). Returns ``"in place"`` or ``"reload"``."""
     names = [n for n, _ in changed]
     # ordered with the engine on its GPU whichever thread commits (vLLM's Ray compiled-graph
     # executor runs its steps on another thread, on another stream): a step still running
@@ -233,7 +234,7 @@ def commit_layers(
                         f"deltackpt test hook: the commit fails at layer {fail_at!r}"
                     )
 
-            inplace.write(slots, held, changed, hook, elements)
+            inplace.write(slots, held, changed, hook, elements, prepared)
             if fail_at == "end":
                 raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
             return "in place"
@@ -269,6 +270,8 @@ class _Staged:
     version: int | None
     key: str
     changed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # its element writes moved to the device ahead of the commit (inplace.prepare)
+    prepared: inplace.Prepared | None = None
     error: BaseException | None = None
     thread: threading.Thread = field(default_factory=threading.Thread)
 
@@ -423,7 +426,13 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         assert self.receiver is not None
         t0 = time.perf_counter()
         try:
-            self._commit(staged.changed, staged.version, staged.key, undo=self.receiver.revert)
+            self._commit(
+                staged.changed,
+                staged.version,
+                staged.key,
+                undo=self.receiver.revert,
+                prepared=staged.prepared,
+            )
         except Exception as e:
             self.last_commit = {"version": staged.version, "ok": False, "why": str(e)}
             log.error("%s", e)
@@ -499,6 +508,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             torch.cuda.set_device(self.device)
         try:
             self.last_stats = self.receiver.pull(staged.changed.extend, undo=True)
+            staged.prepared = self._prepare(staged.changed)
             # applied to the copies: the trainer's send_weights(stage=True) returns once every
             # worker is here, so the commit is the reload alone
             me = f"{_staged_base(g, staged.key)}/{g.rank}"
@@ -515,11 +525,13 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         key: str,
         undo: Any,
         prev: int | None = None,
+        prepared: inplace.Prepared | None = None,
     ) -> None:
         """Reload ``changed`` (widened to whole layers) into the model, vote with the other
         workers, and on any failure anywhere take the round back (module doc). ``undo``: puts
         the receiver's previous bytes back and returns the tensors to reload (a staged round);
-        None inside ``pull``, which puts them back itself once this raises."""
+        None inside ``pull``, which puts them back itself once this raises. ``prepared``: a
+        staged round's element writes, on the device already (:meth:`_prepare`)."""
         assert self.group is not None and self.receiver is not None
         old = prev if undo is None else self.receiver.reverts_to
         names = sorted({layer_key(n) for n, _ in changed})
@@ -529,7 +541,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         # which elements the round changed (its rollback writes back the same ones)
         self._elements = self.receiver.changed_elements() if direct else None
         try:
-            self._load(changed, fail)
+            self._load(changed, fail, prepared if direct else None)
         except Exception as e:  # voted on, then raised below
             what = "in-place write" if direct else "reload"
             mine = f"rank {self.group.rank}: the model's {what} failed ({type(e).__name__}: {e})"
@@ -578,10 +590,30 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         """A commit of ``names`` writes into the parameters (every one has a current slot)."""
         return self.inplace and bool(names) and inplace.usable(self.model, self._slots, names)
 
-    def _load(self, changed: list[tuple[str, torch.Tensor]], fail: str | None) -> str:
+    def _prepare(self, changed: list[tuple[str, torch.Tensor]]) -> inplace.Prepared | None:
+        """A staged round, applied to the copies: its element writes into device parameters
+        moved there now, while the engine serves, so the commit's pause only scatters them
+        (:func:`.inplace.prepare`; None where the commit will not go in place, or the move
+        failed: the commit then does it)."""
+        assert self.receiver is not None
+        if not self._direct([n for n, _ in changed]):
+            return None
+        try:
+            return inplace.prepare(self._slots, changed, self.receiver.changed_elements())
+        except Exception as e:  # (device memory taken meanwhile): done at the commit instead
+            log.warning("deltackpt: the commit's element writes not prepared ahead: %r", e)
+            return None
+
+    def _load(
+        self,
+        changed: list[tuple[str, torch.Tensor]],
+        fail: str | None,
+        prepared: inplace.Prepared | None = None,
+    ) -> str:
         slots = self._slots if self.inplace else None
         return commit_layers(self.model, self.model_config, self._held, changed, slots, fail,
-                             self._expand, self._shapes, self._boxes, self._elements)  # fmt: skip
+                             self._expand, self._shapes, self._boxes, self._elements,
+                             prepared)  # fmt: skip
 
     # ---- helpers for collective_rpc (tests, monitoring) -----------------------------------
 
