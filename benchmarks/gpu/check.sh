@@ -4,10 +4,11 @@
 #   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 500)
 # 1. the gpu-marked tests; 2. benchmarks/bench_gpu.py (issue 35's table, limits in the same
 # run), benchmarks/bench_gpu_sync.py (issue 36's), benchmarks/bench_sync_overhead.py (a round's
-# host time per tensor, CUDA tensors) and benchmarks/bench_digest.py (a device round's digests
-# beside the device's copy); 3. the rest of the suite on 14 workers,
-# stopped at its time box. Logs and figures go to
-# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, OVERHEAD_S, DIGEST_S, SUITE_S override the time
+# host time per tensor, CUDA tensors), benchmarks/bench_digest.py (a device round's digests
+# beside the device's copy) and benchmarks/bench_gpu_pause.py (a vLLM worker's commit into
+# parameters on the GPU: the inference pause); 3. with SUITE_S=<seconds> (0 by default: a second
+# call) the rest of the suite on 14 workers, stopped at its time box. Logs and figures go to
+# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, OVERHEAD_S, DIGEST_S, PAUSE_S, SUITE_S override the time
 # boxes (0 skips the step); SYNC_PROFILE: the sync round kind profiled into check.log ("" none). SYNC_ARGS: more arguments of bench_gpu_sync.py (e.g. "--gb 8": issue 36's size, ~4x the time). Without CUDA it runs too: the gpu tests skip and say why,
 # the benchmark runs its CPU dry run.
 # The ipc link's trainer holds a ring of two buckets per link by default; DELTACKPT_IPC_BUCKETS=none
@@ -58,11 +59,15 @@ fi
 if box "${DIGEST_S:-20}"; then  # device digests beside the fingerprints and a device copy
   timeout "${DIGEST_S:-20}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
 fi
+if box "${PAUSE_S:-25}"; then  # a vLLM worker's commit into parameters on the device
+  timeout "${PAUSE_S:-25}" python3 benchmarks/bench_gpu_pause.py --out /tmp/pause 2>&1 \
+    | tee -a "$LOG" || rc=1  # its table in check.log (8 files come back at most)
+fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order).
 # Without SUITE_TESTS the suite runs in two parts within the box: first SUITE_FIRST (the tests
 # no GPU machine has finished yet: BENCHMARKS.md, the H100 run of 2026-11-28), then the rest of tests/ without them
-if box "${SUITE_S:-20}"; then
+if box "${SUITE_S:-0}"; then
   first=${SUITE_FIRST-tests/saving/test_on_device.py tests/distributed/test_load_modes.py tests/distributed/test_disagreeing_ranks.py tests/distributed/test_tiers.py tests/distributed/test_tiers_dcp.py tests/distributed/test_peer_deadline.py}
   suite() {  # $1: seconds; the rest: what to run
     local s=$1; shift
@@ -72,10 +77,10 @@ if box "${SUITE_S:-20}"; then
   : >"$OUT/suite.log"
   start=$(date +%s)
   if [ -n "${SUITE_TESTS:-}" ] || [ -z "$first" ]; then
-    suite "${SUITE_S:-20}" ${SUITE_TESTS:-tests}
+    suite "${SUITE_S:-0}" ${SUITE_TESTS:-tests}
   else
-    suite "${SUITE_S:-20}" $first
-    left=$(( ${SUITE_S:-20} - ($(date +%s) - start) ))
+    suite "${SUITE_S:-0}" $first
+    left=$(( ${SUITE_S:-0} - ($(date +%s) - start) ))
     ignores=$(for p in $first; do printf -- "--ignore=%s " "$p"; done)
     [ "$left" -gt 5 ] && suite "$left" tests $ignores
   fi

@@ -279,8 +279,8 @@ def test_element_writes_prepared_ahead_land_as_those_made_at_the_commit(rank, mo
         prep = inplace.prepare(slots, mine, elements) if i else None
         if prep is not None:
             assert set(prep.writes) == set(ELEMENT_NAMES)
-            assert all(w.idx.dtype == torch.int32 for w in prep.writes.values())
-            assert prep.device_bytes == sum(i.numel() * 6 for i in elements.values())
+            assert all(w.at.dtype == torch.int64 for w in prep.writes.values())
+            assert 0 < prep.device_bytes <= sum(i.numel() * 10 for i in elements.values())
         if i == 2:  # a rollback: the old bytes of the same elements, not the prepared ones
             mine = [(n, held[n].clone()) for n, _ in mine]
         if i == 3:  # a slot learned anew since: not used
@@ -308,9 +308,11 @@ def test_no_room_on_the_device_prepares_nothing(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sparse", [False, True])
-def test_parameters_on_the_gpu_take_host_held_tensors(sparse):
-    """As on a GPU worker: parameters on the device, the receiver's copies on the host."""
+@pytest.mark.parametrize("how", ["whole", "elements", "prepared"])
+def test_parameters_on_the_gpu_take_host_held_tensors(how):
+    """As on a GPU worker: parameters on the device, the receiver's copies on the host; a
+    changed tensor written whole, element by element, or from elements moved to the device
+    ahead of the commit (a staged round's ``inplace.prepare``)."""
     model, held = Model().cuda(), checkpoint(0)
     load(model, held)
     slots = learned(model, held)
@@ -318,7 +320,12 @@ def test_parameters_on_the_gpu_take_host_held_tensors(sparse):
     new = held[name].clone()
     idx = torch.arange(0, new.numel(), 7)
     new.view(-1)[idx] += 1
-    inplace.write(slots, held, [(name, new)], elements={name: idx} if sparse else None)
+    elements = None if how == "whole" else {name: idx}
+    prepared = inplace.prepare(slots, [(name, new)], elements) if how == "prepared" else None
+    if prepared is not None:
+        w = prepared.writes[name]
+        assert w.at.is_cuda and w.vals.is_cuda and w.at.dtype == torch.int64
+    inplace.write(slots, held, [(name, new)], elements=elements, prepared=prepared)
     assert torch.equal(model.layers[0].qkv_proj.weight[HEADS * HD : (HEADS + KV) * HD].cpu(), new)
 
 

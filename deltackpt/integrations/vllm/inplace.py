@@ -207,8 +207,9 @@ def usable(model: Any, slots: dict[str, Slot], names: Iterable[str]) -> bool:
     return all((s := slots.get(n)) is not None and s.current(modules) for n in names)
 
 
-#: element writes into parameters on the host too (measured slower there: 0.28 s against 0.10 s
-#: whole for an RL step of a 0.5B model, the index arithmetic outweighs the bytes saved)
+#: element writes at the commit into parameters on the host too (measured slower there: 0.28 s
+#: against 0.10 s whole for an RL step of a 0.5B model, the index arithmetic outweighs the bytes
+#: saved); a staged round's, whose arithmetic :func:`prepare` did before the pause, always
 SPARSE_ON_HOST = False
 
 
@@ -260,12 +261,12 @@ def write(
 
 @dataclass
 class ElementWrite:
-    """The changed elements of held tensor ``source`` for ``slot``, on the parameter's device:
-    their flat indices in ``source`` (int64, or int32 where they fit) and their values."""
+    """The changed elements of held tensor ``source`` that land in ``slot``, on the parameter's
+    device: their flat positions in the parameter (int64) and their values."""
 
     slot: Slot
     source: torch.Tensor
-    idx: torch.Tensor
+    at: torch.Tensor
     vals: torch.Tensor
 
 
@@ -278,10 +279,7 @@ class Prepared:
 
     @property
     def device_bytes(self) -> int:
-        return sum(
-            w.idx.numel() * w.idx.element_size() + w.vals.numel() * w.vals.element_size()
-            for w in self.writes.values()
-        )
+        return sum(w.vals.numel() * (8 + w.vals.element_size()) for w in self.writes.values())
 
 
 def prepare(
@@ -291,18 +289,19 @@ def prepare(
 ) -> Prepared:
     """Off the pause (a staged round, received and applied to the held copies): the changed
     elements :func:`write` would write one by one into device parameters, gathered from the held
-    tensors and moved to the parameters' devices now (indices as int32 where they fit), so the
-    commit only scatters them there. Only where the devices have room for them beside a margin
+    tensors, moved to the parameters' devices now (their indices as int32 where they fit) and
+    turned into positions in the parameters there, so the commit only scatters them: one
+    ``index_copy_`` per tensor. Only where the devices have room for them beside a margin
     (``cuda.device_room``); what is not prepared :func:`write` does as before. Their device
     memory lasts until the commit drops them. A prepared write is used only for the very tensor
     and slot it was made from (a rollback writes other bytes: moved then)."""
     items = []
     for name, t in changed:
         s, idx = slots.get(name), elements.get(name)
-        if s is None or idx is None or not (_sparse_pays(s, t, idx) and _sparse_ok(s, t)):
-            continue  # (parameters on the host: only with SPARSE_ON_HOST, the CPU suite's cover)
+        if s is None or idx is None or not (_sparse_pays(s, t, idx) and _sparse_ok(s, t, True)):
+            continue
         items.append((name, s, t, idx))
-    need = sum(idx.numel() * (4 + t.element_size()) for _, _, t, idx in items)
+    need = sum(idx.numel() * (8 + 4 + t.element_size()) for _, _, t, idx in items)
     devices = {s.param.device for _, s, _, _ in items}
     if not items or not all(cuda.device_room(d, need) for d in devices):
         return Prepared()
@@ -318,9 +317,10 @@ def _elements_to_device(
 ) -> list[ElementWrite]:
     """The changed elements of each ``(slot, held, idx)`` gathered on the host and moved to
     the slot's parameter's device in one pass through the pinned buffers, together with the
-    whole-tensor copies ``bounced`` (``to_device.copy_through``: landed on return); ``narrow``:
-    indices as int32 where the tensor's elements fit in one."""
-    pairs, out = list(bounced), []
+    whole-tensor copies ``bounced`` (``to_device.copy_through``: landed on return), then their
+    positions in the parameter computed there; ``narrow``: indices moved as int32 where the
+    tensor's elements fit in one (half the bytes, one host pass more)."""
+    pairs, moved = list(bounced), []
     for s, t, idx in items:
         dev = s.param.device
         vals = t.reshape(-1)[idx]  # gathered where the held copy is
@@ -331,9 +331,34 @@ def _elements_to_device(
             vals_d = torch.empty(vals.shape, dtype=vals.dtype, device=dev)
             pairs += [(idx_d, idx), (vals_d, vals)]
             idx, vals = idx_d, vals_d
-        out.append(ElementWrite(s, t, idx, vals))
+        moved.append((s, t, idx, vals))
     copy_through(pairs, BOUNCE)
-    return out
+    return [_positions(s, t, idx, vals) for s, t, idx, vals in moved]
+
+
+def _positions(s: Slot, t: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> ElementWrite:
+    """Flat indices ``idx`` of held tensor ``t`` turned into flat positions in the slot's
+    parameter, where the indices are (the parameter's device): a rank's part of a whole tensor
+    picked there, the others dropped with their values."""
+    p = s.param.data
+    flat = idx.long()
+    rem, coords = flat, []
+    for size in reversed(t.shape):
+        coords.append(rem % size)
+        rem = rem // size
+    coords.reverse()
+    keep: torch.Tensor | None = None
+    at = torch.zeros_like(flat)
+    for d, (c, a, b, stride) in enumerate(zip(coords, s.src, s.dst, p.stride(), strict=True)):
+        lo = a.start or 0
+        hi = t.shape[d] if a.stop is None else a.stop
+        if lo > 0 or hi < t.shape[d]:  # this rank's part of a whole tensor
+            inside = (c >= lo) & (c < hi)
+            keep = inside if keep is None else keep & inside
+        at += (c + ((b.start or 0) - lo)) * stride
+    if keep is not None:
+        at, vals = at[keep], vals[keep]
+    return ElementWrite(s, t, at, vals)
 
 
 #: whole writes into parameters on a device go from the receiver's host copies (ordinary
@@ -356,37 +381,20 @@ def _sparse_pays(s: Slot, t: torch.Tensor, idx: torch.Tensor) -> bool:
     return idx.numel() * (8 + t.element_size()) < region * t.element_size()
 
 
-def _sparse_ok(s: Slot, t: torch.Tensor) -> bool:
+def _sparse_ok(s: Slot, t: torch.Tensor, ahead: bool = False) -> bool:
+    """Elements can be written alone into the slot (``ahead``: their positions computed before
+    the pause, which makes them pay into host parameters too: :func:`prepare`)."""
     host = s.param.device.type == "cpu"
-    return (SPARSE_ON_HOST or not host) and s.param.data.is_contiguous() and t.is_contiguous()
+    return (SPARSE_ON_HOST or ahead or not host) and (
+        s.param.data.is_contiguous() and t.is_contiguous()
+    )
 
 
 def _index_write(w: ElementWrite) -> int:
-    """Scatter ``w``'s values into its slot's parameter region: each flat index of the held
-    tensor turned into the parameter's flat position, on the parameter's device (a rank's
-    part of a whole tensor picked there). Returns the bytes written (an int64 index and a
-    value each)."""
-    s, t, p = w.slot, w.source, w.slot.param.data
-    flat = w.idx.long()
-    rem, coords = flat, []
-    for size in reversed(t.shape):
-        coords.append(rem % size)
-        rem = rem // size
-    coords.reverse()
-    keep: torch.Tensor | None = None
-    at = torch.zeros_like(flat)
-    for d, (c, a, b, stride) in enumerate(zip(coords, s.src, s.dst, p.stride(), strict=True)):
-        lo = a.start or 0
-        hi = t.shape[d] if a.stop is None else a.stop
-        if lo > 0 or hi < t.shape[d]:  # this rank's part of a whole tensor
-            inside = (c >= lo) & (c < hi)
-            keep = inside if keep is None else keep & inside
-        at += (c + ((b.start or 0) - lo)) * stride
-    vals = w.vals
-    if keep is not None:
-        at, vals = at[keep], vals[keep]
-    p.view(-1).index_copy_(0, at, vals)
-    return int(vals.numel()) * (vals.element_size() + 8)
+    """Scatter ``w``'s values into its slot's parameter; the bytes written (an int64 index and
+    a value each)."""
+    w.slot.param.data.view(-1).index_copy_(0, w.at, w.vals)
+    return int(w.vals.numel()) * (w.vals.element_size() + 8)
 
 
 def slot_bytes(slots: dict[str, Slot]) -> int:
