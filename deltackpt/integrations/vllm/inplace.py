@@ -324,7 +324,7 @@ def _elements_to_device(
     for s, t, idx in items:
         dev = s.param.device
         vals = t.reshape(-1)[idx]  # gathered where the held copy is
-        if narrow and t.numel() < 2**31:
+        if narrow and t.numel() < 2**31 and dev != idx.device:
             idx = idx.to(torch.int32)
         if dev != idx.device:
             idx_d = torch.empty(idx.shape, dtype=idx.dtype, device=dev)
@@ -339,8 +339,13 @@ def _elements_to_device(
 def _positions(s: Slot, t: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> ElementWrite:
     """Flat indices ``idx`` of held tensor ``t`` turned into flat positions in the slot's
     parameter, where the indices are (the parameter's device): a rank's part of a whole tensor
-    picked there, the others dropped with their values."""
+    picked there, the others dropped with their values. The whole tensor into rows of its
+    parameter (q/k/v and gate/up parts, a tensor of its own): its position plus where the
+    rows start, one operation."""
     p = s.param.data
+    base = _block_start(s, t)
+    if base is not None:
+        return ElementWrite(s, t, idx.long() + base, vals)
     flat = idx.long()
     rem, coords = flat, []
     for size in reversed(t.shape):
@@ -359,6 +364,24 @@ def _positions(s: Slot, t: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) 
     if keep is not None:
         at, vals = at[keep], vals[keep]
     return ElementWrite(s, t, at, vals)
+
+
+def _block_start(s: Slot, t: torch.Tensor) -> int | None:
+    """Where the whole of held tensor ``t`` lies as one block of its (contiguous) parameter:
+    every element of ``t`` at that offset plus its own flat index; None where it does not (a
+    rank's part of ``t``, columns of the parameter)."""
+    p = s.param.data
+    if t.dim() == 0 or t.dim() != p.dim() or not (p.is_contiguous() and t.is_contiguous()):
+        return None
+    whole = all(
+        (a.start or 0) == 0 and (a.stop is None or a.stop == n)
+        for a, n in zip(s.src, t.shape, strict=True)
+    )
+    rows = all(
+        (b.start or 0) == 0 and b.stop == n and n == m
+        for b, n, m in zip(s.dst[1:], p.shape[1:], t.shape[1:], strict=True)
+    )
+    return (s.dst[0].start or 0) * p.stride(0) if whole and rows else None
 
 
 #: whole writes into parameters on a device go from the receiver's host copies (ordinary
