@@ -196,8 +196,11 @@ def test_tensor_parallel_shards_and_boxes(rank, bounce):
     assert torch.equal(L.down_proj.weight, new)
 
 
-def test_the_switch():
+def test_the_switch(monkeypatch):
     assert inplace.enabled(False) is False and inplace.enabled(True) is True
+    monkeypatch.setenv("DELTACKPT_VLLM_PREPARE", "0")  # a switch of its own for prepare
+    assert inplace.enabled(None) is True
+    assert inplace.enabled(None, "DELTACKPT_VLLM_PREPARE") is False
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -66,11 +66,11 @@ _KINDS = (
 )
 
 
-def enabled(flag: bool | None = None) -> bool:
-    """``flag`` when given, else the environment switch (default on)."""
+def enabled(flag: bool | None = None, env: str = ENV) -> bool:
+    """``flag`` when given, else the environment switch ``env`` (default on)."""
     if flag is not None:
         return bool(flag)
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,8 @@ log = logging.getLogger(__name__)
 STAGING_ENV = "DELTACKPT_VLLM_STAGING"
 #: the workers' default for ``DeltackptInitInfo.undo_dir`` ("memory": keep it in memory)
 UNDO_DIR_ENV = "DELTACKPT_VLLM_UNDO_DIR"
+#: ``0`` leaves a staged round's element writes to its commit (inplace.prepare off)
+PREPARE_ENV = "DELTACKPT_VLLM_PREPARE"
 # groups this worker left (a new trainer, a lost one): kept referenced, never destroyed, since
 # tearing down a gloo group with receives still posted (a round its trainer died in) blocks
 # until the group timeout
@@ -596,7 +598,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         (:func:`.inplace.prepare`; None where the commit will not go in place, or the move
         failed: the commit then does it)."""
         assert self.receiver is not None
-        if not self._direct([n for n, _ in changed]):
+        if not inplace.enabled(None, PREPARE_ENV) or not self._direct([n for n, _ in changed]):
             return None
         try:
             return inplace.prepare(self._slots, changed, self.receiver.changed_elements())
