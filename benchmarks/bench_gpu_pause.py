@@ -197,9 +197,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if CUDA:
             torch.cuda.synchronize(dev)
         prep_s = min(prep_s, time.perf_counter() - t0)
+        out["prepared_bytes"] = prepared.device_bytes  # (the commit uses its writes up)
         pause_s = min(pause_s, device_best(lambda p=prepared: commit(p), dev, 1))
     out["prepare_s"], out["prepared_s"] = prep_s, pause_s
-    out["prepared_bytes"] = prepared.device_bytes
     out["pageable_s"] = device_best(lambda: pageable_elements(slots, changed, elements), dev, r)
     out["whole_s"] = device_best(lambda: commit(el=None), dev, r)
     # exact: the parameters hold the new bytes

@@ -36,6 +36,7 @@ __all__ = [
     "is_device",
     "on_stream",
     "register_host",
+    "spare_room",
     "to_device",
     "unregister_host",
     "wait_for",
@@ -55,6 +56,18 @@ def host_buffer(nbytes: int, for_device: bool) -> torch.Tensor:
     CUDA is present; an ordinary buffer otherwise (the CPU stand-in)."""
     pin = for_device and torch.cuda.is_available()
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def spare_room(device: torch.device, nbytes: int) -> bool:
+    """Whether ``nbytes`` of transient work fit on ``device`` beside 256 MiB, counting what
+    the driver has free and what torch's allocator holds unused in this process: for work
+    next to an engine that took most of the device for itself (vLLM's
+    ``gpu_memory_utilization`` leaves the rest). Always True for the CPU stand-in."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + cached >= nbytes + (256 << 20)
 
 
 def device_room(device: torch.device, nbytes: int) -> bool:
@@ -124,12 +137,14 @@ def register_host(t: torch.Tensor) -> bool:
     return True
 
 
-def unregister_host(t: torch.Tensor) -> None:
+def unregister_host(t: torch.Tensor, wait: bool = True) -> None:
     """Undo :func:`register_host` of ``t`` (nothing if it did not lock it), once the copies
-    queued on the devices have run (a failed round may leave one in flight)."""
+    queued on the devices have run (a failed round may leave one in flight; ``wait=False``: the
+    caller's copies to and from ``t`` are all blocking, nothing to wait for)."""
     if _REGISTERED.pop(t.data_ptr(), None) is None:
         return
-    torch.cuda.synchronize()
+    if wait:
+        torch.cuda.synchronize()
     if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
         _drain_error()
 
@@ -137,8 +152,10 @@ def unregister_host(t: torch.Tensor) -> None:
 class HostLock:
     """A page-lock (:func:`register_host`) of the CPU tensor ``t`` for as long as this object
     holds it: :meth:`release`, or this object collected, unlocks it; the lock keeps ``t``, so
-    its memory is never freed while locked. ``locked``: whether the driver took it (False
-    without CUDA, or where it refused: the copies then go through pageable memory)."""
+    its memory is never freed while locked. For memory whose copies to and from a device are
+    all blocking: the release waits for no device (it may run from the garbage collector, on
+    any thread, e.g. during a CUDA graph's capture). ``locked``: whether the driver took it
+    (False without CUDA, or where it refused: the copies then go through pageable memory)."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = t
@@ -152,7 +169,7 @@ class HostLock:
         self.locked = False
         if t is not None and self._owned:
             self._owned = False
-            unregister_host(t)
+            unregister_host(t, wait=False)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone first)

@@ -300,9 +300,31 @@ def test_element_writes_prepared_ahead_land_as_those_made_at_the_commit(rank, mo
         assert torch.equal(p, dict(was.named_parameters())[name]), name
 
 
+def test_a_prepared_write_is_used_once(monkeypatch):
+    """A rollback puts the old bytes back into the very tensors a staged round prepared from
+    and writes them with the same elements: it must write those bytes, not the prepared."""
+    monkeypatch.setattr(inplace, "SPARSE_ON_HOST", True)
+    model, held = Model(), checkpoint(0)
+    load(model, held)
+    slots = learned(model, held)
+    changed, elements = _rl_step(held, ELEMENT_NAMES)
+    old = {n: held[n].clone() for n in ELEMENT_NAMES}
+    prepared = inplace.prepare(slots, changed, elements)
+    assert set(prepared.writes) == set(ELEMENT_NAMES)
+    h = dict(held)
+    inplace.write(slots, h, changed, elements=elements, prepared=prepared)
+    for n, t in changed:  # revert() writes the old bytes into the same tensors
+        t.copy_(old[n])
+    inplace.write(slots, h, changed, elements=elements, prepared=prepared)
+    was = Model()
+    load(was, checkpoint(0))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, dict(was.named_parameters())[name]), name
+
+
 def test_no_room_on_the_device_prepares_nothing(monkeypatch):
     monkeypatch.setattr(inplace, "SPARSE_ON_HOST", True)
-    monkeypatch.setattr(inplace.cuda, "device_room", lambda device, nbytes: False)
+    monkeypatch.setattr(inplace.cuda, "spare_room", lambda device, nbytes: False)
     model, held = Model(), checkpoint(0)
     load(model, held)
     slots = learned(model, held)
@@ -312,10 +334,11 @@ def test_no_room_on_the_device_prepares_nothing(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("how", ["whole", "elements", "prepared"])
-def test_parameters_on_the_gpu_take_host_held_tensors(how):
+def test_parameters_on_the_gpu_take_host_held_tensors(how, monkeypatch):
     """As on a GPU worker: parameters on the device, the receiver's copies on the host; a
     changed tensor written whole, element by element, or from elements moved to the device
     ahead of the commit (a staged round's ``inplace.prepare``)."""
+    monkeypatch.setattr(inplace.cuda, "spare_room", lambda device, nbytes: True)  # a busy GPU
     model, held = Model().cuda(), checkpoint(0)
     load(model, held)
     slots = learned(model, held)

@@ -754,7 +754,7 @@ def _lock_receiver(ports: list[int]) -> dict[str, Any]:
         calls.append(("lock", t.data_ptr()))
         return True
 
-    def unregister(t: torch.Tensor) -> None:
+    def unregister(t: torch.Tensor, wait: bool = True) -> None:
         if cuda._REGISTERED.pop(t.data_ptr(), None) is not None:
             calls.append(("unlock", t.data_ptr()))
 

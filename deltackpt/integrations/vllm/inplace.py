@@ -240,7 +240,7 @@ def write(
             if fail is not None:
                 fail(name)
             s = slots[name]
-            got = ready.get(name)
+            got = ready.pop(name, None)  # used once: a rollback later writes other bytes
             if got is not None and got.slot is s and got.source is t:
                 n += _index_write(got)
                 continue
@@ -291,10 +291,12 @@ def prepare(
     elements :func:`write` would write one by one into device parameters, gathered from the held
     tensors, moved to the parameters' devices now (their indices as int32 where they fit) and
     turned into positions in the parameters there, so the commit only scatters them: one
-    ``index_copy_`` per tensor. Only where the devices have room for them beside a margin
-    (``cuda.device_room``); what is not prepared :func:`write` does as before. Their device
-    memory lasts until the commit drops them. A prepared write is used only for the very tensor
-    and slot it was made from (a rollback writes other bytes: moved then)."""
+    ``index_copy_`` per tensor; landed when this returns (the commit may run on another thread
+    and stream). Only where the devices have room for them (``cuda.spare_room``: free, or held
+    unused by torch's allocator, beside 256 MiB: an engine that sized itself to most of the
+    device leaves that); what is not prepared :func:`write` does as before. Their device memory
+    lasts until the commit drops them. A prepared write is used once, and only for the very
+    tensor and slot it was made from (a rollback writes other bytes: moved then)."""
     items = []
     for name, t in changed:
         s, idx = slots.get(name), elements.get(name)
@@ -303,10 +305,11 @@ def prepare(
         items.append((name, s, t, idx))
     need = sum(idx.numel() * (8 + 4 + t.element_size()) for _, _, t, idx in items)
     devices = {s.param.device for _, s, _, _ in items}
-    if not items or not all(cuda.device_room(d, need) for d in devices):
+    if not items or not all(cuda.spare_room(d, need) for d in devices):
         return Prepared()
     with torch.no_grad():
         done = _elements_to_device([(s, t, idx) for _, s, t, idx in items], [], narrow=True)
+    cuda.synchronize(devices)  # the positions' kernels ran on this thread's stream
     return Prepared({name: w for (name, *_), w in zip(items, done, strict=True)})
 
 
