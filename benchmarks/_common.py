@@ -39,7 +39,7 @@ from _harness.files import (
 from _harness.limits import measure_limits, median, timed
 from _harness.models import contig_stride, qwen2_params, qwen2_scale, qwen2_shapes, qwen2_weights
 from _harness.ranks import collect
-from _harness.report import fmt_bytes, md_table, write_json
+from _harness.report import fmt_bytes, md_table, write_json, write_results
 from _harness.trees import (
     bit_digests,
     bit_equal,
@@ -101,5 +101,6 @@ __all__ = [
     "vmhwm",
     "warm_files",
     "write_json",
+    "write_results",
     "zero_",
 ]

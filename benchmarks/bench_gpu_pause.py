@@ -28,7 +28,6 @@ An RL-like step (``--share`` of every weight's elements changed) is committed, b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -253,12 +252,8 @@ def main() -> None:
     device = torch.cuda.get_device_name() if CUDA else "cpu (dry run: host parameters)"
     doc = {"config": vars(args), "device": device, "summary": s, "machine": C.machine_info()}
     doc["seconds"] = time.perf_counter() - t0
-    out = Path(args.out)
-    path = out if out.suffix == ".json" else out / "bench_gpu_pause.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     text = report(s, device)
-    path.with_suffix(".md").write_text(text + "\n")
+    path = C.write_results(args.out, "bench_gpu_pause", doc, text)
     print(text)
     print(f"done in {doc['seconds']:.1f} s; {path}")
     if not s["exact"]:

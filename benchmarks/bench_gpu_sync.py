@@ -57,7 +57,6 @@ Without CUDA it runs the same rounds on CPU tensors with the mirror's stand-in f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -386,18 +385,26 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         res["ipc_buckets"] = sum(len(o.buckets) for o in ipc_group._ipc._out.values())
         _barrier(ipc_group)
         ipc_group.close()
-    if cfg["hb_port"]:  # device rounds through host shared memory
-        hb_group = sync.SyncGroup(
-            "127.0.0.1", cfg["hb_port"], 0, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
+
+    def host_buckets(port: int, plan: list[tuple[str, int]], rows: dict[str, list[Any]]) -> bool:
+        """Device rounds through host shared memory (``ipc_device="cpu"``), a group of their
+        own; whether the trainer's buckets were page-locked."""
+        group = sync.SyncGroup(
+            "127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
         )
-        hb_sender = sync.WeightSender(hb_group, bucket_bytes=_bucket(cfg))
+        sender = sync.WeightSender(group, bucket_bytes=_bucket(cfg))
+        push_rounds(sender, group, plan, rows, {"DELTACKPT_DEVICE_ROUNDS": "always"})
+        assert group._ipc is not None
+        locked = all(b.locked for o in group._ipc._out.values() for b in o.buckets)
+        _barrier(group)
+        group.close()
+        return locked
+
+    if cfg["hb_port"]:  # device rounds through host shared memory, into device staging
         res["hb_rows"] = {}
-        always = {"DELTACKPT_DEVICE_ROUNDS": "always"}
-        push_rounds(hb_sender, hb_group, host_bucket_plan(cfg["repeats"]), res["hb_rows"], always)
-        assert hb_group._ipc is not None
-        res["hb_locked"] = all(b.locked for o in hb_group._ipc._out.values() for b in o.buckets)
-        _barrier(hb_group)
-        hb_group.close()
+        res["hb_locked"] = host_buckets(
+            cfg["hb_port"], host_bucket_plan(cfg["repeats"]), res["hb_rows"]
+        )
     if cfg["perb_port"]:  # a bucket per bucket of the round, against the default ring
         perb_group = sync.SyncGroup(
             "127.0.0.1",
@@ -418,15 +425,8 @@ def trainer(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
         _barrier(perb_group)
         perb_group.close()
     if cfg["ws_port"]:  # host buckets into a receiver's host staging (a vLLM worker's)
-        ws_group = sync.SyncGroup(
-            "127.0.0.1", cfg["ws_port"], 0, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
-        )
-        ws_sender = sync.WeightSender(ws_group, bucket_bytes=_bucket(cfg))
         res["ws_rows"] = {}
-        always = {"DELTACKPT_DEVICE_ROUNDS": "always"}
-        push_rounds(ws_sender, ws_group, ws_plan(cfg["repeats"]), res["ws_rows"], always)
-        _barrier(ws_group)
-        ws_group.close()
+        host_buckets(cfg["ws_port"], ws_plan(cfg["repeats"]), res["ws_rows"])
     res["fingerprints"] = _fingerprints(state)
     if ipc is not None:
         _barrier(group)  # the receiver's IPC rounds
@@ -751,12 +751,8 @@ def main() -> None:
         "seconds": time.perf_counter() - t0,
         "machine": C.machine_info(),
     }
-    out = Path(args.out)  # a directory, or the JSON file itself
-    path = out if out.suffix == ".json" else out / "bench_gpu_sync.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     text = report(s, device)
-    path.with_suffix(".md").write_text(text + "\n")
+    path = C.write_results(args.out, "bench_gpu_sync", doc, text)  # a directory, or the .json
     print(text)
     _log(f"done in {doc['seconds']:.1f} s; {path}")
     if not s["exact"]:

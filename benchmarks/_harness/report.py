@@ -26,3 +26,12 @@ def write_json(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return path
+
+
+def write_results(out: str | Path, name: str, doc: Any, text: str) -> Path:
+    """A benchmark's ``doc`` as JSON and its table ``text`` as Markdown beside it: in the
+    directory ``out`` as ``name``.json / .md, or at ``out`` itself when it names a .json."""
+    out = Path(out)
+    path = write_json(out if out.suffix == ".json" else out / f"{name}.json", doc)
+    path.with_suffix(".md").write_text(text + "\n")
+    return path
