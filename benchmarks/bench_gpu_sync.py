@@ -57,6 +57,7 @@ Without CUDA it runs the same rounds on CPU tensors with the mirror's stand-in f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -467,45 +468,35 @@ def receiver(cfg: dict[str, Any], port: int, ipc: Any) -> dict[str, Any]:
                     rows.setdefault(kind, []).append({"round_s": time.perf_counter() - t0})
         return rows
 
+    @contextlib.contextmanager
+    def ipc_receiver(port: int, ipc_device: str | None = None, **kw: Any) -> Any:
+        """An ipc group of its own (its buckets where the trainer's group puts them) and a
+        receiver in it (``kw``); closed with the trainer's after the rounds."""
+        where = {} if ipc_device is None else {"ipc_device": ipc_device}
+        group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc", **where)
+        yield group, sync.WeightReceiver(group, bucket_bytes=_bucket(cfg), **kw)
+        _barrier(group)
+        group.close()
+
     res: dict[str, Any] = {"rows": pull_rounds(recv, group, plan)}
-    if cfg["ipc_port"]:
-        ipc_group = sync.SyncGroup("127.0.0.1", cfg["ipc_port"], 1, 2, [0], timeout=60, links="ipc")
-        # staged on the device: a device round goes device to device
-        ipc_recv = sync.WeightReceiver(ipc_group, bucket_bytes=_bucket(cfg), device=dev)
-        res["ipc_rows"] = pull_rounds(ipc_recv, ipc_group, ipc_plan(cfg["repeats"]))
-        _barrier(ipc_group)
-        ipc_group.close()
+    if cfg["ipc_port"]:  # staged on the device: a device round goes device to device
+        with ipc_receiver(cfg["ipc_port"], device=dev) as (g, r):
+            res["ipc_rows"] = pull_rounds(r, g, ipc_plan(cfg["repeats"]))
     if cfg["hb_port"]:
-        hb_group = sync.SyncGroup(
-            "127.0.0.1", cfg["hb_port"], 1, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
-        )
-        hb_recv = sync.WeightReceiver(hb_group, bucket_bytes=_bucket(cfg), device=dev)
-        res["hb_rows"] = pull_rounds(hb_recv, hb_group, host_bucket_plan(cfg["repeats"]))
-        _barrier(hb_group)
-        hb_group.close()
+        with ipc_receiver(cfg["hb_port"], "cpu", device=dev) as (g, r):
+            res["hb_rows"] = pull_rounds(r, g, host_bucket_plan(cfg["repeats"]))
     if cfg["perb_port"]:
-        perb_group = sync.SyncGroup(
-            "127.0.0.1", cfg["perb_port"], 1, 2, [0], timeout=60, links="ipc"
-        )
-        perb_recv = sync.WeightReceiver(perb_group, bucket_bytes=_bucket(cfg), device=dev)
-        res["perb_rows"] = pull_rounds(perb_recv, perb_group, perb_plan(cfg["repeats"]))
-        _barrier(perb_group)
-        perb_group.close()
-    if cfg["ws_port"]:
-        ws_group = sync.SyncGroup(
-            "127.0.0.1", cfg["ws_port"], 1, 2, [0], timeout=60, links="ipc", ipc_device="cpu"
-        )
-        # as a vLLM worker: its own host tensors (no into: host staging), two message slots
-        ws_recv = sync.WeightReceiver(ws_group, bucket_bytes=_bucket(cfg), staging="ring")
-        plan = ws_plan(cfg["repeats"])
-        res["ws_rows"] = pull_rounds(ws_recv, ws_group, plan[:-1])
-        res["ws_locked"], res["ws_staging"] = ws_recv.staging_locked, ws_recv.staging_bytes
-        if ws_recv._lock is not None:  # the same rounds through pageable staging
-            ws_recv._lock.release()
-        ws_recv._auto_lock = False
-        res["ws_rows"].update(pull_rounds(ws_recv, ws_group, plan[-1:]))
-        _barrier(ws_group)
-        ws_group.close()
+        with ipc_receiver(cfg["perb_port"], device=dev) as (g, r):
+            res["perb_rows"] = pull_rounds(r, g, perb_plan(cfg["repeats"]))
+    if cfg["ws_port"]:  # as a vLLM worker: its own host tensors (host staging), two slots
+        with ipc_receiver(cfg["ws_port"], "cpu", staging="ring") as (g, r):
+            ws = ws_plan(cfg["repeats"])
+            res["ws_rows"] = pull_rounds(r, g, ws[:-1])
+            res["ws_locked"], res["ws_staging"] = r.staging_locked, r.staging_bytes
+            if r._lock is not None:  # the same rounds through pageable staging
+                r._lock.release()
+            r._auto_lock = False
+            res["ws_rows"].update(pull_rounds(r, g, ws[-1:]))
     res["fingerprints"] = _fingerprints(mine)
     if ipc is not None:
         theirs = ipc.get(timeout=cfg["timeout"])

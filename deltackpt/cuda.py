@@ -58,28 +58,31 @@ def host_buffer(nbytes: int, for_device: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def spare_room(device: torch.device, nbytes: int) -> bool:
-    """Whether ``nbytes`` of transient work fit on ``device`` beside 256 MiB, counting what
-    the driver has free and what torch's allocator holds unused in this process: for work
-    next to an engine that took most of the device for itself (vLLM's
-    ``gpu_memory_utilization`` leaves the rest). Always True for the CPU stand-in."""
-    if device.type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return free + cached >= nbytes + (256 << 20)
-
-
-def device_room(device: torch.device, nbytes: int) -> bool:
+def device_room(
+    device: torch.device,
+    nbytes: int,
+    margin: tuple[float, int] = ROOM_MARGIN,
+    cached: bool = False,
+) -> bool:
     """Whether ``nbytes`` more fit on ``device`` with a margin left for the caller's own work
-    (:data:`ROOM_MARGIN`: 10% of the device's memory plus 256 MiB). Free bytes as the driver
-    counts them: memory torch's caching allocator holds unused counts as taken, so this errs
-    towards no. Always True for the CPU stand-in."""
+    (``margin``: a share of the device's memory plus bytes; :data:`ROOM_MARGIN`, 10% plus 256
+    MiB). Free bytes as the driver counts them, plus with ``cached`` what torch's caching
+    allocator holds unused in this process (else counted as taken, erring towards no). Always
+    True for the CPU stand-in."""
     if device.type != "cuda":
         return True
     free, total = torch.cuda.mem_get_info(device)
-    share, extra = ROOM_MARGIN
+    if cached:
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    share, extra = margin
     return free >= nbytes + int(total * share) + extra
+
+
+def spare_room(device: torch.device, nbytes: int) -> bool:
+    """:func:`device_room` for transient work next to an engine that took most of the device
+    for itself (vLLM's ``gpu_memory_utilization`` leaves the rest): free or cached bytes, beside
+    256 MiB only."""
+    return device_room(device, nbytes, margin=(0.0, 256 << 20), cached=True)
 
 
 def copy_and_wait(dst: torch.Tensor, src: torch.Tensor) -> None:

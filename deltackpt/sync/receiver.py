@@ -169,11 +169,10 @@ class WeightReceiver:
         # host staging and own tensors in pinned memory: copies to a GPU at the link's speed
         self.pin = pin is True and self.device.type == "cpu"
         # pin="auto": the host staging page-locked where it lies once this process uses a GPU
-        # on an ipc link (_lock_staging); the lock, None until then, and whether it was tried
+        # on an ipc link (_lock_staging); the lock, None until tried (its .locked: taken)
         ipc = getattr(group, "links", None) == "ipc"
         self._auto_lock = pin == "auto" and self.device.type == "cpu" and ipc
         self._lock: cuda.HostLock | None = None
-        self._lock_tried = False
         self._arena: torch.Tensor | None = None
         # (bucket index, sender, piece) -> the digest its committed bytes had (verify="all")
         self._kept: dict[tuple[int, int, int], tuple[int, int]] = {}
@@ -322,7 +321,7 @@ class WeightReceiver:
                 pos += n
         if self._lock is not None:  # the last staging's page-lock, before it can be freed
             self._lock.release()
-        self._arena, self._lock, self._lock_tried = arena, None, False
+        self._arena, self._lock = arena, None
         self.schedule, self._epoch = sched, g.epoch
         return sched
 
@@ -460,11 +459,10 @@ class WeightReceiver:
     def _lock_staging(self, now: bool = False) -> None:
         """``pin="auto"``: page-lock the host staging, once per staging, when this process
         uses a GPU (CUDA initialised; ``now``: it is about to)."""
-        if not self._auto_lock or self._lock_tried or self._arena is None:
+        if not self._auto_lock or self._lock is not None or self._arena is None:
             return
         if not torch.cuda.is_available() or not (now or torch.cuda.is_initialized()):
             return
-        self._lock_tried = True
         self._lock = cuda.HostLock(self._arena)
 
     @property
