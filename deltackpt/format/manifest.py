@@ -292,7 +292,13 @@ class Manifest:
             found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise ManifestError(f"{where} is not a deltackpt manifest (format={found!r:.60})")
         version = doc.get("version")
-        if type(version) is not int or version not in READ_VERSIONS:
+        if type(version) is not int:  # not a format a writer could name: damaged
+            raise ManifestError(
+                f"{where} has manifest version {version!r:.40}, not an integer; the file is "
+                "damaged",
+                field="version",
+            )
+        if version not in READ_VERSIONS:  # a newer writer's format
             raise StoreFormatError(
                 f"{where} has manifest version {version!r:.40}; this deltackpt reads versions "
                 f"{list(READ_VERSIONS)}. Upgrade deltackpt to read it"

@@ -34,8 +34,8 @@ from deltackpt.errors import (
     ManifestError,
     SnapshotNotFoundError,
     StoreError,
+    StoreFormatError,
     StoreIOError,
-    UnsafePathError,
 )
 from deltackpt.format.manifest import ChunkRecord, Manifest
 from deltackpt.format.validate import validate_manifest
@@ -185,7 +185,7 @@ class Store:
                 continue
             try:
                 m = self._read_cached(e.name)
-            except (ManifestError, UnsafePathError, StoreIOError) as err:
+            except (StoreFormatError, StoreIOError) as err:  # damaged, unsafe, or newer
                 bad.append(Damaged(e.name, str(err)))
                 continue
             if m is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deltackpt.errors import CorruptChunkError, ManifestError, StoreIOError, UnsafePathError
+from deltackpt.errors import CorruptChunkError, StoreFormatError, StoreIOError
 from deltackpt.format.manifest import ChunkRecord
 from deltackpt.options import default_threads
 from deltackpt.store.chunks import ChunkReader
@@ -84,7 +84,7 @@ def verify(
         for n in names:
             try:
                 ms.append(st.manifest(n))
-            except (ManifestError, UnsafePathError, StoreIOError) as e:
+            except (StoreFormatError, StoreIOError) as e:  # damaged, unsafe, or newer
                 problems.append(VerifyProblem("", str(e), (n,), ("<manifest>",)))
     else:
         ms, damaged = st.scan()

@@ -32,6 +32,7 @@ from deltackpt.errors import (
     ManifestError,
     SnapshotNotFoundError,
     StateMismatchError,
+    StoreFormatError,
     UnsafePathError,
 )
 from deltackpt.format.manifest import document_digest
@@ -414,6 +415,33 @@ def test_one_bad_manifest_does_not_take_the_store_down(sandbox, capsys):
         assert [s.name for s in deltackpt.snapshots(store)] == ["s0"]
     assert deltackpt.gc(store).damaged == []
     assert deltackpt.verify(store).ok
+
+
+@pytest.mark.parametrize("version", [None, "2", 2.0, 3])
+def test_a_manifest_version_it_cannot_read_does_not_take_the_store_down(sandbox, version):
+    """A version that is no integer is damage (ManifestError); a newer integer is a newer
+    writer's format (StoreFormatError, upgrade). Either way one snapshot is unreadable: the
+    store lists, verifies and loads the others, and gc removes no pack it may need (found by
+    the hostile-manifest fuzzer at 1000 examples: ``version: null`` made gc raise)."""
+    store, _ = sandbox
+    doc = read_doc(store, "s1")
+    doc["version"] = version
+    write_doc(store, "s1", doc)
+    packs = sorted(p.name for p in (store / "packs").iterdir())
+    want = ManifestError if type(version) is not int else StoreFormatError
+    with pytest.raises(want, match=r"s1.*manifest version") as e:
+        deltackpt.load(store, "s1")
+    assert ("damaged" in str(e.value)) == (want is ManifestError)
+    assert ("Upgrade" in str(e.value)) == (want is StoreFormatError)
+    with pytest.warns(DamagedSnapshotWarning, match="s1"):
+        assert [s.name for s in deltackpt.snapshots(store)] == ["s0"]
+    with pytest.warns(DamagedSnapshotWarning):
+        assert deltackpt.load(store)["step"] == 7
+    report = deltackpt.verify(store)
+    assert report.damaged == ["s1"] and not report.ok
+    assert deltackpt.verify(store, ["s1"]).damaged == ["s1"]
+    assert deltackpt.gc(store).damaged == ["s1"]
+    assert sorted(p.name for p in (store / "packs").iterdir()) == packs
 
 
 def test_a_damaged_chunk_shared_by_many_snapshots_is_reported_once(tmp_path):
