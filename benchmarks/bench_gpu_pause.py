@@ -16,6 +16,13 @@ An RL-like step (``--share`` of every weight's elements changed) is committed, b
 * the same elements the way before 2026-11-28: a pageable, blocking copy of each tensor's
   indices and values;
 * in place, whole tensors (``elements`` unknown): through the pinned buffers;
+* a reload (the path of a commit that cannot go in place: quantized weights, a first round):
+  every tensor of the changed layers handed to a stand-in of ``load_weights`` that copies each
+  into its parameter region as vLLM's weight loaders do (``param.data[...].copy_(w)``; vLLM's
+  own processing after loading is not in it): host tensors as the worker held them (a blocking
+  copy from pageable memory each, as before 2026-11-28), moved through the pinned buffers in
+  windows first (``feed.feed``), and moved before the pause (a staged round: ``feed.ahead``,
+  its time beside);
 * floors in the same run: the changed elements' bytes (an int64 index and a value each) in one
   pinned host-to-device copy, and a device-to-device copy of the changed tensors (the pause if
   the new weights were already on the GPU, as vLLM's own ipc backend loads them: unverified,
@@ -40,7 +47,7 @@ import _common as C
 import torch
 from _harness.limits import device_best
 
-from deltackpt.integrations.vllm import inplace
+from deltackpt.integrations.vllm import feed, inplace
 
 CUDA = torch.cuda.is_available()
 BF16 = torch.bfloat16
@@ -169,7 +176,7 @@ def pageable_elements(
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device("cuda" if CUDA else "cpu")
     if not CUDA:  # the CPU stand-in: the device paths on host parameters
-        inplace.SPARSE_ON_HOST = inplace.BOUNCE_ON_HOST = True
+        inplace.SPARSE_ON_HOST = inplace.BOUNCE_ON_HOST = feed.ON_HOST = True
     layers = max(1, round(args.gb * 1e9 / LAYER_BYTES))
     held = checkpoint(layers)
     model = Model(layers, dev)
@@ -201,6 +208,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["prepare_s"], out["prepared_s"] = prep_s, pause_s
     out["pageable_s"] = device_best(lambda: pageable_elements(slots, changed, elements), dev, r)
     out["whole_s"] = device_best(lambda: commit(el=None), dev, r)
+    # a reload: every tensor of the changed layers through a loader's copies
+    batch = feed.reload_batch(held, changed)
+
+    def loader(weights: Any) -> None:  # vLLM's weight_loader, at tp 1: a copy into the region
+        with torch.no_grad():
+            for name, w in weights:
+                s = slots[name]
+                s.param.data[s.dst].copy_(w)
+
+    out["reload_host_s"] = device_best(lambda: loader(batch), dev, r)
+    out["reload_feed_s"] = device_best(lambda: loader(feed.feed(batch, dev)), dev, r)
+    ahead_s, reload_s = float("inf"), float("inf")
+    for _ in range(r):
+        t0 = time.perf_counter()
+        early = feed.ahead(batch, dev)
+        ahead_s = min(ahead_s, time.perf_counter() - t0)
+        out["ahead_bytes"] = early.device_bytes
+        reload_s = min(
+            reload_s, device_best(lambda e=early: loader(feed.feed(batch, dev, prepared=e)), dev, 1)
+        )
+    out["ahead_s"], out["reload_ahead_s"] = ahead_s, reload_s
     # exact: the parameters hold the new bytes
     fresh = Model(layers, dev)
     load(fresh, dict(held, **dict(changed)))
@@ -225,6 +253,10 @@ def report(s: dict[str, Any], device: str) -> str:
         ("prepare_s", "  ... their preparation, off the pause (while the engine serves)"),
         ("pageable_s", "element writes, a pageable copy per tensor (before 2026-11-28)"),
         ("whole_s", "in place, whole tensors through the pinned buffers"),
+        ("reload_host_s", "reload, host tensors: the loader copies each (before 2026-11-28)"),
+        ("reload_feed_s", "reload, tensors through the pinned buffers in windows (feed)"),
+        ("reload_ahead_s", "reload, staged: tensors moved ahead (feed.ahead): the pause"),
+        ("ahead_s", "  ... moving them ahead, off the pause (while the engine serves)"),
         ("pinned_elements_s", "floor: the elements' bytes in one pinned H2D copy"),
         ("d2d_s", "floor: the changed tensors device to device (new weights on the GPU)"),
     ):
@@ -232,7 +264,8 @@ def report(s: dict[str, Any], device: str) -> str:
     head = (
         f"device {device}, {s['bytes'] / 1e9:.2f} GB bf16 in {s['tensors']} tensors, "
         f"{s['elements']} elements changed ({s['elements'] / (s['bytes'] / 2):.1%}); "
-        f"prepared on the device: {C.fmt_bytes(s['prepared_bytes'])}; parameters exact: "
+        f"prepared on the device: {C.fmt_bytes(s['prepared_bytes'])} (elements), "
+        f"{C.fmt_bytes(s['ahead_bytes'])} (a reload's tensors); parameters exact: "
         f"{s['exact']}; best of the repeats\n\n"
     )
     return head + C.md_table(["commit", "time", "vs D2D of the tensors"], rows)

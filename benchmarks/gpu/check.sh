@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared device check (issues 35 and 36), one command on one GPU machine, <= 8 minutes:
 #   here:  bash benchmarks/gpu/wheels.sh
-#   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 500)
+#   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 540: the boxes sum to 500 s)
 # 1. the gpu-marked tests; 2. benchmarks/bench_gpu.py (issue 35's table, limits in the same
 # run), benchmarks/bench_gpu_sync.py (issue 36's), benchmarks/bench_sync_overhead.py (a round's
 # host time per tensor, CUDA tensors), benchmarks/bench_digest.py (a device round's digests
@@ -59,8 +59,8 @@ fi
 if box "${DIGEST_S:-20}"; then  # device digests beside the fingerprints and a device copy
   timeout "${DIGEST_S:-20}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
 fi
-if box "${PAUSE_S:-25}"; then  # a vLLM worker's commit into parameters on the device
-  timeout "${PAUSE_S:-25}" python3 benchmarks/bench_gpu_pause.py --out /tmp/pause 2>&1 \
+if box "${PAUSE_S:-35}"; then  # a vLLM worker's commit on the device: in place, and reloads
+  timeout "${PAUSE_S:-35}" python3 benchmarks/bench_gpu_pause.py --out /tmp/pause 2>&1 \
     | tee -a "$LOG" || rc=1  # its table in check.log (8 files come back at most)
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);

@@ -63,7 +63,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltackpt import cuda
-from deltackpt.integrations.vllm import inplace, tp_boxes
+from deltackpt.integrations.vllm import feed, inplace, tp_boxes
+from deltackpt.integrations.vllm.feed import layer_key, model_device, reload_batch
 from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
 from deltackpt.sync.schedule_decl import Box
 from deltackpt.sync.spill import ram_filesystem
@@ -161,14 +162,10 @@ def _wire(dtype: str) -> torch.dtype:
     return wire_dtype(dtype)
 
 
-def layer_key(name: str) -> str:
-    """The group a checkpoint tensor reloads with: the name up to and including its outermost
-    integer segment (``model.layers.3``), or ``""`` for tensors outside the layer stacks."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
+#: what a staged round moved to the device before its commit: element writes for a commit in
+#: place (:func:`.inplace.prepare`), the reload's tensors for one through ``load_weights``
+#: (:func:`.feed.ahead`)
+Prepared = inplace.Prepared | feed.Ahead
 
 
 def reload_layers(
@@ -178,16 +175,19 @@ def reload_layers(
     changed: list[tuple[str, torch.Tensor]],
     fail_at: str | None = None,
     expand: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    device: torch.device | None = None,
+    ahead: feed.Ahead | None = None,
 ) -> None:
     """Load ``changed`` into a vLLM ``model`` through its own ``load_weights``, inside vLLM's
     layerwise reload, widened to whole layers from ``held`` (every tensor last loaded, by
     checkpoint name; updated here with ``changed``): see the module doc for why. ``expand``
     turns a held tensor into what ``load_weights`` takes (a tensor-parallel box into its
     full-shape view, :func:`~deltackpt.integrations.vllm.tp_boxes.full_view`), one tensor at a
-    time as the model consumes them."""
+    time as the model consumes them. ``device``: where the parameters live, when that is a
+    GPU: the tensors cross to it before ``load_weights`` gets them (:func:`.feed.feed`; those
+    of ``ahead`` crossed already)."""
+    batch = reload_batch(held, changed)
     held.update(changed)
-    touched = {layer_key(n) for n, _ in changed}
-    batch = [(n, t) for n, t in held.items() if layer_key(n) in touched]
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -195,7 +195,7 @@ def reload_layers(
 
     initialize_layerwise_reload(model)
     try:
-        model.load_weights(_failing_at(batch, fail_at, expand))
+        model.load_weights(_failing_at(feed.feed(batch, device, expand, prepared=ahead), fail_at))
     finally:  # layers that got nothing get their old kernels back
         finalize_layerwise_reload(model, model_config)
     if fail_at == "end":
@@ -213,20 +213,22 @@ def commit_layers(
     shapes: dict[str, tuple[int, ...]] | None = None,
     boxes: dict[str, Box | None] | None = None,
     elements: dict[str, torch.Tensor | None] | None = None,
-    prepared: inplace.Prepared | None = None,
+    prepared: Prepared | None = None,
 ) -> str:
     """Bring ``model`` to ``held`` updated with ``changed``: written into the parameters when
     every changed tensor has a current slot (``slots``; None: never, :mod:`.inplace`), else
     :func:`reload_layers` and the reloaded tensors' slots learned again. ``fail_at`` is the test
     hook of :func:`reload_layers` (a layer, or ``"end"``); ``elements``: the changed elements
-    per tensor, written alone where few (:func:`.inplace.write`); ``prepared``: those moved to
-    the device ahead (:func:`.inplace.prepare`). Returns ``"in place"`` or ``"reload"``."""
+    per tensor, written alone where few (:func:`.inplace.write`); ``prepared``: what a staged
+    round moved to the device ahead (:data:`Prepared`). Returns ``"in place"`` or
+    ``"reload"``."""
     names = [n for n, _ in changed]
     # ordered with the engine on its GPU whichever thread commits (vLLM's Ray compiled-graph
     # executor runs its steps on another thread, on another stream): a step still running
     # reads the weights about to be written; the next one must see every byte
     devices = {p.device for p in model.parameters()}
     cuda.synchronize(devices)
+    device = model_device(model)
     try:
         if slots is not None and names and inplace.usable(model, slots, names):
 
@@ -236,13 +238,15 @@ def commit_layers(
                         f"deltackpt test hook: the commit fails at layer {fail_at!r}"
                     )
 
-            inplace.write(slots, held, changed, hook, elements, prepared)
+            writes = prepared if isinstance(prepared, inplace.Prepared) else None
+            inplace.write(slots, held, changed, hook, elements, writes)
             if fail_at == "end":
                 raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
             return "in place"
         touched = {layer_key(n) for n in names}
         try:
-            reload_layers(model, model_config, held, changed, fail_at, expand)
+            ahead = prepared if isinstance(prepared, feed.Ahead) else None
+            reload_layers(model, model_config, held, changed, fail_at, expand, device, ahead)
         finally:  # a failed reload may have replaced parameters: what is seen now counts
             if slots is not None:
                 again = [n for n in held if layer_key(n) in touched]
@@ -253,16 +257,14 @@ def commit_layers(
 
 
 def _failing_at(
-    batch: list[tuple[str, torch.Tensor]],
-    fail_at: str | None,
-    expand: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    batch: Iterator[tuple[str, torch.Tensor]], fail_at: str | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``batch`` (each tensor through ``expand``), raising at the first tensor of layer
-    ``fail_at`` (a test hook: the extension's ``deltackpt_fail_next_commit``)."""
+    """``batch``, raising at the first tensor of layer ``fail_at`` (a test hook: the
+    extension's ``deltackpt_fail_next_commit``)."""
     for n, t in batch:
         if fail_at is not None and layer_key(n) == fail_at:
             raise RuntimeError(f"deltackpt test hook: the commit fails at layer {fail_at!r}")
-        yield n, (t if expand is None else expand(n, t))
+        yield n, t
 
 
 @dataclass
@@ -272,8 +274,8 @@ class _Staged:
     version: int | None
     key: str
     changed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    # its element writes moved to the device ahead of the commit (inplace.prepare)
-    prepared: inplace.Prepared | None = None
+    # what it moved to the device ahead of the commit (element writes or the reload's tensors)
+    prepared: Prepared | None = None
     error: BaseException | None = None
     thread: threading.Thread = field(default_factory=threading.Thread)
 
@@ -527,13 +529,13 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         key: str,
         undo: Any,
         prev: int | None = None,
-        prepared: inplace.Prepared | None = None,
+        prepared: Prepared | None = None,
     ) -> None:
         """Reload ``changed`` (widened to whole layers) into the model, vote with the other
         workers, and on any failure anywhere take the round back (module doc). ``undo``: puts
         the receiver's previous bytes back and returns the tensors to reload (a staged round);
-        None inside ``pull``, which puts them back itself once this raises. ``prepared``: a
-        staged round's element writes, on the device already (:meth:`_prepare`)."""
+        None inside ``pull``, which puts them back itself once this raises. ``prepared``: what a
+        staged round moved to the device already (:meth:`_prepare`)."""
         assert self.group is not None and self.receiver is not None
         old = prev if undo is None else self.receiver.reverts_to
         names = sorted({layer_key(n) for n, _ in changed})
@@ -543,7 +545,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         # which elements the round changed (its rollback writes back the same ones)
         self._elements = self.receiver.changed_elements() if direct else None
         try:
-            self._load(changed, fail, prepared if direct else None)
+            self._load(changed, fail, prepared)
         except Exception as e:  # voted on, then raised below
             what = "in-place write" if direct else "reload"
             mine = f"rank {self.group.rank}: the model's {what} failed ({type(e).__name__}: {e})"
@@ -592,25 +594,36 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         """A commit of ``names`` writes into the parameters (every one has a current slot)."""
         return self.inplace and bool(names) and inplace.usable(self.model, self._slots, names)
 
-    def _prepare(self, changed: list[tuple[str, torch.Tensor]]) -> inplace.Prepared | None:
-        """A staged round, applied to the copies: its element writes into device parameters
-        moved there now, while the engine serves, so the commit's pause only scatters them
-        (:func:`.inplace.prepare`; None where the commit will not go in place, or the move
-        failed: the commit then does it)."""
+    def _prepare(self, changed: list[tuple[str, torch.Tensor]]) -> Prepared | None:
+        """A staged round, applied to the copies: what its commit moves to a GPU moved there
+        now, while the engine serves: the element writes of a commit in place, so the pause
+        only scatters them (:func:`.inplace.prepare`), or the tensors a reload hands
+        ``load_weights`` (:func:`.feed.ahead`: where the device has room for all of them). None
+        where nothing crosses (parameters on the host) or the move failed: the commit then
+        does it."""
         assert self.receiver is not None
-        if not inplace.enabled(None, PREPARE_ENV) or not self._direct([n for n, _ in changed]):
+        if not inplace.enabled(None, PREPARE_ENV):
             return None
         try:
-            return inplace.prepare(self._slots, changed, self.receiver.changed_elements())
+            if self._direct([n for n, _ in changed]):
+                return inplace.prepare(self._slots, changed, self.receiver.changed_elements())
+            batch = [(n, t) for n, t in reload_batch(self._held, changed) if self._whole(n, t)]
+            moved = feed.ahead(batch, model_device(self.model))
+            return moved if moved.moved else None
         except Exception as e:  # (device memory taken meanwhile): done at the commit instead
-            log.warning("deltackpt: the commit's element writes not prepared ahead: %r", e)
+            log.warning("deltackpt: the commit's device copies not prepared ahead: %r", e)
             return None
+
+    def _whole(self, name: str, t: torch.Tensor) -> bool:
+        """Held tensor ``name`` is what ``load_weights`` takes (not a box it widens)."""
+        box = self._boxes.get(name)
+        return box is None or tuple(t.shape) == tuple(self._shapes[name])
 
     def _load(
         self,
         changed: list[tuple[str, torch.Tensor]],
         fail: str | None,
-        prepared: inplace.Prepared | None = None,
+        prepared: Prepared | None = None,
     ) -> str:
         slots = self._slots if self.inplace else None
         return commit_layers(self.model, self.model_config, self._held, changed, slots, fail,
