@@ -129,6 +129,16 @@ def _last(worker: Any) -> dict[str, Any]:
             "path": eng.last_path}  # fmt: skip
 
 
+def _feed_on_host(worker: Any, on: bool) -> None:
+    from deltackpt.integrations.vllm import feed
+
+    feed.ON_HOST = on
+
+
+def _last_commit(worker: Any) -> Any:
+    return worker.weight_transfer_engine.last_commit
+
+
 def _tamper(worker: Any) -> None:
     """Change one committed tensor behind the receiver's back."""
     held = worker.weight_transfer_engine._held
@@ -231,6 +241,18 @@ def main(out_path: str, short: bool = False) -> None:
     res["emptied"] = llm.collective_rpc(_emptied)[0]
     res["paths"] = llm.collective_rpc(_paths)[0]
     if short:
+        # a GPU worker's reload (linear weights repacked here: the commits reload): its tensors
+        # moved before the loaders get them, host to host here (feed.ON_HOST), the code a GPU
+        # worker runs: a staged round moves them ahead of its commit, a plain one in windows
+        llm.collective_rpc(_feed_on_host, args=(True,))
+        rl_step(trainer, 0.02, gen)
+        stats = eng.send_weights(trainer.state_dict(), version=7, stage=True)
+        eng.commit()
+        check("moved ahead", stats)
+        res["moved_ahead"] = llm.collective_rpc(_last_commit)[0]
+        rl_step(trainer, 0.02, gen)
+        check("moved in windows", eng.send_weights(trainer.state_dict(), version=8))
+        llm.collective_rpc(_feed_on_host, args=(False,))
         finish(res, llm, trainer, tmp, fresh_engine=False)
         eng.shutdown()
         report(res, out_path)

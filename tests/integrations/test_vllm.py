@@ -112,6 +112,18 @@ def test_first_round_is_full_then_element_sparse_patches(run):
         assert rs[tag]["sent"] < rs["full"]["sent"] / 10  # 2% of the elements changed
 
 
+def test_reloads_take_tensors_moved_ahead_or_in_windows_bit_exactly(other):
+    """A GPU worker's reload path on this engine (its commits reload: linear weights repacked),
+    with host tensors moved host to host as a GPU worker moves them to the device: the staged
+    round moved every tensor of the changed layers before its commit and the commit used all of
+    them; both rounds commit the trainer's bits (test_every_round_commits_the_trainers_bits)."""
+    rs = rounds(other)
+    assert [rs[t]["worker"]["path"] for t in ("moved ahead", "moved in windows")] == ["reload"] * 2
+    moved = other["moved_ahead"]
+    assert moved["ok"] and moved["version"] == 7
+    assert moved["prepared_bytes"] > 0 and moved["prepared_unused"] == 0
+
+
 def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(either):
     t = either["tampered"]
     assert t["raised"] == "RoundAbortedError"

@@ -429,20 +429,22 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             return
         assert self.receiver is not None
         t0 = time.perf_counter()
+        # device bytes the round moved ahead of its pause, and those its commit did not use
+        early = staged.prepared
+        moved = {"prepared_bytes": 0 if early is None else early.device_bytes}
         try:
             self._commit(
-                staged.changed,
-                staged.version,
-                staged.key,
-                undo=self.receiver.revert,
-                prepared=staged.prepared,
-            )
+                staged.changed, staged.version, staged.key, undo=self.receiver.revert,
+                prepared=early,
+            )  # fmt: skip
         except Exception as e:
-            self.last_commit = {"version": staged.version, "ok": False, "why": str(e)}
+            self.last_commit = {"version": staged.version, "ok": False, "why": str(e), **moved}
             log.error("%s", e)
             return
+        moved["prepared_unused"] = 0 if early is None else early.device_bytes
         self.last_commit = {
-            "version": staged.version, "ok": True, "why": "", "seconds": time.perf_counter() - t0
+            "version": staged.version, "ok": True, "why": "", "seconds": time.perf_counter() - t0,
+            **moved,
         }  # fmt: skip
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
