@@ -240,23 +240,6 @@ def read_all_deep(root: Path, threads: int = 16, block: int = 8 << 20) -> int:
         return sum(pool.map(one, jobs))
 
 
-def _threads(n: int, fn: Any) -> Any:
-    """``fn`` with ``DELTACKPT_THREADS=n`` (deltackpt's reader threads)."""
-
-    def run() -> Any:
-        old = os.environ.get("DELTACKPT_THREADS")
-        os.environ["DELTACKPT_THREADS"] = str(n)
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop("DELTACKPT_THREADS")
-            else:
-                os.environ["DELTACKPT_THREADS"] = old
-
-    return run
-
-
 def cold_rows(state: dict[str, Any], store: Any, work: Path) -> dict[str, float] | None:
     """``load(into=)`` and ``dcp.load`` (of the checkpoint dcp_rows wrote) from a cold page
     cache, each after dropping it."""
@@ -270,7 +253,7 @@ def cold_rows(state: dict[str, Any], store: Any, work: Path) -> dict[str, float]
         # is there more to read with more readers? (for the goal: the rows above run at ~0.9
         # of the read limit with 4 threads, default_threads' cap)
         ("raw_read_deep_cold_s", lambda: read_all_deep(work / "dk")),
-        ("load_into_cold_t16_s", _threads(16, lambda: deltackpt.load(store, "s2", into=state))),
+        ("load_into_cold_t16_s", lambda: deltackpt.load(store, "s2", into=state, threads=16)),
     ):
         if not drop_caches():
             C_log("cold rows skipped: cannot drop the page cache here (needs root)")

@@ -147,7 +147,7 @@ def feed(
         move = early is None and x is t and _movable(t, device)
         pending.append((name, x if early is None else early, move))
         nbytes += x.numel() * x.element_size() if move else 0
-        if nbytes >= window or not any(m for _, _, m in pending):
+        if nbytes >= window or not nbytes:  # a window full, or nothing to move: hand out
             yield from _flush(pending, device, nbytes)
             nbytes = 0
     yield from _flush(pending, device, nbytes)
