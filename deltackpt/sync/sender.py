@@ -394,9 +394,11 @@ class WeightSender:
         g = self.group
         gpu = next((t.device for t in self._local.values() if cuda.is_device(t)), None)
         from_gpu = device and gpu is not None
-        # the packing thread queues its device work on the caller's stream (a thread starts on
-        # the default stream): after the caller's writes, before this thread's reads of it
-        stream = None if gpu is None else cuda.current_stream(gpu)
+        # the packing thread queues its device work on the caller's streams (a thread starts on
+        # the default stream): after the caller's writes, before this thread's reads of it;
+        # those of the tensors' GPU and of the CUDA buckets (host tensors into CUDA buckets too:
+        # the publish waits on the caller's stream of the buckets' device)
+        streams = cuda.current_streams([d for d in (g.ipc_device, gpu) if d is not None])
         works: list[tuple[int, object] | None] = [None] * _RING
         bufs: list[torch.Tensor] = list(self._ring)
         stubs: list[tuple[int, object, torch.Tensor]] = []
@@ -456,8 +458,8 @@ class WeightSender:
             bufs[i % _RING] = self._ring[i % _RING] if win is None else win
             args = (sched, bk, bufs[i % _RING], seq, version, full)
             pack = partial(
-                cuda.on_stream,
-                stream,
+                cuda.on_streams,
+                streams,
                 self._packer.device_message if device else self._packer.message,
             )
             if not full and self._untouched(sched, bk):  # a header only: no thread hand-off

@@ -56,9 +56,9 @@ def test_tensors_cross_in_windows_in_order_and_bit_exact(on_host, monkeypatch):
     events: list[tuple[str, object]] = []
     moved = feed._moved
 
-    def spy(items, device):
+    def spy(items, device, nbytes):
         events.append(("move", len(items)))
-        return moved(items, device)
+        return moved(items, device, nbytes)
 
     monkeypatch.setattr(feed, "_moved", spy)
     out = []
@@ -122,6 +122,27 @@ def test_ahead_moves_all_or_nothing(on_host, monkeypatch):
     assert feed.ahead(batch, torch.device("cpu")).moved == {}  # no room beside the engine
     monkeypatch.undo()
     assert feed.ahead(batch, torch.device("cpu")).moved == {}  # host parameters: nothing
+
+
+def test_an_allocation_that_fails_despite_room_moves_nothing(on_host, monkeypatch):
+    """The device said it had room (``cuda.spare_room`` counts what torch's allocator holds
+    unused, some of which a new block cannot take: a CUDA graph's pool), but the allocation
+    fails: the reload hands the host tensors as before, and a staged round moves nothing ahead,
+    instead of failing the commit."""
+    held = _held(n=4)
+    batch = list(held.items())
+    empty = torch.empty
+
+    def no_memory(*args, **kwargs):
+        if "device" in kwargs:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(cuda, "spare_room", lambda device, nbytes: True)
+    monkeypatch.setattr(torch, "empty", no_memory)
+    assert feed.ahead(batch, torch.device("cpu")).moved == {}
+    out = dict(feed.feed(batch, torch.device("cpu")))
+    assert all(out[n] is held[n] for n in held)
 
 
 @pytest.mark.gpu

@@ -322,9 +322,21 @@ def test_a_prepared_write_is_used_once(monkeypatch):
         assert torch.equal(p, dict(was.named_parameters())[name]), name
 
 
-def test_no_room_on_the_device_prepares_nothing(monkeypatch):
+@pytest.mark.parametrize("why", ["no room counted", "the allocation fails"])
+def test_no_room_on_the_device_prepares_nothing(why, monkeypatch):
+    """No room beside the engine: none counted (``cuda.spare_room``), or counted but the device
+    memory not had all the same (unused memory torch holds that a new block cannot take: an
+    out-of-memory error while preparing): nothing prepared, the commit writes as before."""
     monkeypatch.setattr(inplace, "SPARSE_ON_HOST", True)
-    monkeypatch.setattr(inplace.cuda, "spare_room", lambda device, nbytes: False)
+    if why == "no room counted":
+        monkeypatch.setattr(inplace.cuda, "spare_room", lambda device, nbytes: False)
+    else:
+
+        def no_memory(*args):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
+
+        monkeypatch.setattr(inplace.cuda, "spare_room", lambda device, nbytes: True)
+        monkeypatch.setattr(inplace, "_positions", no_memory)
     model, held = Model(), checkpoint(0)
     load(model, held)
     slots = learned(model, held)

@@ -486,6 +486,7 @@ def _cuda_trainer(
     buckets_on: str = "cuda:0",
     side_stream: bool = False,
     ring: int | None = None,
+    tensors_on: str = "cuda:0",
 ) -> dict[str, Any]:
     import contextlib
 
@@ -510,7 +511,7 @@ def _cuda_trainer(
     ctx = torch.cuda.stream(torch.cuda.Stream()) if side_stream else contextlib.nullcontext()
     with overrides(DELTACKPT_DEVICE_ROUNDS=mode), ctx:
         for v in (1, 2, 3):
-            state = {n: t.to("cuda:0") for n, t in make_state(v).items()}
+            state = {n: t.to(tensors_on) for n, t in make_state(v).items()}
             if side_stream:  # a long kernel queued last on this stream: a race would show
                 for t in state.values():
                     if t.is_floating_point():  # (integer tensors cannot take a float product)
@@ -647,6 +648,29 @@ def test_cuda_buckets_carry_full_and_delta_rounds_bit_exact(
     assert rec["mapped_cuda"] == (not host_buckets) and rec["staged"] == {staging}
     # the receiver page-locks the host buckets it copies to its GPU from
     assert all(rec["locked"]) == (host_buckets and staging != "cpu")
+
+
+@pytest.mark.gpu
+def test_host_tensors_into_cuda_buckets_pushed_under_a_side_stream() -> None:
+    """A trainer whose tensors are on the host and whose ipc buckets are on the GPU, pushing
+    under a stream of its own: the packing thread queues its copies into the buckets (and their
+    headers and digests) on that stream, the one the publish waits on (it was the default
+    stream, which a side stream does not wait for)."""
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [
+                (_cuda_trainer, (port, "auto", "cuda:0", True, None, "cpu")),
+                (_cuda_receiver, (port, "cuda:0", True, "auto")),
+            ],
+            timeout=120,
+            fast_exit=True,
+        )
+    )
+    assert trainer["device_rounds"] and trainer["on_device"]
+    assert trainer["full"] == [True, False, True]
+    assert rec["bad"] == [[], [], []] and rec["version"] == 3
 
 
 LONG_BUCKET = 16 << 10  # room for more pieces than a link's cell has header room for

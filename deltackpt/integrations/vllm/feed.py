@@ -120,9 +120,17 @@ def _movable(t: torch.Tensor, device: torch.device | None) -> bool:
     return ON_HOST if device.type == "cpu" else not t.is_pinned()
 
 
-def _moved(items: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Copies of ``items`` on ``device``, landed (through the pinned buffers)."""
-    out = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in items]
+def _moved(items: list[torch.Tensor], device: torch.device, nbytes: int) -> list[torch.Tensor]:
+    """Copies of ``items`` (``nbytes`` in all) on ``device``, landed (through the pinned
+    buffers); none where the device has no room for them: ``cuda.spare_room`` says so, or the
+    allocation fails all the same (what torch's allocator holds unused may lie in a CUDA
+    graph's private pool or in a segment still partly in use, which a new block cannot take)."""
+    if not cuda.spare_room(device, nbytes):
+        return []
+    try:
+        out = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in items]
+    except torch.cuda.OutOfMemoryError:
+        return []
     with torch.no_grad():
         copy_through(list(zip(out, items, strict=True)))
     return out
@@ -162,9 +170,8 @@ def _flush(
     moved: list[torch.Tensor] = []
     if todo:
         assert device is not None
-        if cuda.spare_room(device, nbytes):
-            moved = _moved(todo, device)
-        else:
+        moved = _moved(todo, device, nbytes)
+        if not moved:
             log.info(
                 "deltackpt: no room on %s for %d bytes; the loader copies them", device, nbytes
             )
@@ -182,7 +189,9 @@ def ahead(batch: Batch, device: torch.device | None) -> Ahead:
     ``batch`` holds no tensor that ``expand`` would change (the caller leaves those out)."""
     todo = [(n, t) for n, t in batch if _movable(t, device)]
     need = sum(t.numel() * t.element_size() for _, t in todo)
-    if not todo or device is None or need > AHEAD_MAX or not cuda.spare_room(device, need):
+    if not todo or device is None or need > AHEAD_MAX:
         return Ahead()
-    moved = _moved([t for _, t in todo], device)
+    moved = _moved([t for _, t in todo], device, need)
+    if not moved:
+        return Ahead()
     return Ahead({n: (t, d) for (n, t), d in zip(todo, moved, strict=True)})

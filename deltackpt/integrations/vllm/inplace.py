@@ -307,9 +307,12 @@ def prepare(
     devices = {s.param.device for _, s, _, _ in items}
     if not items or not all(cuda.spare_room(d, need) for d in devices):
         return Prepared()
-    with torch.no_grad():
-        done = _elements_to_device([(s, t, idx) for _, s, t, idx in items], [], narrow=True)
-    cuda.synchronize(devices)  # the positions' kernels ran on this thread's stream
+    try:  # room as counted, which a new block may still not get (feed._moved): none prepared
+        with torch.no_grad():
+            done = _elements_to_device([(s, t, idx) for _, s, t, idx in items], [], narrow=True)
+        cuda.synchronize(devices)  # the positions' kernels ran on this thread's stream
+    except torch.cuda.OutOfMemoryError:
+        return Prepared()
     return Prepared({name: w for (name, *_), w in zip(items, done, strict=True)})
 
 
