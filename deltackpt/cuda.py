@@ -127,6 +127,7 @@ def register_host(t: torch.Tensor) -> bool:
     before the memory is unmapped."""
     if t.device.type != "cpu" or not t.numel() or not torch.cuda.is_available():
         return False
+    _undo_deferred()
     ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     if ptr in _REGISTERED:
         return True
@@ -173,10 +174,36 @@ class HostLock:
         if t is not None and self._owned:
             self._owned = False
             unregister_host(t, wait=False)
+        _undo_deferred()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone first)
+            if self._owned and _capturing():
+                # collected inside a CUDA graph's capture, where a runtime call such as
+                # cudaHostUnregister would end the capture: undone at the next lock or release
+                # (the memory kept until then)
+                _DEFERRED.append(self.tensor)  # type: ignore[arg-type]
+                self.tensor, self._owned, self.locked = None, False, False
+                return
             self.release()
+
+
+#: page-locked tensors whose lock was collected during a CUDA graph's capture (kept alive)
+_DEFERRED: list[torch.Tensor] = []
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph (False without CUDA)."""
+    try:
+        return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):  # no CUDA in this build or process
+        return False
+
+
+def _undo_deferred() -> None:
+    """Unlock what :class:`HostLock` left locked during a graph's capture, once none runs."""
+    while _DEFERRED and not _capturing():
+        unregister_host(_DEFERRED.pop(), wait=False)
 
 
 def _drain_error() -> None:

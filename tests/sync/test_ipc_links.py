@@ -925,6 +925,74 @@ def test_a_host_bucket_is_page_locked_only_where_cuda_is() -> None:
     assert not t.is_pinned() and cuda.register_host(torch.empty(0, dtype=torch.uint8)) is False
 
 
+def test_a_host_lock_collected_during_a_graph_capture_is_undone_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receiver's staging lock (``cuda.HostLock``) collected while this thread captures a
+    CUDA graph (vLLM captures them) makes no runtime call there (``cudaHostUnregister`` would
+    end the capture): the memory stays locked and alive until the next lock or release, which
+    unlocks it. The driver's calls stood in for (no CUDA here; the gpu test below: a real
+    capture)."""
+    import gc
+
+    from deltackpt import cuda
+
+    locked: dict[int, torch.Tensor] = {}
+    undone: list[int] = []
+
+    def register(t: torch.Tensor) -> bool:
+        cuda._undo_deferred()
+        locked[t.data_ptr()] = t
+        cuda._REGISTERED[t.data_ptr()] = t.numel()
+        return True
+
+    def unregister(t: torch.Tensor, wait: bool = True) -> None:
+        cuda._REGISTERED.pop(t.data_ptr(), None)
+        undone.append(t.data_ptr())
+
+    monkeypatch.setattr(cuda, "register_host", register)
+    monkeypatch.setattr(cuda, "unregister_host", unregister)
+    capturing = [True]
+    monkeypatch.setattr(cuda, "_capturing", lambda: capturing[0])
+    t = torch.empty(4096, dtype=torch.uint8)
+    lock = cuda.HostLock(t)
+    assert lock.locked
+    del lock
+    gc.collect()
+    assert undone == [] and [id(d) for d in cuda._DEFERRED] == [id(t)]  # nothing called
+    capturing[0] = False
+    other = cuda.HostLock(torch.empty(64, dtype=torch.uint8))  # the next lock undoes it
+    assert undone == [t.data_ptr()] and cuda._DEFERRED == []
+    other.release()
+    assert len(undone) == 2
+    lock = cuda.HostLock(t)
+    lock.release()  # outside a capture: unlocked at once, as before
+    assert undone[-1] == t.data_ptr() and cuda._DEFERRED == []
+
+
+@pytest.mark.gpu
+def test_a_host_lock_collected_inside_a_real_graph_capture_keeps_the_capture() -> None:
+    import gc
+
+    from deltackpt import cuda
+
+    t = torch.empty(1 << 20, dtype=torch.uint8)
+    lock = cuda.HostLock(t)
+    assert lock.locked and t.is_pinned()
+    x = torch.zeros(4, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        del lock
+        gc.collect()  # the collector may run anywhere: here, inside the capture
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [1.0] * 4 and t.is_pinned()  # still locked, the capture intact
+    cuda.HostLock(torch.empty(4096, dtype=torch.uint8)).release()
+    assert not t.is_pinned() and cuda._DEFERRED == []
+
+
 def test_shared_memory_without_room_is_a_plan_error_that_says_what_to_change(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
