@@ -39,6 +39,7 @@ except ImportError:  # no Triton: available() says so and nothing here runs
 
 __all__ = [
     "BLOCK",
+    "INTERPRET_BLOCK",
     "available",
     "copy_into",
     "copy_spans",
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
+#: words per program in Triton's interpreter (CPU tensors: the tests), which runs the programs
+#: one by one in numpy: fewer, larger ones (the same kernel; the sums wrap, in any order)
+INTERPRET_BLOCK = 1 << 14
 
 
 def _body(
@@ -216,15 +220,16 @@ def _launch(
     if not rows:
         return [torch.zeros(0, 2, dtype=torch.int64, device=device) for _ in rows_of]
     tab = cuda.to_device(torch.from_numpy(np.stack([addr, dst, nbytes])), device)  # no wait
-    nblk = -(-(chunk_bytes // 8) // BLOCK)
+    block = BLOCK if device.type == "cuda" else INTERPRET_BLOCK
+    nblk = -(-(chunk_bytes // 8) // block)
     part = torch.empty(rows, nblk, 2, dtype=torch.int64, device=device)
     args = (tab[0], tab[1], tab[2], p, q, part, nblk)
     kernel = _kernel()
     if device.type == "cuda":  # Triton launches on the current device: make it the sources'
         with torch.cuda.device(device):
-            kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=copy)
+            kernel[(rows, nblk)](*args, BLOCK=block, COPY=copy)
     else:
-        kernel[(rows, nblk)](*args, BLOCK=BLOCK, COPY=copy)
+        kernel[(rows, nblk)](*args, BLOCK=block, COPY=copy)
     out = part.sum(dim=1)  # wrapping sums: in any order, the same
     return list(out.split(rows_of.tolist()))
 

@@ -502,6 +502,7 @@ sys.path[:0] = sys.argv[1:]
 from deltackpt.format import fingerprint, fingerprint_kernel
 from tests.saving.test_on_device import _many_sources, _message, _pieces
 assert fingerprint_kernel.available(torch.device("cpu"))
+fingerprint_kernel.INTERPRET_BLOCK = fingerprint_kernel.BLOCK  # the GPU's programs, one by one
 for chunk in (64, 4096, 1 << 16):
     # views of one buffer (odd tails read in place) and a tensor of its own (its tail copied)
     srcs = _many_sources(chunk) + [torch.randint(0, 256, (chunk + 13,), dtype=torch.uint8)]

@@ -215,20 +215,35 @@ def test_a_device_patch_onto_an_edited_base_fails_the_round_and_the_next_heals_i
     assert rec["bad"][3] == []  # healed bit-exactly
 
 
-# the fused passes' cases: a stand-in of the kernel, one that lies, the kernel on CUDA
+# the fused passes' cases: a stand-in of the kernel, one that lies, the kernel itself run by
+# Triton's interpreter on CPU tensors, the kernel on CUDA
 _FUSED = [
     ("honest", "cpu"),
     ("lying", "cpu"),
+    ("interpreted", "cpu"),
     pytest.param("real", "cuda:0", marks=pytest.mark.gpu),
 ]
+_FUSED_IDS = ["honest", "lying", "interpreted", "cuda"]
+
+
+def _interpreted(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``how="interpreted"``: the ranks run the Triton kernel itself in its interpreter, which
+    must be asked for before Triton is imported: fresh interpreters (not forked from the test
+    server, which imported it), ``TRITON_INTERPRET=1`` in their environment."""
+    if how != "interpreted":
+        return
+    pytest.importorskip("triton", reason="Triton is not installed (torch's CUDA builds bring it)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("DELTACKPT_TEST_SPAWN", "spawn")
 
 
 def _fused_receiver(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     """``_patch_receiver`` whose copies out of the link's buckets go through a stand-in of the
     fused Triton copy (``fingerprint_kernel.copy_spans``, which this machine cannot run outside
     Triton's interpreter): the spans copied one by one, their fingerprints from the torch
-    operations; ``how="lying"``: every fingerprint it returns off by one; ``"real"``: the real
-    one, each call noted (whether the kernel ran)."""
+    operations; ``how="lying"``: every fingerprint it returns off by one; ``"real"`` (CUDA) and
+    ``"interpreted"`` (Triton's interpreter): the real one, each call noted (whether the kernel
+    ran)."""
     from deltackpt.format.fingerprint import many_fingerprints
     from deltackpt.sync import ipc_links
 
@@ -238,7 +253,7 @@ def _fused_receiver(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
 
     def fused(src, dst, spans, chunk_bytes, kernel):
         calls.append(list(spans))
-        if how == "real":
+        if how in ("real", "interpreted"):
             got = real(src, dst, spans, chunk_bytes, kernel)
             ran.append(got is not None)
             return got
@@ -256,17 +271,18 @@ def _fused_receiver(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(("how", "dev"), _FUSED, ids=["honest", "lying", "cuda"])
+@pytest.mark.parametrize(("how", "dev"), _FUSED, ids=_FUSED_IDS)
 def test_the_receivers_copy_out_of_the_bucket_carries_its_fingerprints_to_the_check(
-    how: str, dev: str
+    how: str, dev: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A device round's header comes in the link's cell, so the receiver knows the pieces
     before it copies the bucket out: it copies them and takes their fingerprints in one pass
     (on a GPU the Triton kernel; here a stand-in) and its check folds those fingerprints
     instead of reading the copy again. Honest: every round bit-exact, the copies named the
     pieces (a whole tensor, a patch), patches applied. Lying fingerprints fail the first round
-    by digest, though the bytes copied are right: the check used them. On CUDA the kernel
-    itself ran for every message."""
+    by digest, though the bytes copied are right: the check used them. On CUDA, and in
+    Triton's interpreter here, the kernel itself ran for every message."""
+    _interpreted(how, monkeypatch)
     port = free_port()
     trainer, rec = (
         o.unwrap()
@@ -288,7 +304,7 @@ def test_the_receivers_copy_out_of_the_bucket_carries_its_fingerprints_to_the_ch
     assert big in sizes  # round 1: w3 whole (a bucket of its own)
     assert any(0 < n < big // 8 for n in sizes)  # its patches
     assert all(o % 8 == 0 for spans in rec["calls"] for o, _ in spans)
-    if how == "real":
+    if how in ("real", "interpreted"):
         assert rec["ran"] and all(rec["ran"]), rec["ran"]
 
 
@@ -296,8 +312,8 @@ def _fused_trainer(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     """``_patch_trainer`` as if the fused Triton pack ran here (``fingerprint.fuses``; its
     kernel, ``fingerprint_kernel.copy_into``, runs here only in Triton's interpreter): a
     stand-in copies the sources and gives the torch operations' fingerprints (``"lying"``:
-    each off by one; ``"real"``: the real one, on CUDA); the bytes the scan fingerprints are
-    noted."""
+    each off by one; ``"real"``: the real one, on CUDA; ``"interpreted"``: the real one in
+    Triton's interpreter); the bytes the scan fingerprints are noted."""
     from deltackpt.format.fingerprint import many_fingerprints
     from deltackpt.sync import host_mirror, packer, sender
 
@@ -306,7 +322,7 @@ def _fused_trainer(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     real = packer.pack_fingerprinted
 
     def pack(sources, dst, offsets, chunk_bytes, kernel):
-        if how == "real":
+        if how in ("real", "interpreted"):
             got = real(sources, dst, offsets, chunk_bytes, kernel)
             packs.append([s.numel() for s in sources] if got is not None else [])
             return got
@@ -320,7 +336,7 @@ def _fused_trainer(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
         scans.append([s.numel() for s in sources])
         return many_fingerprints(sources, chunk_bytes, kernel)
 
-    if how != "real":
+    if how not in ("real", "interpreted"):
         sender.fuses = lambda device, kernel="auto": True
     packer.pack_fingerprinted = pack
     host_mirror.many_fingerprints = scan
@@ -331,15 +347,18 @@ def _fused_trainer(port: int, how: str, dev: str = "cpu") -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(("how", "dev"), _FUSED, ids=["honest", "lying", "cuda"])
-def test_a_full_device_round_fingerprints_its_tensors_as_it_packs_them(how: str, dev: str) -> None:
+@pytest.mark.parametrize(("how", "dev"), _FUSED, ids=_FUSED_IDS)
+def test_a_full_device_round_fingerprints_its_tensors_as_it_packs_them(
+    how: str, dev: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A full device round sends every tensor whole, so the sender's scan leaves the
     fingerprints of the tensors a bucket carries whole to the pack, which takes them as it
     copies (on a GPU one Triton pass: each byte read once, not twice; here a stand-in). They
     serve the header's digests and the next round's change detection: the next round finds
     the one changed tensor and sends its patch alone, every round bit-exact. Lying
-    fingerprints fail the first round at the receiver: the digests came from them. On CUDA
-    the kernel itself ran."""
+    fingerprints fail the first round at the receiver: the digests came from them. On CUDA,
+    and in Triton's interpreter here, the kernel itself ran."""
+    _interpreted(how, monkeypatch)
     port = free_port()
     trainer, rec = (
         o.unwrap()
