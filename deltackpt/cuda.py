@@ -39,6 +39,7 @@ __all__ = [
     "spare_room",
     "to_device",
     "unregister_host",
+    "used_here",
     "wait_for",
 ]
 
@@ -244,6 +245,16 @@ def synchronize(devices: Iterable[torch.device]) -> None:
 def current_streams(devices: Iterable[torch.device]) -> list[Any]:
     """The calling thread's current stream on each CUDA device of ``devices`` (none on CPU)."""
     return [torch.cuda.current_stream(d) for d in dict.fromkeys(devices) if d.type == "cuda"]
+
+
+def used_here(*tensors: torch.Tensor) -> None:
+    """Tell torch's caching allocator that work queued on this thread's current stream uses
+    ``tensors`` (``Tensor.record_stream``): memory allocated on another stream (a staged
+    round's copies, made on its stage thread) is then not handed out again on that stream once
+    freed until this work has run. Nothing for host tensors."""
+    for t in tensors:
+        if is_device(t):
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def current_stream(device: torch.device) -> Any:

@@ -152,6 +152,8 @@ def feed(
     for name, t in batch:
         x = t if expand is None else expand(name, t)
         early = prepared.take(name, t) if prepared is not None and x is t else None
+        if early is not None:  # made on the stage thread's stream, read on this one's
+            cuda.used_here(early)
         move = early is None and x is t and _movable(t, device)
         pending.append((name, x if early is None else early, move))
         nbytes += x.numel() * x.element_size() if move else 0

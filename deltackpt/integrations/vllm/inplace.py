@@ -421,7 +421,9 @@ def _sparse_ok(s: Slot, t: torch.Tensor, ahead: bool = False) -> bool:
 
 def _index_write(w: ElementWrite) -> int:
     """Scatter ``w``'s values into its slot's parameter; the bytes written (an int64 index and
-    a value each)."""
+    a value each). Prepared ones were allocated on the stage thread's stream and are dropped
+    right after: their memory kept from reuse there until the scatter has run."""
+    cuda.used_here(w.at, w.vals)
     w.slot.param.data.view(-1).index_copy_(0, w.at, w.vals)
     return int(w.vals.numel()) * (w.vals.element_size() + 8)
 
