@@ -535,17 +535,21 @@ def test_the_triton_kernel_gives_the_torch_fingerprints_in_its_interpreter():
     """DELTACKPT_FINGERPRINT_COMPILE=triton: the hand-written kernel, run by Triton's
     interpreter on CPU tensors (it must be asked for before Triton is imported: a process of
     its own), gives the torch operations' integers for every kind of source."""
+    r = _triton_script(_INTERPRET, TRITON_INTERPRET="1")
+    assert r.returncode == 0 and "same" in r.stdout, r.stderr[-3000:]
+
+
+def _triton_script(script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a Python of its own (Triton reads ``TRITON_INTERPRET`` when it is
+    imported) with this checkout first on its path and ``env`` added to the environment (an
+    empty value removes the variable); skipped where Triton is not installed."""
     pytest.importorskip("triton", reason="Triton is not installed (torch's CUDA builds bring it)")
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [sys.executable, "-c", _INTERPRET, root],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    full = {**os.environ, **env}
+    full = {k: v for k, v in full.items() if v or k not in env}
+    return subprocess.run(
+        [sys.executable, "-c", script, root], env=full, capture_output=True, text=True, timeout=300
     )
-    assert r.returncode == 0 and "same" in r.stdout, r.stderr[-3000:]
 
 
 _COMPILE = """
@@ -571,16 +575,8 @@ def test_the_triton_kernel_compiles_for_the_gpus_without_one(tmp_path):
     and the ptxas its wheel carries, on a machine with no GPU: a change that no longer compiles
     fails here, not in the minutes a GPU machine is lent (the interpreter test above checks the
     integers, not that the GPU compiler takes the kernel)."""
-    pytest.importorskip("triton", reason="Triton is not installed (torch's CUDA builds bring it)")
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run(
-        [sys.executable, "-c", _COMPILE, root],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = _triton_script(
+        _COMPILE, TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1", TRITON_INTERPRET=""
     )
     assert r.returncode == 0 and r.stdout.count("compiled") == 4, r.stderr[-3000:]
 
