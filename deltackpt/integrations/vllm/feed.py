@@ -17,9 +17,10 @@ What stays on the host: a page-locked tensor (copied at the link's speed as it i
 that ``expand`` turns into another (a tensor-parallel box's
 full-shape view, :func:`~deltackpt.integrations.vllm.tp_boxes.full_view`: on a device it would
 take the whole tensor's memory), a window the device has no room for, or whose allocation fails
-all the same (then the loader copies it, as before), and everything where the parameters are on the host (CPU vLLM: nothing to
-move). Device memory: a window at a time, plus what vLLM's layerwise reload keeps of a layer
-until the layer has all its tensors (it buffers what it is handed; ``held`` is in layer order).
+all the same (then the loader copies it, as before), and everything where the parameters are
+on the host (CPU vLLM: nothing to move). Device memory: a window at a time, plus what vLLM's
+layerwise reload keeps of a layer until the layer has all its tensors (it buffers what it is
+handed; ``held`` is in layer order).
 """
 
 from __future__ import annotations
