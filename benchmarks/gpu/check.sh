@@ -28,7 +28,8 @@ export DELTACKPT_TEST_FAILURES="$OUT/failures.log"  # each failure as it happens
 # output go to one check.log; the benchmarks write their .json and .md; suite.log; failures.log
 LOG="$OUT/check.log"
 python3 setup.py -q build_ext --inplace >>"$LOG" 2>&1 || echo "no C extension (numpy path)" | tee -a "$LOG"
-{ nvidia-smi || true; python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())"; } \
+{ nvidia-smi || true; python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())"
+  python3 -c "import triton; print('triton', triton.__version__)" || echo "no triton"; } \
   >>"$LOG" 2>&1
 rc=0
 # a box of 0 skips its step (a rerun that needs only some of them)
