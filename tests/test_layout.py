@@ -153,3 +153,58 @@ def test_layers_import_only_downwards(layer):
 def test_a_cycle_would_be_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def redefined(source: str) -> list[str]:
+    """Names a module body or a class body defines twice by ``def``/``class`` (the later one
+    silently replaces the earlier, and every caller of the earlier gets the later: a call
+    with the wrong arguments that only a rarely taken branch makes). Property setters and
+    deleters (``@x.setter``) and ``@overload`` stubs are not redefinitions."""
+
+    def plain(node: ast.AST) -> bool:
+        for d in getattr(node, "decorator_list", []):
+            if isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter"):
+                return False
+            if (isinstance(d, ast.Name) and d.id == "overload") or (
+                isinstance(d, ast.Attribute) and d.attr == "overload"
+            ):
+                return False
+        return True
+
+    out: list[str] = []
+    bodies: list[tuple[str, list[ast.stmt]]] = [("", ast.parse(source).body)]
+    while bodies:
+        where, body = bodies.pop()
+        seen: dict[str, int] = {}
+        for node in body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.ClassDef):
+                bodies.append((f"{where}{node.name}.", node.body))
+            if not plain(node):
+                continue
+            if node.name in seen:
+                out.append(f"{where}{node.name} (lines {seen[node.name]} and {node.lineno})")
+            seen[node.name] = node.lineno
+    return out
+
+
+def test_no_module_defines_a_function_or_class_twice():
+    bad = [
+        f"{p.relative_to(ROOT)}: {name}"
+        for p in sorted(PKG.rglob("*.py"))
+        for name in redefined(p.read_text())
+    ]
+    assert bad == [], "defined twice (rename one):\n" + "\n".join(bad)
+
+
+def test_a_redefinition_would_be_found():
+    src = (
+        "def f(): pass\n"
+        "class C:\n"
+        "    @property\n    def x(self): pass\n"
+        "    @x.setter\n    def x(self, v): pass\n"
+        "    def m(self): pass\n    def m(self, a): pass\n"
+        "def f(a): pass\n"
+    )
+    assert redefined(src) == ["f (lines 1 and 9)", "C.m (lines 7 and 8)"]

@@ -261,7 +261,9 @@ def copy_fingerprinted(
     if not fuses(src.device, kernel) or fingerprint_kernel.refused(src, dst, spans) is not None:
         return None
     p, q = position_keys(src.device, chunk_bytes // 8)
-    return _fused(lambda: fingerprint_kernel.copy_spans(src, dst, spans, chunk_bytes, p, q), kernel)
+    return _run_fused(
+        lambda: fingerprint_kernel.copy_spans(src, dst, spans, chunk_bytes, p, q), kernel
+    )
 
 
 def pack_fingerprinted(
@@ -280,12 +282,12 @@ def pack_fingerprinted(
     if fingerprint_kernel.refused_into(sources, dst, offsets) is not None:
         return None
     p, q = position_keys(dst.device, chunk_bytes // 8)
-    return _fused(
+    return _run_fused(
         lambda: fingerprint_kernel.copy_into(sources, dst, offsets, chunk_bytes, p, q), kernel
     )
 
 
-def _fused(run: Callable[[], list[torch.Tensor]], kernel: str) -> list[torch.Tensor] | None:
+def _run_fused(run: Callable[[], list[torch.Tensor]], kernel: str) -> list[torch.Tensor] | None:
     """``run()``, the fused kernel's launch; under ``auto`` None when it fails (warned once,
     the kernel not tried again in this process), under ``triton`` its error raised."""
     if kernel == "triton":
