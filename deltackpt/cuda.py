@@ -164,6 +164,7 @@ class HostLock:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = t
+        _undo_deferred()  # (``t`` itself may be one: then locked anew, and owned)
         before = t.data_ptr() in _REGISTERED
         self.locked = register_host(t)
         # released only if this lock made it (not memory already pinned or locked before)

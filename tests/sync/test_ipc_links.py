@@ -968,6 +968,16 @@ def test_a_host_lock_collected_during_a_graph_capture_is_undone_after_it(
     lock = cuda.HostLock(t)
     lock.release()  # outside a capture: unlocked at once, as before
     assert undone[-1] == t.data_ptr() and cuda._DEFERRED == []
+    # the very tensor locked again after its lock was deferred: the new lock owns it
+    capturing[0] = True
+    lock = cuda.HostLock(t)
+    del lock
+    gc.collect()
+    capturing[0] = False
+    lock = cuda.HostLock(t)
+    assert lock._owned and cuda._DEFERRED == []
+    lock.release()
+    assert undone[-2:] == [t.data_ptr(), t.data_ptr()] and t.data_ptr() not in cuda._REGISTERED
 
 
 @pytest.mark.gpu
