@@ -36,6 +36,7 @@ __all__ = [
     "is_device",
     "on_stream",
     "register_host",
+    "serving_room",
     "spare_room",
     "to_device",
     "unregister_host",
@@ -81,9 +82,17 @@ def device_room(
 
 def spare_room(device: torch.device, nbytes: int) -> bool:
     """:func:`device_room` for transient work next to an engine that took most of the device
-    for itself (vLLM's ``gpu_memory_utilization`` leaves the rest): free or cached bytes, beside
-    256 MiB only."""
+    for itself (vLLM's ``gpu_memory_utilization`` leaves the rest) while the engine is paused:
+    free or cached bytes, beside 256 MiB only."""
     return device_room(device, nbytes, margin=(0.0, 256 << 20), cached=True)
+
+
+def serving_room(device: torch.device, nbytes: int) -> bool:
+    """:func:`spare_room` for work done while the engine serves (a staged round's preparation):
+    free bytes only. What torch's allocator holds unused is then the engine's working set (its
+    activations, freed between steps), which its next step takes again: memory taken from it
+    must come back from what the driver has free, or that step runs out."""
+    return device_room(device, nbytes, margin=(0.0, 256 << 20), cached=False)
 
 
 def copy_and_wait(dst: torch.Tensor, src: torch.Tensor) -> None:

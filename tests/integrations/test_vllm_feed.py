@@ -118,7 +118,7 @@ def test_ahead_moves_all_or_nothing(on_host, monkeypatch):
     monkeypatch.setattr(feed, "AHEAD_MAX", sum(t.numel() * 2 for t in held.values()) - 1)
     assert feed.ahead(batch, torch.device("cpu")).moved == {}  # over the cap
     monkeypatch.setattr(feed, "AHEAD_MAX", 1 << 40)
-    monkeypatch.setattr(cuda, "spare_room", lambda device, nbytes: False)
+    monkeypatch.setattr(cuda, "serving_room", lambda device, nbytes: False)
     assert feed.ahead(batch, torch.device("cpu")).moved == {}  # no room beside the engine
     monkeypatch.undo()
     assert feed.ahead(batch, torch.device("cpu")).moved == {}  # host parameters: nothing
@@ -139,6 +139,7 @@ def test_an_allocation_that_fails_despite_room_moves_nothing(on_host, monkeypatc
         return empty(*args, **kwargs)
 
     monkeypatch.setattr(cuda, "spare_room", lambda device, nbytes: True)
+    monkeypatch.setattr(cuda, "serving_room", lambda device, nbytes: True)
     monkeypatch.setattr(torch, "empty", no_memory)
     assert feed.ahead(batch, torch.device("cpu")).moved == {}
     out = dict(feed.feed(batch, torch.device("cpu")))

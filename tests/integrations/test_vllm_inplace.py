@@ -324,18 +324,18 @@ def test_a_prepared_write_is_used_once(monkeypatch):
 
 @pytest.mark.parametrize("why", ["no room counted", "the allocation fails"])
 def test_no_room_on_the_device_prepares_nothing(why, monkeypatch):
-    """No room beside the engine: none counted (``cuda.spare_room``), or counted but the device
+    """No room beside the engine: none counted (``cuda.serving_room``), or counted but the device
     memory not had all the same (unused memory torch holds that a new block cannot take: an
     out-of-memory error while preparing): nothing prepared, the commit writes as before."""
     monkeypatch.setattr(inplace, "SPARSE_ON_HOST", True)
     if why == "no room counted":
-        monkeypatch.setattr(inplace.cuda, "spare_room", lambda device, nbytes: False)
+        monkeypatch.setattr(inplace.cuda, "serving_room", lambda device, nbytes: False)
     else:
 
         def no_memory(*args):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
 
-        monkeypatch.setattr(inplace.cuda, "spare_room", lambda device, nbytes: True)
+        monkeypatch.setattr(inplace.cuda, "serving_room", lambda device, nbytes: True)
         monkeypatch.setattr(inplace, "_positions", no_memory)
     model, held = Model(), checkpoint(0)
     load(model, held)
@@ -349,8 +349,15 @@ def test_no_room_on_the_device_prepares_nothing(why, monkeypatch):
 def test_parameters_on_the_gpu_take_host_held_tensors(how, monkeypatch):
     """As on a GPU worker: parameters on the device, the receiver's copies on the host; a
     changed tensor written whole, element by element, or from elements moved to the device
-    ahead of the commit (a staged round's ``inplace.prepare``)."""
-    monkeypatch.setattr(inplace.cuda, "spare_room", lambda device, nbytes: True)  # a busy GPU
+    ahead of the commit (a staged round's ``inplace.prepare``), which asks for room for what it
+    holds at its peak (up to the allocator's 512-byte rounding of each of its few blocks)."""
+    asked: list[int] = []
+
+    def room(device: torch.device, nbytes: int) -> bool:  # a busy GPU: room said, noted
+        asked.append(nbytes)
+        return True
+
+    monkeypatch.setattr(inplace.cuda, "serving_room", room)
     model, held = Model().cuda(), checkpoint(0)
     load(model, held)
     slots = learned(model, held)
@@ -359,10 +366,15 @@ def test_parameters_on_the_gpu_take_host_held_tensors(how, monkeypatch):
     idx = torch.arange(0, new.numel(), 7)
     new.view(-1)[idx] += 1
     elements = None if how == "whole" else {name: idx}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     prepared = inplace.prepare(slots, [(name, new)], elements) if how == "prepared" else None
     if prepared is not None:
         w = prepared.writes[name]
         assert w.at.is_cuda and w.vals.is_cuda and w.at.dtype == torch.int64
+        peak = torch.cuda.max_memory_allocated() - base
+        assert len(asked) == 1 and peak <= asked[0] + 8 * 512, (peak, asked)
     inplace.write(slots, held, [(name, new)], elements=elements, prepared=prepared)
     assert torch.equal(model.layers[0].qkv_proj.weight[HEADS * HD : (HEADS + KV) * HD].cpu(), new)
 

@@ -11,7 +11,7 @@ machines this project measures on), inside the pause. Here they cross in windows
 while one is copied), and ``load_weights`` gets device tensors, which vLLM's own NCCL and IPC
 engines hand it too; its loaders then copy on the device. A **staged** round moves the whole
 reload ahead (:func:`ahead`, while the engine serves) where the device has room for it
-(``cuda.spare_room``), so the pause holds no host-to-device copy at all.
+(``cuda.serving_room``), so the pause holds no host-to-device copy at all.
 
 What stays on the host: a page-locked tensor (copied at the link's speed as it is), a tensor
 that ``expand`` turns into another (a tensor-parallel box's
@@ -121,12 +121,16 @@ def _movable(t: torch.Tensor, device: torch.device | None) -> bool:
     return ON_HOST if device.type == "cpu" else not t.is_pinned()
 
 
-def _moved(items: list[torch.Tensor], device: torch.device, nbytes: int) -> list[torch.Tensor]:
+def _moved(
+    items: list[torch.Tensor], device: torch.device, nbytes: int, serving: bool = False
+) -> list[torch.Tensor]:
     """Copies of ``items`` (``nbytes`` in all) on ``device``, landed (through the pinned
-    buffers); none where the device has no room for them: ``cuda.spare_room`` says so, or the
-    allocation fails all the same (what torch's allocator holds unused may lie in a CUDA
-    graph's private pool or in a segment still partly in use, which a new block cannot take)."""
-    if not cuda.spare_room(device, nbytes):
+    buffers); none where the device has no room for them: ``cuda.spare_room`` says so (in the
+    pause), ``cuda.serving_room`` (``serving``: while the engine serves), or the allocation
+    fails all the same (what torch's allocator holds unused may lie in a CUDA graph's private
+    pool or in a segment still partly in use, which a new block cannot take)."""
+    room = cuda.serving_room if serving else cuda.spare_room
+    if not room(device, nbytes):
         return []
     try:
         out = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in items]
@@ -187,14 +191,15 @@ def _flush(
 def ahead(batch: Batch, device: torch.device | None) -> Ahead:
     """``batch``'s host tensors moved to ``device`` now (a staged round's reload, before its
     pause), all of them where they are at most :data:`AHEAD_MAX` bytes and the device has room
-    for them beside the engine (``cuda.spare_room``), else none: the commit then moves them in
+    for them beside the engine (``cuda.serving_room``: it serves meanwhile, and its working set
+    stays its own), else none: the commit then moves them in
     windows. Landed on return.
     ``batch`` holds no tensor that ``expand`` would change (the caller leaves those out)."""
     todo = [(n, t) for n, t in batch if _movable(t, device)]
     need = sum(t.numel() * t.element_size() for _, t in todo)
     if not todo or device is None or need > AHEAD_MAX:
         return Ahead()
-    moved = _moved([t for _, t in todo], device, need)
+    moved = _moved([t for _, t in todo], device, need, serving=True)
     if not moved:
         return Ahead()
     return Ahead({n: (t, d) for (n, t), d in zip(todo, moved, strict=True)})

@@ -292,9 +292,11 @@ def prepare(
     tensors, moved to the parameters' devices now (their indices as int32 where they fit) and
     turned into positions in the parameters there, so the commit only scatters them: one
     ``index_copy_`` per tensor; landed when this returns (the commit may run on another thread
-    and stream). Only where the devices have room for them (``cuda.spare_room``: free, or held
-    unused by torch's allocator, beside 256 MiB: an engine that sized itself to most of the
-    device leaves that); what is not prepared :func:`write` does as before. Their device memory
+    and stream). Only where the devices have room for them and for the work of turning them
+    into positions (:func:`_prepare_bytes`) beside the serving engine (``cuda.serving_room``:
+    free, not what torch's allocator holds for the engine's next step, beside 256 MiB: an
+    engine that sized itself to most of the device leaves that); what is not prepared
+    :func:`write` does as before. Their device memory
     lasts until the commit drops them. A prepared write is used once, and only for the very
     tensor and slot it was made from (a rollback writes other bytes: moved then)."""
     items = []
@@ -303,9 +305,11 @@ def prepare(
         if s is None or idx is None or not (_sparse_pays(s, t, idx) and _sparse_ok(s, t, True)):
             continue
         items.append((name, s, t, idx))
-    need = sum(idx.numel() * (8 + 4 + t.element_size()) for _, _, t, idx in items)
+    if not items:
+        return Prepared()
+    need = _prepare_bytes([(s, t, idx) for _, s, t, idx in items])
     devices = {s.param.device for _, s, _, _ in items}
-    if not items or not all(cuda.spare_room(d, need) for d in devices):
+    if not all(cuda.serving_room(d, need) for d in devices):
         return Prepared()
     try:  # room as counted, which a new block may still not get (feed._moved): none prepared
         with torch.no_grad():
@@ -314,6 +318,20 @@ def prepare(
     except torch.cuda.OutOfMemoryError:
         return Prepared()
     return Prepared({name: w for (name, *_), w in zip(items, done, strict=True)})
+
+
+def _prepare_bytes(items: list[tuple[Slot, torch.Tensor, torch.Tensor]]) -> int:
+    """Device bytes :func:`prepare` holds at its peak for the changed elements ``idx`` of each
+    ``(slot, t, idx)``: every tensor's values, int32 indices and int64 positions (all moved
+    first, kept until the commit), and the largest of one tensor's work in
+    :func:`_positions` beside them (int64 each: the flat index for a block of its parameter;
+    else also the remainder, a coordinate per dimension and two temporaries of the sum)."""
+    kept = sum(idx.numel() * (4 + 8 + t.element_size()) for _, t, idx in items)
+    work = max(
+        idx.numel() * 8 * (1 if _block_start(s, t) is not None else t.dim() + 4)
+        for s, t, idx in items
+    )
+    return kept + work
 
 
 def _elements_to_device(
