@@ -192,8 +192,7 @@ def ahead(batch: Batch, device: torch.device | None) -> Ahead:
     """``batch``'s host tensors moved to ``device`` now (a staged round's reload, before its
     pause), all of them where they are at most :data:`AHEAD_MAX` bytes and the device has room
     for them beside the engine (``cuda.serving_room``: it serves meanwhile, and its working set
-    stays its own), else none: the commit then moves them in
-    windows. Landed on return.
+    stays its own), else none: the commit then moves them in windows. Landed on return.
     ``batch`` holds no tensor that ``expand`` would change (the caller leaves those out)."""
     todo = [(n, t) for n, t in batch if _movable(t, device)]
     need = sum(t.numel() * t.element_size() for _, t in todo)

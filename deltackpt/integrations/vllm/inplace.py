@@ -296,9 +296,9 @@ def prepare(
     into positions (:func:`_prepare_bytes`) beside the serving engine (``cuda.serving_room``:
     free, not what torch's allocator holds for the engine's next step, beside 256 MiB: an
     engine that sized itself to most of the device leaves that); what is not prepared
-    :func:`write` does as before. Their device memory
-    lasts until the commit drops them. A prepared write is used once, and only for the very
-    tensor and slot it was made from (a rollback writes other bytes: moved then)."""
+    :func:`write` does as before. Their device memory lasts until the commit drops them. A
+    prepared write is used once, and only for the very tensor and slot it was made from (a
+    rollback writes other bytes: moved then)."""
     items = []
     for name, t in changed:
         s, idx = slots.get(name), elements.get(name)
