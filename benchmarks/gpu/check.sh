@@ -34,9 +34,13 @@ python3 setup.py -q build_ext --inplace >>"$LOG" 2>&1 || echo "no C extension (n
 rc=0
 # a box of 0 skips its step (a rerun that needs only some of them)
 box() { [ "${1}" != 0 ]; }
+# the gpu tests on 4 workers, a file per worker at a time (47 tests, a third of them starting
+# processes that import torch with CUDA: one process took most of its box on the H100);
+# GPU_TESTS_XDIST="-p no:xdist": one process, in order
+gx=${GPU_TESTS_XDIST:-$(python3 -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")}
 if box "${GPU_TESTS_S:-190}"; then
-  timeout "${GPU_TESTS_S:-190}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
-    tests 2>&1 | tee -a "$LOG" || rc=1
+  timeout "${GPU_TESTS_S:-190}" python3 -m pytest -q -m gpu $gx -p no:cacheprovider -o addopts="-ra" \
+    --durations=15 tests 2>&1 | tee -a "$LOG" || rc=1
 fi
 if box "${BENCH_S:-100}"; then
   timeout "${BENCH_S:-100}" python3 benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee -a "$LOG" || rc=1
