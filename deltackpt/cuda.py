@@ -137,7 +137,6 @@ def register_host(t: torch.Tensor) -> bool:
     before the memory is unmapped."""
     if t.device.type != "cpu" or not t.numel() or not torch.cuda.is_available():
         return False
-    _undo_deferred()
     ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     if ptr in _REGISTERED:
         return True

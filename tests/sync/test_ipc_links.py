@@ -941,7 +941,6 @@ def test_a_host_lock_collected_during_a_graph_capture_is_undone_after_it(
     undone: list[int] = []
 
     def register(t: torch.Tensor) -> bool:
-        cuda._undo_deferred()
         locked[t.data_ptr()] = t
         cuda._REGISTERED[t.data_ptr()] = t.numel()
         return True
