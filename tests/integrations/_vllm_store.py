@@ -25,6 +25,7 @@ from _vllm_run import (
     engine,
     expected_readable,
     greedy,
+    readable_same,
     rl_step,
     same,
     tiny_qwen2,
@@ -105,7 +106,9 @@ def store_scenarios(llm: Any, tmp: str) -> dict[str, Any]:
     sd = {k: v.detach() for k, v in trainer.state_dict().items()}
     readable = _unpack(llm.collective_rpc(_readable)[0])
     want = expected_readable(sd, list(readable))
-    res["readable_identical"] = bool(readable) and all(same(readable[k], want[k]) for k in readable)
+    res["readable_identical"] = bool(readable) and all(
+        readable_same(readable[k], want[k]) for k in readable
+    )
     return res
 
 

@@ -73,6 +73,7 @@ __all__ = [
     "DeltackptInitInfo",
     "DeltackptUpdateInfo",
     "DeltackptWeightTransferEngine",
+    "allow_cpu_tiles",
     "commit_layers",
     "commit_verdict",
     "layer_key",
@@ -198,8 +199,24 @@ def reload_layers(
         model.load_weights(_failing_at(feed.feed(batch, device, expand, prepared=ahead), fail_at))
     finally:  # layers that got nothing get their old kernels back
         finalize_layerwise_reload(model, model_config)
+        if device is None or device.type == "cpu":  # the model runs on the host's kernels
+            allow_cpu_tiles()
     if fail_at == "end":
         raise RuntimeError("deltackpt test hook: the commit fails after the last layer")
+
+
+def allow_cpu_tiles() -> bool:
+    """Ask Linux for this process's use of the AMX tile registers, on a processor that has
+    them; True when allowed (or when there are none to ask for). vLLM's CPU build (0.32)
+    chooses AMX attention kernels at start, but the request for the registers (per process,
+    ``arch_prctl``) is made by the first forward's own matrix products: after a reload that
+    precedes the first forward (an RL trainer's first push), nothing has made it, and the
+    next forward dies of SIGILL in ``cpu_attention_with_kv_cache`` (vLLM's own layerwise
+    reload does the same, without deltackpt). Asking twice is harmless."""
+    cpu = getattr(torch, "cpu", None)
+    if cpu is None or not getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return True
+    return bool(cpu._init_amx())
 
 
 def commit_layers(
