@@ -118,6 +118,13 @@ def _emptied(worker: Any) -> list[str]:
     return sorted(n for n, p in model.named_parameters() if not p.numel())
 
 
+def _released(worker: Any) -> dict[str, Any]:
+    """What the worker's engine still holds of a trainer's link (after the trainer's shutdown)."""
+    eng = worker.weight_transfer_engine
+    return {"group": eng.group is not None, "receiver": eng.receiver is not None,
+            "version": eng.version}  # fmt: skip
+
+
 def _paths(worker: Any) -> dict[str, dict[str, str]]:
     return worker.weight_transfer_engine.param_paths()  # type: ignore[no-any-return]
 
@@ -271,6 +278,7 @@ def main(out_path: str, short: bool = False) -> None:
         report(res, out_path)
         return
     eng.shutdown()
+    res["released"] = llm.collective_rpc(_released)[0]
     tokens_v6 = greedy(llm)
     # a trainer process killed mid-round (os._exit): the engine stays on what it committed
     killed = kill_round(llm, trainer.state_dict(), free_port(), 7, lambda: greedy(llm), doomed)

@@ -153,6 +153,13 @@ def test_a_trainer_killed_mid_round_leaves_the_previous_version(run):
     assert k["tokens_moved"] and k["tokens_unchanged"]  # still the tokens of version 7
 
 
+def test_a_trainers_shutdown_releases_the_workers_side_of_the_link(run):
+    # the trainer's shutdown() ran vLLM's shutdown_weight_transfer_engine first: the workers'
+    # group (its heartbeat, links) and receiver (its staging) are gone; the model and the
+    # version it serves stay
+    assert run["released"] == {"group": False, "receiver": False, "version": 6}
+
+
 def test_a_replacement_trainer_reconnects_and_a_full_round_heals(run):
     rs = rounds(run)
     assert rs["replaced"]["full"] and rs["replaced"]["committed_identical"]

@@ -444,6 +444,20 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
                 self._declared = tuple(held_from(tensors, self.sender.dtype)[0])
 
     def shutdown(self) -> None:
+        """Release the link: on the sender rank the workers' side first (vLLM's
+        ``shutdown_weight_transfer_engine``, "release a trainer connection without shutting
+        down inference": their receivers' staging and the links' buckets are freed and their
+        heartbeats stop while this group's store still answers; left alone, they held them
+        until the next ``init_weight_transfer_engine`` and each heartbeat met a closed store),
+        then this rank's. Best effort within the group's timeout: an engine that cannot be
+        reached, or in the middle of an update, keeps its side until the next init."""
+        if self.is_sender and self.group is not None:
+            try:
+                self._rpc.submit(self.client.shutdown_weight_transfer_engine).result(
+                    timeout=self.group.timeout
+                )
+            except Exception as e:  # (the engine's own error, or the wait's TimeoutError)
+                log.warning("deltackpt: the engine kept its side of the link (%s)", e)
         if self.group is not None:
             self.group.close()
         self.group, self.sender = None, None

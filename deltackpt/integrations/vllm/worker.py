@@ -342,6 +342,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         super().__init__(config, vllm_config, device, model)
         self.group: SyncGroup | None = None
         self.receiver: WeightReceiver | None = None
+        self._served: int | None = None  # the version served when the last link was released
         self.last_stats: RoundStats | None = None
         # the receiver's committed copies, by trainer name: the same buffers every round of a
         # schedule (refreshed by each full round, which hands over every tensor)
@@ -654,9 +655,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
     @property
     def version(self) -> int | None:
         """The version the model serves: the last committed round's (None before the first;
-        while a round is staged, the one before it)."""
-        if self.receiver is None:
-            return None
+        while a round is staged, the one before it; after a trainer released its link, the
+        version then served until a round of the next trainer commits)."""
+        if self.receiver is None or self.receiver.version is None:
+            return self._served
         st = self._staged
         back = self.receiver.reverts_to  # None for a first round: nothing to go back to
         if st is not None and st.error is None and not st.thread.is_alive() and back is not None:
@@ -749,6 +751,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         return out
 
     def shutdown(self) -> None:
+        """Release the trainer's link (vLLM's ``shutdown_weight_transfer_engine``, also at the
+        next ``init_transfer_engine``): the group, its heartbeat and links, the receiver and its
+        staging. The model and the committed copies stay, and so does the version served."""
+        self._served = self.version
         if self.group is not None:
             self.group.close()
             _RETIRED.append(self.group)
