@@ -122,7 +122,7 @@ def _released(worker: Any) -> dict[str, Any]:
     """What the worker's engine still holds of a trainer's link (after the trainer's shutdown)."""
     eng = worker.weight_transfer_engine
     return {"group": eng.group is not None, "receiver": eng.receiver is not None,
-            "version": eng.version}  # fmt: skip
+            "held": len(eng.committed()), "version": eng.version}  # fmt: skip
 
 
 def _paths(worker: Any) -> dict[str, dict[str, str]]:

@@ -155,9 +155,9 @@ def test_a_trainer_killed_mid_round_leaves_the_previous_version(run):
 
 def test_a_trainers_shutdown_releases_the_workers_side_of_the_link(run):
     # the trainer's shutdown() ran vLLM's shutdown_weight_transfer_engine first: the workers'
-    # group (its heartbeat, links) and receiver (its staging) are gone; the model and the
-    # version it serves stay
-    assert run["released"] == {"group": False, "receiver": False, "version": 6}
+    # group (its heartbeat, links), receiver (its staging) and committed copies are gone; the
+    # model and the version it serves stay
+    assert run["released"] == {"group": False, "receiver": False, "held": 0, "version": 6}
 
 
 def test_a_replacement_trainer_reconnects_and_a_full_round_heals(run):

@@ -753,9 +753,15 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
     def shutdown(self) -> None:
         """Release the trainer's link (vLLM's ``shutdown_weight_transfer_engine``, also at the
         next ``init_transfer_engine``): the group, its heartbeat and links, the receiver and its
-        staging. The model and the committed copies stay, and so does the version served."""
+        staging, and the committed copies (the bases of that trainer's next rounds: the next
+        trainer's first round is whole), their heap pages handed back to the system. The model
+        stays, and so does the version it serves."""
         self._served = self.version
         if self.group is not None:
             self.group.close()
             _RETIRED.append(self.group)
         self.group, self.receiver = None, None
+        if self._held:
+            self._held, self._slots = {}, {}
+            if _LIBC is not None:
+                _LIBC.malloc_trim(0)
