@@ -389,7 +389,6 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         dtype = self.model_config.dtype
         self.tp_boxes = tp_boxes.enabled(init_info.tp_boxes)
         self.inplace = inplace.enabled(init_info.inplace)
-        self._slots = {}
         self._shapes, self._boxes, self._rules = {}, {}, {}
         # two message slots unless told otherwise: the same round times as a round's arena,
         # measured, at a fraction of its memory (docs/sync.md, "Memory")
@@ -402,7 +401,6 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             staging=staging,
             undo_dir=undo_dir_for(init_info.undo_dir, staging),
         )
-        self._held = {}
         self._plain = 0
         self._staged = None
 
@@ -416,11 +414,12 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self._shapes[name], self._boxes[name] = tuple(shape), rule.box
         return rule.box
 
-    def _trim(self) -> None:
-        """With ``tp_boxes``: hand the heap pages the round freed (the rollback's old bytes,
-        the commit's full-shape views) back to the system (glibc's ``malloc_trim``), so the
-        worker's resident memory follows what it holds (docs/sync.md, "Memory")."""
-        if self.tp_boxes and _LIBC is not None:
+    def _trim(self, always: bool = False) -> None:
+        """With ``tp_boxes`` (or ``always``): hand the heap pages the round freed (the
+        rollback's old bytes, the commit's full-shape views) back to the system (glibc's
+        ``malloc_trim``), so the worker's resident memory follows what it holds (docs/sync.md,
+        "Memory")."""
+        if (always or self.tp_boxes) and _LIBC is not None:
             _LIBC.malloc_trim(0)
 
     def _expand(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -761,7 +760,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             self.group.close()
             _RETIRED.append(self.group)
         self.group, self.receiver = None, None
-        if self._held:
-            self._held, self._slots = {}, {}
-            if _LIBC is not None:
-                _LIBC.malloc_trim(0)
+        freed = bool(self._held)
+        self._held, self._slots = {}, {}  # (init_transfer_engine starts from them empty)
+        if freed:
+            self._trim(always=True)
