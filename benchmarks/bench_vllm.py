@@ -34,6 +34,7 @@ same run.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py                 # tiny, ~100M and ~0.5B
     .venv-vllm/bin/python benchmarks/bench_vllm.py --sizes tiny    # quick
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --links ipc     # a colocated trainer's link
 
 ``--tp-memory`` measures host memory per worker of a ``tensor_parallel_size=2`` engine (one
 core bound per worker), once with every tensor received whole, once with ``tp_boxes`` (each
@@ -239,7 +240,7 @@ def spread(xs: list[float]) -> str:
     return f"{median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
 
-def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
+def bench_size(size: str, tmp: str, repeats: int, links: str = "gloo") -> list[list[Any]]:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -253,9 +254,10 @@ def bench_size(size: str, tmp: str, repeats: int) -> list[list[Any]]:
         max_model_len=256, max_num_seqs=4,
         weight_transfer_config=WeightTransferConfig(backend="deltackpt"),
     )  # fmt: skip
-    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
+    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     label = f"{size} ({nparams / 1e6:.3g}M params, {fmt_bytes(2 * nparams)} bf16)"
+    label += "" if links == "gloo" else f", {links} links"
     mem0 = llm.collective_rpc(_rss)[0]  # the engine with its model, before any round
     rows: list[list[Any]] = []
     version = 0
@@ -514,6 +516,13 @@ def main() -> None:
         "forced: keep = F.linear on the parameter (AVX2, and what a GPU does), repack = a "
         "kernel's private copy (module doc)",
     )
+    ap.add_argument(
+        "--links",
+        choices=["gloo", "shm", "ipc"],
+        default="gloo",
+        help="the rounds' links (DeltackptTrainerInitInfo(links=)): gloo, the default, or the "
+        "one-host shared-memory and tensor-handle links of a colocated trainer",
+    )
     args = ap.parse_args()
     if args.linear != "auto":
         force_linear_layout(args.linear)
@@ -537,7 +546,7 @@ def main() -> None:
     for size in args.sizes.split(","):
         tmp = tempfile.mkdtemp(prefix=f"deltackpt-bench-vllm-{size}-")
         try:
-            rows += bench_size(size, tmp, args.repeats)
+            rows += bench_size(size, tmp, args.repeats, args.links)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print()

@@ -2,10 +2,11 @@
 project's test environment): a real CPU vLLM engine with ``backend="deltackpt"``, a trainer in
 this process, several RL-like rounds; writes what it saw as JSON to ``argv[1]``.
 
-Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json [--short]``
-(``--short``: the rounds, the tampered worker and the weights reloaded by vLLM only; no killed,
-replaced or refusing trainer: test_vllm.py runs it with linear weights repacked,
-``_vllm_linear/``, and the full run with them kept). The full run's engine also has the
+Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json [--short]
+[--links=gloo|shm|ipc]`` (``--short``: the rounds, the tampered worker and the weights reloaded
+by vLLM only; no killed, replaced or refusing trainer: test_vllm.py runs it with linear weights
+repacked, ``_vllm_linear/``, on ipc links, and the full run with them kept, on gloo links, the
+default). The full run's engine also has the
 deltackpt worker extension, and after its own checks it runs the refit through the store,
 ``_vllm_store.py``, reported under ``"store"``: that saves the engine start of a run of its
 own.
@@ -197,7 +198,7 @@ def rl_step(model: torch.nn.Module, share: float, gen: torch.Generator) -> None:
             p[mask] += (torch.randn(p.shape, generator=gen) * 0.01).to(p.dtype)[mask]
 
 
-def main(out_path: str, short: bool = False) -> None:
+def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -211,9 +212,9 @@ def main(out_path: str, short: bool = False) -> None:
     # the trainer process the full run kills mid-round starts its interpreter meanwhile
     doomed = None if short else Doomed()
     llm = engine(f"{tmp}/start", transfer=True, extension=not short, core_here=short)
-    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
+    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
-    res: dict[str, Any] = {"rounds": []}
+    res: dict[str, Any] = {"rounds": [], "links": links}
     gen = torch.Generator().manual_seed(2)
 
     def check(tag: str, stats: Any) -> None:
@@ -369,4 +370,5 @@ def report(res: dict[str, Any], out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], short="--short" in sys.argv[2:])
+    links = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--links=")), "gloo")
+    main(sys.argv[1], short="--short" in sys.argv[2:], links=links)

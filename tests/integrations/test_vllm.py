@@ -10,8 +10,10 @@ forced (``_vllm_linear/``), so the worker's two paths run on every machine: ``ru
 scenario) keeps them, as a GPU does, so its commits write into the parameters (in-place
 commits, ``inplace.py``); ``other`` (the short run) repacks them, so its commits reload.
 ``run``'s engine is vLLM's default multiprocess one (engine core and worker each a process of
-their own); ``other``'s runs its engine core in the trainer's process (as colocated RL trainers
-run vLLM; its worker still a process of its own), and the fresh engine ``run`` compares with
+their own), its rounds on gloo links; ``other``'s runs its engine core in the trainer's process
+(as colocated RL trainers run vLLM; its worker still a process of its own), its rounds on
+tensor-handle links (``links="ipc"``: the trainer's buckets shared with the worker, the link a
+colocated GPU trainer uses, here with host tensors), and the fresh engine ``run`` compares with
 runs in a process of its own with the engine core in it (``_vllm_fresh.py``): fewer
 interpreters to start, the same loader and kernels.
 
@@ -53,8 +55,8 @@ def layout(run: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def other(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The short run (rounds, tampering, and the same weights reloaded by vLLM from disk in the
-    same engine instead of a fresh engine) with linear weights repacked."""
-    return run_script(tmp_path_factory, "_vllm_run.py", "--short", linear="repack")
+    same engine instead of a fresh engine) with linear weights repacked, on ipc links."""
+    return run_script(tmp_path_factory, "_vllm_run.py", "--short", "--links=ipc", linear="repack")
 
 
 @pytest.fixture(params=["run", "other"])
@@ -124,13 +126,27 @@ def test_reloads_take_tensors_moved_ahead_or_in_windows_bit_exactly(other):
     assert moved["prepared_bytes"] > 0 and moved["prepared_unused"] == 0
 
 
-def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(either):
-    t = either["tampered"]
+def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(run):
+    t = run["tampered"]
     assert t["raised"] == "RoundAbortedError"
     assert t["engine_version"] == "3" and t["worker_version"] == 3
     assert t["tokens_unchanged"]
-    heal = rounds(either)["heal"]
+    heal = rounds(run)["heal"]
     assert heal["full"] and heal["committed_identical"]
+
+
+def test_on_tensor_handle_links_a_tampered_copy_is_overwritten_by_the_whole_piece(other):
+    """``other`` runs over ``links="ipc"`` (its engine core in the trainer's process, as
+    colocated RL trainers run vLLM): rounds carry whole changed pieces there (no patches on
+    ipc links), so the copy changed behind the receiver's back is not a base: the next round
+    overwrites it, verified, and the engine serves that round's weights."""
+    assert other["links"] == "ipc"
+    t = other["tampered"]
+    assert t["raised"] is None
+    assert t["engine_version"] == "4" and t["worker_version"] == 4
+    assert not t["tokens_unchanged"]  # version 4 is served
+    assert all(not r["worker"]["patched"] for r in other["rounds"])
+    assert rounds(other)["heal"]["committed_identical"]  # nothing left of the change
 
 
 def test_greedy_tokens_equal_vllm_loading_the_same_weights(either):
