@@ -747,6 +747,7 @@ class WeightReceiver:
         st.versions.add(h.version)
         offsets = got.offsets
         changes: dict[int, patches.Changes] = {}
+        left: dict[int, Any] = {}  # patched pieces not assembled in the slot: their bases
         patch_ok: list[tuple[int, torch.Tensor]] = []
         if h.base is not None:  # patches against the version this rank holds
             if h.base != self.version:
@@ -766,7 +767,7 @@ class WeightReceiver:
                         "(WeightReceiver(device='cpu'))"
                     )
                 else:
-                    offsets, changes = patches.expand(
+                    offsets, changes, left = patches.expand(
                         bk,
                         got.slot,
                         h,
@@ -793,6 +794,7 @@ class WeightReceiver:
             h.version,
             patch_ok,
             got.known,
+            left,
         )
         if bad is not None:
             st.fail(f"round {h.version}: bucket {bk.index} from rank {bk.sender}: {bad}")
@@ -889,8 +891,11 @@ class WeightReceiver:
         version: int = 0,
         patch_ok: list[tuple[int, torch.Tensor]] | None = None,
         known: dict[int, torch.Tensor] | None = None,
+        left: dict[int, Any] | None = None,
     ) -> str | None:
-        """Each present piece at its offset in ``slot`` hashed against its digest (``device``:
+        """Each present piece at its offset in ``slot`` hashed against its digest (``left``:
+        host patches not assembled in ``slot``, hashed from their base and ``changes``: the
+        changed elements, :func:`patches.patched_digest`; ``device``:
         device digests, all of the message's at once where the slot lives; a device patch's
         piece is this rank's base with the patch, digested without being written; ``defer``:
         the device digests appended there, compared with the round's others by
@@ -940,7 +945,12 @@ class WeightReceiver:
         for k in ks:
             p, d, off = bk.pieces[k], present[k], offsets[k]
             assert off is not None
-            got = digests[k] if device else wire.verify(slot[off : off + p.nbytes])
+            if device:
+                got = digests[k]
+            elif left and k in left:
+                got = patches.patched_digest(left[k], *changes[k])  # type: ignore[index]
+            else:
+                got = wire.verify(slot[off : off + p.nbytes])
             if got != d:
                 return self._mismatch(bk, k, got, d)
         return None

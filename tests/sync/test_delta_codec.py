@@ -267,3 +267,34 @@ def test_packed_without_the_native_loop_gives_the_same_bytes(
         if got is not None and want is not None:
             assert got.kind == want.kind and bytes(got.payload) == bytes(want.payload)
             roundtrip(new, base, itemsize, got)
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000])
+def test_a_patch_is_verified_without_assembling_its_bytes(
+    itemsize: int, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``patches.patched_digest`` (the receiver's check of a host patch whose base is its own
+    contiguous copy) gives the digest of the patched bytes: across chunks (64 elements here),
+    chunks with no change hashed in place, a short last chunk, the first and last elements."""
+    import xxhash
+
+    from deltackpt.sync import patches, wire
+
+    monkeypatch.setattr(patches, "PATCHED_CHUNK", 64)
+    rng = np.random.default_rng(n * 10 + itemsize)
+    base = rng.integers(0, 256, n * itemsize, dtype=np.uint8)
+    keep = base.copy()
+    spread = {i for i in range(n) if rng.random() < 0.05 and not 384 <= i < 512}  # 2 chunks
+    chosen = {0, n - 1} | {i for i in range(n) if 200 <= i < 260} | spread
+    idx = np.array(sorted(chosen), dtype=np.int64)
+    vals = rng.integers(0, 2**63, idx.size, dtype=np.uint64).astype(UINT[itemsize])
+    new = base.copy()
+    new.view(UINT[itemsize])[idx] = vals
+    h = xxhash.xxh3_128()
+    h.update(new)
+    assert patches.patched_digest(base, idx, vals) == wire.digest_words(h)
+    assert np.array_equal(base, keep)  # the base is read, never written
+    assert patches.patched_digest(base, idx[:0], vals[:0]) == wire.digest_words(
+        xxhash.xxh3_128(base)
+    )
