@@ -201,22 +201,22 @@ def expand(
             raise SyncError(
                 f"piece {k} is a patch but this receiver holds it as {base.dtype}, not {dt}"
             )
-        flat = wire.raw_bytes(base, dt) if base.device.type == "cpu" else None
-        if piece.kind == delta_codec.PACKED and flat is not None and flat.numel() == n:
-            # decoded before any other piece's move can reach its payload (they come after)
-            changes[k] = delta_decode.packed_changes(raw[c : c + piece.length], dt.itemsize,
-                                                     n // dt.itemsize)  # fmt: skip
-            left[k] = flat.numpy()
+        out = raw[d : d + n]
+        if piece.kind == delta_codec.PACKED:
+            # decoded into arrays of their own before anything is written over its payload
+            idx, vals = changes[k] = delta_decode.packed_changes(
+                raw[c : c + piece.length], dt.itemsize, n // dt.itemsize
+            )
+            flat = wire.raw_bytes(base, dt) if base.device.type == "cpu" else None
+            if flat is not None and flat.numel() == n:  # hashed with its base, not assembled
+                left[k] = flat.numpy()
+                continue
+            wire.copy_into(slot[d : d + n].view(dt).view(base.shape), base)
+            out.view(vals.dtype)[idx] = vals
             continue
         payload = raw[c : c + piece.length].copy()  # its place is overwritten next
         wire.copy_into(slot[d : d + n].view(dt).view(base.shape), base)
-        out = raw[d : d + n]
-        if piece.kind == delta_codec.PACKED:
-            idx, vals = delta_decode.packed_changes(payload, dt.itemsize, n // dt.itemsize)
-            out.view(vals.dtype)[idx] = vals
-            changes[k] = (idx, vals)
-        else:
-            delta_decode.decode_into(piece.kind, payload, out, dt.itemsize, out)
+        delta_decode.decode_into(piece.kind, payload, out, dt.itemsize, out)
     return whole, changes, left
 
 

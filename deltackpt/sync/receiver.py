@@ -911,7 +911,6 @@ class WeightReceiver:
         for k in ks:
             if offsets[k] + bk.pieces[k].nbytes > slot.numel():  # type: ignore[operator]
                 return f"piece {k} does not fit in the message"
-        digests: dict[int, tuple[int, int]] = {}
         if device:
             spans = [(offsets[k], bk.pieces[k].nbytes) for k in ks]
             where = slot
@@ -945,9 +944,7 @@ class WeightReceiver:
         for k in ks:
             p, d, off = bk.pieces[k], present[k], offsets[k]
             assert off is not None
-            if device:
-                got = digests[k]
-            elif left and k in left:
+            if left and k in left:
                 got = patches.patched_digest(left[k], *changes[k])  # type: ignore[index]
             else:
                 got = wire.verify(slot[off : off + p.nbytes])

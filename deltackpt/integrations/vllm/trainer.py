@@ -448,9 +448,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         ``shutdown_weight_transfer_engine``, "release a trainer connection without shutting
         down inference": their receivers' staging, committed copies and the links' buckets are
         freed and their heartbeats stop while this group's store still answers; left alone, they
-        held them
-        until the next ``init_weight_transfer_engine`` and each heartbeat met a closed store),
-        then this rank's. Best effort within the group's timeout: an engine that cannot be
+        held them until the next ``init_weight_transfer_engine`` and each heartbeat met a closed
+        store), then this rank's. Best effort within the group's timeout: an engine that cannot be
         reached, or in the middle of an update, keeps its side until the next init."""
         if self.is_sender and self.group is not None:
             try:
