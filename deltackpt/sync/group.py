@@ -164,6 +164,7 @@ class SyncGroup:
         self.seq = 0
         self._setups = 0  # setup attempts begun on this store: namespaces their exchanges
         self._broken: str | None = None
+        self._beat_failed: str | None = None  # why this rank's heartbeat stopped (the store)
         self._stop = threading.Event()
         hb = dist.TCPStore(self.addr, port, is_master=False, timeout=td, wait_for_workers=False)
         self._beater = threading.Thread(
@@ -257,9 +258,38 @@ class SyncGroup:
             n += 1
             try:
                 store.set(f"hb/{self.rank}", str(n))
-            except Exception:  # the store host died: the main thread finds out by itself
+            except Exception as e:  # the store host died: the main thread finds out by itself
+                if not stop.is_set():  # (and lost() says so to a rank idle between rounds)
+                    self._beat_failed = (
+                        f"the group's store at {self.addr} stopped answering this rank's "
+                        f"heartbeat ({cause_line(e)}): rank 0, which hosts it, is gone"
+                    )
                 return
             stop.wait(self.beat)
+
+    def lost(self, ranks: Iterable[int], silent: float | None = None) -> str | None:
+        """Why this group cannot go on with ``ranks``, looked at without waiting for a round:
+        for a rank idle between rounds (a vLLM worker watching its trainers, which may die
+        while it serves). The group is broken (a round failed on a lost peer or a timeout), the
+        store stopped answering this rank's heartbeat (rank 0, its host, died), one of
+        ``ranks`` runs on this host and its process is gone, or one stopped beating for
+        ``silent`` seconds (default ``dead_after``; beats are compared between calls: call it
+        every second or so; a process that holds the GIL in C code for that long starves its
+        heartbeat, so a watch between rounds passes more, e.g. the group's ``timeout``).
+        None: nothing seen. A failing store call breaks the group, as in a round."""
+        if self._broken is not None:
+            return f"a round failed: {self._broken}"
+        if self._beat_failed is not None:
+            return self._beat_failed
+        after = self.dead_after if silent is None else float(silent)
+        try:
+            dead = self._dead(time.monotonic(), ranks, after)
+            if dead is None:
+                return None
+            host, pid = self.pid_of(dead)
+        except SyncError as e:
+            return str(e).splitlines()[0]
+        return f"rank {dead} (pid {pid} on {host}) is gone, or stopped beating for {after:g} s"
 
     @property
     def receivers(self) -> tuple[int, ...]:
@@ -279,7 +309,7 @@ class SyncGroup:
         try:
             return fn()
         except RuntimeError as e:
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            msg = cause_line(e) if str(e) else type(e).__name__  # (gloo's advice cut off)
             self._broken = f"{what} failed ({msg})"
             if "timeout" in msg.lower() or "timed out" in msg.lower():
                 raise SyncTimeoutError(
@@ -455,19 +485,25 @@ class SyncGroup:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
-    def _dead(self, now: float) -> int | None:
-        keys = [f"hb/{r}" for r in range(self.world_size)]
+    def _dead(
+        self, now: float, among: Iterable[int] | None = None, after: float | None = None
+    ) -> int | None:
+        """A rank of ``among`` (default: all) that died or stopped beating for ``after``
+        seconds (default ``dead_after``), else None."""
+        after = self.dead_after if after is None else after
+        ranks = range(self.world_size) if among is None else sorted(set(among))
+        keys = [f"hb/{r}" for r in ranks]
         if not self.guard("store check", lambda: self.store.check(keys)):
             return None  # not every rank has started beating yet: nothing to compare
         vals = self.guard("store multi_get", lambda: self.store.multi_get(keys))
-        for r in range(self.world_size):
+        for r in ranks:
             if r != self.rank and not self.alive(r):
                 return r
-        for r, v in enumerate(vals):
+        for r, v in zip(ranks, vals, strict=True):
             old = self._seen.get(r)
             if old is None or old[0] != v:
                 self._seen[r] = (bytes(v), now)
-            elif now - old[1] > self.dead_after:
+            elif now - old[1] > after:
                 return r
         return None
 

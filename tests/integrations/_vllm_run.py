@@ -126,6 +126,11 @@ def _released(worker: Any) -> dict[str, Any]:
             "held": len(eng.committed()), "version": eng.version}  # fmt: skip
 
 
+def _lost(worker: Any) -> dict[str, Any]:
+    """What the worker holds of a link whose trainer died, and why it let go of it."""
+    return {**_released(worker), "lost": worker.weight_transfer_engine.lost}
+
+
 def _paths(worker: Any) -> dict[str, dict[str, str]]:
     return worker.weight_transfer_engine.param_paths()  # type: ignore[no-any-return]
 
@@ -287,6 +292,11 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     killed["worker_version"] = _unpack(llm.collective_rpc(_committed)[0])[0]
     killed["tokens_unchanged"] = greedy(llm) == killed["marked"]
     killed["tokens_moved"] = killed["marked"] != tokens_v6
+    # nothing calls the worker now: it lets go of the dead trainer's link by itself
+    t0 = time.monotonic()
+    while (side := llm.collective_rpc(_lost)[0])["group"] and time.monotonic() - t0 < 30:
+        time.sleep(0.2)
+    killed["released"], killed["released_s"] = side, time.monotonic() - t0
     res["killed"] = killed
     # a replacement trainer joins on a new port (init_weight_transfer_engine again): full round
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")

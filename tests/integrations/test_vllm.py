@@ -169,6 +169,19 @@ def test_a_trainer_killed_mid_round_leaves_the_previous_version(run):
     assert k["tokens_moved"] and k["tokens_unchanged"]  # still the tokens of version 7
 
 
+def test_a_worker_lets_go_of_a_dead_trainers_link_by_itself(run):
+    # no shutdown came from the killed trainer and no call since: the worker saw that its
+    # round failed on the lost trainer (or the trainer's store stop answering) and released
+    # its side, keeping version 7
+    side = run["killed"]["released"]
+    assert side["lost"] is not None, side
+    assert "a round failed" in side["lost"] or "store" in side["lost"], side
+    assert {k: side[k] for k in ("group", "receiver", "held", "version")} == {
+        "group": False, "receiver": False, "held": 0, "version": 7
+    }  # fmt: skip
+    assert run["killed"]["released_s"] < 30
+
+
 def test_a_trainers_shutdown_releases_the_workers_side_of_the_link(run):
     # the trainer's shutdown() ran vLLM's shutdown_weight_transfer_engine first: the workers'
     # group (its heartbeat, links), receiver (its staging) and committed copies are gone; the

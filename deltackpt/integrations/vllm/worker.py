@@ -88,6 +88,8 @@ STAGING_ENV = "DELTACKPT_VLLM_STAGING"
 UNDO_DIR_ENV = "DELTACKPT_VLLM_UNDO_DIR"
 #: ``0`` leaves a staged round's element writes to its commit (inplace.prepare off)
 PREPARE_ENV = "DELTACKPT_VLLM_PREPARE"
+#: seconds between a worker's looks at its trainers while the engine serves (SyncGroup.lost)
+WATCH_S = 1.0
 # groups this worker left (a new trainer, a lost one): kept referenced, never destroyed, since
 # tearing down a gloo group with receives still posted (a round its trainer died in) blocks
 # until the group timeout
@@ -366,6 +368,12 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self._slots: dict[str, inplace.Slot] = {}
         self.last_path: str | None = None  # "in place" or "reload": the last commit's path
         self._elements: dict[str, torch.Tensor | None] | None = None  # the commit's changes
+        # why the last trainer's link was released without its shutdown (it died while the
+        # engine served: _watch), None otherwise
+        self.lost: str | None = None
+        # the calls that use or replace the link (the trainer's RPCs) against _watch's release
+        self._lock = threading.RLock()
+        self._watching: threading.Event | None = None  # set: the watch of the last link ends
 
     def _rank(self, info: DeltackptInitInfo) -> int:
         from vllm.distributed.parallel_state import get_world_group
@@ -375,7 +383,12 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         return info.rank_offset + dp * pc.world_size + get_world_group().rank_in_group
 
     def init_transfer_engine(self, init_info: DeltackptInitInfo) -> None:
+        with self._lock:
+            self._init(init_info)
+
+    def _init(self, init_info: DeltackptInitInfo) -> None:
         self.shutdown()
+        self.lost = None
         self.group = SyncGroup(
             init_info.master_addr,
             init_info.master_port,
@@ -403,6 +416,44 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         )
         self._plain = 0
         self._staged = None
+        self._watching = threading.Event()
+        threading.Thread(
+            target=self._watch, args=(self.group, self._watching), name="deltackpt-watch",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def _watch(self, g: SyncGroup, stop: threading.Event) -> None:
+        """While the engine serves: release this link's side once its trainer is gone (the
+        group's store stopped answering, a trainer's process died or stopped beating, or a
+        round failed on a lost peer and broke the group), instead of holding its staging,
+        committed copies and link buffers (on a GPU link, the dead trainer's memory through
+        its handles) until the next trainer's init. The next trainer's first round is whole
+        either way; the model and the version it serves stay."""
+        while not stop.wait(WATCH_S):
+            if not self._lock.acquire(blocking=False):
+                continue  # a call of the trainer's is running: it sees a loss by itself
+            try:
+                if self.group is not g or stop.is_set():
+                    return
+                staged = self._staged
+                if staged is not None and staged.thread.is_alive():
+                    continue  # its pull sees a loss by itself: released after
+                # a trainer between rounds may hold the GIL for seconds (its heartbeat is a
+                # thread): silent for the group's timeout, not dead_after, before it counts
+                why = g.lost(g.trainers, silent=g.timeout)
+                if why is None:
+                    continue
+                self.shutdown()
+                self.lost = why
+                log.warning(
+                    "deltackpt: the trainer's link was released (%s); the engine serves "
+                    "version %s until a trainer's init_weight_transfer_engine",
+                    why,
+                    self._served,
+                )
+                return
+            finally:
+                self._lock.release()
 
     def _box_of(self, name: str, shape: tuple[int, ...]) -> Box | None:
         """The box of trainer tensor ``name`` (of ``shape``) this worker's model loads (None:
@@ -437,6 +488,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         already loaded and finalized. Never raises (a failing RPC on one of several workers
         desynchronizes vLLM 0.32's executor): the outcome is the workers' vote in the group's
         store, which the trainer reads, and ``last_commit`` here."""
+        with self._lock:
+            self._finish()
+
+    def _finish(self) -> None:
         staged, self._staged = self._staged, None
         if staged is None:
             return
@@ -469,6 +524,15 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         cuda.synchronize([self.device])  # the base class's sync, on the worker's device
 
     def receive_weights(self, update_info: DeltackptUpdateInfo) -> None:
+        with self._lock:
+            self._receive(update_info)
+
+    def _receive(self, update_info: DeltackptUpdateInfo) -> None:
+        if self.receiver is None and self.lost is not None:
+            raise RuntimeError(
+                f"deltackpt: update_weights after the trainer's link was released ({self.lost}); "
+                "a trainer's trainer_init sends init_weight_transfer_engine first"
+            )
         if self.receiver is None:
             raise RuntimeError(
                 "deltackpt: update_weights before init_weight_transfer_engine; the trainer "
@@ -755,7 +819,14 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         staging, and the committed copies (the bases of that trainer's next rounds: the next
         trainer's first round is whole), their heap pages handed back to the system. The model
         stays, and so does the version it serves."""
+        with self._lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._watching is not None:
+            self._watching.set()
         self._served = self.version
+        self._staged = None  # a round staged on this link can no longer be committed
         if self.group is not None:
             self.group.close()
             _RETIRED.append(self.group)
