@@ -1,4 +1,5 @@
-"""A receiver's check of host patches, side by side in one run: assembled vs not.
+"""A receiver's check and write of host patches, side by side in one run: assembled vs not,
+torch's indexing vs one C pass.
 
 A delta round's ``PACKED`` piece (the changed elements of a bf16 tensor) is verified against the
 digest of its new bytes before anything is applied. Two ways, on the same pieces:
@@ -8,6 +9,14 @@ digest of its new bytes before anything is applied. Two ways, on the same pieces
   changed elements written there, and the slot hashed (xxh3-128).
 * ``patched_digest`` (``deltackpt.sync.patches.patched_digest``): base and changed elements
   hashed together a cache-sized chunk at a time; nothing is written to the slot.
+
+Then the write of the same changed elements into the receiver's copies (host tensors), keeping
+the old values for its undo (a vLLM worker always keeps them: its ring staging writes before the
+vote), two ways:
+
+* ``torch indexing`` (before 2026-11-29): ``old = words[where]`` then ``words[where] = new``;
+* ``one C pass`` (``deltackpt.sync.apply._host_patch``, ``_native.patch_apply``): each element's
+  old value read and its new one written while its cache line is in.
 
 Pieces of 64 MiB (``--mb`` in all) of random bf16 words, ``--frac`` of their elements changed at
 random places (an RL step at lr 1e-6 changes ~2.3%). The two paths alternate, ``--repeats``
@@ -27,13 +36,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness.report import md_table
 
-from deltackpt.sync import patches, wire
+from deltackpt.sync import apply, patches, wire
 
 MiB = 1 << 20
 PIECE = 64 * MiB
@@ -75,6 +85,20 @@ def main() -> None:
     if assembled() != fused():
         raise SystemExit("the two checks disagree")
 
+    targets = [torch.from_numpy(b.copy()).view(torch.int16) for b in bases]
+    wheres = [(torch.from_numpy(i), torch.from_numpy(v.view(np.int16))) for i, v in edits]
+
+    def torch_write() -> None:
+        for words, (where, new) in zip(targets, wheres, strict=True):
+            kept = words[where]  # the undo's old values: a copy
+            words[where] = new
+            del kept
+
+    def c_write() -> None:
+        for words, (idx, vals) in zip(targets, edits, strict=True):
+            if not apply._host_patch(words, idx, vals.view(np.int16), []):
+                raise SystemExit("no C extension (python setup.py build_ext --inplace)")
+
     def memcpy() -> None:
         for base in bases:
             np.copyto(slot, base)
@@ -83,10 +107,11 @@ def main() -> None:
         for base in bases:
             xxhash.xxh3_128(base).digest()
 
-    runs: dict[str, list[float]] = {"assembled": [], "patched_digest": [], "memcpy": [], "xxh3": []}
     fns: dict[str, Callable[[], object]] = {
         "assembled": assembled, "patched_digest": fused, "memcpy": memcpy, "xxh3": xxh3,
+        "torch indexing": torch_write, "one C pass": c_write,
     }  # fmt: skip
+    runs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(args.repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
@@ -113,6 +138,20 @@ def main() -> None:
     ]
     head = ["check", "best s", "median s", "GB/s of piece bytes", "speed vs assembled"]
     print(md_table([*head, "% of xxh3-128"], rows))
+    print()
+    rows = [
+        [
+            name,
+            f"{best[name]:.3f}",
+            f"{statistics.median(runs[name]):.3f}",
+            f"{count * k / best[name] / 1e6:.0f}",
+            f"{best['torch indexing'] / best[name]:.2f}x",
+            f"{100 * best['memcpy'] / best[name]:.0f}%",
+        ]
+        for name in ("torch indexing", "one C pass")
+    ]
+    head = ["write (old values kept)", "best s", "median s", "M elements/s"]
+    print(md_table([*head, "speed vs torch", "vs a memcpy of the pieces"], rows))
 
 
 if __name__ == "__main__":

@@ -298,3 +298,33 @@ def test_a_patch_is_verified_without_assembling_its_bytes(
     assert patches.patched_digest(base, idx[:0], vals[:0]) == wire.digest_words(
         xxhash.xxh3_128(base)
     )
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_a_host_patch_is_written_in_one_pass_and_taken_back(itemsize: int) -> None:
+    # apply_round writes a host patch into its target with the C pass that keeps the old
+    # values (the receiver's undo); the same bytes as torch's indexing, and revert() undoes it
+    import torch
+
+    from deltackpt.sync import apply
+
+    if apply._native_apply is None:
+        pytest.skip("no C extension: torch's indexing is the only path")
+    sdt, ndt = apply._SIGNED[itemsize]
+    rng = np.random.default_rng(itemsize)
+    n = 4099
+    base = torch.from_numpy(rng.integers(0, 256, n * itemsize, dtype=np.uint8)).view(sdt)
+    idx = np.sort(rng.choice(n, 97, replace=False)).astype(np.int64)
+    idx[0], idx[-1] = 0, n - 1  # the first and last elements
+    vals = rng.integers(0, 256, idx.size * itemsize, dtype=np.uint8).view(ndt)
+    want = base.clone()
+    want[torch.from_numpy(idx)] = torch.from_numpy(vals)
+    words, undo = base.clone(), []
+    assert apply._host_patch(words, idx, vals, undo)
+    assert torch.equal(words, want) and len(undo) == 1
+    apply.revert(undo)
+    assert torch.equal(words, base)
+    # indices the C pass refuses (not increasing): nothing written, torch's indexing then
+    bad = idx[::-1].copy()
+    assert not apply._host_patch(words, bad, vals, undo)
+    assert torch.equal(words, base) and undo == []
