@@ -262,7 +262,8 @@ class SyncGroup:
                 if not stop.is_set():  # (and lost() says so to a rank idle between rounds)
                     self._beat_failed = (
                         f"the group's store at {self.addr} stopped answering this rank's "
-                        f"heartbeat ({cause_line(e)}): rank 0, which hosts it, is gone"
+                        f"heartbeat ({cause_line(e)}): rank 0, which hosts it, is gone or "
+                        "unreachable"
                     )
                 return
             stop.wait(self.beat)
