@@ -1,7 +1,8 @@
 /* deltackpt._native: the loops numpy cannot fuse (an element-sparse delta; a linear digest).
  *
  * diff_sparse(new, base, itemsize, idx_out, val_out) -> k
- *   Walks two equal-length byte buffers 8 bytes at a time; for every element whose bytes
+ *   Walks two equal-length byte buffers 8 bytes at a time (a mask of the words that differ per
+ *   64, with AVX2 where the processor has it); for every element whose bytes
  *   differ, appends its element index (uint32) to idx_out and its new bytes to val_out.
  *   Returns the number of changed elements, or -1 when idx_out / val_out have room for fewer
  *   (the caller then encodes the piece another way). One pass over both inputs at memory speed,
@@ -53,30 +54,78 @@ static inline void lin_word(uint64_t *lin, uint64_t i, uint64_t old, uint64_t ne
     lin[3] += fmix64(new ^ k1);
 }
 
-/* One element type T per itemsize: a word whose 8 bytes equal is skipped; in a word that
- * differs every element is written out and kept (k advances) only if it changed, without a
- * branch per element (the changed ones are scattered at random: branches would mispredict). */
+/* Bit j set where word j of the m (<= 64) 8-byte words at a and b differ: plain, and with
+ * AVX2 (four words per compare) where the processor has it, chosen at run time. */
+static uint64_t neq_mask_plain(const uint8_t *a, const uint8_t *b, int m) {
+    uint64_t mask = 0;
+    for (int j = 0; j < m; j++) {
+        uint64_t x, y;
+        memcpy(&x, a + 8 * j, 8);
+        memcpy(&y, b + 8 * j, 8);
+        mask |= (uint64_t)(x != y) << j;
+    }
+    return mask;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+__attribute__((target("avx2"))) static uint64_t neq_mask_avx2(const uint8_t *a, const uint8_t *b,
+                                                               int m) {
+    uint64_t mask = 0;
+    int j = 0;
+    for (; j + 4 <= m; j += 4) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a + 8 * j));
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(b + 8 * j));
+        const int eq = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpeq_epi64(x, y)));
+        mask |= (uint64_t)(~eq & 0xF) << j;
+    }
+    if (j < m) mask |= neq_mask_plain(a + 8 * j, b + 8 * j, m - j) << j;
+    return mask;
+}
+#endif
+
+static int use_avx2 = -1; /* -1: not looked yet */
+
+static uint64_t neq_mask(const uint8_t *a, const uint8_t *b, int m, int plain) {
+#if defined(__GNUC__) && defined(__x86_64__)
+    if (use_avx2 < 0) use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (use_avx2 && !plain) return neq_mask_avx2(a, b, m);
+#endif
+    return neq_mask_plain(a, b, m);
+}
+
+/* One element type T per itemsize: the words of a block of 64 are compared first, without a
+ * branch, into a mask of those that differ; then only those are visited (count trailing zeros),
+ * and in each every element is written out and kept (k advances) only if it changed, without a
+ * branch per element (the changed ones are scattered at random: branches would mispredict).
+ * An RL step changes ~2% of the elements (~9% of the bf16 words): the work follows them, and
+ * equal words cost a compare, not a mispredicted branch. */
 #define DIFF(NAME, T)                                                                        \
     static Py_ssize_t NAME(const uint8_t *a, const uint8_t *b, Py_ssize_t n, uint32_t *idx, \
-                           Py_ssize_t cap, uint8_t *vals_, uint64_t *lin) {                \
+                           Py_ssize_t cap, uint8_t *vals_, uint64_t *lin, int plain) {     \
         T *vals = (T *)vals_;                                                               \
         const Py_ssize_t per = 8 / (Py_ssize_t)sizeof(T), words = n / 8;                   \
         Py_ssize_t k = 0;                                                                   \
         uint64_t acc[4] = {0, 0, 0, 0}; /* in registers: lin may alias the buffers */     \
-        for (Py_ssize_t w = 0; w < words; w++) {                                            \
-            uint64_t x, y;                                                                  \
-            memcpy(&x, a + 8 * w, 8);                                                       \
-            memcpy(&y, b + 8 * w, 8);                                                       \
-            if (x == y) continue;                                                           \
-            if (k + per > cap) return -1;                                                   \
-            if (lin) lin_word(acc, (uint64_t)w, y, x);                                      \
-            for (Py_ssize_t e = 0; e < per; e++) {                                          \
-                T u, v;                                                                     \
-                memcpy(&u, a + 8 * w + e * sizeof(T), sizeof(T));                          \
-                memcpy(&v, b + 8 * w + e * sizeof(T), sizeof(T));                          \
-                idx[k] = (uint32_t)(w * per + e);                                           \
-                vals[k] = u;                                                                \
-                k += (u != v);                                                              \
+        for (Py_ssize_t w0 = 0; w0 < words; w0 += 64) {                                     \
+            const int m = words - w0 < 64 ? (int)(words - w0) : 64;                         \
+            uint64_t mask = neq_mask(a + 8 * w0, b + 8 * w0, m, plain);                     \
+            while (mask) {                                                                  \
+                const Py_ssize_t w = w0 + __builtin_ctzll(mask);                            \
+                mask &= mask - 1;                                                           \
+                uint64_t x, y;                                                              \
+                memcpy(&x, a + 8 * w, 8);                                                   \
+                memcpy(&y, b + 8 * w, 8);                                                   \
+                if (k + per > cap) return -1;                                               \
+                if (lin) lin_word(acc, (uint64_t)w, y, x);                                  \
+                for (Py_ssize_t e = 0; e < per; e++) {                                      \
+                    T u, v;                                                                 \
+                    memcpy(&u, a + 8 * w + e * sizeof(T), sizeof(T));                      \
+                    memcpy(&v, b + 8 * w + e * sizeof(T), sizeof(T));                      \
+                    idx[k] = (uint32_t)(w * per + e);                                       \
+                    vals[k] = u;                                                            \
+                    k += (u != v);                                                          \
+                }                                                                           \
             }                                                                               \
         }                                                                                   \
         if (lin && n > words * 8 && memcmp(a + words * 8, b + words * 8, n - words * 8)) {  \
@@ -106,19 +155,20 @@ DIFF(diff4, uint32_t)
 DIFF(diff8, uint64_t)
 
 static Py_ssize_t diff(const uint8_t *a, const uint8_t *b, Py_ssize_t n, int itemsize,
-                       uint32_t *idx, Py_ssize_t cap, uint8_t *vals, uint64_t *lin) {
+                       uint32_t *idx, Py_ssize_t cap, uint8_t *vals, uint64_t *lin, int plain) {
     switch (itemsize) {
-    case 1: return diff1(a, b, n, idx, cap, vals, lin);
-    case 2: return diff2(a, b, n, idx, cap, vals, lin);
-    case 4: return diff4(a, b, n, idx, cap, vals, lin);
-    default: return diff8(a, b, n, idx, cap, vals, lin);
+    case 1: return diff1(a, b, n, idx, cap, vals, lin, plain);
+    case 2: return diff2(a, b, n, idx, cap, vals, lin, plain);
+    case 4: return diff4(a, b, n, idx, cap, vals, lin, plain);
+    default: return diff8(a, b, n, idx, cap, vals, lin, plain);
     }
 }
 
 static PyObject *diff_sparse(PyObject *self, PyObject *args) {
     PyObject *o_new, *o_base, *o_idx, *o_val, *o_lin = Py_None;
-    int itemsize;
-    if (!PyArg_ParseTuple(args, "OOiOO|O", &o_new, &o_base, &itemsize, &o_idx, &o_val, &o_lin))
+    int itemsize, plain = 0;
+    if (!PyArg_ParseTuple(args, "OOiOO|Op", &o_new, &o_base, &itemsize, &o_idx, &o_val, &o_lin,
+                          &plain))
         return NULL;
     if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
         PyErr_Format(PyExc_ValueError, "diff_sparse: itemsize %d, expected 1, 2, 4 or 8", itemsize);
@@ -155,7 +205,7 @@ static PyObject *diff_sparse(PyObject *self, PyObject *args) {
         if (vv.len / itemsize < cap) cap = vv.len / itemsize;
         Py_BEGIN_ALLOW_THREADS
         k = diff((const uint8_t *)vn.buf, (const uint8_t *)vb.buf, n, itemsize,
-                 (uint32_t *)vi.buf, cap, (uint8_t *)vv.buf, lin);
+                 (uint32_t *)vi.buf, cap, (uint8_t *)vv.buf, lin, plain);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&vn); PyBuffer_Release(&vb); PyBuffer_Release(&vi); PyBuffer_Release(&vv);
@@ -378,9 +428,10 @@ static PyObject *patch_apply(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"diff_sparse", diff_sparse, METH_VARARGS,
-     "diff_sparse(new, base, itemsize, idx_out, val_out[, lin_out]) -> changed elements, or -1 "
-     "if they do not fit; lin_out (4 uint64) accumulates the linear-digest terms of the changed "
-     "words, old (lanes 0, 1) and new (2, 3)"},
+     "diff_sparse(new, base, itemsize, idx_out, val_out[, lin_out[, plain]]) -> changed "
+     "elements, or -1 if they do not fit; lin_out (4 uint64, or None) accumulates the "
+     "linear-digest terms of the changed words, old (lanes 0, 1) and new (2, 3); plain: never "
+     "the AVX2 compare"},
     {"lin_sum", lin_sum, METH_VARARGS,
      "lin_sum(buf[, plain]) -> (lane0, lane1): the linear digest's sums (plain: never the "
      "AVX-512 loop)"},

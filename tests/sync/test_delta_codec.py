@@ -328,3 +328,40 @@ def test_a_host_patch_is_written_in_one_pass_and_taken_back(itemsize: int) -> No
     bad = idx[::-1].copy()
     assert not apply._host_patch(words, bad, vals, undo)
     assert torch.equal(words, base) and undo == []
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_the_c_diff_gives_the_same_changes_with_and_without_avx2(itemsize: int) -> None:
+    """The C loop compares 64 words at a time into a mask (AVX2 where the processor has it,
+    plain C elsewhere: ``plain=True`` forces it here): both list what numpy lists, the same
+    linear-digest terms, and refuse the same overflow. Sizes cut blocks of 4 and 64 words and
+    leave tails shorter than a word; changes fall on block edges too."""
+    from deltackpt.format import changes
+
+    native = changes._native_diff
+    if native is None:
+        pytest.skip("deltackpt._native was not built (no C compiler at install)")
+    for n_words, frac in [(0, 0.5), (3, 0.5), (63, 0.05), (64, 0.0), (65, 0.3), (1027, 0.02)]:
+        for tail in (0, itemsize) if itemsize < 8 else (0,):
+            n = (8 * n_words + tail) // itemsize
+            new, base = pair(n, itemsize, frac, seed=n_words + tail)
+            for at in (63 * 8, 64 * 8):  # a change on each edge of the first block
+                if at < new.size:
+                    new[at] ^= 1
+            cap = n + 8
+            got = []
+            for plain in (False, True):
+                idx = np.empty(cap, np.uint32)
+                vals = np.empty(cap, UINT[itemsize])
+                lin = np.zeros(4, np.uint64)
+                k = native(new, base, itemsize, idx, vals, lin, plain)
+                got.append((idx[:k].copy(), vals[:k].copy(), lin.copy()))
+            e_new, e_base = new.view(UINT[itemsize]), base.view(UINT[itemsize])
+            want = np.flatnonzero(e_new != e_base).astype(np.uint32)
+            for idx, vals, _ in got:
+                assert np.array_equal(idx, want) and np.array_equal(vals, e_new[want])
+            assert np.array_equal(got[0][2], got[1][2])
+            if want.size > 1:  # too little room: refused, by both
+                for plain in (False, True):
+                    small = np.empty(1, np.uint32), np.empty(1, UINT[itemsize])
+                    assert native(new, base, itemsize, *small, None, plain) == -1
