@@ -84,7 +84,17 @@ __attribute__((target("avx2"))) static uint64_t neq_mask_avx2(const uint8_t *a, 
 }
 #endif
 
-static int use_avx2 = -1; /* -1: not looked yet */
+#if defined(__GNUC__)
+#define CTZ64(x) __builtin_ctzll(x)
+#else
+static int CTZ64(uint64_t x) { /* x != 0 */
+    int n = 0;
+    while (!(x & 1)) x >>= 1, n++;
+    return n;
+}
+#endif
+
+static int use_avx2 = -1; /* -1: not looked yet (a benign race: every thread finds the same) */
 
 static uint64_t neq_mask(const uint8_t *a, const uint8_t *b, int m, int plain) {
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -111,7 +121,7 @@ static uint64_t neq_mask(const uint8_t *a, const uint8_t *b, int m, int plain) {
             const int m = words - w0 < 64 ? (int)(words - w0) : 64;                         \
             uint64_t mask = neq_mask(a + 8 * w0, b + 8 * w0, m, plain);                     \
             while (mask) {                                                                  \
-                const Py_ssize_t w = w0 + __builtin_ctzll(mask);                            \
+                const Py_ssize_t w = w0 + CTZ64(mask);                                      \
                 mask &= mask - 1;                                                           \
                 uint64_t x, y;                                                              \
                 memcpy(&x, a + 8 * w, 8);                                                   \
