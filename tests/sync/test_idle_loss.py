@@ -21,6 +21,7 @@ pytestmark = pytest.mark.multiproc
 
 WORLD = 3
 DEAD_AFTER = 1.0
+SILENT = 2 * DEAD_AFTER  # no beat for this long: gone (a busy machine may stall a beat a second)
 
 
 def _group(rank: int, port: int) -> Any:
@@ -58,16 +59,16 @@ def _receiver(port: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     quiet = []
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 2.5 * DEAD_AFTER:  # beats compared across dead_after
-        quiet.append(g.lost([0, 1]))
+    while time.monotonic() - t0 < 3 * DEAD_AFTER:  # beats compared across SILENT
+        quiet.append(g.lost([0, 1], SILENT))
         time.sleep(0.1)
     out["quiet"] = quiet
     g.store.set("go1", "")
-    out["rank1"], out["rank1_s"] = _until_lost(g, [0, 1], silent=2 * DEAD_AFTER)
-    out["rank0_alone"] = g.lost([0])  # the other trainer is still there
+    out["rank1"], out["rank1_s"] = _until_lost(g, [0, 1], SILENT)
+    out["rank0_alone"] = g.lost([0], SILENT)  # the other trainer is still there
     out["broken_after_rank1"] = g.broken  # seeing a loss is not a failed round
     g.store.set("go0", "")
-    out["store"], out["store_s"] = _until_lost(g, [0])
+    out["store"], out["store_s"] = _until_lost(g, [0], SILENT)
     g.close()
     return out
 
