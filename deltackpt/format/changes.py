@@ -47,10 +47,11 @@ UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 MAX_ELEMENTS = 1 << 32  # indices are uint32
 PATCH_BELOW = 0.25  # encode_patch gives up when more than this share of the elements changed
 
-try:  # the fused extraction loop (setup.py builds it; numpy below does the same, slower)
+try:  # the fused loops (setup.py builds them; numpy below does the same, slower)
     from deltackpt._native import diff_sparse as _native_diff
+    from deltackpt._native import unpack_gaps as _native_gaps
 except ImportError:  # pragma: no cover - depends on the install
-    _native_diff = None
+    _native_diff = _native_gaps = None
 
 
 def _work(buf: np.ndarray | None, nbytes: int) -> np.ndarray:
@@ -65,6 +66,7 @@ def changed_elements(
     idx_buf: np.ndarray | None = None,
     vals_buf: np.ndarray | None = None,
     lin_out: np.ndarray | None = None,
+    update: bool = False,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(element indices as uint32, their new values) where the flat uint8 arrays ``new`` and
     ``base`` (same size, whole ``itemsize`` elements, < 2**32 of them) differ, or None when more
@@ -72,13 +74,16 @@ def changed_elements(
     mask at a time, AVX2 where there is one; 4-6 GB/s per core here, GIL released), else numpy: compare 8-byte words, then the elements of the words that differ.
     ``idx_buf``/``vals_buf``: uint8 work buffers to fill (the results may be views of them).
     ``lin_out`` (5 uint64, zeroed): the C loop adds the linear-digest terms of the changed words
-    (format/lindigest.py), old in [0:2], new in [2:4], and sets [4] to 1; numpy leaves it."""
+    (format/lindigest.py), old in [0:2], new in [2:4], and sets [4] to 1; numpy leaves it.
+    ``update``: ``base`` (writable) becomes ``new`` on the way, the changed words written while
+    they are in cache (a scatter afterwards is another pass over every line an RL step touches:
+    nearly all); when None is returned, ``base`` may be partly written."""
     uint = UINT[itemsize]
     if _native_diff is not None:
         room = cap + 8  # the loop checks room a word at a time
         idx = _work(idx_buf, 4 * room).view(np.uint32)
         vals = _work(vals_buf, itemsize * room).view(uint)
-        k = _native_diff(new, base, itemsize, idx, vals, lin_out)
+        k = _native_diff(new, base, itemsize, idx, vals, lin_out, False, update)
         if k < 0:
             return None
         if lin_out is not None:
@@ -99,7 +104,11 @@ def changed_elements(
     if t.size:
         idx = np.concatenate([idx, (t + words * per).astype(np.uint32)])
         vals = np.concatenate([vals, tail_new[t]])
-    return None if idx.size > cap else (idx, vals)
+    if idx.size > cap:
+        return None
+    if update:
+        base.view(uint)[idx] = vals
+    return idx, vals
 
 
 def pack_changes(
@@ -142,10 +151,18 @@ def unpack_changes(
         raise error(f"patch zstd frame declares {declared} bytes, expected {size}")
     raw = take(size) if take is not None else np.empty(size, dtype=np.uint8)
     decompress_exact(frame, raw, error, "patch")
-    gaps = np.empty(k, dtype=np.uint32)
-    _ungroup(raw[: 4 * k], 4, gaps.view(np.uint8))
     vals = np.empty(k, dtype=UINT[itemsize])
     _ungroup(raw[4 * k :], itemsize, vals.view(np.uint8))
+    if _native_gaps is not None:  # ungrouped, summed and checked in one pass
+        idx = np.empty(k, dtype=np.int64)
+        status, j = _native_gaps(raw[: 4 * k], n, idx)
+        if status == 1:
+            raise error("patch payload names an element twice (a zero index gap)")
+        if status == 2:
+            raise error(f"patch payload's change {j} has an index out of range for {n} elements")
+        return idx, vals
+    gaps = np.empty(k, dtype=np.uint32)
+    _ungroup(raw[: 4 * k], 4, gaps.view(np.uint8))
     if k > 1 and int(gaps[1:].min()) == 0:
         raise error("patch payload names an element twice (a zero index gap)")
     idx = np.cumsum(gaps, dtype=np.int64)  # intp: fancy indexing takes it as is (3x faster)

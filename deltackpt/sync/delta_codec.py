@@ -131,6 +131,8 @@ class Encoded:
     # (element indices, new values) when the encoder listed them (PACKED, SPARSE): a caller
     # that keeps ``base`` can update it with these k elements instead of copying the piece
     changes: tuple[np.ndarray, np.ndarray] | None = None
+    # ``base`` already holds the new bytes (``encode(update_base=True)`` and changes listed)
+    base_updated: bool = False
 
 
 @dataclass
@@ -236,6 +238,7 @@ def encode(
     allow: frozenset[int] = ALL,
     scratch: Scratch | None = None,
     packed_below: float = PACKED_BELOW,
+    update_base: bool = False,
 ) -> Encoded | None:
     """Encode ``new`` against ``base`` (the piece as last committed); None if they are equal.
 
@@ -245,6 +248,11 @@ def encode(
     changes is DENSE at once (the time-first policy: nothing slower than the list is tried).
     With an explicit ``scratch``, a SPARSE payload is a view of it, valid until the next
     ``encode`` with that scratch; without one it is a fresh array.
+
+    ``update_base`` (``base`` writable; only where ``allow`` leaves PLANES out, which needs the
+    old base after the list is taken): the list's pass writes the changed words into ``base``
+    (``Encoded.base_updated``; the caller keeping ``base`` has nothing left to do). When more
+    than ``packed_below`` changed, the result is DENSE and ``base`` may be partly written.
     """
     new, base = _flat_u8(new, "new"), _flat_u8(base, "base")
     if new.size != base.size:
@@ -253,8 +261,9 @@ def encode(
     work = scratch if scratch is not None else _thread_scratch()
     uint = _UINT[itemsize]
     n = new.size // itemsize
+    update = update_base and PLANES not in allow
     if PACKED in allow and n < 1 << 32:
-        found = _changed(new, base, itemsize, int(n * packed_below), work)
+        found = _changed(new, base, itemsize, int(n * packed_below), work, update)
         if found is None and PLANES not in allow:
             return Encoded(DENSE, new, new.size)
         if found is not None:
@@ -269,9 +278,11 @@ def encode(
                 mask[idx] = True
                 dst = work.take("payload", sparse_size) if scratch is not None else None
                 enc = _encode_sparse(new.view(uint), mask, idx.size, mode, sparse_size, dst)
-                return Encoded(enc.kind, enc.payload, enc.nbytes, (idx, vals))
+                return Encoded(enc.kind, enc.payload, enc.nbytes, (idx, vals), update)
             if packed.nbytes < new.size:
-                return Encoded(packed.kind, packed.payload, packed.nbytes, (idx, vals))
+                return Encoded(packed.kind, packed.payload, packed.nbytes, (idx, vals), update)
+            if update:  # no list pays, and base is new already: no second compare below
+                return Encoded(DENSE, new, new.size, None, True)
     mask = work.take("mask", n).view(np.bool_)
     np.not_equal(new.view(uint), base.view(uint), out=mask)
     k = int(np.count_nonzero(mask))
@@ -292,14 +303,14 @@ def encode(
 
 
 def _changed(
-    new: np.ndarray, base: np.ndarray, itemsize: int, cap: int, work: Scratch
+    new: np.ndarray, base: np.ndarray, itemsize: int, cap: int, work: Scratch, update: bool
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(element indices as uint32, their new values) of the elements that differ, or None when
-    more than ``cap`` do (:func:`deltackpt.format.changes.changed_elements`)."""
+    more than ``cap`` do (:func:`deltackpt.format.changes.changed_elements`; ``update``: base
+    becomes new on the way)."""
     room = cap + 8
-    return changed_elements(
-        new, base, itemsize, cap, work.take("idx", 4 * room), work.take("vals", itemsize * room)
-    )
+    idx, vals = work.take("idx", 4 * room), work.take("vals", itemsize * room)
+    return changed_elements(new, base, itemsize, cap, idx, vals, update=update)
 
 
 def _encode_packed(idx: np.ndarray, vals: np.ndarray, itemsize: int) -> Encoded:

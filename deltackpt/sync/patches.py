@@ -110,6 +110,7 @@ class Bases:
                 allow=self.allow,
                 scratch=self._scratch,
                 packed_below=self.packed_below,
+                update_base=True,  # where no zstd planes are tried (the time-first policy)
             )
             if enc is None:
                 self._cache[key] = (0, np.empty(0, np.uint8))  # unchanged
@@ -121,7 +122,9 @@ class Bases:
                 self._resting[key] = REST_ROUNDS
                 self._cache[key] = None
                 return None
-            if enc.changes is not None:
+            if enc.base_updated:  # the diff wrote the changed words as it found them
+                pass
+            elif enc.changes is not None:
                 idx, vals = enc.changes
                 base.view(vals.dtype)[idx] = vals
             else:

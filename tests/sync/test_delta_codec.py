@@ -365,3 +365,82 @@ def test_the_c_diff_gives_the_same_changes_with_and_without_avx2(itemsize: int) 
                 for plain in (False, True):
                     small = np.empty(1, np.uint32), np.empty(1, UINT[itemsize])
                     assert native(new, base, itemsize, *small, None, plain) == -1
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("native", [True, False])
+def test_the_list_brings_the_base_to_the_new_bytes_on_the_way(
+    itemsize: int, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``encode(update_base=True)`` (the sender's bases under the time-first policy): the
+    changed words are written into the base as the diff finds them, so the base equals the new
+    bytes afterwards; the payload is the one a plain encode writes; a piece nothing changed in
+    is None with its base as it was; with zstd planes allowed the base is left to the caller.
+    Sizes leave tails shorter than a word; the C loop and its numpy fallback alike."""
+    from deltackpt.format import changes
+
+    if not native:
+        monkeypatch.setattr(changes, "_native_diff", None)
+    fast = frozenset({PACKED, SPARSE})
+    for n, frac in [(1, 1.0), (7, 0.3), (1001, 0.02), (40_003, 0.01), (40_003, 0.0)]:
+        new, base = pair(n, itemsize, frac, seed=n)
+        want = encode(new, base.copy(), itemsize, allow=fast, packed_below=1 / 4)
+        held = base.copy()
+        got = encode(new, held, itemsize, allow=fast, packed_below=1 / 4, update_base=True)
+        if want is None:
+            assert got is None and np.array_equal(held, base)
+            continue
+        assert got is not None and got.kind == want.kind
+        assert bytes(got.payload) == bytes(want.payload)
+        roundtrip(new, base, itemsize, got)
+        if got.kind == DENSE and not got.base_updated:  # too many changes for the list: the
+            continue  # caller drops or rewrites this base (it may be partly written)
+        assert got.base_updated and np.array_equal(held, new)
+    new, base = pair(1001, itemsize, 0.02, seed=5)
+    held = base.copy()
+    got = encode(new, held, itemsize, update_base=True)  # planes allowed: base untouched
+    assert got is not None and not got.base_updated and np.array_equal(held, base)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_index_lists_decode_alike_with_and_without_the_c_pass(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``unpack_changes`` sums and checks the index gaps in one C pass (``unpack_gaps``) or with
+    numpy: the same indices for lists with gaps of every byte width, and the same refusals of a
+    repeated element and of an index past the buffer, including gaps that would wrap."""
+    from deltackpt.errors import CodecError
+    from deltackpt.format import changes
+
+    if not native:
+        monkeypatch.setattr(changes, "_native_gaps", None)
+    elif changes._native_gaps is None:
+        pytest.skip("deltackpt._native was not built (no C compiler at install)")
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    rng = np.random.default_rng(3)
+    gaps = rng.integers(1, 1 << 24, 5000, dtype=np.uint64)
+    gaps[::7] = 1
+    gaps[::11] = 0xFFFF_FFFF
+    idx = np.cumsum(gaps).astype(np.int64)
+    n = int(idx[-1]) + 1
+    vals = rng.integers(0, 1 << 16, idx.size, dtype=np.uint16)
+
+    # the gaps (the first index, then differences) laid out as pack_changes writes them
+    def payload(g: np.ndarray) -> np.ndarray:
+        k = g.size
+        body = np.empty(k * 6, np.uint8)
+        changes._group(g.astype(np.uint32).view(np.uint8), 4, body[: 4 * k])
+        changes._group(vals[:k].view(np.uint8), 2, body[4 * k :])
+        return np.frombuffer(changes.HEADER.pack(k) + cctx.compress(body), np.uint8)
+
+    got_idx, got_vals = changes.unpack_changes(payload(gaps), 2, n)
+    assert np.array_equal(got_idx, idx) and np.array_equal(got_vals, vals)
+    repeated = gaps.copy()
+    repeated[100] = 0
+    with pytest.raises(CodecError, match="twice"):
+        changes.unpack_changes(payload(repeated), 2, n)
+    with pytest.raises(CodecError, match="out of range"):
+        changes.unpack_changes(payload(gaps), 2, n - 1)
+    past = np.full(5000, 0xFFFF_FFFF, np.uint64)  # the third index passes 2**33
+    with pytest.raises(CodecError, match="out of range"):
+        changes.unpack_changes(payload(past), 2, 1 << 33)
