@@ -44,6 +44,7 @@ always``: the CPU stand-in the test suite runs).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -237,12 +238,19 @@ class DeviceBases(Bases):
         super().__init__()
         self.finder: Finder | None = None
         self.found_pieces = 0  # pieces encoded from a device list (all rounds)
+        self._count_lock = threading.Lock()
 
     def start_round(self) -> None:
         super().start_round()
         self.finder = None
 
     def encode(
+        self, key: BaseKey, new: torch.Tensor, itemsize: int
+    ) -> tuple[int, np.ndarray] | None:
+        with self.lock(key):
+            return self._found(key, new, itemsize)
+
+    def _found(
         self, key: BaseKey, new: torch.Tensor, itemsize: int
     ) -> tuple[int, np.ndarray] | None:
         got = None
@@ -277,7 +285,8 @@ class DeviceBases(Bases):
             return super().encode(key, new, itemsize)
         self._base[key].numpy().view(vals.dtype)[idx] = vals
         self._updated.add(key)
-        self.found_pieces += 1
+        with self._count_lock:  # packing threads encode other pieces at once
+            self.found_pieces += 1
         self._cache[key] = (enc.kind, np.frombuffer(enc.payload, np.uint8, enc.nbytes).copy())
         return self._cache[key]
 

@@ -33,6 +33,7 @@ nearly every tensor, so sending the changed *tensors* re-sends almost everything
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -62,7 +63,8 @@ def base_key(p: object) -> BaseKey:
 
 class Bases:
     """The sender's committed bytes per piece, and this round's encodings (see module doc).
-    Used from one packing thread at a time."""
+    Packing threads encode pieces at once: a piece (1 -> N: the same piece in several
+    receivers' buckets) is encoded under its own lock, with each thread's own scratch."""
 
     def __init__(self) -> None:
         # what encode may send (delta_codec.encode's allow / packed_below): set by the sender
@@ -74,7 +76,8 @@ class Bases:
         self._cache: dict[BaseKey, tuple[int, np.ndarray] | None] = {}
         self._updated: set[BaseKey] = set()  # bases already brought to this round's bytes
         self._resting: dict[BaseKey, int] = {}  # pieces without a base for that many rounds
-        self._scratch = delta_codec.Scratch()
+        self._tls = threading.local()  # .scratch: each packing thread's work buffers
+        self._locks: dict[BaseKey, threading.RLock] = {}
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +96,18 @@ class Bases:
     def has(self, key: BaseKey) -> bool:
         return key in self._base
 
+    @property
+    def _scratch(self) -> delta_codec.Scratch:
+        got = getattr(self._tls, "scratch", None)
+        if got is None:
+            got = self._tls.scratch = delta_codec.Scratch()
+        return got
+
+    def lock(self, key: BaseKey) -> threading.RLock:
+        """Held while piece ``key`` is encoded (its base read and written)."""
+        got = self._locks.get(key)
+        return got if got is not None else self._locks.setdefault(key, threading.RLock())
+
     def encode(
         self, key: BaseKey, new: torch.Tensor, itemsize: int
     ) -> tuple[int, np.ndarray] | None:
@@ -100,6 +115,12 @@ class Bases:
         (kind, payload); None when sending it raw is cheaper; kind 0 when nothing changed. The
         base becomes ``new`` right away (the k changed elements are written into it, or the
         piece copied): if the round fails, the next one is full and rewrites every base."""
+        with self.lock(key):
+            return self._encode(key, new, itemsize)
+
+    def _encode(
+        self, key: BaseKey, new: torch.Tensor, itemsize: int
+    ) -> tuple[int, np.ndarray] | None:
         if key not in self._cache:
             base = self._base[key].numpy()
             raw = new.numpy()

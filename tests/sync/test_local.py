@@ -325,3 +325,45 @@ def test_a_parameter_moved_between_rounds_is_written_where_it_is_now(
     )
     round_(3)
     assert torch.equal(p, torch.full((64,), 3.0)) and torch.equal(old, torch.full((64,), 1.0))
+
+
+def test_a_bucket_that_fails_packing_while_others_pack_ahead_fails_the_round_cleanly(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host rounds pack two buckets at once (``sender.PACK_THREADS``): when one in the middle
+    fails, the buckets packed beside it are waited for and not sent, the sender names the
+    bucket, the receiver applies nothing and keeps its version, and the next round works."""
+    from deltackpt.sync import packer, sender
+
+    assert sender.PACK_THREADS >= 2
+    g0, g1 = pair
+    send = sync.WeightSender(g0, bucket_bytes=4096, zero_copy_min=None)
+    recv = sync.WeightReceiver(g1, bucket_bytes=4096)
+    state = {f"w{i}": torch.full((900,), float(i)) for i in range(8)}  # one bucket each
+    got: dict[str, torch.Tensor] = {}
+
+    def round_(v: int) -> list[Any]:
+        return run_threads(
+            lambda: send.push(state, version=v),
+            lambda: recv.pull(lambda ws: got.update((n, t.clone()) for n, t in ws)),
+        )
+
+    assert not any(isinstance(o, BaseException) for o in round_(1))
+    real = packer.Packer.message
+
+    def flaky(self: Any, sched: Any, bk: Any, *args: Any) -> Any:
+        if bk.index == 3:
+            raise OSError("simulated read failure")
+        return real(self, sched, bk, *args)
+
+    monkeypatch.setattr(packer.Packer, "message", flaky)
+    for t in state.values():
+        t += 1
+    got.clear()
+    out = round_(2)
+    assert isinstance(out[0], sync.SyncError) and "failed packing bucket 3" in str(out[0])
+    assert isinstance(out[1], sync.RoundAbortedError)
+    assert got == {} and recv.version == 1
+    monkeypatch.setattr(packer.Packer, "message", real)
+    assert not any(isinstance(o, BaseException) for o in round_(3))
+    assert recv.version == 3 and all(torch.equal(got[n], t) for n, t in state.items())
