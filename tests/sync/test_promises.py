@@ -1296,6 +1296,7 @@ def _scribbler(marks: str, seconds: float) -> int:
         data[pos] ^= 0xFF
         flips += 1
         time.sleep(rng.uniform(0, 0.002))
+    Path(marks, "stopped").touch()  # no flip after this: the last round must commit
     return flips
 
 
@@ -1309,9 +1310,9 @@ def _scribble_rank(rank: int, port: int, marks: str) -> dict[str, Any]:
         for v in range(1, SCRIBBLE_ROUNDS + 2):
             if v == 2:  # the link files exist since round 1: wait until someone scribbles
                 _wait_for(Path(marks, "scribbling"), 60)
-            if v == SCRIBBLE_ROUNDS + 1:  # last round: the scribbler has stopped
-                Path(marks, "stop").touch()
-                time.sleep(0.1)
+            if v == SCRIBBLE_ROUNDS + 1:  # last round: once the scribbler has stopped (a
+                Path(marks, "stop").touch()  # fixed wait let a busy machine's scribbler on)
+                _wait_for(Path(marks, "stopped"), 60)
             try:
                 versions.append(sender.push(_scribble_state(v), version=v, full=True).version)
             except sync.SyncError as e:
