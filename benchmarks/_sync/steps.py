@@ -108,12 +108,58 @@ def _codec_speeds(local0: dict[str, Any], local1: dict[str, Any]) -> dict[str, f
         for (a, _), out in zip(pairs, outs, strict=True):
             np.copyto(out, a)
 
+    # the sender's encode under encode="auto" (the list of changes only, the base written by
+    # the diff), over pieces of at most 16 MiB as buckets cut them, on 1 and 2 threads
+    # (sender.PACK_THREADS): the bases alternate between the versions like the rounds do; a
+    # piece that changed too much loses its base (it goes whole: not an encode) and is left
+    # out, so the rate is of the bytes encoded (nan when none is)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deltackpt.sync.patches import Bases
+
+    cut = 16 << 20
+    pieces = [(k, s) for k, (a, _) in enumerate(pairs) for s in range(0, a.size, cut)]
+    bases = Bases()
+    bases.allow = frozenset({delta_codec.PACKED, delta_codec.SPARSE})
+    bases.packed_below = 1 / 16
+    for j, (k, s) in enumerate(pieces):
+        bases._base[j] = torch.from_numpy(pairs[k][0][s : s + cut].copy())
+    turn = [1]
+
+    def sender(threads: int) -> float:
+        def run() -> None:
+            side = turn[0]
+            turn[0] ^= 1
+            bases.start_round()
+
+            def one(j: int) -> None:
+                k, s = pieces[j]
+                if bases.has(j):
+                    bases.encode(j, torch.from_numpy(pairs[k][side][s : s + cut]), 2)
+
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one, range(len(pieces))))
+
+        run()  # the bases at version 1 (those that keep one), the next run encodes back
+        run()
+        kept = sum(
+            min(cut, pairs[k][0].size - s) for j, (k, s) in enumerate(pieces) if bases.has(j)
+        )
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return kept / min(times) / C.GB if kept else float("nan")
+
     def hashing() -> None:
         for a, _ in pairs:
             xxhash.xxh3_128(a).digest()
 
     return {
         "encode": best(enc),
+        "sender_1t": sender(1),
+        "sender_2t": sender(2),
         "apply": best(dec),
         "memcpy": best(copy),
         "xxh3": best(hashing),
@@ -225,8 +271,9 @@ def steps_table(rows: list[dict[str, Any]]) -> str:
         )
     lines += [
         "",
-        "| step | encode GB/s (1 core) | apply GB/s (1 core) | memcpy GB/s | xxh3-128 GB/s |",
-        "|---|---|---|---|---|",
+        "| step | encode GB/s (1 core) | sender encode GB/s: 1 · 2 threads | apply GB/s (1 core) "
+        "| memcpy GB/s | xxh3-128 GB/s |",
+        "|---|---|---|---|---|---|",
     ]
     seen = set()
     for r in rows:
@@ -235,7 +282,12 @@ def steps_table(rows: list[dict[str, Any]]) -> str:
         seen.add(r["step"])
         c = r["codec"]
         lines.append(
-            f"| {r['step']} | {c['encode']:.2f} | {c['apply']:.2f} | {c['memcpy']:.1f} "
+            f"| {r['step']} | {c['encode']:.2f} | {_rate(c['sender_1t'])} · {_rate(c['sender_2t'])} "
+            f"| {c['apply']:.2f} | {c['memcpy']:.1f} "
             f"| {c['xxh3']:.1f} |"
         )
     return "\n".join(lines)
+
+
+def _rate(gbs: float) -> str:
+    return "- (all whole)" if math.isnan(gbs) else f"{gbs:.2f}"
