@@ -52,6 +52,9 @@ DELTACKPT_IPC_BUCKETS      shared buckets a weight-sync trainer holds per    2
                            default): an integer >= 2 (a ring, reused within
                            a round as the receiver copies each out), or
                            ``none`` (one per bucket of the round)
+DELTACKPT_PACK_THREADS     buckets a weight-sync trainer packs at once in a  2
+                           host round, each on its own thread (1: one at a
+                           time; device rounds and ipc rings always are)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
@@ -200,6 +203,11 @@ def default_ipc_buckets() -> int | None:
     if _env("DELTACKPT_IPC_BUCKETS", "2").strip().lower() == "none":
         return None
     return _env_int("DELTACKPT_IPC_BUCKETS", "2", 2, "2")
+
+
+def default_pack_threads() -> int:
+    """``WeightSender``: ``DELTACKPT_PACK_THREADS``, the buckets a host round packs at once."""
+    return _env_int("DELTACKPT_PACK_THREADS", "2", 1, "2")
 
 
 STAGE_DEFERS = ("auto", "off", "always")

@@ -110,7 +110,7 @@ def _codec_speeds(local0: dict[str, Any], local1: dict[str, Any]) -> dict[str, f
 
     # the sender's encode under encode="auto" (the list of changes only, the base written by
     # the diff), over pieces of at most 16 MiB as buckets cut them, on 1 and 2 threads
-    # (sender.PACK_THREADS): the bases alternate between the versions like the rounds do; a
+    # (DELTACKPT_PACK_THREADS): the bases alternate between the versions like the rounds do; a
     # piece that changed too much loses its base (it goes whole: not an encode) and is left
     # out, so the rate is of the bytes encoded (nan when none is)
     from concurrent.futures import ThreadPoolExecutor

@@ -31,7 +31,6 @@ into a slot a slower receiver still reads.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -43,7 +42,12 @@ import torch
 from deltackpt import cuda
 from deltackpt.format.fingerprint import fuses
 from deltackpt.format.fingerprint_kernel import whole_words
-from deltackpt.options import default_device_scan, fingerprint_kernel, fused_copies
+from deltackpt.options import (
+    default_device_scan,
+    default_pack_threads,
+    fingerprint_kernel,
+    fused_copies,
+)
 from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
 from deltackpt.sync.device_digest import CHUNK, rows_on_host
@@ -64,15 +68,15 @@ from deltackpt.sync.schedule_decl import Decl, Held, held_from
 
 __all__ = ["WeightSender"]
 
-# Host rounds pack this many buckets at once, each on its own thread (the diff, zstd, xxh3 and
-# copies release the GIL: the encode of an RL step's delta ran 1.8-2x faster on 2 threads than
-# on one here). One at a time: a device round (its copies share the GPU) and a ring of ipc
-# buckets (two per link: packing a third ahead would wait for a copy of one not sent yet).
-PACK_THREADS = max(1, int(os.environ.get("DELTACKPT_PACK_THREADS", "2")))
-# buckets of this rank's ring: those packed ahead and the one being sent; a slot is packed
-# again once the send before the last completed (no bucket more: when packing waits for those
-# sends, the link is the bottleneck anyway)
-_RING = max(3, PACK_THREADS + 1)
+# Host rounds pack options.default_pack_threads() buckets at once (DELTACKPT_PACK_THREADS, 2),
+# each on its own thread (the diff, zstd, xxh3 and copies release the GIL: the encode of an RL
+# step's delta ran 1.7-1.8x faster on 2 threads than on one here). One at a time: a device
+# round (its copies share the GPU) and a ring of ipc buckets (two per link: packing a third
+# ahead would wait for a copy of one not sent yet). The ring of this rank's buckets holds
+# those packed ahead and the one being sent, at least 3: a slot is packed again once the send
+# before the last completed (no bucket more: when packing waits for sends, the link is the
+# bottleneck anyway).
+_RING = 3
 # encode= -> (the link kind whose changed pieces go as patches, what a patch may be: kinds
 # and the share of changed elements up to which the list of changes is tried). "auto" patches
 # gloo links with the list of changes only when at most 1/16 of a piece changed (measured:
@@ -147,7 +151,8 @@ class WeightSender:
         self._buckets: list[LinkBucket] = []
         self._ring: list[torch.Tensor] = []
         self._dirty = True
-        self._pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="sync-pack")
+        self.pack_threads = default_pack_threads()
+        self._pool = ThreadPoolExecutor(self.pack_threads, thread_name_prefix="sync-pack")
         self._packer = Packer(group, self.align, self.zero_copy_min, self._detector, self._bases)
         #: the host copy of CUDA local tensors (see host_mirror.py); allocated on first use
         self.mirror = HostMirror()
@@ -204,7 +209,8 @@ class WeightSender:
             (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.receiver)
         )
         size = max((message_bytes(b, self.align) for b in self._buckets), default=0)
-        self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(_RING)]
+        ring = max(_RING, self.pack_threads + 1)
+        self._ring = [torch.empty(size, dtype=torch.uint8) for _ in range(ring)]
         # tensors the host mirror keeps in their wire dtype (an fp32 master sent as bf16)
         self._casts = wire_casts(
             (
@@ -409,7 +415,8 @@ class WeightSender:
         # those of the tensors' GPU and of the CUDA buckets (host tensors into CUDA buckets too:
         # the publish waits on the caller's stream of the buckets' device)
         streams = cuda.current_streams([d for d in (g.ipc_device, gpu) if d is not None])
-        works: list[tuple[int, object] | None] = [None] * _RING
+        nring = len(self._ring)
+        works: list[tuple[int, object] | None] = [None] * nring
         bufs: list[torch.Tensor] = list(self._ring)
         stubs: list[tuple[int, object, torch.Tensor]] = []
         directs: list[tuple[int, object]] = []  # zero-copy sends: (receiver, work)
@@ -454,7 +461,7 @@ class WeightSender:
             nonlocal lost
             if i >= len(self._buckets) or failure or aborted or lost:
                 return None
-            settle(i % _RING)
+            settle(i % nring)
             bk = self._buckets[i]
             try:  # a ring of ipc buckets (ipc_buckets) waits here for the receiver's copy
                 if device:  # a host bucket the GPU copies into: page-locked
@@ -465,8 +472,8 @@ class WeightSender:
                 dead.add(bk.receiver)
                 lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
                 return None
-            bufs[i % _RING] = self._ring[i % _RING] if win is None else win
-            args = (sched, bk, bufs[i % _RING], seq, version, full)
+            bufs[i % nring] = self._ring[i % nring] if win is None else win
+            args = (sched, bk, bufs[i % nring], seq, version, full)
             pack = partial(
                 cuda.on_streams,
                 streams,
@@ -481,85 +488,93 @@ class WeightSender:
                 return done
             return self._pool.submit(pack, *args)
 
-        depth = 1 if device or ring else PACK_THREADS
+        depth = 1 if device or ring else min(self.pack_threads, nring - 1)
         ahead: deque[Future[Packed] | None] = deque(submit(j) for j in range(depth))
-        for i, bk in enumerate(self._buckets):
-            packed: Packed | None = None
-            fut = ahead.popleft()
-            if fut is not None:
-                try:
-                    packed = fut.result()
-                except Exception as e:  # told to every rank by the vote; stubs from here on
-                    failure = (
-                        f"rank {g.rank} failed packing bucket {bk.index} for rank "
-                        f"{bk.receiver}: {e!r}"
-                    )
-                    cause = e
-            if time.monotonic() >= next_check and not (failure or aborted or lost):
-                next_check = time.monotonic() + _ABORT_CHECK
-                try:
-                    why = g.aborted(seq)
-                except SyncError as e:
-                    why = f"lost: store unreachable ({e})"
-                if why is not None:
-                    aborted = why
-                    if why.startswith("lost: "):
-                        lost = why[6:]
-            ahead.append(submit(i + depth))
-            if bk.receiver in dead:
-                continue
-            ok = packed is not None and not (failure or aborted or lost)
-            if group and (not ok or group_bytes >= _DEVICE_GROUP_BYTES):
-                flush()
-            if ok:
-                assert packed is not None
-                nbytes, present, payload, zero_copy = packed
-                if isinstance(present, DeviceDigests):  # read at the publish or the round's end
-                    if present.inline is None:
-                        on_device.append((bk, present))
-                else:
-                    for k, d in enumerate(present):
-                        if d is not None:
-                            digests[(bk.receiver, bk.index, k)] = d
-                per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
-                buf = bufs[i % _RING][:nbytes]
-                if device:  # packed in the bucket, on its device: published with its group
-                    assert isinstance(present, DeviceDigests)
-                    group.append((bk, nbytes, present))
-                    group_bytes += nbytes
-                    wire_bytes += nbytes
-                    if ring:  # the receiver copies it out before its memory is packed again
-                        flush()
+        try:
+            for i, bk in enumerate(self._buckets):
+                packed: Packed | None = None
+                fut = ahead.popleft()
+                if fut is not None:
+                    try:
+                        packed = fut.result()
+                    except Exception as e:  # told to every rank by the vote; stubs from here on
+                        failure = (
+                            f"rank {g.rank} failed packing bucket {bk.index} for rank "
+                            f"{bk.receiver}: {e!r}"
+                        )
+                        cause = e
+                if time.monotonic() >= next_check and not (failure or aborted or lost):
+                    next_check = time.monotonic() + _ABORT_CHECK
+                    try:
+                        why = g.aborted(seq)
+                    except SyncError as e:
+                        why = f"lost: store unreachable ({e})"
+                    if why is not None:
+                        aborted = why
+                        if why.startswith("lost: "):
+                            lost = why[6:]
+                ahead.append(submit(i + depth))
+                if bk.receiver in dead:
                     continue
-                try:
-                    if g.window(bk.receiver, bk.index) is not None:  # packed in place
-                        works[i % _RING] = (bk.receiver, g.publish(bk.receiver, bk.index, nbytes))
+                ok = packed is not None and not (failure or aborted or lost)
+                if group and (not ok or group_bytes >= _DEVICE_GROUP_BYTES):
+                    flush()
+                if ok:
+                    assert packed is not None
+                    nbytes, present, payload, zero_copy = packed
+                    if isinstance(present, DeviceDigests):  # read at the publish or the round's end
+                        if present.inline is None:
+                            on_device.append((bk, present))
                     else:
-                        works[i % _RING] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
-                        for t, tag in zero_copy:  # after the header: the receiver reads it first
-                            directs.append((bk.receiver, g.isend(t, bk.receiver, tag)))
-                            wire_bytes += t.numel()
-                            zero_copy_bytes += t.numel()
-                except SyncError as e:
-                    dead.add(bk.receiver)
-                    lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
-                    continue
-                wire_bytes += nbytes
-            else:  # the round failed: a header-only message so the receiver's recv completes
-                stub = torch.empty(wire.header_words(len(bk.pieces)) * 8, dtype=torch.uint8)
-                wire.write_header(
-                    stub, seq, version, bk.index, wire.ABORT, [None] * len(bk.pieces), 0
-                )
-                try:
-                    stubs.append((bk.receiver, g.isend(stub, bk.receiver, bk.index), stub))
-                except SyncError as e:  # (on a ring, the wait for the receiver's copy too)
-                    dead.add(bk.receiver)
-                    lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
-        for fut in ahead:  # packed past a failure: waited for, their results unused
-            if fut is not None:
-                fut.exception()
+                        for k, d in enumerate(present):
+                            if d is not None:
+                                digests[(bk.receiver, bk.index, k)] = d
+                    per_link[bk.receiver] = per_link.get(bk.receiver, 0) + payload
+                    buf = bufs[i % nring][:nbytes]
+                    if device:  # packed in the bucket, on its device: published with its group
+                        assert isinstance(present, DeviceDigests)
+                        group.append((bk, nbytes, present))
+                        group_bytes += nbytes
+                        wire_bytes += nbytes
+                        if ring:  # the receiver copies it out before its memory is packed again
+                            flush()
+                        continue
+                    try:
+                        if g.window(bk.receiver, bk.index) is not None:  # packed in place
+                            works[i % nring] = (
+                                bk.receiver,
+                                g.publish(bk.receiver, bk.index, nbytes),
+                            )
+                        else:
+                            works[i % nring] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
+                            for (
+                                t,
+                                tag,
+                            ) in zero_copy:  # after the header: the receiver reads it first
+                                directs.append((bk.receiver, g.isend(t, bk.receiver, tag)))
+                                wire_bytes += t.numel()
+                                zero_copy_bytes += t.numel()
+                    except SyncError as e:
+                        dead.add(bk.receiver)
+                        lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
+                        continue
+                    wire_bytes += nbytes
+                else:  # the round failed: a header-only message so the receiver's recv completes
+                    stub = torch.empty(wire.header_words(len(bk.pieces)) * 8, dtype=torch.uint8)
+                    wire.write_header(
+                        stub, seq, version, bk.index, wire.ABORT, [None] * len(bk.pieces), 0
+                    )
+                    try:
+                        stubs.append((bk.receiver, g.isend(stub, bk.receiver, bk.index), stub))
+                    except SyncError as e:  # (on a ring, the wait for the receiver's copy too)
+                        dead.add(bk.receiver)
+                        lost = lost or f"sending to rank {bk.receiver} failed ({cause_line(e)})"
+        finally:  # packed past a failure, or an error raised here: never left writing the ring
+            for fut in ahead:
+                if fut is not None:
+                    fut.exception()
         flush()
-        for slot in range(_RING):
+        for slot in range(nring):
             settle(slot)
         if on_device:  # a device round's digests: one copy to the host per device they lie on
             for (bk, d), host in zip(

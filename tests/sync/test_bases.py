@@ -52,7 +52,7 @@ def test_a_piece_that_changed_too_much_rests_then_gets_a_base_again() -> None:
 
 
 def test_packing_threads_encode_a_shared_piece_once_and_bring_its_base_along() -> None:
-    """The sender packs two buckets at once (``sender.PACK_THREADS``); a piece broadcast to
+    """The sender packs two buckets at once (``DELTACKPT_PACK_THREADS``); a piece broadcast to
     several receivers sits in several buckets, so threads may encode it together. Under the
     time-first policy the diff writes the base as it goes: a second diff running over it at the
     same time would see half-new bytes and send a wrong patch. Each piece is encoded under its
