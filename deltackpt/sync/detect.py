@@ -1,6 +1,8 @@
 """Change detection of delta rounds: which pieces a trainer must send because their tensor
 changed since the last committed round. Used by :class:`~deltackpt.sync.sender.WeightSender`
-from its packing thread (and, for untouched buckets, its calling thread), one round at a time.
+from its packing threads (and, for untouched buckets, its calling thread), one round at a time:
+two threads may look at one tensor at once (its pieces in two buckets), and then both hash it,
+with the same result.
 
 * ``"hash"`` (default): one in-place xxh3-128 of each local tensor per delta round, compared with
   its digest at the last commit. Hashing the whole local tensor once reads every source byte

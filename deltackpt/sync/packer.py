@@ -1,6 +1,6 @@
 """One bucket message of a trainer: which pieces go, raw or as patches, and the header that
-names them. :class:`Packer` runs on the sender's packing thread (and, for buckets with nothing
-to send, its calling thread); :class:`~deltackpt.sync.sender.WeightSender` owns it and sets
+names them. :class:`Packer` runs on the sender's packing threads, a bucket each (and, for buckets
+with nothing to send, its calling thread); :class:`~deltackpt.sync.sender.WeightSender` owns it and sets
 its per-round state (the local tensors, the committed version patches apply to).
 
 A piece that changed goes in one of three ways: zero-copy (gloo, large, contiguous, no cast:

@@ -10,13 +10,13 @@ round, with the same ``version``::
 The first push declares this rank's shards (``schedule_decl.held_from``) and, with every other
 rank, builds the schedule (once; later pushes must hold the same shards). A round walks this
 rank's link buckets interleaved over its receivers (bucket 0 of every link, then bucket 1, ...):
-a packing thread fills bucket i+1 (gather the piece boxes from the local shard, cast, hash
-each chunk right after copying it) while bucket i is on the wire (gloo ``send``, async), from a
-ring of three buffers. Delta rounds (the default after a committed round) hash each local tensor
+two packing threads fill buckets i+1 and i+2 (gather the piece boxes from the local shard,
+cast, hash each chunk right after copying it; ``DELTACKPT_PACK_THREADS``, one in device rounds)
+while bucket i is on the wire (gloo ``send``, async), from a ring of three buffers. Delta rounds (the default after a committed round) hash each local tensor
 once, in place, and pack and send the pieces of the tensors whose digest changed since the last
 committed round (``detect="version"``: tensors whose storage and in-place version counter did
 not change since that round are skipped unread, the others sent unhashed; see docs/sync.md). On shared-memory links the
-packing thread writes straight into the link's slot; a piece that needs a cast or a gather is
+packing threads write straight into the link's slot; a piece that needs a cast or a gather is
 cast chunk by chunk into a private scratch and hashed there before it is copied into the slot,
 which any process that opens the link file can write. Local tensors on CUDA are first brought
 to a pinned host mirror (``host_mirror.py``): only the chunks whose device fingerprint moved
