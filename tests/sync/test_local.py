@@ -333,10 +333,12 @@ def test_a_bucket_that_fails_packing_while_others_pack_ahead_fails_the_round_cle
     """Host rounds pack two buckets at once (``DELTACKPT_PACK_THREADS``): when one in the
     middle fails, the buckets packed beside it are waited for and not sent, the sender names
     the bucket, the receiver applies nothing and keeps its version, and the next round works."""
+    from deltackpt import options
     from deltackpt.sync import packer
 
     g0, g1 = pair
-    send = sync.WeightSender(g0, bucket_bytes=4096, zero_copy_min=None)
+    with options.overrides(DELTACKPT_PACK_THREADS="2"):  # the default, whatever the environment
+        send = sync.WeightSender(g0, bucket_bytes=4096, zero_copy_min=None)
     assert send.pack_threads == 2
     recv = sync.WeightReceiver(g1, bucket_bytes=4096)
     state = {f"w{i}": torch.full((900,), float(i)) for i in range(8)}  # one bucket each
