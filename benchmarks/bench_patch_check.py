@@ -16,7 +16,9 @@ vote), two ways:
 
 * ``torch indexing`` (before 2026-11-29): ``old = words[where]`` then ``words[where] = new``;
 * ``one C pass`` (``deltackpt.sync.apply._host_patch``, ``_native.patch_apply``): each element's
-  old value read and its new one written while its cache line is in.
+  old value read and its new one written while its cache line is in;
+* ``one C pass, 2 threads``: the same, a piece per thread (``apply.apply_round`` writes a
+  round's host patches on the receiver's pool).
 
 Pieces of 64 MiB (``--mb`` in all) of random bf16 words, ``--frac`` of their elements changed at
 random places (an RL step at lr 1e-6 changes ~2.3%). The two paths alternate, ``--repeats``
@@ -33,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +102,15 @@ def main() -> None:
             if not apply._host_patch(words, idx, vals.view(np.int16), []):
                 raise SystemExit("no C extension (python setup.py build_ext --inplace)")
 
+    pool = ThreadPoolExecutor(2)
+
+    def c_write_2t() -> None:  # apply_round: a piece per thread of the receiver's pool
+        def one(j: int) -> None:
+            idx, vals = edits[j]
+            apply._host_patch(targets[j], idx, vals.view(np.int16), [])
+
+        list(pool.map(one, range(len(targets))))
+
     def memcpy() -> None:
         for base in bases:
             np.copyto(slot, base)
@@ -110,6 +122,7 @@ def main() -> None:
     fns: dict[str, Callable[[], object]] = {
         "assembled": assembled, "patched_digest": fused, "memcpy": memcpy, "xxh3": xxh3,
         "torch indexing": torch_write, "one C pass": c_write,
+        "one C pass, 2 threads": c_write_2t,
     }  # fmt: skip
     runs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(args.repeats):
@@ -148,7 +161,7 @@ def main() -> None:
             f"{best['torch indexing'] / best[name]:.2f}x",
             f"{100 * best['memcpy'] / best[name]:.0f}%",
         ]
-        for name in ("torch indexing", "one C pass")
+        for name in ("torch indexing", "one C pass", "one C pass, 2 threads")
     ]
     head = ["write (old values kept)", "best s", "median s", "M elements/s"]
     print(md_table([*head, "speed vs torch", "vs a memcpy of the pieces"], rows))

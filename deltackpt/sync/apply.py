@@ -86,6 +86,7 @@ def apply_round(
     ``views``: where the pieces' views of their targets are kept from round to round (the
     receiver's, for its schedule)."""
     jobs: list[Job] = []
+    patches: list[tuple[torch.Tensor, np.ndarray, np.ndarray]] = []  # host patches, C pass
     changed: set[int] = set()
     views = {} if views is None else views
     for bk, slot, offsets, _, sparse in staged:
@@ -102,20 +103,12 @@ def apply_round(
             changed.add(p.want)
             if k in sparse and flat is not None:
                 idx, vals = sparse[k]
-                as_torch, as_numpy = _SIGNED[dt.itemsize]
-                with torch.no_grad():  # raw bits: no cast, no NaN compare
-                    words = dst.view(-1).view(as_torch)
-                    if not isinstance(idx, torch.Tensor) and _host_patch(words, idx, vals, undo):
-                        continue
-                    if isinstance(idx, torch.Tensor):  # a device patch, where the slot was
-                        where = idx.to(device=dst.device, dtype=torch.int64)
-                        new = vals.to(dst.device).view(as_torch)
-                    else:
-                        where = torch.from_numpy(idx.view(np.int64))
-                        new = torch.from_numpy(vals.view(as_numpy))
-                    if undo is not None:
-                        undo.append((words, where, words[where]))  # fancy indexing: a copy
-                    words[where] = new
+                with torch.no_grad():  # raw bits: no cast
+                    words = dst.view(-1).view(_SIGNED[dt.itemsize][0])
+                if isinstance(idx, torch.Tensor) or not _host_patches_fit(words):
+                    _torch_patch(words, idx, vals, undo)
+                else:  # written below, on the pool's threads with the copies
+                    patches.append((words, idx, vals))
                 continue
             if undo is not None:
                 undo.append((dst, None, keep_old(dst, spill)))
@@ -126,6 +119,16 @@ def apply_round(
                 jobs.append((flat, src, True))
             else:
                 jobs.append((dst, src.view(dt).view(p.box.size), False))
+    # host patches: each piece in one C pass on the pool's threads (it releases the GIL; the
+    # pieces are disjoint, so their undo entries may come in any order); those it refuses
+    # (indices not increasing) go through torch's indexing after
+    if pool is None or len(patches) < 2:
+        refused = [p for p in patches if not _host_patch(*p, undo)]
+    else:
+        done = pool.map(lambda p: _host_patch(*p, undo), patches)
+        refused = [p for p, ok in zip(patches, done, strict=True) if not ok]
+    for words, idx, vals in refused:
+        _torch_patch(words, idx, vals, undo)
     if pool is None or len(jobs) < 2:
         _copy_all(jobs)
         return changed
@@ -147,6 +150,32 @@ def apply_round(
     return changed
 
 
+def _host_patches_fit(words: torch.Tensor) -> bool:
+    """Whether :func:`_host_patch` can write into ``words``: a host target, the C pass built."""
+    return _native_apply is not None and words.device.type == "cpu"
+
+
+def _torch_patch(
+    words: torch.Tensor,
+    idx: np.ndarray | torch.Tensor,
+    vals: np.ndarray | torch.Tensor,
+    undo: Undo | None,
+) -> None:
+    """Write a patch's elements into ``words`` with torch's indexing (a device patch, where
+    its slot was; a host patch the C pass cannot take), the old values kept in ``undo``."""
+    as_torch, as_numpy = _SIGNED[words.element_size()]
+    with torch.no_grad():  # raw bits: no cast, no NaN compare
+        if isinstance(idx, torch.Tensor):  # a device patch, where the slot was
+            where = idx.to(device=words.device, dtype=torch.int64)
+            new = vals.to(words.device).view(as_torch)  # type: ignore[union-attr]
+        else:
+            where = torch.from_numpy(idx.view(np.int64))
+            new = torch.from_numpy(np.asarray(vals).view(as_numpy))
+        if undo is not None:
+            undo.append((words, where, words[where]))  # fancy indexing: a copy
+        words[where] = new
+
+
 def _host_patch(words: torch.Tensor, idx: np.ndarray, vals: np.ndarray, undo: Undo | None) -> bool:
     """Write a host patch's elements into ``words`` (a contiguous host target's elements as
     signed integers) in one C pass that keeps the old values as it goes
@@ -155,7 +184,7 @@ def _host_patch(words: torch.Tensor, idx: np.ndarray, vals: np.ndarray, undo: Un
     in one tensor, BENCHMARKS.md).
     False (nothing written) where that does not apply: no C extension, a device target, or
     indices the C loop refuses (not increasing): torch's indexing does it then."""
-    if _native_apply is None or words.device.type != "cpu":
+    if not _host_patches_fit(words):
         return False
     at = np.ascontiguousarray(idx).view(np.int64)
     old = torch.empty(at.size, dtype=words.dtype)
