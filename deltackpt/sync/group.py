@@ -290,7 +290,10 @@ class SyncGroup:
             host, pid = self.pid_of(dead)
         except SyncError as e:
             return str(e).splitlines()[0]
-        return f"rank {dead} (pid {pid} on {host}) is gone, or stopped beating for {after:g} s"
+        what = f"rank {dead} (pid {pid} on {host})"
+        if dead == 0:  # whichever check sees it first, the store went with it
+            what += f", which hosts the group's store at {self.addr},"
+        return f"{what} is gone, or stopped beating for {after:g} s"
 
     @property
     def receivers(self) -> tuple[int, ...]:
