@@ -107,7 +107,7 @@ def apply_round(
                     words = dst.view(-1).view(_SIGNED[dt.itemsize][0])
                 if isinstance(idx, torch.Tensor) or not _host_patches_fit(words):
                     _torch_patch(words, idx, vals, undo)
-                else:  # written below, on the pool's threads with the copies
+                else:  # written below on the pool's threads, before the copies
                     patches.append((words, idx, vals))
                 continue
             if undo is not None:
