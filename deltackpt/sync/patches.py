@@ -143,12 +143,10 @@ class Bases:
                 self._resting[key] = REST_ROUNDS
                 self._cache[key] = None
                 return None
-            if enc.base_updated:  # the diff wrote the changed words as it found them
-                pass
-            elif enc.changes is not None:
+            if enc.changes is not None and not enc.base_updated:  # (else the diff wrote it)
                 idx, vals = enc.changes
                 base.view(vals.dtype)[idx] = vals
-            else:
+            elif not enc.base_updated:
                 np.copyto(base, raw)
             self._updated.add(key)
             if enc.kind == delta_codec.DENSE:

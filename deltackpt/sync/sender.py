@@ -488,7 +488,7 @@ class WeightSender:
                 return done
             return self._pool.submit(pack, *args)
 
-        depth = 1 if device or ring else min(self.pack_threads, nring - 1)
+        depth = 1 if device or ring else self.pack_threads  # the ring holds one more
         ahead: deque[Future[Packed] | None] = deque(submit(j) for j in range(depth))
         try:
             for i, bk in enumerate(self._buckets):
