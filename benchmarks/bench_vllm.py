@@ -34,7 +34,7 @@ same run.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py                 # tiny, ~100M and ~0.5B
     .venv-vllm/bin/python benchmarks/bench_vllm.py --sizes tiny    # quick
-    .venv-vllm/bin/python benchmarks/bench_vllm.py --links ipc     # a colocated trainer's link
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --links gloo    # the cross-host link
 
 ``--tp-memory`` measures host memory per worker of a ``tensor_parallel_size=2`` engine (one
 core bound per worker), once with every tensor received whole, once with ``tp_boxes`` (each
@@ -240,7 +240,7 @@ def spread(xs: list[float]) -> str:
     return f"{median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
 
-def bench_size(size: str, tmp: str, repeats: int, links: str = "gloo") -> list[list[Any]]:
+def bench_size(size: str, tmp: str, repeats: int, links: str = "auto") -> list[list[Any]]:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -257,7 +257,8 @@ def bench_size(size: str, tmp: str, repeats: int, links: str = "gloo") -> list[l
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     label = f"{size} ({nparams / 1e6:.3g}M params, {fmt_bytes(2 * nparams)} bf16)"
-    label += "" if links == "gloo" else f", {links} links"
+    chosen = eng.group.links  # links="auto": what the group took (link_choice.py)
+    label += f", {chosen} links" + (" (auto)" if links == "auto" else "")
     mem0 = llm.collective_rpc(_rss)[0]  # the engine with its model, before any round
     rows: list[list[Any]] = []
     version = 0
@@ -363,7 +364,7 @@ def bench_size(size: str, tmp: str, repeats: int, links: str = "gloo") -> list[l
     return rows
 
 
-def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
+def bench_tp_memory(size: str, tmp: str, links: str = "auto") -> list[list[Any]]:
     """Host memory per worker of a TP=2 engine, without and with ``tp_boxes`` (module doc)."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -397,6 +398,7 @@ def bench_tp_memory(size: str, tmp: str) -> list[list[Any]]:
             staging=staging,
             bucket_bytes=bucket,
             undo_dir=undo,
+            links=links,
         )
         eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
         mem0 = llm.collective_rpc(_rss, kwargs={"reset": True})
@@ -518,10 +520,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--links",
-        choices=["gloo", "shm", "ipc"],
-        default="gloo",
-        help="the rounds' links (DeltackptTrainerInitInfo(links=)): gloo, the default, or the "
-        "one-host shared-memory and tensor-handle links of a colocated trainer",
+        choices=["auto", "gloo", "shm", "ipc"],
+        default="auto",
+        help="the rounds' links (DeltackptTrainerInitInfo(links=)): auto, the default (ipc "
+        "where the workers share this host's memory, else gloo), or one by name",
     )
     args = ap.parse_args()
     if args.linear != "auto":
@@ -535,7 +537,7 @@ def main() -> None:
         for size in args.sizes.split(","):
             tmp = tempfile.mkdtemp(prefix=f"deltackpt-bench-vllm-tp-{size}-")
             try:
-                tp_rows += bench_tp_memory(size, tmp)
+                tp_rows += bench_tp_memory(size, tmp, args.links)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         print(f"\n`{' '.join([os.path.relpath(sys.executable), *sys.argv])}`\n")

@@ -5,7 +5,7 @@ Every rank (trainer or inference) joins one :class:`SyncGroup`; trainers push, i
 pull, once per round::
 
     from deltackpt import sync
-    group = sync.SyncGroup(addr, port, rank, world_size, trainers=[0], links="gloo")  # or "shm"
+    group = sync.SyncGroup(addr, port, rank, world_size, trainers=[0])  # links="auto"
 
     # trainer rank: plain tensors, DTensor Shard/Replicate shards, or sync.LocalShard
     sender = sync.WeightSender(group)

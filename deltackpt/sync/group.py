@@ -36,6 +36,7 @@ import torch.distributed as dist
 from deltackpt.options import default_device_rounds, default_ipc_buckets
 from deltackpt.sync.errors import PeerLostError, RoundAbortedError, SyncError, SyncTimeoutError
 from deltackpt.sync.ipc_links import IpcLinks
+from deltackpt.sync.link_choice import choose_links, shm_need
 from deltackpt.sync.peers import pid_alive
 from deltackpt.sync.shm_links import ShmLinks
 
@@ -77,7 +78,10 @@ class SyncGroup:
     detected within ``dead_after`` seconds. ``join_timeout`` bounds the wait for every rank to
     join (here and in ``reconnect``); by default ``max(timeout, 60)``, since a short round
     timeout must not fail a peer that is still starting (importing torch with CUDA takes
-    seconds). ``links``: ``"gloo"``, ``"shm"`` or ``"ipc"``
+    seconds). ``links``: ``"auto"`` (the default: ``"ipc"`` where every rank maps rank 0's
+    shared memory and ``/dev/shm`` has room for the trainers' buckets, else ``"gloo"``; chosen
+    at every connection, :attr:`links` and :attr:`links_reason` say what and why:
+    ``link_choice.py``), ``"gloo"``, ``"shm"`` or ``"ipc"``
     (one host, tensor handles: ``ipc_links.py``); ``ipc_device``: where a trainer's ipc buckets
     live, ``"cpu"`` (shared memory) or a CUDA device (CUDA IPC); ``ipc_buckets``: the most of
     them a trainer holds per link (>= 2), reused within a round once the receiver acknowledged
@@ -97,14 +101,14 @@ class SyncGroup:
         join_timeout: float | None = None,
         beat: float = 0.2,
         dead_after: float = 3.0,
-        links: str = "gloo",
+        links: str = "auto",
         ipc_device: str | torch.device = "cpu",
         ipc_buckets: int | str | None = "auto",
     ) -> None:
-        if links not in ("gloo", "shm", "ipc"):
+        if links not in ("auto", "gloo", "shm", "ipc"):
             raise SyncError(
-                f"links={links!r}: choose 'gloo' or 'shm' (one host), or 'ipc' (one host, "
-                "tensor handles)"
+                f"links={links!r}: choose 'auto' (ipc where every rank shares this host's "
+                "memory, else gloo), 'gloo', or 'shm' or 'ipc' (one host, tensor handles)"
             )
         try:
             dev: torch.device | None = torch.device(ipc_device)
@@ -131,7 +135,10 @@ class SyncGroup:
                 "(DELTACKPT_IPC_BUCKETS, default 2)"
             )
         self.ipc_buckets: int | None = ipc_buckets
+        self.requested_links = links
+        # the links of the current connection ("auto" is resolved at every _connect)
         self.links = links
+        self.links_reason = f"links={links!r} was asked for"
         self.addr, self.rank, self.world_size = master_addr, int(rank), int(world_size)
         self.trainers = tuple(sorted(set(int(t) for t in trainers)))
         if not self.trainers or len(self.trainers) >= world_size or self.trainers[-1] >= world_size:
@@ -175,6 +182,8 @@ class SyncGroup:
         self._pids: dict[int, tuple[str, int]] = {}
         me = f"{socket.gethostname()}:{os.getpid()}"
         self.guard("store set", lambda: self.store.set(f"pid/{self.rank}", me))
+        if self.requested_links == "auto":
+            self._choose_links()
         self._shm: ShmLinks | None = None
         self._ipc: IpcLinks | None = None
         if self.links == "shm":
@@ -186,6 +195,29 @@ class SyncGroup:
             self._ipc = IpcLinks(self, self.ipc_device, self.ipc_buckets)
         # the one-host link that carries the buckets (None: gloo)
         self._host: ShmLinks | IpcLinks | None = self._ipc if self._shm is None else self._shm
+
+    def _choose_links(self) -> None:
+        """``links="auto"``: the links every rank of this connection takes (link_choice.py)."""
+        need = shm_need(
+            len(self.trainers),
+            len(self.receivers),
+            self.ipc_buckets,
+            BUCKET_BYTES["ipc"],
+            self.ipc_device.type == "cuda",
+        )
+
+        def wait(keys: list[str], what: str) -> None:
+            self.wait_until(lambda: self.store.check(keys), what, None)
+
+        choice = choose_links(
+            lambda k, v: self.guard("store set", lambda: self.store.set(k, v)),
+            lambda k: bytes(self.guard("store get", lambda: self.store.get(k))),
+            wait,
+            self.rank,
+            self.world_size,
+            need,
+        )
+        self.links, self.links_reason = choice.links, choice.reason
 
     def _join(self, port: int) -> dist.TCPStore:
         """The group's store, once every rank connected to it, within ``join_timeout``. Rank 0

@@ -170,16 +170,13 @@ class WeightReceiver:
         self.pin = pin is True and self.device.type == "cpu"
         # pin="auto": the host staging page-locked where it lies once this process uses a GPU
         # on an ipc link (_lock_staging); the lock, None until tried (its .locked: taken)
-        ipc = getattr(group, "links", None) == "ipc"
-        self._auto_lock = pin == "auto" and self.device.type == "cpu" and ipc
+        self._pin_auto = pin == "auto" and self.device.type == "cpu"
         self._lock: cuda.HostLock | None = None
         self._arena: torch.Tensor | None = None
         # (bucket index, sender, piece) -> the digest its committed bytes had (verify="all")
         self._kept: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.group, self.align = group, int(align)
-        self.bucket_bytes = (
-            default_bucket_bytes(group.links) if bucket_bytes is None else int(bucket_bytes)
-        )
+        self._bucket_bytes = None if bucket_bytes is None else int(bucket_bytes)
         self.every = wants is None
         if boxes is not None and not self.every:
             raise PlanError("WeightReceiver(boxes=...) picks boxes of every tensor: pass no wants")
@@ -208,6 +205,14 @@ class WeightReceiver:
         self.undo_dir = None if undo_dir is None else str(undo_dir)
         self._spills: list[UndoSpill] = []
         self._undo_spill: UndoSpill | None = None  # the file self._undo's bytes are in
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The bucket size planned with: the one given, else the default of the group's
+        current links (a ``links="auto"`` group may take others at a reconnect)."""
+        if self._bucket_bytes is not None:
+            return self._bucket_bytes
+        return default_bucket_bytes(self.group.links)
 
     def _decl(self) -> Decl:
         if self.every and self.boxes is not None:
@@ -459,7 +464,8 @@ class WeightReceiver:
     def _lock_staging(self, now: bool = False) -> None:
         """``pin="auto"``: page-lock the host staging, once per staging, when this process
         uses a GPU (CUDA initialised; ``now``: it is about to)."""
-        if not self._auto_lock or self._lock is not None or self._arena is None:
+        ipc = getattr(self.group, "links", None) == "ipc"  # (links="auto": this connection's)
+        if not (self._pin_auto and ipc) or self._lock is not None or self._arena is None:
             return
         if not torch.cuda.is_available() or not (now or torch.cuda.is_initialized()):
             return

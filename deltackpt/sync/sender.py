@@ -134,9 +134,7 @@ class WeightSender:
         self._bases = DeviceBases()  # patches from changed elements found on the device too
         self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
         self.group, self.align = group, int(align)
-        self.bucket_bytes = (
-            default_bucket_bytes(group.links) if bucket_bytes is None else int(bucket_bytes)
-        )
+        self._bucket_bytes = None if bucket_bytes is None else int(bucket_bytes)
         self.version: int | None = None
         self.schedule: Schedule | None = None
         self._epoch = -1
@@ -160,6 +158,14 @@ class WeightSender:
         # name -> (data_ptr, _version, tensor) at the last commit (detect="version": the tensor
         # is held so its memory cannot be reused by another at the same address)
         self._vers: dict[str, tuple[int, int, torch.Tensor]] = {}
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The bucket size planned with: the one given, else the default of the group's
+        current links (a ``links="auto"`` group may take others at a reconnect)."""
+        if self._bucket_bytes is not None:
+            return self._bucket_bytes
+        return default_bucket_bytes(self.group.links)
 
     @property
     def detect(self) -> str:

@@ -74,7 +74,7 @@ def doomed(url: str, port: int, state_path: str, out_path: str, go: Event, start
         return
     sd: dict[str, torch.Tensor] = torch.load(state_path)
     info = DeltackptTrainerInitInfo(
-        rank=0, master_port=port, dtype="bfloat16", bucket_bytes=BUCKET, timeout=60.0
+        rank=0, master_port=port, dtype="bfloat16", bucket_bytes=BUCKET, timeout=60.0, links="gloo"
     )
     eng = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(url))
     nudge(sd, 11)
@@ -140,7 +140,9 @@ def main(out_path: str) -> None:
 
     try:
         client = HTTPVLLMWeightSyncClient(url)
-        info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
+        info = DeltackptTrainerInitInfo(
+            rank=0, master_port=free_port(), dtype="bfloat16", links="gloo"
+        )
         eng = WeightTransferTrainerFactory.trainer_init(info, client=client)
         check("full", eng.send_weights(trainer.state_dict(), version=1))
         rl_step(trainer, 0.02, gen)
@@ -185,7 +187,9 @@ def main(out_path: str) -> None:
         client.start_weight_update()  # again: the next trainer's first send_weights ends it
         # a replacement trainer (new port, /init_weight_transfer_engine again) heals: full round
         # and this one reads vLLM's ModuleSource (send_weights() without tensors)
-        info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
+        info = DeltackptTrainerInitInfo(
+            rank=0, master_port=free_port(), dtype="bfloat16", links="gloo"
+        )
         eng = WeightTransferTrainerFactory.trainer_init(
             info, client=client, source=ModuleSource(trainer)
         )

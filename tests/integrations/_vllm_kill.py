@@ -83,7 +83,7 @@ def doomed_trainer(conn: Connection) -> None:
     sd: dict[str, torch.Tensor] = torch.load(state_path)
     client = PipeClient(conn)
     info = DeltackptTrainerInitInfo(
-        rank=0, master_port=port, dtype="bfloat16", bucket_bytes=BUCKET, timeout=60.0
+        rank=0, master_port=port, dtype="bfloat16", bucket_bytes=BUCKET, timeout=60.0, links="gloo"
     )
     eng = WeightTransferTrainerFactory.trainer_init(info, client=client)
     nudge(sd, 11)

@@ -132,7 +132,7 @@ def trainer_rank(
     srv = Server(url, "")
     info = DeltackptTrainerInitInfo(
         rank=rank, num_trainers=2, master_port=sync_port, dtype="bfloat16",
-        timeout=GROUP_TIMEOUT,
+        timeout=GROUP_TIMEOUT, links="gloo",
     )  # fmt: skip
     src = ModuleSource(model)
     eng = WeightTransferTrainerFactory.trainer_init(

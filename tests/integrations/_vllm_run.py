@@ -3,10 +3,10 @@ project's test environment): a real CPU vLLM engine with ``backend="deltackpt"``
 this process, several RL-like rounds; writes what it saw as JSON to ``argv[1]``.
 
 Usage: ``.venv-vllm/bin/python tests/integrations/_vllm_run.py OUT.json [--short]
-[--links=gloo|shm|ipc]`` (``--short``: the rounds, the tampered worker and the weights reloaded
-by vLLM only; no killed, replaced or refusing trainer: test_vllm.py runs it with linear weights
-repacked, ``_vllm_linear/``, on ipc links, and the full run with them kept, on gloo links, the
-default). The full run's engine also has the
+[--links=gloo|shm|ipc|auto]`` (``--short``: the rounds, the tampered worker and the weights
+reloaded by vLLM only; no killed, replaced or refusing trainer: test_vllm.py runs it with linear
+weights repacked, ``_vllm_linear/``, on the links ``"auto"`` takes (ipc on one host), and the full
+run with them kept, on gloo links, this script's default). The full run's engine also has the
 deltackpt worker extension, and after its own checks it runs the refit through the store,
 ``_vllm_store.py``, reported under ``"store"``: that saves the engine start of a run of its
 own.
@@ -219,7 +219,9 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     llm = engine(f"{tmp}/start", transfer=True, extension=not short, core_here=short)
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
-    res: dict[str, Any] = {"rounds": [], "links": links}
+    # the links the group took (links="auto": its choice) and why
+    res: dict[str, Any] = {"rounds": [], "asked": links, "links": eng.group.links}
+    res["links_reason"] = eng.group.links_reason
     gen = torch.Generator().manual_seed(2)
 
     def check(tag: str, stats: Any) -> None:
@@ -299,7 +301,7 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     killed["released"], killed["released_s"] = side, time.monotonic() - t0
     res["killed"] = killed
     # a replacement trainer joins on a new port (init_weight_transfer_engine again): full round
-    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16")
+    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     rl_step(trainer, 0.02, gen)
     check("replaced", eng.send_weights(trainer.state_dict(), version=8))

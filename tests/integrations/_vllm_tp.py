@@ -66,7 +66,7 @@ def main(out_path: str) -> None:
     trainer = tiny_qwen2(1)
     llm = tp_engine(f"{tmp}/start", transfer=True)
     info = DeltackptTrainerInitInfo(
-        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2
+        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, links="gloo"
     )
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     res: dict[str, Any] = {"rounds": []}

@@ -86,7 +86,7 @@ def main(out_path: str) -> None:
     # so that this tiny model's round takes many of them
     info = DeltackptTrainerInitInfo(
         rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, tp_boxes=True,
-        staging="ring", bucket_bytes=BUCKET,
+        staging="ring", bucket_bytes=BUCKET, links="gloo",
     )  # fmt: skip
     res["bucket_bytes"] = BUCKET
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
@@ -162,7 +162,12 @@ def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
 
     info = DeltackptTrainerInitInfo(
-        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, staging="round"
+        rank=0,
+        master_port=free_port(),
+        dtype="bfloat16",
+        num_workers=2,
+        staging="round",
+        links="gloo",
     )
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     out: dict[str, Any] = {"paths": []}

@@ -59,7 +59,10 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def pair() -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
     port = free_port()
     groups = run_threads(
-        *[lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=TIMEOUT) for r in (0, 1)]
+        *[
+            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=TIMEOUT, links="gloo")
+            for r in (0, 1)
+        ]
     )
     for g in groups:
         if isinstance(g, BaseException):

@@ -55,8 +55,9 @@ def layout(run: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def other(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The short run (rounds, tampering, and the same weights reloaded by vLLM from disk in the
-    same engine instead of a fresh engine) with linear weights repacked, on ipc links."""
-    return run_script(tmp_path_factory, "_vllm_run.py", "--short", "--links=ipc", linear="repack")
+    same engine instead of a fresh engine) with linear weights repacked, on the links the
+    integration's default ``links="auto"`` takes: ipc, trainer and engine on one host."""
+    return run_script(tmp_path_factory, "_vllm_run.py", "--short", "--links=auto", linear="repack")
 
 
 @pytest.fixture(params=["run", "other"])
@@ -136,11 +137,13 @@ def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(run):
 
 
 def test_on_tensor_handle_links_a_tampered_copy_is_overwritten_by_the_whole_piece(other):
-    """``other`` runs over ``links="ipc"`` (its engine core in the trainer's process, as
-    colocated RL trainers run vLLM): rounds carry whole changed pieces there (no patches on
-    ipc links), so the copy changed behind the receiver's back is not a base: the next round
-    overwrites it, verified, and the engine serves that round's weights."""
-    assert other["links"] == "ipc"
+    """``other`` runs over the default ``links="auto"``, which takes ipc links with its engine
+    core in the trainer's process (as colocated RL trainers run vLLM; the worker is another
+    process): rounds carry whole changed pieces there (no patches on ipc links), so the copy
+    changed behind the receiver's back is not a base: the next round overwrites it, verified,
+    and the engine serves that round's weights."""
+    assert other["asked"] == "auto" and other["links"] == "ipc", other["links_reason"]
+    assert other["links_reason"].startswith("links='auto': every rank shares /dev/shm")
     t = other["tampered"]
     assert t["raised"] is None
     assert t["engine_version"] == "4" and t["worker_version"] == 4

@@ -51,7 +51,7 @@ def col_box(shape: tuple[int, ...]) -> Any:
 def _trainer(port: int) -> list[int]:
     from deltackpt import sync
 
-    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60)
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="gloo")
     sender = sync.WeightSender(group, bucket_bytes=4 << 10, encode="dense")  # whole pieces
     state = {n: value(0, n) for n in SHAPES}  # updated in place, as an optimizer does
     payloads = []
@@ -70,7 +70,7 @@ def _trainer(port: int) -> list[int]:
 def _receiver(port: int) -> list[list[str]]:
     from deltackpt import sync
 
-    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60)
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="gloo")
     wants = [
         sync.Want(n, box=col_box(s), into=torch.zeros(col_box(s).size)) for n, s in SHAPES.items()
     ]

@@ -55,7 +55,9 @@ def _trainer(rank: int, port: int, port2: int, victim: int | None) -> dict[str, 
     from deltackpt import sync
     from deltackpt.sync import packer as packer_mod
 
-    group = sync.SyncGroup("127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
+    group = sync.SyncGroup(
+        "127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT, links="gloo"
+    )
     sender = sync.WeightSender(group, bucket_bytes=BUCKET, zero_copy_min=0)
     sender.push(_shards(rank, 1), version=1)
     if victim == rank:
@@ -78,7 +80,9 @@ def _receiver(rank: int, port: int, port2: int, victim: int | None) -> dict[str,
     from deltackpt import sync
     from deltackpt.sync import wire
 
-    group = sync.SyncGroup("127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
+    group = sync.SyncGroup(
+        "127.0.0.1", port, rank, WORLD, range(TRAINERS), timeout=TIMEOUT, links="gloo"
+    )
     wants = wants_for(LAYOUT)
     receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
     loaded: dict[str, torch.Tensor] = {}
@@ -111,7 +115,9 @@ def _replacement(rank: int, port2: int) -> dict[str, Any]:
     """A fresh process for the killed rank: joins the new group, takes part in round 3."""
     from deltackpt import sync
 
-    group = sync.SyncGroup("127.0.0.1", port2, rank, WORLD, range(TRAINERS), timeout=TIMEOUT)
+    group = sync.SyncGroup(
+        "127.0.0.1", port2, rank, WORLD, range(TRAINERS), timeout=TIMEOUT, links="gloo"
+    )
     if rank < TRAINERS:
         st = sync.WeightSender(group, bucket_bytes=BUCKET, zero_copy_min=0).push(
             _shards(rank, 3), version=3

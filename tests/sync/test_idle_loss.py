@@ -28,7 +28,15 @@ def _group(rank: int, port: int) -> Any:
     from deltackpt import sync
 
     return sync.SyncGroup(
-        "127.0.0.1", port, rank, WORLD, [0, 1], timeout=60.0, beat=0.2, dead_after=DEAD_AFTER
+        "127.0.0.1",
+        port,
+        rank,
+        WORLD,
+        [0, 1],
+        timeout=60.0,
+        beat=0.2,
+        dead_after=DEAD_AFTER,
+        links="gloo",
     )
 
 

@@ -187,7 +187,7 @@ def _dying_trainer(port: int, port2: int) -> None:
     from deltackpt import sync
     from deltackpt.sync.patches import Bases
 
-    group = sync.SyncGroup("127.0.0.1", port, 0, WORLD, [0], timeout=60)
+    group = sync.SyncGroup("127.0.0.1", port, 0, WORLD, [0], timeout=60, links="gloo")
     sender = sync.WeightSender(group, bucket_bytes=BUCKET, encode="patch")
     sender.push(_bf16(1), version=1)
     # every receiver has finished round 1 (its vote read back from this process's store) before
@@ -210,7 +210,7 @@ def _replacement_trainer(port2: int) -> list[Any]:
     from deltackpt import sync
 
     time.sleep(1.0)  # after the first trainer died
-    group = sync.SyncGroup("127.0.0.1", port2, 0, WORLD, [0], timeout=60)
+    group = sync.SyncGroup("127.0.0.1", port2, 0, WORLD, [0], timeout=60, links="gloo")
     st = sync.WeightSender(group, bucket_bytes=BUCKET, encode="patch").push(_bf16(3), version=3)
     group.pg.barrier().wait()
     return [st.full]
@@ -219,7 +219,7 @@ def _replacement_trainer(port2: int) -> list[Any]:
 def _surviving_receiver(rank: int, port: int, port2: int) -> dict[str, Any]:
     from deltackpt import sync
 
-    group = sync.SyncGroup("127.0.0.1", port, rank, WORLD, [0], timeout=60)
+    group = sync.SyncGroup("127.0.0.1", port, rank, WORLD, [0], timeout=60, links="gloo")
     # rank 2 stages through two slots, writing verified buckets before the vote: the lost
     # round must be taken back from its own tensors too
     staging = "ring" if rank == 2 else "round"

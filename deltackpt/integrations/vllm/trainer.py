@@ -72,7 +72,9 @@ def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:
 @dataclass
 class DeltackptTrainerInitInfo(TrainerInitInfo):
     """``rank``: this trainer rank (0 drives the RPCs and hosts the group's store at
-    ``master_addr:master_port``); ``num_trainers`` trainer ranks, ``num_workers`` vLLM workers
+    ``master_addr:master_port``); ``links``: the group's links (``SyncGroup(links=)``; the
+    default ``"auto"`` takes ipc links where the engine's workers share this host's memory,
+    else gloo); ``num_trainers`` trainer ranks, ``num_workers`` vLLM workers
     (all data-parallel replicas x tensor/pipeline ranks). ``dtype``: the dtype floating tensors
     are declared as (cast on the trainer; the workers ask for the engine's dtype anyway);
     ``full_every``: every n-th round is full. ``end_stale_update``: when vLLM refuses
@@ -97,7 +99,7 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     master_addr: str = "127.0.0.1"
     num_trainers: int = 1
     num_workers: int = 1
-    links: str = "gloo"
+    links: str = "auto"
     timeout: float = 60.0
     bucket_bytes: int = 64 << 20
     dtype: str | None = None

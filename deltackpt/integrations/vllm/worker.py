@@ -107,7 +107,7 @@ class DeltackptInitInfo(WeightTransferInitInfo):
     world_size: int
     trainers: list[int] = field(default_factory=lambda: [0])
     rank_offset: int = 1
-    links: str = "gloo"
+    links: str = "auto"
     timeout: float = 60.0
     bucket_bytes: int = 64 << 20
     # receive only this worker's tensor-parallel boxes (None: the DELTACKPT_VLLM_TP_BOXES

@@ -1,0 +1,227 @@
+"""``SyncGroup(links="auto")`` (deltackpt/sync/link_choice.py): ipc links where every rank maps
+rank 0's shared memory and ``/dev/shm`` has room, gloo otherwise, the same choice on every rank.
+
+* real processes on this host: the default takes ipc links, says why, and a full and a delta
+  round arrive bit-exact; a ``reconnect`` chooses again; no probe file is left behind;
+* the choice itself, its ranks as threads over a dict standing in for the store: a rank that
+  cannot read the probe (its own ``/dev/shm``: another container), a ``/dev/shm`` without room,
+  a rank 0 that cannot write one, all give gloo with a reason that names the cause; a probe name
+  that is not a probe's (a path out of ``/dev/shm``, a link) is not followed; a choice that is
+  not one is a typed error.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltackpt.sync import SyncError
+from deltackpt.sync.link_choice import LinkChoice, _read_probe, choose_links, shm_need
+from tests._dist import free_port, spawn
+from tests.sync._common import make_state, mismatches, wants_for
+
+pytestmark = pytest.mark.multiproc
+
+BUCKET = 8 << 10
+
+
+def _probes() -> set[str]:
+    return set(glob.glob("/dev/shm/deltackpt-probe-*"))
+
+
+# ---- real processes -----------------------------------------------------------------------
+
+
+def _trainer(ports: list[int]) -> dict[str, Any]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", ports[0], 0, 2, [0], timeout=60)  # links="auto"
+    out: dict[str, Any] = {"links": [(group.links, group.links_reason)]}
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    out["ipc"] = group._ipc is not None
+    out["full"] = sender.push(make_state(1), version=1).full
+    out["delta"] = sender.push(make_state(2), version=2).full
+    group.reconnect(ports[1])
+    out["links"].append((group.links, group.links_reason))
+    out["after"] = sender.push(make_state(3), version=3).full
+    group.close()
+    return out
+
+
+def _receiver(ports: list[int]) -> dict[str, Any]:
+    from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", ports[0], 1, 2, [0], timeout=60)
+    out: dict[str, Any] = {"links": [group.links]}
+    wants = wants_for(("full",))
+    loaded: dict[str, Any] = {}
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    bad = []
+    for v in (1, 2):
+        receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+        bad += mismatches(wants, loaded, ("full",), v)
+    group.reconnect(ports[1])
+    out["links"].append(group.links)
+    receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+    out["bad"] = bad + mismatches(wants, loaded, ("full",), 3)
+    group.close()
+    return out
+
+
+def test_the_default_takes_ipc_links_between_processes_of_one_host() -> None:
+    before = _probes()
+    ports = [free_port(), free_port()]
+    res = spawn([(_trainer, (ports,)), (_receiver, (ports,))], timeout=120, fast_exit=True)
+    trainer, receiver = (o.unwrap() for o in res)
+    for links, reason in trainer["links"]:  # chosen at the connection and at the reconnect
+        assert links == "ipc"
+        assert reason.startswith("links='auto': every rank shares /dev/shm"), reason
+        assert "MB free" in reason
+    assert trainer["ipc"] and receiver["links"] == ["ipc", "ipc"]
+    assert (trainer["full"], trainer["delta"], trainer["after"]) == (True, False, True)
+    assert receiver["bad"] == []
+    assert _probes() <= before  # rank 0 removed its probe both times
+
+
+# ---- the choice, over a stand-in store ----------------------------------------------------
+
+
+class DictStore:
+    """The three store calls choose_links makes, for ranks that are threads of this process."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.cond = threading.Condition()
+
+    def set(self, key: str, value: str) -> None:
+        with self.cond:
+            self.data[key] = value.encode()
+            self.cond.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self.cond:
+            return self.data[key]
+
+    def wait(self, keys: list[str], what: str) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: all(k in self.data for k in keys), timeout=10):
+                raise TimeoutError(what)
+
+
+def _choose(
+    dirs: list[str], need: int = 0, store: DictStore | None = None
+) -> list[LinkChoice | BaseException]:
+    """Every rank's choice, rank ``r`` looking for the probe in ``dirs[r]``."""
+    store = store or DictStore()
+    out: list[LinkChoice | BaseException] = [RuntimeError("did not return")] * len(dirs)
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = choose_links(
+                store.set, store.get, store.wait, r, len(dirs), need, shm_dir=dirs[r]
+            )
+        except BaseException as e:  # returned to the test, which asserts on it
+            out[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(dirs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return out
+
+
+def test_every_rank_takes_the_same_choice(tmp_path: Path) -> None:
+    shared = str(tmp_path)
+    got = _choose([shared] * 3, need=1000)
+    assert all(c == got[0] for c in got), got
+    assert isinstance(got[0], LinkChoice) and got[0].links == "ipc"
+    assert os.listdir(shared) == []  # the probe is gone
+
+
+def test_a_rank_that_cannot_read_the_probe_gets_everyone_gloo(tmp_path: Path) -> None:
+    """Rank 2 has a /dev/shm of its own (another container or host): gloo, naming rank 2."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    got = _choose([a, a, b])
+    assert all(isinstance(c, LinkChoice) and c.links == "gloo" for c in got), got
+    assert isinstance(got[0], LinkChoice)
+    assert "rank(s) 2 cannot map rank 0's shared memory" in got[0].reason
+    assert os.listdir(a) == [] and os.listdir(b) == []
+
+
+def test_a_shm_without_room_for_the_buckets_gets_gloo(tmp_path: Path) -> None:
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    got = _choose([str(tmp_path)] * 2, need=free)  # ipc wants twice the need free
+    assert isinstance(got[1], LinkChoice) and got[1].links == "gloo"
+    assert "MB free" in got[1].reason and "docker run --shm-size" in got[1].reason
+    # what the need counts: a ring per trainer-receiver pair, no host bytes for CUDA buckets
+    assert shm_need(2, 3, 2, 1 << 20, on_cuda=False) == 6 * ((1 << 20) + 2 * (1 << 20))
+    assert shm_need(2, 3, None, 1 << 20, on_cuda=False) == shm_need(2, 3, 2, 1 << 20, False)
+    assert shm_need(1, 1, 2, 1 << 30, on_cuda=True) == 1 << 20
+
+
+def test_a_rank_0_without_shared_memory_gets_gloo(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-dir")
+    got = _choose([missing, str(tmp_path)])
+    assert all(isinstance(c, LinkChoice) and c.links == "gloo" for c in got), got
+    assert isinstance(got[1], LinkChoice) and "cannot write" in got[1].reason
+
+
+def test_a_probe_name_from_the_store_is_not_a_path_to_follow(tmp_path: Path) -> None:
+    token = "0" * 32
+    outside = tmp_path / "outside"
+    outside.write_text(token)
+    inner = tmp_path / "shm"
+    inner.mkdir()
+    for name in ("../outside", str(outside), "deltackpt-probe-../../outside", "x" * 600):
+        assert not _read_probe(str(inner), {"name": name, "token": token})
+    # a name of the probe's form that is a link to elsewhere is not followed either
+    link = "deltackpt-probe-" + "a" * 32
+    (inner / link).symlink_to(outside)
+    assert not _read_probe(str(inner), {"name": link, "token": token})
+    assert not _read_probe(str(inner), ["not", "a", "probe"])
+    real = "deltackpt-probe-" + "b" * 32
+    (inner / real).write_text(token)
+    assert _read_probe(str(inner), {"name": real, "token": token})
+    assert not _read_probe(str(inner), {"name": real, "token": "1" * 32})
+
+
+def test_a_choice_that_is_not_one_is_a_typed_error(tmp_path: Path) -> None:
+    """A store whose links/chosen was written by something else (another version)."""
+    store = DictStore()
+    store.set("links/probe", json.dumps({}))
+    store.set("links/chosen", json.dumps(["nccl", "?"]))
+    with pytest.raises(SyncError, match=r"holds \['nccl', '\?'\] as rank 0's choice"):
+        choose_links(store.set, store.get, store.wait, 1, 2, 0, shm_dir=str(tmp_path))
+
+
+def test_groups_that_ask_for_links_by_name_do_not_probe() -> None:
+    from deltackpt import sync
+
+    port = free_port()
+    out: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        out[r] = sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=10, links="gloo")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        for g in out:
+            assert g.links == "gloo" and g.links_reason == "links='gloo' was asked for"
+            assert not g.guard("check", lambda g=g: g.store.check(["links/probe"]))
+    finally:
+        for g in out:
+            if g is not None:
+                g.close()
