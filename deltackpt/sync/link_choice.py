@@ -1,16 +1,19 @@
 """``SyncGroup(links="auto")``: tensor-handle links where every rank can map the others' shared
 memory, gloo where one cannot.
 
-What decides is not the host name (two containers of one host have their own ``/dev/shm``,
-and a pod's may be 64 MB) but whether the memory an ipc link hands out can be mapped, and
-whether there is room for it. So, once every rank joined the group's store:
+What decides is not the host name (two containers of one host have their own ``/dev/shm``, or
+their own ``/tmp``, where PyTorch's shared-memory manager listens; a pod's ``/dev/shm`` may be
+64 MB) but whether a bucket an ipc link hands out can be mapped, and whether there is room for
+it. So, once every rank joined the group's store:
 
-1. rank 0 writes a random token into a new file of ``/dev/shm`` (``deltackpt-probe-<hex>``,
-   mode 0600, as PyTorch's shared buckets are) and posts the file's name and the token;
-2. every rank opens that file (the name checked against the pattern: the store is a control
-   channel, not a path to trust) and posts whether it read the same token;
-3. rank 0 chooses and posts its choice, with the reason; every rank takes it; rank 0 removes
-   the file.
+1. rank 0 makes a small shared tensor the way an ipc link makes its buckets
+   (:func:`~deltackpt.sync.ipc_links.share`: PyTorch's file_system sharing), writes a random
+   token into it and posts its handle and the token;
+2. every rank maps that handle (:func:`~deltackpt.sync.ipc_links.open_handle`, which checks it
+   as it checks a bucket's: the store is a control channel, not a path to trust) and posts
+   whether it read the token;
+3. rank 0 chooses and posts its choice, with the reason; every rank takes it; rank 0 lets the
+   tensor go (PyTorch removes its file with the last mapping).
 
 ``"ipc"`` when every rank read the token and ``/dev/shm`` has twice the room the trainers'
 shared buckets take at most (every trainer linked to every inference rank, a ring of
@@ -26,22 +29,23 @@ an H100 a CUDA trainer's round through host shared memory took 0.99x a pinned D2
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from deltackpt.sync.errors import SyncError
+from deltackpt.sync.ipc_links import open_handle, share, tensor_handle
 
-__all__ = ["LinkChoice", "choose_links", "shm_need"]
+__all__ = ["LinkChoice", "choose_links", "read_probe", "shm_need"]
 
-SHM_DIR = "/dev/shm"
-_PREFIX = "deltackpt-probe-"
-_PROBE = re.compile(_PREFIX + r"[0-9a-f]{32}")
+SHM_DIR = "/dev/shm"  # where PyTorch's file_system sharing puts its files (shm_open)
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+_PROBE_BYTES = 16
 _CELLS_BYTES = 1 << 20  # a link's cell table, rounded up (ipc_links.CELL_WORDS x 8 per bucket)
 
 
@@ -69,22 +73,26 @@ def choose_links(
     rank: int,
     world_size: int,
     need: int,
+    *,
+    can_map: Callable[[object], bool] | None = None,
     shm_dir: str = SHM_DIR,
 ) -> LinkChoice:
     """Every rank calls it with the group's store calls (``wait(keys, what)`` returns once
     every key is set, raising on a lost peer or the timeout); returns the same choice on every
-    rank. Keys live under ``links/`` of the group's store (a new store per connection)."""
-    probe = None
+    rank. Keys live under ``links/`` of the group's store (a new store per connection).
+    ``can_map``: whether this rank reads rank 0's posted probe (default :func:`read_probe`);
+    ``shm_dir``: where rank 0 looks for free room."""
+    probe: torch.Tensor | None = None
     try:
         if rank == 0:
-            probe = _make_probe(shm_dir)
-            store_set("links/probe", json.dumps(probe or {}))
+            probe, posted = _make_probe()
+            store_set("links/probe", json.dumps(posted))
         wait(["links/probe"], "waiting for rank 0's shared-memory probe")
-        posted = _loads(store_get("links/probe"))
-        store_set(f"links/seen/{rank}", "1" if _read_probe(shm_dir, posted) else "0")
+        seen = (can_map or read_probe)(_loads(store_get("links/probe")))
+        store_set(f"links/seen/{rank}", "1" if seen else "0")
         if rank == 0:
             keys = [f"links/seen/{r}" for r in range(world_size)]
-            wait(keys, "waiting for every rank to look for the shared-memory probe")
+            wait(keys, "waiting for every rank to map the shared-memory probe")
             blind = [r for r, k in enumerate(keys) if store_get(k) != b"1"]
             choice = _decide(probe is not None, blind, _free(shm_dir), need, shm_dir)
             store_set("links/chosen", json.dumps([choice.links, choice.reason]))
@@ -102,40 +110,37 @@ def choose_links(
             )
         return LinkChoice(got[0], got[1])
     finally:
-        if probe is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(shm_dir, probe["name"]))
+        del probe  # its file goes with the last mapping
 
 
-def _make_probe(shm_dir: str) -> dict[str, str] | None:
-    """A new file under ``shm_dir`` holding a random token; None where none can be made."""
-    name, token = _PREFIX + secrets.token_hex(16), secrets.token_hex(16)
+def _make_probe() -> tuple[torch.Tensor | None, dict[str, str]]:
+    """A shared tensor holding a random token, and what to post of it (nothing where no
+    shared memory can be made)."""
+    token = secrets.token_bytes(_PROBE_BYTES)
     try:
-        fd = os.open(os.path.join(shm_dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return None
-    try:
-        os.write(fd, token.encode())
-    finally:
-        os.close(fd)
-    return {"name": name, "token": token}
+        t = share(_PROBE_BYTES, torch.device("cpu"))
+        t.copy_(torch.frombuffer(bytearray(token), dtype=torch.uint8))
+        handle = tensor_handle(t).decode()
+    except (SyncError, RuntimeError, OSError):
+        return None, {}
+    return t, {"handle": handle, "token": token.hex()}
 
 
-def _read_probe(shm_dir: str, posted: object) -> bool:
-    """Whether this process reads rank 0's token in the file rank 0 named."""
+def read_probe(posted: object) -> bool:
+    """Whether this process maps the tensor rank 0 posted and reads the token in it (the
+    handle checked as a bucket's is; any failure to map it is a no)."""
     if not isinstance(posted, dict):
         return False
-    name, token = posted.get("name"), posted.get("token")
-    if not isinstance(name, str) or not isinstance(token, str) or not _PROBE.fullmatch(name):
+    handle, token = posted.get("handle"), posted.get("token")
+    if not isinstance(handle, str) or not isinstance(token, str) or not _TOKEN.fullmatch(token):
         return False
     try:
-        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+        t = open_handle(handle.encode(), _PROBE_BYTES, "the links probe")
+        got = bytes(t.numpy())
+    except (SyncError, RuntimeError, OSError, ValueError, TypeError):
         return False
-    try:
-        return os.read(fd, 64) == token.encode()
-    finally:
-        os.close(fd)
+    del t
+    return got == bytes.fromhex(token)
 
 
 def _free(shm_dir: str) -> int:
@@ -147,13 +152,15 @@ def _free(shm_dir: str) -> int:
 
 def _decide(made: bool, blind: list[int], free: int, need: int, shm_dir: str) -> LinkChoice:
     if not made:
-        return LinkChoice("gloo", f"links='auto': rank 0 cannot write to {shm_dir}")
+        return LinkChoice(
+            "gloo", f"links='auto': rank 0 cannot make shared memory (PyTorch's, in {shm_dir})"
+        )
     if blind:
         ranks = ", ".join(str(r) for r in blind)
         return LinkChoice(
             "gloo",
-            f"links='auto': rank(s) {ranks} cannot map rank 0's shared memory ({shm_dir}): "
-            "another host or container",
+            f"links='auto': rank(s) {ranks} cannot map rank 0's shared memory: another host, "
+            "or a container with its own /dev/shm or /tmp (PyTorch's shared-memory manager)",
         )
     if 2 * need > free:
         return LinkChoice(

@@ -2,12 +2,14 @@
 rank 0's shared memory and ``/dev/shm`` has room, gloo otherwise, the same choice on every rank.
 
 * real processes on this host: the default takes ipc links, says why, and a full and a delta
-  round arrive bit-exact; a ``reconnect`` chooses again; no probe file is left behind;
+  round arrive bit-exact; a ``reconnect`` chooses again;
 * the choice itself, its ranks as threads over a dict standing in for the store: a rank that
-  cannot read the probe (its own ``/dev/shm``: another container), a ``/dev/shm`` without room,
-  a rank 0 that cannot write one, all give gloo with a reason that names the cause; a probe name
-  that is not a probe's (a path out of ``/dev/shm``, a link) is not followed; a choice that is
-  not one is a typed error.
+  cannot map the probe (another host or container), a ``/dev/shm`` without room, a rank 0 that
+  cannot make shared memory, all give gloo with a reason that names the cause, and the probe's
+  file is gone once chosen;
+* the probe's handle comes from the store and is checked as a bucket's: a name that is not
+  PyTorch's, a file or a manager socket that is not there (another ``/dev/shm`` or ``/tmp``), a
+  wrong size or token are a no, never an error; a choice that is not one is a typed error.
 """
 
 from __future__ import annotations
@@ -15,24 +17,27 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from deltackpt.sync import SyncError
-from deltackpt.sync.link_choice import LinkChoice, _read_probe, choose_links, shm_need
+from deltackpt.sync.link_choice import (
+    LinkChoice,
+    _decide,
+    _make_probe,
+    choose_links,
+    read_probe,
+    shm_need,
+)
 from tests._dist import free_port, spawn
 from tests.sync._common import make_state, mismatches, wants_for
 
 pytestmark = pytest.mark.multiproc
 
 BUCKET = 8 << 10
-
-
-def _probes() -> set[str]:
-    return set(glob.glob("/dev/shm/deltackpt-probe-*"))
 
 
 # ---- real processes -----------------------------------------------------------------------
@@ -75,7 +80,6 @@ def _receiver(ports: list[int]) -> dict[str, Any]:
 
 
 def test_the_default_takes_ipc_links_between_processes_of_one_host() -> None:
-    before = _probes()
     ports = [free_port(), free_port()]
     res = spawn([(_trainer, (ports,)), (_receiver, (ports,))], timeout=120, fast_exit=True)
     trainer, receiver = (o.unwrap() for o in res)
@@ -86,7 +90,6 @@ def test_the_default_takes_ipc_links_between_processes_of_one_host() -> None:
     assert trainer["ipc"] and receiver["links"] == ["ipc", "ipc"]
     assert (trainer["full"], trainer["delta"], trainer["after"]) == (True, False, True)
     assert receiver["bad"] == []
-    assert _probes() <= before  # rank 0 removed its probe both times
 
 
 # ---- the choice, over a stand-in store ----------------------------------------------------
@@ -115,21 +118,22 @@ class DictStore:
 
 
 def _choose(
-    dirs: list[str], need: int = 0, store: DictStore | None = None
+    need: int = 0, blind: tuple[int, ...] = (), world: int = 3, shm_dir: str = "/dev/shm"
 ) -> list[LinkChoice | BaseException]:
-    """Every rank's choice, rank ``r`` looking for the probe in ``dirs[r]``."""
-    store = store or DictStore()
-    out: list[LinkChoice | BaseException] = [RuntimeError("did not return")] * len(dirs)
+    """Every rank's choice, the ranks in ``blind`` unable to map rank 0's shared memory."""
+    store = DictStore()
+    out: list[LinkChoice | BaseException] = [RuntimeError("did not return")] * world
 
     def rank(r: int) -> None:
+        can_map = (lambda posted: False) if r in blind else read_probe
         try:
             out[r] = choose_links(
-                store.set, store.get, store.wait, r, len(dirs), need, shm_dir=dirs[r]
+                store.set, store.get, store.wait, r, world, need, can_map=can_map, shm_dir=shm_dir
             )
         except BaseException as e:  # returned to the test, which asserts on it
             out[r] = e
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(dirs))]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -137,29 +141,30 @@ def _choose(
     return out
 
 
-def test_every_rank_takes_the_same_choice(tmp_path: Path) -> None:
-    shared = str(tmp_path)
-    got = _choose([shared] * 3, need=1000)
+def _mine() -> set[str]:
+    """This process's PyTorch shared-memory files."""
+    return set(glob.glob(f"/dev/shm/torch_{os.getpid()}_*"))
+
+
+def test_every_rank_takes_the_same_choice() -> None:
+    before = _mine()
+    got = _choose(need=1000)
     assert all(c == got[0] for c in got), got
     assert isinstance(got[0], LinkChoice) and got[0].links == "ipc"
-    assert os.listdir(shared) == []  # the probe is gone
+    assert _mine() <= before  # the probe's file went with its last mapping
 
 
-def test_a_rank_that_cannot_read_the_probe_gets_everyone_gloo(tmp_path: Path) -> None:
-    """Rank 2 has a /dev/shm of its own (another container or host): gloo, naming rank 2."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    got = _choose([a, a, b])
+def test_a_rank_that_cannot_map_the_probe_gets_everyone_gloo() -> None:
+    """Rank 2 cannot map rank 0's tensor (another host, or a container of its own)."""
+    got = _choose(blind=(2,))
     assert all(isinstance(c, LinkChoice) and c.links == "gloo" for c in got), got
     assert isinstance(got[0], LinkChoice)
     assert "rank(s) 2 cannot map rank 0's shared memory" in got[0].reason
-    assert os.listdir(a) == [] and os.listdir(b) == []
 
 
-def test_a_shm_without_room_for_the_buckets_gets_gloo(tmp_path: Path) -> None:
-    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    got = _choose([str(tmp_path)] * 2, need=free)  # ipc wants twice the need free
+def test_a_shm_without_room_for_the_buckets_gets_gloo() -> None:
+    free = shutil.disk_usage("/dev/shm").free
+    got = _choose(need=free, world=2)  # ipc wants twice the need free
     assert isinstance(got[1], LinkChoice) and got[1].links == "gloo"
     assert "MB free" in got[1].reason and "docker run --shm-size" in got[1].reason
     # what the need counts: a ring per trainer-receiver pair, no host bytes for CUDA buckets
@@ -168,39 +173,39 @@ def test_a_shm_without_room_for_the_buckets_gets_gloo(tmp_path: Path) -> None:
     assert shm_need(1, 1, 2, 1 << 30, on_cuda=True) == 1 << 20
 
 
-def test_a_rank_0_without_shared_memory_gets_gloo(tmp_path: Path) -> None:
-    missing = str(tmp_path / "no-such-dir")
-    got = _choose([missing, str(tmp_path)])
-    assert all(isinstance(c, LinkChoice) and c.links == "gloo" for c in got), got
-    assert isinstance(got[1], LinkChoice) and "cannot write" in got[1].reason
+def test_what_the_probe_maps_is_checked_like_a_bucket() -> None:
+    """The handle comes from the store: a name that is not PyTorch's, a file that is not there
+    (another /dev/shm), a manager socket that is not there (another /tmp), a wrong size or a
+    token that does not match are a no, never an error or a path followed."""
+    probe, posted = _make_probe()
+    assert probe is not None and read_probe(posted)
+    doc = json.loads(posted["handle"])
+
+    def with_(**change: Any) -> dict[str, str]:
+        return {**posted, "handle": json.dumps({**doc, **change})}
+
+    assert not read_probe(with_(name="/../../etc/passwd"))
+    assert not read_probe(with_(name="/torch_1_1_999999"))  # no such file here
+    assert not read_probe(with_(manager="/tmp/no-such-dir/manager.sock"))
+    assert not read_probe(with_(numel=4096, storage=4096))
+    assert not read_probe({**posted, "token": "0" * 32})
+    assert not read_probe({**posted, "token": "../x"})
+    assert not read_probe(["not", "a", "probe"])
+    assert not read_probe({"handle": "{not json", "token": posted["token"]})
 
 
-def test_a_probe_name_from_the_store_is_not_a_path_to_follow(tmp_path: Path) -> None:
-    token = "0" * 32
-    outside = tmp_path / "outside"
-    outside.write_text(token)
-    inner = tmp_path / "shm"
-    inner.mkdir()
-    for name in ("../outside", str(outside), "deltackpt-probe-../../outside", "x" * 600):
-        assert not _read_probe(str(inner), {"name": name, "token": token})
-    # a name of the probe's form that is a link to elsewhere is not followed either
-    link = "deltackpt-probe-" + "a" * 32
-    (inner / link).symlink_to(outside)
-    assert not _read_probe(str(inner), {"name": link, "token": token})
-    assert not _read_probe(str(inner), ["not", "a", "probe"])
-    real = "deltackpt-probe-" + "b" * 32
-    (inner / real).write_text(token)
-    assert _read_probe(str(inner), {"name": real, "token": token})
-    assert not _read_probe(str(inner), {"name": real, "token": "1" * 32})
+def test_a_rank_0_without_shared_memory_gets_gloo() -> None:
+    choice = _decide(False, [], 0, 0, "/dev/shm")
+    assert choice.links == "gloo" and "rank 0 cannot make shared memory" in choice.reason
 
 
-def test_a_choice_that_is_not_one_is_a_typed_error(tmp_path: Path) -> None:
+def test_a_choice_that_is_not_one_is_a_typed_error() -> None:
     """A store whose links/chosen was written by something else (another version)."""
     store = DictStore()
     store.set("links/probe", json.dumps({}))
     store.set("links/chosen", json.dumps(["nccl", "?"]))
     with pytest.raises(SyncError, match=r"holds \['nccl', '\?'\] as rank 0's choice"):
-        choose_links(store.set, store.get, store.wait, 1, 2, 0, shm_dir=str(tmp_path))
+        choose_links(store.set, store.get, store.wait, 1, 2, 0)
 
 
 def test_groups_that_ask_for_links_by_name_do_not_probe() -> None:
