@@ -21,6 +21,7 @@ its timeout).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -37,7 +38,7 @@ from deltackpt.options import default_device_rounds, default_ipc_buckets
 from deltackpt.sync.errors import PeerLostError, RoundAbortedError, SyncError, SyncTimeoutError
 from deltackpt.sync.ipc_links import IpcLinks
 from deltackpt.sync.link_choice import choose_links, shm_need
-from deltackpt.sync.peers import pid_alive
+from deltackpt.sync.peers import pid_alive, pid_space
 from deltackpt.sync.shm_links import ShmLinks
 
 __all__ = ["SyncGroup", "cause_line"]
@@ -179,8 +180,9 @@ class SyncGroup:
         )
         self._beater.start()
         self._seen: dict[int, tuple[bytes, float]] = {}
-        self._pids: dict[int, tuple[str, int]] = {}
-        me = f"{socket.gethostname()}:{os.getpid()}"
+        self._pids: dict[int, tuple[str, int, str]] = {}
+        self._space = pid_space()
+        me = json.dumps([socket.gethostname(), os.getpid(), self._space])
         self.guard("store set", lambda: self.store.set(f"pid/{self.rank}", me))
         if self.requested_links == "auto":
             self._choose_links()
@@ -274,15 +276,23 @@ class SyncGroup:
     # ---- liveness -------------------------------------------------------------------------
 
     def pid_of(self, rank: int) -> tuple[str, int]:
+        """``rank``'s host name and pid, as it posted them."""
+        host, pid, _ = self._pid_record(rank)
+        return host, pid
+
+    def _pid_record(self, rank: int) -> tuple[str, int, str]:
         if rank not in self._pids:
             raw = self.guard("store get", lambda: self.store.get(f"pid/{rank}"))
-            self._pids[rank] = _split(bytes(raw))
+            self._pids[rank] = _pid_record(bytes(raw), rank)
         return self._pids[rank]
 
     def alive(self, rank: int) -> bool:
-        """False when ``rank`` runs on this host and its process is gone (or a zombie)."""
-        host, pid = self.pid_of(rank)
-        return host != socket.gethostname() or pid_alive(pid)
+        """False when ``rank``'s pid means a process here (the same kernel and pid namespace,
+        ``peers.pid_space``; the same host name where that is unknown) and that process is
+        gone (or a zombie)."""
+        host, pid, space = self._pid_record(rank)
+        here = space == self._space if space and self._space else host == socket.gethostname()
+        return not here or pid_alive(pid)
 
     def _beat_loop(self, store: dist.TCPStore, stop: threading.Event) -> None:
         n = 0
@@ -671,6 +681,15 @@ class SyncGroup:
         return self.guard("gloo recv", lambda: self.pg.recv([buf], src, tag))
 
 
-def _split(value: bytes) -> tuple[str, int]:
-    host, _, pid = value.decode().rpartition(":")
-    return host, int(pid)
+def _pid_record(value: bytes, rank: int) -> tuple[str, int, str]:
+    """A rank's ``pid/<rank>`` key: [host name, pid, pid space]."""
+    try:
+        host, pid, space = json.loads(value)
+        if not (isinstance(host, str) and isinstance(pid, int) and isinstance(space, str)):
+            raise TypeError
+    except (ValueError, TypeError) as e:
+        raise SyncError(
+            f"rank {rank} posted {value[:80]!r} as its process, not [host, pid, pid space]; "
+            "every rank must run the same deltackpt"
+        ) from e
+    return host, pid, space

@@ -10,7 +10,11 @@ threads of this process (gloo and the store on 127.0.0.1).
 
 from __future__ import annotations
 
+import json
 import math
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -67,6 +71,40 @@ def pair() -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
 
 
 # ---- roles and constructor arguments -------------------------------------------------------
+
+
+def test_a_pid_is_looked_up_only_where_it_means_that_process(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup],
+) -> None:
+    """A peer is taken for dead by its pid only where the pid means that process: the same
+    kernel and pid namespace. Two containers run with ``--network host`` share the host name
+    but number their processes each their own way."""
+    from deltackpt.sync.peers import pid_space
+
+    trainer, _ = pair
+    here = pid_space()
+    assert here.count("/pid:[") == 1 and here == trainer._space
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead, host = int(gone.stdout), socket.gethostname()
+    mine = trainer.store.get("pid/1")
+
+    def posted(value: object) -> bool:
+        trainer.store.set("pid/1", value if isinstance(value, bytes) else json.dumps(value))
+        trainer._pids.clear()
+        return trainer.alive(1)
+
+    try:
+        assert not posted([host, dead, here])  # here, and gone
+        assert posted([host, dead, "another-boot/pid:[4026531836]"])  # same name, not here
+        assert posted(["elsewhere", dead, ""])  # no pid space posted: the host name decides
+        assert not posted([host, dead, ""])
+        with pytest.raises(sync.SyncError, match=r"not \[host, pid, pid space\]"):
+            posted(f"{host}:{dead}".encode())  # a rank of another deltackpt
+    finally:
+        trainer.store.set("pid/1", mine)
+        trainer._pids.clear()
+    assert trainer.alive(1) and trainer.pid_of(1) == (host, json.loads(mine)[1])
 
 
 def test_roles_are_checked(pair: tuple[sync.SyncGroup, sync.SyncGroup]) -> None:
