@@ -136,20 +136,25 @@ def test_a_tampered_worker_fails_closed_and_the_next_round_heals_it(run):
     assert heal["full"] and heal["committed_identical"]
 
 
-def test_on_tensor_handle_links_a_tampered_copy_is_overwritten_by_the_whole_piece(other):
+def test_the_default_links_are_ipc_on_one_host_and_patch_and_fail_closed_there(other):
     """``other`` runs over the default ``links="auto"``, which takes ipc links with its engine
     core in the trainer's process (as colocated RL trainers run vLLM; the worker is another
-    process): rounds carry whole changed pieces there (no patches on ipc links), so the copy
-    changed behind the receiver's back is not a base: the next round overwrites it, verified,
-    and the engine serves that round's weights."""
+    process). ``encode="auto"`` patches there as on gloo: the delta rounds carry the changed
+    elements, so a copy changed behind the worker's back is not the round's base and fails
+    the round on every rank, the engine serving the last version; the next round (whole) heals
+    it."""
     assert other["asked"] == "auto" and other["links"] == "ipc", other["links_reason"]
     assert other["links_reason"].startswith("links='auto': every rank shares /dev/shm")
+    rs = rounds(other)
+    assert rs["full"]["full"] and rs["full"]["worker"]["patched"] == 0
+    assert not rs["delta"]["full"] and rs["delta"]["worker"]["patched"] > 0
+    assert rs["delta"]["sent"] < rs["full"]["sent"] / 10
     t = other["tampered"]
-    assert t["raised"] is None
-    assert t["engine_version"] == "4" and t["worker_version"] == 4
-    assert not t["tokens_unchanged"]  # version 4 is served
-    assert all(not r["worker"]["patched"] for r in other["rounds"])
-    assert rounds(other)["heal"]["committed_identical"]  # nothing left of the change
+    assert t["raised"] == "RoundAbortedError"
+    assert t["engine_version"] == "3" and t["worker_version"] == 3
+    assert t["tokens_unchanged"]
+    heal = rs["heal"]
+    assert heal["full"] and heal["committed_identical"]
 
 
 def test_greedy_tokens_equal_vllm_loading_the_same_weights(either):
