@@ -22,9 +22,9 @@ size; the half left over is for everything else that lives there, vLLM's and NCC
 buffers among them); CUDA buckets (``ipc_device="cuda:N"``) need only the links' small cell
 tables there. Otherwise ``"gloo"``, which works between any hosts.
 
-Measured (BENCHMARKS.md, "links='auto'"): on one host ipc links move a round sent whole 1.2-1.4x
-faster than gloo over loopback into a vLLM engine, and at least as fast for patched rounds; on
-an H100 a CUDA trainer's round through host shared memory took 0.99x a pinned D2H + H2D copy.
+Measured (BENCHMARKS.md, "links='auto'"): on one host ipc links move a round sent whole into a
+vLLM engine 1.2-1.7x faster than gloo over loopback, and a patched round as fast; on an H100 a
+CUDA trainer's round through host shared memory took 0.99x a pinned D2H + H2D copy.
 """
 
 from __future__ import annotations
