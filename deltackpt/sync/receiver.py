@@ -208,11 +208,10 @@ class WeightReceiver:
 
     @property
     def bucket_bytes(self) -> int:
-        """The bucket size planned with: the one given, else the default of the group's
-        current links (a ``links="auto"`` group may take others at a reconnect)."""
-        if self._bucket_bytes is not None:
-            return self._bucket_bytes
-        return default_bucket_bytes(self.group.links)
+        """The one given, else the default of the group's links now (they may change at a
+        reconnect: ``links="auto"``)."""
+        given = self._bucket_bytes
+        return default_bucket_bytes(self.group.links) if given is None else given
 
     def _decl(self) -> Decl:
         if self.every and self.boxes is not None:
