@@ -70,12 +70,12 @@ __all__ = ["WeightSender"]
 
 # Host rounds pack options.default_pack_threads() buckets at once (DELTACKPT_PACK_THREADS, 2),
 # each on its own thread (the diff, zstd, xxh3 and copies release the GIL: the encode of an RL
-# step's delta ran 1.7-1.8x faster on 2 threads than on one here). One at a time: a device
-# round (its copies share the GPU) and a ring of ipc buckets (two per link: packing a third
-# ahead would wait for a copy of one not sent yet). The ring of this rank's buckets holds
-# those packed ahead and the one being sent, at least 3: a slot is packed again once the send
-# before the last completed (no bucket more: when packing waits for sends, the link is the
-# bottleneck anyway).
+# step's delta ran 1.7-1.8x faster on 2 threads than on one here); on a ring of ipc buckets
+# at most ``ipc_buckets`` (packing further ahead would wait for the copy of a bucket not sent
+# yet). One at a time: a device round (its copies share the GPU). The ring of this rank's
+# buckets holds those packed ahead and the one being sent, at least 3: a slot is packed again
+# once the send before the last completed (no bucket more: when packing waits for sends, the
+# link is the bottleneck anyway).
 _RING = 3
 # encode= -> (the link kinds whose changed pieces go as patches, what a patch may be: kinds
 # and the share of changed elements up to which the list of changes is tried). "auto" patches
@@ -499,10 +499,21 @@ class WeightSender:
                 return done
             return self._pool.submit(pack, *args)
 
-        depth = 1 if device or ring else self.pack_threads  # the ring holds one more
+        # buckets packed ahead (the ring of private buffers holds one more). On a ring of ipc
+        # buckets a bucket is packed into the memory of the one ``ipc_buckets`` before it on
+        # its link, once the receiver copied that one out (window() waits for it), so no more
+        # than ``ipc_buckets`` ahead, and with as many ahead as the ring has buckets, the next
+        # is submitted only once the last one was published (``late``: window() would not wait
+        # for a bucket not published yet, and would let it be overwritten)
+        depth = 1 if device else self.pack_threads
+        if ring and not device:
+            depth = min(depth, g.ipc_buckets or depth)
+        late = ring and not device and depth > 1
         ahead: deque[Future[Packed] | None] = deque(submit(j) for j in range(depth))
         try:
             for i, bk in enumerate(self._buckets):
+                if late and i > 0:  # bucket i - 1 was published: its successor on the ring may go
+                    ahead.append(submit(i - 1 + depth))
                 packed: Packed | None = None
                 fut = ahead.popleft()
                 if fut is not None:
@@ -524,7 +535,8 @@ class WeightSender:
                         aborted = why
                         if why.startswith("lost: "):
                             lost = why[6:]
-                ahead.append(submit(i + depth))
+                if not late:
+                    ahead.append(submit(i + depth))
                 if bk.receiver in dead:
                     continue
                 ok = packed is not None and not (failure or aborted or lost)

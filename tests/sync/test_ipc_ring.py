@@ -8,7 +8,8 @@ shared storage, as a GPU runs them on CUDA IPC handles, host and device rounds:
   staging, through a re-plan; the trainer made N buckets per link (its /dev/shm files), posted N
   handles, and each receiver mapped N (a bucket reusing memory maps nothing new);
 * the trainer really waits: a receiver that holds its copy of a bucket back holds back the
-  trainer's pack of the bucket N later (and not of the one before);
+  trainer's pack of the bucket N later (and not of the one before); host rounds pack N buckets
+  at once (never more), device rounds one;
 * a receiver killed mid-round while the trainer waits for its acknowledgement: the trainer
   raises ``PeerLostError`` naming the wait, not a hang;
 * a tampered message still fails the round on every rank, nothing applied, the next round exact;
@@ -199,6 +200,80 @@ def test_the_trainer_packs_a_ring_bucket_again_only_after_the_receivers_copy(
     waits, released = trainer["waits"], rec["released"]
     assert min(waits) == RING  # buckets 0 and 1 did not wait
     assert waits[RING] >= released[0]  # bucket 2 reuses bucket 0's: after the receiver's copy
+
+
+def _busy_trainer(port: int) -> dict[str, Any]:
+    import threading
+
+    from deltackpt import sync
+    from deltackpt.sync.packer import Packer
+
+    group = sync.SyncGroup("127.0.0.1", port, 0, 2, [0], timeout=60, links="ipc", ipc_buckets=RING)
+    sender = sync.WeightSender(group, bucket_bytes=BUCKET)
+    sender.push(make_state(1), version=1)
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def counted(orig: Any) -> Any:
+        def pack(*args: Any, **kw: Any) -> Any:
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            try:
+                time.sleep(0.05)  # long enough that the next bucket's pack could overlap it
+                return orig(*args, **kw)
+            finally:
+                with lock:
+                    now[0] -= 1
+
+        return pack
+
+    Packer.message = counted(Packer.message)  # type: ignore[method-assign]
+    Packer.device_message = counted(Packer.device_message)  # type: ignore[method-assign]
+    sender.push(make_state(2), version=2, full=True)
+    sender.push(make_state(3), version=3)
+    group.pg.barrier().wait()
+    group.close()
+    return {"most": most[0], "buckets": len(sender._buckets), "threads": sender.pack_threads}
+
+
+def _plain_receiver(port: int) -> dict[str, Any]:
+    from deltackpt import sync
+
+    layout = ("full",)
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    wants = wants_for(layout)
+    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
+    loaded: dict[str, torch.Tensor] = {}
+    bad = []
+    for v in (1, 2, 3):
+        receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
+        bad += mismatches(wants, loaded, layout, v)
+    group.pg.barrier().wait()
+    group.close()
+    return {"bad": bad}
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("mode", sorted(ROUNDS))
+def test_a_ring_packs_as_many_buckets_at_once_as_it_has(
+    mode: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host rounds on a ring of two ipc buckets pack two buckets at once (each into the memory
+    its receiver copied out), never more, whatever DELTACKPT_PACK_THREADS allows: a third
+    would need the copy of a bucket not sent yet. Device rounds pack one at a time. Bit-exact
+    either way."""
+    monkeypatch.setenv("DELTACKPT_DEVICE_ROUNDS", ROUNDS[mode])
+    monkeypatch.setenv("DELTACKPT_PACK_THREADS", str(threads))
+    port = free_port()
+    trainer, rec = (
+        o.unwrap()
+        for o in spawn(
+            [(_busy_trainer, (port,)), (_plain_receiver, (port,))], timeout=90, fast_exit=True
+        )
+    )
+    assert trainer["buckets"] > RING and trainer["threads"] == threads
+    assert rec["bad"] == []
+    assert trainer["most"] == (1 if mode == "device" else RING)
 
 
 # ---- a receiver killed while the trainer waits ---------------------------------------------
