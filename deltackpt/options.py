@@ -54,7 +54,8 @@ DELTACKPT_IPC_BUCKETS      shared buckets a weight-sync trainer holds per    2
                            ``none`` (one per bucket of the round)
 DELTACKPT_PACK_THREADS     buckets a weight-sync trainer packs at once in a  2
                            host round, each on its own thread (1: one at a
-                           time; device rounds and ipc rings always are)
+                           time; device rounds always are; a ring of ipc
+                           buckets packs at most ``ipc_buckets`` at once)
 DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    auto
                            no pinned buffer yet: ``auto`` (copied on the
                            device, pinned behind the caller, where the
