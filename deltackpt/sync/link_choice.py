@@ -23,8 +23,9 @@ buffers among them); CUDA buckets (``ipc_device="cuda:N"``) need only the links'
 tables there. Otherwise ``"gloo"``, which works between any hosts.
 
 Measured (BENCHMARKS.md, "links='auto'"): on one host ipc links move a round sent whole into a
-vLLM engine 1.2-1.7x faster than gloo over loopback, and a patched round as fast; on an H100 a
-CUDA trainer's round through host shared memory took 0.99x a pinned D2H + H2D copy.
+vLLM engine faster than gloo over loopback (a pre-training step's round 1.06-1.7x in three
+pairs of runs), and a patched round as fast within noise; on an H100 a CUDA trainer's round
+through host shared memory took 0.99x a pinned D2H + H2D copy.
 """
 
 from __future__ import annotations
