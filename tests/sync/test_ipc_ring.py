@@ -155,15 +155,21 @@ def _slow_trainer(port: int) -> dict[str, Any]:
     return {"waits": waits, "buckets": len(sender._buckets)}
 
 
-def _slow_receiver(port: int) -> dict[str, Any]:
+def _whole_receiver(port: int) -> tuple[Any, list[Any], Any, dict[str, torch.Tensor]]:
+    """Rank 1 of a 1x1 ipc group, receiving every tensor whole: group, wants, receiver and
+    what it loaded."""
     from deltackpt import sync
+
+    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
+    wants = wants_for(("full",))
+    return group, wants, sync.WeightReceiver(group, wants, bucket_bytes=BUCKET), {}
+
+
+def _slow_receiver(port: int) -> dict[str, Any]:
     from deltackpt.sync.ipc_links import IpcLinks
 
     layout = ("full",)
-    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
-    wants = wants_for(layout)
-    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
-    loaded: dict[str, torch.Tensor] = {}
+    group, wants, receiver, loaded = _whole_receiver(port)
     receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
     orig = IpcLinks._wait_copy
     released: dict[int, float] = {}
@@ -237,13 +243,8 @@ def _busy_trainer(port: int) -> dict[str, Any]:
 
 
 def _plain_receiver(port: int) -> dict[str, Any]:
-    from deltackpt import sync
-
     layout = ("full",)
-    group = sync.SyncGroup("127.0.0.1", port, 1, 2, [0], timeout=60, links="ipc")
-    wants = wants_for(layout)
-    receiver = sync.WeightReceiver(group, wants, bucket_bytes=BUCKET)
-    loaded: dict[str, torch.Tensor] = {}
+    group, wants, receiver, loaded = _whole_receiver(port)
     bad = []
     for v in (1, 2, 3):
         receiver.pull(lambda ws: loaded.update((n, t.clone()) for n, t in ws))
