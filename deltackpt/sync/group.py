@@ -283,7 +283,7 @@ class SyncGroup:
     def _pid_record(self, rank: int) -> tuple[str, int, str]:
         if rank not in self._pids:
             raw = self.guard("store get", lambda: self.store.get(f"pid/{rank}"))
-            self._pids[rank] = _pid_record(bytes(raw), rank)
+            self._pids[rank] = _parse_pid_record(bytes(raw), rank)
         return self._pids[rank]
 
     def alive(self, rank: int) -> bool:
@@ -681,7 +681,7 @@ class SyncGroup:
         return self.guard("gloo recv", lambda: self.pg.recv([buf], src, tag))
 
 
-def _pid_record(value: bytes, rank: int) -> tuple[str, int, str]:
+def _parse_pid_record(value: bytes, rank: int) -> tuple[str, int, str]:
     """A rank's ``pid/<rank>`` key: [host name, pid, pid space]."""
     try:
         host, pid, space = json.loads(value)

@@ -83,35 +83,33 @@ def choose_links(
     rank. Keys live under ``links/`` of the group's store (a new store per connection).
     ``can_map``: whether this rank reads rank 0's posted probe (default :func:`read_probe`);
     ``shm_dir``: where rank 0 looks for free room."""
+    # rank 0 holds the probe until it returns: its file goes with the last mapping
     probe: torch.Tensor | None = None
-    try:
-        if rank == 0:
-            probe, posted = _make_probe()
-            store_set("links/probe", json.dumps(posted))
-        wait(["links/probe"], "waiting for rank 0's shared-memory probe")
-        seen = (can_map or read_probe)(_loads(store_get("links/probe")))
-        store_set(f"links/seen/{rank}", "1" if seen else "0")
-        if rank == 0:
-            keys = [f"links/seen/{r}" for r in range(world_size)]
-            wait(keys, "waiting for every rank to map the shared-memory probe")
-            blind = [r for r, k in enumerate(keys) if store_get(k) != b"1"]
-            choice = _decide(probe is not None, blind, _free(shm_dir), need, shm_dir)
-            store_set("links/chosen", json.dumps([choice.links, choice.reason]))
-        wait(["links/chosen"], "waiting for rank 0's choice of links")
-        got = _loads(store_get("links/chosen"))
-        if (
-            not isinstance(got, list)
-            or len(got) != 2
-            or got[0] not in ("gloo", "ipc")
-            or not isinstance(got[1], str)
-        ):
-            raise SyncError(
-                f"rank {rank}: the group's store holds {got!r} as rank 0's choice of links; "
-                "every rank must run the same deltackpt"
-            )
-        return LinkChoice(got[0], got[1])
-    finally:
-        del probe  # its file goes with the last mapping
+    if rank == 0:
+        probe, posted = _make_probe()
+        store_set("links/probe", json.dumps(posted))
+    wait(["links/probe"], "waiting for rank 0's shared-memory probe")
+    seen = (can_map or read_probe)(_loads(store_get("links/probe")))
+    store_set(f"links/seen/{rank}", "1" if seen else "0")
+    if rank == 0:
+        keys = [f"links/seen/{r}" for r in range(world_size)]
+        wait(keys, "waiting for every rank to map the shared-memory probe")
+        blind = [r for r, k in enumerate(keys) if store_get(k) != b"1"]
+        choice = _decide(probe is not None, blind, _free(shm_dir), need, shm_dir)
+        store_set("links/chosen", json.dumps([choice.links, choice.reason]))
+    wait(["links/chosen"], "waiting for rank 0's choice of links")
+    got = _loads(store_get("links/chosen"))
+    if (
+        not isinstance(got, list)
+        or len(got) != 2
+        or got[0] not in ("gloo", "ipc")
+        or not isinstance(got[1], str)
+    ):
+        raise SyncError(
+            f"rank {rank}: the group's store holds {got!r} as rank 0's choice of links; "
+            "every rank must run the same deltackpt"
+        )
+    return LinkChoice(got[0], got[1])
 
 
 def _make_probe() -> tuple[torch.Tensor | None, dict[str, str]]:

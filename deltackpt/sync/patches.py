@@ -143,11 +143,12 @@ class Bases:
                 self._resting[key] = REST_ROUNDS
                 self._cache[key] = None
                 return None
-            if enc.changes is not None and not enc.base_updated:  # (else the diff wrote it)
-                idx, vals = enc.changes
-                base.view(vals.dtype)[idx] = vals
-            elif not enc.base_updated:
-                np.copyto(base, raw)
+            if not enc.base_updated:  # (else the diff wrote the changed words as it found them)
+                if enc.changes is not None:
+                    idx, vals = enc.changes
+                    base.view(vals.dtype)[idx] = vals
+                else:
+                    np.copyto(base, raw)
             self._updated.add(key)
             if enc.kind == delta_codec.DENSE:
                 self._cache[key] = None

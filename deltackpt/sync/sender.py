@@ -570,10 +570,8 @@ class WeightSender:
                             )
                         else:
                             works[i % nring] = (bk.receiver, g.isend(buf, bk.receiver, bk.index))
-                            for (
-                                t,
-                                tag,
-                            ) in zero_copy:  # after the header: the receiver reads it first
+                            # after the header: the receiver reads it first
+                            for t, tag in zero_copy:
                                 directs.append((bk.receiver, g.isend(t, bk.receiver, tag)))
                                 wire_bytes += t.numel()
                                 zero_copy_bytes += t.numel()
