@@ -61,7 +61,31 @@ DELTACKPT_STAGE_DEFER      an async save of CUDA state whose sources have    aut
                            device, pinned behind the caller, where the
                            device has room), ``off`` (pinned in the call),
                            ``always`` (CPU state too: the test suite)
+DELTACKPT_STAGE_ORDER      an async save's blocking phase of new stores:     auto
+                           ``auto`` (chosen per save from the last one's
+                           changes), ``hash-first`` or ``copy-first``
 =========================  ==============================================  ================
+
+Read by the vLLM backend's workers (``integrations/vllm``; the trainer's
+``DeltackptTrainerInitInfo`` fields of the same names win over them):
+
+=========================  ==============================================  ================
+variable                   meaning                                          default
+=========================  ==============================================  ================
+DELTACKPT_VLLM_STAGING     ``ring`` (two message slots) or ``round`` (a       ring
+                           round's arena)
+DELTACKPT_VLLM_UNDO_DIR    where a round sent whole keeps the bytes it        temp dir
+                           overwrote: a directory, or ``memory``
+DELTACKPT_VLLM_INPLACE     commits write into parameters seen to hold the     1
+                           tensors as they are (0: reload the layers)
+DELTACKPT_VLLM_PREPARE     a staged round moves its commit's device copies    1
+                           ahead, while the engine serves
+DELTACKPT_VLLM_TP_BOXES    each worker receives only its tensor-parallel      0
+                           boxes
+=========================  ==============================================  ================
+
+One variable of another program is read here too: the terminal's ``COLUMNS`` (the width of the
+CLI's tables when stdout is not a terminal).
 
 Every field is validated when an options object is built (``save(..., threads=0)`` raises
 :class:`~deltackpt.errors.InvalidArgumentError` before anything is touched), and a malformed
@@ -216,6 +240,55 @@ STAGE_DEFERS = ("auto", "off", "always")
 
 def default_stage_defer() -> str:
     return _env_choice("DELTACKPT_STAGE_DEFER", STAGE_DEFERS, "auto")
+
+
+def _env_switch(name: str, default: bool) -> bool:
+    """On/off variable ``name``: one of 1/0, true/false, yes/no, on/off (case and spaces
+    ignored); unset or empty: ``default``."""
+    raw = _env(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value not in _TRUE + _FALSE:
+        raise _bad_env(name, raw, f"one of {_TRUE + _FALSE}", "1" if default else "0")
+    return value in _TRUE
+
+
+VLLM_SWITCHES = {
+    "DELTACKPT_VLLM_INPLACE": True,
+    "DELTACKPT_VLLM_PREPARE": True,
+    "DELTACKPT_VLLM_TP_BOXES": False,
+}
+
+
+def vllm_switch(name: str) -> bool:
+    """A vLLM worker's on/off variable (``VLLM_SWITCHES``: its name and default)."""
+    if name not in VLLM_SWITCHES:
+        raise InvalidArgumentError(
+            f"vllm_switch({name!r}): not a switch of the vLLM workers; one of {sorted(VLLM_SWITCHES)}"
+        )
+    return _env_switch(name, VLLM_SWITCHES[name])
+
+
+VLLM_STAGINGS = ("ring", "round")
+
+
+def vllm_staging() -> str:
+    """A vLLM worker's staging (``DELTACKPT_VLLM_STAGING``; unset or empty: ``ring``)."""
+    if not _env("DELTACKPT_VLLM_STAGING", "").strip():
+        return "ring"
+    return _env_choice("DELTACKPT_VLLM_STAGING", VLLM_STAGINGS, "ring")
+
+
+def vllm_undo_dir() -> str | None:
+    """``DELTACKPT_VLLM_UNDO_DIR``: a directory or ``memory``; None when unset or empty."""
+    return _env("DELTACKPT_VLLM_UNDO_DIR", "").strip() or None
+
+
+def console_columns(default: int = 120) -> int:
+    """The terminal's ``COLUMNS`` (a positive integer), else ``default``."""
+    raw = _env("COLUMNS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else default
 
 
 def default_memory_budget() -> int:

@@ -208,3 +208,36 @@ def test_a_redefinition_would_be_found():
         "def f(a): pass\n"
     )
     assert redefined(src) == ["f (lines 1 and 9)", "C.m (lines 7 and 8)"]
+
+
+def environment_reads(source: str) -> list[int]:
+    """Lines of ``source`` that read the process environment (``os.environ``, ``os.getenv``,
+    ``os.environb``, or those names imported from ``os``)."""
+    names = {"environ", "environb", "getenv", "getenvb"}
+    out: list[int] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            out.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            out += [node.lineno for a in node.names if a.name in names]
+    return sorted(out)
+
+
+def test_only_options_reads_the_environment():
+    """options.py reads every variable (validated, named in its errors, overridable by tests
+    with ``options.overrides``): a read anywhere else would skip all three."""
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in sorted(PKG.rglob("*.py"))
+        if p != PKG / "options.py"
+        for line in environment_reads(p.read_text())
+    ]
+    assert bad == [], "read the variable through a function of deltackpt/options.py: " + str(bad)
+
+
+def test_an_environment_read_would_be_found():
+    src = (
+        "import os\nfrom os import getenv\n"
+        "a = os.environ.get('X')\nb = os.getenv('Y')\nc = 'environ'\nd = os.path.sep\n"
+    )
+    assert environment_reads(src) == [2, 3, 4]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
 from datetime import datetime, timezone
@@ -18,6 +17,7 @@ from typing import IO, Any, Literal, Protocol
 
 from deltackpt.errors import DeltackptError
 from deltackpt.format.tree import unflatten
+from deltackpt.options import console_columns
 
 try:
     from rich.console import Console as _RichConsole
@@ -248,8 +248,5 @@ def make_console(stderr: bool = False, file: IO[str] | None = None) -> Console:
         return PlainConsole(f)
     width = None
     if not (hasattr(f, "isatty") and f.isatty()):
-        try:
-            width = int(os.environ.get("COLUMNS", "")) or 120
-        except ValueError:
-            width = 120
+        width = console_columns(120)
     return _RichConsole(file=f, width=width, highlight=False, soft_wrap=False)

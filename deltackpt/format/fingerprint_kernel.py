@@ -23,7 +23,6 @@ CPU uses it otherwise.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +49,16 @@ __all__ = [
     "table",
     "whole_words",
 ]
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (its knob, which ``TRITON_INTERPRET=1``
+    sets: Triton reads the variable, not deltackpt)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    return bool(knobs is not None and knobs.runtime.interpret)
+
 
 BLOCK = 2048  # words per program (16 KiB of the source, with the keys' 32 KiB: from L2)
 #: words per program in Triton's interpreter (CPU tensors: the tests), which runs the programs
@@ -133,9 +142,7 @@ def available(device: torch.device) -> bool:
     (``TRITON_INTERPRET=1``: the tests)."""
     if tl is None or _FAILED:
         return False
-    return device.type == "cuda" or (
-        device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    )
+    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
 
 
 def table(

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from deltackpt import sync
+from deltackpt.errors import InvalidArgumentError
+from deltackpt.integrations.vllm.inplace import enabled as inplace_enabled
 from deltackpt.integrations.vllm.tp_boxes import enabled, full_view
+from deltackpt.options import overrides, vllm_staging, vllm_undo_dir
 from deltackpt.sync.schedule_decl import Box
 from tests._dist import free_port
 from tests.sync.test_local import run_threads
@@ -53,6 +56,47 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not enabled() and enabled(True)
     monkeypatch.setenv("DELTACKPT_VLLM_TP_BOXES", "1")
     assert enabled() and not enabled(False)
+    monkeypatch.setenv("DELTACKPT_VLLM_TP_BOXES", " Off ")
+    assert not enabled()
+
+
+@pytest.mark.parametrize(
+    ("name", "default"),
+    [("DELTACKPT_VLLM_TP_BOXES", False), ("DELTACKPT_VLLM_INPLACE", True),
+     ("DELTACKPT_VLLM_PREPARE", True)],
+)  # fmt: skip
+def test_a_workers_switch_refuses_a_value_it_cannot_read(
+    monkeypatch: pytest.MonkeyPatch, name: str, default: bool
+) -> None:
+    """A typo is an error naming the variable, not a silent default (``tp_boxes=of`` read as
+    off, ``inplace=of`` as on, before); unset or empty is the default."""
+    switch = {"DELTACKPT_VLLM_TP_BOXES": enabled}.get(name, lambda: inplace_enabled(None, name))
+    for unset in (None, "", "  "):
+        if unset is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, unset)
+        assert switch() is default
+    monkeypatch.setenv(name, "of")
+    with pytest.raises(InvalidArgumentError, match=rf"{name}='of' is invalid: expected one of"):
+        switch()
+    with overrides(**{name: "no" if default else "yes"}):  # the tests' overrides win
+        assert switch() is not default
+
+
+def test_the_workers_staging_and_undo_directory_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("DELTACKPT_VLLM_STAGING", "DELTACKPT_VLLM_UNDO_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert vllm_staging() == "ring" and vllm_undo_dir() is None
+    monkeypatch.setenv("DELTACKPT_VLLM_STAGING", " Round")
+    monkeypatch.setenv("DELTACKPT_VLLM_UNDO_DIR", "memory")
+    assert vllm_staging() == "round" and vllm_undo_dir() == "memory"
+    monkeypatch.setenv("DELTACKPT_VLLM_STAGING", "arena")
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"DELTACKPT_VLLM_STAGING='arena' is invalid: expected one of \('ring', 'round'\)",
+    ):
+        vllm_staging()
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ kernel that caches the weight somewhere else than the module; such a build must 
 from __future__ import annotations
 
 import math
-import os
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import torch
 from deltackpt import cuda
 from deltackpt.integrations.vllm import tp_boxes
 from deltackpt.loading.to_device import copy_through
+from deltackpt.options import vllm_switch
 from deltackpt.sync.schedule_decl import Box
 
 __all__ = [
@@ -67,10 +67,11 @@ _KINDS = (
 
 
 def enabled(flag: bool | None = None, env: str = ENV) -> bool:
-    """``flag`` when given, else the environment switch ``env`` (default on)."""
+    """``flag`` when given, else the workers' switch ``env`` (default on;
+    :func:`deltackpt.options.vllm_switch`: a malformed value raises, naming it)."""
     if flag is not None:
         return bool(flag)
-    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no", "off")
+    return vllm_switch(env)
 
 
 @dataclass(frozen=True)

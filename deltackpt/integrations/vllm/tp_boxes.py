@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from deltackpt.options import vllm_switch
 from deltackpt.sync.schedule_decl import Box
 
 __all__ = ["ENV", "BoxRule", "box_rules", "enabled", "full_view", "module_of", "rank_box"]
@@ -45,10 +45,11 @@ Shape = tuple[int, ...]
 
 
 def enabled(flag: bool | None = None) -> bool:
-    """``flag`` when given, else the environment switch."""
+    """``flag`` when given, else the workers' switch (default off;
+    :func:`deltackpt.options.vllm_switch`: a malformed value raises, naming it)."""
     if flag is not None:
         return bool(flag)
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return vllm_switch(ENV)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import tempfile
 import threading
 import time
@@ -65,6 +64,7 @@ from vllm.distributed.weight_transfer.base import (
 from deltackpt import cuda
 from deltackpt.integrations.vllm import feed, inplace, tp_boxes
 from deltackpt.integrations.vllm.feed import layer_key, model_device, reload_batch
+from deltackpt.options import vllm_staging, vllm_undo_dir
 from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
 from deltackpt.sync.schedule_decl import Box
 from deltackpt.sync.spill import ram_filesystem
@@ -128,7 +128,7 @@ def undo_dir_for(value: str | None, staging: str) -> str | None:
     in memory). Explicit: ``value``, else ``DELTACKPT_VLLM_UNDO_DIR``; ``"memory"`` keeps them
     in memory. Default: with ``staging="ring"`` (whose point is a bounded host memory) the
     temporary directory, unless that is a RAM filesystem (tmpfs: no memory saved there)."""
-    chosen = value or os.environ.get(UNDO_DIR_ENV, "").strip()
+    chosen = value or vllm_undo_dir()
     if chosen:
         return None if chosen == "memory" else chosen
     if staging != "ring":
@@ -405,7 +405,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self._shapes, self._boxes, self._rules = {}, {}, {}
         # two message slots unless told otherwise: the same round times as a round's arena,
         # measured, at a fraction of its memory (docs/sync.md, "Memory")
-        staging = init_info.staging or os.environ.get(STAGING_ENV, "").strip() or "ring"
+        staging = init_info.staging or vllm_staging()
         self.receiver = WeightReceiver(
             self.group,
             dtype=dtype,
