@@ -365,6 +365,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self._rule: Callable[[str, tuple[int, ...]], tp_boxes.BoxRule] | None = None
         # in-place commits: where each held tensor was seen in the parameters (inplace.py)
         self.inplace = inplace.enabled()
+        self.prepare = True
         self._slots: dict[str, inplace.Slot] = {}
         self.last_path: str | None = None  # "in place" or "reload": the last commit's path
         self._elements: dict[str, torch.Tensor | None] | None = None  # the commit's changes
@@ -402,6 +403,9 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         dtype = self.model_config.dtype
         self.tp_boxes = tp_boxes.enabled(init_info.tp_boxes)
         self.inplace = inplace.enabled(init_info.inplace)
+        # a staged round moves its commit's device copies ahead (read here: a malformed value
+        # fails the init, not a round)
+        self.prepare = inplace.enabled(None, PREPARE_ENV)
         self._shapes, self._boxes, self._rules = {}, {}, {}
         # two message slots unless told otherwise: the same round times as a round's arena,
         # measured, at a fraction of its memory (docs/sync.md, "Memory")
@@ -685,7 +689,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         where nothing crosses (parameters on the host) or the move failed: the commit then
         does it."""
         assert self.receiver is not None
-        if not inplace.enabled(None, PREPARE_ENV):
+        if not self.prepare:
             return None
         try:
             if self._direct([n for n, _ in changed]):
