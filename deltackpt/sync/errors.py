@@ -11,12 +11,13 @@ to do next:
 * :class:`DigestMismatchError`, :class:`RoundAbortedError` — the round failed but the group
   still works; the next ``push``/``pull`` starts cleanly (as a full round).
 * :class:`PlanError` — the ranks disagree about the tensors (names, dtypes, shapes, coverage) or
-  the options; fix the inputs.
+  the options, or a constructor was given an argument it cannot take; fix the inputs. Also an
+  :class:`~deltackpt.errors.InvalidArgumentError`.
 """
 
 from __future__ import annotations
 
-from deltackpt.errors import DeltackptError
+from deltackpt.errors import DeltackptError, InvalidArgumentError
 
 __all__ = [
     "DigestMismatchError",
@@ -32,8 +33,11 @@ class SyncError(DeltackptError, RuntimeError):
     """A weight-sync round failed; the receiver keeps its last committed version."""
 
 
-class PlanError(SyncError, ValueError):
-    """The senders' tensors cannot be planned: mismatched dtypes/shapes, gaps, bad options."""
+class PlanError(SyncError, InvalidArgumentError):
+    """The senders' tensors cannot be planned (mismatched dtypes/shapes, gaps), or a group,
+    sender or receiver was given an argument it cannot take. Also an
+    :class:`~deltackpt.errors.InvalidArgumentError` (a ``ValueError`` and a ``TypeError``), like
+    every bad argument of deltackpt."""
 
 
 class PeerLostError(SyncError):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 import socket
 import threading
@@ -35,7 +36,13 @@ import torch
 import torch.distributed as dist
 
 from deltackpt.options import default_device_rounds, default_ipc_buckets
-from deltackpt.sync.errors import PeerLostError, RoundAbortedError, SyncError, SyncTimeoutError
+from deltackpt.sync.errors import (
+    PeerLostError,
+    PlanError,
+    RoundAbortedError,
+    SyncError,
+    SyncTimeoutError,
+)
 from deltackpt.sync.ipc_links import IpcLinks
 from deltackpt.sync.link_choice import choose_links, shm_need
 from deltackpt.sync.peers import pid_alive, pid_space
@@ -72,6 +79,58 @@ def cause_line(e: BaseException) -> str:
     return str(e.__cause__ or e).splitlines()[0].split(". This is typically")[0][:200]
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+    """An int, or an integer type that says it is one (numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_group_args(
+    master_addr: Any,
+    master_port: Any,
+    rank: Any,
+    world_size: Any,
+    timeout: Any,
+    join_timeout: Any,
+    beat: Any,
+    dead_after: Any,
+) -> None:
+    """:class:`PlanError` (an ``InvalidArgumentError``) naming the first argument of a
+    :class:`SyncGroup` that cannot work, before anything connects: a rank out of range would
+    otherwise wait ``join_timeout`` for a group it can never join."""
+
+    def bad(what: str, value: Any, expected: str, fix: str) -> PlanError:
+        return PlanError(f"SyncGroup({what}={value!r}): expected {expected}. {fix}")
+
+    if not isinstance(master_addr, str) or not master_addr:
+        raise bad("master_addr", master_addr, "a host name or address (str)",
+                  "Pass rank 0's host, e.g. '127.0.0.1'")  # fmt: skip
+    if not _integer(master_port):
+        raise bad("master_port", master_port, "an int", "Pass the port rank 0's store listens on")
+    if not 0 < master_port < 65536:
+        raise bad("master_port", master_port, "a port in 1..65535", "Pass a free port")
+    if not _integer(world_size) or world_size < 2:
+        raise bad("world_size", world_size, "an int >= 2 (trainers and inference ranks)",
+                  "Count every rank that sends or receives")  # fmt: skip
+    if not _integer(rank) or not 0 <= rank < world_size:
+        raise bad("rank", rank, f"an int in 0..{world_size - 1} (world_size={world_size})",
+                  "Give each process its own rank below world_size")  # fmt: skip
+    for what, value in (("timeout", timeout), ("beat", beat), ("dead_after", dead_after)):
+        if not _number(value) or not 0 < value < float("inf"):
+            raise bad(what, value, "a number of seconds > 0", "Pass a positive number")
+    if join_timeout is not None and (
+        not _number(join_timeout) or not 0 < join_timeout < float("inf")
+    ):
+        raise bad("join_timeout", join_timeout, "None or a number of seconds > 0",
+                  "Pass None for max(timeout, 60)")  # fmt: skip
+    if dead_after <= beat:
+        raise bad("dead_after", dead_after, f"more than beat={beat!r} (a peer is heard every beat "
+                  "seconds)", "Pass dead_after several times beat (default 3.0 and 0.2)")  # fmt: skip
+
+
 class SyncGroup:
     """Every rank of a sync job (trainers and inference ranks) constructs one with the same
     ``master_addr``/``master_port``, ``world_size`` and ``trainers`` (ranks that send); rank 0
@@ -106,8 +165,11 @@ class SyncGroup:
         ipc_device: str | torch.device = "cpu",
         ipc_buckets: int | str | None = "auto",
     ) -> None:
+        check_group_args(
+            master_addr, master_port, rank, world_size, timeout, join_timeout, beat, dead_after
+        )
         if links not in ("auto", "gloo", "shm", "ipc"):
-            raise SyncError(
+            raise PlanError(
                 f"links={links!r}: choose 'auto' (ipc where every rank shares this host's "
                 "memory, else gloo), 'gloo', or 'shm' or 'ipc' (one host, tensor handles)"
             )
@@ -120,7 +182,7 @@ class SyncGroup:
             or dev.type not in ("cpu", "cuda")
             or (dev.type == "cuda" and not torch.cuda.is_available())
         ):
-            raise SyncError(
+            raise PlanError(
                 f"ipc_device={str(ipc_device)!r}: the ipc link's buckets live in CPU shared "
                 "memory ('cpu') or on a CUDA device of this process ('cuda:N', needs CUDA)"
             )
@@ -130,7 +192,7 @@ class SyncGroup:
         if ipc_buckets is not None and (
             isinstance(ipc_buckets, bool) or not isinstance(ipc_buckets, int) or ipc_buckets < 2
         ):
-            raise SyncError(
+            raise PlanError(
                 f"ipc_buckets={ipc_buckets!r}: expected None (a bucket per bucket of a round), "
                 "an int >= 2 (a ring of that many reused buckets per link) or 'auto' "
                 "(DELTACKPT_IPC_BUCKETS, default 2)"
@@ -143,7 +205,7 @@ class SyncGroup:
         self.addr, self.rank, self.world_size = master_addr, int(rank), int(world_size)
         self.trainers = tuple(sorted(set(int(t) for t in trainers)))
         if not self.trainers or len(self.trainers) >= world_size or self.trainers[-1] >= world_size:
-            raise SyncError(
+            raise PlanError(
                 f"trainers={list(trainers)} for world_size={world_size}: need at least one "
                 "trainer and one inference rank, all in range"
             )

@@ -151,7 +151,7 @@ class WeightReceiver:
         pin: bool | str = "auto",
     ) -> None:
         if group.rank in group.trainers:
-            raise SyncError(f"rank {group.rank} is a trainer of the group; use WeightSender")
+            raise PlanError(f"rank {group.rank} is a trainer of the group; use WeightSender")
         if verify not in ("sent", "all"):
             raise PlanError(f"WeightReceiver(verify={verify!r}): expected 'sent' or 'all'")
         if not (isinstance(pin, bool) or pin == "auto"):

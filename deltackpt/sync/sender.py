@@ -125,13 +125,13 @@ class WeightSender:
         full_every: int | None = None,
     ) -> None:
         if group.rank not in group.trainers:
-            raise SyncError(f"rank {group.rank} is not a trainer of the group; use WeightReceiver")
+            raise PlanError(f"rank {group.rank} is not a trainer of the group; use WeightReceiver")
         if detect not in DETECTS:
-            raise SyncError(f"detect={detect!r}: choose 'hash' or 'version'")
+            raise PlanError(f"detect={detect!r}: choose 'hash' or 'version'")
         if encode not in ENCODES:
-            raise SyncError(f"encode={encode!r}: choose one of {sorted(ENCODES)}")
+            raise PlanError(f"encode={encode!r}: choose one of {sorted(ENCODES)}")
         if full_every is not None and int(full_every) < 1:
-            raise SyncError(f"full_every={full_every!r}: pass a number of rounds >= 1, or None")
+            raise PlanError(f"full_every={full_every!r}: pass a number of rounds >= 1, or None")
         self._detector = Detector(detect)
         self.dtype = dtype
         self.encode = encode
@@ -181,7 +181,7 @@ class WeightSender:
     @detect.setter
     def detect(self, mode: str) -> None:
         if mode not in DETECTS:
-            raise SyncError(f"detect={mode!r}: choose 'hash' or 'version'")
+            raise PlanError(f"detect={mode!r}: choose 'hash' or 'version'")
         self._detector.mode = mode
 
     def _setup(self, named_tensors: Mapping[str, torch.Tensor] | Iterable) -> None:

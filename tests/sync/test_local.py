@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from deltackpt import sync
+from deltackpt.errors import InvalidArgumentError
 from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.schedule import build_schedule
 from deltackpt.sync.schedule_decl import Decl, Held, expand_every, held_from
@@ -132,13 +134,38 @@ def test_roles_are_checked(pair: tuple[sync.SyncGroup, sync.SyncGroup]) -> None:
         ({"trainers": []}, "need at least one trainer"),
         ({"trainers": [0, 1]}, "need at least one trainer and one inference rank"),
         ({"trainers": [2]}, "all in range"),
+        ({"rank": 2}, r"SyncGroup\(rank=2\): expected an int in 0..1 \(world_size=2\)"),
+        ({"rank": -1}, r"rank=-1\): expected an int in 0..1"),
+        ({"rank": True}, r"rank=True\): expected an int"),
+        ({"world_size": 1}, r"world_size=1\): expected an int >= 2"),
+        ({"master_port": 0}, r"master_port=0\): expected a port in 1..65535"),
+        ({"master_port": "29500"}, r"master_port='29500'\): expected an int"),
+        ({"master_addr": ""}, r"master_addr=''\): expected a host name"),
+        ({"timeout": 0}, r"timeout=0\): expected a number of seconds > 0"),
+        ({"timeout": float("nan")}, r"timeout=nan\)"),
+        ({"join_timeout": -1}, r"join_timeout=-1\): expected None or a number"),
+        ({"beat": 1.0, "dead_after": 0.5}, r"dead_after=0.5\): expected more than beat=1.0"),
+        ({"ipc_buckets": 1}, r"ipc_buckets=1: expected None"),
     ],
 )
 def test_bad_group_arguments_raise_before_connecting(kwargs: dict[str, Any], match: str) -> None:
-    args: dict[str, Any] = {"trainers": [0], **kwargs}
-    with pytest.raises(sync.SyncError, match=match):
+    """Named, typed (a PlanError: also an InvalidArgumentError, as every bad argument of
+    deltackpt) and at once: a rank out of range used to wait out join_timeout (60 s) on a
+    group it could never join, then say it could not join."""
+    args: dict[str, Any] = {"master_addr": "127.0.0.1", "master_port": free_port(), "rank": 0,
+                            "world_size": 2, "trainers": [0], "timeout": 1.0, **kwargs}  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(sync.PlanError, match=match) as e:
         # a port nobody listens on: the arguments are checked before any connection
-        sync.SyncGroup("127.0.0.1", free_port(), 0, 2, timeout=1.0, **args)
+        sync.SyncGroup(**args)
+    assert isinstance(e.value, InvalidArgumentError) and isinstance(e.value, ValueError)
+    assert time.monotonic() - t0 < 10  # not a join that timed out
+
+
+def test_a_numpy_rank_and_port_are_integers() -> None:
+    from deltackpt.sync.group import check_group_args
+
+    check_group_args("127.0.0.1", np.int64(29500), np.int32(1), np.int64(2), 60.0, None, 0.2, 3.0)
 
 
 def test_bad_sender_arguments(pair: tuple[sync.SyncGroup, sync.SyncGroup]) -> None:
