@@ -8,6 +8,7 @@ A tensor travels as the dtype :func:`resolve_dtype` picks from the ``dtype=`` op
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,10 +16,38 @@ from deltackpt.errors import StoreFormatError, UnsupportedValueError
 from deltackpt.format.dtypes import dtype_from_name, dtype_name
 from deltackpt.sync.errors import PlanError
 
-__all__ = ["DtypeSpec", "resolve_dtype", "wire_dtype", "wire_name"]
+__all__ = ["DtypeSpec", "dtype_spec", "named_dtype", "resolve_dtype", "wire_dtype", "wire_name"]
 
 #: A dtype to cast floating-point tensors to, or ``f(name, dtype) -> dtype | None`` (None: keep).
 DtypeSpec = torch.dtype | Callable[[str, torch.dtype], torch.dtype | None] | None
+
+
+_SHORT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+def named_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype ``name`` spells (``"bfloat16"``, ``"torch.int8"``, ``"bf16"``), or None."""
+    name = name.strip().removeprefix("torch.")
+    dt = getattr(torch, _SHORT.get(name, name), None)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def dtype_spec(owner: str, spec: Any) -> DtypeSpec:
+    """``spec`` checked where it is given (``owner``: the constructor, for the message): None, a
+    floating torch dtype, a callable, or a floating dtype's name as torch and vLLM spell it
+    (``"bfloat16"``, ``"torch.float16"``, ``"half"``, ``"bf16"``: turned into the dtype); else
+    :class:`PlanError` naming it (it used to fail at the first round, as a ``TypeError`` of
+    the setup)."""
+    if spec is None or (callable(spec) and not isinstance(spec, (str, torch.dtype))):
+        return spec  # type: ignore[no-any-return]
+    dt = named_dtype(spec) if isinstance(spec, str) else spec
+    if isinstance(dt, torch.dtype) and dt.is_floating_point:
+        return dt
+    raise PlanError(
+        f"{owner}(dtype={spec!r}): expected None, a floating torch dtype (torch.bfloat16) or its "
+        "name ('bfloat16', 'float16', 'float32'), or f(name, dtype) -> dtype | None. It is the "
+        "dtype floating tensors travel as; pass None to keep each tensor's own"
+    )
 
 
 def resolve_dtype(spec: DtypeSpec, name: str, dtype: torch.dtype) -> torch.dtype:

@@ -35,7 +35,14 @@ from deltackpt.sync import patches, wire
 from deltackpt.sync.apply import Staged, Undo, Views, apply_round, revert
 from deltackpt.sync.device_delta import patched_digest_rows, read_patch_lazy
 from deltackpt.sync.device_digest import message_digest_rows, piece_digest
-from deltackpt.sync.dtypes import DtypeSpec, resolve_dtype, wire_dtype, wire_name
+from deltackpt.sync.dtypes import (
+    DtypeSpec,
+    dtype_spec,
+    named_dtype,
+    resolve_dtype,
+    wire_dtype,
+    wire_name,
+)
 from deltackpt.sync.errors import (
     DigestMismatchError,
     PeerLostError,
@@ -75,6 +82,27 @@ class Want:
     dtype: torch.dtype | None = None
     source: str | None = None
     into: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        def bad(what: str, expected: str) -> PlanError:
+            value = getattr(self, what)
+            return PlanError(
+                f"Want({self.name!r}, {what}={value!r}): expected {expected}, got "
+                f"{type(value).__name__}"
+            )
+
+        if not isinstance(self.name, str) or not self.name:
+            raise PlanError(f"Want(name={self.name!r}): expected the tensor's name (a str)")
+        if self.source is not None and (not isinstance(self.source, str) or not self.source):
+            raise bad("source", "None or a trainer tensor's name (a str)")
+        if self.box is not None and not isinstance(self.box, Box):
+            raise bad("box", "None (the whole tensor) or a Box (sync.shard_box)")
+        if isinstance(self.dtype, str):  # its name, as torch or vLLM spell it
+            self.dtype = named_dtype(self.dtype) or self.dtype
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise bad("dtype", "None, a torch dtype or its name ('bfloat16')")
+        if self.into is not None and not isinstance(self.into, torch.Tensor):
+            raise bad("into", "None or the tensor (a parameter) to write into")
 
 
 class WeightReceiver:
@@ -182,7 +210,7 @@ class WeightReceiver:
             raise PlanError("WeightReceiver(boxes=...) picks boxes of every tensor: pass no wants")
         self.boxes = boxes
         self.wants = [] if wants is None else list(wants)
-        self.dtype = dtype
+        self.dtype = dtype_spec("WeightReceiver", dtype)
         self.version: int | None = None
         self.schedule: Schedule | None = None
         self._epoch = -1

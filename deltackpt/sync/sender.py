@@ -52,7 +52,7 @@ from deltackpt.sync import delta_codec, wire
 from deltackpt.sync.detect import DETECTS, Detector
 from deltackpt.sync.device_digest import CHUNK, rows_on_host
 from deltackpt.sync.device_patches import DeviceBases, piece_finder
-from deltackpt.sync.dtypes import DtypeSpec, wire_dtype
+from deltackpt.sync.dtypes import DtypeSpec, dtype_spec, wire_dtype
 from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line, default_bucket_bytes
 from deltackpt.sync.host_mirror import HostMirror, mirrored_names, wire_casts
@@ -133,7 +133,7 @@ class WeightSender:
         if full_every is not None and int(full_every) < 1:
             raise PlanError(f"full_every={full_every!r}: pass a number of rounds >= 1, or None")
         self._detector = Detector(detect)
-        self.dtype = dtype
+        self.dtype = dtype_spec("WeightSender", dtype)
         self.encode = encode
         self.full_every = None if full_every is None else int(full_every)
         self._since_full = 0

@@ -174,6 +174,44 @@ def test_bad_sender_arguments(pair: tuple[sync.SyncGroup, sync.SyncGroup]) -> No
         sync.WeightSender(trainer, detect="sometimes")
 
 
+def test_a_dtype_is_checked_where_it_is_given_and_may_be_named(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup],
+) -> None:
+    """dtype="bfloat16" (vLLM's spelling) used to fail the first round's setup on that rank with
+    "'str' object is not callable", the other rank told only that the setup failed there."""
+    trainer, inference = pair
+    for name in ("bfloat16", "torch.bfloat16", "bf16", " bf16 "):
+        assert sync.WeightSender(trainer, dtype=name).dtype is torch.bfloat16
+    assert sync.WeightReceiver(inference, dtype="half").dtype is torch.float16
+    assert sync.WeightReceiver(inference, dtype=torch.float32).dtype is torch.float32
+    keep = sync.WeightSender(trainer, dtype=lambda n, d: None).dtype
+    assert callable(keep) and sync.WeightSender(trainer).dtype is None
+    for bad in ("bfloat", "int8", torch.int8, 16):
+        with pytest.raises(
+            sync.PlanError, match=r"WeightSender\(dtype=.*expected None, a floating"
+        ):
+            sync.WeightSender(trainer, dtype=bad)
+        with pytest.raises(InvalidArgumentError, match=r"WeightReceiver\(dtype="):
+            sync.WeightReceiver(inference, dtype=bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"name": ""}, r"Want\(name=''\): expected the tensor's name"),
+        ({"into": [1, 2]}, r"Want\('w', into=\[1, 2\]\): expected None or the tensor .*got list"),
+        ({"box": (0, 4)}, r"box=\(0, 4\)\): expected None \(the whole tensor\) or a Box"),
+        ({"dtype": "bfloat"}, r"dtype='bfloat'\): expected None, a torch dtype or its name"),
+        ({"source": 3}, r"source=3\): expected None or a trainer tensor's name"),
+    ],
+)
+def test_a_bad_want_is_refused_where_it_is_made(kwargs: dict[str, Any], match: str) -> None:
+    """Not at the first round: Want("w", into=[1, 2]) failed there with an AttributeError."""
+    with pytest.raises(sync.PlanError, match=match):
+        sync.Want(**{"name": "w", **kwargs})
+    assert sync.Want("w", dtype="int8").dtype is torch.int8  # a name is its dtype
+
+
 def test_bucket_bytes_must_agree_on_every_rank(
     pair: tuple[sync.SyncGroup, sync.SyncGroup],
 ) -> None:
