@@ -203,6 +203,24 @@ def rl_step(model: torch.nn.Module, share: float, gen: torch.Generator) -> None:
             p[mask] += (torch.randn(p.shape, generator=gen) * 0.01).to(p.dtype)[mask]
 
 
+class Untouchable:
+    """A client that must never be called: any use of it is recorded as the failure."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the client's {name} was used")
+
+
+def refused_init(factory: Any, info_cls: Any) -> dict[str, Any]:
+    """``trainer_init`` with a dtype no torch has, through vLLM's factory: refused before the
+    engine is asked anything (``init_args.py``)."""
+    try:
+        info = info_cls(rank=0, master_port=free_port(), dtype="bf16x")
+        factory.trainer_init(info, client=Untouchable())
+        return {"raised": None}
+    except Exception as e:  # what it raised, for the test to read
+        return {"raised": type(e).__name__, "message": str(e)}
+
+
 def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
@@ -211,6 +229,7 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
     from deltackpt.sync import SyncError
 
+    bad_init = {} if short else refused_init(WeightTransferTrainerFactory, DeltackptTrainerInitInfo)
     tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-")
     tiny_qwen2(0).save_pretrained(f"{tmp}/start")  # the engine starts from other weights
     trainer = tiny_qwen2(1)
@@ -222,6 +241,7 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     # the links the group took (links="auto": its choice) and why
     res: dict[str, Any] = {"rounds": [], "asked": links, "links": eng.group.links}
     res["links_reason"] = eng.group.links_reason
+    res["bad_init"] = bad_init
     gen = torch.Generator().manual_seed(2)
 
     def check(tag: str, stats: Any) -> None:

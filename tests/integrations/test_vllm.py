@@ -106,6 +106,12 @@ def test_every_parameter_reports_its_path(either):
     assert paths["model.embed_tokens.weight"]["layout"] == "whole"
 
 
+def test_a_bad_init_info_is_refused_before_the_engine_is_asked_anything(run):
+    bad = run["bad_init"]  # trainer_init with dtype="bf16x" and a client that must not be used
+    assert bad["raised"] == "PlanError", bad
+    assert "DeltackptTrainerInitInfo(dtype='bf16x')" in bad["message"], bad
+
+
 def test_first_round_is_full_then_element_sparse_patches(run):
     rs = rounds(run)
     assert rs["full"]["full"] and rs["full"]["worker"]["patched"] == 0

@@ -32,6 +32,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from deltackpt.integrations.vllm import BACKEND, register
 from deltackpt.integrations.vllm.fairlock import FairLock
+from deltackpt.integrations.vllm.init_args import check_trainer_init
 from deltackpt.sync import PlanError, RoundStats, SyncGroup, WeightSender
 from deltackpt.sync.schedule_decl import Held, held_from
 
@@ -183,8 +184,7 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         client: Any,
         source: WeightSource | None = None,
     ) -> DeltackptTrainerEngine:
-        if not init_info.master_port:
-            raise ValueError("DeltackptTrainerInitInfo: pass master_port (a free TCP port)")
+        dtype = check_trainer_init(init_info)  # before anything is sent (init_args.py)
         eng = cls(client=client, source=source, is_sender=init_info.is_sender)
         n = eng.num_trainers = int(init_info.num_trainers)
         eng._end_stale = init_info.end_stale_update and int(init_info.num_workers) == 1
@@ -220,7 +220,6 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         )
         if joined is not None:
             joined.result()
-        dtype = None if init_info.dtype is None else getattr(torch, init_info.dtype)
         eng.sender = WeightSender(
             eng.group,
             dtype=dtype,
