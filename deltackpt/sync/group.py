@@ -318,7 +318,13 @@ class SyncGroup:
 
     def reconnect(self, master_port: int) -> None:
         """After a failure: abandon the old group and store, join new ones on ``master_port``
-        (every surviving rank and every replacement process, with the same port)."""
+        (every surviving rank and every replacement process, with the same port). A port that
+        cannot be one raises :class:`PlanError` before anything is torn down."""
+        if not _integer(master_port) or not 0 < master_port < 65536:
+            raise PlanError(
+                f"reconnect(master_port={master_port!r}): expected a port in 1..65535 (an int); "
+                "the group was left as it is. Pass the new free port every rank agreed on"
+            )
         self._stop.set()
         if self._host is not None:
             self._host.unlink()

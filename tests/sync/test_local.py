@@ -162,6 +162,20 @@ def test_bad_group_arguments_raise_before_connecting(kwargs: dict[str, Any], mat
     assert time.monotonic() - t0 < 10  # not a join that timed out
 
 
+def test_a_bad_reconnect_port_leaves_the_group_as_it_is(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup],
+) -> None:
+    trainer, inference = pair
+    for bad in (0, "29500", 70000, None):
+        with pytest.raises(sync.PlanError, match=r"reconnect\(master_port=.*the group was left"):
+            trainer.reconnect(bad)  # type: ignore[arg-type]
+    assert trainer.epoch == 0
+    s, r = sync.WeightSender(trainer), sync.WeightReceiver(inference)  # still one group
+    out = run_threads(lambda: s.push({"w": torch.ones(4)}, version=1), r.pull)
+    assert not any(isinstance(o, BaseException) for o in out), out
+    assert r.version == 1
+
+
 def test_a_numpy_rank_and_port_are_integers() -> None:
     from deltackpt.sync.group import check_group_args
 
