@@ -100,10 +100,11 @@ def begin(
     """Validate a save's arguments (shared by save and async_save)."""
     t0 = time.perf_counter()
     opts = SaveOptions.from_kwargs(options, kwargs)
+    validate_name(name)  # before the store: a new one would be created for nothing
+    meta = check_metadata(metadata)
     st = open_store(store, storage_options=storage_options)
-    validate_name(name)
     opts = opts.for_storage(remote=st.storage.remote)
-    return SaveRequest(st, name, opts, check_metadata(metadata), t0)
+    return SaveRequest(st, name, opts, meta, t0)
 
 
 def check_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:

@@ -312,6 +312,18 @@ CASES: list[tuple[str, Call, type[Exception], tuple[type[BaseException], ...], t
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_a_bad_name_or_metadata_creates_no_store(tmp_path: Path, how: str) -> None:
+    """A save into a new directory refused for its name or metadata leaves no store behind
+    (the store was created, then the name refused: an empty store where none was asked for)."""
+    call = getattr(deltackpt, how)
+    for kwargs in ({"name": "../up"}, {"name": "x", "metadata": {1: "a"}}):
+        new = tmp_path / f"new-{len(kwargs)}"
+        with pytest.raises((InvalidNameError, InvalidArgumentError)):
+            call(SMALL, new, **kwargs)
+        assert not new.exists(), sorted(p.name for p in new.rglob("*"))
+
+
 def _with_env(var: str, value: str, store: Path) -> object:
     with overrides(**{var: value}):
         return deltackpt.save(SMALL, store, "x")
