@@ -111,14 +111,16 @@ class StoreWriter(StorageWriter):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        self.store = open_store(store)
         if name is not None:
             validate_name(name)
         self.name = name
         self.options = _save_options(options, kwargs, overwrite, thread_count, sync_files)
         self.user_metadata = _check_metadata(metadata)
         if DCP_KEY in self.user_metadata:
-            raise ValueError(f"metadata key {DCP_KEY!r} is reserved for the DCP plug-in")
+            raise InvalidArgumentError(
+                f"StoreWriter(metadata={{{DCP_KEY!r}: ...}}): the key {DCP_KEY!r} is reserved for "
+                "the DCP plug-in's own record; rename yours"
+            )
         self.single_file_per_rank = _flag("single_file_per_rank", single_file_per_rank)
         self.cache_staged_state_dict = _flag("cache_staged_state_dict", cache_staged_state_dict)
         if not isinstance(per_thread_copy_ahead, int) or per_thread_copy_ahead < 0:
@@ -127,6 +129,8 @@ class StoreWriter(StorageWriter):
                 "expected an int >= 0 (it is accepted for DCP's sake and ignored)"
             )
         self.per_thread_copy_ahead = per_thread_copy_ahead
+        # last: every argument checked before a new store is created for this writer
+        self.store = open_store(store)
         self._init_save()
 
     def _init_save(self) -> None:

@@ -141,6 +141,20 @@ def test_every_filesystemwriter_and_reader_argument_is_accepted(tmp_path: Path) 
         StoreReader(store, "a", _extension_registry=object())
 
 
+def test_a_refused_writer_creates_no_store(tmp_path: Path) -> None:
+    """Every argument is checked before the writer opens (and so creates) its store."""
+    from deltackpt.dcp.writer import DCP_KEY
+
+    new = tmp_path / "new"
+    for kwargs in ({"name": "../up"}, {"name": "a", "bogus": 1},
+                   {"name": "a", "metadata": {DCP_KEY: 1}}, {"name": "a", "thread_count": 0}):  # fmt: skip
+        with pytest.raises((InvalidArgumentError, ValueError)) as e:
+            StoreWriter(new, **kwargs)
+        assert isinstance(e.value, deltackpt.errors.DeltackptError), repr(e.value)
+        assert not new.exists(), kwargs
+    assert StoreWriter(new, "a").store is not None and new.exists()
+
+
 def _big_state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {f"t{i}": torch.randn(64 << 10, generator=g) for i in range(32)}  # 128 chunks
