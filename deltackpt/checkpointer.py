@@ -30,7 +30,7 @@ from deltackpt.api import async_save, save
 from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
 from deltackpt.format.manifest import Manifest
 from deltackpt.format.policy import MAX_CHAIN
-from deltackpt.options import default_lock_timeout
+from deltackpt.options import SaveOptions, default_lock_timeout
 from deltackpt.resume import chosen_by_rank0, restore_state
 from deltackpt.saving.chains import bounded_chains
 from deltackpt.saving.engine import SaveHandle
@@ -174,6 +174,7 @@ class Checkpointer:
             _positive("keep_last", keep_last, "keep_last=3, or None to keep every snapshot")
         if keep_every is not None:
             _positive("keep_every", keep_every, "keep_every=1000, or None")
+        _check_save_options(save_options)
         self.name_format = name_format
         self._check_name_format()
         distributed = save_options.get("process_group") is not None
@@ -611,6 +612,20 @@ def _open(store: Any, storage_options: Any, sole_writer: bool, distributed: bool
         )
     storage = FsspecStorage(root, storage_options, no_concurrent_saves=True)
     return open_store(root, storage=storage)
+
+
+def _check_save_options(save_options: dict[str, Any]) -> None:
+    """The ``**save_options`` a checkpointer hands every save, checked when it is made (they were
+    first read at the first save, after the store had been created): save's options, its
+    ``options=`` and ``process_group=``; not what the checkpointer sets itself."""
+    for key in ("metadata", "overwrite"):
+        if key in save_options:
+            raise InvalidArgumentError(
+                f"Checkpointer({key}=...): the checkpointer sets {key} itself (the step and its "
+                "name format; it rewrites only its own names); leave it out"
+            )
+    fields = {k: v for k, v in save_options.items() if k not in ("options", "process_group")}
+    SaveOptions.from_kwargs(save_options.get("options"), fields)
 
 
 def _positive(name: str, value: Any, example: str) -> None:

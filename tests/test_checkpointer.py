@@ -186,6 +186,20 @@ def test_reserved_rng_key_and_bad_arguments_are_refused(store_dir: Path) -> None
         ckpt.save(-1, {})
 
 
+def test_save_options_are_checked_when_the_checkpointer_is_made(tmp_path: Path) -> None:
+    """Not at the first save, after the store was created (Checkpointer(d, bogus=1) made d)."""
+    for kwargs, needle in (({"bogus": 1}, "unknown option(s) ['bogus']"),
+                           ({"threads": 0}, "threads=0"),
+                           ({"metadata": {"a": 1}}, "sets metadata itself"),
+                           ({"overwrite": False}, "sets overwrite itself")):  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+            deltackpt.Checkpointer(tmp_path / "new", **kwargs)
+        assert not (tmp_path / "new").exists()
+    ok = deltackpt.Checkpointer(tmp_path / "new", every=1, async_=False, threads=1, fsync=False)
+    ok.save(0, {"w": torch.ones(2)})
+    assert names(tmp_path / "new") == ["step-00000000"]
+
+
 def test_rng_false_saves_and_restores_no_rng(store_dir: Path) -> None:
     with deltackpt.Checkpointer(store_dir, every=1, async_=False, rng=False) as ckpt:
         ckpt.save(0, {"w": torch.ones(1)})
