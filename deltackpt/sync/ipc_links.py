@@ -61,9 +61,10 @@ import base64
 import json
 import re
 import shutil
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -91,6 +92,26 @@ _NAME = re.compile(r"/torch_\d+_\d+_\d+")
 # ---- handles ------------------------------------------------------------------------------
 
 
+#: how often a call that registers shared memory with PyTorch's manager is tried (its answer is
+#: awaited for 1 s a try: libshm's socket; a busy host misses that now and then)
+MANAGER_TRIES = 5
+_T = TypeVar("_T")
+
+
+def with_manager(call: Callable[[], _T]) -> _T:
+    """``call()``, tried again when PyTorch's shared-memory manager did not answer in time.
+    (Each try names a new file; a registration whose answer came late is answered before the
+    next one, in order, and the manager removes its files when this process exits.)"""
+    for attempt in range(MANAGER_TRIES):
+        try:
+            return call()
+        except RuntimeError as e:
+            if "manager connection has timed out" not in str(e) or attempt == MANAGER_TRIES - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def share(nbytes: int, device: torch.device) -> torch.Tensor:
     """A 1-D uint8 tensor of ``nbytes`` another process can map through :func:`tensor_handle`:
     CPU shared memory (PyTorch's file_system strategy), or device memory on CUDA. Memory the
@@ -108,7 +129,7 @@ def share(nbytes: int, device: torch.device) -> torch.Tensor:
             ) from e
     t = torch.empty(nbytes, dtype=torch.uint8)
     try:
-        t.untyped_storage()._share_filename_cpu_()
+        with_manager(t.untyped_storage()._share_filename_cpu_)
     except RuntimeError as e:
         if "shared memory" not in str(e):
             raise
@@ -162,8 +183,10 @@ def open_handle(raw: bytes, numel: int, what: str) -> torch.Tensor:
     name, size, offset = str(doc["name"]), int(doc["storage"]), int(doc["offset"])
     if kind != "cpu" or not _NAME.fullmatch(name) or not 0 <= offset <= size - numel:
         raise PeerLostError(f"{what}: a handle that is not a bucket of this link: {doc}")
-    storage = torch.UntypedStorage._new_shared_filename_cpu(
-        str(doc["manager"]).encode(), name.encode(), size
+    storage = with_manager(
+        lambda: torch.UntypedStorage._new_shared_filename_cpu(
+            str(doc["manager"]).encode(), name.encode(), size
+        )
     )
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
     return rebuild_tensor(torch.Tensor, typed, (offset, (numel,), (1,), False))

@@ -1002,6 +1002,51 @@ def test_a_host_lock_collected_inside_a_real_graph_capture_keeps_the_capture() -
     assert not t.is_pinned() and cuda._DEFERRED == []
 
 
+def test_a_shared_memory_manager_that_answers_late_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PyTorch's manager is given 1 s to answer each registration (libshm's socket); on a busy
+    host it missed that once in the suite ("Shared memory manager connection has timed out"
+    from a trainer's first bucket), failing the round. A bucket and a mapping are tried again,
+    a few times; another error is not."""
+    from deltackpt.sync import ipc_links
+    from deltackpt.sync.ipc_links import open_handle, share, tensor_handle
+
+    late = RuntimeError("Shared memory manager connection has timed out")
+    real_share = torch.UntypedStorage._share_filename_cpu_
+    real_open = torch.UntypedStorage._new_shared_filename_cpu
+    calls = {"share": 0, "open": 0}
+
+    def share_late(self: Any) -> Any:
+        calls["share"] += 1
+        if calls["share"] <= 2:
+            raise late
+        return real_share(self)
+
+    def open_late(*args: Any) -> Any:
+        calls["open"] += 1
+        if calls["open"] == 1:
+            raise late
+        return real_open(*args)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", share_late)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_filename_cpu", open_late)
+    t = share(4096, torch.device("cpu"))
+    assert t.is_shared() and calls["share"] == 3
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", real_share)
+    mapped = open_handle(tensor_handle(t), 4096, "ipc link 0->1 bucket 0")
+    t[:3] = torch.tensor([7, 8, 9], dtype=torch.uint8)
+    assert mapped[:3].tolist() == [7, 8, 9] and calls["open"] == 2
+
+    def never(self: Any) -> Any:
+        raise late
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", never)
+    monkeypatch.setattr(ipc_links.time, "sleep", lambda s: None)
+    with pytest.raises(RuntimeError, match="timed out"):
+        share(4096, torch.device("cpu"))  # given up after MANAGER_TRIES
+
+
 def test_shared_memory_without_room_is_a_plan_error_that_says_what_to_change(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
