@@ -58,7 +58,7 @@ from deltackpt.sync.rounds import (
     payload_start,
     setup_schedule,
 )
-from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer
+from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer, check_sizes
 from deltackpt.sync.schedule_decl import Box, Decl, Wanted, decl_from_json
 from deltackpt.sync.spill import UndoSpill, open_spill
 
@@ -180,6 +180,16 @@ class WeightReceiver:
     ) -> None:
         if group.rank in group.trainers:
             raise PlanError(f"rank {group.rank} is a trainer of the group; use WeightSender")
+        check_sizes("WeightReceiver", bucket_bytes, align)
+        if apply_threads is not None and (
+            isinstance(apply_threads, bool)
+            or not isinstance(apply_threads, int)
+            or apply_threads < 1
+        ):
+            raise PlanError(
+                f"WeightReceiver(apply_threads={apply_threads!r}): expected None (up to 4, one "
+                "per core) or an int >= 1"
+            )
         if verify not in ("sent", "all"):
             raise PlanError(f"WeightReceiver(verify={verify!r}): expected 'sent' or 'all'")
         if not (isinstance(pin, bool) or pin == "auto"):

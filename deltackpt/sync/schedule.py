@@ -31,7 +31,15 @@ from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.errors import PlanError
 from deltackpt.sync.schedule_decl import Box, Decl, Wanted
 
-__all__ = ["Link", "LinkBucket", "SchedTensor", "Schedule", "Transfer", "build_schedule"]
+__all__ = [
+    "Link",
+    "LinkBucket",
+    "SchedTensor",
+    "Schedule",
+    "Transfer",
+    "build_schedule",
+    "check_sizes",
+]
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,26 @@ def split_box(box: Box, itemsize: int, limit: int) -> list[Box]:
         sub = Box(off, size)
         out.extend([sub] if row <= limit else split_box(sub, itemsize, limit))
     return out
+
+
+def check_sizes(owner: str, bucket_bytes: object, align: object) -> None:
+    """A sender's or receiver's ``bucket_bytes`` (None: its links' default) and ``align``, checked
+    where they are given: :class:`PlanError` naming the one that cannot be (the first round
+    checks them again, with every rank's, which must agree)."""
+
+    def whole(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not whole(align) or align < 16 or align & (align - 1):  # type: ignore[operator]
+        raise PlanError(
+            f"{owner}(align={align!r}): expected a power of two >= 16 (bytes; 64 by default, the "
+            "same on every rank)"
+        )
+    if bucket_bytes is not None and (not whole(bucket_bytes) or bucket_bytes < align):  # type: ignore[operator]
+        raise PlanError(
+            f"{owner}(bucket_bytes={bucket_bytes!r}): expected None (the links' default: 64 MiB, "
+            f"256 MiB on ipc links) or an int of bytes >= align={align}, the same on every rank"
+        )
 
 
 class Schedule:

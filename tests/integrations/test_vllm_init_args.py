@@ -43,7 +43,7 @@ def test_the_defaults_and_good_values_pass() -> None:
         ({"rank": 1}, r"rank=1\): expected this trainer's rank, an int in 0..0"),
         ({"links": "nccl"}, r"links='nccl'\): expected one of"),
         ({"timeout": 0}, r"SyncGroup\(timeout=0\)"),
-        ({"bucket_bytes": 0}, r"bucket_bytes=0\): expected an int >= 1"),
+        ({"bucket_bytes": 32}, r"\(bucket_bytes=32\): expected None .* >= align=64"),
         ({"full_every": 0}, r"full_every=0\): expected None or a number of rounds"),
         ({"staging": "arena"}, r"staging='arena'\): expected None or one of \('ring', 'round'\)"),
         ({"undo_dir": ""}, r"undo_dir=''\): expected None, a directory or 'memory'"),

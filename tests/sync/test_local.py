@@ -188,6 +188,31 @@ def test_bad_sender_arguments(pair: tuple[sync.SyncGroup, sync.SyncGroup]) -> No
         sync.WeightSender(trainer, detect="sometimes")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bucket_bytes": "64M"}, r"\(bucket_bytes='64M'\): expected None .* an int of bytes"),
+        ({"bucket_bytes": 32}, r"\(bucket_bytes=32\): expected .* >= align=64"),
+        ({"bucket_bytes": 1.5e6}, r"\(bucket_bytes=1500000.0\)"),
+        ({"align": 100}, r"\(align=100\): expected a power of two >= 16"),
+        ({"align": 8}, r"\(align=8\)"),
+    ],
+)
+def test_sizes_are_checked_where_they_are_given(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup], kwargs: dict[str, Any], match: str
+) -> None:
+    """Not only at the first round (where every rank's must also agree)."""
+    trainer, inference = pair
+    with pytest.raises(sync.PlanError, match="WeightSender" + match):
+        sync.WeightSender(trainer, **kwargs)
+    with pytest.raises(sync.PlanError, match="WeightReceiver" + match):
+        sync.WeightReceiver(inference, **kwargs)
+    with pytest.raises(sync.PlanError, match=r"zero_copy_min='big'\): expected None"):
+        sync.WeightSender(trainer, zero_copy_min="big")
+    with pytest.raises(sync.PlanError, match=r"apply_threads=0\): expected None"):
+        sync.WeightReceiver(inference, apply_threads=0)
+
+
 def test_a_dtype_is_checked_where_it_is_given_and_may_be_named(
     pair: tuple[sync.SyncGroup, sync.SyncGroup],
 ) -> None:

@@ -19,6 +19,7 @@ from deltackpt.options import VLLM_STAGINGS
 from deltackpt.sync import PlanError
 from deltackpt.sync.dtypes import dtype_spec
 from deltackpt.sync.group import check_group_args
+from deltackpt.sync.schedule import check_sizes
 
 __all__ = ["check_trainer_init"]
 
@@ -52,8 +53,9 @@ def check_trainer_init(info: Any) -> torch.dtype | None:
         raise _bad("links", info.links, f"one of {LINKS}")
     check_group_args(info.master_addr, info.master_port, rank, n + int(info.num_workers),
                      info.timeout, None, 0.2, 3.0)  # fmt: skip
-    if not _count(info.bucket_bytes):
-        raise _bad("bucket_bytes", info.bucket_bytes, "an int >= 1 (bytes; the same everywhere)")
+    check_sizes(
+        "DeltackptTrainerInitInfo", info.bucket_bytes, 64
+    )  # the sender's and workers' align
     if info.full_every is not None and not _count(info.full_every):
         raise _bad("full_every", info.full_every, "None or a number of rounds >= 1")
     if info.staging is not None and info.staging not in VLLM_STAGINGS:
