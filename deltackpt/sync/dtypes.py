@@ -38,7 +38,7 @@ def dtype_spec(owner: str, spec: Any) -> DtypeSpec:
     (``"bfloat16"``, ``"torch.float16"``, ``"half"``, ``"bf16"``: turned into the dtype); else
     :class:`PlanError` naming it (it used to fail at the first round, as a ``TypeError`` of
     the setup)."""
-    if spec is None or (callable(spec) and not isinstance(spec, (str, torch.dtype))):
+    if spec is None or callable(spec):  # (a dtype and a str are not callable)
         return spec  # type: ignore[no-any-return]
     dt = named_dtype(spec) if isinstance(spec, str) else spec
     if isinstance(dt, torch.dtype) and dt.is_floating_point:

@@ -46,9 +46,13 @@ from deltackpt.sync.errors import (
 from deltackpt.sync.ipc_links import IpcLinks
 from deltackpt.sync.link_choice import choose_links, shm_need
 from deltackpt.sync.peers import pid_alive, pid_space
+from deltackpt.sync.schedule import is_integer
 from deltackpt.sync.shm_links import ShmLinks
 
-__all__ = ["SyncGroup", "cause_line"]
+__all__ = ["LINKS", "SyncGroup", "cause_line"]
+
+#: what ``SyncGroup(links=)`` takes
+LINKS = ("auto", "gloo", "shm", "ipc")
 
 T = TypeVar("T")
 _JOIN_ATTEMPT_S = 5.0  # seconds of one attempt to connect to the store while joining
@@ -83,11 +87,6 @@ def _number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _integer(value: Any) -> bool:
-    """An int, or an integer type that says it is one (numpy's), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def check_group_args(
     master_addr: Any,
     master_port: Any,
@@ -108,14 +107,14 @@ def check_group_args(
     if not isinstance(master_addr, str) or not master_addr:
         raise bad("master_addr", master_addr, "a host name or address (str)",
                   "Pass rank 0's host, e.g. '127.0.0.1'")  # fmt: skip
-    if not _integer(master_port):
+    if not is_integer(master_port):
         raise bad("master_port", master_port, "an int", "Pass the port rank 0's store listens on")
     if not 0 < master_port < 65536:
         raise bad("master_port", master_port, "a port in 1..65535", "Pass a free port")
-    if not _integer(world_size) or world_size < 2:
+    if not is_integer(world_size) or world_size < 2:
         raise bad("world_size", world_size, "an int >= 2 (trainers and inference ranks)",
                   "Count every rank that sends or receives")  # fmt: skip
-    if not _integer(rank) or not 0 <= rank < world_size:
+    if not is_integer(rank) or not 0 <= rank < world_size:
         raise bad("rank", rank, f"an int in 0..{world_size - 1} (world_size={world_size})",
                   "Give each process its own rank below world_size")  # fmt: skip
     for what, value in (("timeout", timeout), ("beat", beat), ("dead_after", dead_after)):
@@ -168,7 +167,7 @@ class SyncGroup:
         check_group_args(
             master_addr, master_port, rank, world_size, timeout, join_timeout, beat, dead_after
         )
-        if links not in ("auto", "gloo", "shm", "ipc"):
+        if links not in LINKS:
             raise PlanError(
                 f"links={links!r}: choose 'auto' (ipc where every rank shares this host's "
                 "memory, else gloo), 'gloo', or 'shm' or 'ipc' (one host, tensor handles)"
@@ -320,7 +319,7 @@ class SyncGroup:
         """After a failure: abandon the old group and store, join new ones on ``master_port``
         (every surviving rank and every replacement process, with the same port). A port that
         cannot be one raises :class:`PlanError` before anything is torn down."""
-        if not _integer(master_port) or not 0 < master_port < 65536:
+        if not is_integer(master_port) or not 0 < master_port < 65536:
             raise PlanError(
                 f"reconnect(master_port={master_port!r}): expected a port in 1..65535 (an int); "
                 "the group was left as it is. Pass the new free port every rank agreed on"

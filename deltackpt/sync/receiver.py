@@ -58,7 +58,7 @@ from deltackpt.sync.rounds import (
     payload_start,
     setup_schedule,
 )
-from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer, check_sizes
+from deltackpt.sync.schedule import LinkBucket, Schedule, Transfer, check_sizes, is_integer
 from deltackpt.sync.schedule_decl import Box, Decl, Wanted, decl_from_json
 from deltackpt.sync.spill import UndoSpill, open_spill
 
@@ -181,11 +181,7 @@ class WeightReceiver:
         if group.rank in group.trainers:
             raise PlanError(f"rank {group.rank} is a trainer of the group; use WeightSender")
         check_sizes("WeightReceiver", bucket_bytes, align)
-        if apply_threads is not None and (
-            isinstance(apply_threads, bool)
-            or not isinstance(apply_threads, int)
-            or apply_threads < 1
-        ):
+        if apply_threads is not None and (not is_integer(apply_threads) or apply_threads < 1):
             raise PlanError(
                 f"WeightReceiver(apply_threads={apply_threads!r}): expected None (up to 4, one "
                 "per core) or an int >= 1"

@@ -22,6 +22,7 @@ and derives the part it needs, so the schedule itself is never sent.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ __all__ = [
     "Transfer",
     "build_schedule",
     "check_sizes",
+    "is_integer",
 ]
 
 
@@ -112,20 +114,22 @@ def split_box(box: Box, itemsize: int, limit: int) -> list[Box]:
     return out
 
 
+def is_integer(value: object) -> bool:
+    """An int, or an integer type that says it is one (numpy's), not a bool: what a count, a
+    size, a rank or a port of weight sync may be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_sizes(owner: str, bucket_bytes: object, align: object) -> None:
-    """A sender's or receiver's ``bucket_bytes`` (None: its links' default) and ``align``, checked
-    where they are given: :class:`PlanError` naming the one that cannot be (the first round
-    checks them again, with every rank's, which must agree)."""
-
-    def whole(v: object) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    if not whole(align) or align < 16 or align & (align - 1):  # type: ignore[operator]
+    """``bucket_bytes`` (None: the links' default) and ``align`` of a sender, a receiver or a
+    schedule: :class:`PlanError` naming the one that cannot be (a schedule also checks that
+    every rank's agree)."""
+    if not is_integer(align) or align < 16 or align & (align - 1):  # type: ignore[operator]
         raise PlanError(
             f"{owner}(align={align!r}): expected a power of two >= 16 (bytes; 64 by default, the "
             "same on every rank)"
         )
-    if bucket_bytes is not None and (not whole(bucket_bytes) or bucket_bytes < align):  # type: ignore[operator]
+    if bucket_bytes is not None and (not is_integer(bucket_bytes) or bucket_bytes < align):  # type: ignore[operator]
         raise PlanError(
             f"{owner}(bucket_bytes={bucket_bytes!r}): expected None (the links' default: 64 MiB, "
             f"256 MiB on ipc links) or an int of bytes >= align={align}, the same on every rank"
@@ -136,11 +140,7 @@ class Schedule:
     """The schedule of one sync job. Build with :func:`build_schedule`."""
 
     def __init__(self, decls: Sequence[Decl], bucket_bytes: int, align: int) -> None:
-        if bucket_bytes < align or align < 16 or align & (align - 1):
-            raise PlanError(
-                f"bucket_bytes={bucket_bytes} align={align}: align must be a power of two "
-                ">= 16 and bucket_bytes >= align"
-            )
+        check_sizes("build_schedule", bucket_bytes, align)
         self.bucket_bytes, self.align = int(bucket_bytes), int(align)
         ds = sorted(decls, key=lambda d: d.rank)
         if [d.rank for d in ds] != list(range(len(ds))):

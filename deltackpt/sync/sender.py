@@ -63,7 +63,7 @@ from deltackpt.sync.rounds import (
     message_bytes,
     setup_schedule,
 )
-from deltackpt.sync.schedule import LinkBucket, Schedule, check_sizes
+from deltackpt.sync.schedule import LinkBucket, Schedule, check_sizes, is_integer
 from deltackpt.sync.schedule_decl import Decl, Held, held_from
 
 __all__ = ["WeightSender"]
@@ -131,9 +131,7 @@ class WeightSender:
         if encode not in ENCODES:
             raise PlanError(f"encode={encode!r}: choose one of {sorted(ENCODES)}")
         check_sizes("WeightSender", bucket_bytes, align)
-        if zero_copy_min is not None and (
-            isinstance(zero_copy_min, bool) or not isinstance(zero_copy_min, int)
-        ):
+        if zero_copy_min is not None and not is_integer(zero_copy_min):
             raise PlanError(
                 f"WeightSender(zero_copy_min={zero_copy_min!r}): expected None (never) or an int "
                 "of bytes (pieces at least that large go zero-copy on gloo)"

@@ -10,7 +10,6 @@ the fix. No vLLM import: the checks run (and are tested) without it.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
@@ -18,12 +17,10 @@ import torch
 from deltackpt.options import VLLM_STAGINGS
 from deltackpt.sync import PlanError
 from deltackpt.sync.dtypes import dtype_spec
-from deltackpt.sync.group import check_group_args
-from deltackpt.sync.schedule import check_sizes
+from deltackpt.sync.group import LINKS, check_group_args
+from deltackpt.sync.schedule import check_sizes, is_integer
 
 __all__ = ["check_trainer_init"]
-
-LINKS = ("auto", "gloo", "shm", "ipc")
 
 
 def _bad(field: str, value: Any, expected: str) -> PlanError:
@@ -34,7 +31,7 @@ def _bad(field: str, value: Any, expected: str) -> PlanError:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+    return is_integer(value) and value >= 1
 
 
 def check_trainer_init(info: Any) -> torch.dtype | None:
@@ -47,7 +44,7 @@ def check_trainer_init(info: Any) -> torch.dtype | None:
             raise _bad(field, getattr(info, field), "an int >= 1")
     n = int(info.num_trainers)
     rank = info.rank
-    if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < n:
+    if not is_integer(rank) or not 0 <= rank < n:
         raise _bad("rank", rank, f"this trainer's rank, an int in 0..{n - 1} (num_trainers={n})")
     if info.links not in LINKS:
         raise _bad("links", info.links, f"one of {LINKS}")
