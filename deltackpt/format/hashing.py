@@ -7,6 +7,7 @@ enough for content addressing of non-adversarial data, and is what the format sp
 from __future__ import annotations
 
 import numpy as np
+import torch
 import xxhash
 
 DIGEST_NAME = "xxh3-128"
@@ -17,3 +18,9 @@ def digest(buf: memoryview | bytes | bytearray | np.ndarray) -> str:
     if isinstance(buf, np.ndarray):
         buf = memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
     return xxhash.xxh3_128_hexdigest(buf)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """The xxh3-128 hex digest of ``t``'s bytes in its own dtype, C order (on the host)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return digest(flat.view(torch.uint8).numpy()) if flat.numel() else digest(b"")

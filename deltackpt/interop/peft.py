@@ -85,28 +85,7 @@ def export_peft(
         )
     out = Path(out_dir)
     with open_snapshot(store, name) as snap:
-        names = _state_names(snap.keys(), key, snap.name)
-        cfg = config if config is not None else snap.metadata.get(METADATA_KEY)
-        if cfg is None:
-            raise InvalidArgumentError(
-                f"export_peft of snapshot {snap.name!r}: no LoRA config. Pass config= (the "
-                "LoraConfig the model was built with, or its to_dict()), or save it with the "
-                f"snapshot: deltackpt.save(..., metadata={{{METADATA_KEY!r}: "
-                "deltackpt.interop.peft.peft_config_dict(cfg)})"
-            )
-        cfg_doc = peft_config_dict(cfg)
-        if cfg_doc.get("bias", "none") != "none":
-            raise InvalidArgumentError(
-                f"export_peft: LoRA config bias={cfg_doc.get('bias')!r} is not supported (only "
-                "'none'); export the model with export_hf and the bias terms with it"
-            )
-        adapter = adapter_keys(list(names), adapter_name)
-        if not adapter:
-            raise StateKeyError(
-                f"snapshot {snap.name!r} holds no tensors of adapter {adapter_name!r} under "
-                f"key={key!r} (no '...lora_*.{adapter_name}...' or 'modules_to_save."
-                f"{adapter_name}' keys). Check adapter_name= and key="
-            )
+        names, cfg, cfg_doc, adapter = adapter_plan(snap, key, adapter_name, config, "export_peft")
         out.mkdir(parents=True, exist_ok=True)
         if not merged:
             files = [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
@@ -136,6 +115,49 @@ def export_peft(
         _write_safetensors(out / MERGED_WEIGHTS, items)
         _write_text(out / MERGED_CONFIG, json.dumps(base_doc, indent=2, sort_keys=True) + "\n")
         return [out / f for f in files]
+
+
+def adapter_plan(
+    snap: Any, key: str | None, adapter_name: str, config: Any, what: str
+) -> tuple[dict[str, str], Any, dict[str, Any], list[tuple[str, str]]]:
+    """What an adapter read of open snapshot ``snap`` needs: state dict name -> snapshot key
+    (``_state_names``), the LoRA config (``config``, else the snapshot's
+    ``metadata["peft_config"]``) and its dict, and ``adapter_keys`` (state dict name, name in
+    the adapter file). Refuses, naming the fix, a missing config, a bias the format cannot
+    hold and an adapter with no tensors. ``what`` names the caller in the messages."""
+    names = _state_names(snap.keys(), key, snap.name)
+    cfg = config if config is not None else snap.metadata.get(METADATA_KEY)
+    if cfg is None:
+        raise InvalidArgumentError(
+            f"{what} of snapshot {snap.name!r}: no LoRA config. Pass config= (the "
+            "LoraConfig the model was built with, or its to_dict()), or save it with the "
+            f"snapshot: deltackpt.save(..., metadata={{{METADATA_KEY!r}: "
+            "deltackpt.interop.peft.peft_config_dict(cfg)})"
+        )
+    cfg_doc = peft_config_dict(cfg)
+    if cfg_doc.get("bias", "none") != "none":
+        raise InvalidArgumentError(
+            f"{what}: LoRA config bias={cfg_doc.get('bias')!r} is not supported (only "
+            "'none'); export the model with export_hf and the bias terms with it"
+        )
+    adapter = adapter_keys(list(names), adapter_name)
+    if not adapter:
+        raise StateKeyError(
+            f"snapshot {snap.name!r} holds no tensors of adapter {adapter_name!r} under "
+            f"key={key!r} (no '...lora_*.{adapter_name}...' or 'modules_to_save."
+            f"{adapter_name}' keys). Check adapter_name= and key="
+        )
+    return names, cfg, cfg_doc, adapter
+
+
+def adapter_tensors(
+    snap: Any, key: str | None = "model", adapter_name: str = "default", config: Any = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors of adapter ``adapter_name`` in open snapshot ``snap`` by the names peft's
+    ``adapter_model.safetensors`` gives them (each read and checked against its checksum),
+    and the LoRA config as a dict: what ``export_peft`` writes, in memory."""
+    names, _, cfg_doc, adapter = adapter_plan(snap, key, adapter_name, config, "adapter read")
+    return {new: snap.get_tensor(names[old]) for old, new in adapter}, cfg_doc
 
 
 def _state_names(keys: list[str], key: str | None, snap_name: str) -> dict[str, str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from deltackpt.errors import DeltackptError, InvalidArgumentError
 
 __all__ = [
+    "AdapterStageError",
     "DigestMismatchError",
     "PeerLostError",
     "PlanError",
@@ -54,3 +55,9 @@ class DigestMismatchError(SyncError, ValueError):
 
 class RoundAbortedError(SyncError):
     """Another rank aborted the round (its own error is raised there); nothing was committed."""
+
+
+class AdapterStageError(SyncError):
+    """A LoRA adapter could not be built on every worker of an inference engine
+    (``deltackpt.integrations.vllm.lora.add_lora``); no worker holds it, and the adapters added
+    before are unchanged."""

@@ -15,6 +15,10 @@ newest committed version, incrementally from the one it holds (a :class:`deltack
 per worker, loading through the model's ``load_weights`` inside vLLM's layerwise reload). No
 weight-transfer backend is needed for that; no trainer process talks to the engine.
 
+LoRA adapters come from the store the same way, versioned and without a directory:
+``deltackpt_lora_add`` / ``deltackpt_lora_remove`` / ``deltackpt_lora_digests``, called by
+:func:`deltackpt.integrations.vllm.lora.add_lora` (module ``lora``).
+
 Importing this module never imports vLLM.
 """
 
@@ -26,18 +30,12 @@ from typing import Any
 
 import torch
 
-from deltackpt.format.hashing import digest
+from deltackpt.format.hashing import tensor_digest
 
 __all__ = ["EXTENSION", "DeltackptWorkerExtension", "state_digests", "tensor_digest"]
 
 #: the value of ``worker_extension_cls`` / ``--worker-extension-cls``
 EXTENSION = f"{__name__}.DeltackptWorkerExtension"
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """The xxh3-128 hex digest of ``t``'s bytes in its own dtype, C order."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return digest(flat.view(torch.uint8).numpy()) if flat.numel() else digest(b"")
 
 
 def state_digests(
@@ -238,3 +236,45 @@ class DeltackptWorkerExtension:
             eng.reset_weight_update_target()
             self._weight_update_active = False
         return {"ended": was}
+
+    # ---- LoRA adapters from the store (module lora; add_lora calls these) ----------------
+    # They answer {"error": ...} instead of raising: a collective RPC that fails on one worker
+    # of several desynchronizes vLLM 0.32's executor; add_lora raises for them.
+
+    def deltackpt_lora_add(
+        self,
+        path: str,
+        lora_int_id: int,
+        lora_name: str,
+        storage_options: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Build the adapter ``path`` (``lora.AdapterSource.path``) names and cache it under
+        ``lora_int_id``: ``{"added": bool, "seconds": float}`` or ``{"error": ...}``."""
+        from deltackpt.integrations.vllm import lora
+
+        try:
+            return lora.stage(self, path, lora_int_id, lora_name, storage_options)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def deltackpt_lora_remove(
+        self, lora_int_id: int, only_if_path: str | None = None
+    ) -> dict[str, Any]:
+        """Drop adapter ``lora_int_id`` (when ``only_if_path`` is given, only if it names that
+        version): ``{"removed": bool}`` or ``{"error": ...}``."""
+        from deltackpt.integrations.vllm import lora
+
+        try:
+            return lora.unstage(self, lora_int_id, only_if_path)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def deltackpt_lora_digests(self, lora_int_id: int) -> dict[str, Any]:
+        """xxh3-128 digests of what this worker holds under ``lora_int_id`` (vLLM's
+        ``lora_a`` / ``lora_b`` per module): ``{"digests": {...}}`` or ``{"error": ...}``."""
+        from deltackpt.integrations.vllm import lora
+
+        try:
+            return lora.adapter_digests(self, lora_int_id)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}

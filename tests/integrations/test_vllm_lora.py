@@ -1,0 +1,219 @@
+"""LoRA adapters from the store into vLLM (``deltackpt/integrations/vllm/lora.py``).
+
+The driver side (``add_lora``'s checks before the engine is asked, the rollback when a worker
+fails, the adapter path) runs here with a stand-in engine: no vLLM needed. The real CPU engine
+runs ``_vllm_lora.py`` in the vLLM environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import deltackpt
+from deltackpt.errors import InvalidArgumentError, SnapshotNotFoundError, StateKeyError
+from deltackpt.integrations.vllm.lora import AdapterSource, add_lora, remove_lora
+from deltackpt.sync.errors import AdapterStageError, SyncError
+from tests.integrations._vllm_env import MARKS, run_script
+
+CFG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "bias": "none"}
+KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.default.weight"
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {KEY.format("A"): torch.randn(4, 8), KEY.format("B"): torch.randn(8, 4)}
+
+
+def _store(tmp_path: Path) -> str:
+    store = str(tmp_path / "store")
+    deltackpt.save({"model": _state()}, store, "v1", metadata={"peft_config": CFG})
+    deltackpt.save({"model": _state()}, store, "bare")  # no LoRA config
+    return store
+
+
+class Engine:
+    """Records the collective RPCs; answers from ``answers`` (one dict per worker)."""
+
+    def __init__(self, answers: list[dict[str, Any]]) -> None:
+        self.answers, self.calls = answers, []
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        self.calls.append((method, kwargs))
+        if method == "deltackpt_lora_remove":
+            return [{"removed": a.get("added", False)} for a in self.answers]
+        return self.answers
+
+
+def test_the_adapter_path_names_one_version_and_parses_back() -> None:
+    src = AdapterSource("s3://bucket/run", "step-100", "default", "model")
+    assert AdapterSource.parse(src.path) == src
+    assert src.path.startswith("deltackpt-lora:")
+    assert src.default_id == AdapterSource.parse(src.path).default_id  # type: ignore[union-attr]
+    assert 1 << 30 <= src.default_id < 1 << 31
+    assert src.default_id != AdapterSource("s3://bucket/run", "step-200").default_id
+    assert AdapterSource.parse("/adapters/step-100") is None  # a directory: vLLM's own loader
+    for bad in ("deltackpt-lora:{", 'deltackpt-lora:{"store": 1, "snapshot": "a"}'):
+        with pytest.raises(InvalidArgumentError, match="lora_path="):
+            AdapterSource.parse(bad)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"snapshot": "bare"}, InvalidArgumentError, "no LoRA config"),
+        ({"snapshot": "nope"}, SnapshotNotFoundError, "nope"),
+        ({"adapter_name": "other"}, StateKeyError, "adapter 'other'"),
+        ({"adapter_name": "a.b"}, InvalidArgumentError, "adapter_name="),
+        ({"key": "optim"}, StateKeyError, "key 'optim'"),
+        ({"lora_int_id": 0}, InvalidArgumentError, "lora_int_id=0"),
+        ({"lora_int_id": True}, InvalidArgumentError, "lora_int_id=True"),
+        ({"lora_name": ""}, InvalidArgumentError, "lora_name="),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_engine_is_asked(
+    tmp_path: Path, kw: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    store, eng = _store(tmp_path), Engine([{"added": True}])
+    with pytest.raises(error, match=match):
+        add_lora(eng, store, **{"snapshot": "v1", **kw})
+    assert eng.calls == []
+
+
+def test_a_store_that_is_not_there_is_refused_and_not_made(tmp_path: Path) -> None:
+    eng = Engine([{"added": True}])
+    with pytest.raises(deltackpt.errors.StoreError):
+        add_lora(eng, str(tmp_path / "missing"), "v1")
+    assert not (tmp_path / "missing").exists() and eng.calls == []
+    with pytest.raises(InvalidArgumentError, match="store="):
+        add_lora(eng, deltackpt.open_store(tmp_path / "s"), "v1")  # type: ignore[arg-type]
+
+
+def test_a_worker_that_fails_undoes_the_others_and_names_each_error(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    eng = Engine([{"added": True}, {"error": "ValueError: LoRA rank 4 is greater than 2"}])
+    with pytest.raises(AdapterStageError, match=r"1 of 2 worker\(s\).*worker 1: ValueError") as e:
+        add_lora(eng, store, "v1", lora_int_id=7)
+    assert isinstance(e.value, SyncError)
+    (add, (remove, rkw)) = eng.calls
+    path = AdapterSource(store, "v1").path
+    assert add == (
+        "deltackpt_lora_add",
+        {"path": path, "lora_int_id": 7, "lora_name": "default@v1"},
+    )
+    # only the version this call added is dropped: an id another version holds stays
+    assert remove == "deltackpt_lora_remove" and rkw == {"lora_int_id": 7, "only_if_path": path}
+
+
+@pytest.fixture
+def lora_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for ``vllm.lora.request`` where vLLM is not installed (this environment)."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    mod = types.ModuleType("vllm.lora.request")
+
+    @dataclasses.dataclass
+    class LoRARequest:
+        lora_name: str
+        lora_int_id: int
+        lora_path: str = ""
+
+    mod.LoRARequest = LoRARequest  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.lora"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", mod)
+
+
+def test_latest_is_taken_once_and_storage_options_reach_the_workers(
+    tmp_path: Path, lora_request: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store(tmp_path)
+    deltackpt.save(
+        {"model": {KEY.format("A"): torch.zeros(4, 8), KEY.format("B"): torch.zeros(8, 4)}},
+        store,
+        "v2",
+        metadata={"peft_config": CFG},
+    )
+    eng = Engine([{"added": True}])
+    monkeypatch.chdir(tmp_path)  # a relative directory reaches the workers absolute
+    req = add_lora(eng, "store", lora_name="mine")
+    assert AdapterSource.parse(req.lora_path) == AdapterSource(store, "v2")
+    assert (req.lora_name, req.lora_int_id) == ("mine", AdapterSource(store, "v2").default_id)
+    assert "storage_options" not in eng.calls[0][1]
+    assert remove_lora(eng, req)
+    # an object store's options travel with the call (the workers open it themselves)
+    url = "memory://lora-test/run"
+    deltackpt.save({"model": _state()}, url, "v1", metadata={"peft_config": CFG})
+    opts = {"skip_instance_cache": True}
+    add_lora(eng, url, storage_options=opts)
+    assert eng.calls[-1][1]["storage_options"] == opts
+
+
+def test_remove_lora_reports_whether_a_worker_held_it() -> None:
+    class Req:
+        lora_int_id = 9
+
+    assert remove_lora(Engine([{"added": False}]), Req()) is False
+    assert remove_lora(Engine([{"added": True}, {"added": False}]), Req()) is True
+
+
+# ---- the real engine ------------------------------------------------------------------------
+
+
+def real(test: Any) -> Any:
+    """The marks of a test that runs the real engine (slow, several processes, the vLLM
+    environment)."""
+    for mark in MARKS:
+        test = mark(test)
+    return test
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    env = dict(os.environ)
+    amx = str(Path(__file__).with_name("_vllm_amx"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [amx, env.get("PYTHONPATH")]))
+    return run_script(tmp_path_factory, "_vllm_lora.py", env=env)
+
+
+@real
+def test_store_adapters_match_vllms_own_directory_load_bit_for_bit(lora_run) -> None:
+    r = lora_run
+    assert r["names"] == ["default@v1", "default@v2"] and r["ids_differ"]
+    s1, s2 = r["store_digests"]
+    assert s1 and s1 == r["dir_digests"][0] and s2 == r["dir_digests"][1] and s1 != s2
+    t1, t2, d1, d2 = r["tokens"]
+    assert t1 == d1 and t2 == d2 and t1 != t2  # side by side in one batch, each its version
+    assert r["base"] not in (t1, t2)
+    assert r["again"] == [{"added": False, "seconds": 0.0}]  # held already: not read twice
+
+
+@real
+def test_an_evicted_or_removed_adapter_comes_back_as_its_own_version(lora_run) -> None:
+    r = lora_run
+    t1, t2 = r["tokens"][:2]
+    assert not r["r1_held_after_dirs"]  # two cache places, four adapters: evicted
+    assert r["r1_again"] == t1 and r["r1_digests_again"] == r["store_digests"][0]
+    assert r["removed"] and not r["r2_held_after_remove"] and r["r2_after_remove"] == t2
+
+
+@real
+def test_refused_adapters_leave_the_held_ones_serving(lora_run) -> None:
+    r = lora_run
+    for case, match in (
+        ("big", "LoRA rank 16 is greater than max_lora_rank 8"),
+        ("damaged", "CorruptChunkError: chunk"),
+        ("reused_id", "already names deltackpt-lora:"),
+        ("dir_id", "lora_int_id=11 already names"),
+    ):
+        assert r[case]["raised"] == "AdapterStageError", (case, r[case])
+        assert match in r[case]["message"], (case, r[case]["message"])
+        assert "No worker holds it" in r[case]["message"]
+    assert r["after_refusals"] == r["tokens"][:2]
+    assert r["r2_digests_after"] == r["store_digests"][1]
