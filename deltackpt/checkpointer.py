@@ -30,6 +30,7 @@ from deltackpt.api import async_save, save
 from deltackpt.errors import InvalidArgumentError, SnapshotExistsError, SnapshotNotFoundError
 from deltackpt.format.manifest import Manifest
 from deltackpt.format.policy import MAX_CHAIN
+from deltackpt.interop.peft import peft_metadata
 from deltackpt.options import SaveOptions, default_lock_timeout
 from deltackpt.resume import chosen_by_rank0, restore_state
 from deltackpt.saving.chains import bounded_chains
@@ -376,6 +377,7 @@ class Checkpointer:
         if self.rng:  # captured now, with the state: the draws of step `step` are done
             sd[RNG_KEY] = _rng.capture()
         meta = {"step": step, OWNER_KEY: {"name_format": self.name_format, "step": step}}
+        meta.update(peft_metadata(state))  # a LoRA run's config, for export_peft and add_lora
         opts = dict(overwrite=True, **self.save_options)
         if self.async_:
             h = async_save(

@@ -294,6 +294,25 @@ def peft_config_dict(cfg: Any) -> dict[str, Any]:
     return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in doc.items()}
 
 
+def peft_metadata(state: Any) -> dict[str, Any]:
+    """``{"peft_config": ...}`` for a live state (``{"model": peft_model, ...}``) holding one
+    PEFT model with one adapter: what ``export_peft`` and vLLM's ``add_lora`` read, recorded by
+    ``Checkpointer`` saves without being asked. ``{}`` when there is none, several, or a
+    config that is not plain JSON (then pass ``config=`` to the readers)."""
+    found = []
+    for v in state.values() if isinstance(state, dict) else ():
+        cfgs = getattr(v, "peft_config", None)
+        if isinstance(cfgs, dict) and len(cfgs) == 1 and callable(getattr(v, "state_dict", None)):
+            found.append(next(iter(cfgs.values())))
+    if len(found) != 1:
+        return {}
+    try:
+        doc = peft_config_dict(found[0])
+        return {METADATA_KEY: json.loads(json.dumps(doc))}
+    except (InvalidArgumentError, TypeError, ValueError):
+        return {}
+
+
 def _write_adapter_config(out: Path, cfg: Any) -> None:
     if callable(getattr(cfg, "save_pretrained", None)) and not isinstance(cfg, dict):
         cfg = copy.deepcopy(cfg)

@@ -41,6 +41,7 @@ from deltackpt.checkpointer import (
     RETENTION_COMPACT_BELOW,
     TIERED,
     Checkpointer,
+    peft_metadata,
     restore_into,
     to_saveable,
 )
@@ -241,7 +242,8 @@ class TieredCheckpointer:
         boxes = dtensor_boxes(saveable) if persist else None
         sd, layout, _ = localize(saveable, _moment_paths(state))
         mark = {"step": step, "rank": self.rank, "world": self.world, "layout": layout}
-        opts: dict[str, Any] = dict(metadata={**(metadata or {}), TIER_KEY: mark}, overwrite=True)
+        meta = {**peft_metadata(state), **(metadata or {}), TIER_KEY: mark}  # as Checkpointer
+        opts: dict[str, Any] = dict(metadata=meta, overwrite=True)
         opts["encoding"] = "fast-restore"  # raw chunks: a replica checks each one on receipt
         h: Any
         if self.async_:

@@ -114,3 +114,26 @@ def test_config_from_metadata_and_errors(tmp_path):
         deltackpt.export_peft(store, "meta", tmp_path / "c", key="nope")
     with pytest.raises(InvalidArgumentError, match="base_model="):
         deltackpt.export_peft(store, "meta", tmp_path / "c", merged=True)
+
+
+def test_checkpointer_saves_record_the_lora_config_of_a_peft_model(tmp_path):
+    """A Checkpointer (and so the HF Trainer plug-in) handed the live PEFT model records its
+    LoRA config: the adapter exports (and add_lora reads) with no config=."""
+    model, _, opt = _trained()
+    ckpt = deltackpt.Checkpointer(tmp_path / "s", every=1, async_=False)
+    ckpt.save(3, {"model": model, "optim": opt})
+    name = ckpt.name(3)
+    meta = deltackpt.open_store(tmp_path / "s").manifest(name).metadata
+    assert meta["peft_config"]["r"] == 4 and sorted(meta["peft_config"]["target_modules"]) == [
+        "q_proj",
+        "v_proj",
+    ]
+    deltackpt.export_peft(tmp_path / "s", name, tmp_path / "out")
+    loaded = peft.PeftModel.from_pretrained(_base(), tmp_path / "out").eval()
+    assert torch.equal(_logits(loaded), _logits(model))
+
+    # two adapters: which config belongs to the snapshot is not for us to guess
+    model.add_adapter("second", peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    ckpt.save(4, {"model": model})
+    assert "peft_config" not in deltackpt.open_store(tmp_path / "s").manifest(ckpt.name(4)).metadata
+    ckpt.close()
