@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from deltackpt.errors import InvalidArgumentError, OutputExistsError, StateKeyError
-from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.interop.safetensors_io import StreamWriter, st_dtype
 from deltackpt.loading.lazy import open_snapshot
 from deltackpt.store.store import LATEST, Store
@@ -90,11 +89,12 @@ def export_peft(
         if not merged:
             files = [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
             _refuse_existing(out, files, overwrite)
+            # the adapter's tensors in one read (small ones share chunks: read once each)
+            got = snap.get_tensors([names[old] for old, _ in adapter])
             items: list[Item] = []
             for old, new in adapter:
-                e = snap.entry(names[old])
-                read = functools.partial(snap.get_tensor, names[old])
-                items.append((new, dtype_from_name(e.dtype), tuple(e.shape), read))
+                t = got[names[old]]
+                items.append((new, t.dtype, tuple(t.shape), functools.partial(_same, t)))
             _write_safetensors(out / ADAPTER_WEIGHTS, items)
             _write_adapter_config(out, cfg)
             return [out / f for f in files]
@@ -106,9 +106,8 @@ def export_peft(
         base_doc = _base_config(base_model)
         files = [MERGED_WEIGHTS, MERGED_CONFIG]
         _refuse_existing(out, files, overwrite)
-        state = merged_state(
-            {n: snap.get_tensor(k) for n, k in names.items()}, cfg_doc, adapter_name
-        )
+        got = snap.get_tensors(names.values())
+        state = merged_state({n: got[k] for n, k in names.items()}, cfg_doc, adapter_name)
         items = [
             (n, t.dtype, tuple(t.shape), functools.partial(_same, t)) for n, t in state.items()
         ]
@@ -157,7 +156,8 @@ def adapter_tensors(
     ``adapter_model.safetensors`` gives them (each read and checked against its checksum),
     and the LoRA config as a dict: what ``export_peft`` writes, in memory."""
     names, _, cfg_doc, adapter = adapter_plan(snap, key, adapter_name, config, "adapter read")
-    return {new: snap.get_tensor(names[old]) for old, new in adapter}, cfg_doc
+    got = snap.get_tensors([names[old] for old, _ in adapter])  # shared chunks read once
+    return {new: got[names[old]] for old, new in adapter}, cfg_doc
 
 
 def _state_names(keys: list[str], key: str | None, snap_name: str) -> dict[str, str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -123,6 +123,20 @@ class SnapshotReader:
         if e.storage is not None and t.untyped_storage().nbytes() != t.nbytes:
             t = t.clone()  # a view of a larger shared storage: keep only its own bytes
         return t
+
+    def get_tensors(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Tensors ``keys`` as new CPU tensors, bit-exact, in one pass over their chunks: a
+        chunk several of them share (small tensors are grouped) is read and checked once,
+        where ``get_tensor`` in a loop reads it once per tensor."""
+        entries = [(k, self.entry(k)) for k in keys]
+        r = Reads(self.manifest)
+        out = {k: read_entry(r, e) for k, e in entries}
+        self._run(r)
+        for k, e in entries:
+            t = out[k]
+            if e.storage is not None and t.untyped_storage().nbytes() != t.nbytes:
+                out[k] = t.clone()  # a view of a larger shared storage: its own bytes only
+        return out
 
     def get_slice(self, key: str) -> TensorSlice:
         """A handle on tensor ``key``: ``shape``, ``dtype``, and ``[...]`` reads a region."""

@@ -130,6 +130,32 @@ def test_single_process_save_tied_views_and_errors(store_dir: Path) -> None:
     f.close()
 
 
+def test_get_tensors_reads_a_shared_chunk_once(store_dir: Path) -> None:
+    """Small tensors share group chunks: get_tensors reads each chunk once (get_tensor in a loop
+    reads a group chunk once per tensor in it), with the same bits, and refuses a missing key
+    before reading anything."""
+    deltackpt.open_store(store_dir, chunk_bytes=1 << 16, small_bytes=1 << 12)
+    g = torch.Generator().manual_seed(3)
+    state = {f"lora.{i}": torch.randn(8, 16, generator=g) for i in range(32)}  # 512 B each
+    w = torch.randn(64, 32, generator=g)
+    state |= {"emb": w, "half": w[10:20]}
+    deltackpt.save(state, store_dir, "s", encoding=RAW_ONLY)
+    keys = sorted(state)
+    with deltackpt.open_snapshot(store_dir, "s") as f:
+        with count_reads() as one_by_one:
+            each = {k: f.get_tensor(k) for k in keys}
+        with count_reads() as batched:
+            got = f.get_tensors(keys)
+        assert list(got) == keys and all(_bits(got[k]) == _bits(state[k]) for k in keys)
+        assert all(_bits(got[k]) == _bits(each[k]) for k in keys)
+        assert got["half"].untyped_storage().nbytes() == got["half"].nbytes
+        assert batched[0] * 4 < one_by_one[0], (batched[0], one_by_one[0])
+        with count_reads() as none, pytest.raises(KeyNotInSnapshotError, match="'nope'"):
+            f.get_tensors(["lora.0", "nope"])
+        assert none[0] == 0
+        assert f.get_tensors([]) == {}
+
+
 def test_golden_distributed_store_reads_like_a_full_load(tmp_path: Path) -> None:
     store = tmp_path / "g"
     shutil.copytree(GOLDEN_DIST, store)
