@@ -54,8 +54,11 @@ def open_snapshot(
     ``values``. Keyword options are those of :class:`LoadOptions` (``verify``, ``threads``,
     ``allow_pickle``). Use it as a context manager, or call ``close()``.
 
+    Many tensors at once: ``get_tensors(keys)`` reads a chunk they share once (small tensors
+    are grouped into shared chunks; ``get_tensor`` in a loop reads such a chunk per tensor).
+
     >>> with deltackpt.open_snapshot("ckpts", "step-100") as f:          # doctest: +SKIP
-    ...     experts = {k: f.get_tensor(k) for k in f.keys() if ".experts.3." in k}
+    ...     experts = f.get_tensors([k for k in f.keys() if ".experts.3." in k])
     """
     opts = LoadOptions.from_kwargs(options, kwargs)
     st = open_store(store, create=False)
@@ -144,20 +147,29 @@ class SnapshotReader:
 
     def read_box(self, e: TensorEntry, box: Box) -> torch.Tensor:
         """Box ``(offsets, shape)`` of entry ``e``'s tensor, as a new tensor."""
-        dtype = dtype_from_name(e.dtype)
-        out = torch.empty(box[1], dtype=dtype)
-        if out.numel() == 0:
-            return out
+        return self.read_boxes([(e, box)])[0]
+
+    def read_boxes(self, items: list[tuple[TensorEntry, Box]]) -> list[torch.Tensor]:
+        """``read_box`` of every ``(entry, box)`` in one pass over their chunks: a chunk several
+        boxes need (small tensors share group chunks) is read and checked once."""
         r = Reads(self.manifest)
-        if e.storage is not None:  # a view of a shared storage: its bytes are read whole
-            view = storage_view(e, r.storage(e.storage.id, e.path))
-            self._run(r)
+        outs: list[torch.Tensor] = []
+        views: list[tuple[int, torch.Tensor, Box]] = []  # boxes of shared storages, cut after
+        for e, box in items:
+            out = torch.empty(box[1], dtype=dtype_from_name(e.dtype))
+            outs.append(out)
+            if out.numel() == 0:
+                continue
+            if e.storage is not None:  # a view of a shared storage: its bytes are read whole
+                views.append((len(outs) - 1, storage_view(e, r.storage(e.storage.id, e.path)), box))
+            else:
+                r.box(e, out, box)
+        self._run(r)
+        for i, view, box in views:
             for d, (o, n) in enumerate(zip(*box, strict=True)):
                 view = view.narrow(d, o, n)
-            return out.copy_(view)
-        r.box(e, out, box)
-        self._run(r)
-        return out
+            outs[i].copy_(view)
+        return outs
 
     def load(
         self,

@@ -42,6 +42,7 @@ rank's copy: that is what the durable tier gives back too); the writer holds pro
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ from torch.futures import Future as TorchFuture
 
 from deltackpt.checkpointer import OWNER_KEY
 from deltackpt.dcp import StoreReader, StoreWriter
+from deltackpt.dcp.reader import READ_BATCH_BYTES
 from deltackpt.dcp.writer import _resolve_tensor
 from deltackpt.errors import (
     InvalidArgumentError,
@@ -73,7 +75,9 @@ from deltackpt.errors import (
     SnapshotNotFoundError,
     StateMismatchError,
 )
+from deltackpt.format.boxes import Box
 from deltackpt.format.dtypes import dtype_from_name, dtype_name
+from deltackpt.format.manifest import TensorEntry
 from deltackpt.loading.lazy import SnapshotReader, open_snapshot
 from deltackpt.store.store import Store
 from deltackpt.tiers.checkpointer import TieredCheckpointer
@@ -363,13 +367,33 @@ class TieredReader(StorageReader):
             return self._durable.read_data(plan, planner)
         r = self._local
         assert r is not None
+        batch: list[tuple[Any, TensorEntry, Box]] = []
+        pending = 0
         for req in plan.items:
             key = self._storage[req.storage_index]
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(r.get_tensor(key).numpy().tobytes()))
                 continue
             box = (tuple(int(o) for o in req.storage_offsets), tuple(int(n) for n in req.lengths))
-            src = r.read_box(r.entry(key), box)  # only this item's bytes, digests checked
+            e = r.entry(key)
+            cost = math.prod(box[1]) * dtype_from_name(e.dtype).itemsize
+            if batch and pending + cost > READ_BATCH_BYTES:
+                self._deliver(r, batch, planner)
+                batch, pending = [], 0
+            batch.append((req, e, box))
+            pending += cost
+        if batch:
+            self._deliver(r, batch, planner)
+        fut: TorchFuture[None] = TorchFuture()
+        fut.set_result(None)
+        return fut
+
+    @staticmethod
+    def _deliver(r: Any, batch: list[tuple[Any, TensorEntry, Box]], planner: LoadPlanner) -> None:
+        """Read the boxes of ``batch`` in one pass (a group chunk several small items share is
+        read and checked once: per item it was read once per item), then hand each to DCP."""
+        srcs = r.read_boxes([(e, box) for _, e, box in batch])  # only their bytes, checked
+        for (req, _, box), src in zip(batch, srcs, strict=True):
             dest = planner.resolve_tensor(req).detach()
             if tuple(dest.shape) != box[1]:
                 raise StateMismatchError(
@@ -378,9 +402,6 @@ class TieredReader(StorageReader):
                 )
             dest.copy_(src)
             planner.commit_tensor(req, dest)
-        fut: TorchFuture[None] = TorchFuture()
-        fut.set_result(None)
-        return fut
 
 
 def _union(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -156,6 +156,28 @@ def test_get_tensors_reads_a_shared_chunk_once(store_dir: Path) -> None:
         assert f.get_tensors([]) == {}
 
 
+def test_read_boxes_reads_a_shared_chunk_once(store_dir: Path) -> None:
+    """What the tiers' DCP reader asks for: boxes of many small tensors (and of a view of a
+    shared storage) in one pass, each the bits read_box gives, their group chunks read once."""
+    deltackpt.open_store(store_dir, chunk_bytes=1 << 16, small_bytes=1 << 12)
+    g = torch.Generator().manual_seed(4)
+    state = {f"norm.{i}": torch.randn(16, 8, generator=g) for i in range(32)}
+    w = torch.randn(64, 32, generator=g)
+    state |= {"emb": w, "half": w[10:20]}
+    deltackpt.save(state, store_dir, "s", encoding=RAW_ONLY)
+    with deltackpt.open_snapshot(store_dir, "s") as f:
+        items = [(f.entry(k), ((2, 0), (6, 8))) for k in sorted(state) if k.startswith("norm")]
+        items += [(f.entry("half"), ((1, 3), (4, 5))), (f.entry("emb"), ((0, 0), (0, 32)))]
+        with count_reads() as one_by_one:
+            each = [f.read_box(e, box) for e, box in items]
+        with count_reads() as batched:
+            got = f.read_boxes(items)
+        assert all(_bits(a) == _bits(b) for a, b in zip(got, each, strict=True))
+        assert torch.equal(got[-2], w[11:15, 3:8]) and got[-1].shape == (0, 32)
+        assert torch.equal(got[0], state["norm.0"][2:8])
+        assert batched[0] * 4 < one_by_one[0], (batched[0], one_by_one[0])
+
+
 def test_golden_distributed_store_reads_like_a_full_load(tmp_path: Path) -> None:
     store = tmp_path / "g"
     shutil.copytree(GOLDEN_DIST, store)
