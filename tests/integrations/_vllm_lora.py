@@ -146,6 +146,18 @@ def main(out_path: str) -> None:
     out["after_refusals"] = gen([r1, r2])
     out["r2_digests_after"] = digests(r2.lora_int_id)
 
+    # vLLM's own add_lora (what the server's /v1/load_lora_adapter calls) with a deltackpt
+    # path, on an engine where add_lora ran once; then load_inplace: the id takes v2
+    from deltackpt.integrations.vllm.lora import AdapterSource
+
+    own = LoRARequest("own-v1", 77, AdapterSource(store, "v1").path)
+    llm.llm_engine.add_lora(own)
+    out["own_add"] = gen([own])[0]
+    inplace = LoRARequest("own-v1", 77, AdapterSource(store, "v2").path, load_inplace=True)
+    llm.llm_engine.add_lora(inplace)
+    out["own_inplace"] = gen([inplace])[0]
+    out["own_digests"] = digests(77)
+
     out["removed"] = remove_lora(llm, r2)
     out["r2_held_after_remove"] = bool(digests(r2.lora_int_id))
     out["r2_after_remove"] = gen([r2])[0]  # named again: loaded again from the store

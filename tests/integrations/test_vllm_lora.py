@@ -217,3 +217,13 @@ def test_refused_adapters_leave_the_held_ones_serving(lora_run) -> None:
         assert "No worker holds it" in r[case]["message"]
     assert r["after_refusals"] == r["tokens"][:2]
     assert r["r2_digests_after"] == r["store_digests"][1]
+
+
+@real
+def test_vllms_own_add_lora_takes_a_store_path_and_load_inplace(lora_run) -> None:
+    """What the server's /v1/load_lora_adapter calls (engine add_lora), with a deltackpt path;
+    load_inplace replaces what the id holds (vLLM's meaning), a plain reuse is refused."""
+    r = lora_run
+    t1, t2 = r["tokens"][:2]
+    assert r["own_add"] == t1
+    assert r["own_inplace"] == t2 and r["own_digests"] == r["store_digests"][1]

@@ -210,7 +210,8 @@ def install(manager: Any) -> Registry:
 
     def _load(request: Any) -> Any:
         first = request.lora_int_id not in reg.paths
-        claim(reg, request.lora_int_id, request.lora_path)  # a directory's too
+        # a directory's too; load_inplace is vLLM's "replace what this id holds"
+        claim(reg, request.lora_int_id, request.lora_path, replace=request.load_inplace)
         try:
             src = AdapterSource.parse(request.lora_path)
             if src is None:
@@ -226,10 +227,11 @@ def install(manager: Any) -> Registry:
     return reg
 
 
-def claim(reg: Registry, lora_int_id: int, path: str) -> None:
-    """Refuse ``lora_int_id`` for ``path`` when it already names another version here."""
+def claim(reg: Registry, lora_int_id: int, path: str, replace: bool = False) -> None:
+    """Refuse ``lora_int_id`` for ``path`` when it already names another version here (unless
+    ``replace``: vLLM's ``load_inplace``)."""
     held = reg.paths.get(lora_int_id)
-    if held is not None and held != path:
+    if held is not None and held != path and not replace:
         raise InvalidArgumentError(
             f"lora_int_id={lora_int_id} already names {held} on this worker, not {path}: vLLM "
             "would serve the adapter it holds under that id. Pass another lora_int_id (or "
