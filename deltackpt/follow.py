@@ -71,6 +71,7 @@ from deltackpt.errors import (
 )
 from deltackpt.format.manifest import Manifest
 from deltackpt.format.tree import flatten
+from deltackpt.loading.assemble import check_into
 from deltackpt.loading.changed import changed_keys
 from deltackpt.loading.select import KeySelection, key_filter
 from deltackpt.loading.stats import LoadStats
@@ -138,6 +139,7 @@ class Follower:
                 f"{'both' if into is not None else 'neither'}. Pass e.g. "
                 "Follower(store, into=model.state_dict())"
             )
+        check_into(into, "Follower")
         if load_weights is not None and not callable(load_weights):
             raise InvalidArgumentError(
                 f"Follower(load_weights={load_weights!r:.80}): expected a callable taking an "

@@ -160,6 +160,12 @@ CASES: list[tuple[str, Call, type[Exception], tuple[type[BaseException], ...], t
      InvalidArgumentError, (TypeError,), ("verify", "'no'")),
     ("load strict=1", lambda s, t: deltackpt.load(s, strict=1),
      InvalidArgumentError, (TypeError,), ("strict", "1")),
+    ("load into=5", lambda s, t: deltackpt.load(s, into=5),
+     InvalidArgumentError, (ValueError, TypeError), ("into=5", "got int")),
+    ("load into=module", lambda s, t: deltackpt.load(s, into=torch.nn.Linear(2, 2)),
+     InvalidArgumentError, (TypeError,), ("into=Linear", "into=linear.state_dict()")),
+    ("Follower into='w'", lambda s, t: deltackpt.Follower(s, into="w"),
+     InvalidArgumentError, (TypeError,), ("Follower(into='w')", "got str")),
     ("load unknown option", lambda s, t: deltackpt.load(s, verfy=False),
      InvalidArgumentError, (TypeError,), ("verfy", "known options")),
     # ------------------------------------------------------------------ EncodePolicy

@@ -131,6 +131,7 @@ def load(
             "sends) or 'auto'"
         )
     select = key_filter(keys)  # a bad keys= fails here, on every rank, before any collective
+    assemble.check_into(into, "load")
     if opts.device is not None and (into is not None or since is not None or mode == "broadcast"):
         raise InvalidArgumentError(
             f"load(device={opts.device!r}) makes the new tensors of a load without into= on that "

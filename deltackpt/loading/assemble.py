@@ -22,6 +22,7 @@ from deltackpt.errors import (
     CorruptChunkError,
     DistributedError,
     InsufficientMemoryError,
+    InvalidArgumentError,
     StateMismatchError,
 )
 from deltackpt.format.dcp_nesting import nested_manifest
@@ -59,11 +60,30 @@ def load(
     """
     opts = LoadOptions.from_kwargs(options, kwargs)
     select = key_filter(keys)
+    check_into(into, "load")
     if process_group is not None:
         again = lambda: load(store, name, into=into, options=opts, keys=keys, stats=stats)  # noqa: E731
         return _agree(process_group, again)
     st = open_store(store, create=False)
     return _retrying(st, st.manifest(name), lambda m: _load_once(st, m, into, opts, select, stats))
+
+
+def check_into(into: Any, what: str) -> None:
+    """Refuse an ``into=`` that cannot be loaded into in place (an int, a string, a module)
+    where it is given, naming what to pass, instead of a key mismatch at the first read."""
+    if into is None or isinstance(into, (dict, list, tuple, torch.Tensor)):
+        return
+    hint = (
+        f" Pass into={type(into).__name__.lower()}.state_dict(): its tensors share the "
+        "parameters' memory, so they are loaded in place"
+        if callable(getattr(into, "state_dict", None))
+        else ""
+    )
+    raise InvalidArgumentError(
+        f"{what}(into={into!r:.60}) is invalid: expected the state to load into in place (a "
+        f"dict, list or tuple of tensors and values, or a tensor), got {type(into).__name__}."
+        + hint
+    )
 
 
 def load_reusing(
