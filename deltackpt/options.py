@@ -82,6 +82,10 @@ DELTACKPT_VLLM_PREPARE     a staged round moves its commit's device copies    1
                            ahead, while the engine serves
 DELTACKPT_VLLM_TP_BOXES    each worker receives only its tensor-parallel      0
                            boxes
+DELTACKPT_VLLM_LORA_STORE  (the server) a store whose ``[adapter@]snapshot``  unset
+                           names requests may use as ``model``: the LoRA
+                           resolver ``deltackpt`` (``integrations/vllm/
+                           resolver.py``)
 =========================  ==============================================  ================
 
 One variable of another program is read here too: the terminal's ``COLUMNS`` (the width of the
@@ -283,6 +287,12 @@ def vllm_staging() -> str:
 def vllm_undo_dir() -> str | None:
     """``DELTACKPT_VLLM_UNDO_DIR``: a directory or ``memory``; None when unset or empty."""
     return _env("DELTACKPT_VLLM_UNDO_DIR", "").strip() or None
+
+
+def vllm_lora_store() -> str | None:
+    """``DELTACKPT_VLLM_LORA_STORE``: the store of the vLLM LoRA resolver; None when unset or
+    empty (no resolver)."""
+    return _env("DELTACKPT_VLLM_LORA_STORE", "").strip() or None
 
 
 def console_columns(default: int = 120) -> int:

@@ -72,7 +72,7 @@ def main(out_path: str) -> None:
 
     import deltackpt
     from deltackpt.integrations.vllm.extension import EXTENSION
-    from deltackpt.integrations.vllm.lora import add_lora, remove_lora
+    from deltackpt.integrations.vllm.lora import AdapterSource, add_lora, remove_lora
 
     tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-lora-")
     tiny_qwen2(0).save_pretrained(f"{tmp}/base")
@@ -87,6 +87,7 @@ def main(out_path: str) -> None:
     for v in ("v1", "v2"):
         deltackpt.export_peft(store, v, f"{tmp}/dir-{v}")
 
+    os.environ["DELTACKPT_VLLM_LORA_STORE"] = store  # the plugin registers the resolver
     llm = LLM(
         model=f"{tmp}/base", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, enable_lora=True, max_lora_rank=8, max_loras=2,
@@ -111,6 +112,35 @@ def main(out_path: str) -> None:
             return {"raised": type(e).__name__, "message": str(e)}
 
     out: dict[str, Any] = {}
+    # first, before any add_lora: vLLM's own engine add_lora (what the server's
+    # /v1/load_lora_adapter, --lora-modules and LoRA resolvers call) takes a deltackpt path,
+    # the plugin having taught vLLM's worker loader; then load_inplace gives the id v2
+    own = LoRARequest("own-v1", 77, AdapterSource(store, "v1").path)
+    llm.llm_engine.add_lora(own)
+    out["own_add"] = gen([own])[0]
+    inplace = LoRARequest("own-v1", 77, AdapterSource(store, "v2").path, load_inplace=True)
+    llm.llm_engine.add_lora(inplace)
+    out["own_inplace"] = gen([inplace])[0]
+    out["own_digests"] = digests(77)
+
+    # the resolver a server asks about an unknown model name, and the engine add_lora of its
+    # answer with the server's own id
+    import asyncio
+
+    from vllm.lora.resolver import LoRAResolverRegistry
+
+    from deltackpt.integrations.vllm.resolver import RESOLVER
+
+    out["resolvers"] = sorted(LoRAResolverRegistry.get_supported_resolvers())
+    resolver = LoRAResolverRegistry.get_resolver(RESOLVER)
+    ask = {n: asyncio.run(resolver.resolve_lora("base", n)) for n in
+           ("v2", "default@v1", "latest", "nope", "other@v1", "a.b@v1")}  # fmt: skip
+    out["resolved"] = {n: None if r is None else r.lora_path for n, r in ask.items()}
+    found = ask["v2"]
+    found.lora_int_id = 501  # what the server does
+    llm.llm_engine.add_lora(found)
+    out["resolved_tokens"] = gen([found])[0]
+
     r1 = add_lora(llm, store, "v1")
     r2 = add_lora(llm, store)  # the newest committed version, pinned by name
     out["names"] = [r1.lora_name, r2.lora_name]
@@ -145,18 +175,6 @@ def main(out_path: str) -> None:
     out["dir_id"] = refused(store=store, snapshot="v1", lora_int_id=11)
     out["after_refusals"] = gen([r1, r2])
     out["r2_digests_after"] = digests(r2.lora_int_id)
-
-    # vLLM's own add_lora (what the server's /v1/load_lora_adapter calls) with a deltackpt
-    # path, on an engine where add_lora ran once; then load_inplace: the id takes v2
-    from deltackpt.integrations.vllm.lora import AdapterSource
-
-    own = LoRARequest("own-v1", 77, AdapterSource(store, "v1").path)
-    llm.llm_engine.add_lora(own)
-    out["own_add"] = gen([own])[0]
-    inplace = LoRARequest("own-v1", 77, AdapterSource(store, "v2").path, load_inplace=True)
-    llm.llm_engine.add_lora(inplace)
-    out["own_inplace"] = gen([inplace])[0]
-    out["own_digests"] = digests(77)
 
     out["removed"] = remove_lora(llm, r2)
     out["r2_held_after_remove"] = bool(digests(r2.lora_int_id))

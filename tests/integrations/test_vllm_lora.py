@@ -163,6 +163,32 @@ def test_remove_lora_reports_whether_a_worker_held_it() -> None:
     assert remove_lora(Engine([{"added": True}, {"added": False}]), Req()) is True
 
 
+def test_when_imported_runs_after_the_import_or_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin's hook on vLLM's worker loader, on a stand-in package: the function runs
+    once the module's own code ran, once; a module already imported gets it at once."""
+    from deltackpt.integrations.vllm import when_imported
+
+    pkg = tmp_path / "fakepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "loader.py").write_text("class WorkerLoRAManager:\n    value = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[Any] = []
+    when_imported("fakepkg.loader", lambda m: seen.append(m.WorkerLoRAManager.value))
+    assert seen == []
+    import fakepkg.loader  # type: ignore[import-not-found]
+
+    assert seen == [1]
+    importlib.reload(fakepkg.loader)
+    assert seen == [1]  # one shot
+    when_imported("fakepkg.loader", lambda m: seen.append(2))
+    assert seen == [1, 2]
+    monkeypatch.delitem(sys.modules, "fakepkg.loader")
+    monkeypatch.delitem(sys.modules, "fakepkg")
+
+
 # ---- the real engine ------------------------------------------------------------------------
 
 
@@ -227,3 +253,17 @@ def test_vllms_own_add_lora_takes_a_store_path_and_load_inplace(lora_run) -> Non
     t1, t2 = r["tokens"][:2]
     assert r["own_add"] == t1
     assert r["own_inplace"] == t2 and r["own_digests"] == r["store_digests"][1]
+
+
+@real
+def test_the_resolver_names_saved_versions_for_a_server(lora_run) -> None:
+    """DELTACKPT_VLLM_LORA_STORE registers the resolver; "v2" and "default@v1" resolve to their
+    versions, "latest", a missing snapshot or adapter and a bad adapter name to nothing (the
+    server's 404); the engine loads what it resolved, bit for bit v2."""
+    r = lora_run
+    assert "deltackpt" in r["resolvers"]
+    res = r["resolved"]
+    assert '"snapshot":"v2"' in res["v2"] and '"snapshot":"v1"' in res["default@v1"]
+    assert res["latest"] is None and res["nope"] is None and res["other@v1"] is None
+    assert res["a.b@v1"] is None
+    assert r["resolved_tokens"] == r["tokens"][1]

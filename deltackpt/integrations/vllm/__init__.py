@@ -14,6 +14,10 @@ importing ``deltackpt`` (or this package) never imports vLLM.
   ``TrainerWeightTransferEngine`` around a :class:`~deltackpt.sync.WeightSender`), its init info
   and :class:`~deltackpt.integrations.vllm.trainer.LocalLLMClient` (an in-process ``LLM`` as a
   ``VLLMWeightSyncClient``).
+- ``lora``: LoRA adapters from the store (``add_lora``); the plugin teaches vLLM's worker
+  loader their ``deltackpt-lora:`` paths.
+- ``resolver``: a LoRA resolver (registered when ``DELTACKPT_VLLM_LORA_STORE`` is set): a
+  server request's ``model`` names a saved adapter version.
 - ``extension``: :class:`~deltackpt.integrations.vllm.extension.DeltackptWorkerExtension`
   (``worker_extension_cls``): digests of what each worker committed, the per-parameter path
   report and the end of a stale update session, through ``collective_rpc`` or the server's
@@ -23,6 +27,12 @@ importing ``deltackpt`` (or this package) never imports vLLM.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 __all__ = ["BACKEND", "register"]
 
@@ -45,3 +55,45 @@ def register() -> None:
         # ValueError: already registered (a second load of the plugin)
         with contextlib.suppress(ValueError):
             factory.register_engine(BACKEND, f"{__name__}.{module}", cls)
+    # LoRA adapters named by a deltackpt path (module lora): vLLM's worker loader learns them
+    # when vLLM imports it (importing it here would cost every vLLM process ~1 s)
+    from deltackpt.integrations.vllm.lora import patch_loader
+    from deltackpt.options import vllm_lora_store
+
+    when_imported("vllm.lora.worker_manager", patch_loader)
+    # requests naming "[adapter@]snapshot" as their model, on a server (module resolver)
+    store = vllm_lora_store()
+    if store is not None:
+        from vllm.lora.resolver import LoRAResolverRegistry
+
+        from deltackpt.integrations.vllm.resolver import RESOLVER, StoreResolver
+
+        if RESOLVER not in LoRAResolverRegistry.get_supported_resolvers():
+            LoRAResolverRegistry.register_resolver(RESOLVER, StoreResolver(store))
+
+
+def when_imported(name: str, fn: Callable[[ModuleType], None]) -> None:
+    """Call ``fn(module)`` once module ``name`` is imported: now if it is, else right after
+    its import runs (a one-shot finder in front of ``sys.meta_path``)."""
+    if name in sys.modules:
+        fn(sys.modules[name])
+        return
+
+    class _After(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)  # one shot; the real finders answer from here on
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module: ModuleType) -> None:
+                run(module)
+                fn(module)
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _After())

@@ -199,32 +199,47 @@ class Registry:
     options: dict[str, dict[str, Any]]
 
 
-def install(manager: Any) -> Registry:
-    """Route ``manager._load_adapter`` (vLLM's ``WorkerLoRAManager``) through :func:`load_adapter`
-    for deltackpt paths (others go to vLLM's loader unchanged); idempotent."""
+def registry(manager: Any) -> Registry:
+    """The deltackpt record kept on one ``WorkerLoRAManager`` (made on first use)."""
     reg = getattr(manager, "_deltackpt_lora", None)
-    if reg is not None:
-        return reg  # type: ignore[no-any-return]
-    reg = Registry({}, {})
-    vllm_load = manager._load_adapter
+    if reg is None:
+        reg = manager._deltackpt_lora = Registry({}, {})
+    return reg  # type: ignore[no-any-return]
 
-    def _load(request: Any) -> Any:
-        first = request.lora_int_id not in reg.paths
-        # a directory's too; load_inplace is vLLM's "replace what this id holds"
+
+def patch_loader(module: Any) -> None:
+    """Teach ``module.WorkerLoRAManager`` (``vllm.lora.worker_manager``) deltackpt paths: its
+    ``_load_adapter`` builds a ``deltackpt-lora:`` path's adapter with :func:`load_adapter` and
+    hands every other path to vLLM's loader unchanged. Idempotent. The plugin (``register``)
+    applies it in every vLLM process when vLLM imports that module, so engine ``add_lora``,
+    ``/v1/load_lora_adapter``, ``--lora-modules`` and LoRA resolvers take these paths too."""
+    cls = module.WorkerLoRAManager
+    if getattr(cls, "_deltackpt_patched", False):
+        return
+    vllm_load = cls._load_adapter
+
+    def _load_adapter(self: Any, request: Any) -> Any:
+        reg = registry(self)
+        src = AdapterSource.parse(request.lora_path)
+        if src is None:
+            # a directory: vLLM's own; recorded (a deltackpt version may not take its id),
+            # never refused (vLLM's rules for ids stay as they are)
+            lora = vllm_load(self, request)
+            reg.paths[request.lora_int_id] = request.lora_path
+            return lora
+        before = reg.paths.get(request.lora_int_id)
         claim(reg, request.lora_int_id, request.lora_path, replace=request.load_inplace)
         try:
-            src = AdapterSource.parse(request.lora_path)
-            if src is None:
-                return vllm_load(request)
-            return load_adapter(manager, request, src, reg.options.get(request.lora_path))
+            return load_adapter(self, request, src, reg.options.get(request.lora_path))
         except BaseException:
-            if first:  # a failed load claims nothing
+            if before is None:  # a failed load claims nothing
                 reg.paths.pop(request.lora_int_id, None)
+            else:
+                reg.paths[request.lora_int_id] = before
             raise
 
-    manager._load_adapter = _load
-    manager._deltackpt_lora = reg
-    return reg
+    cls._load_adapter = _load_adapter
+    cls._deltackpt_patched = True
 
 
 def claim(reg: Registry, lora_int_id: int, path: str, replace: bool = False) -> None:
@@ -335,7 +350,9 @@ def lora_manager(worker: Any) -> Any:
             "this vLLM engine serves no LoRA adapters: start it with enable_lora=True "
             "(--enable-lora) and max_lora_rank at least the adapter's rank"
         )
-    install(manager)
+    import vllm.lora.worker_manager as wm
+
+    patch_loader(wm)  # the plugin did already, where vLLM loaded it
     return manager
 
 
@@ -353,7 +370,7 @@ def stage(
     manager = lora_manager(worker)
     if AdapterSource.parse(path) is None:
         raise InvalidArgumentError(f"path={path!r} is not a deltackpt adapter path")
-    reg: Registry = manager._deltackpt_lora
+    reg = registry(manager)
     held = lora_int_id in manager.list_adapters()
     if held and reg.paths.get(lora_int_id) == path:
         return {"added": False, "seconds": 0.0}
@@ -375,7 +392,7 @@ def unstage(worker: Any, lora_int_id: int, only_if_path: str | None = None) -> d
     """Drop ``lora_int_id`` from this worker's adapters (when ``only_if_path`` is given: only
     if it names that version); ``{"removed": bool}``."""
     manager = lora_manager(worker)
-    reg: Registry = manager._deltackpt_lora
+    reg = registry(manager)
     if only_if_path is not None and reg.paths.get(lora_int_id) != only_if_path:
         return {"removed": False}
     removed = bool(manager.remove_adapter(lora_int_id))
