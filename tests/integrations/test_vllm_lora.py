@@ -155,6 +155,39 @@ def test_latest_is_taken_once_and_storage_options_reach_the_workers(
     assert eng.calls[-1][1]["storage_options"] == opts
 
 
+def test_served_versions_are_leased_so_retention_keeps_them(
+    tmp_path: Path, lora_request: None
+) -> None:
+    """vLLM reads an evicted adapter again from its snapshot: add_lora leases what it added
+    (renewed by each call), remove_lora gives it up, and retention keeps exactly what is
+    leased."""
+    from deltackpt.store.leases import scan_leases
+
+    store = str(tmp_path / "store")
+    for v in ("v1", "v2", "v3"):
+        deltackpt.save({"model": _state()}, store, v, metadata={"peft_config": CFG})
+    eng = Engine([{"added": True}])
+    r1, r2 = add_lora(eng, store, "v1"), add_lora(eng, store, "v2")
+    st = deltackpt.open_store(store)
+    (lease,) = scan_leases(st.storage).live
+    assert lease.snapshots == ("v1", "v2") and lease.holder.startswith("vllm-lora-")
+    deltackpt.gc(store, keep_last=1)
+    assert [s.name for s in deltackpt.snapshots(store)] == ["v1", "v2", "v3"]
+    remove_lora(eng, r1)
+    assert scan_leases(st.storage).live[0].snapshots == ("v2",)
+    deltackpt.gc(store, keep_last=1)
+    assert [s.name for s in deltackpt.snapshots(store)] == ["v2", "v3"]
+    remove_lora(eng, r2)
+    assert scan_leases(st.storage).live == []
+    # lease_ttl=None: nothing leased; a bad one is refused before the engine is asked
+    add_lora(eng, store, "v3", lease_ttl=None)
+    assert scan_leases(st.storage).live == []
+    calls = len(eng.calls)
+    with pytest.raises(InvalidArgumentError, match="lease_ttl=0"):
+        add_lora(eng, store, "v3", lease_ttl=0)
+    assert len(eng.calls) == calls
+
+
 def test_remove_lora_reports_whether_a_worker_held_it() -> None:
     class Req:
         lora_int_id = 9

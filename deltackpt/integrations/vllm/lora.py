@@ -32,16 +32,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import time
+import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from deltackpt.errors import InvalidArgumentError
+from deltackpt.errors import DeltackptError, InvalidArgumentError, LeaseWarning
 from deltackpt.format.hashing import digest, tensor_digest
 from deltackpt.loading.lazy import open_snapshot
+from deltackpt.store.leases import MAX_SNAPSHOTS, MAX_TTL_S, drop_lease, write_lease
 from deltackpt.store.location import store_root
 from deltackpt.store.snapshot import LATEST
 from deltackpt.store.store import open_store
@@ -121,12 +126,18 @@ def add_lora(
     lora_name: str | None = None,
     lora_int_id: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    lease_ttl: float | None = 600.0,
 ) -> Any:
     """Stage adapter ``adapter_name`` of ``snapshot`` (default: the newest committed one, taken
     once: the request names that version) on every worker of ``llm`` (an ``LLM`` started with
     ``enable_lora=True`` and ``worker_extension_cls=EXTENSION``) and return the
     ``vllm.lora.request.LoRARequest`` that names it (``lora_name``: default
     ``"<adapter_name>@<snapshot>"``; ``lora_int_id``: default :attr:`AdapterSource.default_id`).
+
+    ``lease_ttl``: this process keeps a lease (``deltackpt.store.leases``) on the versions it
+    added to ``llm`` and did not :func:`remove_lora`, renewed by each call, so retention
+    (``Checkpointer(keep_last=)``, ``gc``) keeps them while requests may name them: vLLM reads
+    an evicted adapter again from its snapshot. None: no lease.
 
     The snapshot is checked here first (it exists, it holds the adapter and its LoRA config),
     so a bad argument never reaches the engine. Raises
@@ -148,6 +159,15 @@ def add_lora(
         )
     if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
         raise InvalidArgumentError(f"lora_name={lora_name!r} is invalid: expected a string")
+    if lease_ttl is not None and (
+        isinstance(lease_ttl, bool)
+        or not isinstance(lease_ttl, (int, float))
+        or not 0 < lease_ttl <= MAX_TTL_S
+    ):
+        raise InvalidArgumentError(
+            f"add_lora(lease_ttl={lease_ttl!r}) is invalid: expected seconds in (0, "
+            f"{MAX_TTL_S:g}] or None (no lease)"
+        )
     # a directory absolute: the workers may run elsewhere in the file system (their cwd)
     url = str(store_root(store))
     st = open_store(url, create=False, storage_options=storage_options)
@@ -173,6 +193,11 @@ def add_lora(
             f"lora_int_id={rid}: {len(failed)} of {len(answers)} worker(s) could not build "
             f"it ({lines}). No worker holds it; the adapters added before are unchanged"
         )
+    if lease_ttl is not None:
+        held = _held(llm, st.root)
+        held.options = storage_options
+        held.versions = [v for v in held.versions if v != src.snapshot] + [src.snapshot]
+        held.renew(st, float(lease_ttl))
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(lora_name=name, lora_int_id=rid, lora_path=src.path)
@@ -184,7 +209,55 @@ def remove_lora(llm: Any, request: Any) -> bool:
     answers = _answers(
         llm.collective_rpc("deltackpt_lora_remove", kwargs={"lora_int_id": request.lora_int_id})
     )
+    src = AdapterSource.parse(getattr(request, "lora_path", ""))
+    held = None if src is None else _LEASES.get(llm, {}).get(str(store_root(src.store)))
+    if held is not None and src is not None and src.snapshot in held.versions:
+        held.versions.remove(src.snapshot)
+        held.renew(open_store(src.store, create=False, storage_options=held.options), held.ttl)
     return any(a.get("removed", False) for a in answers)
+
+
+@dataclass
+class _Held:
+    """The adapter versions one process added to one engine from one store, under one lease."""
+
+    holder: str
+    versions: list[str]
+    ttl: float = 600.0
+    options: dict[str, Any] | None = None
+
+    def renew(self, st: Any, ttl: float) -> None:
+        """Lease the newest :data:`MAX_SNAPSHOTS` versions for ``ttl`` seconds (none left: drop
+        the lease). A failure warns; retention may then delete a version (a request naming it
+        after vLLM evicted it fails, naming the snapshot)."""
+        self.ttl = ttl
+        try:
+            with st.lock(exclusive=False, timeout=1.0, what="writing a LoRA lease"):
+                if self.versions:
+                    write_lease(st.storage, self.holder, self.versions[-MAX_SNAPSHOTS:], ttl)
+                else:
+                    drop_lease(st.storage, self.holder)
+        except (OSError, DeltackptError) as e:
+            warnings.warn(
+                f"add_lora: could not write lease {self.holder!r} on {self.versions} ({e}); "
+                "retention may delete a served version. On a store this process cannot write, "
+                "pass lease_ttl=None",
+                LeaseWarning,
+                stacklevel=3,
+            )
+
+
+# engine -> store root -> what this process added there (weak: a dropped engine drops it)
+_LEASES: weakref.WeakKeyDictionary[Any, dict[str, _Held]] = weakref.WeakKeyDictionary()
+
+
+def _held(llm: Any, root: Any) -> _Held:
+    per = _LEASES.setdefault(llm, {})
+    key = str(root)
+    if key not in per:
+        host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40] or "host"
+        per[key] = _Held(f"vllm-lora-{host}-{os.getpid()}-{len(per)}-{id(llm) & 0xFFFFFF:x}", [])
+    return per[key]
 
 
 # ---- worker side (runs in vLLM's worker processes) ------------------------------------------
