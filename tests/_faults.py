@@ -86,3 +86,19 @@ def close_store(st: Store) -> None:
     from deltackpt.saving.engine import saver_for
 
     saver_for(st).close()
+
+
+def flip_chunk_bytes(store: str | Path, name: str | None = None, xor: int = 0xFF) -> None:
+    """Damage every chunk of snapshot ``name`` (None: of every snapshot): one byte in the
+    middle of each, XORed with ``xor``, in its pack file (as bit rot on disk would)."""
+    st = deltackpt.open_store(store, create=False)
+    names = [name] if name is not None else [i.name for i in deltackpt.snapshots(st)]
+    for n in names:
+        for rec in st.manifest(n).chunks.values():
+            p = st.pack_path(rec.pack)
+            p.chmod(0o644)
+            with open(p, "r+b") as f:
+                f.seek(rec.offset + rec.length // 2)
+                b = f.read(1)
+                f.seek(rec.offset + rec.length // 2)
+                f.write(bytes([b[0] ^ xor]))

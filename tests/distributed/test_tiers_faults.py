@@ -13,6 +13,7 @@ import torch
 
 import deltackpt
 from tests._dist import free_port, init_gloo, run_ranks, spawn
+from tests._faults import flip_chunk_bytes
 
 
 def _tiers(root: str, rank: int) -> Any:
@@ -29,16 +30,7 @@ def _state(step: int, rank: int) -> dict[str, Any]:
 
 
 def _flip_every_chunk(store_dir: Path) -> None:
-    st = deltackpt.open_store(store_dir)
-    for info in deltackpt.snapshots(st):
-        for rec in st.manifest(info.name).chunks.values():
-            p = st.pack_path(rec.pack)
-            p.chmod(0o644)
-            with open(p, "r+b") as f:
-                f.seek(rec.offset + rec.length // 2)
-                b = f.read(1)
-                f.seek(rec.offset + rec.length // 2)
-                f.write(bytes([b[0] ^ 1]))
+    flip_chunk_bytes(store_dir, xor=1)
 
 
 def _no_mix(rank: int, world: int, port: int, root: str) -> dict[str, Any]:

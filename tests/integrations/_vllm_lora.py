@@ -31,6 +31,9 @@ from typing import Any
 import torch
 from _vllm_run import PROMPTS, tiny_qwen2
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from tests._faults import flip_chunk_bytes
+
 CFG = {
     "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
     "bias": "none", "task_type": "CAUSAL_LM",
@@ -48,21 +51,6 @@ def adapter_state(seed: int, r: int = 4) -> dict[str, torch.Tensor]:
             sd[f"{p}.lora_A.default.weight"] = (torch.randn(r, 128, generator=g) * 0.5).bfloat16()
             sd[f"{p}.lora_B.default.weight"] = (torch.randn(out, r, generator=g) * 0.5).bfloat16()
     return sd
-
-
-def damage_every_chunk(store: str, name: str) -> None:
-    import deltackpt
-
-    st = deltackpt.open_store(store, create=False)
-    m = st.manifest(name)
-    for rec in m.chunks.values():
-        p = st.pack_path(rec.pack)
-        p.chmod(0o644)
-        with open(p, "r+b") as f:
-            f.seek(rec.offset + rec.length // 2)
-            b = f.read(1)
-            f.seek(rec.offset + rec.length // 2)
-            f.write(bytes([b[0] ^ 0xFF]))
 
 
 def main(out_path: str) -> None:
@@ -171,7 +159,7 @@ def main(out_path: str) -> None:
         {"model": adapter_state(3, r=16)}, store, "big", metadata={"peft_config": {**CFG, "r": 16}}
     )
     deltackpt.save({"model": adapter_state(4)}, f"{tmp}/bad", "v1", metadata=meta)
-    damage_every_chunk(f"{tmp}/bad", "v1")
+    flip_chunk_bytes(f"{tmp}/bad", "v1")
     out["big"] = refused(store=store, snapshot="big")
     out["damaged"] = refused(store=f"{tmp}/bad", snapshot="v1")
     out["reused_id"] = refused(store=store, snapshot="big", lora_int_id=r2.lora_int_id)

@@ -55,6 +55,9 @@ def _patch(mod: Any) -> None:
     mod.dispatch_cpu_unquantized_gemm = dispatch
 
 
+# the same one-shot hook as deltackpt.integrations.vllm.when_imported, kept here: importing
+# deltackpt from a sitecustomize would import torch and the package in every vLLM process
+# before vLLM itself starts
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name != TARGET:
