@@ -76,7 +76,7 @@ from deltackpt.loading.changed import changed_keys
 from deltackpt.loading.select import KeySelection, key_filter
 from deltackpt.loading.stats import LoadStats
 from deltackpt.options import LoadOptions
-from deltackpt.store.leases import MAX_TTL_S, check_holder, drop_lease, write_lease
+from deltackpt.store.leases import check_holder, check_lease_ttl, drop_lease, write_lease
 from deltackpt.store.store import Store, open_store
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
@@ -161,15 +161,7 @@ class Follower:
                 f"{list(FALLBACKS)}. 'reload' loads the newest snapshot whole when the held one "
                 "is gone or does not match; 'raise' raises instead"
             )
-        if lease_ttl is not None and (
-            isinstance(lease_ttl, bool)
-            or not isinstance(lease_ttl, (int, float))
-            or not 0 < lease_ttl <= MAX_TTL_S
-        ):
-            raise InvalidArgumentError(
-                f"Follower(lease_ttl={lease_ttl!r:.80}) is invalid: expected seconds in (0, "
-                f"{MAX_TTL_S:g}] or None (no lease). Pass e.g. lease_ttl=600"
-            )
+        check_lease_ttl(lease_ttl, "Follower")
         self.options = LoadOptions.from_kwargs(options, kwargs)
         self.keys = keys
         self._select = key_filter(keys)  # a bad keys= fails here

@@ -97,6 +97,17 @@ def check_holder(holder: object) -> str:
     return holder
 
 
+def check_lease_ttl(ttl: object, what: str) -> None:
+    """Refuse a ``lease_ttl`` argument that is not seconds in (0, MAX_TTL_S] or None."""
+    if ttl is not None and (
+        isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S
+    ):
+        raise InvalidArgumentError(
+            f"{what}(lease_ttl={ttl!r:.80}) is invalid: expected seconds in (0, "
+            f"{MAX_TTL_S:g}] or None (no lease). Pass e.g. lease_ttl=600"
+        )
+
+
 def lease_key(holder: str) -> str:
     return f"{LEASES}/{check_holder(holder)}{_SUFFIX}"
 

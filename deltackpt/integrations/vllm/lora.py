@@ -46,7 +46,7 @@ import torch
 from deltackpt.errors import DeltackptError, InvalidArgumentError, LeaseWarning
 from deltackpt.format.hashing import digest, tensor_digest
 from deltackpt.loading.lazy import open_snapshot
-from deltackpt.store.leases import MAX_SNAPSHOTS, MAX_TTL_S, drop_lease, write_lease
+from deltackpt.store.leases import MAX_SNAPSHOTS, check_lease_ttl, drop_lease, write_lease
 from deltackpt.store.location import store_root
 from deltackpt.store.snapshot import LATEST
 from deltackpt.store.store import open_store
@@ -159,15 +159,7 @@ def add_lora(
         )
     if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
         raise InvalidArgumentError(f"lora_name={lora_name!r} is invalid: expected a string")
-    if lease_ttl is not None and (
-        isinstance(lease_ttl, bool)
-        or not isinstance(lease_ttl, (int, float))
-        or not 0 < lease_ttl <= MAX_TTL_S
-    ):
-        raise InvalidArgumentError(
-            f"add_lora(lease_ttl={lease_ttl!r}) is invalid: expected seconds in (0, "
-            f"{MAX_TTL_S:g}] or None (no lease)"
-        )
+    check_lease_ttl(lease_ttl, "add_lora")
     # a directory absolute: the workers may run elsewhere in the file system (their cwd)
     url = str(store_root(store))
     st = open_store(url, create=False, storage_options=storage_options)
