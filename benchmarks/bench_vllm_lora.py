@@ -24,6 +24,7 @@ machine's memcpy, xxh3 and write+fsync ceilings, measured in the same run.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_lora.py                       # 500m, rank 16
     .venv-vllm/bin/python benchmarks/bench_vllm_lora.py --size tiny --rank 8  # quick
+    .venv-vllm/bin/python benchmarks/bench_vllm_lora.py --tmp /dev/shm        # no disk
 
 vLLM 0.32's CPU build with LoRA needs the AMX request of ``tests/integrations/_vllm_amx`` on AMX
 processors (SIGILL otherwise); this script puts it on the workers' ``PYTHONPATH``.
@@ -100,6 +101,12 @@ def main() -> None:
     ap.add_argument("--size", default="500m", choices=sorted(SIZES))
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--versions", type=int, default=4, help="timed versions per path (median)")
+    ap.add_argument(
+        "--tmp",
+        default=None,
+        help="where the store and the directories go (default: the system temp dir, on disk; "
+        "/dev/shm: a colocated trainer's store in memory, shared with the engine's workers)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     amx = str(ROOT / "tests" / "integrations" / "_vllm_amx")
@@ -112,7 +119,7 @@ def main() -> None:
     from deltackpt.integrations.vllm.extension import EXTENSION
     from deltackpt.integrations.vllm.lora import add_lora
 
-    tmp = tempfile.mkdtemp(prefix="deltackpt-bench-vllm-lora-")
+    tmp = tempfile.mkdtemp(prefix="deltackpt-bench-vllm-lora-", dir=args.tmp)
     try:
         write_model(args.size, f"{tmp}/base")
         cfg = {"peft_type": "LORA", "r": args.rank, "lora_alpha": 2 * args.rank,
