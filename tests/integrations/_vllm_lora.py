@@ -137,6 +137,10 @@ def main(out_path: str) -> None:
     out["names"] = [r1.lora_name, r2.lora_name]
     out["ids_differ"] = r1.lora_int_id != r2.lora_int_id
     out["store_digests"] = [digests(r1.lora_int_id), digests(r2.lora_int_id)]
+    # the undo of a failed add_lora drops only what that call added (its token)
+    out["wrong_token"] = llm.collective_rpc(
+        "deltackpt_lora_remove", kwargs={"lora_int_id": r1.lora_int_id, "only_if_token": "x"}
+    )
     out["again"] = llm.collective_rpc(
         "deltackpt_lora_add",
         kwargs={"path": r1.lora_path, "lora_int_id": r1.lora_int_id, "lora_name": r1.lora_name},

@@ -101,14 +101,17 @@ def test_a_worker_that_fails_undoes_the_others_and_names_each_error(tmp_path: Pa
     with pytest.raises(AdapterStageError, match=r"1 of 2 worker\(s\).*worker 1: ValueError") as e:
         add_lora(eng, store, "v1", lora_int_id=7)
     assert isinstance(e.value, SyncError)
-    (add, (remove, rkw)) = eng.calls
+    ((add, akw), (remove, rkw)) = eng.calls
     path = AdapterSource(store, "v1").path
-    assert add == (
-        "deltackpt_lora_add",
-        {"path": path, "lora_int_id": 7, "lora_name": "default@v1"},
-    )
-    # only the version this call added is dropped: an id another version holds stays
-    assert remove == "deltackpt_lora_remove" and rkw == {"lora_int_id": 7, "only_if_path": path}
+    assert add == "deltackpt_lora_add" and akw["token"]
+    assert {k: v for k, v in akw.items() if k != "token"} == {
+        "path": path,
+        "lora_int_id": 7,
+        "lora_name": "default@v1",
+    }
+    # only what this call added is dropped: a worker that held the version before keeps it
+    assert remove == "deltackpt_lora_remove"
+    assert rkw == {"lora_int_id": 7, "only_if_token": akw["token"]}
 
 
 @pytest.fixture
@@ -251,6 +254,7 @@ def test_store_adapters_match_vllms_own_directory_load_bit_for_bit(lora_run) -> 
     assert t1 == d1 and t2 == d2 and t1 != t2  # side by side in one batch, each its version
     assert r["base"] not in (t1, t2)
     assert r["again"] == [{"added": False, "seconds": 0.0}]  # held already: not read twice
+    assert r["wrong_token"] == [{"removed": False}]  # another call's undo leaves it
 
 
 @real

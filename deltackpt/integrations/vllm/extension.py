@@ -247,25 +247,31 @@ class DeltackptWorkerExtension:
         lora_int_id: int,
         lora_name: str,
         storage_options: dict[str, Any] | None = None,
+        token: str | None = None,
     ) -> dict[str, Any]:
         """Build the adapter ``path`` (``lora.AdapterSource.path``) names and cache it under
-        ``lora_int_id``: ``{"added": bool, "seconds": float}`` or ``{"error": ...}``."""
+        ``lora_int_id`` (``token``: the calling ``add_lora``'s mark, for its undo):
+        ``{"added": bool, "seconds": float}`` or ``{"error": ...}``."""
         from deltackpt.integrations.vllm import lora
 
         try:
-            return lora.stage(self, path, lora_int_id, lora_name, storage_options)
+            return lora.stage(self, path, lora_int_id, lora_name, storage_options, token)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
 
     def deltackpt_lora_remove(
-        self, lora_int_id: int, only_if_path: str | None = None
+        self,
+        lora_int_id: int,
+        only_if_path: str | None = None,
+        only_if_token: str | None = None,
     ) -> dict[str, Any]:
-        """Drop adapter ``lora_int_id`` (when ``only_if_path`` is given, only if it names that
-        version): ``{"removed": bool}`` or ``{"error": ...}``."""
+        """Drop adapter ``lora_int_id`` (``only_if_path``: only if it names that version;
+        ``only_if_token``: only if that ``add_lora`` call added it): ``{"removed": bool}`` or
+        ``{"error": ...}``."""
         from deltackpt.integrations.vllm import lora
 
         try:
-            return lora.unstage(self, lora_int_id, only_if_path)
+            return lora.unstage(self, lora_int_id, only_if_path, only_if_token)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
 

@@ -35,10 +35,11 @@ import os
 import re
 import socket
 import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -168,7 +169,10 @@ def add_lora(
         src = AdapterSource(url, snap.name, adapter_name, key)
     rid = src.default_id if lora_int_id is None else lora_int_id
     name = lora_name or f"{adapter_name}@{src.snapshot}"
-    kwargs = {"path": src.path, "lora_int_id": rid, "lora_name": name}
+    # this call's mark: a failure undoes only what this call added, never a worker's adapter
+    # that was there before (an add of a version a worker already held)
+    token = uuid.uuid4().hex
+    kwargs = {"path": src.path, "lora_int_id": rid, "lora_name": name, "token": token}
     if storage_options:
         kwargs["storage_options"] = storage_options
     answers = _answers(llm.collective_rpc("deltackpt_lora_add", kwargs=kwargs))
@@ -177,7 +181,7 @@ def add_lora(
         undone = [a.get("added", False) for a in answers]
         if any(undone):
             llm.collective_rpc(
-                "deltackpt_lora_remove", kwargs={"lora_int_id": rid, "only_if_path": src.path}
+                "deltackpt_lora_remove", kwargs={"lora_int_id": rid, "only_if_token": token}
             )
         lines = "; ".join(f"worker {i}: {e}" for i, e in failed)
         raise AdapterStageError(
@@ -262,6 +266,7 @@ class Registry:
 
     paths: dict[int, str]
     options: dict[str, dict[str, Any]]
+    added_by: dict[int, str] = field(default_factory=dict)  # id -> the add_lora call's token
 
 
 def registry(manager: Any) -> Registry:
@@ -427,6 +432,7 @@ def stage(
     lora_int_id: int,
     lora_name: str,
     storage_options: dict[str, Any] | None = None,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """Build and cache the adapter ``path`` names on this worker under ``lora_int_id``:
     ``{"added": bool, "seconds": float}`` (``added`` False: it was held already)."""
@@ -450,16 +456,27 @@ def stage(
         reg.options[path] = dict(storage_options)
     t0 = time.perf_counter()
     manager.add_adapter(LoRARequest(lora_name, lora_int_id, path))  # through the hook
+    if token is not None:
+        reg.added_by[lora_int_id] = token
     return {"added": True, "seconds": time.perf_counter() - t0}
 
 
-def unstage(worker: Any, lora_int_id: int, only_if_path: str | None = None) -> dict[str, bool]:
+def unstage(
+    worker: Any,
+    lora_int_id: int,
+    only_if_path: str | None = None,
+    only_if_token: str | None = None,
+) -> dict[str, bool]:
     """Drop ``lora_int_id`` from this worker's adapters (when ``only_if_path`` is given: only
-    if it names that version); ``{"removed": bool}``."""
+    if it names that version; ``only_if_token``: only if that ``add_lora`` call added it);
+    ``{"removed": bool}``."""
     manager = lora_manager(worker)
     reg = registry(manager)
     if only_if_path is not None and reg.paths.get(lora_int_id) != only_if_path:
         return {"removed": False}
+    if only_if_token is not None and reg.added_by.get(lora_int_id) != only_if_token:
+        return {"removed": False}
+    reg.added_by.pop(lora_int_id, None)
     removed = bool(manager.remove_adapter(lora_int_id))
     reg.paths.pop(lora_int_id, None)
     return {"removed": removed}
