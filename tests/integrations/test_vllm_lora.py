@@ -92,7 +92,7 @@ def test_a_store_that_is_not_there_is_refused_and_not_made(tmp_path: Path) -> No
         add_lora(eng, str(tmp_path / "missing"), "v1")
     assert not (tmp_path / "missing").exists() and eng.calls == []
     with pytest.raises(InvalidArgumentError, match="store="):
-        add_lora(eng, deltackpt.open_store(tmp_path / "s"), "v1")  # type: ignore[arg-type]
+        add_lora(eng, 5, "v1")  # type: ignore[arg-type]
 
 
 def test_a_worker_that_fails_undoes_the_others_and_names_each_error(tmp_path: Path) -> None:
@@ -156,6 +156,12 @@ def test_latest_is_taken_once_and_storage_options_reach_the_workers(
     opts = {"skip_instance_cache": True}
     add_lora(eng, url, storage_options=opts)
     assert eng.calls[-1][1]["storage_options"] == opts
+    # a Store (a Checkpointer's .store): its root, and its options when none are given
+    add_lora(eng, deltackpt.open_store(url, storage_options=opts), "v1")
+    assert eng.calls[-1][1]["storage_options"] == opts
+    assert AdapterSource.parse(eng.calls[-1][1]["path"]) == AdapterSource(url, "v1")
+    req = add_lora(eng, deltackpt.open_store(store), "v2")
+    assert AdapterSource.parse(req.lora_path) == AdapterSource(store, "v2")
 
 
 def test_served_versions_are_leased_so_retention_keeps_them(

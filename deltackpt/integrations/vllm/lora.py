@@ -50,7 +50,7 @@ from deltackpt.loading.lazy import open_snapshot
 from deltackpt.store.leases import MAX_SNAPSHOTS, check_lease_ttl, drop_lease, write_lease
 from deltackpt.store.location import store_root
 from deltackpt.store.snapshot import LATEST
-from deltackpt.store.store import open_store
+from deltackpt.store.store import Store, open_store
 from deltackpt.sync.errors import AdapterStageError
 
 __all__ = ["SCHEME", "AdapterSource", "add_lora", "remove_lora"]
@@ -119,7 +119,7 @@ def _answers(out: Any) -> list[dict[str, Any]]:
 
 def add_lora(
     llm: Any,
-    store: str | os.PathLike[str],
+    store: str | os.PathLike[str] | Store,
     snapshot: str = LATEST,
     *,
     adapter_name: str = "default",
@@ -146,10 +146,14 @@ def add_lora(
     worker's error in the message); then no worker holds it."""
     from deltackpt.interop.peft import adapter_plan
 
+    if isinstance(store, Store):  # e.g. a Checkpointer's: the workers open its root
+        if storage_options is None:
+            storage_options = getattr(store.storage, "storage_options", None) or None
+        store = str(store.root)
     if not isinstance(store, (str, os.PathLike)) or not str(store):
         raise InvalidArgumentError(
             f"store={store!r} is invalid: expected the store's directory or URL (a string the "
-            "workers open themselves)"
+            "workers open themselves) or a deltackpt Store"
         )
     check_adapter_name(adapter_name)
     if lora_int_id is not None and (
