@@ -114,6 +114,18 @@ def test_a_worker_that_fails_undoes_the_others_and_names_each_error(tmp_path: Pa
     assert rkw == {"lora_int_id": 7, "only_if_token": akw["token"]}
 
 
+def test_an_engine_without_the_extension_is_named(tmp_path: Path) -> None:
+    class Plain:  # vLLM's answer to an RPC of a method its workers do not have
+        def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> Any:
+            raise AttributeError(f"'Worker' object has no attribute {method!r}")
+
+    with pytest.raises(AdapterStageError, match="worker_extension_cls=EXTENSION"):
+        add_lora(Plain(), _store(tmp_path), "v1")
+    eng = Engine(["not a dict"])  # type: ignore[list-item]
+    with pytest.raises(AdapterStageError, match="unexpected answer 'not a dict'"):
+        add_lora(eng, str(tmp_path / "store"), "v1")
+
+
 @pytest.fixture
 def lora_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stand-in for ``vllm.lora.request`` where vLLM is not installed (this environment)."""

@@ -179,10 +179,21 @@ def add_lora(
     kwargs = {"path": src.path, "lora_int_id": rid, "lora_name": name, "token": token}
     if storage_options:
         kwargs["storage_options"] = storage_options
-    answers = _answers(llm.collective_rpc("deltackpt_lora_add", kwargs=kwargs))
-    failed = [(i, a.get("error", a)) for i, a in enumerate(answers) if "error" in a]
+    try:
+        answers = _answers(llm.collective_rpc("deltackpt_lora_add", kwargs=kwargs))
+    except Exception as e:  # the engine could not run the method at all
+        raise AdapterStageError(
+            f"add_lora: the engine did not run deltackpt_lora_add ({type(e).__name__}: {e}). "
+            "Start it with enable_lora=True and worker_extension_cls=EXTENSION "
+            "(deltackpt.integrations.vllm.extension)"
+        ) from e
+    failed = [
+        (i, a.get("error", a) if isinstance(a, dict) else f"unexpected answer {a!r:.80}")
+        for i, a in enumerate(answers)
+        if not isinstance(a, dict) or "error" in a
+    ]
     if failed:
-        undone = [a.get("added", False) for a in answers]
+        undone = [isinstance(a, dict) and a.get("added", False) for a in answers]
         if any(undone):
             llm.collective_rpc(
                 "deltackpt_lora_remove", kwargs={"lora_int_id": rid, "only_if_token": token}
