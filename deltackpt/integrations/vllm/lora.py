@@ -296,8 +296,9 @@ def patch_loader(module: Any) -> None:
     """Teach ``module.WorkerLoRAManager`` (``vllm.lora.worker_manager``) deltackpt paths: its
     ``_load_adapter`` builds a ``deltackpt-lora:`` path's adapter with :func:`load_adapter` and
     hands every other path to vLLM's loader unchanged. Idempotent. The plugin (``register``)
-    applies it in every vLLM process when vLLM imports that module, so engine ``add_lora``,
-    ``/v1/load_lora_adapter``, ``--lora-modules`` and LoRA resolvers take these paths too."""
+    applies it in every vLLM process when vLLM imports that module, so the engine's
+    ``add_lora`` (which ``/v1/load_lora_adapter`` and LoRA resolvers call) takes these paths
+    too."""
     cls = module.WorkerLoRAManager
     if getattr(cls, "_deltackpt_patched", False):
         return
