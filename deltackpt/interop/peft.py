@@ -77,11 +77,7 @@ def export_peft(
     """
     if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
         raise InvalidArgumentError(f"out_dir={out_dir!r} is invalid: expected a directory path")
-    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:
-        raise InvalidArgumentError(
-            f"adapter_name={adapter_name!r} is invalid: expected the name the adapter has in the "
-            "PEFT model (peft's default is 'default'), without dots"
-        )
+    check_adapter_name(adapter_name)
     out = Path(out_dir)
     with open_snapshot(store, name) as snap:
         names, cfg, cfg_doc, adapter = adapter_plan(snap, key, adapter_name, config, "export_peft")
@@ -114,6 +110,15 @@ def export_peft(
         _write_safetensors(out / MERGED_WEIGHTS, items)
         _write_text(out / MERGED_CONFIG, json.dumps(base_doc, indent=2, sort_keys=True) + "\n")
         return [out / f for f in files]
+
+
+def check_adapter_name(adapter_name: Any) -> None:
+    """Refuse an adapter name peft's key layout cannot hold (empty, not a string, dotted)."""
+    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:
+        raise InvalidArgumentError(
+            f"adapter_name={adapter_name!r} is invalid: expected the name the adapter has in the "
+            "PEFT model (peft's default is 'default'), without dots"
+        )
 
 
 def adapter_plan(
@@ -150,12 +155,19 @@ def adapter_plan(
 
 
 def adapter_tensors(
-    snap: Any, key: str | None = "model", adapter_name: str = "default", config: Any = None
+    snap: Any,
+    key: str | None = "model",
+    adapter_name: str = "default",
+    config: Any = None,
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors of adapter ``adapter_name`` in open snapshot ``snap`` by the names peft's
     ``adapter_model.safetensors`` gives them (each read and checked against its checksum),
-    and the LoRA config as a dict: what ``export_peft`` writes, in memory."""
+    and the LoRA config as a dict: what ``export_peft`` writes, in memory. ``check`` sees the
+    config before any tensor is read (and may refuse it)."""
     names, _, cfg_doc, adapter = adapter_plan(snap, key, adapter_name, config, "adapter read")
+    if check is not None:
+        check(cfg_doc)
     got = snap.get_tensors([names[old] for old, _ in adapter])  # shared chunks read once
     return {new: got[names[old]] for old, new in adapter}, cfg_doc
 

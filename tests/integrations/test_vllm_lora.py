@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -83,6 +84,33 @@ def test_bad_arguments_are_refused_before_the_engine_is_asked(
     store, eng = _store(tmp_path), Engine([{"added": True}])
     with pytest.raises(error, match=match):
         add_lora(eng, store, **{"snapshot": "v1", **kw})
+    assert eng.calls == []
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ("LORA", "config="),  # not a dict at all
+        ({**CFG, "r": 0}, "r=0"),
+        ({**CFG, "r": True}, "r=True"),
+        ({**CFG, "r": "4"}, "r='4'"),
+        ({k: v for k, v in CFG.items() if k != "lora_alpha"}, "lora_alpha=None"),
+        ({**CFG, "lora_alpha": "8"}, "lora_alpha='8'"),
+        ({**CFG, "target_modules": []}, "target_modules=[]"),
+        ({**CFG, "target_modules": [1]}, "target_modules=[1]"),
+        ({**CFG, "peft_type": "IA3"}, "peft_type='IA3'"),
+    ],
+)
+def test_a_hostile_stored_lora_config_is_refused_before_the_engine_is_asked(
+    tmp_path: Path, config: Any, match: str
+) -> None:
+    """The LoRA config is read from the snapshot's metadata: untrusted, checked field by field
+    on the driver, named, before any worker reads a byte for it."""
+    store = str(tmp_path / "store")
+    deltackpt.save({"model": _state()}, store, "bad", metadata={"peft_config": config})
+    eng = Engine([{"added": True}])
+    with pytest.raises(InvalidArgumentError, match=re.escape(match)):
+        add_lora(eng, store, "bad")
     assert eng.calls == []
 
 

@@ -31,6 +31,7 @@ imports vLLM.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -46,6 +47,7 @@ import torch
 
 from deltackpt.errors import DeltackptError, InvalidArgumentError, LeaseWarning
 from deltackpt.format.hashing import digest, tensor_digest
+from deltackpt.interop.peft import adapter_plan, adapter_tensors, check_adapter_name
 from deltackpt.loading.lazy import open_snapshot
 from deltackpt.store.leases import MAX_SNAPSHOTS, check_lease_ttl, drop_lease, write_lease
 from deltackpt.store.location import store_root
@@ -105,11 +107,29 @@ class AdapterSource:
         return src
 
 
-def check_adapter_name(adapter_name: Any) -> None:
-    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:
+def check_lora_config(cfg: dict[str, Any], where: str) -> None:
+    """Refuse a LoRA config (read from a snapshot's metadata: untrusted) that vLLM's
+    ``PEFTHelper`` cannot take, naming the field, before anything is read or built for it."""
+    problems = []
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        problems.append(f"r={r!r} (expected an int >= 1)")
+    alpha = cfg.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        problems.append(f"lora_alpha={alpha!r} (expected a finite number)")
+    tm = cfg.get("target_modules")
+    if not (
+        (isinstance(tm, str) and tm)
+        or (isinstance(tm, list) and tm and all(isinstance(m, str) and m for m in tm))
+    ):
+        problems.append(f"target_modules={tm!r:.80} (expected a name or a list of names)")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type={cfg.get('peft_type')!r:.40} (expected 'LORA')")
+    if problems:
         raise InvalidArgumentError(
-            f"adapter_name={adapter_name!r} is invalid: expected the name the adapter has in the "
-            "PEFT model (peft's default is 'default'), without dots"
+            f"{where}: its LoRA config is not one vLLM can load: {'; '.join(problems)}. Save the "
+            "snapshot with the LoraConfig the adapter was trained with "
+            "(metadata={'peft_config': peft_config_dict(lora_config)})"
         )
 
 
@@ -144,8 +164,6 @@ def add_lora(
     so a bad argument never reaches the engine. Raises
     :class:`~deltackpt.sync.errors.AdapterStageError` when a worker could not build it (each
     worker's error in the message); then no worker holds it."""
-    from deltackpt.interop.peft import adapter_plan
-
     if isinstance(store, Store):  # e.g. a Checkpointer's: the workers open its root
         if storage_options is None:
             storage_options = getattr(store.storage, "storage_options", None) or None
@@ -169,7 +187,8 @@ def add_lora(
     url = str(store_root(store))
     st = open_store(url, create=False, storage_options=storage_options)
     with open_snapshot(st, snapshot) as snap:
-        adapter_plan(snap, key, adapter_name, None, "add_lora")
+        _, _, cfg, _ = adapter_plan(snap, key, adapter_name, None, "add_lora")
+        check_lora_config(cfg, f"add_lora of snapshot {snap.name!r}")
         src = AdapterSource(url, snap.name, adapter_name, key)
     rid = src.default_id if lora_int_id is None else lora_int_id
     name = lora_name or f"{adapter_name}@{src.snapshot}"
@@ -390,8 +409,6 @@ def load_adapter(
     read from the store (checked against their checksums) instead of a directory."""
     from vllm.lora.peft_helper import PEFTHelper
 
-    from deltackpt.interop.peft import adapter_tensors
-
     where = f"adapter {src.adapter_name!r} of snapshot {src.snapshot!r} of {src.store!r}"
     if manager._adapter_manager.moe_ep_load_spec is not None:
         raise InvalidArgumentError(
@@ -400,7 +417,9 @@ def load_adapter(
         )
     st = open_store(src.store, create=False, storage_options=storage_options)
     with open_snapshot(st, src.snapshot) as snap:
-        tensors, cfg = adapter_tensors(snap, src.key, src.adapter_name)
+        tensors, cfg = adapter_tensors(
+            snap, src.key, src.adapter_name, check=lambda c: check_lora_config(c, where)
+        )
     cfg = dict(cfg, vllm_max_position_embeddings=manager.max_position_embeddings)
     helper = PEFTHelper.from_dict(cfg)
     helper.validate_legal(manager.lora_config)

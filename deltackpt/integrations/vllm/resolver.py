@@ -27,8 +27,8 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver
 
 from deltackpt.errors import DeltackptError
-from deltackpt.integrations.vllm.lora import AdapterSource, check_adapter_name
-from deltackpt.interop.peft import adapter_plan
+from deltackpt.integrations.vllm.lora import AdapterSource, check_lora_config
+from deltackpt.interop.peft import adapter_plan, check_adapter_name
 from deltackpt.loading.lazy import open_snapshot
 from deltackpt.store.location import store_root
 from deltackpt.store.snapshot import LATEST
@@ -81,7 +81,8 @@ class StoreResolver(LoRAResolver):
         try:
             st = open_store(self.store, create=False, storage_options=self.storage_options)
             with open_snapshot(st, snapshot) as snap:
-                adapter_plan(snap, self.key, adapter, None, "LoRA resolver")
+                _, _, cfg, _ = adapter_plan(snap, self.key, adapter, None, "LoRA resolver")
+                check_lora_config(cfg, "LoRA resolver")
         except (DeltackptError, KeyError, ValueError):
             return None  # not a committed snapshot with this adapter and its config
         src = AdapterSource(self.store, snapshot, adapter, self.key)
