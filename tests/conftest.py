@@ -17,9 +17,8 @@ from tests._s3 import new_bucket, s3_options, s3_server
 LONGEST_FIRST = (
     "tests/integrations/test_vllm.py",
     "tests/integrations/test_vllm_http.py",
-    "tests/integrations/test_vllm_tp_boxes.py",
-    "tests/integrations/test_vllm_lora.py",
     "tests/integrations/test_vllm_tp.py",
+    "tests/integrations/test_vllm_lora.py",
 )
 
 

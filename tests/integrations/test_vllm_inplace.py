@@ -1,6 +1,6 @@
 """In-place commits (``deltackpt/integrations/vllm/inplace.py``) on stand-ins of vLLM's modules
 (same class names and attributes, plain torch: no vLLM needed). The real engine runs the same
-code in test_vllm.py (one worker, linear weights kept) and test_vllm_tp_boxes.py (TP=2)."""
+code in test_vllm.py (one worker, linear weights kept) and test_vllm_tp.py (TP=2)."""
 
 from __future__ import annotations
 

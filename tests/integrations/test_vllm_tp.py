@@ -1,9 +1,18 @@
-"""The ``deltackpt`` backend under tensor parallelism: a real CPU vLLM engine with
-``tensor_parallel_size=2`` (``_vllm_tp.py`` in ``.venv-vllm``, one core bound per worker).
+"""The ``deltackpt`` backend under tensor parallelism: one real CPU vLLM engine with
+``tensor_parallel_size=2`` (``_vllm_tp.py`` in ``.venv-vllm``, one core bound per worker), fed
+first in the memory-bound configuration (``tp_boxes`` and ``staging="ring"``: each worker
+receives and holds only the boxes of its tensor-parallel shards, through two message slots),
+then whole tensors by a new trainer engine (each worker writes its rows or columns of them).
 Skipped when that environment is absent (``.ci/vllm-env``) or the machine has fewer than two
-cores to bind. The engine runs with its linear weights repacked into CPU kernels whatever the
-processor (``linear="repack"``, ``_vllm_linear/``): so the layout report of an emptied
-tensor-parallel parameter is checked on every machine; ``test_vllm.py`` runs both layouts.
+cores to bind.
+
+Linear weights kept in their parameters (``linear="keep"``, as a GPU keeps them), so every
+parameter of the engine is read back and compared with vLLM's own load of the same weights
+(``reload_weights``; ``test_vllm.py`` compares with a fresh engine at TP=1). The same run with
+the weights repacked into CPU kernels (``linear="repack"``: parameters emptied, checked by
+tokens, commits reload) passes too but costs another TP=2 engine (~60 s of the suite's
+10-minute budget): it runs with ``DELTACKPT_TEST_TP_LAYOUTS=keep,repack``. The repack path
+itself runs in every suite run at TP=1 (``test_vllm.py``).
 """
 
 from __future__ import annotations
@@ -28,48 +37,79 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+LAYOUTS = os.environ.get("DELTACKPT_TEST_TP_LAYOUTS", "keep").split(",")
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     cores = sorted(os.sched_getaffinity(0))[:2]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
-    return run_script(tmp_path_factory, "_vllm_tp.py", env=env, linear="repack")
+    out = run_script(tmp_path_factory, "_vllm_tp.py", env=env, linear=request.param)
+    out["linear"] = request.param
+    return out
 
 
-def test_both_tensor_parallel_workers_commit_the_trainers_bits(run):
+def test_both_workers_commit_the_trainers_bits_in_their_boxes(run):
     for r in run["rounds"]:
         assert r["identical"] == [True, True], r["version"]
         assert r["worker_versions"] == [r["version"]] * 2
         assert r["engine_version"] == str(r["version"])
-        assert r["links"] == 2  # the trainer sent to both workers
+        assert r["links"] == 2
     full, *deltas = run["rounds"]
     assert full["full"] and not any(d["full"] for d in deltas)
     assert all(d["sent"] < full["sent"] / 10 for d in deltas)
 
 
-def test_greedy_tokens_equal_vllm_loading_the_same_weights(run):
+def test_each_worker_gets_the_boxes_vllm_shards(run):
+    b0, b1 = run["boxes"]
+    assert b0.keys() == b1.keys() and len(b0) == 2 * 12 + 3
+    # q: one of the two heads (64 rows) each; k/v: one kv head shared by both ranks: whole
+    assert b0["model.layers.0.self_attn.q_proj.weight"] == [[0, 0], [64, 128]]
+    assert b1["model.layers.0.self_attn.q_proj.weight"] == [[64, 0], [64, 128]]
+    assert b1["model.layers.0.self_attn.q_proj.bias"] == [[64], [64]]
+    assert b0["model.layers.0.self_attn.k_proj.weight"] is None
+    assert b1["model.layers.1.self_attn.v_proj.bias"] is None
+    # row parallel: input columns; its output projection bias would be whole
+    assert b1["model.layers.0.self_attn.o_proj.weight"] == [[0, 64], [128, 64]]
+    assert b1["model.layers.0.mlp.down_proj.weight"] == [[0, 128], [128, 128]]
+    # merged column parallel: each part's rows
+    assert b1["model.layers.1.mlp.gate_proj.weight"] == [[128, 0], [128, 128]]
+    assert b0["model.layers.1.mlp.up_proj.weight"] == [[0, 0], [128, 128]]
+    # vocabulary rows; norms whole
+    assert b1["model.embed_tokens.weight"] == [[256, 0], [256, 128]]
+    assert b0["lm_head.weight"] == [[0, 0], [256, 128]]
+    assert b0["model.norm.weight"] is None and b1["model.layers.0.input_layernorm.weight"] is None
+    assert (
+        "received as box [64, 128] at [64, 0] of [128, 128]"
+        in (run["paths"][1]["model.layers.0.self_attn.q_proj.weight"]["layout"])
+    )
+
+
+def test_each_worker_holds_its_share_not_the_model(run):
+    model = run["model_bytes"]
+    for r in run["rounds"]:
+        for m in r["memory"]:
+            assert m["tp_boxes"] and m["model"] == model
+            assert m["held"] == m["share"]  # only its boxes are held
+            # the staging arena: two messages (staging="ring"), not a round of its boxes
+            assert m["staging"] <= 2 * (run["bucket_bytes"] + 16 * 1024) < m["share"]
+            assert m["undo"] == 0  # a committed round keeps no old bytes, in memory
+            assert m["spilled"] == 0  # nor in the undo file (the workers' default undo_dir)
+    full = run["rounds"][0]
+    for m, sent in zip(full["memory"], sorted(full["per_link"].items()), strict=True):
+        assert sent[1] == m["share"]  # the full round carried exactly its boxes
+    # the replicated tensors (norms, k/v with one kv head) keep the share above half
+    assert all(model / 2 < m["share"] < 0.8 * model for m in full["memory"])
+    assert [m["held"] for m in run["memory_end"]] == [m["held"] for m in full["memory"]]
+
+
+def test_greedy_tokens_and_parameters_equal_vllm_loading_the_same_weights(run):
     assert run["tokens"] == run["fresh_tokens"]
-
-
-def test_every_parameter_reports_its_path(run):
-    p0, p1 = run["paths"]
-    assert p0.keys() == p1.keys() and len(p0) == 2 * 12 + 3  # 2 layers, embed, norm, lm_head
-    q = p0["model.layers.0.self_attn.q_proj.weight"]
-    assert q["param"] == "model.layers.0.self_attn.qkv_proj.weight"
-    assert q["path"] == "load_weights"
-    assert q["layout"].startswith("fused into qkv_proj as q_proj, its tensor-parallel shard")
-    g = p0["model.layers.1.mlp.up_proj.weight"]
-    assert g["param"] == "model.layers.1.mlp.gate_up_proj.weight"
-    assert "fused into gate_up_proj as up_proj" in g["layout"]
-    assert "model.layers.0.mlp.down_proj.weight" in run["emptied"][0]
-    down = p0["model.layers.0.mlp.down_proj.weight"]["layout"]
-    assert down.startswith("RowParallelLinear, its tensor-parallel shard")
-    assert down.endswith("repacked into a CPU kernel (the parameter is left empty)")
-    emb = p0["model.embed_tokens.weight"]["layout"]
-    assert emb == "tensor-parallel shard [256, 128] of [512, 128]"
-    assert p0["model.norm.weight"]["layout"] == "whole"
-
-
-# ---- staged rounds and failed commits on one of the two workers (_vllm_commit.py) ----------
+    for w in run["readable"]:
+        assert w["names"] and w["equal"] == w["names"]
+    if run["linear"] == "keep":  # every linear weight readable: q/k/v, gate/up, o, down
+        assert "model.layers.0.self_attn.qkv_proj.weight" in run["readable"][1]["names"]
+        assert "model.layers.1.mlp.down_proj.weight" in run["readable"][0]["names"]
 
 
 def test_a_staged_round_serves_the_old_version_on_both_workers_until_its_commit(run):
@@ -82,3 +122,66 @@ def test_a_commit_failing_on_one_worker_is_taken_back_on_both(run):
 
 def test_after_a_commit_both_workers_serve_the_new_weights_only(run):
     check_prefix_cache(run["commit"])
+
+
+def test_commits_write_into_the_kept_shards_of_both_workers(run):
+    """Linear weights kept: every failed commit (and its rollback) writes each worker's boxes
+    into its parameter shards (inplace.py); repacked: reloads. (The staged commit before them
+    reloads here: a bias still all zeros after the first rounds cannot be placed by what it
+    holds, so its first change goes through the reload, which shows where it lands.)"""
+    c = run["commit"]
+    want = ["in place"] * 2 if run["linear"] == "keep" else ["reload"] * 2
+    assert all(f["path"] == want for f in c["failures"]), [f["path"] for f in c["failures"]]
+
+
+# ---- whole tensors (no tp_boxes), the same engine -------------------------------------------
+
+
+def test_whole_tensors_are_written_into_each_workers_shards(run):
+    """Each worker's commits write its rows or columns of the whole tensors into its parameter
+    shards; every round leaves both workers holding the trainer's tensors; tokens and every
+    readable parameter equal vLLM's own load of the same weights."""
+    w = run["whole"]
+    for r in w["rounds"]:
+        assert r["identical"] == [True, True], r["version"]
+        assert r["worker_versions"] == [r["version"]] * 2
+        assert r["engine_version"] == str(r["version"])
+        assert r["links"] == 2  # the trainer sent to both workers
+    full, *deltas = w["rounds"]
+    assert full["full"] and not any(d["full"] for d in deltas)
+    assert all(d["sent"] < full["sent"] / 10 for d in deltas)
+    if run["linear"] == "keep":
+        assert w["rounds"][-1]["path"] == ["in place", "in place"], w["rounds"]
+    assert w["tokens"] == w["fresh_tokens"]
+    assert w["readable_equal"] == [True, True]
+
+
+def test_every_parameter_reports_its_path(run):
+    p0, p1 = run["whole"]["paths"]
+    assert p0.keys() == p1.keys() and len(p0) == 2 * 12 + 3  # 2 layers, embed, norm, lm_head
+    q = p0["model.layers.0.self_attn.q_proj.weight"]
+    assert q["param"] == "model.layers.0.self_attn.qkv_proj.weight"
+    assert q["layout"].startswith("fused into qkv_proj as q_proj, its tensor-parallel shard")
+    g = p0["model.layers.1.mlp.up_proj.weight"]
+    assert g["param"] == "model.layers.1.mlp.gate_up_proj.weight"
+    assert "fused into gate_up_proj as up_proj" in g["layout"]
+    down = p0["model.layers.0.mlp.down_proj.weight"]["layout"]
+    emptied = "model.layers.0.mlp.down_proj.weight" in run["whole"]["emptied"][0]
+    assert emptied == (run["linear"] == "repack")
+    if emptied:  # row parallel: this rank's input columns, the values in a CPU kernel
+        assert down.startswith("RowParallelLinear, its tensor-parallel shard")
+        assert down.endswith("repacked into a CPU kernel (the parameter is left empty)")
+    else:
+        assert down == "tensor-parallel shard [128, 128] of [128, 256]"
+    emb = p0["model.embed_tokens.weight"]["layout"]
+    assert emb == "tensor-parallel shard [256, 128] of [512, 128]"
+    assert p0["model.norm.weight"]["layout"] == "whole"
+
+
+def test_whole_tensors_staged_rounds_and_failed_commits_on_one_worker(run):
+    c = run["whole"]["commit"]
+    check_staged_round(c)
+    check_failed_commits(c)
+    check_prefix_cache(c)
+    want = ["in place"] * 2 if run["linear"] == "keep" else ["reload"] * 2
+    assert all(f["path"] == want for f in c["failures"]), [f["path"] for f in c["failures"]]
