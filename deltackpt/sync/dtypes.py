@@ -16,7 +16,15 @@ from deltackpt.errors import StoreFormatError, UnsupportedValueError
 from deltackpt.format.dtypes import dtype_from_name, dtype_name
 from deltackpt.sync.errors import PlanError
 
-__all__ = ["DtypeSpec", "dtype_spec", "named_dtype", "resolve_dtype", "wire_dtype", "wire_name"]
+__all__ = [
+    "DtypeSpec",
+    "dtype_spec",
+    "is_fp8",
+    "named_dtype",
+    "resolve_dtype",
+    "wire_dtype",
+    "wire_name",
+]
 
 #: A dtype to cast floating-point tensors to, or ``f(name, dtype) -> dtype | None`` (None: keep).
 DtypeSpec = torch.dtype | Callable[[str, torch.dtype], torch.dtype | None] | None
@@ -50,12 +58,20 @@ def dtype_spec(owner: str, spec: Any) -> DtypeSpec:
     )
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    """``dtype`` is one of torch's 8-bit floating types: scaled storage (its scales travel as
+    tensors of their own, :mod:`deltackpt.sync.fp8`), not a value type to cast."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
 def resolve_dtype(spec: DtypeSpec, name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype tensor ``name`` of ``dtype`` is cast to under ``spec``."""
+    """The dtype tensor ``name`` of ``dtype`` is cast to under ``spec``. A dtype casts floating
+    tensors of 16 bits or more; FP8 tensors keep theirs (their values mean something only with
+    their scales: a callable casts them where that is meant)."""
     if spec is None:
         return dtype
     if isinstance(spec, torch.dtype):
-        return spec if dtype.is_floating_point else dtype
+        return spec if dtype.is_floating_point and not is_fp8(dtype) else dtype
     return spec(name, dtype) or dtype
 
 

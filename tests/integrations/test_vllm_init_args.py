@@ -18,7 +18,7 @@ from deltackpt.sync import PlanError
 DEFAULTS: dict[str, Any] = dict(
     rank=0, master_port=29500, master_addr="127.0.0.1", num_trainers=1, num_workers=1,
     links="auto", timeout=60.0, bucket_bytes=64 << 20, dtype=None, full_every=None,
-    end_stale_update=True, tp_boxes=None, inplace=None, staging=None, undo_dir=None,
+    end_stale_update=True, tp_boxes=None, inplace=None, staging=None, undo_dir=None, quantize="auto",
 )  # fmt: skip
 
 
@@ -31,7 +31,8 @@ def test_the_defaults_and_good_values_pass() -> None:
     assert check_trainer_init(info(dtype="bfloat16")) is torch.bfloat16
     assert check_trainer_init(info(dtype=torch.bfloat16)) is torch.bfloat16  # on the trainer only
     ok = info(rank=1, num_trainers=2, num_workers=4, links="gloo", staging="round",
-              undo_dir="memory", tp_boxes=True, inplace=False, full_every=10, dtype="float16")  # fmt: skip
+              undo_dir="memory", tp_boxes=True, inplace=False, full_every=10, dtype="float16",
+              quantize="none")  # fmt: skip
     assert check_trainer_init(ok) is torch.float16
 
 
@@ -48,6 +49,7 @@ def test_the_defaults_and_good_values_pass() -> None:
         ({"staging": "arena"}, r"staging='arena'\): expected None or one of \('ring', 'round'\)"),
         ({"undo_dir": ""}, r"undo_dir=''\): expected None, a directory or 'memory'"),
         ({"tp_boxes": "yes"}, r"tp_boxes='yes'\): expected None \(the workers' variable\)"),
+        ({"quantize": "fp8"}, r"quantize='fp8'\): expected one of \('auto', 'none'\)"),
         ({"dtype": "bf16x"}, r"DeltackptTrainerInitInfo\(dtype='bf16x'\): expected None, a float"),
     ],
 )

@@ -20,7 +20,10 @@ from deltackpt.sync.dtypes import dtype_spec
 from deltackpt.sync.group import LINKS, check_group_args
 from deltackpt.sync.schedule import check_sizes, is_integer
 
-__all__ = ["check_trainer_init"]
+__all__ = ["QUANTIZE", "check_trainer_init"]
+
+#: ``DeltackptTrainerInitInfo(quantize=)``: what the engine holds as block FP8, or nothing
+QUANTIZE = ("auto", "none")
 
 
 def _bad(field: str, value: Any, expected: str) -> PlanError:
@@ -59,6 +62,8 @@ def check_trainer_init(info: Any) -> torch.dtype | None:
         raise _bad("staging", info.staging, f"None or one of {VLLM_STAGINGS}")
     if info.undo_dir is not None and (not isinstance(info.undo_dir, str) or not info.undo_dir):
         raise _bad("undo_dir", info.undo_dir, "None, a directory or 'memory'")
+    if info.quantize not in QUANTIZE:
+        raise _bad("quantize", info.quantize, f"one of {QUANTIZE}")
     for field in ("tp_boxes", "inplace"):
         if getattr(info, field) not in (None, True, False):
             raise _bad(field, getattr(info, field), "None (the workers' variable), True or False")

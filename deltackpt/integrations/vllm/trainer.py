@@ -30,10 +30,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from deltackpt.integrations.vllm import BACKEND, register
+from deltackpt.integrations.vllm import BACKEND, fp8_layout, register
 from deltackpt.integrations.vllm.fairlock import FairLock
 from deltackpt.integrations.vllm.init_args import check_trainer_init
 from deltackpt.sync import PlanError, RoundStats, SyncGroup, WeightSender
+from deltackpt.sync.dtypes import DtypeSpec, is_fp8, resolve_dtype
+from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks
 from deltackpt.sync.schedule_decl import Held, held_from
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,12 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     default ``"ring"``; docs/sync.md, "Memory"). ``undo_dir``: where a worker keeps the bytes a
     round sent whole overwrites, to take the round back (``WeightReceiver(undo_dir=)``: a
     directory, or ``"memory"``; None: the workers' ``DELTACKPT_VLLM_UNDO_DIR`` decides, default
-    with ``"ring"`` the temporary directory unless it is a RAM filesystem)."""
+    with ``"ring"`` the temporary directory unless it is a RAM filesystem). ``quantize``:
+    ``"auto"`` (the default) sends the weights the engine holds as block FP8 quantized in its
+    blocks, each with its scales (``X.weight_scale_inv``), and the rest as they are (an engine
+    without FP8 weights: everything as it is); ``"none"`` sends every tensor as it is
+    (quantize them yourself; the workers refuse a weight that is not FP8 for an FP8
+    parameter). docs/sync.md, "FP8 engines"."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -110,6 +117,19 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     inplace: bool | None = None
     staging: str | None = None
     undo_dir: str | None = None
+    quantize: str = "auto"
+
+
+def _keep_fp8(dtype: torch.dtype | None) -> DtypeSpec:
+    """The sender's ``dtype=`` beside FP8 weights: ``dtype`` for floating tensors, FP8 bytes and
+    their scales as they are (a cast would round the scales)."""
+
+    def pick(name: str, dt: torch.dtype) -> torch.dtype | None:
+        if is_fp8(dt) or name.endswith(SCALE_SUFFIX):
+            return None
+        return resolve_dtype(dtype, name, dt)
+
+    return pick
 
 
 class LocalLLMClient:
@@ -175,6 +195,9 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         self._staged: int | None = None  # the version of a staged round awaiting commit()
         self._full_next = False  # a round the workers took back: the next one goes whole
         self._serving: int | None = None  # the version the engine serves, as far as we know
+        # what the engine holds as block FP8, quantized so on every send (quantize="auto")
+        self.fp8: Fp8Blocks | None = None
+        self._cast: torch.dtype | None = None  # the dtype= floating tensors travel as
 
     @classmethod
     def trainer_init(
@@ -220,9 +243,12 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         )
         if joined is not None:
             joined.result()
+        eng._cast = dtype
+        if init_info.quantize == "auto":  # the first worker's layout (the same on every one)
+            eng.fp8 = fp8_layout.blocks_for(fp8_layout.read(eng.group, n))
         eng.sender = WeightSender(
             eng.group,
-            dtype=dtype,
+            dtype=dtype if eng.fp8 is None else _keep_fp8(dtype),
             bucket_bytes=init_info.bucket_bytes,
             full_every=init_info.full_every,
         )
@@ -268,6 +294,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             version = (self.sender.version or 0) + 1
         if not isinstance(tensors, Mapping):
             tensors = dict(tensors)
+        if self.fp8 is not None:  # what the engine holds as FP8, quantized in its blocks
+            tensors = self.fp8.apply(tensors, cast=self._cast)
         self._agree(self._check_declared(tensors))
         full, self._full_next = full or self._full_next, False
         self._commits += 1
@@ -324,9 +352,11 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         why = commit_verdict(g, f"c{self._commits}", f"commit of version {version}")
         if why is not None:
             self._full_next = True
+            serving = "the weights it started with" if self._serving is None else None
             raise RoundAbortedError(
                 f"the commit of version {version} failed: {why}; every worker took it back "
-                f"and serves version {self._serving} (the next round is sent whole)"
+                f"and serves {serving or f'version {self._serving}'} (the next round is sent "
+                "whole)"
             )
         self._serving = int(version)
 

@@ -62,7 +62,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltackpt import cuda
-from deltackpt.integrations.vllm import feed, inplace, tp_boxes
+from deltackpt.integrations.vllm import feed, fp8_layout, inplace, tp_boxes
 from deltackpt.integrations.vllm.feed import layer_key, model_device, reload_batch
 from deltackpt.options import vllm_staging, vllm_undo_dir
 from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
@@ -358,6 +358,8 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self.fail_next: str | None = None  # test hook (the extension's deltackpt_fail_next_commit)
         # tp_boxes: per trainer tensor, its full shape and the box this worker holds (None:
         # whole); empty when every tensor is received whole
+        # the engine's block-FP8 weights (fp8_layout.engine_layout; None: it holds none)
+        self.fp8: dict[str, Any] | None = None
         self.tp_boxes = False
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._boxes: dict[str, Box | None] = {}
@@ -399,8 +401,11 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             timeout=init_info.timeout,
             links=init_info.links,
         )
-        # the wire carries the engine's dtype: the cast runs on the trainer
-        dtype = self.model_config.dtype
+        # the wire carries the engine's dtype (the cast runs on the trainer); FP8 weights and
+        # their scales as the trainer quantized them for this engine's layout, published here
+        self.fp8 = fp8_layout.engine_layout(self.model)
+        dtype = fp8_layout.wire_dtype(self.model_config.dtype, self.fp8)
+        fp8_layout.publish(self.group, self.fp8)
         self.tp_boxes = tp_boxes.enabled(init_info.tp_boxes)
         self.inplace = inplace.enabled(init_info.inplace)
         # a staged round moves its commit's device copies ahead (read here: a malformed value
@@ -631,11 +636,15 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         direct = self._direct([n for n, _ in changed])
         # which elements the round changed (its rollback writes back the same ones)
         self._elements = self.receiver.changed_elements() if direct else None
+        refused = fp8_layout.refusal(self.model, self.fp8, changed)
         try:
-            self._load(changed, fail, prepared)
+            if refused is None:
+                self._load(changed, fail, prepared)
         except Exception as e:  # voted on, then raised below
             what = "in-place write" if direct else "reload"
             mine = f"rank {self.group.rank}: the model's {what} failed ({type(e).__name__}: {e})"
+        if refused is not None:  # nothing was loaded
+            mine = f"rank {self.group.rank}: {refused}"
         self.last_path = "in place" if direct else "reload"
         why = commit_vote(self.group, key, mine)
         self._voted = True
@@ -662,7 +671,8 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             self._reload_back(back)
         raise RoundAbortedError(
             f"the commit of version {version} failed: {why}; every worker reloaded the layers "
-            f"it touched with their previous bytes and serves version {old} (nothing needs a "
+            f"it touched with their previous bytes and serves "
+            f"{'the weights it started with' if old is None else f'version {old}'} (nothing needs a "
             "restart); the trainer sends the next round whole"
         )
 

@@ -1,0 +1,187 @@
+"""Refit into an engine that serves block-FP8 weights (``quantization_config: {"quant_method":
+"fp8", "weight_block_size": [128, 128]}``): the workers tell the trainer which weights they hold
+as FP8 and in which blocks, the trainer quantizes exactly those
+(:class:`~deltackpt.sync.fp8.Fp8Blocks`) and sends each with its scales, and a worker refuses a
+round that would write another dtype into an FP8 parameter (docs/sync.md, "FP8 engines").
+
+* :func:`engine_layout` (worker): the model's block-FP8 linear modules, their block shape and
+  FP8 dtype, the fused-module map that names them from checkpoint names, and the FP8 modules
+  deltackpt does not quantize (MoE experts, per-tensor scales);
+* :func:`publish` / :func:`read` carry it through the group's store at the trainer's init;
+* :func:`blocks_for` (trainer): the :class:`Fp8Blocks` of that layout;
+* :func:`wire_dtype` (worker): the dtypes the worker asks for: the engine's for floating
+  tensors, FP8 bytes and their scales as they come;
+* :func:`refusal` (worker, at each commit): why a round's tensors cannot go into the FP8
+  parameters, before anything is loaded (the round is voted down and every worker keeps the
+  previous version).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from deltackpt.integrations.vllm.tp_boxes import module_of
+from deltackpt.sync import PlanError, SyncGroup
+from deltackpt.sync.dtypes import is_fp8, named_dtype
+from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks
+
+__all__ = ["blocks_for", "engine_layout", "publish", "read", "refusal", "wire_dtype"]
+
+KEY = "vllm/fp8"
+
+
+def _fp8_module(m: Any) -> str | None:
+    """``"block"`` for a linear module vLLM holds as block-scaled FP8, ``"other"`` for weights
+    held as FP8 in another form (per-tensor or per-channel scales, fused MoE experts'
+    ``w13_weight``/``w2_weight``), None when its weights are not FP8 (an attention module's FP8
+    KV cache is not a weight)."""
+    qm = getattr(m, "quant_method", None)
+    if qm is None or type(qm).__name__.startswith("Unquantized"):
+        return None
+    w = getattr(m, "weight", None)
+    if isinstance(w, torch.Tensor) and is_fp8(w.dtype):
+        block = getattr(m, "weight_block_size", None)
+        has_scale = isinstance(getattr(m, "weight_scale_inv", None), torch.Tensor)
+        return "block" if block is not None and has_scale else "other"
+    for name in ("w13_weight", "w2_weight"):
+        e = getattr(m, name, None)
+        if isinstance(e, torch.Tensor) and is_fp8(e.dtype):
+            return "other"
+    return None
+
+
+def engine_layout(model: Any) -> dict[str, Any] | None:
+    """The model's block-FP8 layout (module doc), as JSON-able values; None when it holds no
+    FP8 weight."""
+    block: list[int] | None = None
+    dtype: str | None = None
+    modules: list[str] = []
+    other: list[str] = []
+    for name, m in model.named_modules():
+        kind = _fp8_module(m)
+        if kind == "block":
+            modules.append(name)
+            block = block or [int(b) for b in m.weight_block_size]
+            dtype = dtype or str(m.weight.dtype).removeprefix("torch.")
+        elif kind == "other":
+            other.append(name)
+    if not modules and not other:
+        return None
+    packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()}
+    return {"block": block, "dtype": dtype, "modules": modules, "other": other, "packed": packed}
+
+
+def publish(group: SyncGroup, layout: dict[str, Any] | None) -> None:
+    """This worker's layout in the group's store (the trainer reads the first worker's)."""
+    body = json.dumps(layout).encode()
+    group.guard("store set", lambda: group.store.set(f"{KEY}/{group.rank}", body))
+
+
+def read(group: SyncGroup, rank: int) -> dict[str, Any] | None:
+    """Worker ``rank``'s layout, waiting for it within the group's timeout (the worker posts it
+    when it joins); :class:`PlanError` for a malformed one."""
+    key = f"{KEY}/{rank}"
+    group.wait_until(lambda: bool(group.store.check([key])), "the engine's FP8 layout", None)
+    raw = bytes(group.guard("store get", lambda: group.store.get(key)))
+    try:
+        layout = json.loads(raw)
+    except ValueError:
+        raise PlanError(f"the engine's FP8 layout ({key}) is not JSON: {raw[:80]!r}") from None
+    if layout is not None and not (
+        isinstance(layout, dict) and isinstance(layout.get("modules"), list)
+    ):
+        raise PlanError(f"the engine's FP8 layout ({key}) is malformed: {raw[:80]!r}")
+    return layout  # type: ignore[no-any-return]
+
+
+def _target(name: str, modules: dict[str, Any], packed: dict[str, list[str]]) -> str | None:
+    """The engine module checkpoint weight ``name`` loads into (None: not a ``.weight``)."""
+    where = module_of(name, modules, packed)
+    if where is None or where[2] != "weight":
+        return None
+    return where[0]
+
+
+def blocks_for(layout: dict[str, Any] | None) -> Fp8Blocks | None:
+    """What the trainer quantizes for an engine of ``layout``: the checkpoint weights that load
+    into its block-FP8 modules, in its blocks (None: nothing). :class:`PlanError` when the
+    engine holds FP8 weights in a form deltackpt does not quantize."""
+    if layout is None:
+        return None
+    if layout.get("other"):
+        raise PlanError(
+            f"the engine holds {len(layout['other'])} modules as FP8 in a form deltackpt does "
+            f"not quantize (first: {layout['other'][:3]}; fused MoE experts or per-tensor "
+            "scales): quantize their weights yourself and start the trainer with "
+            "DeltackptTrainerInitInfo(quantize='none')"
+        )
+    if not layout["modules"]:
+        return None
+    fp8 = dict.fromkeys(layout["modules"])
+    packed = {str(k): [str(s) for s in v] for k, v in (layout.get("packed") or {}).items()}
+    dtype = named_dtype(str(layout.get("dtype") or ""))
+    if dtype is None or not is_fp8(dtype):
+        raise PlanError(f"the engine's FP8 layout names dtype {layout.get('dtype')!r}")
+    block = layout.get("block") or [128, 128]
+    return Fp8Blocks(
+        include=lambda n: _target(n, fp8, packed) in fp8, block=tuple(block), dtype=dtype
+    )
+
+
+def wire_dtype(
+    engine: torch.dtype, layout: dict[str, Any] | None
+) -> torch.dtype | Callable[[str, torch.dtype], torch.dtype | None]:
+    """The receiver's ``dtype=``: the engine's dtype for floating tensors; with FP8 weights in
+    the engine, FP8 bytes and their scales kept as they come (a cast would double the first
+    and round the second)."""
+    if layout is None:
+        return engine
+
+    def pick(name: str, dt: torch.dtype) -> torch.dtype | None:
+        if is_fp8(dt) or name.endswith(SCALE_SUFFIX):
+            return None
+        return engine if dt.is_floating_point else None
+
+    return pick
+
+
+def refusal(
+    model: Any, layout: dict[str, Any] | None, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> str | None:
+    """Why ``tensors`` (a round's changed tensors) cannot be loaded into ``model``: a weight of
+    a block-FP8 module that is not FP8 (it would be written unscaled), or an FP8 weight for a
+    module the engine holds unquantized. None: they can (a scale of the wrong shape fails
+    vLLM's own loader, which the commit takes back)."""
+    tensors = list(tensors)
+    if layout is None and not any(is_fp8(t.dtype) for _, t in tensors):
+        return None
+    fp8 = set(layout["modules"]) if layout is not None else set()
+    modules = dict(model.named_modules())
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    for name, t in tensors:
+        target = _target(name, modules, packed)
+        if target is None:
+            continue
+        dt = str(t.dtype).removeprefix("torch.")
+        if target in fp8 and not is_fp8(t.dtype):
+            assert layout is not None
+            return (
+                f"tensor {name!r} is {dt} but the engine holds {target} as block FP8 "
+                f"({layout['dtype']}, blocks {layout['block']}): sent as it is, it would be "
+                "written unscaled. Start the trainer with DeltackptTrainerInitInfo("
+                "quantize='auto') (the default), which sends it quantized with its scales"
+            )
+        m = modules.get(target)
+        if target not in fp8 and is_fp8(t.dtype) and m is not None and _fp8_module(m) is None:
+            held = getattr(getattr(m, "weight", None), "dtype", None)
+            return (
+                f"tensor {name!r} is {dt} but the engine holds {target} unquantized "
+                f"({str(held).removeprefix('torch.')}): send it unquantized "
+                "(DeltackptTrainerInitInfo(quantize='auto') quantizes only what the engine "
+                "holds as FP8)"
+            )
+    return None

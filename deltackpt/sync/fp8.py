@@ -1,0 +1,185 @@
+"""Block-scaled FP8 weights for engines that serve them: the trainer's weights quantized as the
+engine holds them, each weight with its scales, so a refit sends what the engine loads.
+
+An engine started from a block-FP8 checkpoint (``"quantization_config": {"quant_method":
+"fp8", "weight_block_size": [128, 128]}``: DeepSeek-V3, Qwen3-*-FP8) holds every quantized
+linear weight ``W`` (``[out, in]``) as ``W.weight`` in ``float8_e4m3fn`` and ``W.weight_scale_inv``
+in float32, ``[ceil(out / 128), ceil(in / 128)]``: block ``(i, j)`` of the weight is
+``q[i, j] * scale_inv[i, j]``. A trainer holds bf16 or fp32 weights; sending those into such an
+engine writes unscaled values into the FP8 parameters (garbage output from the first token; the
+SkyRL#1898 / verl#7519 class). :class:`Fp8Blocks` makes the pair from a weight, with torch
+operations that give the same bytes on CPU and GPU:
+
+* ``scale_inv = amax(|block|) / max(dtype)`` per block in float32 (448 for ``float8_e4m3fn``; a
+  block of zeros gets 1), the amax of a block that runs past the weight's edge over its elements
+  only;
+* ``q = clamp(w / scale_inv, -max, max)`` in float32, rounded to the FP8 dtype (round to
+  nearest even).
+
+Dequantized, every element is within half an FP8 step of the weight: a relative ``2**-4`` for
+``float8_e4m3fn``'s 3 mantissa bits, at most ``scale_inv * 2**-10`` near zero (its subnormals).
+The pair travels as two tensors of one round, so an engine
+never holds a weight with another version's scales (a round commits whole or not at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deltackpt.sync.dtypes import is_fp8
+from deltackpt.sync.errors import PlanError
+
+__all__ = ["SCALE_SUFFIX", "Fp8Blocks", "dequantize_blocks", "is_fp8", "quantize_blocks"]
+
+#: the scale of weight ``X.weight`` is ``X.weight`` + this (``X.weight_scale_inv``)
+SCALE_SUFFIX = "_scale_inv"
+
+_FP8 = {
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+
+
+def _check_block(block: tuple[int, int], dtype: torch.dtype) -> tuple[int, int]:
+    if dtype not in _FP8:
+        raise PlanError(
+            f"Fp8Blocks(dtype={dtype}): expected torch.float8_e4m3fn or torch.float8_e5m2"
+        )
+    try:
+        b0, b1 = (int(b) for b in block)
+    except (TypeError, ValueError):
+        raise PlanError(
+            f"Fp8Blocks(block={block!r}): expected two block sizes, (128, 128)"
+        ) from None
+    if b0 <= 0 or b1 <= 0:
+        raise PlanError(f"Fp8Blocks(block={block!r}): block sizes must be positive, (128, 128)")
+    return b0, b1
+
+
+def quantize_blocks(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale_inv)`` of 2-D floating ``w`` (module doc), on ``w``'s device. Takes float32
+    transients of ``w``'s size (two of them for a weight whose shape is not a multiple of the
+    block, which is padded with zeros)."""
+    b0, b1 = _check_block(block, dtype)
+    if w.dim() != 2 or not w.is_floating_point() or is_fp8(w.dtype):
+        raise PlanError(
+            f"quantize_blocks: expected a 2-D bf16/fp16/fp32 weight, got {w.dtype} of shape "
+            f"{list(w.shape)}"
+        )
+    o, i = w.shape
+    n0, n1 = -(-o // b0), -(-i // b1)
+    x = w.detach().float()
+    if (n0 * b0, n1 * b1) != (o, i):
+        x = F.pad(x, (0, n1 * b1 - i, 0, n0 * b0 - o))  # zeros: they never raise an amax
+    blocks = x.view(n0, b0, n1, b1)
+    fmax = _FP8[dtype]
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp_(-fmax, fmax).to(dtype)
+    q = q.view(n0 * b0, n1 * b1)[:o, :i].contiguous()
+    return q, scale
+
+
+def dequantize_blocks(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The weight ``q`` and ``scale_inv`` stand for, as ``dtype``; :class:`PlanError` when the
+    scales' shape is not the blocks of ``q``'s."""
+    b0, b1 = (int(b) for b in block)
+    o, i = q.shape
+    want = (-(-o // b0), -(-i // b1))
+    if tuple(scale_inv.shape) != want:
+        raise PlanError(
+            f"dequantize_blocks: scales of shape {list(scale_inv.shape)} for a weight of shape "
+            f"{[o, i]} in blocks of {[b0, b1]}: expected {list(want)}"
+        )
+    s = scale_inv.float().repeat_interleave(b0, 0)[:o].repeat_interleave(b1, 1)[:, :i]
+    return (q.float() * s).to(dtype)
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """Which weights to quantize and how: ``include(name) -> bool`` picks 2-D floating
+    ``*.weight`` tensors (a set of names works too), ``block`` the block shape, ``dtype`` the FP8
+    type. :meth:`apply` turns a state dict into what the engine holds.
+
+    From a vLLM engine's own configuration the trainer engine builds one by itself
+    (``DeltackptTrainerInitInfo(quantize="auto")``, the default): exactly the weights the
+    engine's workers hold as block FP8, with the engine's block shape."""
+
+    include: Callable[[str], bool] | frozenset[str]
+    block: tuple[int, int] = (128, 128)
+    dtype: torch.dtype = torch.float8_e4m3fn
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block", _check_block(self.block, self.dtype))
+        inc = self.include
+        if isinstance(inc, (set, frozenset, list, tuple)):
+            object.__setattr__(self, "include", frozenset(inc))
+        elif not callable(inc):
+            raise PlanError(
+                f"Fp8Blocks(include={inc!r}): expected f(name) -> bool or a set of names"
+            )
+
+    def picks(self, name: str, t: object) -> bool:
+        """Whether tensor ``name`` is quantized: included, a 2-D floating ``.weight`` of 16
+        bits or more. :class:`PlanError` for an included shard (a ``DTensor`` or
+        :class:`~deltackpt.sync.LocalShard`: a block's scale spans the ranks that hold it)."""
+        inc = self.include
+        if not (name in inc if isinstance(inc, frozenset) else bool(inc(name))):
+            return False
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise PlanError(
+                f"tensor {name!r} is quantized to FP8 for the engine but is a "
+                f"{type(t).__name__}: its blocks' scales need the whole weight on one trainer "
+                "rank. Send whole weights (full_tensor()), or quantize them yourself and pass "
+                "quantize='none'"
+            )
+        assert isinstance(t, torch.Tensor)
+        return (
+            name.endswith(".weight")
+            and t.dim() == 2
+            and t.is_floating_point()
+            and not is_fp8(t.dtype)
+        )
+
+    def apply(
+        self, tensors: Mapping[str, torch.Tensor], cast: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``tensors`` with each picked weight replaced by its FP8 bytes and followed by its
+        scales (``name + SCALE_SUFFIX``), in order; the others as they are. ``cast``: the
+        dtype the weights would travel as (the sender's ``dtype=``): each is cast to it first,
+        so the engine gets what quantizing the checkpoint it would have been sent gives.
+        :class:`PlanError` when a scale's name is taken by a tensor of ``tensors``."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if not self.picks(name, t):
+                out[name] = t
+                continue
+            sname = name + SCALE_SUFFIX
+            if sname in tensors:
+                raise PlanError(
+                    f"tensor {name!r} is picked for FP8 but {sname!r} is already one of the "
+                    "tensors (a state that is already quantized): pass the unquantized weights, "
+                    "or quantize='none'"
+                )
+            w = t.detach()
+            if cast is not None and w.dtype != cast:
+                w = w.to(cast)
+            out[name], out[sname] = quantize_blocks(w, self.block, self.dtype)
+        return out
+
+    def names(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """The names :meth:`apply` gives FP8 bytes or scales (they keep their dtype on the
+        wire)."""
+        picked = [n for n, t in tensors.items() if self.picks(n, t)]
+        return frozenset(picked) | frozenset(n + SCALE_SUFFIX for n in picked)

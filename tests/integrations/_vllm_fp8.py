@@ -1,0 +1,179 @@
+"""Run by tests/integrations/test_vllm_fp8.py in the ``.venv-vllm`` interpreter: a CPU vLLM
+engine started from a block-FP8 checkpoint (a tiny Llama whose linear weights are
+``float8_e4m3fn`` in 128 x 128 blocks with ``weight_scale_inv``, as DeepSeek-V3 and
+Qwen3-*-FP8 ship them) with ``backend="deltackpt"``, its engine core in this process, and bf16
+trainers in this process:
+
+1. a trainer with ``quantize="none"`` sends its bf16 weights as they are: the workers refuse
+   the round before loading anything (the engine's parameters stay as they were);
+2. a trainer with the default ``quantize="auto"``: a full round, two sparse deltas after RL-like
+   steps and a staged round; each worker's committed copies against the trainer's weights
+   quantized independently here, the bytes each round sent; then the engine's parameters and
+   logprobs against vLLM's own load of the same FP8 weights from disk (``reload_weights``).
+
+vLLM's CPU FP8 kernel uses AMX tiles where the processor has them: the test puts
+``_vllm_amx/`` on PYTHONPATH. Writes what it saw as JSON to ``argv[1]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+from _vllm_commit import logprobs
+from _vllm_run import _committed, _pack, _unpack, free_port, greedy, rl_step, same
+
+BLOCK = [128, 128]
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_llama(seed: int) -> torch.nn.Module:
+    """Two layers, head_dim 64 (the CPU attention kernels), k/v of 128 rows (whole 128-row
+    blocks: vLLM narrows q/k/v of the fused module's scales by block)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def quantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights as the engine holds them: its linear weights in FP8 blocks with their
+    scales, chosen by name here (not by the engine's layout the trainer reads)."""
+    from deltackpt.sync.fp8 import Fp8Blocks
+
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    names = {n for n in sd if n.split(".")[-2] in LINEAR}
+    return Fp8Blocks(include=names, block=tuple(BLOCK)).apply(sd)
+
+
+def fp8_checkpoint(model: torch.nn.Module, path: str) -> None:
+    """A Hugging Face checkpoint of ``model`` quantized to block FP8 (config and safetensors)."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(path)
+    os.remove(f"{path}/model.safetensors")
+    save_file({k: v.contiguous() for k, v in quantized(model).items()},
+              f"{path}/model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK,
+    }  # fmt: skip
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
+
+
+def _params(worker: Any) -> bytes:
+    """Every parameter of the engine's model (FP8 weights as vLLM packed them for its kernel)."""
+    model = worker.model_runner.get_model()
+    return _pack({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def _dtypes(worker: Any) -> dict[str, str]:
+    return {n: str(t.dtype) for n, t in worker.weight_transfer_engine.committed().items()}
+
+
+def _last(worker: Any) -> dict[str, Any]:
+    eng = worker.weight_transfer_engine
+    return {"path": eng.last_path, "commit": eng.last_commit, "fp8": eng.fp8}
+
+
+def params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+
+
+def main(out_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here: one start less
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
+
+    tmp = tempfile.mkdtemp(prefix="vllm-fp8-", dir=os.path.dirname(os.path.abspath(out_path)))
+    fp8_checkpoint(tiny_llama(0), f"{tmp}/start")
+    llm = LLM(
+        model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+        max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
+        weight_transfer_config=WeightTransferConfig(backend="deltackpt"),
+    )  # fmt: skip
+    res: dict[str, Any] = {}
+
+    def init(quantize: str) -> Any:
+        info = DeltackptTrainerInitInfo(
+            rank=0, master_port=free_port(), dtype="bfloat16", num_workers=1, links="gloo",
+            quantize=quantize,
+        )  # fmt: skip
+        return WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+
+    def params() -> dict[str, torch.Tensor]:
+        return _unpack(llm.collective_rpc(_params)[0])  # type: ignore[no-any-return]
+
+    # 1. bf16 weights into FP8 parameters: refused before anything is loaded
+    trainer = tiny_llama(1)
+    before = params()
+    eng = init("none")
+    try:
+        eng.send_weights(trainer.state_dict(), version=1)
+        res["refused"] = None
+    except Exception as e:
+        res["refused"] = f"{type(e).__name__}: {e}"
+    res["refused_params_unchanged"] = params_equal(params(), before)
+    res["refused_engine_version"] = llm.get_weight_version()
+    res["layout"] = llm.collective_rpc(_last)[0]["fp8"]
+    eng.shutdown()
+
+    # 2. quantize="auto": the trainer quantizes what the engine holds as FP8
+    eng = init("auto")
+    res["picked"] = sorted(eng.fp8.names(trainer.state_dict())) if eng.fp8 else []
+    gen = torch.Generator().manual_seed(2)
+    res["rounds"] = []
+    for version in (1, 2, 3, 4):
+        if version > 1:
+            rl_step(trainer, 0.02, gen)
+        stats = eng.send_weights(trainer.state_dict(), version=version, stage=version == 4)
+        if version == 4:
+            eng.commit()
+        want = quantized(trainer)
+        ver, got = _unpack(llm.collective_rpc(_committed)[0])
+        res["rounds"].append(
+            {
+                "version": version,
+                "full": stats.full,
+                "sent": stats.payload_bytes,
+                "worker_version": ver,
+                "engine_version": llm.get_weight_version(),
+                "identical": got.keys() == want.keys() and all(same(got[k], want[k]) for k in want),
+                "last": llm.collective_rpc(_last)[0],
+            }
+        )
+    res["dtypes"] = llm.collective_rpc(_dtypes)[0]
+    res["bf16_bytes"] = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+    res["fp8_bytes"] = sum(t.numel() * t.element_size() for t in quantized(trainer).values())
+    res["tokens"], res["logprobs"], mine = greedy(llm), logprobs(llm), params()
+    eng.shutdown()
+    # vLLM's own load of the same FP8 weights from disk, in this engine
+    fp8_checkpoint(trainer, f"{tmp}/final")
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/final"})
+    llm.reset_prefix_cache()
+    res["fresh_tokens"], res["fresh_logprobs"] = greedy(llm), logprobs(llm)
+    theirs = params()
+    res["params_equal_vllm_load"] = params_equal(mine, theirs)
+    res["fp8_params"] = sorted(n for n, t in theirs.items() if t.dtype == torch.float8_e4m3fn)
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,216 @@
+"""Refit into a vLLM engine that serves block-FP8 weights (``fp8_layout.py``): the engine's
+layout read from its modules, what the trainer quantizes for it, and what the workers refuse
+(modules shaped like vLLM's, no vLLM needed); then a real CPU engine started from a block-FP8
+checkpoint (``_vllm_fp8.py`` in ``.venv-vllm``): bf16 weights refused before anything is
+loaded, FP8 rounds committed bit for bit, and the engine's parameters and logprobs equal to
+vLLM's own load of the same FP8 weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deltackpt.integrations.vllm import fp8_layout
+from deltackpt.sync import PlanError
+from deltackpt.sync.fp8 import Fp8Blocks
+from tests.integrations._vllm_env import MARKS, run_script
+
+E4M3 = torch.float8_e4m3fn
+
+
+class Fp8LinearMethod:  # the names vLLM's classes have: the layout reads type names
+    pass
+
+
+class UnquantizedLinearMethod:
+    pass
+
+
+class Fp8MoEMethod:
+    pass
+
+
+def linear(out: int, inp: int, fp8: bool, block: bool = True) -> torch.nn.Module:
+    m = torch.nn.Module()
+    m.weight = torch.nn.Parameter(torch.zeros(out, inp, dtype=E4M3 if fp8 else torch.bfloat16),
+                                  requires_grad=False)  # fmt: skip
+    m.quant_method = Fp8LinearMethod() if fp8 else UnquantizedLinearMethod()
+    if fp8 and block:
+        m.weight_block_size = [128, 128]
+        m.weight_scale_inv = torch.nn.Parameter(torch.ones(-(-out // 128), -(-inp // 128)))
+    elif fp8:
+        m.weight_scale = torch.nn.Parameter(torch.ones(1))
+    return m
+
+
+def model(*, lm_head_fp8: bool = False, moe: bool = False, per_tensor: bool = False) -> Any:
+    """Two layers as vLLM builds them: fused qkv_proj and gate_up_proj in block FP8, norms and
+    embeddings unquantized, an attention module with an FP8 KV cache method (not a weight)."""
+    root = torch.nn.Module()
+    root.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                   "gate_up_proj": ["gate_proj", "up_proj"]}  # fmt: skip
+    root.model = torch.nn.Module()
+    root.model.embed_tokens = torch.nn.Embedding(16, 128)
+    root.model.layers = torch.nn.ModuleList()
+    for _ in range(2):
+        layer = torch.nn.Module()
+        layer.self_attn = torch.nn.Module()
+        layer.self_attn.qkv_proj = linear(384, 128, True)
+        layer.self_attn.o_proj = linear(128, 128, True, block=not per_tensor)
+        attn = layer.self_attn.attn = torch.nn.Module()
+        attn.quant_method = type("Fp8KVCacheMethod", (), {})()
+        layer.mlp = torch.nn.Module()
+        if moe:
+            layer.mlp.experts = torch.nn.Module()
+            layer.mlp.experts.quant_method = Fp8MoEMethod()
+            layer.mlp.experts.w13_weight = torch.nn.Parameter(
+                torch.zeros(4, 512, 128, dtype=E4M3), requires_grad=False
+            )
+        else:
+            layer.mlp.gate_up_proj = linear(512, 128, True)
+            layer.mlp.down_proj = linear(128, 256, True)
+        layer.input_layernorm = torch.nn.LayerNorm(128)
+        root.model.layers.append(layer)
+    root.lm_head = linear(16, 128, lm_head_fp8)
+    return root
+
+
+def state() -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.zeros(16, 128)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for n, shape in [("self_attn.q_proj", (128, 128)), ("self_attn.k_proj", (128, 128)),
+                         ("self_attn.v_proj", (128, 128)), ("self_attn.o_proj", (128, 128)),
+                         ("mlp.gate_proj", (256, 128)), ("mlp.up_proj", (256, 128)),
+                         ("mlp.down_proj", (128, 256))]:  # fmt: skip
+            sd[p + n + ".weight"] = torch.randn(shape).to(torch.bfloat16)
+        sd[p + "input_layernorm.weight"] = torch.ones(128, dtype=torch.bfloat16)
+    sd["lm_head.weight"] = torch.zeros(16, 128, dtype=torch.bfloat16)
+    return sd
+
+
+def test_the_layout_names_the_block_fp8_modules_and_what_it_cannot_quantize() -> None:
+    lay = fp8_layout.engine_layout(model())
+    assert lay is not None and lay["block"] == [128, 128] and lay["dtype"] == "float8_e4m3fn"
+    assert lay["modules"] == [f"model.layers.{i}.{m}" for i in range(2) for m in
+                              ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                               "mlp.down_proj")]  # fmt: skip
+    assert lay["other"] == [] and lay["packed"]["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
+    assert json.loads(json.dumps(lay)) == lay  # it travels through the group's store
+    assert fp8_layout.engine_layout(torch.nn.Linear(4, 4)) is None
+    moe = fp8_layout.engine_layout(model(moe=True))
+    assert moe is not None and moe["other"] == ["model.layers.0.mlp.experts",
+                                                "model.layers.1.mlp.experts"]  # fmt: skip
+    with pytest.raises(PlanError, match=r"holds 2 modules as FP8 in a form deltackpt does not"):
+        fp8_layout.blocks_for(moe)
+    per_tensor = fp8_layout.engine_layout(model(per_tensor=True))
+    assert per_tensor is not None and "model.layers.0.self_attn.o_proj" in per_tensor["other"]
+
+
+def test_the_trainer_quantizes_exactly_the_weights_of_the_engines_fp8_modules() -> None:
+    spec = fp8_layout.blocks_for(fp8_layout.engine_layout(model()))
+    assert isinstance(spec, Fp8Blocks) and spec.block == (128, 128) and spec.dtype == E4M3
+    sd = state()
+    out = spec.apply(sd)
+    fp8 = sorted(n for n, t in out.items() if t.dtype == E4M3)
+    assert fp8 == sorted(n for n in sd if ("_proj" in n))  # q/k/v, o, gate/up, down: fused too
+    assert all(out[n + "_scale_inv"].dtype == torch.float32 for n in fp8)
+    assert out["lm_head.weight"] is sd["lm_head.weight"]  # unquantized in the engine
+    assert out["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16
+    assert fp8_layout.blocks_for(None) is None
+
+
+def test_the_workers_refuse_what_would_be_written_unscaled_or_unquantized() -> None:
+    m = model()
+    lay = fp8_layout.engine_layout(m)
+    sd = state()
+    why = fp8_layout.refusal(m, lay, [("model.layers.1.mlp.up_proj.weight",
+                                       sd["model.layers.1.mlp.up_proj.weight"])])  # fmt: skip
+    assert why is not None
+    assert why.startswith("tensor 'model.layers.1.mlp.up_proj.weight' is bfloat16 but the engine "
+                          "holds model.layers.1.mlp.gate_up_proj as block FP8 (float8_e4m3fn, "
+                          "blocks [128, 128])")  # fmt: skip
+    assert "quantize='auto'" in why
+    wrong = [("lm_head.weight", torch.zeros(16, 128, dtype=E4M3))]
+    why = fp8_layout.refusal(m, lay, wrong)
+    assert why is not None and "holds lm_head unquantized (bfloat16): send it unquantized" in why
+    # an engine without FP8 weights (no layout) refuses FP8 bytes too
+    assert "unquantized" in (fp8_layout.refusal(model(), None, wrong) or "")
+    good = Fp8Blocks(include=lambda n: "_proj" in n).apply(sd)
+    assert fp8_layout.refusal(m, lay, good.items()) is None
+    assert fp8_layout.refusal(m, None, [("x.weight", torch.zeros(2))]) is None
+
+
+def test_the_workers_ask_for_fp8_bytes_and_scales_as_they_come() -> None:
+    assert fp8_layout.wire_dtype(torch.bfloat16, None) is torch.bfloat16
+    pick = fp8_layout.wire_dtype(torch.bfloat16, {"modules": ["x"]})
+    assert callable(pick)
+    assert pick("a.weight", E4M3) is None and pick("a.weight_scale_inv", torch.float32) is None
+    assert pick("a.weight", torch.float32) is torch.bfloat16
+    assert pick("a.ids", torch.int64) is None
+
+
+# ---- the real engine ------------------------------------------------------------------------
+
+
+def real(test: Any) -> Any:
+    for mark in MARKS:
+        test = mark(test)
+    return test
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    env = dict(os.environ)
+    amx = str(Path(__file__).with_name("_vllm_amx"))  # the CPU FP8 kernel's AMX tiles
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [amx, env.get("PYTHONPATH")]))
+    return run_script(tmp_path_factory, "_vllm_fp8.py", env=env)
+
+
+@real
+def test_bf16_weights_into_fp8_parameters_are_refused_before_anything_is_loaded(fp8_run):
+    r = fp8_run
+    assert r["refused"].startswith("RoundAbortedError: the commit of version 1 failed")
+    assert ("tensor 'model.layers.0.self_attn.q_proj.weight' is bfloat16 but the engine holds "
+            "model.layers.0.self_attn.qkv_proj as block FP8") in r["refused"]  # fmt: skip
+    assert "serves the weights it started with" in r["refused"]
+    assert r["refused_params_unchanged"]
+    assert r["refused_engine_version"] != "1"
+
+
+@real
+def test_the_engine_publishes_its_fp8_layout_and_the_trainer_quantizes_by_it(fp8_run):
+    r = fp8_run
+    lay = r["layout"]
+    assert lay["block"] == [128, 128] and lay["dtype"] == "float8_e4m3fn" and not lay["other"]
+    assert len(lay["modules"]) == 8  # qkv, o, gate_up, down per layer
+    weights = [n for n in r["picked"] if n.endswith(".weight")]
+    assert len(weights) == 14 and all(n + "_scale_inv" in r["picked"] for n in weights)
+    assert r["dtypes"]["model.layers.1.mlp.down_proj.weight"] == "torch.float8_e4m3fn"
+    assert r["dtypes"]["model.layers.1.mlp.down_proj.weight_scale_inv"] == "torch.float32"
+    assert r["dtypes"]["lm_head.weight"] == "torch.bfloat16"
+
+
+@real
+def test_fp8_rounds_commit_the_quantized_weights_bit_for_bit(fp8_run):
+    full, *deltas = fp8_run["rounds"]
+    assert full["full"] and full["sent"] == fp8_run["fp8_bytes"] < fp8_run["bf16_bytes"]
+    for r in fp8_run["rounds"]:
+        assert r["identical"] and r["worker_version"] == r["version"], r["version"]
+        assert r["engine_version"] == str(r["version"]) and r["last"]["commit"]["ok"]
+        assert r["last"]["path"] == "reload"  # quantized modules: never written in place
+    assert not any(d["full"] for d in deltas)
+    assert all(d["sent"] < full["sent"] / 5 for d in deltas)  # the changed FP8 elements
+
+
+@real
+def test_the_engine_equals_vllms_own_load_of_the_same_fp8_weights(fp8_run):
+    r = fp8_run
+    assert r["params_equal_vllm_load"]  # every parameter, FP8 ones as vLLM packed them
+    assert len(r["fp8_params"]) == 8
+    assert r["tokens"] == r["fresh_tokens"] and r["logprobs"] == r["fresh_logprobs"]

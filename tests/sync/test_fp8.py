@@ -1,0 +1,190 @@
+"""Block-scaled FP8 weights (``deltackpt.sync.fp8``) and their rounds: the quantizer against an
+independent per-block reference, its error bound, its refusals, and FP8 bytes with their
+float32 scales crossing a round bit for bit beside bf16 tensors (full, then sparse deltas)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from deltackpt import sync
+from deltackpt.sync.dtypes import is_fp8, resolve_dtype
+from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks, dequantize_blocks, quantize_blocks
+from tests._dist import free_port
+from tests.sync.test_local import run_threads
+
+E4M3 = torch.float8_e4m3fn
+
+
+def reference(w: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, fmax: float) -> Any:
+    """Block by block, with plain Python bounds: what quantize_blocks must give."""
+    b0, b1 = block
+    o, i = w.shape
+    n0, n1 = math.ceil(o / b0), math.ceil(i / b1)
+    q = torch.empty(o, i, dtype=dtype)
+    s = torch.empty(n0, n1)
+    x = w.float()
+    for r in range(n0):
+        for c in range(n1):
+            blk = x[r * b0 : (r + 1) * b0, c * b1 : (c + 1) * b1]
+            amax = blk.abs().max()
+            sc = amax / fmax if amax > 0 else torch.tensor(1.0)
+            s[r, c] = sc
+            q[r * b0 : (r + 1) * b0, c * b1 : (c + 1) * b1] = (
+                (blk / sc).clamp(-fmax, fmax).to(dtype)
+            )
+    return q, s
+
+
+@pytest.mark.parametrize(
+    "shape,block,dtype,fmax",
+    [
+        ((256, 384), (128, 128), E4M3, 448.0),  # whole blocks
+        ((300, 200), (128, 128), E4M3, 448.0),  # edges: the amax over the weight's elements only
+        ((64, 96), (32, 64), torch.float8_e5m2, 57344.0),
+    ],
+)
+def test_quantized_blocks_are_the_per_block_reference_bit_for_bit(
+    shape: tuple[int, int], block: tuple[int, int], dtype: torch.dtype, fmax: float
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16)
+    w[: block[0], : block[1]] = 0  # a block of zeros: scale 1, all zeros
+    w[-1, -1] = 3.0  # a large edge element sets its (partial) block's scale
+    q, s = quantize_blocks(w, block, dtype)
+    rq, rs = reference(w, block, dtype, fmax)
+    assert q.dtype == dtype and q.shape == w.shape and q.is_contiguous()
+    assert s.dtype == torch.float32 and torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert s[0, 0] == 1.0 and not q[: block[0], : block[1]].float().any()
+    assert s[-1, -1] == torch.tensor(3.0) / fmax
+
+
+def test_dequantized_weights_are_within_half_an_fp8_step() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(384, 256, generator=g) * torch.rand(384, 1, generator=g)  # varied scales
+    q, s = quantize_blocks(w)
+    d = dequantize_blocks(q, s, dtype=torch.float32)
+    tol = torch.maximum(w.abs() * 2**-4, s.max() * 2**-10)
+    assert bool(((d - w).abs() <= tol).all())
+    assert not torch.equal(d, w)  # (it is a quantization)
+    with pytest.raises(sync.PlanError, match=r"scales of shape \[2, 2\].*expected \[3, 2\]"):
+        dequantize_blocks(q, s[:2], dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "w,kwargs,match",
+    [
+        (torch.zeros(8), {}, r"2-D bf16/fp16/fp32 weight, got torch.float32 of shape \[8\]"),
+        (torch.zeros(4, 4, dtype=E4M3), {}, "got torch.float8_e4m3fn"),
+        (torch.zeros(4, 4, dtype=torch.int32), {}, "got torch.int32"),
+        (torch.zeros(4, 4), {"block": (0, 128)}, r"block sizes must be positive"),
+        (torch.zeros(4, 4), {"block": (128,)}, r"expected two block sizes"),
+        (torch.zeros(4, 4), {"dtype": torch.bfloat16}, r"float8_e4m3fn or torch.float8_e5m2"),
+    ],
+)
+def test_bad_quantize_arguments_are_refused(w: torch.Tensor, kwargs: dict, match: str) -> None:
+    with pytest.raises(sync.PlanError, match=match):
+        quantize_blocks(w, **kwargs)
+
+
+def test_apply_quantizes_the_picked_weights_and_adds_their_scales() -> None:
+    sd = {
+        "emb.weight": torch.randn(16, 8).to(torch.bfloat16),
+        "l.q.weight": torch.randn(256, 128),  # fp32 master: cast to bf16 first
+        "l.q.bias": torch.randn(256),
+        "norm.weight": torch.ones(8),
+    }
+    spec = Fp8Blocks(include={"l.q.weight", "l.q.bias", "norm.weight"})
+    out = spec.apply(sd, cast=torch.bfloat16)
+    assert list(out) == ["emb.weight", "l.q.weight", "l.q.weight" + SCALE_SUFFIX, "l.q.bias",
+                         "norm.weight"]  # fmt: skip
+    assert out["emb.weight"] is sd["emb.weight"] and out["l.q.bias"] is sd["l.q.bias"]
+    q, s = quantize_blocks(sd["l.q.weight"].to(torch.bfloat16))
+    assert torch.equal(out["l.q.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(out["l.q.weight_scale_inv"], s) and s.shape == (2, 1)
+    assert spec.names(sd) == {"l.q.weight", "l.q.weight_scale_inv"}
+    # a state already quantized: its scale's name is taken
+    with pytest.raises(sync.PlanError, match=r"'l.q.weight_scale_inv' is already one of"):
+        spec.apply({**sd, "l.q.weight_scale_inv": s})
+    # a callable picks too; a shard cannot be quantized on one rank
+    shard = sync.LocalShard(torch.zeros(128, 128), (0, 0), (256, 128))
+    with pytest.raises(sync.PlanError, match="is a LocalShard: its blocks' scales need"):
+        Fp8Blocks(include=lambda n: n.startswith("l.")).apply({"l.q.weight": shard})
+    with pytest.raises(sync.PlanError, match="expected f\\(name\\) -> bool or a set"):
+        Fp8Blocks(include=3)  # type: ignore[arg-type]
+
+
+def test_a_dtype_casts_floating_tensors_but_not_fp8_bytes() -> None:
+    assert resolve_dtype(torch.bfloat16, "w", torch.float32) == torch.bfloat16
+    assert resolve_dtype(torch.bfloat16, "w", E4M3) == E4M3
+    assert resolve_dtype(torch.bfloat16, "w", torch.float8_e5m2) == torch.float8_e5m2
+    assert resolve_dtype(torch.bfloat16, "i", torch.int64) == torch.int64
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
+    """A trainer (rank 0) and an inference rank (rank 1) of one group, in this process."""
+    port = free_port()
+    groups = run_threads(
+        *[
+            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=10.0, links="gloo")
+            for r in (0, 1)
+        ]
+    )
+    for g in groups:
+        if isinstance(g, BaseException):
+            raise g
+    yield groups[0], groups[1]
+    for g in groups:
+        g.close()
+
+
+def test_fp8_bytes_and_their_scales_cross_rounds_bit_for_bit(
+    pair: tuple[sync.SyncGroup, sync.SyncGroup],
+) -> None:
+    """A trainer's bf16 state quantized each round: FP8 weights and float32 scales arrive as
+    they were sent (the receiver's dtype=bf16 casts neither), bf16 tensors beside them; after a
+    small step the delta round carries a fraction of the full round's bytes."""
+    g0, g1 = pair
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "emb.weight": torch.randn(64, 128, generator=gen).to(torch.bfloat16),
+        "l.w.weight": (torch.randn(512, 256, generator=gen) * 0.02).to(torch.bfloat16),
+    }
+    spec = Fp8Blocks(include={"l.w.weight"})
+
+    def keep(name: str, dt: torch.dtype) -> torch.dtype | None:  # the vLLM worker's rule
+        return None if is_fp8(dt) or name.endswith(SCALE_SUFFIX) else torch.bfloat16
+
+    sender = sync.WeightSender(g0, dtype=keep)
+    receiver = sync.WeightReceiver(g1, dtype=keep)
+    got: dict[str, torch.Tensor] = {}
+
+    def one(v: int) -> Any:
+        sent = spec.apply(state)
+        out = run_threads(
+            lambda: sender.push(sent, version=v),
+            lambda: receiver.pull(lambda ws: got.update({n: t.clone() for n, t in ws})),
+        )
+        for o in out:
+            if isinstance(o, BaseException):
+                raise o
+        assert got.keys() == sent.keys()
+        for n, t in sent.items():
+            assert got[n].dtype == t.dtype, n
+            assert torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), n
+        return out[0]
+
+    full = one(1)
+    assert got["l.w.weight"].dtype == E4M3 and got["l.w.weight_scale_inv"].dtype == torch.float32
+    with torch.no_grad():  # an RL-like step: 2% of the elements, a little
+        w = state["l.w.weight"]
+        mask = torch.rand(w.shape, generator=gen) < 0.02
+        w[mask] += (torch.randn(w.shape, generator=gen) * 1e-3).to(w.dtype)[mask]
+    delta = one(2)
+    assert not delta.full and delta.payload_bytes < full.payload_bytes / 5
