@@ -9,7 +9,10 @@ trainers in this process:
 2. a trainer with the default ``quantize="auto"``: a full round, two sparse deltas after RL-like
    steps and a staged round; each worker's committed copies against the trainer's weights
    quantized independently here, the bytes each round sent; then the engine's parameters and
-   logprobs against vLLM's own load of the same FP8 weights from disk (``reload_weights``).
+   logprobs against vLLM's own load of the same FP8 weights from disk (``reload_weights``);
+3. the store route (the worker extension's ``deltackpt_follow``): the trainer saves bf16
+   snapshots, the worker reads them and quantizes its FP8 modules' weights in the engine's
+   blocks; the engine's parameters against vLLM's own load again.
 
 vLLM's CPU FP8 kernel uses AMX tiles where the processor has them: the test puts
 ``_vllm_amx/`` on PYTHONPATH. Writes what it saw as JSON to ``argv[1]``.
@@ -99,6 +102,8 @@ def main(out_path: str) -> None:
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
+    import deltackpt
+    from deltackpt.integrations.vllm.extension import EXTENSION
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
 
     tmp = tempfile.mkdtemp(prefix="vllm-fp8-", dir=os.path.dirname(os.path.abspath(out_path)))
@@ -107,6 +112,7 @@ def main(out_path: str) -> None:
         model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
         weight_transfer_config=WeightTransferConfig(backend="deltackpt"),
+        worker_extension_cls=EXTENSION,
     )  # fmt: skip
     res: dict[str, Any] = {}
 
@@ -171,6 +177,23 @@ def main(out_path: str) -> None:
     theirs = params()
     res["params_equal_vllm_load"] = params_equal(mine, theirs)
     res["fp8_params"] = sorted(n for n, t in theirs.items() if t.dtype == torch.float8_e4m3fn)
+
+    # 3. the store route: bf16 snapshots, quantized by the worker for its FP8 modules
+    store = f"{tmp}/store"
+    reports = []
+    for name in ("v5", "v6"):
+        rl_step(trainer, 0.02, gen)
+        deltackpt.save({"model": trainer.state_dict()}, store, name)
+        reports.append(llm.collective_rpc("deltackpt_follow", args=(store,))[0])
+    llm.reset_prefix_cache()  # its KV blocks were computed with the old weights
+    mine = params()
+    res["follow_logprobs"] = logprobs(llm)
+    fp8_checkpoint(trainer, f"{tmp}/final-store")
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/final-store"})
+    llm.reset_prefix_cache()
+    res["follow"] = reports
+    res["follow_fresh_logprobs"] = logprobs(llm)
+    res["follow_params_equal_vllm_load"] = params_equal(mine, params())
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
 

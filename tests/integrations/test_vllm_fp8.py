@@ -214,3 +214,14 @@ def test_the_engine_equals_vllms_own_load_of_the_same_fp8_weights(fp8_run):
     assert r["params_equal_vllm_load"]  # every parameter, FP8 ones as vLLM packed them
     assert len(r["fp8_params"]) == 8
     assert r["tokens"] == r["fresh_tokens"] and r["logprobs"] == r["fresh_logprobs"]
+
+
+@real
+def test_the_store_route_quantizes_bf16_snapshots_for_the_fp8_engine(fp8_run):
+    """``deltackpt_follow`` from a store of the trainer's bf16 saves: the worker quantizes its
+    FP8 modules' weights; the engine then equals vLLM's own load of the same weights."""
+    r = fp8_run
+    first, second = r["follow"]
+    assert first["mode"] == "full" and second["mode"] != "full", r["follow"]
+    assert r["follow_params_equal_vllm_load"]
+    assert r["follow_logprobs"] == r["follow_fresh_logprobs"]

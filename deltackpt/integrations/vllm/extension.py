@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from deltackpt.format.hashing import tensor_digest
+from deltackpt.sync import PlanError
 
 __all__ = ["EXTENSION", "DeltackptWorkerExtension", "state_digests", "tensor_digest"]
 
@@ -126,7 +127,7 @@ class DeltackptWorkerExtension:
         import threading
 
         from deltackpt.follow import Follower
-        from deltackpt.integrations.vllm import inplace
+        from deltackpt.integrations.vllm import fp8_layout, inplace
         from deltackpt.integrations.vllm.worker import commit_layers
 
         if getattr(self, "_deltackpt_follow_staged", None) is not None:
@@ -142,12 +143,20 @@ class DeltackptWorkerExtension:
             sink: list[Any] = [None]  # a staged poll collects here instead of reloading
             # where each tensor sits in the parameters (inplace.py; None: always reload)
             slots: dict[str, Any] | None = {} if inplace.enabled() else None
+            # an engine that serves block-FP8 weights: the store's weights of those modules
+            # quantized in its blocks, each with its scales (docs/sync.md, "FP8 engines")
+            layout = fp8_layout.engine_layout(model)
+            fp8 = fp8_layout.blocks_for(layout)
 
             def load_weights(w: Any) -> None:
+                w = fp8_layout.for_engine(fp8, cfg.dtype, list(w))
+                refused = fp8_layout.refusal(model, layout, w)
+                if refused is not None:
+                    raise PlanError(f"deltackpt_follow: {refused}")
                 if sink[0] is not None:
                     sink[0].extend(w)
                 else:
-                    commit_layers(model, cfg, loaded, list(w), slots)
+                    commit_layers(model, cfg, loaded, w, slots)
 
             f = Follower(
                 store,

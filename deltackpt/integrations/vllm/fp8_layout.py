@@ -29,7 +29,15 @@ from deltackpt.sync import PlanError, SyncGroup
 from deltackpt.sync.dtypes import is_fp8, named_dtype
 from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks
 
-__all__ = ["blocks_for", "engine_layout", "publish", "read", "refusal", "wire_dtype"]
+__all__ = [
+    "blocks_for",
+    "engine_layout",
+    "for_engine",
+    "publish",
+    "read",
+    "refusal",
+    "wire_dtype",
+]
 
 KEY = "vllm/fp8"
 
@@ -130,6 +138,16 @@ def blocks_for(layout: dict[str, Any] | None) -> Fp8Blocks | None:
     return Fp8Blocks(
         include=lambda n: _target(n, fp8, packed) in fp8, block=tuple(block), dtype=dtype
     )
+
+
+def for_engine(
+    spec: Fp8Blocks | None, cast: torch.dtype | None, items: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """``items`` as an engine of ``spec`` holds them (the follow path: a store's tensors),
+    each picked weight cast to ``cast`` and quantized, followed by its scales."""
+    if spec is None:
+        return items
+    return list(spec.apply(dict(items), cast=cast).items())
 
 
 def wire_dtype(
