@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The prepared device check (issues 35 and 36), one command on one GPU machine, <= 8 minutes:
 #   here:  bash benchmarks/gpu/wheels.sh
-#   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 540: the boxes sum to 500 s)
+#   there: bash benchmarks/gpu/check.sh          (device run, carry [".whl"], timeout_s 540: the boxes sum to 515 s)
 # 1. the gpu-marked tests; 2. benchmarks/bench_gpu.py (issue 35's table, limits in the same
 # run), benchmarks/bench_gpu_sync.py (issue 36's), benchmarks/bench_sync_overhead.py (a round's
 # host time per tensor, CUDA tensors), benchmarks/bench_digest.py (a device round's digests
 # beside the device's copy) and benchmarks/bench_gpu_pause.py (a vLLM worker's commit into
 # parameters on the GPU: the inference pause); 3. with SUITE_S=<seconds> (0 by default: a second
 # call) the rest of the suite on 14 workers, stopped at its time box. Logs and figures go to
-# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, OVERHEAD_S, DIGEST_S, PAUSE_S, SUITE_S override the time
+# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, OVERHEAD_S, DIGEST_S, FP8_S, PAUSE_S, SUITE_S override the time
 # boxes (0 skips the step); SYNC_PROFILE: the sync round kind profiled into check.log ("" none). SYNC_ARGS: more arguments of bench_gpu_sync.py (e.g. "--gb 8": issue 36's size, ~4x the time). Without CUDA it runs too: the gpu tests skip and say why,
 # the benchmark runs its CPU dry run.
 # The ipc link's trainer holds a ring of two buckets per link by default; DELTACKPT_IPC_BUCKETS=none
@@ -63,6 +63,11 @@ if box "${OVERHEAD_S:-35}"; then  # a round's host time per tensor, CUDA tensors
 fi
 if box "${DIGEST_S:-20}"; then  # device digests beside the fingerprints and a device copy
   timeout "${DIGEST_S:-20}" python3 benchmarks/bench_digest.py 2>&1 | tee -a "$LOG" || rc=1
+fi
+if box "${FP8_S:-15}"; then  # the trainer's FP8 quantize on the device (FP8 engines)
+  dev=$(python3 -c "import torch; print('cuda:0' if torch.cuda.is_available() else 'cpu')")
+  timeout "${FP8_S:-15}" python3 benchmarks/bench_fp8.py --device "$dev" --quantize-only \
+    --scale 1 2>&1 | tee -a "$LOG" || rc=1
 fi
 if box "${PAUSE_S:-35}"; then  # a vLLM worker's commit on the device: in place, and reloads
   timeout "${PAUSE_S:-35}" python3 benchmarks/bench_gpu_pause.py --out /tmp/pause 2>&1 \

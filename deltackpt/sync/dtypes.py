@@ -17,6 +17,7 @@ from deltackpt.format.dtypes import dtype_from_name, dtype_name
 from deltackpt.sync.errors import PlanError
 
 __all__ = [
+    "SCALE_SUFFIX",
     "DtypeSpec",
     "dtype_spec",
     "is_fp8",
@@ -58,6 +59,11 @@ def dtype_spec(owner: str, spec: Any) -> DtypeSpec:
     )
 
 
+#: the scales of FP8 weight ``X.weight`` are ``X.weight`` + this (``X.weight_scale_inv``, the
+#: name block-FP8 checkpoints give them): :mod:`deltackpt.sync.fp8`
+SCALE_SUFFIX = "_scale_inv"
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     """``dtype`` is one of torch's 8-bit floating types: scaled storage (its scales travel as
     tensors of their own, :mod:`deltackpt.sync.fp8`), not a value type to cast."""
@@ -66,12 +72,14 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 def resolve_dtype(spec: DtypeSpec, name: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype tensor ``name`` of ``dtype`` is cast to under ``spec``. A dtype casts floating
-    tensors of 16 bits or more; FP8 tensors keep theirs (their values mean something only with
-    their scales: a callable casts them where that is meant)."""
+    tensors of 16 bits or more, except FP8 weights' scales (``*_scale_inv``, which a cast would
+    round); FP8 tensors keep theirs (their values mean something only with their scales). A
+    callable casts them where that is meant."""
     if spec is None:
         return dtype
     if isinstance(spec, torch.dtype):
-        return spec if dtype.is_floating_point and not is_fp8(dtype) else dtype
+        keep = not dtype.is_floating_point or is_fp8(dtype) or name.endswith(SCALE_SUFFIX)
+        return dtype if keep else spec
     return spec(name, dtype) or dtype
 
 

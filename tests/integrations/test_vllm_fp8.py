@@ -146,15 +146,6 @@ def test_the_workers_refuse_what_would_be_written_unscaled_or_unquantized() -> N
     assert fp8_layout.refusal(m, None, [("x.weight", torch.zeros(2))]) is None
 
 
-def test_the_workers_ask_for_fp8_bytes_and_scales_as_they_come() -> None:
-    assert fp8_layout.wire_dtype(torch.bfloat16, None) is torch.bfloat16
-    pick = fp8_layout.wire_dtype(torch.bfloat16, {"modules": ["x"]})
-    assert callable(pick)
-    assert pick("a.weight", E4M3) is None and pick("a.weight_scale_inv", torch.float32) is None
-    assert pick("a.weight", torch.float32) is torch.bfloat16
-    assert pick("a.ids", torch.int64) is None
-
-
 # ---- the real engine ------------------------------------------------------------------------
 
 

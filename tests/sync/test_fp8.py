@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltackpt import sync
-from deltackpt.sync.dtypes import is_fp8, resolve_dtype
+from deltackpt.sync.dtypes import resolve_dtype
 from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks, dequantize_blocks, quantize_blocks
 from tests._dist import free_port
 from tests.sync.test_local import run_threads
@@ -119,9 +119,11 @@ def test_apply_quantizes_the_picked_weights_and_adds_their_scales() -> None:
         Fp8Blocks(include=3)  # type: ignore[arg-type]
 
 
-def test_a_dtype_casts_floating_tensors_but_not_fp8_bytes() -> None:
+def test_a_dtype_casts_floating_tensors_but_not_fp8_bytes_or_their_scales() -> None:
     assert resolve_dtype(torch.bfloat16, "w", torch.float32) == torch.bfloat16
     assert resolve_dtype(torch.bfloat16, "w", E4M3) == E4M3
+    assert resolve_dtype(torch.bfloat16, "l.weight_scale_inv", torch.float32) == torch.float32
+    assert resolve_dtype(torch.bfloat16, "l.weight_scale", torch.float32) == torch.bfloat16
     assert resolve_dtype(torch.bfloat16, "w", torch.float8_e5m2) == torch.float8_e5m2
     assert resolve_dtype(torch.bfloat16, "i", torch.int64) == torch.int64
 
@@ -153,16 +155,14 @@ def test_fp8_bytes_and_their_scales_cross_rounds_bit_for_bit(
     g0, g1 = pair
     gen = torch.Generator().manual_seed(3)
     state = {
-        "emb.weight": torch.randn(64, 128, generator=gen).to(torch.bfloat16),
+        "emb.weight": torch.randn(64, 128, generator=gen),  # fp32: sent as bf16
         "l.w.weight": (torch.randn(512, 256, generator=gen) * 0.02).to(torch.bfloat16),
     }
     spec = Fp8Blocks(include={"l.w.weight"})
 
-    def keep(name: str, dt: torch.dtype) -> torch.dtype | None:  # the vLLM worker's rule
-        return None if is_fp8(dt) or name.endswith(SCALE_SUFFIX) else torch.bfloat16
-
-    sender = sync.WeightSender(g0, dtype=keep)
-    receiver = sync.WeightReceiver(g1, dtype=keep)
+    # dtype=bf16 on both sides (a trainer's and a vLLM worker's): FP8 bytes and scales kept
+    sender = sync.WeightSender(g0, dtype=torch.bfloat16)
+    receiver = sync.WeightReceiver(g1, dtype=torch.bfloat16)
     got: dict[str, torch.Tensor] = {}
 
     def one(v: int) -> Any:
@@ -175,9 +175,12 @@ def test_fp8_bytes_and_their_scales_cross_rounds_bit_for_bit(
             if isinstance(o, BaseException):
                 raise o
         assert got.keys() == sent.keys()
+        assert got["emb.weight"].dtype == torch.bfloat16
+        assert torch.equal(got["emb.weight"], sent["emb.weight"].to(torch.bfloat16))
         for n, t in sent.items():
-            assert got[n].dtype == t.dtype, n
-            assert torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), n
+            if n != "emb.weight":
+                assert got[n].dtype == t.dtype, n
+                assert torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), n
         return out[0]
 
     full = one(1)
@@ -188,3 +191,16 @@ def test_fp8_bytes_and_their_scales_cross_rounds_bit_for_bit(
         w[mask] += (torch.randn(w.shape, generator=gen) * 1e-3).to(w.dtype)[mask]
     delta = one(2)
     assert not delta.full and delta.payload_bytes < full.payload_bytes / 5
+
+
+@pytest.mark.gpu
+def test_cuda_quantizes_to_the_same_bytes_as_the_cpu() -> None:
+    """One code path: the trainer's quantize on its GPU gives the bytes the CPU reference (and a
+    worker quantizing a store's weights on the host) gives."""
+    g = torch.Generator().manual_seed(4)
+    for shape in [(1024, 768), (300, 200)]:
+        w = (torch.randn(shape, generator=g) * 0.03).to(torch.bfloat16)
+        q, s = quantize_blocks(w)
+        qd, sd = quantize_blocks(w.cuda())
+        assert qd.is_cuda and torch.equal(sd.cpu(), s)
+        assert torch.equal(qd.cpu().view(torch.uint8), q.view(torch.uint8))

@@ -9,8 +9,6 @@ round that would write another dtype into an FP8 parameter (docs/sync.md, "FP8 e
   deltackpt does not quantize (MoE experts, per-tensor scales);
 * :func:`publish` / :func:`read` carry it through the group's store at the trainer's init;
 * :func:`blocks_for` (trainer): the :class:`Fp8Blocks` of that layout;
-* :func:`wire_dtype` (worker): the dtypes the worker asks for: the engine's for floating
-  tensors, FP8 bytes and their scales as they come;
 * :func:`refusal` (worker, at each commit): why a round's tensors cannot go into the FP8
   parameters, before anything is loaded (the round is voted down and every worker keeps the
   previous version).
@@ -19,7 +17,7 @@ round that would write another dtype into an FP8 parameter (docs/sync.md, "FP8 e
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,7 +25,7 @@ import torch
 from deltackpt.integrations.vllm.tp_boxes import module_of
 from deltackpt.sync import PlanError, SyncGroup
 from deltackpt.sync.dtypes import is_fp8, named_dtype
-from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks
+from deltackpt.sync.fp8 import Fp8Blocks
 
 __all__ = [
     "blocks_for",
@@ -36,7 +34,6 @@ __all__ = [
     "publish",
     "read",
     "refusal",
-    "wire_dtype",
 ]
 
 KEY = "vllm/fp8"
@@ -148,23 +145,6 @@ def for_engine(
     if spec is None:
         return items
     return list(spec.apply(dict(items), cast=cast).items())
-
-
-def wire_dtype(
-    engine: torch.dtype, layout: dict[str, Any] | None
-) -> torch.dtype | Callable[[str, torch.dtype], torch.dtype | None]:
-    """The receiver's ``dtype=``: the engine's dtype for floating tensors; with FP8 weights in
-    the engine, FP8 bytes and their scales kept as they come (a cast would double the first
-    and round the second)."""
-    if layout is None:
-        return engine
-
-    def pick(name: str, dt: torch.dtype) -> torch.dtype | None:
-        if is_fp8(dt) or name.endswith(SCALE_SUFFIX):
-            return None
-        return engine if dt.is_floating_point else None
-
-    return pick
 
 
 def refusal(

@@ -34,8 +34,7 @@ from deltackpt.integrations.vllm import BACKEND, fp8_layout, register
 from deltackpt.integrations.vllm.fairlock import FairLock
 from deltackpt.integrations.vllm.init_args import check_trainer_init
 from deltackpt.sync import PlanError, RoundStats, SyncGroup, WeightSender
-from deltackpt.sync.dtypes import DtypeSpec, is_fp8, resolve_dtype
-from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks
+from deltackpt.sync.fp8 import Fp8Blocks
 from deltackpt.sync.schedule_decl import Held, held_from
 
 log = logging.getLogger(__name__)
@@ -118,18 +117,6 @@ class DeltackptTrainerInitInfo(TrainerInitInfo):
     staging: str | None = None
     undo_dir: str | None = None
     quantize: str = "auto"
-
-
-def _keep_fp8(dtype: torch.dtype | None) -> DtypeSpec:
-    """The sender's ``dtype=`` beside FP8 weights: ``dtype`` for floating tensors, FP8 bytes and
-    their scales as they are (a cast would round the scales)."""
-
-    def pick(name: str, dt: torch.dtype) -> torch.dtype | None:
-        if is_fp8(dt) or name.endswith(SCALE_SUFFIX):
-            return None
-        return resolve_dtype(dtype, name, dt)
-
-    return pick
 
 
 class LocalLLMClient:
@@ -248,7 +235,7 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             eng.fp8 = fp8_layout.blocks_for(fp8_layout.read(eng.group, n))
         eng.sender = WeightSender(
             eng.group,
-            dtype=dtype if eng.fp8 is None else _keep_fp8(dtype),
+            dtype=dtype,  # (FP8 bytes and their scales keep their dtypes: resolve_dtype)
             bucket_bytes=init_info.bucket_bytes,
             full_every=init_info.full_every,
         )

@@ -402,9 +402,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             links=init_info.links,
         )
         # the wire carries the engine's dtype (the cast runs on the trainer); FP8 weights and
-        # their scales as the trainer quantized them for this engine's layout, published here
+        # their scales keep theirs (resolve_dtype), as the trainer quantized them for this
+        # engine's layout, published here
         self.fp8 = fp8_layout.engine_layout(self.model)
-        dtype = fp8_layout.wire_dtype(self.model_config.dtype, self.fp8)
+        dtype = self.model_config.dtype
         fp8_layout.publish(self.group, self.fp8)
         self.tp_boxes = tp_boxes.enabled(init_info.tp_boxes)
         self.inplace = inplace.enabled(init_info.inplace)
