@@ -18,8 +18,8 @@ operations that give the same bytes on CPU and GPU:
 
 Dequantized, every element is within half an FP8 step of the weight: a relative ``2**-4`` for
 ``float8_e4m3fn``'s 3 mantissa bits, at most ``scale_inv * 2**-10`` near zero (its subnormals).
-The pair travels as two tensors of one round, so an engine
-never holds a weight with another version's scales (a round commits whole or not at all).
+The pair travels as two tensors of one round, so an engine never holds a weight with another
+version's scales (a round commits whole or not at all).
 """
 
 from __future__ import annotations

@@ -26,6 +26,14 @@ MARKS = [
 ]
 
 
+def real(test: Any) -> Any:
+    """The marks of a test that runs a real engine (slow, several processes, the vLLM
+    environment), in a module whose other tests need no vLLM."""
+    for mark in MARKS:
+        test = mark(test)
+    return test
+
+
 def run_script(
     tmp_path_factory: pytest.TempPathFactory,
     script: str,

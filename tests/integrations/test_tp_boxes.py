@@ -16,8 +16,7 @@ from deltackpt.integrations.vllm.inplace import enabled as inplace_enabled
 from deltackpt.integrations.vllm.tp_boxes import enabled, full_view
 from deltackpt.options import overrides, vllm_staging, vllm_undo_dir
 from deltackpt.sync.schedule_decl import Box
-from tests._dist import free_port
-from tests.sync.test_local import run_threads
+from tests.sync._common import local_pair, run_threads
 
 TIMEOUT = 10.0
 
@@ -101,19 +100,8 @@ def test_the_workers_staging_and_undo_directory_variables(monkeypatch: pytest.Mo
 
 @pytest.fixture
 def pair() -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
-    port = free_port()
-    groups = run_threads(
-        *[
-            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=TIMEOUT, links="gloo")
-            for r in (0, 1)
-        ]
-    )
-    for g in groups:
-        if isinstance(g, BaseException):
-            raise g
-    yield groups[0], groups[1]
-    for g in groups:
-        g.close()
+    with local_pair(TIMEOUT) as groups:
+        yield groups
 
 
 def test_a_receiver_gets_only_the_boxes_it_picks(pair: tuple[Any, Any]) -> None:

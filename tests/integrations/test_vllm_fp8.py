@@ -18,7 +18,7 @@ import torch
 from deltackpt.integrations.vllm import fp8_layout
 from deltackpt.sync import PlanError
 from deltackpt.sync.fp8 import Fp8Blocks
-from tests.integrations._vllm_env import MARKS, run_script
+from tests.integrations._vllm_env import real, run_script
 
 E4M3 = torch.float8_e4m3fn
 
@@ -147,12 +147,6 @@ def test_the_workers_refuse_what_would_be_written_unscaled_or_unquantized() -> N
 
 
 # ---- the real engine ------------------------------------------------------------------------
-
-
-def real(test: Any) -> Any:
-    for mark in MARKS:
-        test = mark(test)
-    return test
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import deltackpt
 from deltackpt.errors import InvalidArgumentError, SnapshotNotFoundError, StateKeyError
 from deltackpt.integrations.vllm.lora import AdapterSource, add_lora, remove_lora
 from deltackpt.sync.errors import AdapterStageError, SyncError
-from tests.integrations._vllm_env import MARKS, run_script
+from tests.integrations._vllm_env import real, run_script
 
 CFG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "bias": "none"}
 KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.default.weight"
@@ -272,14 +272,6 @@ def test_when_imported_runs_after_the_import_or_at_once(
 
 
 # ---- the real engine ------------------------------------------------------------------------
-
-
-def real(test: Any) -> Any:
-    """The marks of a test that runs the real engine (slow, several processes, the vLLM
-    environment)."""
-    for mark in MARKS:
-        test = mark(test)
-    return test
 
 
 @pytest.fixture(scope="module")

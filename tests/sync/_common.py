@@ -8,9 +8,15 @@ bf16 for floating tensors, ``("full",)`` holds every tensor whole in the trainer
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from deltackpt import sync
+from tests._dist import free_port
 
 TRAINERS = 2
 BUCKET = 8 << 10  # small: big pieces split, many buckets per link
@@ -76,3 +82,46 @@ def mismatches(wants: list[Any], loaded: dict[str, torch.Tensor], layout: Any, v
         if got is None or not torch.equal(got, exp[w.name]):
             bad.append(w.name)
     return bad
+
+
+def run_threads(*fns: Callable[[], Any], timeout: float = 30.0) -> list[Any]:
+    """Run each function in a thread; return values or the exceptions they raised."""
+    out: list[Any] = [None] * len(fns)
+
+    def wrap(i: int, fn: Callable[[], Any]) -> None:
+        try:
+            out[i] = fn()
+        except BaseException as e:  # returned to the test, which asserts on it
+            out[i] = e
+
+    threads = [threading.Thread(target=wrap, args=(i, f), daemon=True) for i, f in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        raise AssertionError(f"threads still running after {timeout} s: {out}")
+    return out
+
+
+@contextmanager
+def local_pair(
+    timeout: float = 10.0, links: str = "gloo"
+) -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
+    """A trainer (rank 0) and an inference rank (rank 1) of one group, in this process; closed
+    on exit."""
+    port = free_port()
+    groups = run_threads(
+        *[
+            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=timeout, links=links)
+            for r in (0, 1)
+        ]
+    )
+    for g in groups:
+        if isinstance(g, BaseException):
+            raise g
+    try:
+        yield groups[0], groups[1]
+    finally:
+        for g in groups:
+            g.close()

@@ -14,8 +14,7 @@ import torch
 from deltackpt import sync
 from deltackpt.sync.dtypes import resolve_dtype
 from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks, dequantize_blocks, quantize_blocks
-from tests._dist import free_port
-from tests.sync.test_local import run_threads
+from tests.sync._common import local_pair, run_threads
 
 E4M3 = torch.float8_e4m3fn
 
@@ -130,20 +129,8 @@ def test_a_dtype_casts_floating_tensors_but_not_fp8_bytes_or_their_scales() -> N
 
 @pytest.fixture
 def pair() -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
-    """A trainer (rank 0) and an inference rank (rank 1) of one group, in this process."""
-    port = free_port()
-    groups = run_threads(
-        *[
-            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=10.0, links="gloo")
-            for r in (0, 1)
-        ]
-    )
-    for g in groups:
-        if isinstance(g, BaseException):
-            raise g
-    yield groups[0], groups[1]
-    for g in groups:
-        g.close()
+    with local_pair() as groups:
+        yield groups
 
 
 def test_fp8_bytes_and_their_scales_cross_rounds_bit_for_bit(

@@ -15,9 +15,8 @@ import math
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,46 +29,16 @@ from deltackpt.sync.dtypes import wire_dtype
 from deltackpt.sync.schedule import build_schedule
 from deltackpt.sync.schedule_decl import Decl, Held, expand_every, held_from
 from tests._dist import free_port
+from tests.sync._common import local_pair, run_threads
 
 TIMEOUT = 10.0
-
-
-def run_threads(*fns: Callable[[], Any], timeout: float = 30.0) -> list[Any]:
-    """Run each function in a thread; return values or the exceptions they raised."""
-    out: list[Any] = [None] * len(fns)
-
-    def wrap(i: int, fn: Callable[[], Any]) -> None:
-        try:
-            out[i] = fn()
-        except BaseException as e:  # returned to the test, which asserts on it
-            out[i] = e
-
-    threads = [threading.Thread(target=wrap, args=(i, f), daemon=True) for i, f in enumerate(fns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    if any(t.is_alive() for t in threads):
-        raise AssertionError(f"threads still running after {timeout} s: {out}")
-    return out
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[sync.SyncGroup, sync.SyncGroup]]:
     """A trainer (rank 0) and an inference rank (rank 1) of one group, in this process."""
-    port = free_port()
-    groups = run_threads(
-        *[
-            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 2, [0], timeout=TIMEOUT, links="gloo")
-            for r in (0, 1)
-        ]
-    )
-    for g in groups:
-        if isinstance(g, BaseException):
-            raise g
-    yield groups[0], groups[1]
-    for g in groups:
-        g.close()
+    with local_pair(TIMEOUT) as groups:
+        yield groups
 
 
 # ---- roles and constructor arguments -------------------------------------------------------

@@ -1335,7 +1335,11 @@ def _scribble_rank(rank: int, port: int, marks: str) -> dict[str, Any]:
             err = type(e).__name__
         if v == 1:
             cells = -(-len(receiver._buckets) * 16 // 4096) * 4096
-            Path(marks, f"link-{rank}").write_text(f"{group._shm.path(0, rank)} {cells}")
+            # whole or absent: the scribbler polls for the name and reads it at once (a plain
+            # write_text let it read an empty file on a busy machine, and it died)
+            tmp = Path(marks, f".link-{rank}")
+            tmp.write_text(f"{group._shm.path(0, rank)} {cells}")
+            os.replace(tmp, Path(marks, f"link-{rank}"))
         rounds.append(
             {
                 "error": err,
@@ -1360,8 +1364,8 @@ def test_hostile_process_scribbling_the_link_windows(tmp_path: Path) -> None:
         timeout=120,
         fast_exit=True,
     )
+    assert outcomes[3].unwrap() > 0  # first: a dead scribbler is why the trainer waited
     versions = outcomes[0].unwrap()["versions"]
-    assert outcomes[3].unwrap() > 0
     for o in outcomes[1:3]:
         rounds = o.unwrap()["rounds"]
         last = None
