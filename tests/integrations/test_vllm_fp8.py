@@ -141,6 +141,14 @@ def test_the_workers_refuse_what_would_be_written_unscaled_or_unquantized() -> N
     assert why is not None and "holds lm_head unquantized (bfloat16): send it unquantized" in why
     # an engine without FP8 weights (no layout) refuses FP8 bytes too
     assert "unquantized" in (fp8_layout.refusal(model(), None, wrong) or "")
+    # a model whose loader renames checkpoint names (vLLM's hf_to_vllm_mapper.map_name)
+    renamed = model()
+    renamed.hf_to_vllm_mapper = type(
+        "Mapper", (), {"map_name": staticmethod(lambda k: k.replace("language_model.", ""))}
+    )()
+    bf16 = [("language_model.model.layers.0.mlp.down_proj.weight", torch.zeros(128, 256))]
+    why = fp8_layout.refusal(renamed, fp8_layout.engine_layout(renamed), bf16)
+    assert why is not None and "holds model.layers.0.mlp.down_proj as block FP8" in why
     good = Fp8Blocks(include=lambda n: "_proj" in n).apply(sd)
     assert fp8_layout.refusal(m, lay, good.items()) is None
     assert fp8_layout.refusal(m, None, [("x.weight", torch.zeros(2))]) is None

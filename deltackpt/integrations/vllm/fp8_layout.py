@@ -160,8 +160,11 @@ def refusal(
     fp8 = set(layout["modules"]) if layout is not None else set()
     modules = dict(model.named_modules())
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    mapper = getattr(getattr(model, "hf_to_vllm_mapper", None), "map_name", None)
     for name, t in tensors:
-        target = _target(name, modules, packed)
+        # a checkpoint name the model's loader renames (multimodal models' prefixes) is looked
+        # up under the name its module has
+        target = _target((mapper(name) if mapper is not None else None) or name, modules, packed)
         if target is None:
             continue
         dt = str(t.dtype).removeprefix("torch.")
