@@ -127,6 +127,13 @@ def main(out_path: str) -> None:
     ask = {n: asyncio.run(resolver.resolve_lora("base", n)) for n in
            ("v2", "default@v1", "latest", "nope", "other@v1", "a.b@v1")}  # fmt: skip
     out["resolved"] = {n: None if r is None else r.lora_path for n, r in ask.items()}
+    from deltackpt.store.leases import scan_leases
+    from deltackpt.store.store import open_store
+
+    live = scan_leases(open_store(store, create=False).storage).live
+    out["resolver_leases"] = [
+        list(lease.snapshots) for lease in live if lease.holder.startswith("vllm-resolver-")
+    ]
     found = ask["v2"]
     found.lora_int_id = 501  # what the server does
     llm.llm_engine.add_lora(found)

@@ -342,3 +342,5 @@ def test_the_resolver_names_saved_versions_for_a_server(lora_run) -> None:
     assert res["latest"] is None and res["nope"] is None and res["other@v1"] is None
     assert res["a.b@v1"] is None
     assert r["resolved_tokens"] == r["tokens"][1]
+    # what it resolved is leased from retention, newest last (a server may load it again)
+    assert r["resolver_leases"] == [["v2", "v1"]]

@@ -226,8 +226,7 @@ def add_lora(
     if lease_ttl is not None:
         held = _held(llm, st.root)
         held.options = storage_options
-        held.versions = [v for v in held.versions if v != src.snapshot] + [src.snapshot]
-        held.renew(st, float(lease_ttl))
+        held.hold(st, src.snapshot, float(lease_ttl))
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(lora_name=name, lora_int_id=rid, lora_path=src.path)
@@ -248,7 +247,7 @@ def remove_lora(llm: Any, request: Any) -> bool:
 
 
 @dataclass
-class _Held:
+class AdapterLease:
     """The adapter versions one process added to one engine from one store, under one lease."""
 
     holder: str
@@ -256,10 +255,10 @@ class _Held:
     ttl: float = 600.0
     options: dict[str, Any] | None = None
 
-    def renew(self, st: Any, ttl: float) -> None:
+    def renew(self, st: Any, ttl: float, what: str = "add_lora") -> None:
         """Lease the newest :data:`MAX_SNAPSHOTS` versions for ``ttl`` seconds (none left: drop
-        the lease). A failure warns; retention may then delete a version (a request naming it
-        after vLLM evicted it fails, naming the snapshot)."""
+        the lease). A failure warns (``what``: who asked); retention may then delete a version
+        (a request naming it after vLLM evicted it fails, naming the snapshot)."""
         self.ttl = ttl
         try:
             with st.lock(exclusive=False, timeout=1.0, what="writing a LoRA lease"):
@@ -269,24 +268,34 @@ class _Held:
                     drop_lease(st.storage, self.holder)
         except (OSError, DeltackptError) as e:
             warnings.warn(
-                f"add_lora: could not write lease {self.holder!r} on {self.versions} ({e}); "
+                f"{what}: could not write lease {self.holder!r} on {self.versions} ({e}); "
                 "retention may delete a served version. On a store this process cannot write, "
                 "pass lease_ttl=None",
                 LeaseWarning,
                 stacklevel=3,
             )
 
+    def hold(self, st: Any, version: str, ttl: float, what: str = "add_lora") -> None:
+        """``version`` served (again): it becomes the newest held, and the lease is renewed."""
+        self.versions = [v for v in self.versions if v != version] + [version]
+        self.renew(st, ttl, what)
+
 
 # engine -> store root -> what this process added there (weak: a dropped engine drops it)
-_LEASES: weakref.WeakKeyDictionary[Any, dict[str, _Held]] = weakref.WeakKeyDictionary()
+_LEASES: weakref.WeakKeyDictionary[Any, dict[str, AdapterLease]] = weakref.WeakKeyDictionary()
 
 
-def _held(llm: Any, root: Any) -> _Held:
+def lease_holder(kind: str, n: int, tag: int) -> str:
+    """A lease holder name unique to this host, process and ``kind`` (``lora``, ``resolver``)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40] or "host"
+    return f"vllm-{kind}-{host}-{os.getpid()}-{n}-{tag & 0xFFFFFF:x}"
+
+
+def _held(llm: Any, root: Any) -> AdapterLease:
     per = _LEASES.setdefault(llm, {})
     key = str(root)
     if key not in per:
-        host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40] or "host"
-        per[key] = _Held(f"vllm-lora-{host}-{os.getpid()}-{len(per)}-{id(llm) & 0xFFFFFF:x}", [])
+        per[key] = AdapterLease(lease_holder("lora", len(per), id(llm)), [])
     return per[key]
 
 

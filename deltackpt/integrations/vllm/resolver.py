@@ -15,7 +15,9 @@ resolved (the server would keep serving the version it found first under that na
 
 The resolver answers None (vLLM's 404: "does not exist") for a name that is not a committed
 snapshot holding that adapter and its LoRA config, after checking on the server, in a thread
-(the event loop keeps serving). Importing this module imports vLLM.
+(the event loop keeps serving). A version it resolved is leased (``lease_ttl``, 600 s, renewed
+by each resolution; the newest 8 resolved), so the training run's retention keeps it while the
+server may load it again after an eviction. Importing this module imports vLLM.
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver
 
 from deltackpt.errors import DeltackptError
-from deltackpt.integrations.vllm.lora import AdapterSource, check_lora_config
+from deltackpt.integrations.vllm.lora import (
+    AdapterLease,
+    AdapterSource,
+    check_lora_config,
+    lease_holder,
+)
 from deltackpt.interop.peft import adapter_plan, check_adapter_name
 from deltackpt.loading.lazy import open_snapshot
+from deltackpt.store.leases import check_lease_ttl
 from deltackpt.store.location import store_root
 from deltackpt.store.snapshot import LATEST
 from deltackpt.store.store import open_store
@@ -57,17 +65,22 @@ def parse_name(lora_name: str) -> tuple[str, str] | None:
 
 class StoreResolver(LoRAResolver):
     """Resolve ``[adapter@]snapshot`` names to adapter versions of ``store`` (a directory or a
-    URL the server and its workers open), the PEFT state dict under ``key``."""
+    URL the server and its workers open), the PEFT state dict under ``key``. ``lease_ttl``:
+    how long a resolved version is leased against retention (None: no lease)."""
 
     def __init__(
         self,
         store: str,
         key: str | None = "model",
         storage_options: dict[str, Any] | None = None,
+        lease_ttl: float | None = 600.0,
     ) -> None:
+        if lease_ttl is not None:
+            check_lease_ttl(lease_ttl, "StoreResolver")
         # a directory absolute: the workers may run elsewhere in the file system (their cwd)
         self.store = str(store_root(store))
-        self.key, self.storage_options = key, storage_options
+        self.key, self.storage_options, self.lease_ttl = key, storage_options, lease_ttl
+        self.held = AdapterLease(lease_holder("resolver", 0, id(self)), [])
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         return await asyncio.to_thread(self.find, lora_name)
@@ -85,6 +98,8 @@ class StoreResolver(LoRAResolver):
                 check_lora_config(cfg, "LoRA resolver")
         except (DeltackptError, KeyError, ValueError):
             return None  # not a committed snapshot with this adapter and its config
+        if self.lease_ttl is not None:  # kept from retention while the server may reload it
+            self.held.hold(st, snapshot, float(self.lease_ttl), "LoRA resolver")
         src = AdapterSource(self.store, snapshot, adapter, self.key)
         # the server replaces the id with its own counter's; the path names the version
         return LoRARequest(lora_name=lora_name, lora_int_id=src.default_id, lora_path=src.path)
