@@ -4,7 +4,7 @@
 ::
 
     deltackpt export STORE [NAME] OUT_DIR [--key model] [--dtype bf16] [--max-shard-size 5GB]
-                     [--config PATH] [--overwrite]
+                     [--config PATH] [--fp8] [--overwrite]
     deltackpt import SRC STORE NAME [--key model] [--src-key KEY] [--overwrite]
 
 Both print one summary line (or with ``--json`` one JSON document) and draw a progress bar on
@@ -20,7 +20,7 @@ import deltackpt
 from deltackpt.cli.format import Console, escape, human_bytes, print_json
 from deltackpt.cli.progress import progress, show_progress
 from deltackpt.cli.snapshots import open_existing
-from deltackpt.interop.hf_export import config_doc, parse_dtype, plan_export
+from deltackpt.interop.hf_export import config_doc, fp8_spec, parse_dtype, plan_export
 
 
 def _key(s: str) -> str | None:
@@ -34,13 +34,15 @@ def cmd_export(args: argparse.Namespace, out: Console) -> int:
         name, out_dir = args.name, args.out_dir
     st = open_existing(args)
     m = st.manifest(name)
-    doc = config_doc(args.config, parse_dtype(args.dtype))
+    fp8 = fp8_spec(args.fp8)
+    doc = config_doc(args.config, parse_dtype(args.dtype), fp8)
     plan = plan_export(
         m,
         key=args.key,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         keep_tied=doc is not None and doc.get("tie_word_embeddings") is False,
+        fp8=fp8,
     )
     with progress(plan.total_bytes, f"exporting {m.name}", enabled=show_progress(args)) as adv:
         r = deltackpt.export_hf(
@@ -53,6 +55,7 @@ def cmd_export(args: argparse.Namespace, out: Console) -> int:
             config=args.config,
             overwrite=args.overwrite,
             progress=adv,
+            fp8=fp8,
         )
     if args.json:
         print_json(
@@ -126,6 +129,12 @@ def add_parsers(
     s.add_argument("--dtype", help="cast floating tensors: bf16, fp16, fp32")
     s.add_argument("--max-shard-size", default="5GB", help="shard size limit (default 5GB)")
     s.add_argument("--config", metavar="PATH", help="config.json to copy in")
+    s.add_argument(
+        "--fp8",
+        action="store_true",
+        help="decoder layers' projection weights as block FP8 (128x128, weight_scale_inv), "
+        "with the config's quantization_config: what an FP8 engine starts from",
+    )
     s.add_argument("--overwrite", action="store_true", help="replace existing files in OUT_DIR")
     _output_flags(s)
     s.set_defaults(func=cmd_export)

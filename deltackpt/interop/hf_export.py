@@ -18,6 +18,12 @@ key order, as ``save_pretrained`` does (safetensors has no aliasing; ``from_pret
 them again from ``config.tie_word_embeddings``). With a config that says
 ``tie_word_embeddings: false`` every name is written.
 
+Block FP8 (``fp8=True`` or an :class:`~deltackpt.sync.fp8.Fp8Blocks`): the chosen weights are
+written as ``float8_e4m3fn`` in 128 x 128 blocks, each followed by its ``weight_scale_inv``, and
+the config gets the ``quantization_config`` vLLM and transformers read (``quant_method: fp8``,
+``weight_block_size``): the checkpoint an engine that serves FP8 starts from, made by the same
+quantizer the trainer's refit into that engine uses (docs/sync.md, "FP8 engines").
+
 Atomicity: every file is written to a hidden temporary name in ``out_dir``, fsynced, then
 renamed into place, the index last; a failed export removes its temporaries, so a reader never
 sees a half-written file.
@@ -32,7 +38,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +53,16 @@ from deltackpt.interop.safetensors_io import StreamWriter, st_dtype
 from deltackpt.loading.plan import Reads, read_entry
 from deltackpt.options import LoadOptions
 from deltackpt.store.store import LATEST, Store, open_store
+from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks, quantize_blocks
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _BATCH_BYTES = 128 << 20  # bytes read per pass: bounds peak memory below one shard
+#: the weights ``fp8=True`` quantizes: the projections of decoder layers (attention and MLP, MoE
+#: experts' too), not embeddings, the LM head, norms, routers or biases
+FP8_WEIGHTS = re.compile(r"(^|\.)layers\.\d+\..*_proj\.weight$")
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "B": 1})
 _DTYPES = {
@@ -75,12 +85,18 @@ Progress = Callable[[int], None]  # called with the number of bytes just written
 
 @dataclass(frozen=True)
 class ExportItem:
-    """One tensor to write: its output name, manifest entry index, output dtype and shape."""
+    """One tensor to write: its output name, manifest entry index, output dtype and shape;
+    ``fp8``: written as the FP8 bytes (``"q"``) or the scales (``"scale"``) of that entry's
+    weight, cast to ``cast`` then quantized to ``qdtype`` in blocks of ``block``."""
 
     name: str
     index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    fp8: str | None = None
+    block: tuple[int, int] = (128, 128)
+    qdtype: torch.dtype = torch.float8_e4m3fn
+    cast: torch.dtype | None = None
 
     @property
     def nbytes(self) -> int:
@@ -143,9 +159,27 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def config_doc(config: Any, dtype: torch.dtype | None) -> dict[str, Any] | None:
+def fp8_spec(fp8: Fp8Blocks | bool | None) -> Fp8Blocks | None:
+    """``fp8=``: None/False (no quantization), True (:data:`FP8_WEIGHTS` in 128 x 128 blocks) or
+    an :class:`Fp8Blocks`."""
+    if fp8 is None or fp8 is False:
+        return None
+    if fp8 is True:
+        return Fp8Blocks(include=lambda n: FP8_WEIGHTS.search(n) is not None)
+    if isinstance(fp8, Fp8Blocks):
+        return fp8
+    raise InvalidArgumentError(
+        f"fp8={fp8!r:.80} is invalid: expected None, True (decoder layers' projections in "
+        "128 x 128 blocks) or a deltackpt.sync.fp8.Fp8Blocks"
+    )
+
+
+def config_doc(
+    config: Any, dtype: torch.dtype | None, fp8: Fp8Blocks | None = None
+) -> dict[str, Any] | None:
     """``config=`` (a config.json path, a dict, or a transformers config) as a JSON object,
-    with its dtype set to the export's when one is given."""
+    with its dtype set to the export's when one is given, and with ``fp8`` its
+    ``quantization_config``."""
     if config is None:
         return None
     if isinstance(config, (str, os.PathLike)):
@@ -170,6 +204,13 @@ def config_doc(config: Any, dtype: torch.dtype | None) -> dict[str, Any] | None:
         name = str(dtype).removeprefix("torch.")
         keys = [k for k in ("dtype", "torch_dtype") if k in doc] or ["dtype"]
         doc.update(dict.fromkeys(keys, name))
+    if fp8 is not None:
+        doc["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3" if fp8.dtype == torch.float8_e4m3fn else "e5m2",
+            "weight_block_size": list(fp8.block),
+        }
     return doc
 
 
@@ -181,6 +222,7 @@ def plan_export(
     max_shard_size: int | str = "5GB",
     rename: Rename = None,
     keep_tied: bool = False,
+    fp8: Fp8Blocks | None = None,
 ) -> ExportPlan:
     """The files an export of manifest ``m`` writes, computed from the manifest alone."""
     cast = parse_dtype(dtype)
@@ -208,6 +250,13 @@ def plan_export(
                 tied[name] = views[view]
                 continue
             views[view] = name
+        if fp8 is not None and _picked(fp8, name, out, e.shape):
+            b0, b1 = fp8.block
+            blocks = (-(-e.shape[0] // b0), -(-e.shape[1] // b1))
+            q = ExportItem(name, i, fp8.dtype, e.shape, "q", fp8.block, fp8.dtype, out)
+            items += [q, replace(q, name=name + SCALE_SUFFIX, dtype=torch.float32,
+                                 shape=blocks, fp8="scale")]  # fmt: skip
+            continue
         items.append(ExportItem(name, i, out, e.shape))
     shards: list[list[ExportItem]] = []
     cur: list[ExportItem] = []
@@ -237,6 +286,11 @@ def plan_export(
     )
 
 
+def _picked(fp8: Fp8Blocks, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """``fp8`` picks the weight ``name`` (a 2-D floating tensor, judged by its manifest entry)."""
+    return fp8.picks(name, torch.empty((), dtype=dtype).expand(*shape))
+
+
 def export_hf(
     store: str | os.PathLike[str] | Store,
     name: str = LATEST,
@@ -249,6 +303,7 @@ def export_hf(
     config: Any = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    fp8: Fp8Blocks | bool | None = None,
 ) -> ExportReport:
     """Write the model state dict of snapshot ``name`` to ``out_dir`` as Hugging Face
     safetensors (``model.safetensors``, or shards + ``model.safetensors.index.json``).
@@ -258,6 +313,9 @@ def export_hf(
     state dict). ``dtype`` casts floating tensors (``"bf16"``). ``rename`` maps names (a dict,
     or a callable returning the new name or None to leave a tensor out). ``config`` (a
     config.json path, a dict or a transformers config) is written as ``config.json``.
+    ``fp8``: True writes the decoder layers' projection weights as block FP8 with their
+    ``weight_scale_inv`` (an :class:`~deltackpt.sync.fp8.Fp8Blocks` chooses others) and adds
+    the ``quantization_config`` to the config.
     Existing output files are refused unless ``overwrite=True``. ``progress(n)`` is called
     with the bytes written as they are.
 
@@ -269,7 +327,8 @@ def export_hf(
         raise InvalidArgumentError(f"out_dir={out_dir!r} is invalid: expected a directory path")
     st = open_store(store, create=False)
     m = st.manifest(name)
-    doc = config_doc(config, parse_dtype(dtype))
+    spec = fp8_spec(fp8)
+    doc = config_doc(config, parse_dtype(dtype), spec)
     plan = plan_export(
         m,
         key=key,
@@ -277,6 +336,7 @@ def export_hf(
         max_shard_size=max_shard_size,
         rename=rename,
         keep_tied=doc is not None and doc.get("tie_word_embeddings") is False,
+        fp8=spec,
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -408,11 +468,17 @@ def _write_file(
         w = StreamWriter(f, layout)
         for batch in _batches(items):
             m, got = _read_batch(st, m, batch, opts)
+            quantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             for it, t in zip(batch, got, strict=True):
+                if it.fp8 is not None:  # the weight's FP8 bytes or its scales, quantized once
+                    if it.index not in quantized:
+                        src = t.to(it.cast) if it.cast is not None else t
+                        quantized[it.index] = quantize_blocks(src, it.block, it.qdtype)
+                    t = quantized[it.index][0 if it.fp8 == "q" else 1]
                 w.write(it.name, t.to(it.dtype) if t.dtype != it.dtype else t)
                 if progress is not None:
                     progress(it.nbytes)
-            del got
+            del got, quantized
         w.finish()
         f.flush()
         os.fsync(f.fileno())

@@ -1,8 +1,9 @@
 """Run by tests/integrations/test_vllm_fp8.py in the ``.venv-vllm`` interpreter: a CPU vLLM
 engine started from a block-FP8 checkpoint (a tiny Llama whose linear weights are
 ``float8_e4m3fn`` in 128 x 128 blocks with ``weight_scale_inv``, as DeepSeek-V3 and
-Qwen3-*-FP8 ship them) with ``backend="deltackpt"``, its engine core in this process, and bf16
-trainers in this process:
+Qwen3-*-FP8 ship them; written by deltackpt's own ``export_hf(fp8=True)``, checked against
+vLLM's load of a reference FP8 checkpoint first) with ``backend="deltackpt"``, its engine core
+in this process, and bf16 trainers in this process:
 
 1. a trainer with ``quantize="none"`` sends its bf16 weights as they are: the workers refuse
    the round before loading anything (the engine's parameters stay as they were);
@@ -107,7 +108,10 @@ def main(out_path: str) -> None:
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
 
     tmp = tempfile.mkdtemp(prefix="vllm-fp8-", dir=os.path.dirname(os.path.abspath(out_path)))
-    fp8_checkpoint(tiny_llama(0), f"{tmp}/start")
+    # the engine starts from deltackpt's own FP8 export of a saved model (export_hf(fp8=True))
+    start = tiny_llama(0)
+    deltackpt.save({"model": start.state_dict()}, f"{tmp}/start-store", "v0")
+    deltackpt.export_hf(f"{tmp}/start-store", "v0", f"{tmp}/start", config=start.config, fp8=True)
     llm = LLM(
         model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
@@ -125,6 +129,13 @@ def main(out_path: str) -> None:
 
     def params() -> dict[str, torch.Tensor]:
         return _unpack(llm.collective_rpc(_params)[0])  # type: ignore[no-any-return]
+
+    # 0. the export is what vLLM's own load of the reference FP8 checkpoint gives
+    exported = params()
+    fp8_checkpoint(start, f"{tmp}/start-ref")
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/start-ref"})
+    llm.reset_prefix_cache()
+    res["export_equals_reference"] = params_equal(exported, params())
 
     # 1. bf16 weights into FP8 parameters: refused before anything is loaded
     trainer = tiny_llama(1)

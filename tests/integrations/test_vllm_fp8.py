@@ -177,6 +177,13 @@ def test_bf16_weights_into_fp8_parameters_are_refused_before_anything_is_loaded(
 
 
 @real
+def test_an_engine_starts_from_deltackpts_fp8_export_as_from_the_reference(fp8_run):
+    """export_hf(fp8=True) of a saved model: every parameter vLLM loads from it equals what it
+    loads from the reference FP8 checkpoint (names chosen by hand, the same quantizer)."""
+    assert fp8_run["export_equals_reference"]
+
+
+@real
 def test_the_engine_publishes_its_fp8_layout_and_the_trainer_quantizes_by_it(fp8_run):
     r = fp8_run
     lay = r["layout"]

@@ -64,3 +64,23 @@ def test_export_errors_exit_with_their_codes(tmp_path, capsys):
     bad.write_bytes(b"\xff" * 8 + b"{}")
     assert main(["import", str(bad), store, "b"]) == 3
     assert "not a valid safetensors file" in capsys.readouterr().err
+
+
+def test_export_fp8_writes_what_an_fp8_engine_starts_from(tmp_path, capsys):
+    g = torch.Generator().manual_seed(4)
+    sd = {**_sd(), "model.layers.0.mlp.up_proj.weight": torch.randn(48, 16, generator=g)}
+    store = str(tmp_path / "ckpts")
+    deltackpt.save({"model": sd}, store, "step-1")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    out = tmp_path / "fp8"
+    rc = main(["export", store, str(out), "--fp8", "--config", str(tmp_path / "config.json"),
+               "--json"])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tensors"] == 5  # the up projection's scales beside it
+    got = safetensors_torch.load_file(str(out / "model.safetensors"))
+    assert got["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert got["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == (1, 1)
+    assert got["lm_head.weight"].dtype == torch.float32  # not a decoder layer's projection
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "fp8"

@@ -183,3 +183,42 @@ def test_damaged_chunk_fails_the_export_and_leaves_no_file(tmp_path):
     with pytest.raises(CorruptChunkError):
         deltackpt.export_hf(tmp_path / "s", "x", tmp_path / "o", max_shard_size="20KB")
     assert list((tmp_path / "o").iterdir()) == []  # temporaries removed, nothing renamed in
+
+
+def test_fp8_export_writes_block_fp8_weights_with_their_scales(trained, tmp_path):
+    """fp8=True: the decoder layers' projections as float8_e4m3fn in 128 x 128 blocks, each
+    followed by its weight_scale_inv, byte for byte what the refit's quantizer makes of the
+    cast weight; everything else as without it; the config names the quantization. Sharded
+    into small files, a weight and its scales may land in two of them."""
+    from safetensors.torch import load_file
+
+    from deltackpt.sync.fp8 import quantize_blocks
+
+    model, store, _, _ = trained
+    sd = model.state_dict()
+    for shard in ("5GB", "2KB"):
+        out = tmp_path / shard
+        r = deltackpt.export_hf(store, "s3", out, dtype="bf16", config=model.config, fp8=True,
+                                max_shard_size=shard)  # fmt: skip
+        got: dict[str, torch.Tensor] = {}
+        for f in r.files:
+            if f.endswith(".safetensors"):
+                got.update(load_file(str(out / f)))
+        if shard == "2KB":
+            assert len([f for f in r.files if f.endswith(".safetensors")]) > 2
+            index = json.loads((out / "model.safetensors.index.json").read_text())
+            assert set(index["weight_map"]) == set(got)
+        picked = [n for n in sd if ".layers." in n and n.endswith("_proj.weight")]
+        assert picked and all(got[n].dtype == torch.float8_e4m3fn for n in picked)
+        for n in picked:
+            q, s = quantize_blocks(sd[n].detach().to(torch.bfloat16))
+            assert torch.equal(got[n].view(torch.uint8), q.view(torch.uint8)), n
+            assert torch.equal(got[n + "_scale_inv"], s), n
+        rest = [n for n in got if n not in picked and not n.endswith("_scale_inv")]
+        assert rest and all(got[n].dtype == torch.bfloat16 for n in rest)
+        assert "model.embed_tokens.weight" in rest and "model.norm.weight" in rest
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["quantization_config"]["quant_method"] == "fp8"
+        assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    with pytest.raises(InvalidArgumentError, match=r"fp8='yes' is invalid"):
+        deltackpt.export_hf(store, "s3", tmp_path / "bad", fp8="yes")
