@@ -281,9 +281,13 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             version = (self.sender.version or 0) + 1
         if not isinstance(tensors, Mapping):
             tensors = dict(tensors)
+        refusal = None
         if self.fp8 is not None:  # what the engine holds as FP8, quantized in its blocks
-            tensors = self.fp8.apply(tensors, cast=self._cast)
-        self._agree(self._check_declared(tensors))
+            try:
+                tensors = self.fp8.apply(tensors, cast=self._cast)
+            except PlanError as e:  # (a shard of a quantized weight): refused on every rank
+                refusal = str(e)
+        self._agree(refusal or self._check_declared(tensors))
         full, self._full_next = full or self._full_next, False
         self._commits += 1
         if not self.is_sender:  # rank 0 drives the engine; every rank reads the verdict

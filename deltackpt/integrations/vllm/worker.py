@@ -356,10 +356,10 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self.last_commit: dict[str, Any] | None = None
         self.broken: str | None = None  # a rollback failed: the model is mixed, restart
         self.fail_next: str | None = None  # test hook (the extension's deltackpt_fail_next_commit)
-        # tp_boxes: per trainer tensor, its full shape and the box this worker holds (None:
-        # whole); empty when every tensor is received whole
         # the engine's block-FP8 weights (fp8_layout.engine_layout; None: it holds none)
         self.fp8: dict[str, Any] | None = None
+        # tp_boxes: per trainer tensor, its full shape and the box this worker holds (None:
+        # whole); empty when every tensor is received whole
         self.tp_boxes = False
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._boxes: dict[str, Box | None] = {}
