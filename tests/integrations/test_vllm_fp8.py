@@ -225,3 +225,37 @@ def test_the_store_route_quantizes_bf16_snapshots_for_the_fp8_engine(fp8_run):
     assert first["mode"] == "full" and second["mode"] != "full", r["follow"]
     assert r["follow_params_equal_vllm_load"]
     assert r["follow_logprobs"] == r["follow_fresh_logprobs"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"modules": "model.layers.0"},
+        {"modules": ["a"], "block": [128]},
+        {"modules": ["a"], "block": [128, "128"]},
+        {"modules": ["a"], "packed": {"qkv_proj": "q_proj"}},
+        {"modules": ["a"], "other": [1]},
+        [1, 2],
+    ],
+)
+def test_a_malformed_layout_from_a_worker_is_refused_by_the_trainer(layout: Any) -> None:
+    """The layout comes from a peer through the group's store: checked before it is used."""
+
+    class Store:  # the group's store, holding what the worker posted
+        def check(self, keys: list[str]) -> bool:
+            return True
+
+        def get(self, key: str) -> bytes:
+            return json.dumps(layout).encode()
+
+    class Group:
+        store = Store()
+
+        def wait_until(self, *a: Any) -> None:
+            pass
+
+        def guard(self, what: str, fn: Any) -> Any:
+            return fn()
+
+    with pytest.raises(PlanError, match=r"the engine's FP8 layout \(vllm/fp8/1\) is malformed"):
+        fp8_layout.read(Group(), 1)  # type: ignore[arg-type]

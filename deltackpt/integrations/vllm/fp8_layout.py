@@ -96,11 +96,33 @@ def read(group: SyncGroup, rank: int) -> dict[str, Any] | None:
         layout = json.loads(raw)
     except ValueError:
         raise PlanError(f"the engine's FP8 layout ({key}) is not JSON: {raw[:80]!r}") from None
-    if layout is not None and not (
-        isinstance(layout, dict) and isinstance(layout.get("modules"), list)
-    ):
-        raise PlanError(f"the engine's FP8 layout ({key}) is malformed: {raw[:80]!r}")
+    if layout is not None and not _well_formed(layout):
+        raise PlanError(
+            f"the engine's FP8 layout ({key}) is malformed: {raw[:120]!r}; expected "
+            '{"block": [int, int], "dtype": str, "modules": [str], "other": [str], '
+            '"packed": {str: [str]}} (a worker of another deltackpt version?)'
+        )
     return layout  # type: ignore[no-any-return]
+
+
+def _strs(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _well_formed(layout: Any) -> bool:
+    """The shape :func:`engine_layout` gives (a peer's JSON: checked before it is used)."""
+    if not isinstance(layout, dict):
+        return False
+    block, dtype, packed = layout.get("block"), layout.get("dtype"), layout.get("packed", {})
+    return (
+        _strs(layout.get("modules"))
+        and _strs(layout.get("other", []))
+        and (block is None or (isinstance(block, list) and len(block) == 2
+                               and all(type(b) is int for b in block)))
+        and (dtype is None or isinstance(dtype, str))
+        and isinstance(packed, dict)
+        and all(isinstance(k, str) and _strs(v) for k, v in packed.items())
+    )  # fmt: skip
 
 
 def _target(name: str, modules: dict[str, Any], packed: dict[str, list[str]]) -> str | None:
@@ -127,7 +149,7 @@ def blocks_for(layout: dict[str, Any] | None) -> Fp8Blocks | None:
     if not layout["modules"]:
         return None
     fp8 = dict.fromkeys(layout["modules"])
-    packed = {str(k): [str(s) for s in v] for k, v in (layout.get("packed") or {}).items()}
+    packed = dict(layout.get("packed") or {})
     dtype = named_dtype(str(layout.get("dtype") or ""))
     if dtype is None or not is_fp8(dtype):
         raise PlanError(f"the engine's FP8 layout names dtype {layout.get('dtype')!r}")

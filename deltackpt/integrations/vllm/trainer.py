@@ -232,7 +232,11 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             joined.result()
         eng._cast = dtype
         if init_info.quantize == "auto":  # the first worker's layout (the same on every one)
-            eng.fp8 = fp8_layout.blocks_for(fp8_layout.read(eng.group, n))
+            try:
+                eng.fp8 = fp8_layout.blocks_for(fp8_layout.read(eng.group, n))
+            except BaseException:  # (an FP8 form we do not quantize): release the workers
+                eng.shutdown()
+                raise
         eng.sender = WeightSender(
             eng.group,
             dtype=dtype,  # (FP8 bytes and their scales keep their dtypes: resolve_dtype)
