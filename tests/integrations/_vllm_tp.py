@@ -108,6 +108,49 @@ def same_box(a: Any, b: torch.Tensor) -> bool:
     return t.dim() == b.dim() and same(t, b[sl].contiguous())
 
 
+def rounds(
+    llm: Any,
+    eng: Any,
+    trainer: Any,
+    gen: Any,
+    versions: tuple[int, ...],
+    held: Any,
+    eq: Any,
+    memory: bool = False,
+    staged: int | None = None,
+) -> list[dict[str, Any]]:
+    """A round per version (an RL step before each but the first; version ``staged`` sent with
+    ``stage=True`` and committed), each worker's held tensors (``held``, compared by ``eq``)
+    against the trainer's, the versions, bytes and the commit's path."""
+    out = []
+    for i, version in enumerate(versions):
+        if i:
+            rl_step(trainer, 0.02, gen)
+        stats = eng.send_weights(trainer.state_dict(), version=version, stage=version == staged)
+        if version == staged:
+            eng.commit()
+        sd = {k: t.detach() for k, t in trainer.state_dict().items()}
+        per_worker = [_unpack(raw) for raw in llm.collective_rpc(held)]
+        row = {
+            "version": version,
+            "full": stats.full,
+            "sent": stats.payload_bytes,
+            "per_link": {str(k): v for k, v in stats.per_link.items()},
+            "links": len(stats.per_link),
+            "engine_version": llm.get_weight_version(),
+            "worker_versions": [w for w, _ in per_worker],
+            "identical": [
+                got.keys() == sd.keys() and all(eq(got[k], sd[k]) for k in sd)
+                for _, got in per_worker
+            ],
+            "path": llm.collective_rpc(_vllm_commit._last_path),
+        }
+        if memory:
+            row["memory"] = llm.collective_rpc(_memory)
+        out.append(row)
+    return out  # fmt: skip
+
+
 def main(out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
@@ -124,7 +167,7 @@ def main(out_path: str) -> None:
     tiny_qwen2(0).save_pretrained(f"{tmp}/start")
     trainer = tiny_qwen2(1)
     llm = tp_engine(f"{tmp}/start", transfer=True)
-    res: dict[str, Any] = {"rounds": []}
+    res: dict[str, Any] = {}
     # the memory-bound configuration: boxes, two message slots (staging="ring"), small buckets
     # so that this tiny model's round takes many of them
     info = DeltackptTrainerInitInfo(
@@ -134,28 +177,7 @@ def main(out_path: str) -> None:
     res["bucket_bytes"] = BUCKET
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     gen = torch.Generator().manual_seed(2)
-    for version in (1, 2, 3):
-        if version > 1:
-            rl_step(trainer, 0.02, gen)
-        stats = eng.send_weights(trainer.state_dict(), version=version)
-        sd = {k: v.detach() for k, v in trainer.state_dict().items()}
-        per_worker = [_unpack(raw) for raw in llm.collective_rpc(_boxes)]
-        res["rounds"].append(
-            {
-                "version": version,
-                "full": stats.full,
-                "sent": stats.payload_bytes,
-                "per_link": {str(k): v for k, v in stats.per_link.items()},
-                "links": len(stats.per_link),
-                "engine_version": llm.get_weight_version(),
-                "worker_versions": [v for v, _ in per_worker],
-                "identical": [
-                    got.keys() == sd.keys() and all(same_box(got[k], sd[k]) for k in sd)
-                    for _, got in per_worker
-                ],
-                "memory": llm.collective_rpc(_memory),
-            }
-        )
+    res["rounds"] = rounds(llm, eng, trainer, gen, (1, 2, 3), _boxes, same_box, memory=True)
     res["model_bytes"] = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
     res["boxes"] = [
         {n: None if b is None else [list(b[0]), list(b[1])] for n, b in w.items()}
@@ -214,30 +236,9 @@ def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
         links="gloo",
     )  # fmt: skip
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
-    out: dict[str, Any] = {"rounds": []}
-    for v in (30, 31, 32):  # full (reloaded: slots learned), plain delta, staged delta
-        if v > 30:
-            rl_step(trainer, 0.02, gen)
-        stats = eng.send_weights(trainer.state_dict(), version=v, stage=v == 32)
-        if v == 32:
-            eng.commit()
-        sd = {k: t.detach() for k, t in trainer.state_dict().items()}
-        per_worker = [_unpack(raw) for raw in llm.collective_rpc(_committed)]
-        out["rounds"].append(
-            {
-                "version": v,
-                "full": stats.full,
-                "sent": stats.payload_bytes,
-                "links": len(stats.per_link),
-                "engine_version": llm.get_weight_version(),
-                "worker_versions": [w for w, _ in per_worker],
-                "identical": [
-                    got.keys() == sd.keys() and all(same(got[k], sd[k]) for k in sd)
-                    for _, got in per_worker
-                ],
-                "path": llm.collective_rpc(_vllm_commit._last_path),
-            }
-        )
+    out: dict[str, Any] = {}
+    # full (reloaded: slots learned), plain delta, staged delta
+    out["rounds"] = rounds(llm, eng, trainer, gen, (30, 31, 32), _committed, same, staged=32)
     out["paths"] = llm.collective_rpc(_paths)
     out["emptied"] = llm.collective_rpc(_emptied)
     out["commit"] = _vllm_commit.commit_scenarios(llm, eng, trainer, gen, 2, 32)
