@@ -148,7 +148,7 @@ def rounds(
         if memory:
             row["memory"] = llm.collective_rpc(_memory)
         out.append(row)
-    return out  # fmt: skip
+    return out
 
 
 def main(out_path: str) -> None:
