@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.sync.dtypes import SCALE_SUFFIX, is_fp8
 from deltackpt.sync.errors import PlanError
+from deltackpt.sync.schedule_decl import LocalShard
 
 __all__ = ["SCALE_SUFFIX", "Fp8Blocks", "dequantize_blocks", "is_fp8", "quantize_blocks"]
 
@@ -137,35 +140,38 @@ class Fp8Blocks:
 
     def picks(self, name: str, t: object) -> bool:
         """Whether tensor ``name`` is quantized: included, a 2-D floating ``.weight`` of 16
-        bits or more. :class:`PlanError` for an included shard (a ``DTensor`` or
-        :class:`~deltackpt.sync.LocalShard`: a block's scale spans the ranks that hold it)."""
+        bits or more (a whole tensor, a ``DTensor`` or a :class:`~deltackpt.sync.LocalShard`,
+        judged by its global shape)."""
         inc = self.include
         if not (name in inc if isinstance(inc, frozenset) else bool(inc(name))):
             return False
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise PlanError(
-                f"tensor {name!r} is quantized to FP8 for the engine but is a "
-                f"{type(t).__name__}: its blocks' scales need the whole weight on one trainer "
-                "rank. Send whole weights (full_tensor()), or quantize them yourself and pass "
-                "quantize='none'"
-            )
-        assert isinstance(t, torch.Tensor)
+        if isinstance(t, LocalShard):
+            dtype, dims = t.tensor.dtype, len(t.shape)
+        elif isinstance(t, torch.Tensor):
+            dtype, dims = t.dtype, t.dim()
+        else:
+            return False
         return (
             name.endswith(".weight")
-            and t.dim() == 2
-            and t.is_floating_point()
-            and not is_fp8(t.dtype)
+            and dims == 2
+            and dtype.is_floating_point
+            and not (is_fp8(dtype))
         )
 
-    def apply(
-        self, tensors: Mapping[str, torch.Tensor], cast: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
+    def apply(self, tensors: Mapping[str, Any], cast: torch.dtype | None = None) -> dict[str, Any]:
         """``tensors`` with each picked weight replaced by its FP8 bytes and followed by its
         scales (``name + SCALE_SUFFIX``), in order; the others as they are. ``cast``: the
         dtype the weights would travel as (the sender's ``dtype=``): each is cast to it first,
         so the engine gets what quantizing the checkpoint it would have been sent gives.
-        :class:`PlanError` when a scale's name is taken by a tensor of ``tensors``."""
-        out: dict[str, torch.Tensor] = {}
+
+        A trainer rank's shard (a ``DTensor``'s local shard or a ``LocalShard``) is quantized
+        where it is when it holds whole blocks (its box starts on a block boundary and ends on
+        one or at the weight's edge, as FSDP2's ``Shard(0)`` rows of a weight whose rows divide
+        into the ranks' blocks do): it becomes a ``LocalShard`` of the FP8 bytes and one of its
+        blocks' scales, which the sender sends like any shard. A box that cuts a block raises
+        :class:`PlanError` (that block's scale needs both ranks' rows), as does a scale's name
+        taken by a tensor of ``tensors``."""
+        out: dict[str, Any] = {}
         for name, t in tensors.items():
             if not self.picks(name, t):
                 out[name] = t
@@ -177,14 +183,53 @@ class Fp8Blocks:
                     "tensors (a state that is already quantized): pass the unquantized weights, "
                     "or quantize='none'"
                 )
-            w = t.detach()
+            loc, off, shape = _local(name, t)
+            w = loc.detach()
             if cast is not None and w.dtype != cast:
                 w = w.to(cast)
-            out[name], out[sname] = quantize_blocks(w, self.block, self.dtype)
+            if off is None:  # a whole weight
+                out[name], out[sname] = quantize_blocks(w, self.block, self.dtype)
+                continue
+            b0, b1 = self.block
+            size = tuple(w.shape)
+            for d, b in ((0, b0), (1, b1)):
+                if size[d] and (off[d] % b or (size[d] % b and off[d] + size[d] != shape[d])):
+                    raise PlanError(
+                        f"tensor {name!r}: this rank holds rows/columns {off[d]}.."
+                        f"{off[d] + size[d]} of {shape[d]} along dim {d}, which cut its "
+                        f"{b}-wide FP8 blocks (a block's scale needs every rank's part of it). "
+                        "Shard it on block boundaries, send whole weights (full_tensor()), or "
+                        "quantize them yourself and pass quantize='none'"
+                    )
+            q, sc = _quantize_any(w, self.block, self.dtype)
+            blocks = (-(-shape[0] // b0), -(-shape[1] // b1))
+            out[name] = LocalShard(q, off, shape)
+            out[sname] = LocalShard(sc, (off[0] // b0, off[1] // b1), blocks)
         return out
 
-    def names(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
-        """The names :meth:`apply` gives FP8 bytes or scales (they keep their dtype on the
-        wire)."""
+    def names(self, tensors: Mapping[str, Any]) -> frozenset[str]:
+        """The names :meth:`apply` gives FP8 bytes or scales."""
         picked = [n for n, t in tensors.items() if self.picks(n, t)]
         return frozenset(picked) | frozenset(n + SCALE_SUFFIX for n in picked)
+
+
+def _local(name: str, t: Any) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]]:
+    """``(local tensor, its offset or None for a whole tensor, global shape)``."""
+    if isinstance(t, LocalShard):
+        return t.tensor, tuple(int(x) for x in t.offset), tuple(int(x) for x in t.shape)
+    if is_dtensor(t):
+        off, _ = local_box(t, name)
+        return local_tensor(t), off, tuple(t.shape)
+    return t, None, tuple(t.shape)
+
+
+def _quantize_any(
+    w: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blocks`, also of an empty shard (a rank past a short weight's rows)."""
+    if w.numel():
+        return quantize_blocks(w, block, dtype)
+    n = (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+    return torch.empty(w.shape, dtype=dtype, device=w.device), torch.empty(
+        n, dtype=torch.float32, device=w.device
+    )

@@ -110,10 +110,6 @@ def test_apply_quantizes_the_picked_weights_and_adds_their_scales() -> None:
     # a state already quantized: its scale's name is taken
     with pytest.raises(sync.PlanError, match=r"'l.q.weight_scale_inv' is already one of"):
         spec.apply({**sd, "l.q.weight_scale_inv": s})
-    # a callable picks too; a shard cannot be quantized on one rank
-    shard = sync.LocalShard(torch.zeros(128, 128), (0, 0), (256, 128))
-    with pytest.raises(sync.PlanError, match="is a LocalShard: its blocks' scales need"):
-        Fp8Blocks(include=lambda n: n.startswith("l.")).apply({"l.q.weight": shard})
     with pytest.raises(sync.PlanError, match="expected f\\(name\\) -> bool or a set"):
         Fp8Blocks(include=3)  # type: ignore[arg-type]
 
@@ -191,3 +187,70 @@ def test_cuda_quantizes_to_the_same_bytes_as_the_cpu() -> None:
         qd, sd = quantize_blocks(w.cuda())
         assert qd.is_cuda and torch.equal(sd.cpu(), s)
         assert torch.equal(qd.cpu().view(torch.uint8), q.view(torch.uint8))
+
+
+def test_a_shard_of_whole_blocks_is_quantized_where_it_is() -> None:
+    """FSDP2-like Shard(0) rows on block boundaries (the last shard shorter, one rank past the
+    end empty): each rank's FP8 bytes and its blocks' scales, as shards that tile the whole;
+    put together, the whole weight's quantization. A box that cuts a block is refused."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(300, 200, generator=g) * 0.02).to(torch.bfloat16)
+    q, s = quantize_blocks(w)
+    spec = Fp8Blocks(include=lambda n: n.startswith("l."))
+    got_q, got_s = torch.empty_like(q), torch.full_like(s, float("nan"))
+    for lo, hi in [(0, 128), (128, 256), (256, 300), (300, 300)]:
+        shard = sync.LocalShard(w[lo:hi], (lo, 0), (300, 200))
+        out = spec.apply({"l.w.weight": shard})
+        qs, ss = out["l.w.weight"], out["l.w.weight" + SCALE_SUFFIX]
+        assert isinstance(qs, sync.LocalShard) and isinstance(ss, sync.LocalShard)
+        assert qs.offset == (lo, 0) and qs.shape == (300, 200) and qs.tensor.shape == (hi - lo, 200)
+        assert ss.shape == (3, 2) and ss.offset == (lo // 128, 0)
+        got_q[lo:hi] = qs.tensor
+        got_s[ss.offset[0] : ss.offset[0] + ss.tensor.shape[0]] = ss.tensor
+    assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got_s, s)
+    cut = sync.LocalShard(w[100:200], (100, 0), (300, 200))
+    with pytest.raises(
+        sync.PlanError, match=r"rows/columns 100..200 of 300 along dim 0, which cut"
+    ):
+        spec.apply({"l.w.weight": cut})
+
+
+def test_trainer_shards_quantized_where_they_are_reach_a_receiver_whole() -> None:
+    """Two trainer ranks, each with its Shard(0) rows of a weight (whole blocks), one receiver:
+    the receiver holds the whole weight's FP8 bytes and scales."""
+    from tests._dist import free_port
+
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16)
+    q, s = quantize_blocks(w)
+    spec = Fp8Blocks(include={"l.w.weight"})
+    port = free_port()
+    groups = run_threads(
+        *[
+            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 3, [0, 1], timeout=10.0, links="gloo")
+            for r in range(3)
+        ]
+    )
+    try:
+        got: dict[str, torch.Tensor] = {}
+
+        def trainer(r: int) -> Any:
+            rows = sync.LocalShard(w[r * 128 : (r + 1) * 128], (r * 128, 0), (256, 256))
+            sender = sync.WeightSender(groups[r], dtype=torch.bfloat16)
+            return sender.push(spec.apply({"l.w.weight": rows}), version=1)
+
+        receiver = sync.WeightReceiver(groups[2], dtype=torch.bfloat16)
+        out = run_threads(
+            lambda: trainer(0),
+            lambda: trainer(1),
+            lambda: receiver.pull(lambda ws: got.update({n: t.clone() for n, t in ws})),
+        )
+        for o in out:
+            if isinstance(o, BaseException):
+                raise o
+        assert torch.equal(got["l.w.weight"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(got["l.w.weight" + SCALE_SUFFIX], s)
+    finally:
+        for grp in groups:
+            if not isinstance(grp, BaseException):
+                grp.close()
