@@ -214,6 +214,24 @@ def config_doc(
     return doc
 
 
+def fp8_unquantized(doc: dict[str, Any] | None, plan: ExportPlan) -> None:
+    """Name in ``doc``'s ``quantization_config`` the modules of the 2-D weights the export left
+    unquantized (``ignored_layers``, vLLM's key; ``modules_to_not_convert``, transformers'): a
+    loader of a block-FP8 config would otherwise expect FP8 for every linear (an MoE router)."""
+    if doc is None or "quantization_config" not in doc:
+        return
+    q = {it.index for its in plan.files.values() for it in its if it.fp8 is not None}
+    kept = sorted(
+        it.name.removesuffix(".weight")
+        for its in plan.files.values()
+        for it in its
+        if it.fp8 is None and it.index not in q and it.name.endswith(".weight")
+        and len(it.shape) == 2
+    )  # fmt: skip
+    doc["quantization_config"]["ignored_layers"] = kept
+    doc["quantization_config"]["modules_to_not_convert"] = kept
+
+
 def plan_export(
     m: Manifest,
     *,
@@ -338,6 +356,7 @@ def export_hf(
         keep_tied=doc is not None and doc.get("tie_word_embeddings") is False,
         fp8=spec,
     )
+    fp8_unquantized(doc, plan)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     final = list(plan.files) + ([CONFIG] if doc is not None else [])

@@ -1,5 +1,5 @@
 """Run by tests/integrations/test_vllm_fp8.py in the ``.venv-vllm`` interpreter: a CPU vLLM
-engine started from a block-FP8 checkpoint (a tiny Llama whose linear weights are
+engine started from a block-FP8 checkpoint (a tiny Qwen3-MoE whose linear and expert weights are
 ``float8_e4m3fn`` in 128 x 128 blocks with ``weight_scale_inv``, as DeepSeek-V3 and
 Qwen3-*-FP8 ship them; written by deltackpt's own ``export_hf(fp8=True)``, checked against
 vLLM's load of a reference FP8 checkpoint first) with ``backend="deltackpt"``, its engine core
@@ -35,42 +35,73 @@ BLOCK = [128, 128]
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_llama(seed: int) -> torch.nn.Module:
-    """Two layers, head_dim 64 (the CPU attention kernels), k/v of 128 rows (whole 128-row
-    blocks: vLLM narrows q/k/v of the fused module's scales by block)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_moe(seed: int) -> torch.nn.Module:
+    """A two-layer Qwen3-MoE: layer 0 a dense MLP, layer 1 four experts (top 2) and a router;
+    head_dim 64 (the CPU attention kernels), k/v of 128 rows (whole 128-row blocks: vLLM
+    narrows a fused qkv's scales by block), no linear biases (vLLM's CPU FP8 kernel takes no
+    bf16 bias)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, initializer_range=0.1,
+    cfg = Qwen3MoeConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=1,
+        max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1,
     )  # fmt: skip
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights under the checkpoint's names: transformers 5 holds each layer's
+    experts fused (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
+    checkpoints, vLLM's loader and a trainer's per-expert modules name them
+    ``experts.<e>.gate_proj.weight``..."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        v = v.detach()
+        if k.endswith("experts.gate_up_proj"):
+            p, inter = k.removesuffix("gate_up_proj"), v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"] = v[e, :inter].contiguous()
+                out[f"{p}{e}.up_proj.weight"] = v[e, inter:].contiguous()
+        elif k.endswith("experts.down_proj"):
+            p = k.removesuffix("down_proj")
+            for e in range(v.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v
+    return out
 
 
 def quantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s weights as the engine holds them: its linear weights in FP8 blocks with their
-    scales, chosen by name here (not by the engine's layout the trainer reads)."""
+    """``model``'s weights as the engine holds them: its linear and expert weights in FP8
+    blocks with their scales, chosen by name here (not by the engine's layout the trainer
+    reads)."""
     from deltackpt.sync.fp8 import Fp8Blocks
 
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    sd = state(model)
     names = {n for n in sd if n.split(".")[-2] in LINEAR}
     return Fp8Blocks(include=names, block=tuple(BLOCK)).apply(sd)
 
 
 def fp8_checkpoint(model: torch.nn.Module, path: str) -> None:
-    """A Hugging Face checkpoint of ``model`` quantized to block FP8 (config and safetensors)."""
+    """A Hugging Face checkpoint of ``model`` quantized to block FP8 (config and safetensors;
+    the routers named unquantized, as FP8 checkpoints name them)."""
     from safetensors.torch import save_file
 
-    model.save_pretrained(path)
-    os.remove(f"{path}/model.safetensors")
-    save_file({k: v.contiguous() for k, v in quantized(model).items()},
+    q = quantized(model)
+    os.makedirs(path, exist_ok=True)
+    model.config.to_json_file(f"{path}/config.json")
+    save_file({k: v.contiguous() for k, v in q.items()},
               f"{path}/model.safetensors", metadata={"format": "pt"})  # fmt: skip
     with open(f"{path}/config.json") as f:
         cfg = json.load(f)
     cfg["quantization_config"] = {
         "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK,
+        "ignored_layers": sorted(n.removesuffix(".weight") for n, t in q.items()
+                                 if t.dim() == 2 and t.dtype == torch.bfloat16),
     }  # fmt: skip
     with open(f"{path}/config.json", "w") as f:
         json.dump(cfg, f)
@@ -109,8 +140,8 @@ def main(out_path: str) -> None:
 
     tmp = tempfile.mkdtemp(prefix="vllm-fp8-", dir=os.path.dirname(os.path.abspath(out_path)))
     # the engine starts from deltackpt's own FP8 export of a saved model (export_hf(fp8=True))
-    start = tiny_llama(0)
-    deltackpt.save({"model": start.state_dict()}, f"{tmp}/start-store", "v0")
+    start = tiny_moe(0)
+    deltackpt.save({"model": state(start)}, f"{tmp}/start-store", "v0")
     deltackpt.export_hf(f"{tmp}/start-store", "v0", f"{tmp}/start", config=start.config, fp8=True)
     llm = LLM(
         model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
@@ -138,11 +169,11 @@ def main(out_path: str) -> None:
     res["export_equals_reference"] = params_equal(exported, params())
 
     # 1. bf16 weights into FP8 parameters: refused before anything is loaded
-    trainer = tiny_llama(1)
+    trainer = tiny_moe(1)
     before = params()
     eng = init("none")
     try:
-        eng.send_weights(trainer.state_dict(), version=1)
+        eng.send_weights(state(trainer), version=1)
         res["refused"] = None
     except Exception as e:
         res["refused"] = f"{type(e).__name__}: {e}"
@@ -153,13 +184,13 @@ def main(out_path: str) -> None:
 
     # 2. quantize="auto": the trainer quantizes what the engine holds as FP8
     eng = init("auto")
-    res["picked"] = sorted(eng.fp8.names(trainer.state_dict())) if eng.fp8 else []
+    res["picked"] = sorted(eng.fp8.names(state(trainer))) if eng.fp8 else []
     gen = torch.Generator().manual_seed(2)
     res["rounds"] = []
     for version in (1, 2, 3, 4):
         if version > 1:
             rl_step(trainer, 0.02, gen)
-        stats = eng.send_weights(trainer.state_dict(), version=version, stage=version == 4)
+        stats = eng.send_weights(state(trainer), version=version, stage=version == 4)
         if version == 4:
             eng.commit()
         want = quantized(trainer)
@@ -176,7 +207,7 @@ def main(out_path: str) -> None:
             }
         )
     res["dtypes"] = llm.collective_rpc(_dtypes)[0]
-    res["bf16_bytes"] = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+    res["bf16_bytes"] = sum(t.numel() * t.element_size() for t in state(trainer).values())
     res["fp8_bytes"] = sum(t.numel() * t.element_size() for t in quantized(trainer).values())
     res["tokens"], res["logprobs"], mine = greedy(llm), logprobs(llm), params()
     eng.shutdown()
@@ -194,7 +225,7 @@ def main(out_path: str) -> None:
     reports = []
     for name in ("v5", "v6"):
         rl_step(trainer, 0.02, gen)
-        deltackpt.save({"model": trainer.state_dict()}, store, name)
+        deltackpt.save({"model": state(trainer)}, store, name)
         reports.append(llm.collective_rpc("deltackpt_follow", args=(store,))[0])
     llm.reset_prefix_cache()  # its KV blocks were computed with the old weights
     mine = params()

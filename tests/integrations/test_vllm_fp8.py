@@ -1,7 +1,8 @@
 """Refit into a vLLM engine that serves block-FP8 weights (``fp8_layout.py``): the engine's
 layout read from its modules, what the trainer quantizes for it, and what the workers refuse
 (modules shaped like vLLM's, no vLLM needed); then a real CPU engine started from a block-FP8
-checkpoint (``_vllm_fp8.py`` in ``.venv-vllm``): bf16 weights refused before anything is
+checkpoint of a tiny Qwen3-MoE (FP8 linears and FP8 experts; ``_vllm_fp8.py`` in
+``.venv-vllm``): bf16 weights refused before anything is
 loaded, FP8 rounds committed bit for bit, and the engine's parameters and logprobs equal to
 vLLM's own load of the same FP8 weights."""
 
@@ -48,7 +49,13 @@ def linear(out: int, inp: int, fp8: bool, block: bool = True) -> torch.nn.Module
     return m
 
 
-def model(*, lm_head_fp8: bool = False, moe: bool = False, per_tensor: bool = False) -> Any:
+def model(
+    *,
+    lm_head_fp8: bool = False,
+    moe: bool = False,
+    per_tensor: bool = False,
+    block_moe: bool = False,
+) -> Any:
     """Two layers as vLLM builds them: fused qkv_proj and gate_up_proj in block FP8, norms and
     embeddings unquantized, an attention module with an FP8 KV cache method (not a weight)."""
     root = torch.nn.Module()
@@ -65,12 +72,16 @@ def model(*, lm_head_fp8: bool = False, moe: bool = False, per_tensor: bool = Fa
         attn = layer.self_attn.attn = torch.nn.Module()
         attn.quant_method = type("Fp8KVCacheMethod", (), {})()
         layer.mlp = torch.nn.Module()
-        if moe:
+        if moe or block_moe:  # vLLM 0.32: experts.routed_experts holds the fused weights
             layer.mlp.experts = torch.nn.Module()
-            layer.mlp.experts.quant_method = Fp8MoEMethod()
-            layer.mlp.experts.w13_weight = torch.nn.Parameter(
+            ex = layer.mlp.experts.routed_experts = torch.nn.Module()
+            ex.quant_method = Fp8MoEMethod()
+            ex.w13_weight = torch.nn.Parameter(
                 torch.zeros(4, 512, 128, dtype=E4M3), requires_grad=False
             )
+            if block_moe:
+                ex.weight_block_size = [128, 128]
+                ex.w13_weight_scale_inv = torch.nn.Parameter(torch.ones(4, 4, 1))
         else:
             layer.mlp.gate_up_proj = linear(512, 128, True)
             layer.mlp.down_proj = linear(128, 256, True)
@@ -104,8 +115,8 @@ def test_the_layout_names_the_block_fp8_modules_and_what_it_cannot_quantize() ->
     assert json.loads(json.dumps(lay)) == lay  # it travels through the group's store
     assert fp8_layout.engine_layout(torch.nn.Linear(4, 4)) is None
     moe = fp8_layout.engine_layout(model(moe=True))
-    assert moe is not None and moe["other"] == ["model.layers.0.mlp.experts",
-                                                "model.layers.1.mlp.experts"]  # fmt: skip
+    assert moe is not None and moe["other"] == ["model.layers.0.mlp.experts.routed_experts",
+                                                "model.layers.1.mlp.experts.routed_experts"]  # fmt: skip
     with pytest.raises(PlanError, match=r"holds 2 modules as FP8 in a form deltackpt does not"):
         fp8_layout.blocks_for(moe)
     per_tensor = fp8_layout.engine_layout(model(per_tensor=True))
@@ -185,15 +196,22 @@ def test_an_engine_starts_from_deltackpts_fp8_export_as_from_the_reference(fp8_r
 
 @real
 def test_the_engine_publishes_its_fp8_layout_and_the_trainer_quantizes_by_it(fp8_run):
+    """A Qwen3-MoE engine: block-FP8 linears (fused q/k/v, o, the dense layer's gate/up and
+    down) and block-FP8 experts; the trainer quantizes exactly their checkpoint weights, not
+    the router, the embeddings or the LM head."""
     r = fp8_run
     lay = r["layout"]
     assert lay["block"] == [128, 128] and lay["dtype"] == "float8_e4m3fn" and not lay["other"]
-    assert len(lay["modules"]) == 8  # qkv, o, gate_up, down per layer
+    assert len(lay["modules"]) == 6  # qkv and o per layer, gate_up and down of the dense one
+    assert lay["experts"] == ["model.layers.1.mlp.experts"]
     weights = [n for n in r["picked"] if n.endswith(".weight")]
-    assert len(weights) == 14 and all(n + "_scale_inv" in r["picked"] for n in weights)
-    assert r["dtypes"]["model.layers.1.mlp.down_proj.weight"] == "torch.float8_e4m3fn"
-    assert r["dtypes"]["model.layers.1.mlp.down_proj.weight_scale_inv"] == "torch.float32"
-    assert r["dtypes"]["lm_head.weight"] == "torch.bfloat16"
+    assert len(weights) == 7 + 4 + 4 * 3 and all(n + "_scale_inv" in r["picked"] for n in weights)
+    d = r["dtypes"]
+    for n in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
+              "model.layers.1.self_attn.k_proj.weight"):  # fmt: skip
+        assert d[n] == "torch.float8_e4m3fn" and d[n + "_scale_inv"] == "torch.float32", n
+    assert d["model.layers.1.mlp.gate.weight"] == "torch.bfloat16"  # the router
+    assert d["lm_head.weight"] == "torch.bfloat16"
 
 
 @real
@@ -212,7 +230,7 @@ def test_fp8_rounds_commit_the_quantized_weights_bit_for_bit(fp8_run):
 def test_the_engine_equals_vllms_own_load_of_the_same_fp8_weights(fp8_run):
     r = fp8_run
     assert r["params_equal_vllm_load"]  # every parameter, FP8 ones as vLLM packed them
-    assert len(r["fp8_params"]) == 8
+    assert len(r["fp8_params"]) == 8  # 6 linears, the experts' w13 and w2
     assert r["tokens"] == r["fresh_tokens"] and r["logprobs"] == r["fresh_logprobs"]
 
 
@@ -259,3 +277,23 @@ def test_a_malformed_layout_from_a_worker_is_refused_by_the_trainer(layout: Any)
 
     with pytest.raises(PlanError, match=r"the engine's FP8 layout \(vllm/fp8/1\) is malformed"):
         fp8_layout.read(Group(), 1)  # type: ignore[arg-type]
+
+
+def test_block_fp8_experts_are_quantized_by_their_checkpoint_names() -> None:
+    """Fused experts held as block FP8 (vLLM's Fp8MoEMethod: w13_weight and its scales): the
+    trainer quantizes the checkpoint's per-expert weights (``experts.<e>.gate_proj.weight``),
+    and a worker refuses one that is not FP8."""
+    m = model(block_moe=True)
+    lay = fp8_layout.engine_layout(m)
+    assert lay is not None and not lay["other"]
+    assert lay["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    spec = fp8_layout.blocks_for(lay)
+    assert spec is not None
+    expert = "model.layers.1.mlp.experts.3.down_proj.weight"
+    w = torch.randn(128, 256).to(torch.bfloat16)
+    assert spec.picks(expert, w) and spec.picks("model.layers.0.self_attn.k_proj.weight", w)
+    assert not spec.picks("model.layers.1.mlp.gate.weight", w)  # the router
+    assert not spec.picks("model.layers.1.mlp.experts.x.down_proj.weight", w)
+    why = fp8_layout.refusal(m, lay, [(expert, w)])
+    assert why is not None and "holds the experts of model.layers.1.mlp.experts as block FP8" in why
+    assert fp8_layout.refusal(m, lay, spec.apply({expert: w}).items()) is None

@@ -220,5 +220,10 @@ def test_fp8_export_writes_block_fp8_weights_with_their_scales(trained, tmp_path
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["quantization_config"]["quant_method"] == "fp8"
         assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+        # the 2-D weights left as they were are named, so a loader expects no FP8 there
+        ignored = cfg["quantization_config"]["ignored_layers"]
+        assert ignored == cfg["quantization_config"]["modules_to_not_convert"]
+        assert ignored == sorted(n.removesuffix(".weight") for n in rest if got[n].dim() == 2)
+        assert "model.embed_tokens" in ignored
     with pytest.raises(InvalidArgumentError, match=r"fp8='yes' is invalid"):
         deltackpt.export_hf(store, "s3", tmp_path / "bad", fp8="yes")

@@ -40,44 +40,70 @@ KEY = "vllm/fp8"
 
 
 def _fp8_module(m: Any) -> str | None:
-    """``"block"`` for a linear module vLLM holds as block-scaled FP8, ``"other"`` for weights
-    held as FP8 in another form (per-tensor or per-channel scales, fused MoE experts'
-    ``w13_weight``/``w2_weight``), None when its weights are not FP8 (an attention module's FP8
-    KV cache is not a weight)."""
+    """``"block"`` for a linear module vLLM holds as block-scaled FP8, ``"moe"`` for fused
+    experts held so (``w13_weight``/``w2_weight`` with their ``*_scale_inv``), ``"other"`` for
+    weights held as FP8 in another form (per-tensor or per-channel scales), None when its
+    weights are not FP8 (an attention module's FP8 KV cache is not a weight)."""
     qm = getattr(m, "quant_method", None)
     if qm is None or type(qm).__name__.startswith("Unquantized"):
         return None
+    block = getattr(m, "weight_block_size", None)
     w = getattr(m, "weight", None)
     if isinstance(w, torch.Tensor) and is_fp8(w.dtype):
-        block = getattr(m, "weight_block_size", None)
         has_scale = isinstance(getattr(m, "weight_scale_inv", None), torch.Tensor)
         return "block" if block is not None and has_scale else "other"
-    for name in ("w13_weight", "w2_weight"):
-        e = getattr(m, name, None)
-        if isinstance(e, torch.Tensor) and is_fp8(e.dtype):
-            return "other"
+    e = getattr(m, "w13_weight", None)
+    if isinstance(e, torch.Tensor) and is_fp8(e.dtype):
+        has_scale = isinstance(getattr(m, "w13_weight_scale_inv", None), torch.Tensor)
+        return "moe" if block is not None and has_scale else "other"
     return None
+
+
+def _experts_prefix(name: str) -> str | None:
+    """The checkpoint prefix of fused-experts module ``name``: its name up to its last
+    ``experts`` part (``model.layers.3.mlp.experts.routed_experts`` ->
+    ``model.layers.3.mlp.experts``, under which the checkpoint has ``<e>.gate_proj.weight``)."""
+    parts = name.split(".")
+    last = max((i for i, p in enumerate(parts) if p == "experts"), default=None)
+    return None if last is None else ".".join(parts[: last + 1])
+
+
+def _expert(name: str, prefixes: set[str] | dict[str, Any]) -> str | None:
+    """The experts prefix of checkpoint weight ``name`` (``<prefix>.<e>.<proj>.weight``)."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[-1] != "weight" or not parts[-3].isdigit():
+        return None
+    prefix = ".".join(parts[:-3])
+    return prefix if prefix in prefixes else None
 
 
 def engine_layout(model: Any) -> dict[str, Any] | None:
     """The model's block-FP8 layout (module doc), as JSON-able values; None when it holds no
-    FP8 weight."""
+    FP8 weight. ``experts``: the checkpoint prefixes of its block-FP8 fused experts."""
     block: list[int] | None = None
     dtype: str | None = None
     modules: list[str] = []
+    experts: list[str] = []
     other: list[str] = []
     for name, m in model.named_modules():
         kind = _fp8_module(m)
-        if kind == "block":
-            modules.append(name)
-            block = block or [int(b) for b in m.weight_block_size]
-            dtype = dtype or str(m.weight.dtype).removeprefix("torch.")
+        if kind in ("block", "moe"):
+            w = m.weight if kind == "block" else m.w13_weight
+            mine = [int(b) for b in m.weight_block_size]
+            mdt = str(w.dtype).removeprefix("torch.")
+            prefix = _experts_prefix(name) if kind == "moe" else name
+            if prefix is None or (block or mine) != mine or (dtype or mdt) != mdt:
+                other.append(name)  # another block or dtype than the rest, or unnamed experts
+                continue
+            block, dtype = mine, mdt
+            (modules if kind == "block" else experts).append(prefix)
         elif kind == "other":
             other.append(name)
-    if not modules and not other:
+    if not modules and not experts and not other:
         return None
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()}
-    return {"block": block, "dtype": dtype, "modules": modules, "other": other, "packed": packed}
+    return {"block": block, "dtype": dtype, "modules": modules, "experts": experts,
+            "other": other, "packed": packed}  # fmt: skip
 
 
 def publish(group: SyncGroup, layout: dict[str, Any] | None) -> None:
@@ -116,6 +142,7 @@ def _well_formed(layout: Any) -> bool:
     block, dtype, packed = layout.get("block"), layout.get("dtype"), layout.get("packed", {})
     return (
         _strs(layout.get("modules"))
+        and _strs(layout.get("experts", []))
         and _strs(layout.get("other", []))
         and (block is None or (isinstance(block, list) and len(block) == 2
                                and all(type(b) is int for b in block)))
@@ -142,11 +169,12 @@ def blocks_for(layout: dict[str, Any] | None) -> Fp8Blocks | None:
     if layout.get("other"):
         raise PlanError(
             f"the engine holds {len(layout['other'])} modules as FP8 in a form deltackpt does "
-            f"not quantize (first: {layout['other'][:3]}; fused MoE experts or per-tensor "
-            "scales): quantize their weights yourself and start the trainer with "
-            "DeltackptTrainerInitInfo(quantize='none')"
+            f"not quantize (first: {layout['other'][:3]}; per-tensor or per-channel "
+            "scales, or another block shape): quantize their weights yourself and start the "
+            "trainer with DeltackptTrainerInitInfo(quantize='none')"
         )
-    if not layout["modules"]:
+    experts = set(layout.get("experts") or [])
+    if not layout["modules"] and not experts:
         return None
     fp8 = dict.fromkeys(layout["modules"])
     packed = dict(layout.get("packed") or {})
@@ -155,7 +183,9 @@ def blocks_for(layout: dict[str, Any] | None) -> Fp8Blocks | None:
         raise PlanError(f"the engine's FP8 layout names dtype {layout.get('dtype')!r}")
     block = layout.get("block") or [128, 128]
     return Fp8Blocks(
-        include=lambda n: _target(n, fp8, packed) in fp8, block=tuple(block), dtype=dtype
+        include=lambda n: _target(n, fp8, packed) in fp8 or _expert(n, experts) is not None,
+        block=tuple(block),
+        dtype=dtype,
     )
 
 
@@ -180,16 +210,30 @@ def refusal(
     if layout is None and not any(is_fp8(t.dtype) for _, t in tensors):
         return None
     fp8 = set(layout["modules"]) if layout is not None else set()
+    experts = set(layout.get("experts") or []) if layout is not None else set()
     modules = dict(model.named_modules())
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     mapper = getattr(getattr(model, "hf_to_vllm_mapper", None), "map_name", None)
     for name, t in tensors:
         # a checkpoint name the model's loader renames (multimodal models' prefixes) is looked
         # up under the name its module has
-        target = _target((mapper(name) if mapper is not None else None) or name, modules, packed)
+        vname = (mapper(name) if mapper is not None else None) or name
+        dt = str(t.dtype).removeprefix("torch.")
+        prefix = _expert(vname, experts)
+        if prefix is not None:
+            if not is_fp8(t.dtype):
+                assert layout is not None
+                return (
+                    f"tensor {name!r} is {dt} but the engine holds the experts of {prefix} as "
+                    f"block FP8 ({layout['dtype']}, blocks {layout['block']}): sent as it is, "
+                    "it would be written unscaled. Start the trainer with "
+                    "DeltackptTrainerInitInfo(quantize='auto') (the default), which sends it "
+                    "quantized with its scales"
+                )
+            continue
+        target = _target(vname, modules, packed)
         if target is None:
             continue
-        dt = str(t.dtype).removeprefix("torch.")
         if target in fp8 and not is_fp8(t.dtype):
             assert layout is not None
             return (
