@@ -20,6 +20,7 @@ machine's memcpy is measured in the same run.
 
     PYTHONPATH=tests/integrations/_vllm_amx .venv-vllm/bin/python benchmarks/bench_vllm_fp8.py
     ... --size 100m --repeats 1   # quick
+    ... --moe                     # a ~250M Qwen3-MoE: block-FP8 experts
 
 vLLM's CPU FP8 kernel uses AMX tiles where the processor has them: the process must ask Linux
 for AMX state first (``tests/integrations/_vllm_amx`` on PYTHONPATH, as above).
@@ -48,25 +49,60 @@ from bench_vllm import SIZES, free_port, greedy, versions
 BLOCK = [128, 128]
 
 
-def write_fp8_model(size: str, path: str) -> dict[str, torch.Tensor]:
-    """A block-FP8 checkpoint of a random Llama of ``size`` at ``path``; its bf16 state."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: ``--moe``: a Qwen3-MoE of about 250M parameters (12 layers of 8 experts, top 2)
+MOE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+           num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+           num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
 
-    cfg = LlamaConfig(max_position_embeddings=256, tie_word_embeddings=False,
-                      torch_dtype="bfloat16", **SIZES[size])  # fmt: skip
+
+def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's fused experts under the checkpoint's per-expert names."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            p, inter = k.removesuffix("gate_up_proj"), v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"] = v[e, :inter].contiguous()
+                out[f"{p}{e}.up_proj.weight"] = v[e, inter:].contiguous()
+        elif k.endswith("experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[f"{k.removesuffix('down_proj')}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v
+    return out
+
+
+def write_fp8_model(size: str, path: str, moe: bool = False) -> dict[str, torch.Tensor]:
+    """A block-FP8 checkpoint of a random Llama of ``size`` (``moe``: the Qwen3-MoE of
+    :data:`MOE`) at ``path``; its bf16 state under the checkpoint's names."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kw = dict(max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(**kw, **MOE) if moe else LlamaConfig(**kw, **SIZES[size])
+    cfg.architectures = ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    os.remove(f"{path}/model.safetensors")
+    model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(cfg).to(torch.bfloat16)
+    sd = per_expert({k: v.detach() for k, v in model.state_dict().items()})
+    os.makedirs(path, exist_ok=True)
+    cfg.to_json_file(f"{path}/config.json")
     save_fp8(sd, path)
     with open(f"{path}/config.json") as f:
         c = json.load(f)
-    c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                "weight_block_size": BLOCK}  # fmt: skip
+    kept = sorted(
+        n.removesuffix(".weight")
+        for n, t in sd.items()
+        if t.dim() == 2 and n not in linear_names(sd)
+    )  # (the routers)
+    c["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": BLOCK,
+        "ignored_layers": kept,
+    }
+    c["dtype"] = "bfloat16"
     with open(f"{path}/config.json", "w") as f:
         json.dump(c, f)
-    return sd
+    return sd  # fmt: skip
 
 
 def linear_names(sd: dict[str, torch.Tensor]) -> set[str]:
@@ -98,6 +134,7 @@ def main() -> None:
     # (not "tiny": its one kv head has 64 rows, and vLLM narrows a fused qkv's scales by block)
     ap.add_argument("--size", default="500m", choices=sorted(set(SIZES) - {"tiny"}))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--moe", action="store_true", help="a ~250M Qwen3-MoE (8 experts) instead")
     ap.add_argument("--tmp", default=None, help="where the checkpoints go (default: a temp dir)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -116,7 +153,7 @@ def main() -> None:
         (512 << 20) / median([timed(lambda d=dst, s=src: d.copy_(s))[0] for _ in range(3)]) / 1e9
     )
     del src, dst
-    sd = write_fp8_model(args.size, f"{tmp}/start")
+    sd = write_fp8_model(args.size, f"{tmp}/start", moe=args.moe)
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
     nparams = sum(v.numel() for v in sd.values())
     llm = LLM(
@@ -180,7 +217,8 @@ def main() -> None:
          for k, v in rows.items()],
     )  # fmt: skip
     print(
-        f"\nbench_vllm_fp8: size {args.size} ({nparams / 1e6:.3g}M params, "
+        f"\nbench_vllm_fp8: {'Qwen3-MoE, 8 experts' if args.moe else 'size ' + args.size} "
+        f"({nparams / 1e6:.3g}M params, "
         f"{fmt_bytes(2 * nparams)} bf16), {args.repeats} repeats, changed bf16 elements "
         f"{median(changed):.2%}, memcpy {memcpy:.2f} GB/s, torch threads "
         f"{torch.get_num_threads()}; the same tokens on both paths: {all(same)}\n\n{table}"
