@@ -223,10 +223,14 @@ def main(out_path: str) -> None:
     # 3. the store route: bf16 snapshots, quantized by the worker for its FP8 modules
     store = f"{tmp}/store"
     reports = []
-    for name in ("v5", "v6"):
+    for name in ("v5", "v6", "v7"):  # v7 staged: quantized while serving, then committed
         rl_step(trainer, 0.02, gen)
         deltackpt.save({"model": state(trainer)}, store, name)
-        reports.append(llm.collective_rpc("deltackpt_follow", args=(store,))[0])
+        staged = name == "v7"
+        got = llm.collective_rpc("deltackpt_follow", args=(store,), kwargs={"stage": staged})[0]
+        if staged:
+            got = llm.collective_rpc("deltackpt_follow_commit")[0]
+        reports.append(got)
     llm.reset_prefix_cache()  # its KV blocks were computed with the old weights
     mine = params()
     res["follow_logprobs"] = logprobs(llm)

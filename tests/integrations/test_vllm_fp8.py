@@ -236,11 +236,13 @@ def test_the_engine_equals_vllms_own_load_of_the_same_fp8_weights(fp8_run):
 
 @real
 def test_the_store_route_quantizes_bf16_snapshots_for_the_fp8_engine(fp8_run):
-    """``deltackpt_follow`` from a store of the trainer's bf16 saves: the worker quantizes its
-    FP8 modules' weights; the engine then equals vLLM's own load of the same weights."""
+    """``deltackpt_follow`` from a store of the trainer's bf16 saves (two plain follows, then a
+    staged one and its commit): the worker quantizes its FP8 modules' weights; the engine then
+    equals vLLM's own load of the same weights."""
     r = fp8_run
-    first, second = r["follow"]
+    first, second, staged = r["follow"]
     assert first["mode"] == "full" and second["mode"] != "full", r["follow"]
+    assert staged["version"] == "v7" and staged["path"] == "reload", staged  # quantized: reload
     assert r["follow_params_equal_vllm_load"]
     assert r["follow_logprobs"] == r["follow_fresh_logprobs"]
 
