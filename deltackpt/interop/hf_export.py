@@ -53,7 +53,7 @@ from deltackpt.interop.safetensors_io import StreamWriter, st_dtype
 from deltackpt.loading.plan import Reads, read_entry
 from deltackpt.options import LoadOptions
 from deltackpt.store.store import LATEST, Store, open_store
-from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks, quantize_blocks
+from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks, block_grid, quantize_blocks
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -268,9 +268,8 @@ def plan_export(
                 tied[name] = views[view]
                 continue
             views[view] = name
-        if fp8 is not None and _picked(fp8, name, out, e.shape):
-            b0, b1 = fp8.block
-            blocks = (-(-e.shape[0] // b0), -(-e.shape[1] // b1))
+        if fp8 is not None and fp8.chooses(name, out, len(e.shape)):
+            blocks = block_grid(e.shape, fp8.block)
             q = ExportItem(name, i, fp8.dtype, e.shape, "q", fp8.block, fp8.dtype, out)
             items += [q, replace(q, name=name + SCALE_SUFFIX, dtype=torch.float32,
                                  shape=blocks, fp8="scale")]  # fmt: skip
@@ -302,11 +301,6 @@ def plan_export(
         sum(it.nbytes for it in items),
         sum(math.prod(it.shape) for it in items),
     )
-
-
-def _picked(fp8: Fp8Blocks, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    """``fp8`` picks the weight ``name`` (a 2-D floating tensor, judged by its manifest entry)."""
-    return fp8.picks(name, torch.empty((), dtype=dtype).expand(*shape))
 
 
 def export_hf(

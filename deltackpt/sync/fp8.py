@@ -36,7 +36,14 @@ from deltackpt.sync.dtypes import SCALE_SUFFIX, is_fp8
 from deltackpt.sync.errors import PlanError
 from deltackpt.sync.schedule_decl import LocalShard
 
-__all__ = ["SCALE_SUFFIX", "Fp8Blocks", "dequantize_blocks", "is_fp8", "quantize_blocks"]
+__all__ = [
+    "SCALE_SUFFIX",
+    "Fp8Blocks",
+    "block_grid",
+    "dequantize_blocks",
+    "is_fp8",
+    "quantize_blocks",
+]
 
 _FP8 = {
     torch.float8_e4m3fn: 448.0,
@@ -60,6 +67,12 @@ def _check_block(block: tuple[int, int], dtype: torch.dtype) -> tuple[int, int]:
     return b0, b1
 
 
+def block_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The shape of the scales of a 2-D weight of ``shape`` in blocks of ``block`` (a block
+    past the weight's edge counts)."""
+    return -(-int(shape[0]) // block[0]), -(-int(shape[1]) // block[1])
+
+
 def quantize_blocks(
     w: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float8_e4m3fn
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +86,11 @@ def quantize_blocks(
             f"{list(w.shape)}"
         )
     o, i = w.shape
-    n0, n1 = -(-o // b0), -(-i // b1)
+    n0, n1 = block_grid((o, i), (b0, b1))
+    if not w.numel():  # a rank's empty shard (past a short weight's rows)
+        return torch.empty(w.shape, dtype=dtype, device=w.device), torch.empty(
+            n0, n1, dtype=torch.float32, device=w.device
+        )
     x = w.detach()
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         x = x.float()  # (float64: divided in float32 like the others)
@@ -104,7 +121,7 @@ def dequantize_blocks(
     scales' shape is not the blocks of ``q``'s."""
     b0, b1 = (int(b) for b in block)
     o, i = q.shape
-    want = (-(-o // b0), -(-i // b1))
+    want = block_grid((o, i), (b0, b1))
     if tuple(scale_inv.shape) != want:
         raise PlanError(
             f"dequantize_blocks: scales of shape {list(scale_inv.shape)} for a weight of shape "
@@ -139,17 +156,19 @@ class Fp8Blocks:
             )
 
     def picks(self, name: str, t: object) -> bool:
-        """Whether tensor ``name`` is quantized: included, a 2-D floating ``.weight`` of 16
-        bits or more (a whole tensor, a ``DTensor`` or a :class:`~deltackpt.sync.LocalShard`,
-        judged by its global shape)."""
+        """Whether tensor ``name`` is quantized (:meth:`chooses`; a whole tensor, a ``DTensor``
+        or a :class:`~deltackpt.sync.LocalShard`, judged by its global shape)."""
+        if isinstance(t, LocalShard):
+            return self.chooses(name, t.tensor.dtype, len(t.shape))
+        if isinstance(t, torch.Tensor):
+            return self.chooses(name, t.dtype, t.dim())
+        return False
+
+    def chooses(self, name: str, dtype: torch.dtype, dims: int) -> bool:
+        """Whether a tensor ``name`` of ``dtype`` with ``dims`` dimensions is quantized:
+        included, a 2-D floating ``.weight`` of 16 bits or more."""
         inc = self.include
         if not (name in inc if isinstance(inc, frozenset) else bool(inc(name))):
-            return False
-        if isinstance(t, LocalShard):
-            dtype, dims = t.tensor.dtype, len(t.shape)
-        elif isinstance(t, torch.Tensor):
-            dtype, dims = t.dtype, t.dim()
-        else:
             return False
         return (
             name.endswith(".weight")
@@ -201,8 +220,8 @@ class Fp8Blocks:
                         "Shard it on block boundaries, send whole weights (full_tensor()), or "
                         "quantize them yourself and pass quantize='none'"
                     )
-            q, sc = _quantize_any(w, self.block, self.dtype)
-            blocks = (-(-shape[0] // b0), -(-shape[1] // b1))
+            q, sc = quantize_blocks(w, self.block, self.dtype)
+            blocks = block_grid(shape, self.block)
             out[name] = LocalShard(q, off, shape)
             out[sname] = LocalShard(sc, (off[0] // b0, off[1] // b1), blocks)
         return out
@@ -221,15 +240,3 @@ def _local(name: str, t: Any) -> tuple[torch.Tensor, tuple[int, ...] | None, tup
         off, _ = local_box(t, name)
         return local_tensor(t), off, tuple(t.shape)
     return t, None, tuple(t.shape)
-
-
-def _quantize_any(
-    w: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_blocks`, also of an empty shard (a rank past a short weight's rows)."""
-    if w.numel():
-        return quantize_blocks(w, block, dtype)
-    n = (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
-    return torch.empty(w.shape, dtype=dtype, device=w.device), torch.empty(
-        n, dtype=torch.float32, device=w.device
-    )

@@ -184,7 +184,6 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         self._serving: int | None = None  # the version the engine serves, as far as we know
         # what the engine holds as block FP8, quantized so on every send (quantize="auto")
         self.fp8: Fp8Blocks | None = None
-        self._cast: torch.dtype | None = None  # the dtype= floating tensors travel as
 
     @classmethod
     def trainer_init(
@@ -230,7 +229,6 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         )
         if joined is not None:
             joined.result()
-        eng._cast = dtype
         if init_info.quantize == "auto":  # the first worker's layout (the same on every one)
             try:
                 eng.fp8 = fp8_layout.blocks_for(fp8_layout.read(eng.group, n))
@@ -288,7 +286,9 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         refusal = None
         if self.fp8 is not None:  # what the engine holds as FP8, quantized in its blocks
             try:
-                tensors = self.fp8.apply(tensors, cast=self._cast)
+                # each cast to the sender's dtype= first (what it would travel as)
+                cast = self.sender.dtype if isinstance(self.sender.dtype, torch.dtype) else None
+                tensors = self.fp8.apply(tensors, cast=cast)
             except PlanError as e:  # (a shard of a quantized weight): refused on every rank
                 refusal = str(e)
         self._agree(refusal or self._check_declared(tensors))
