@@ -323,8 +323,17 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     # a replacement trainer joins on a new port (init_weight_transfer_engine again): full round
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+    # its versions continue after the engine's (7: the killed trainer's last; its round 8 never
+    # committed); one that would not go past it is refused before anything is sent
+    res["continuity"] = {"serving": eng.serving}
+    try:
+        eng.send_weights(trainer.state_dict(), version=6)
+        res["continuity"]["raised"] = None
+    except SyncError as e:
+        res["continuity"]["raised"] = f"{type(e).__name__}: {e}"
+    res["continuity"]["engine_version"] = llm.get_weight_version()
     rl_step(trainer, 0.02, gen)
-    check("replaced", eng.send_weights(trainer.state_dict(), version=8))
+    check("replaced", eng.send_weights(trainer.state_dict()))  # version 8
     rl_step(trainer, 0.02, gen)
     check("replaced_delta", eng.send_weights(trainer.state_dict(), version=9))
     # a trainer that refuses its tensors (not what the schedule was built for) before a round
@@ -344,6 +353,11 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     from _vllm_commit import commit_scenarios
 
     res["commit"] = commit_scenarios(llm, eng, trainer, gen, 1, 10)
+    # the run went back to an earlier checkpoint: its next version is 3 again, said so
+    rl_step(trainer, 0.02, gen)
+    check("rewound", eng.send_weights(trainer.state_dict(), version=3, rewind=True))
+    rl_step(trainer, 0.02, gen)
+    check("after_rewind", eng.send_weights(trainer.state_dict()))  # version 4
     finish(res, llm, trainer, tmp)
     eng.shutdown()
     # the refit through the store on this engine, after its own checks (_vllm_store.py): its

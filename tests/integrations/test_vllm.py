@@ -206,7 +206,25 @@ def test_a_trainers_shutdown_releases_the_workers_side_of_the_link(run):
 def test_a_replacement_trainer_reconnects_and_a_full_round_heals(run):
     rs = rounds(run)
     assert rs["replaced"]["full"] and rs["replaced"]["committed_identical"]
-    assert rs["replaced"]["engine_version"] == "8"
+    assert rs["replaced"]["engine_version"] == "8"  # after the engine's 7, not 1 again
+    assert not rs["replaced_delta"]["full"] and rs["replaced_delta"]["committed_identical"]
+
+
+def test_a_replacement_trainers_versions_continue_after_the_engines(run):
+    c = run["continuity"]
+    assert c["serving"] == 7  # what the workers served when it joined (round 8 was killed)
+    assert c["raised"].startswith(
+        "PlanError: send_weights(version=6): the engine serves version 7"
+    ), c["raised"]
+    assert "rewind=True" in c["raised"] and c["engine_version"] == "7"
+    assert rounds(run)["replaced"]["version"] == 8
+
+
+def test_a_rewind_relabels_the_engine_with_an_earlier_version_when_asked(run):
+    rs = rounds(run)
+    assert rs["rewound"]["engine_version"] == "3" and rs["rewound"]["committed_identical"]
+    assert rs["after_rewind"]["engine_version"] == "4" and not rs["after_rewind"]["full"]
+    assert rs["after_rewind"]["committed_identical"] and rs["after_rewind"]["readable_identical"]
     assert not rs["replaced_delta"]["full"] and rs["replaced_delta"]["committed_identical"]
 
 

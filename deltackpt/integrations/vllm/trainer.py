@@ -30,12 +30,18 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from deltackpt.integrations.vllm import BACKEND, fp8_layout, register
+from deltackpt.integrations.vllm import BACKEND, fp8_layout, register, served
 from deltackpt.integrations.vllm.fairlock import FairLock
 from deltackpt.integrations.vllm.init_args import check_trainer_init
 from deltackpt.sync import PlanError, RoundStats, SyncGroup, WeightSender
 from deltackpt.sync.fp8 import Fp8Blocks
 from deltackpt.sync.schedule_decl import Held, held_from
+
+# the end of a refusal of the tensors (send_weights)
+REPLAN = (
+    "nothing was sent and the engine keeps its weights. Pass the tensors the schedule was "
+    "built for, or start a new trainer engine (trainer_init) to re-plan"
+)
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +235,11 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         )
         if joined is not None:
             joined.result()
+        try:  # what the engine serves: this trainer's versions follow it (served.py)
+            eng._serving = served.read(eng.group, range(n, n + int(init_info.num_workers)))
+        except BaseException:
+            eng.shutdown()
+            raise
         if init_info.quantize == "auto":  # the first worker's layout (the same on every one)
             try:
                 eng.fp8 = fp8_layout.blocks_for(fp8_layout.read(eng.group, n))
@@ -248,6 +259,13 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         """The last version every rank committed."""
         return None if self.sender is None else self.sender.version
 
+    @property
+    def serving(self) -> int | None:
+        """The version the engine serves, as far as this trainer knows: what its workers
+        served when it joined (the last trainer's, after a restart; None: none since the
+        engine started), then each round's it committed."""
+        return self._serving
+
     def send_weights(
         self,
         tensors: Mapping[str, torch.Tensor] | None = None,
@@ -255,9 +273,12 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         version: int | None = None,
         full: bool = False,
         stage: bool = False,
+        rewind: bool = False,
     ) -> RoundStats:
         """One round of ``tensors`` (default: the ``source`` given at ``trainer_init``) as
-        ``version`` (default: the last one + 1); every rank the same version. Rank 0 runs
+        ``version`` (default: one after the last this trainer sent and the one the engine
+        serves, which a new trainer engine reads from the workers when it joins: versions
+        continue across a trainer's restart); every rank the same version. Rank 0 runs
         ``start_weight_update``, ``update_weights`` (beside the push) and, once the round
         committed, ``finish_weight_update(str(version))``, then drops the engine's prefix
         cache (its KV blocks were computed with the old weights) where the client can. A failed
@@ -270,7 +291,12 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
 
         ``full=True``: every tensor is sent and written, as the first round is; needed after
         vLLM's ``sleep(level=2)`` and ``wake_up()``, which discard the engine's weights while
-        the workers keep the last version (a delta would write only what changed)."""
+        the workers keep the last version (a delta would write only what changed).
+
+        A ``version`` at or below the one the engine serves is refused (:class:`PlanError`,
+        nothing sent): the label would name two different sets of weights. ``rewind=True``
+        allows it, after the training run was restored to an earlier checkpoint and the
+        engine's later versions are to be replaced."""
         if self.sender is None:
             raise RuntimeError("send_weights before trainer_init")
         if self._staged is not None:
@@ -279,8 +305,11 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             if self.source is None:
                 raise ValueError("send_weights: pass the tensors or a source at trainer_init")
             tensors = source_tensors(self.source)
-        if version is None:
-            version = (self.sender.version or 0) + 1
+        try:
+            version = served.next_version(version, self.sender.version, self._serving, rewind)
+            wrong_version = None
+        except PlanError as e:  # on every rank through the agreement (ranks may differ)
+            version, wrong_version = 0, str(e)
         if not isinstance(tensors, Mapping):
             tensors = dict(tensors)
         refusal = None
@@ -291,7 +320,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
                 tensors = self.fp8.apply(tensors, cast=cast)
             except PlanError as e:  # (a shard of a quantized weight): refused on every rank
                 refusal = str(e)
-        self._agree(refusal or self._check_declared(tensors))
+        refusal = refusal or self._check_declared(tensors)
+        self._agree(wrong_version or (refusal and f"{refusal}; {REPLAN}"))
         full, self._full_next = full or self._full_next, False
         self._commits += 1
         if not self.is_sender:  # rank 0 drives the engine; every rank reads the verdict
@@ -429,19 +459,16 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         )
 
     def _agree(self, refusal: str | None) -> None:
-        """Raise :class:`PlanError` on every trainer rank when any of them refuses its tensors,
-        before rank 0 asks the engine into a round: with several trainer ranks each writes its
-        answer to the group's store and waits for the others' (a dead rank fails this wait
-        within the group's ``dead_after``, a hung one at its timeout)."""
-        fix = (
-            "nothing was sent and the engine keeps its weights. Pass the tensors the schedule "
-            "was built for, or start a new trainer engine (trainer_init) to re-plan"
-        )
+        """Raise :class:`PlanError` on every trainer rank when any of them refuses the round
+        (``refusal``: why, and the fix), before rank 0 asks the engine into it: with several
+        trainer ranks each writes its answer to the group's store and waits for the others' (a
+        dead rank fails this wait within the group's ``dead_after``, a hung one at its
+        timeout)."""
         g = self.group
         assert g is not None
         if self.num_trainers <= 1:
-            if refusal is not None:
-                raise PlanError(f"{refusal}; {fix}")
+            if refusal:
+                raise PlanError(refusal)
             return
         self._checks += 1
         base = f"vllm/check/{g.epoch}/{self._checks}"
@@ -457,8 +484,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         if refused:
             r, why = refused[0]
             raise PlanError(
-                f"trainer rank {r} refused its tensors ({len(refused)} of "
-                f"{self.num_trainers} ranks refused): {why}; {fix}"
+                f"trainer rank {r} refused the round ({len(refused)} of "
+                f"{self.num_trainers} ranks refused): {why}"
             )
 
     def _push(self, tensors: Mapping[str, torch.Tensor], version: int, full: bool) -> RoundStats:
