@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ from deltackpt.sync.errors import (
 from deltackpt.sync.ipc_links import IpcLinks
 from deltackpt.sync.link_choice import choose_links, shm_need
 from deltackpt.sync.peers import pid_alive, pid_space
+from deltackpt.sync.replicas import replicas_differ, versions_of, vote_value
 from deltackpt.sync.schedule import is_integer
 from deltackpt.sync.shm_links import ShmLinks
 
@@ -514,9 +515,17 @@ class SyncGroup:
             return None
         return bytes(self.guard("store get", lambda: self.store.get(key))).decode()
 
-    def vote(self, seq: int, reason: str | None, version: int | None = None) -> str | None:
+    def vote(
+        self,
+        seq: int,
+        reason: str | None,
+        version: int | None = None,
+        replicas: Mapping[str, str] | None = None,
+    ) -> str | None:
         """Vote for round ``seq`` (``reason``: this rank rejects it; ``version``: the version a
-        trainer pushed) and wait for every rank: None when all accepted, else the abort reason.
+        trainer pushed; ``replicas``: a trainer's digests of its replicated tensors at a full
+        round, ``replicas.py``) and wait for every rank: None when all accepted, else the abort
+        reason.
         Raises :class:`PeerLostError` when a rank died (its heartbeat stopped) or the store is
         gone, and :class:`SyncTimeoutError` after ``timeout``.
 
@@ -524,10 +533,11 @@ class SyncGroup:
         ends the wait early): every rank votes after it took in its last message of the round,
         so once a rank returns no peer still reads this round's slots, and on shared-memory
         links the next round may overwrite them. The trainers' votes carry their versions, so
-        every rank, linked to a trainer or not, fails a round whose trainers disagree."""
+        every rank, linked to a trainer or not, fails a round whose trainers disagree (on the
+        version, or on the bytes of a replica)."""
         if reason is not None:
             self.abort(seq, reason)
-        mine = "-" if version is None else str(int(version))
+        mine = vote_value(version, replicas)
         self.guard("store set", lambda: self.store.set(f"r/{seq}/v/{self.rank}", mine))
         keys = [f"r/{seq}/v/{r}" for r in range(self.world_size)]
         found: list[str | None] = [None]
@@ -551,17 +561,19 @@ class SyncGroup:
 
         self.wait_until(ready, f"round {seq}: waiting for the commit vote", seq)
         if found[0] is None and len(self.trainers) > 1:
-            found[0] = self._versions_differ(seq)
+            found[0] = self._trainers_differ(seq)
         return found[0]
 
-    def _versions_differ(self, seq: int) -> str | None:
-        """The abort reason when the trainers voted for round ``seq`` with different versions
-        (every rank reads the same votes, so every rank decides the same)."""
+    def _trainers_differ(self, seq: int) -> str | None:
+        """The abort reason when the trainers voted for round ``seq`` with different versions,
+        or with different digests of a replica (every rank reads the same votes, so every rank
+        decides the same)."""
         keys = [f"r/{seq}/v/{t}" for t in self.trainers]
         vals = self.guard("store multi_get", lambda: self.store.multi_get(keys))
-        got = [bytes(v).decode(errors="replace") for v in vals]
+        raws = [bytes(v).decode(errors="replace") for v in vals]
+        got = versions_of(raws)
         if len(set(got)) == 1:
-            return None
+            return replicas_differ(self.trainers, raws)
         each = ", ".join(f"rank {t} version {v}" for t, v in zip(self.trainers, got, strict=True))
         return (
             f"the trainers pushed different versions in one round ({each}); pass the same "

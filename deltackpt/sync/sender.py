@@ -57,6 +57,7 @@ from deltackpt.sync.errors import PlanError, RoundAbortedError, SyncError
 from deltackpt.sync.group import SyncGroup, cause_line, default_bucket_bytes
 from deltackpt.sync.host_mirror import HostMirror, mirrored_names, wire_casts
 from deltackpt.sync.packer import DeviceDigests, Packed, Packer
+from deltackpt.sync.replicas import REPLICAS, replica_digests, replica_names
 from deltackpt.sync.rounds import (
     RoundStats,
     link_slots,
@@ -109,7 +110,9 @@ class WeightSender:
     never); the tensors must not change until ``push`` returns. ``dtype``: the dtype the
     tensors are declared as (a dtype for floating tensors, e.g. bf16 from fp32 master weights, or
     ``f(name, dtype) -> dtype | None``): receivers that ask for no dtype get it, cast while
-    packing.
+    packing. ``replicas``: ``"check"`` (default) compares, at every full round, the bytes of the
+    tensors several trainer ranks hold (replicas) and fails the round when they differ;
+    ``"trust"`` skips it (see ``replicas.py``).
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class WeightSender:
         dtype: DtypeSpec = None,
         encode: str = "auto",
         full_every: int | None = None,
+        replicas: str = "check",
     ) -> None:
         if group.rank not in group.trainers:
             raise PlanError(f"rank {group.rank} is not a trainer of the group; use WeightReceiver")
@@ -136,12 +140,19 @@ class WeightSender:
                 f"WeightSender(zero_copy_min={zero_copy_min!r}): expected None (never) or an int "
                 "of bytes (pieces at least that large go zero-copy on gloo)"
             )
+        if replicas not in REPLICAS:
+            raise PlanError(
+                f"WeightSender(replicas={replicas!r}): choose 'check' (the default: replicas "
+                "compared at full rounds) or 'trust'"
+            )
         if full_every is not None and int(full_every) < 1:
             raise PlanError(f"full_every={full_every!r}: pass a number of rounds >= 1, or None")
         self._detector = Detector(detect)
         self.dtype = dtype_spec("WeightSender", dtype)
         self.encode = encode
         self.full_every = None if full_every is None else int(full_every)
+        self.replicas = replicas
+        self._replicated: tuple[str, ...] = ()  # tensors other trainers hold too (_setup)
         self._since_full = 0
         self._bases = DeviceBases()  # patches from changed elements found on the device too
         self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
@@ -221,6 +232,7 @@ class WeightSender:
         self._held, self._local = tuple(held), local
         self._remember(named_tensors)
         self._boxes = {h.name: h for h in held}
+        self._replicated = replica_names(sched, g.rank)
         links = sched.links_of(g.rank)
         self._buckets = sorted(
             (b for lk in links for b in lk.buckets), key=lambda b: (b.index, b.receiver)
@@ -369,7 +381,10 @@ class WeightSender:
             self.mirror.abandon()
             g.abort(seq, "lost: " + lost)
             raise g.lost_error(f"round {version}: {lost}") from cause
-        reason = g.vote(seq, failure, int(version))
+        # at a full round, the digests of this rank's replicas ride on its vote (replicas.py)
+        check = full and self.replicas == "check" and failure is None
+        rep = replica_digests(self._local, self._replicated) if check else None
+        reason = g.vote(seq, failure, int(version), rep)
         if reason is None and failure is not None:  # the abort key could not be written
             reason = failure
         if reason is not None:

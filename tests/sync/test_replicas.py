@@ -1,0 +1,132 @@
+"""Replicas among trainer ranks are compared at full rounds (``deltackpt/sync/replicas.py``):
+a tensor that ranks hold differently under one name (expert-parallel experts, a tensor-parallel
+shard kept as a plain tensor) fails the round on every rank instead of reaching every receiver
+as one rank's bytes. Two trainers and one receiver of one group, in threads of this process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from deltackpt import sync
+from deltackpt.sync.replicas import replicas_differ, vote_value
+from tests._dist import free_port
+from tests.sync._common import run_threads
+
+
+@contextmanager
+def three() -> Iterator[list[sync.SyncGroup]]:
+    """Trainers 0 and 1 and receiver 2 of one gloo group."""
+    port = free_port()
+    groups = run_threads(
+        *[
+            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 3, [0, 1], timeout=10, links="gloo")
+            for r in range(3)
+        ]
+    )
+    for g in groups:
+        if isinstance(g, BaseException):
+            raise g
+    try:
+        yield groups
+    finally:
+        for g in groups:
+            g.close()
+
+
+def experts(rank: int, step: int = 0) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s state: its own two experts under the names every rank uses (the
+    expert-parallel mistake), beside a norm every rank holds alike."""
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return {"experts.w": torch.randn(2, 8, 4, generator=g), "norm": torch.ones(8) + step}
+
+
+def rounds(
+    groups: list[sync.SyncGroup],
+    states: Callable[[int, int], dict[str, torch.Tensor]],
+    versions: list[int],
+    full: Callable[[int], bool] = lambda v: False,
+    **kw: Any,
+) -> tuple[list[list[Any]], list[dict[str, torch.Tensor]], sync.WeightReceiver]:
+    """Push ``versions`` in turn from both trainers; each round's outcomes per rank, and what
+    the receiver held after each round."""
+    senders = [sync.WeightSender(groups[r], **kw) for r in (0, 1)]
+    held: dict[str, torch.Tensor] = {}
+    receiver = sync.WeightReceiver(groups[2])
+    outcomes, after = [], []
+    for v in versions:
+        out = run_threads(
+            *[
+                lambda r=r, v=v: senders[r].push(states(r, v), version=v, full=full(v))
+                for r in (0, 1)
+            ],
+            lambda: receiver.pull(lambda items: held.update({n: t.clone() for n, t in items})),
+        )
+        outcomes.append(out)
+        after.append({n: t.clone() for n, t in held.items()})
+    return outcomes, after, receiver
+
+
+def test_different_bytes_under_one_name_fail_the_round_on_every_rank() -> None:
+    with three() as groups:
+        (out,), (held,), receiver = rounds(groups, lambda r, v: experts(r), [1])
+    assert all(isinstance(o, sync.RoundAbortedError) for o in out), out
+    for o in out:
+        assert "'experts.w' (rank 0 vs rank 1)" in str(o), o
+        assert "sync.LocalShard(tensor, offset, global shape)" in str(o)
+    assert "'norm'" not in str(out[0])  # held alike: not named
+    assert receiver.version is None and held == {}  # nothing was handed over
+
+
+def test_the_same_experts_declared_as_local_shards_go_through() -> None:
+    def declared(rank: int, v: int) -> dict[str, Any]:
+        s: dict[str, Any] = experts(rank)
+        s["experts.w"] = sync.LocalShard(s["experts.w"], (2 * rank, 0, 0), (4, 8, 4))
+        return s
+
+    with three() as groups:
+        (out,), (held,), receiver = rounds(groups, declared, [1])
+    assert all(not isinstance(o, BaseException) for o in out), out
+    want = torch.cat([experts(0)["experts.w"], experts(1)["experts.w"]])
+    assert torch.equal(held["experts.w"], want) and receiver.version == 1
+
+
+def test_replicas_that_drift_apart_are_found_at_the_next_full_round() -> None:
+    def state(rank: int, v: int) -> dict[str, torch.Tensor]:
+        s = experts(0, v)  # every rank the same state...
+        if v == 3 and rank == 1:
+            s["norm"] = s["norm"] + 1e-3  # ...until rank 1's norm drifts
+        return s
+
+    with three() as groups:
+        outs, held, receiver = rounds(groups, state, [1, 2, 3], full=lambda v: v == 3)
+    assert all(not isinstance(o, BaseException) for o in outs[0] + outs[1]), outs
+    assert all(isinstance(o, sync.RoundAbortedError) for o in outs[2]), outs[2]
+    assert "'norm' (rank 0 vs rank 1)" in str(outs[2][0])
+    assert receiver.version == 2 and torch.equal(held[2]["norm"], experts(0, 2)["norm"])
+
+
+def test_trust_skips_the_check_and_sends_one_ranks_copy() -> None:
+    with three() as groups:
+        (out,), (held,), _ = rounds(groups, lambda r, v: experts(r), [1], replicas="trust")
+    assert all(not isinstance(o, BaseException) for o in out), out
+    assert torch.equal(held["experts.w"], experts(0)["experts.w"])  # one rank's, as told
+
+
+def test_a_bad_replicas_value_is_refused() -> None:
+    with three() as groups, pytest.raises(sync.PlanError, match="replicas='rank0'"):
+        sync.WeightSender(groups[0], replicas="rank0")
+
+
+def test_only_digests_of_one_kind_are_compared() -> None:
+    a = vote_value(3, {"w": "x:" + "0" * 32, "v": "f:" + "1" * 32})
+    b = vote_value(3, {"w": "x:" + "0" * 32, "v": "x:" + "2" * 32})  # v: another kind
+    assert replicas_differ([0, 1], [a, b]) is None
+    c = vote_value(3, {"w": "x:" + "9" * 32})
+    assert "'w' (ranks 0,2 vs rank 1)" in str(replicas_differ([0, 1, 2], [a, c, b]))
+    assert "rank 1's vote carries malformed" in str(replicas_differ([0, 1], [a, "3\nnot json"]))
+    assert replicas_differ([0, 1], ["3", "3"]) is None  # delta rounds carry none
