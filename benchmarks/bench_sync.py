@@ -6,7 +6,8 @@ Rounds of ``deltackpt.sync`` (one engine: ``WeightSender`` / ``WeightReceiver`` 
 
     python benchmarks/bench_sync.py --shapes 1x1,2x2 --links gloo,shm --params 50e6
 
-``--sim`` adds the simulated 256 -> 128 plan (sizes only).
+``--sim`` adds the simulated 256 -> 128 plan (sizes only); ``--replicate`` gives every trainer
+the whole state (data parallel) and times full rounds with and without the replicas' check.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def main() -> None:
         "--steps",
         help="instead: delta rounds after real AdamW steps, e.g. rl-1e-6,rl-1e-5,pretrain "
         "(_sync/steps.py), patch vs dense, for every shape and link",
+    )
+    ap.add_argument(
+        "--replicate",
+        action="store_true",
+        help="trainers hold every tensor whole (data parallel): full rounds also with "
+        "WeightSender(replicas='trust') beside the default check",
     )
     ap.add_argument(
         "--zero-copy",
@@ -93,6 +100,7 @@ def run(args: argparse.Namespace) -> None:
         "delta_frac": args.delta_frac,
         "repeats": args.repeats,
         "timeout": args.timeout,
+        "replicate": args.replicate,
     }
     rows = []
     for kind in args.links.split(","):

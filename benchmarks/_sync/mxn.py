@@ -77,8 +77,12 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
     if rank < m:
         g = torch.Generator().manual_seed(rank)
         state: dict[str, Any] = {}
+        if cfg.get("replicate"):  # data parallel: every trainer the same whole tensors
+            g.manual_seed(0)
         for name, s in shapes:
-            box = sync.shard_box(s, 0, rank, m)
+            box = sync.shard_box(s, 0, 0 if cfg.get("replicate") else rank, m)
+            if cfg.get("replicate"):
+                box = sync.Box((0,) * len(s), tuple(s))
             local = torch.randn(box.size, generator=g).to(torch.bfloat16)
             state[name] = sync.LocalShard(local, box.offset, tuple(s))
         nparams = sum(math.prod(s) for _, s in shapes)
@@ -120,13 +124,13 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
         if kind == "shm":  # every trainer writes its links' windows, then receivers copy out
             if rank < m:
                 for r in sched.receivers:
-                    b = n[(rank, r)]
-                    wins[(rank, r)][:b].copy_(bufs[r][:b])
+                    if b := n[(rank, r)]:
+                        wins[(rank, r)][:b].copy_(bufs[r][:b])
             barrier()
             if rank >= m:
                 for s in sched.trainers:
-                    b = n[(s, rank)]
-                    bufs[s][:b].copy_(wins[(s, rank)][:b])
+                    if b := n[(s, rank)]:
+                        bufs[s][:b].copy_(wins[(s, rank)][:b])
             return
         works = []
         for (s, r), b in n.items():
@@ -146,7 +150,7 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
         import mmap
 
         for (s, r), b in links.items():
-            if rank in (s, r):
+            if rank in (s, r) and b:  # (a replica's holder may send nothing)
                 path = f"/dev/shm/deltackpt-bench-{port}-{s}-{r}"
                 with open(path, "a+b") as f:
                     f.truncate(b)
@@ -156,9 +160,16 @@ def _run(rank: int, m: int, n: int, cfg: dict[str, Any], port: int) -> dict[str,
         barrier()
         if rank < m:
             for r in sched.receivers:
-                os.unlink(f"/dev/shm/deltackpt-bench-{port}-{rank}-{r}")
+                if links[(rank, r)]:
+                    os.unlink(f"/dev/shm/deltackpt-bench-{port}-{rank}-{r}")
     out["ceiling_s"] = min(timed(ceiling, "ceiling") for _ in range(cfg["repeats"]))
     out["full_round_s"] = min(timed(lambda: one(True), "full") for _ in range(cfg["repeats"]))
+    if cfg.get("replicate"):  # the replicas' check (replicas.py) against none
+        if rank < m:
+            endpoint.replicas = "trust"
+        out["full_trust_s"] = min(timed(lambda: one(True)) for _ in range(cfg["repeats"]))
+        if rank < m:
+            endpoint.replicas = "check"
     deltas = []
     for _ in range(cfg["repeats"]):
         if rank < m:
@@ -244,6 +255,18 @@ def mxn_table(rows: list[dict[str, Any]]) -> str:
             f"{cpu['ceiling']:.3f} / {cpu['full']:.3f} | "
             f"{cpu['full'] / r['cores'] / r['full_round_s']:.0%} |"
         )
+    if any("full_trust_s" in r for r in rows):
+        lines += [
+            "",
+            "| MxN | transport | full round, replicas checked s | trusted s | check / trust |",
+            "|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if "full_trust_s" in r:
+                lines.append(
+                    f"| {r['m']}x{r['n']} | {r['kind']} | {r['full_round_s']:.3f} | "
+                    f"{r['full_trust_s']:.3f} | {r['full_round_s'] / r['full_trust_s']:.2f}x |"
+                )
     lines += [
         "",
         "| MxN | transport | zero-copy | delta bytes / full | delta ceiling s | hash pass s | "

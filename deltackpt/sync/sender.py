@@ -153,6 +153,7 @@ class WeightSender:
         self.full_every = None if full_every is None else int(full_every)
         self.replicas = replicas
         self._replicated: tuple[str, ...] = ()  # tensors other trainers hold too (_setup)
+        self._checker: ThreadPoolExecutor | None = None  # digests them (made on first use)
         self._since_full = 0
         self._bases = DeviceBases()  # patches from changed elements found on the device too
         self.zero_copy_min = None if zero_copy_min is None else max(0, int(zero_copy_min))
@@ -373,18 +374,28 @@ class WeightSender:
         self._packer.base_version = self.version
         digests: dict[tuple[int, int, int], tuple[int, int]] = {}
         per_link: dict[int, int] = {}
+        # at a full round, this rank's replicas are digested beside the sending (replicas.py)
+        rep: Future[dict[str, str]] | None = None
+        if full and self.replicas == "check" and self._replicated and staged is None:
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(1, thread_name_prefix="sync-replicas")
+            rep = self._checker.submit(replica_digests, self._local, self._replicated)
         self._detector.start_round(local, unchanged, scanned)
         failure, cause, lost, wire_bytes, sent, zero_copy = self._send_all(
             sched, seq, int(version), full, digests, per_link, staged, device
         )
+        mine: dict[str, str] | None = None  # ride on this rank's vote
+        if rep is not None:
+            try:
+                mine = rep.result()
+            except Exception as e:  # (a tensor it could not read): told by the vote
+                if failure is None:
+                    failure, cause = f"rank {g.rank} failed digesting its replicas: {e!r}", e
         if lost is not None:
             self.mirror.abandon()
             g.abort(seq, "lost: " + lost)
             raise g.lost_error(f"round {version}: {lost}") from cause
-        # at a full round, the digests of this rank's replicas ride on its vote (replicas.py)
-        check = full and self.replicas == "check" and failure is None
-        rep = replica_digests(self._local, self._replicated) if check else None
-        reason = g.vote(seq, failure, int(version), rep)
+        reason = g.vote(seq, failure, int(version), mine)
         if reason is None and failure is not None:  # the abort key could not be written
             reason = failure
         if reason is not None:

@@ -130,3 +130,20 @@ def test_only_digests_of_one_kind_are_compared() -> None:
     assert "'w' (ranks 0,2 vs rank 1)" in str(replicas_differ([0, 1, 2], [a, c, b]))
     assert "rank 1's vote carries malformed" in str(replicas_differ([0, 1], [a, "3\nnot json"]))
     assert replicas_differ([0, 1], ["3", "3"]) is None  # delta rounds carry none
+
+
+@pytest.mark.gpu
+def test_cuda_replicas_are_digested_on_the_device() -> None:
+    """Replicas on a GPU are compared by the device fingerprint, without a copy to the host:
+    equal bytes agree, one changed element does not."""
+    from deltackpt.sync.replicas import replica_digests
+
+    w = torch.randn(1000, 300).to(torch.bfloat16).cuda()
+    drifted = w.clone()
+    drifted[999, 299] += 1
+    a = replica_digests({"w": w}, ["w"])
+    assert a["w"].startswith("f:") and a == replica_digests({"w": w.clone()}, ["w"])
+    b = replica_digests({"w": drifted}, ["w"])
+    assert "'w' (rank 0 vs rank 1)" in str(
+        replicas_differ([0, 1], [vote_value(1, a), vote_value(1, b)])
+    )
