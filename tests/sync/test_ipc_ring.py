@@ -327,7 +327,7 @@ def test_a_receiver_killed_while_the_trainer_waits_for_its_copy_is_a_lost_peer(
     trainer, rec = spawn(
         [(_waiting_trainer, (port,)), (_dying_receiver, (port,))], timeout=90, fast_exit=True
     )
-    assert rec.exitcode == -signal.SIGKILL and not rec.reported
+    assert rec.exitcode == -signal.SIGKILL and not rec.reported, (rec, trainer)
     t = trainer.unwrap()
     assert t["error"] is not None and t["error"][0] == "PeerLostError", t["error"]
     assert "rank 1" in t["error"][1], t["error"]
