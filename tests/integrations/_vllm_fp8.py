@@ -8,11 +8,12 @@ in this process, and bf16 trainers in this process:
 1. a trainer with ``quantize="none"`` sends its bf16 weights as they are: the workers refuse
    the round before loading anything (the engine's parameters stay as they were);
 2. a trainer with the default ``quantize="auto"``: a full round, two sparse deltas after RL-like
-   steps and a staged round; each worker's committed copies against the trainer's weights
+   steps (sent as transformers 5 holds the experts, fused: the trainer splits them) and a
+   staged round; each worker's committed copies against the trainer's weights
    quantized independently here, the bytes each round sent; then the engine's parameters and
    logprobs against vLLM's own load of the same FP8 weights from disk (``reload_weights``);
 3. the store route (the worker extension's ``deltackpt_follow``): the trainer saves bf16
-   snapshots, the worker reads them and quantizes its FP8 modules' weights in the engine's
+   snapshots (``model.state_dict()``: experts fused), the worker reads them, splits the experts and quantizes its FP8 modules' weights in the engine's
    blocks; the engine's parameters against vLLM's own load again.
 
 vLLM's CPU FP8 kernel uses AMX tiles where the processor has them: the test puts
@@ -73,6 +74,11 @@ def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         else:
             out[k] = v
     return out
+
+
+def fused(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as transformers 5 holds it: experts fused (see :func:`state`)."""
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def quantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -179,6 +185,17 @@ def main(out_path: str) -> None:
         res["refused"] = f"{type(e).__name__}: {e}"
     res["refused_params_unchanged"] = params_equal(params(), before)
     res["refused_engine_version"] = llm.get_weight_version()
+    # the same as transformers 5 holds them (fused experts): refused too (before, vLLM's loader
+    # wrote the bf16 experts into the FP8 ones unscaled), from a trainer engine of their own
+    eng.shutdown()
+    eng = init("none")
+    try:
+        experts = {k: v for k, v in fused(trainer).items() if ".experts." in k}
+        eng.send_weights(experts, version=1)
+        res["refused_fused"] = None
+    except Exception as e:
+        res["refused_fused"] = f"{type(e).__name__}: {e}"
+    res["refused_fused_params_unchanged"] = params_equal(params(), before)
     res["layout"] = llm.collective_rpc(_last)[0]["fp8"]
     eng.shutdown()
 
@@ -190,7 +207,9 @@ def main(out_path: str) -> None:
     for version in (1, 2, 3, 4):
         if version > 1:
             rl_step(trainer, 0.02, gen)
-        stats = eng.send_weights(state(trainer), version=version, stage=version == 4)
+        # rounds 2 and 3 as transformers 5 holds the experts (fused): split by the trainer
+        sd = fused(trainer) if version in (2, 3) else state(trainer)
+        stats = eng.send_weights(sd, version=version, stage=version == 4)
         if version == 4:
             eng.commit()
         want = quantized(trainer)
@@ -225,7 +244,7 @@ def main(out_path: str) -> None:
     reports = []
     for name in ("v5", "v6", "v7"):  # v7 staged: quantized while serving, then committed
         rl_step(trainer, 0.02, gen)
-        deltackpt.save({"model": state(trainer)}, store, name)
+        deltackpt.save({"model": fused(trainer)}, store, name)  # model.state_dict()
         staged = name == "v7"
         got = llm.collective_rpc("deltackpt_follow", args=(store,), kwargs={"stage": staged})[0]
         if staged:

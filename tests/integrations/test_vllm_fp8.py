@@ -180,6 +180,8 @@ def fp8_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_bf16_weights_into_fp8_parameters_are_refused_before_anything_is_loaded(fp8_run):
     r = fp8_run
     assert r["refused"].startswith("RoundAbortedError: the commit of version 1 failed")
+    assert "is bfloat16 fused experts" in r["refused_fused"], r["refused_fused"]
+    assert r["refused_fused_params_unchanged"]
     assert ("tensor 'model.layers.0.self_attn.q_proj.weight' is bfloat16 but the engine holds "
             "model.layers.0.self_attn.qkv_proj as block FP8") in r["refused"]  # fmt: skip
     assert "serves the weights it started with" in r["refused"]
@@ -299,3 +301,50 @@ def test_block_fp8_experts_are_quantized_by_their_checkpoint_names() -> None:
     why = fp8_layout.refusal(m, lay, [(expert, w)])
     assert why is not None and "holds the experts of model.layers.1.mlp.experts as block FP8" in why
     assert fp8_layout.refusal(m, lay, spec.apply({expert: w}).items()) is None
+
+
+def test_fused_experts_are_split_per_expert_and_refused_when_sent_unquantized() -> None:
+    """transformers 5 holds experts fused (``experts.gate_up_proj`` [E, 2I, H], gate rows then up
+    rows; ``experts.down_proj`` [E, H, I]): for an engine with block-FP8 experts they are split
+    into the per-expert weights it loads (views), quantized one by one; sent fused in bf16 a
+    worker refuses them (vLLM's loader wrote them unscaled: a probe saw scales of 1e32)."""
+    from deltackpt.sync import LocalShard
+
+    m = model(block_moe=True)
+    lay = fp8_layout.engine_layout(m)
+    p = "model.layers.1.mlp.experts"
+    gate_up = torch.randn(4, 512, 128).to(torch.bfloat16)
+    down = torch.randn(4, 128, 256).to(torch.bfloat16)
+    norm = torch.ones(128, dtype=torch.bfloat16)
+    fused = {f"{p}.gate_up_proj": gate_up, f"{p}.down_proj": down, "x.norm.weight": norm}
+    split = fp8_layout.unfused(fused, lay)
+    assert list(split)[:3] == [f"{p}.0.gate_proj.weight", f"{p}.0.up_proj.weight",
+                               f"{p}.1.gate_proj.weight"]  # fmt: skip
+    assert len(split) == 4 * 3 + 1 and split["x.norm.weight"] is norm
+    assert torch.equal(split[f"{p}.2.up_proj.weight"], gate_up[2, 256:])
+    assert torch.equal(split[f"{p}.3.down_proj.weight"], down[3])
+    assert split[f"{p}.1.gate_proj.weight"].data_ptr() == gate_up[1].data_ptr()  # a view
+    # what the trainer sends: each expert's weights quantized, with its scales; accepted
+    spec = fp8_layout.blocks_for(lay)
+    assert spec is not None
+    sent = spec.apply(split)
+    assert sent[f"{p}.0.gate_proj.weight"].dtype == E4M3
+    assert tuple(sent[f"{p}.0.gate_proj.weight_scale_inv"].shape) == (2, 1)
+    assert fp8_layout.refusal(m, lay, sent.items()) is None
+    # sent fused and unquantized (quantize="none"): refused, naming it
+    why = fp8_layout.refusal(m, lay, [(f"{p}.gate_up_proj", gate_up)])
+    assert why is not None and why.startswith(
+        f"tensor '{p}.gate_up_proj' is bfloat16 fused experts"
+    )
+    # expert parallelism: a rank's shard of whole experts keeps their global numbers
+    mine = fp8_layout.unfused(
+        {f"{p}.down_proj": LocalShard(down[2:], (2, 0, 0), (4, 128, 256))}, lay
+    )
+    assert sorted(mine) == [f"{p}.2.down_proj.weight", f"{p}.3.down_proj.weight"]
+    assert torch.equal(mine[f"{p}.3.down_proj.weight"], down[3])
+    with pytest.raises(PlanError, match="cuts its experts"):
+        fp8_layout.unfused(
+            {f"{p}.down_proj": LocalShard(down[:, :64], (0, 0, 0), (4, 128, 256))}, lay
+        )
+    # an engine without FP8 experts gets them fused, as vLLM loads them (untouched)
+    assert fp8_layout.unfused(fused, fp8_layout.engine_layout(model())) is fused

@@ -149,7 +149,7 @@ class DeltackptWorkerExtension:
             fp8 = fp8_layout.blocks_for(layout)
 
             def load_weights(w: Any) -> None:
-                w = fp8_layout.for_engine(fp8, cfg.dtype, list(w))
+                w = fp8_layout.for_engine(layout, fp8, cfg.dtype, list(w))
                 refused = fp8_layout.refusal(model, layout, w)
                 if refused is not None:
                     raise PlanError(f"deltackpt_follow: {refused}")

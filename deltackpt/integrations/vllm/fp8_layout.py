@@ -9,6 +9,10 @@ round that would write another dtype into an FP8 parameter (docs/sync.md, "FP8 e
   deltackpt does not quantize (MoE experts, per-tensor scales);
 * :func:`publish` / :func:`read` carry it through the group's store at the trainer's init;
 * :func:`blocks_for` (trainer): the :class:`Fp8Blocks` of that layout;
+* :func:`unfused` (trainer, and the store route): transformers 5's fused experts
+  (``experts.gate_up_proj`` [E, 2I, H]) split into the per-expert weights vLLM quantizes and
+  loads one by one (sent fused in bf16, vLLM's loader wrote them unscaled: garbage experts
+  with scales of 1e32, found by a probe; now refused too);
 * :func:`refusal` (worker, at each commit): why a round's tensors cannot go into the FP8
   parameters, before anything is loaded (the round is voted down and every worker keeps the
   previous version).
@@ -17,13 +21,14 @@ round that would write another dtype into an FP8 parameter (docs/sync.md, "FP8 e
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.integrations.vllm.tp_boxes import module_of
-from deltackpt.sync import PlanError, SyncGroup
+from deltackpt.sync import LocalShard, PlanError, SyncGroup
 from deltackpt.sync.dtypes import is_fp8, named_dtype
 from deltackpt.sync.fp8 import Fp8Blocks
 
@@ -34,6 +39,7 @@ __all__ = [
     "publish",
     "read",
     "refusal",
+    "unfused",
 ]
 
 KEY = "vllm/fp8"
@@ -75,6 +81,65 @@ def _expert(name: str, prefixes: set[str] | dict[str, Any]) -> str | None:
         return None
     prefix = ".".join(parts[:-3])
     return prefix if prefix in prefixes else None
+
+
+# transformers 5 holds each MoE layer's experts fused: ``<prefix>.gate_up_proj`` [E, 2I, H] (each
+# expert's gate rows, then its up rows) and ``<prefix>.down_proj`` [E, H, I]
+FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _fused_expert(name: str, prefixes: set[str] | dict[str, Any]) -> str | None:
+    """The experts prefix of a fused expert tensor ``name`` (``<prefix>.gate_up_proj``)."""
+    prefix, _, last = name.rpartition(".")
+    return prefix if last in FUSED and prefix in prefixes else None
+
+
+def unfused(tensors: Mapping[str, Any], layout: dict[str, Any] | None) -> Mapping[str, Any]:
+    """``tensors`` with the fused expert tensors of the engine's block-FP8 experts (transformers
+    5's ``experts.gate_up_proj`` / ``experts.down_proj``) as the per-expert checkpoint weights
+    vLLM loads and quantizes one by one (``experts.<e>.gate_proj.weight``...; views, no copy).
+    A trainer rank's shard of whole experts (``Shard(0)`` of the experts, as expert parallelism
+    splits them) gives those experts under their global numbers; a shard that cuts an expert
+    raises :class:`PlanError`. Without such experts ``tensors`` is returned as it is."""
+    experts = set(layout.get("experts") or []) if layout is not None else set()
+    if not experts or not any(_fused_expert(n, experts) for n in tensors):
+        return tensors
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        prefix = _fused_expert(name, experts)
+        if prefix is None:
+            out[name] = t
+            continue
+        local, off, shape = _local_part(t)
+        if len(shape) != 3:
+            raise PlanError(
+                f"tensor {name!r} has shape {list(shape)}; fused experts of {prefix} are "
+                "expected as [experts, rows, columns] (transformers 5's layout)"
+            )
+        if off is not None and (any(off[1:]) or tuple(local.shape[1:]) != tuple(shape[1:])):
+            raise PlanError(
+                f"tensor {name!r}: this rank holds {list(local.shape)} at {list(off)} of "
+                f"{list(shape)}, which cuts its experts; shard fused experts by whole experts "
+                "(dim 0), send whole tensors, or quantize them yourself and pass "
+                "quantize='none'"
+            )
+        first = 0 if off is None else off[0]
+        projs = FUSED[name.rpartition(".")[2]]
+        rows = shape[1] // len(projs)
+        for j in range(local.shape[0]):
+            for k, proj in enumerate(projs):
+                out[f"{prefix}.{first + j}.{proj}.weight"] = local[j, k * rows : (k + 1) * rows]
+    return out
+
+
+def _local_part(t: Any) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]]:
+    """``(local tensor, its offset or None for a whole tensor, global shape)``."""
+    if isinstance(t, LocalShard):
+        return t.tensor, tuple(int(x) for x in t.offset), tuple(int(x) for x in t.shape)
+    if is_dtensor(t):
+        off, _ = local_box(t, "fused experts")
+        return local_tensor(t), off, tuple(t.shape)
+    return t, None, tuple(t.shape)
 
 
 def engine_layout(model: Any) -> dict[str, Any] | None:
@@ -190,13 +255,17 @@ def blocks_for(layout: dict[str, Any] | None) -> Fp8Blocks | None:
 
 
 def for_engine(
-    spec: Fp8Blocks | None, cast: torch.dtype | None, items: list[tuple[str, torch.Tensor]]
+    layout: dict[str, Any] | None,
+    spec: Fp8Blocks | None,
+    cast: torch.dtype | None,
+    items: list[tuple[str, torch.Tensor]],
 ) -> list[tuple[str, torch.Tensor]]:
-    """``items`` as an engine of ``spec`` holds them (the follow path: a store's tensors),
-    each picked weight cast to ``cast`` and quantized, followed by its scales."""
+    """``items`` as an engine of ``layout`` / ``spec`` holds them (the follow path: a store's
+    tensors): fused experts split (:func:`unfused`), each picked weight cast to ``cast`` and
+    quantized, followed by its scales."""
     if spec is None:
         return items
-    return list(spec.apply(dict(items), cast=cast).items())
+    return list(spec.apply(unfused(dict(items), layout), cast=cast).items())
 
 
 def refusal(
@@ -219,6 +288,16 @@ def refusal(
         # up under the name its module has
         vname = (mapper(name) if mapper is not None else None) or name
         dt = str(t.dtype).removeprefix("torch.")
+        fused = _fused_expert(vname, experts) or _fused_expert(name, experts)
+        if fused is not None and not is_fp8(t.dtype):
+            assert layout is not None
+            return (
+                f"tensor {name!r} is {dt} fused experts but the engine holds the experts of "
+                f"{fused} as block FP8 ({layout['dtype']}, blocks {layout['block']}): sent as "
+                "it is, vLLM's loader would write it unscaled. Start the trainer with "
+                "DeltackptTrainerInitInfo(quantize='auto') (the default), which splits fused "
+                "experts and sends each quantized with its scales"
+            )
         prefix = _expert(vname, experts)
         if prefix is not None:
             if not is_fp8(t.dtype):

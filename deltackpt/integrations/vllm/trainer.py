@@ -190,6 +190,7 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         self._serving: int | None = None  # the version the engine serves, as far as we know
         # what the engine holds as block FP8, quantized so on every send (quantize="auto")
         self.fp8: Fp8Blocks | None = None
+        self._layout: dict[str, Any] | None = None  # the engine's FP8 layout (fp8_layout.py)
 
     @classmethod
     def trainer_init(
@@ -242,7 +243,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             raise
         if init_info.quantize == "auto":  # the first worker's layout (the same on every one)
             try:
-                eng.fp8 = fp8_layout.blocks_for(fp8_layout.read(eng.group, n))
+                eng._layout = fp8_layout.read(eng.group, n)
+                eng.fp8 = fp8_layout.blocks_for(eng._layout)
             except BaseException:  # (an FP8 form we do not quantize): release the workers
                 eng.shutdown()
                 raise
@@ -317,7 +319,8 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
             try:
                 # each cast to the sender's dtype= first (what it would travel as)
                 cast = self.sender.dtype if isinstance(self.sender.dtype, torch.dtype) else None
-                tensors = self.fp8.apply(tensors, cast=cast)
+                # (transformers 5's fused experts split per expert, as vLLM loads them)
+                tensors = self.fp8.apply(fp8_layout.unfused(tensors, self._layout), cast=cast)
             except PlanError as e:  # (a shard of a quantized weight): refused on every rank
                 refusal = str(e)
         refusal = refusal or self._check_declared(tensors)
