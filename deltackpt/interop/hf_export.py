@@ -22,7 +22,9 @@ Block FP8 (``fp8=True`` or an :class:`~deltackpt.sync.fp8.Fp8Blocks`): the chose
 written as ``float8_e4m3fn`` in 128 x 128 blocks, each followed by its ``weight_scale_inv``, and
 the config gets the ``quantization_config`` vLLM and transformers read (``quant_method: fp8``,
 ``weight_block_size``): the checkpoint an engine that serves FP8 starts from, made by the same
-quantizer the trainer's refit into that engine uses (docs/sync.md, "FP8 engines").
+quantizer the trainer's refit into that engine uses (docs/sync.md, "FP8 engines"). Experts
+saved fused (transformers 5's ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``) are
+written per expert (``experts.<e>.gate_proj.weight``...), as vLLM's FP8 MoE loader takes them.
 
 Atomicity: every file is written to a hidden temporary name in ``out_dir``, fsynced, then
 renamed into place, the index last; a failed export removes its temporaries, so a reader never
@@ -97,6 +99,7 @@ class ExportItem:
     block: tuple[int, int] = (128, 128)
     qdtype: torch.dtype = torch.float8_e4m3fn
     cast: torch.dtype | None = None
+    part: tuple[int, int, int] | None = None  # (expert, first row, end row) of a 3-D entry
 
     @property
     def nbytes(self) -> int:
@@ -214,6 +217,30 @@ def config_doc(
     return doc
 
 
+# transformers 5 holds each MoE layer's experts fused: ``<...>.experts.gate_up_proj`` [E, 2I, H]
+# (each expert's gate rows, then its up rows) and ``<...>.experts.down_proj`` [E, H, I]
+_FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _experts_split(
+    name: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
+    """``(name, shape, part)`` of what an FP8 export writes for entry ``name``: itself, or, for
+    fused experts, each expert's checkpoint weights (``experts.<e>.gate_proj.weight``...), the
+    names vLLM's FP8 MoE loader quantizes one by one (fused, they would be left bf16 where the
+    config promises FP8 experts)."""
+    prefix, _, last = name.rpartition(".")
+    if last not in _FUSED or not prefix.endswith("experts") or len(shape) != 3:
+        return [(name, tuple(shape), None)]
+    projs = _FUSED[last]
+    rows = shape[1] // len(projs)
+    return [
+        (f"{prefix}.{e}.{proj}.weight", (rows, shape[2]), (e, k * rows, (k + 1) * rows))
+        for e in range(shape[0])
+        for k, proj in enumerate(projs)
+    ]
+
+
 def fp8_unquantized(doc: dict[str, Any] | None, plan: ExportPlan) -> None:
     """Name in ``doc``'s ``quantization_config`` the modules of the 2-D weights the export left
     unquantized (``ignored_layers``, vLLM's key; ``modules_to_not_convert``, transformers'): a
@@ -268,13 +295,17 @@ def plan_export(
                 tied[name] = views[view]
                 continue
             views[view] = name
-        if fp8 is not None and fp8.chooses(name, out, len(e.shape)):
-            blocks = block_grid(e.shape, fp8.block)
-            q = ExportItem(name, i, fp8.dtype, e.shape, "q", fp8.block, fp8.dtype, out)
-            items += [q, replace(q, name=name + SCALE_SUFFIX, dtype=torch.float32,
-                                 shape=blocks, fp8="scale")]  # fmt: skip
+        if fp8 is None:
+            items.append(ExportItem(name, i, out, e.shape))
             continue
-        items.append(ExportItem(name, i, out, e.shape))
+        for each, shape, part in _experts_split(name, e.shape):
+            if not fp8.chooses(each, out, len(shape)):
+                items.append(ExportItem(each, i, out, shape, part=part))
+                continue
+            blocks = block_grid(shape, fp8.block)
+            q = ExportItem(each, i, fp8.dtype, shape, "q", fp8.block, fp8.dtype, out, part)
+            items += [q, replace(q, name=each + SCALE_SUFFIX, dtype=torch.float32,
+                                 shape=blocks, fp8="scale")]  # fmt: skip
     shards: list[list[ExportItem]] = []
     cur: list[ExportItem] = []
     size = 0
@@ -453,7 +484,11 @@ def _read_batch(
     if ours moved while we read, read again once from the fresh manifest (as ``load`` does)."""
     while True:
         r = Reads(m)
-        got = [read_entry(r, m.tensors[it.index]) for it in batch]
+        once: dict[int, torch.Tensor] = {}  # (the experts of one fused entry: read once)
+        for it in batch:
+            if it.index not in once:
+                once[it.index] = read_entry(r, m.tensors[it.index])
+        got = [once[it.index] for it in batch]
         try:
             # pack maps are opened per batch: their pages leave this process's RSS with them
             with st.pack_readers() as packs:
@@ -481,13 +516,17 @@ def _write_file(
         w = StreamWriter(f, layout)
         for batch in _batches(items):
             m, got = _read_batch(st, m, batch, opts)
-            quantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            quantized: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
             for it, t in zip(batch, got, strict=True):
+                if it.part is not None:  # one expert's rows of a fused entry
+                    e, r0, r1 = it.part
+                    t = t[e, r0:r1]
                 if it.fp8 is not None:  # the weight's FP8 bytes or its scales, quantized once
-                    if it.index not in quantized:
+                    key = (it.index, it.part)
+                    if key not in quantized:
                         src = t.to(it.cast) if it.cast is not None else t
-                        quantized[it.index] = quantize_blocks(src, it.block, it.qdtype)
-                    t = quantized[it.index][0 if it.fp8 == "q" else 1]
+                        quantized[key] = quantize_blocks(src, it.block, it.qdtype)
+                    t = quantized[key][0 if it.fp8 == "q" else 1]
                 w.write(it.name, t.to(it.dtype) if t.dtype != it.dtype else t)
                 if progress is not None:
                     progress(it.nbytes)

@@ -227,3 +227,44 @@ def test_fp8_export_writes_block_fp8_weights_with_their_scales(trained, tmp_path
         assert "model.embed_tokens" in ignored
     with pytest.raises(InvalidArgumentError, match=r"fp8='yes' is invalid"):
         deltackpt.export_hf(store, "s3", tmp_path / "bad", fp8="yes")
+
+
+def test_fp8_export_writes_fused_experts_per_expert(tmp_path):
+    """A store saved from transformers 5 holds each MoE layer's experts fused
+    (``experts.gate_up_proj`` [E, 2I, H], gate rows then up rows; ``experts.down_proj``): the
+    FP8 export writes them as vLLM's FP8 MoE loader takes them, per expert, each quantized with
+    its scales (left fused they stayed bf16 where the config promises FP8 experts). Each fused
+    entry is read once per batch; a bf16 export keeps them fused."""
+    from safetensors.torch import load_file
+
+    from deltackpt.sync.fp8 import quantize_blocks
+
+    g = torch.Generator().manual_seed(3)
+    p = "model.layers.0.mlp.experts"
+    sd = {
+        f"{p}.gate_up_proj": torch.randn(3, 256, 128, generator=g).to(torch.bfloat16),
+        f"{p}.down_proj": torch.randn(3, 128, 128, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.gate.weight": torch.randn(3, 128, generator=g).to(torch.bfloat16),
+    }
+    deltackpt.save({"model": sd}, tmp_path / "s", "v0")
+    for shard in ("5GB", "40KB"):
+        out = tmp_path / f"fp8-{shard}"
+        r = deltackpt.export_hf(tmp_path / "s", "v0", out, fp8=True, max_shard_size=shard)
+        got: dict[str, torch.Tensor] = {}
+        for f in r.files:
+            if f.endswith(".safetensors"):
+                got.update(load_file(str(out / f)))
+        for e in range(3):
+            for name, w in [
+                (f"{p}.{e}.gate_proj.weight", sd[f"{p}.gate_up_proj"][e, :128]),
+                (f"{p}.{e}.up_proj.weight", sd[f"{p}.gate_up_proj"][e, 128:]),
+                (f"{p}.{e}.down_proj.weight", sd[f"{p}.down_proj"][e]),
+            ]:
+                q, s = quantize_blocks(w)
+                assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+                assert torch.equal(got[name + "_scale_inv"], s), name
+        assert f"{p}.gate_up_proj" not in got and len(got) == 3 * 3 * 2 + 1
+        assert got["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16  # the router
+    plain = deltackpt.export_hf(tmp_path / "s", "v0", tmp_path / "bf16")
+    kept = load_file(str(tmp_path / "bf16" / plain.files[0]))
+    assert torch.equal(kept[f"{p}.gate_up_proj"], sd[f"{p}.gate_up_proj"])
