@@ -147,7 +147,7 @@ def main(out_path: str) -> None:
     tmp = tempfile.mkdtemp(prefix="vllm-fp8-", dir=os.path.dirname(os.path.abspath(out_path)))
     # the engine starts from deltackpt's own FP8 export of a saved model (export_hf(fp8=True))
     start = tiny_moe(0)
-    deltackpt.save({"model": state(start)}, f"{tmp}/start-store", "v0")
+    deltackpt.save({"model": fused(start)}, f"{tmp}/start-store", "v0")  # experts fused
     deltackpt.export_hf(f"{tmp}/start-store", "v0", f"{tmp}/start", config=start.config, fp8=True)
     llm = LLM(
         model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
