@@ -43,11 +43,17 @@ __all__ = [
 REPLICAS = ("check", "trust")
 
 
-def replica_names(sched: Schedule, rank: int) -> tuple[str, ...]:
-    """The tensors of which trainer ``rank`` holds a box that other trainers hold too."""
-    return tuple(
-        t.name for t in sched.tensors if any(len(hs) > 1 and rank in hs for hs in t.holders)
-    )
+def replica_names(sched: Schedule, rank: int) -> dict[str, str]:
+    """The tensors of which trainer ``rank`` holds a box that other trainers hold too, each
+    with the key its digest goes under: the name, and the box's offset when the tensor has
+    several boxes (HSDP: each shard replicated over its own group of ranks)."""
+    out = {}
+    for t in sched.tensors:
+        for box, hs in zip(t.boxes, t.holders, strict=True):
+            if len(hs) > 1 and rank in hs:
+                where = "" if len(t.boxes) == 1 else f" at {list(box.offset)}"
+                out[t.name] = f"{t.name}{where}"
+    return out
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -64,9 +70,9 @@ def _digest(t: torch.Tensor) -> str:
     return f"x:{a:016x}{b:016x}"
 
 
-def replica_digests(local: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, str]:
-    """This rank's digest of each of its replicated tensors ``names``."""
-    return {n: _digest(local[n]) for n in names if n in local}
+def replica_digests(local: Mapping[str, torch.Tensor], names: Mapping[str, str]) -> dict[str, str]:
+    """This rank's digest of each of its replicated tensors (``names``: tensor -> key)."""
+    return {key: _digest(local[n]) for n, key in names.items() if n in local}
 
 
 def vote_value(version: int | None, digests: Mapping[str, str] | None) -> str:

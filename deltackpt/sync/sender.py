@@ -152,7 +152,7 @@ class WeightSender:
         self.encode = encode
         self.full_every = None if full_every is None else int(full_every)
         self.replicas = replicas
-        self._replicated: tuple[str, ...] = ()  # tensors other trainers hold too (_setup)
+        self._replicated: dict[str, str] = {}  # tensors other trainers hold too (_setup)
         self._checker: ThreadPoolExecutor | None = None  # digests them (made on first use)
         self._since_full = 0
         self._bases = DeviceBases()  # patches from changed elements found on the device too

@@ -19,13 +19,16 @@ from tests.sync._common import run_threads
 
 
 @contextmanager
-def three() -> Iterator[list[sync.SyncGroup]]:
-    """Trainers 0 and 1 and receiver 2 of one gloo group."""
+def three(trainers: int = 2) -> Iterator[list[sync.SyncGroup]]:
+    """Trainers 0 .. ``trainers`` - 1 and one receiver after them, of one gloo group."""
     port = free_port()
+    n = trainers + 1
     groups = run_threads(
         *[
-            lambda r=r: sync.SyncGroup("127.0.0.1", port, r, 3, [0, 1], timeout=10, links="gloo")
-            for r in range(3)
+            lambda r=r: sync.SyncGroup(
+                "127.0.0.1", port, r, n, range(trainers), timeout=10, links="gloo"
+            )
+            for r in range(n)
         ]
     )
     for g in groups:
@@ -54,16 +57,14 @@ def rounds(
 ) -> tuple[list[list[Any]], list[dict[str, torch.Tensor]], sync.WeightReceiver]:
     """Push ``versions`` in turn from both trainers; each round's outcomes per rank, and what
     the receiver held after each round."""
-    senders = [sync.WeightSender(groups[r], **kw) for r in (0, 1)]
+    ts = range(len(groups) - 1)
+    senders = [sync.WeightSender(groups[r], **kw) for r in ts]
     held: dict[str, torch.Tensor] = {}
-    receiver = sync.WeightReceiver(groups[2])
+    receiver = sync.WeightReceiver(groups[-1])
     outcomes, after = [], []
     for v in versions:
         out = run_threads(
-            *[
-                lambda r=r, v=v: senders[r].push(states(r, v), version=v, full=full(v))
-                for r in (0, 1)
-            ],
+            *[lambda r=r, v=v: senders[r].push(states(r, v), version=v, full=full(v)) for r in ts],
             lambda: receiver.pull(lambda items: held.update({n: t.clone() for n, t in items})),
         )
         outcomes.append(out)
@@ -93,6 +94,27 @@ def test_the_same_experts_declared_as_local_shards_go_through() -> None:
     assert all(not isinstance(o, BaseException) for o in out), out
     want = torch.cat([experts(0)["experts.w"], experts(1)["experts.w"]])
     assert torch.equal(held["experts.w"], want) and receiver.version == 1
+
+
+def test_shards_replicated_over_groups_of_ranks_are_compared_within_each_group() -> None:
+    """HSDP: ranks 0 and 1 hold rows 0..3 of ``w``, ranks 2 and 3 rows 4..7 (each shard
+    replicated over its own pair): each pair is compared within itself, then rank 3's copy
+    drifts and only its shard is named."""
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+
+    def state(rank: int, v: int) -> dict[str, Any]:
+        rows = slice(0, 4) if rank < 2 else slice(4, 8)
+        t = full[rows].clone()
+        if v == 2 and rank == 3:
+            t[0, 0] += 1
+        return {"w": sync.LocalShard(t, (rows.start, 0), (8, 8))}
+
+    with three(trainers=4) as groups:
+        outs, held, receiver = rounds(groups, state, [1, 2], full=lambda v: True)
+    assert all(not isinstance(o, BaseException) for o in outs[0]), outs[0]
+    assert torch.equal(held[0]["w"], full) and receiver.version == 1
+    assert all(isinstance(o, sync.RoundAbortedError) for o in outs[1]), outs[1]
+    assert "'w at [4, 0]' (rank 2 vs rank 3)" in str(outs[1][0]), outs[1][0]
 
 
 def test_replicas_that_drift_apart_are_found_at_the_next_full_round() -> None:
@@ -141,9 +163,9 @@ def test_cuda_replicas_are_digested_on_the_device() -> None:
     w = torch.randn(1000, 300).to(torch.bfloat16).cuda()
     drifted = w.clone()
     drifted[999, 299] += 1
-    a = replica_digests({"w": w}, ["w"])
-    assert a["w"].startswith("f:") and a == replica_digests({"w": w.clone()}, ["w"])
-    b = replica_digests({"w": drifted}, ["w"])
+    a = replica_digests({"w": w}, {"w": "w"})
+    assert a["w"].startswith("f:") and a == replica_digests({"w": w.clone()}, {"w": "w"})
+    b = replica_digests({"w": drifted}, {"w": "w"})
     assert "'w' (rank 0 vs rank 1)" in str(
         replicas_differ([0, 1], [vote_value(1, a), vote_value(1, b)])
     )

@@ -315,7 +315,7 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         if not isinstance(tensors, Mapping):
             tensors = dict(tensors)
         refusal = None
-        if self.fp8 is not None:  # what the engine holds as FP8, quantized in its blocks
+        if self.fp8 is not None and wrong_version is None:  # what the engine holds as FP8
             try:
                 # each cast to the sender's dtype= first (what it would travel as)
                 cast = self.sender.dtype if isinstance(self.sender.dtype, torch.dtype) else None
