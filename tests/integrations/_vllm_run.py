@@ -29,14 +29,15 @@ from _vllm_kill import Doomed, kill_round
 PROMPTS = [[1, 2, 3, 4], [17, 300, 5], [400, 9, 9, 2, 77]]
 
 
-def tiny_qwen2(seed: int) -> torch.nn.Module:
-    """A random-initialised two-layer Qwen2 (head_dim 64: CPU attention kernels need it)."""
+def tiny_qwen2(seed: int, tied: bool = False) -> torch.nn.Module:
+    """A random-initialised two-layer Qwen2 (head_dim 64: CPU attention kernels need it);
+    ``tied``: its LM head is its embedding (as in Qwen2.5-0.5B)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )  # fmt: skip
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg).to(torch.bfloat16)
@@ -231,8 +232,9 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
 
     bad_init = {} if short else refused_init(WeightTransferTrainerFactory, DeltackptTrainerInitInfo)
     tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-")
-    tiny_qwen2(0).save_pretrained(f"{tmp}/start")  # the engine starts from other weights
-    trainer = tiny_qwen2(1)
+    # the engine starts from other weights; the short run's model ties its embeddings
+    tiny_qwen2(0, tied=short).save_pretrained(f"{tmp}/start")
+    trainer = tiny_qwen2(1, tied=short)
     # the trainer process the full run kills mid-round starts its interpreter meanwhile
     doomed = None if short else Doomed()
     llm = engine(f"{tmp}/start", transfer=True, extension=not short, core_here=short)
@@ -242,10 +244,11 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     res: dict[str, Any] = {"rounds": [], "asked": links, "links": eng.group.links}
     res["links_reason"] = eng.group.links_reason
     res["bad_init"] = bad_init
+    res["ignores"] = sorted(eng.ignores)  # what the engine ignores: never sent
     gen = torch.Generator().manual_seed(2)
 
     def check(tag: str, stats: Any) -> None:
-        sd = {k: v.detach() for k, v in trainer.state_dict().items()}
+        sd = {k: v.detach() for k, v in trainer.state_dict().items() if k not in eng.ignores}
         version, got = _unpack(llm.collective_rpc(_committed)[0])
         readable = _unpack(llm.collective_rpc(_readable)[0])
         want = expected_readable(sd, list(readable))

@@ -77,6 +77,17 @@ def test_every_round_commits_the_trainers_bits(either):
         assert r["engine_version"] == str(r["version"]), r["tag"]
 
 
+def test_an_lm_head_tied_to_the_embedding_is_not_sent(run, other):
+    """The short run's model ties its embeddings (as Qwen2.5-0.5B does): the workers say their
+    model ignores ``lm_head.weight`` (vLLM's LM head is then the embedding) and the trainer
+    leaves it out of every round; the engine still equals vLLM's own load of the weights. The
+    untied model of the full run sends it."""
+    assert other["ignores"] == ["lm_head.weight"] and run["ignores"] == []
+    tied, untied = rounds(other)["full"]["sent"], rounds(run)["full"]["sent"]
+    assert untied - tied == 512 * 128 * 2  # the embedding's bytes, once instead of twice
+    assert other["readable_same_as_fresh"] and other["tokens"] == other["fresh_tokens"]
+
+
 def test_both_linear_layouts_run(run, other):
     assert (layout(run), layout(other)) == ("keep", "repack")
     # every parameter readable where they are kept, fused ones too
@@ -86,7 +97,8 @@ def test_both_linear_layouts_run(run, other):
 
 def test_every_parameter_reports_its_path(either):
     paths, repacked = either["paths"], layout(either) == "repack"
-    assert len(paths) == 2 * 12 + 3  # 2 layers of 12 tensors, embed, norm, lm_head
+    tied = either["ignores"] == ["lm_head.weight"]  # (the short run: never sent)
+    assert len(paths) == 2 * 12 + 3 - tied  # 2 layers of 12 tensors, embed, norm, lm_head
     weights = [n for n in paths if n.endswith("proj.weight")]
     assert len(weights) == 2 * 7
     norms = [n for n in paths if "norm" in n]
@@ -94,7 +106,7 @@ def test_every_parameter_reports_its_path(either):
     # repacked weights reload (the kernel holds a copy); kept ones are written in place
     want = "load_weights" if repacked else "in place"
     assert all(paths[n]["path"] == want for n in weights), paths
-    assert paths["lm_head.weight"]["path"] == want
+    assert tied or paths["lm_head.weight"]["path"] == want
     tail = ", then repacked into a CPU kernel (the parameter is left empty)"
     q = paths["model.layers.0.self_attn.q_proj.weight"]
     assert q["param"] == "model.layers.0.self_attn.qkv_proj.weight"

@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from deltackpt.integrations.vllm import BACKEND, fp8_layout, register, served
+from deltackpt.integrations.vllm import BACKEND, fp8_layout, joins, register
 from deltackpt.integrations.vllm.fairlock import FairLock
 from deltackpt.integrations.vllm.init_args import check_trainer_init
 from deltackpt.sync import PlanError, RoundStats, SyncGroup, WeightSender
@@ -191,6 +191,9 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         # what the engine holds as block FP8, quantized so on every send (quantize="auto")
         self.fp8: Fp8Blocks | None = None
         self._layout: dict[str, Any] | None = None  # the engine's FP8 layout (fp8_layout.py)
+        # checkpoint names every worker's model ignores (an LM head tied to the embedding):
+        # never sent (joins.py)
+        self.ignores: frozenset[str] = frozenset()
 
     @classmethod
     def trainer_init(
@@ -236,8 +239,9 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         )
         if joined is not None:
             joined.result()
-        try:  # what the engine serves: this trainer's versions follow it (served.py)
-            eng._serving = served.read(eng.group, range(n, n + int(init_info.num_workers)))
+        try:  # what the engine serves (this trainer's versions follow it), what it ignores
+            joined = joins.read(eng.group, range(n, n + int(init_info.num_workers)))
+            eng._serving, eng.ignores = joined.serving, joined.ignores
         except BaseException:
             eng.shutdown()
             raise
@@ -295,6 +299,9 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
         vLLM's ``sleep(level=2)`` and ``wake_up()``, which discard the engine's weights while
         the workers keep the last version (a delta would write only what changed).
 
+        Tensors every worker's model ignores (:attr:`ignores`: an ``lm_head.weight`` tied to the
+        embedding) are left out.
+
         A ``version`` at or below the one the engine serves is refused (:class:`PlanError`,
         nothing sent): the label would name two different sets of weights. ``rewind=True``
         allows it, after the training run was restored to an earlier checkpoint and the
@@ -308,12 +315,14 @@ class DeltackptTrainerEngine(TrainerWeightTransferEngine[DeltackptTrainerInitInf
                 raise ValueError("send_weights: pass the tensors or a source at trainer_init")
             tensors = source_tensors(self.source)
         try:
-            version = served.next_version(version, self.sender.version, self._serving, rewind)
+            version = joins.next_version(version, self.sender.version, self._serving, rewind)
             wrong_version = None
         except PlanError as e:  # on every rank through the agreement (ranks may differ)
             version, wrong_version = 0, str(e)
         if not isinstance(tensors, Mapping):
             tensors = dict(tensors)
+        if self.ignores and any(n in self.ignores for n in tensors):  # (tied embeddings)
+            tensors = {n: t for n, t in tensors.items() if n not in self.ignores}
         refusal = None
         if self.fp8 is not None and wrong_version is None:  # what the engine holds as FP8
             try:

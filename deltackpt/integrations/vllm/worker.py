@@ -62,7 +62,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltackpt import cuda
-from deltackpt.integrations.vllm import feed, fp8_layout, inplace, served, tp_boxes
+from deltackpt.integrations.vllm import feed, fp8_layout, inplace, joins, tp_boxes
 from deltackpt.integrations.vllm.feed import layer_key, model_device, reload_batch
 from deltackpt.options import vllm_staging, vllm_undo_dir
 from deltackpt.sync import RoundAbortedError, RoundStats, SyncError, SyncGroup, WeightReceiver
@@ -407,7 +407,9 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         self.fp8 = fp8_layout.engine_layout(self.model)
         dtype = self.model_config.dtype
         fp8_layout.publish(self.group, self.fp8)
-        served.publish(self.group, self.version)  # the trainer's versions continue after it
+        # the trainer's versions continue after this one; it leaves out what the model ignores
+        ignores = joins.ignored_names(self.model, self.model_config.hf_config)
+        joins.publish(self.group, self.version, ignores)
         self.tp_boxes = tp_boxes.enabled(init_info.tp_boxes)
         self.inplace = inplace.enabled(init_info.inplace)
         # a staged round moves its commit's device copies ahead (read here: a malformed value
