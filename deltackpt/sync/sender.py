@@ -379,7 +379,16 @@ class WeightSender:
         if full and self.replicas == "check" and self._replicated and staged is None:
             if self._checker is None:
                 self._checker = ThreadPoolExecutor(1, thread_name_prefix="sync-replicas")
-            rep = self._checker.submit(replica_digests, self._local, self._replicated)
+            # on the caller's streams: after its writes to the tensors (a thread starts on the
+            # default stream)
+            devs = [t.device for t in self._local.values() if cuda.is_device(t)]
+            rep = self._checker.submit(
+                cuda.on_streams,
+                cuda.current_streams(devs),
+                replica_digests,
+                self._local,
+                self._replicated,
+            )
         self._detector.start_round(local, unchanged, scanned)
         failure, cause, lost, wire_bytes, sent, zero_copy = self._send_all(
             sched, seq, int(version), full, digests, per_link, staged, device
