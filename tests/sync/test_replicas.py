@@ -169,3 +169,18 @@ def test_cuda_replicas_are_digested_on_the_device() -> None:
     assert "'w' (rank 0 vs rank 1)" in str(
         replicas_differ([0, 1], [vote_value(1, a), vote_value(1, b)])
     )
+
+
+@pytest.mark.gpu
+def test_cuda_trainers_holding_their_own_experts_fail_the_round() -> None:
+    """The whole path with the trainers' tensors on the GPU (the host mirror's rounds): the
+    replicas are digested on the device, on the caller's stream, and the round fails."""
+
+    def on_gpu(rank: int, v: int) -> dict[str, torch.Tensor]:
+        return {n: t.cuda() for n, t in experts(rank).items()}
+
+    with three() as groups:
+        (out,), (held,), receiver = rounds(groups, on_gpu, [1])
+    assert all(isinstance(o, sync.RoundAbortedError) for o in out), out
+    assert "'experts.w' (rank 0 vs rank 1)" in str(out[0])
+    assert receiver.version is None and held == {}
