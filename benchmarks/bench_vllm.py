@@ -74,6 +74,9 @@ SIZES: dict[str, dict[str, int]] = {
                  num_attention_heads=12, num_key_value_heads=4),
     "300m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=16,
                  num_attention_heads=16, num_key_value_heads=4),
+    # Qwen2.5-0.5B's shapes (its vocabulary: 27% of its parameters are the embedding)
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
     "500m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=16, num_key_value_heads=4),
 }  # fmt: skip
@@ -86,11 +89,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_model(size: str, path: str) -> dict[str, tuple[int, ...]]:
+TIED = "lm_head.weight"  # with --tied: the embedding's tensor under a second name
+
+
+def write_model(size: str, path: str, tied: bool = False) -> dict[str, tuple[int, ...]]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        max_position_embeddings=256, tie_word_embeddings=False, torch_dtype="bfloat16",
+        max_position_embeddings=256, tie_word_embeddings=tied, torch_dtype="bfloat16",
         **SIZES[size],
     )  # fmt: skip
     torch.manual_seed(0)
@@ -113,6 +119,8 @@ def reload_from_safetensors(llm: Any, sd: dict[str, torch.Tensor], tmp: str) -> 
 
     d = tempfile.mkdtemp(dir=tmp)
     t0 = time.perf_counter()
+    if TIED in sd and sd[TIED] is sd["model.embed_tokens.weight"]:  # as save_pretrained does
+        sd = {k: v for k, v in sd.items() if k != TIED}
     save_file(sd, f"{d}/model.safetensors")
     llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
     dt = time.perf_counter() - t0
@@ -122,15 +130,22 @@ def reload_from_safetensors(llm: Any, sd: dict[str, torch.Tensor], tmp: str) -> 
 
 
 def versions(
-    shapes: dict[str, tuple[int, ...]], lr: float, warmup: int
+    shapes: dict[str, tuple[int, ...]], lr: float, warmup: int, tied: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
     """(before, after, changed fraction): the AdamW recipe tensor by tensor (bounded memory)."""
     before, after, changed, total = {}, {}, 0.0, 0
     for i, (name, shape) in enumerate(shapes.items()):
+        if tied and name == TIED:
+            continue
         (v0,), (v1,) = rl_like_versions([shape], lr=lr, warmup=warmup, seed=1 + i)
         before[name], after[name] = v0, v1
         changed += changed_fraction([v0], [v1]) * v0.numel()
         total += v0.numel()
+    if tied:  # a trainer's state dict of a tied model: one tensor under both names
+        before[TIED], after[TIED] = (
+            before["model.embed_tokens.weight"],
+            after["model.embed_tokens.weight"],
+        )
     return before, after, changed / total
 
 
@@ -240,15 +255,17 @@ def spread(xs: list[float]) -> str:
     return f"{median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
 
-def bench_size(size: str, tmp: str, repeats: int, links: str = "auto") -> list[list[Any]]:
+def bench_size(
+    size: str, tmp: str, repeats: int, links: str = "auto", tied: bool = False
+) -> list[list[Any]]:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
 
-    shapes = write_model(size, f"{tmp}/start")
-    nparams = sum(torch.Size(s).numel() for s in shapes.values())
+    shapes = write_model(size, f"{tmp}/start", tied)
+    nparams = sum(torch.Size(s).numel() for n, s in shapes.items() if not (tied and n == TIED))
     llm = LLM(
         model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4,
@@ -257,13 +274,14 @@ def bench_size(size: str, tmp: str, repeats: int, links: str = "auto") -> list[l
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     label = f"{size} ({nparams / 1e6:.3g}M params, {fmt_bytes(2 * nparams)} bf16)"
+    label += ", tied embeddings" if tied else ""
     chosen = eng.group.links  # links="auto": what the group took (link_choice.py)
     label += f", {chosen} links" + (" (auto)" if links == "auto" else "")
     mem0 = llm.collective_rpc(_rss)[0]  # the engine with its model, before any round
     rows: list[list[Any]] = []
     version = 0
     for step, lr, warmup in (("rl", 1e-6, 2), ("pretrain", PRETRAIN_LR, 0)):
-        before, after, frac = versions(shapes, lr, warmup)
+        before, after, frac = versions(shapes, lr, warmup, tied)
         changed = f"{100 * frac:.1f}%"
         if version == 0:  # the engine's first round builds the schedule: on its own
             version += 1
@@ -506,6 +524,13 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median, range)")
     ap.add_argument(
+        "--tied",
+        default="no",
+        help="no, yes or no,yes: models that tie their word embeddings (as Qwen2.5-0.5B does; "
+        "the trainer's state has the embedding under lm_head.weight too, which the engine "
+        "ignores), each size once per choice",
+    )
+    ap.add_argument(
         "--tp-memory",
         action="store_true",
         help="only host memory per worker at TP=2, every tensor whole vs tp_boxes (module doc)",
@@ -526,6 +551,9 @@ def main() -> None:
         "where the workers share this host's memory, else gloo), or one by name",
     )
     args = ap.parse_args()
+    ties = [{"no": False, "yes": True}[t] for t in args.tied.split(",")]
+    if any(ties) and args.tp_memory:
+        ap.error("--tied is for the rounds' rows, not --tp-memory")
     if args.linear != "auto":
         force_linear_layout(args.linear)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -546,11 +574,12 @@ def main() -> None:
     limits = machine_limits()
     rows: list[list[Any]] = []
     for size in args.sizes.split(","):
-        tmp = tempfile.mkdtemp(prefix=f"deltackpt-bench-vllm-{size}-")
-        try:
-            rows += bench_size(size, tmp, args.repeats, args.links)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        for tied in ties:
+            tmp = tempfile.mkdtemp(prefix=f"deltackpt-bench-vllm-{size}-")
+            try:
+                rows += bench_size(size, tmp, args.repeats, args.links, tied)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     print()
     print(f"`{' '.join([os.path.relpath(sys.executable), *sys.argv])}`, torch threads "
           f"{torch.get_num_threads()}, {os.cpu_count()} cores, {args.repeats} repeats\n")  # fmt: skip
