@@ -57,18 +57,15 @@ MOE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_inter
 
 def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers 5's fused experts under the checkpoint's per-expert names."""
+    from deltackpt.sync.fp8 import expert_parts
+
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
-        if k.endswith("experts.gate_up_proj"):
-            p, inter = k.removesuffix("gate_up_proj"), v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{p}{e}.gate_proj.weight"] = v[e, :inter].contiguous()
-                out[f"{p}{e}.up_proj.weight"] = v[e, inter:].contiguous()
-        elif k.endswith("experts.down_proj"):
-            for e in range(v.shape[0]):
-                out[f"{k.removesuffix('down_proj')}{e}.down_proj.weight"] = v[e].contiguous()
-        else:
+        parts = expert_parts(k, tuple(v.shape))
+        if parts is None:
             out[k] = v
+        for name, _, (e, r0, r1) in parts or []:
+            out[name] = v[e, r0:r1].contiguous()
     return out
 
 

@@ -55,7 +55,13 @@ from deltackpt.interop.safetensors_io import StreamWriter, st_dtype
 from deltackpt.loading.plan import Reads, read_entry
 from deltackpt.options import LoadOptions
 from deltackpt.store.store import LATEST, Store, open_store
-from deltackpt.sync.fp8 import SCALE_SUFFIX, Fp8Blocks, block_grid, quantize_blocks
+from deltackpt.sync.fp8 import (
+    SCALE_SUFFIX,
+    Fp8Blocks,
+    block_grid,
+    expert_parts,
+    quantize_blocks,
+)
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -217,30 +223,6 @@ def config_doc(
     return doc
 
 
-# transformers 5 holds each MoE layer's experts fused: ``<...>.experts.gate_up_proj`` [E, 2I, H]
-# (each expert's gate rows, then its up rows) and ``<...>.experts.down_proj`` [E, H, I]
-_FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
-def _experts_split(
-    name: str, shape: tuple[int, ...]
-) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
-    """``(name, shape, part)`` of what an FP8 export writes for entry ``name``: itself, or, for
-    fused experts, each expert's checkpoint weights (``experts.<e>.gate_proj.weight``...), the
-    names vLLM's FP8 MoE loader quantizes one by one (fused, they would be left bf16 where the
-    config promises FP8 experts)."""
-    prefix, _, last = name.rpartition(".")
-    if last not in _FUSED or not prefix.endswith("experts") or len(shape) != 3:
-        return [(name, tuple(shape), None)]
-    projs = _FUSED[last]
-    rows = shape[1] // len(projs)
-    return [
-        (f"{prefix}.{e}.{proj}.weight", (rows, shape[2]), (e, k * rows, (k + 1) * rows))
-        for e in range(shape[0])
-        for k, proj in enumerate(projs)
-    ]
-
-
 def fp8_unquantized(doc: dict[str, Any] | None, plan: ExportPlan) -> None:
     """Name in ``doc``'s ``quantization_config`` the modules of the 2-D weights the export left
     unquantized (``ignored_layers``, vLLM's key; ``modules_to_not_convert``, transformers'): a
@@ -298,7 +280,9 @@ def plan_export(
         if fp8 is None:
             items.append(ExportItem(name, i, out, e.shape))
             continue
-        for each, shape, part in _experts_split(name, e.shape):
+        # fused experts (transformers 5) per expert, as vLLM's FP8 MoE loader takes them
+        parts = expert_parts(name, e.shape) or [(name, e.shape, None)]
+        for each, shape, part in parts:
             if not fp8.chooses(each, out, len(shape)):
                 items.append(ExportItem(each, i, out, shape, part=part))
                 continue

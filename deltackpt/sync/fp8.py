@@ -41,6 +41,7 @@ __all__ = [
     "Fp8Blocks",
     "block_grid",
     "dequantize_blocks",
+    "expert_parts",
     "is_fp8",
     "quantize_blocks",
 ]
@@ -129,6 +130,29 @@ def dequantize_blocks(
         )
     s = scale_inv.float().repeat_interleave(b0, 0)[:o].repeat_interleave(b1, 1)[:, :i]
     return (q.float() * s).to(dtype)
+
+
+#: transformers 5 holds each MoE layer's experts fused: ``<...>.experts.gate_up_proj`` [E, 2I, H]
+#: (each expert's gate rows, then its up rows) and ``<...>.experts.down_proj`` [E, H, I]
+FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def expert_parts(
+    name: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, int], tuple[int, int, int]]] | None:
+    """For fused experts ``name`` of ``shape`` (:data:`FUSED_EXPERTS`), each expert's checkpoint
+    weight as ``(name, shape, (expert, first row, end row))`` (``experts.<e>.gate_proj.weight``
+    ..., the names vLLM's FP8 MoE loader quantizes one by one); None for any other tensor."""
+    prefix, _, last = name.rpartition(".")
+    if last not in FUSED_EXPERTS or not prefix.endswith("experts") or len(shape) != 3:
+        return None
+    projs = FUSED_EXPERTS[last]
+    rows = shape[1] // len(projs)
+    return [
+        (f"{prefix}.{e}.{proj}.weight", (rows, shape[2]), (e, k * rows, (k + 1) * rows))
+        for e in range(shape[0])
+        for k, proj in enumerate(projs)
+    ]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.integrations.vllm.tp_boxes import module_of
 from deltackpt.sync import LocalShard, PlanError, SyncGroup
 from deltackpt.sync.dtypes import is_fp8, named_dtype
-from deltackpt.sync.fp8 import Fp8Blocks
+from deltackpt.sync.fp8 import FUSED_EXPERTS, Fp8Blocks, expert_parts
 
 __all__ = [
     "blocks_for",
@@ -83,15 +83,11 @@ def _expert(name: str, prefixes: set[str] | dict[str, Any]) -> str | None:
     return prefix if prefix in prefixes else None
 
 
-# transformers 5 holds each MoE layer's experts fused: ``<prefix>.gate_up_proj`` [E, 2I, H] (each
-# expert's gate rows, then its up rows) and ``<prefix>.down_proj`` [E, H, I]
-FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
 def _fused_expert(name: str, prefixes: set[str] | dict[str, Any]) -> str | None:
-    """The experts prefix of a fused expert tensor ``name`` (``<prefix>.gate_up_proj``)."""
+    """The experts prefix of a fused expert tensor ``name`` (``<prefix>.gate_up_proj``,
+    :data:`~deltackpt.sync.fp8.FUSED_EXPERTS`)."""
     prefix, _, last = name.rpartition(".")
-    return prefix if last in FUSED and prefix in prefixes else None
+    return prefix if last in FUSED_EXPERTS and prefix in prefixes else None
 
 
 def unfused(tensors: Mapping[str, Any], layout: dict[str, Any] | None) -> Mapping[str, Any]:
@@ -111,7 +107,8 @@ def unfused(tensors: Mapping[str, Any], layout: dict[str, Any] | None) -> Mappin
             out[name] = t
             continue
         local, off, shape = _local_part(t)
-        if len(shape) != 3:
+        parts = expert_parts(name, shape)
+        if parts is None:
             raise PlanError(
                 f"tensor {name!r} has shape {list(shape)}; fused experts of {prefix} are "
                 "expected as [experts, rows, columns] (transformers 5's layout)"
@@ -124,11 +121,9 @@ def unfused(tensors: Mapping[str, Any], layout: dict[str, Any] | None) -> Mappin
                 "quantize='none'"
             )
         first = 0 if off is None else off[0]
-        projs = FUSED[name.rpartition(".")[2]]
-        rows = shape[1] // len(projs)
-        for j in range(local.shape[0]):
-            for k, proj in enumerate(projs):
-                out[f"{prefix}.{first + j}.{proj}.weight"] = local[j, k * rows : (k + 1) * rows]
+        for each, _, (e, r0, r1) in parts:  # this rank's experts, under their global numbers
+            if first <= e < first + local.shape[0]:
+                out[each] = local[e - first, r0:r1]
     return out
 
 
