@@ -209,7 +209,7 @@ def against_vllm_load(
     """Greedy tokens and every worker's readable parameters as ``eng``'s commits left them,
     then the same after vLLM's own load of the trainer's weights in this engine
     (``reload_weights``: its loader and post-processing on both workers) instead of a fresh
-    TP=2 engine (~30 s on 2 cores; test_vllm.py compares with a fresh engine at TP=1).
+    TP=2 engine (~30 s on 2 cores).
     ``eng`` is shut down in between."""
     tokens = greedy(llm)
     mine = [_unpack(r) for r in llm.collective_rpc(_readable)]

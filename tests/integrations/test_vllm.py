@@ -13,9 +13,9 @@ commits, ``inplace.py``); ``other`` (the short run) repacks them, so its commits
 their own), its rounds on gloo links; ``other``'s runs its engine core in the trainer's process
 (as colocated RL trainers run vLLM; its worker still a process of its own), its rounds on
 tensor-handle links (``links="ipc"``: the trainer's buckets shared with the worker, the link a
-colocated GPU trainer uses, here with host tensors), and the fresh engine ``run`` compares with
-runs in a process of its own with the engine core in it (``_vllm_fresh.py``): fewer
-interpreters to start, the same loader and kernels.
+colocated GPU trainer uses, here with host tensors). Both end by comparing with vLLM's own load
+of the trainer's weights from disk into the same engine (``reload_weights``: its loader and
+post-processing, without a second engine start).
 
 The refit through the store (the worker extension's ``deltackpt_follow``: a trainer publishes
 versions to a store, the engine's workers pull them, incrementally after the first, and fail
@@ -176,8 +176,7 @@ def test_the_default_links_are_ipc_on_one_host_and_patch_and_fail_closed_there(o
 
 
 def test_greedy_tokens_equal_vllm_loading_the_same_weights(either):
-    # run: a fresh engine started from the trainer's weights; other: the same engine reloading
-    # them from disk (reload_weights), which saves a second engine start
+    # the same engine reloading them from disk (reload_weights), vLLM's own loader
     assert either["tokens"] == either["fresh_tokens"]
     assert either["readable_same_as_fresh"]
 

@@ -8,7 +8,7 @@ cores to bind.
 
 Linear weights kept in their parameters (``linear="keep"``, as a GPU keeps them), so every
 parameter of the engine is read back and compared with vLLM's own load of the same weights
-(``reload_weights``; ``test_vllm.py`` compares with a fresh engine at TP=1). The same run with
+(``reload_weights``, as ``test_vllm.py`` does at TP=1). The same run with
 the weights repacked into CPU kernels (``linear="repack"``: parameters emptied, checked by
 tokens, commits reload) passes too but costs another TP=2 engine (~60 s of the suite's
 10-minute budget): it runs with ``DELTACKPT_TEST_TP_LAYOUTS=keep,repack``. The repack path
