@@ -360,6 +360,10 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     check("rewound", eng.send_weights(trainer.state_dict(), version=3, rewind=True))
     rl_step(trainer, 0.02, gen)
     check("after_rewind", eng.send_weights(trainer.state_dict()))  # version 4
+    # the store link and the trainer's rounds in turn on this engine (_vllm_store.py)
+    from _vllm_store import two_routes
+
+    res["two_routes"] = two_routes(llm, eng, trainer, tmp)
     finish(res, llm, trainer, tmp)
     eng.shutdown()
     # the refit through the store on this engine, after its own checks (_vllm_store.py): its

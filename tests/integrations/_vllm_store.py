@@ -112,6 +112,64 @@ def store_scenarios(llm: Any, tmp: str) -> dict[str, Any]:
     return res
 
 
+def _scribble(worker: Any) -> None:
+    """Change the model's final norm in place, outside both routes (as another loader would)."""
+    with torch.no_grad():
+        worker.model_runner.get_model().model.norm.weight.add_(1)
+
+
+def two_routes(llm: Any, eng: Any, trainer: torch.nn.Module, tmp: str) -> dict[str, Any]:
+    """One engine fed by both routes in turn: ``eng`` (a trainer engine joined to ``llm``,
+    its rounds continuing) and a store under ``tmp`` that ``llm``'s workers follow. Each
+    update changes one tensor of one layer only, so a route that handed over its change alone
+    would leave the other layers on the other route's weights. Per step: the update's report
+    and whether every readable parameter equals the weights that route just published."""
+    import deltackpt
+
+    st = deltackpt.open_store(f"{tmp}/routes", chunk_bytes=1 << 16, small_bytes=1 << 12)
+    other = tiny_qwen2(3)  # the store's weights: another model entirely
+
+    def nudge(model: torch.nn.Module, name: str) -> None:
+        with torch.no_grad():
+            model.get_parameter(name).view(-1)[:64] += 0.25
+
+    def holds(model: torch.nn.Module) -> bool:
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        readable = _unpack(llm.collective_rpc(_readable)[0])
+        want = expected_readable(sd, list(readable))
+        return bool(readable) and all(readable_same(readable[k], want[k]) for k in readable)
+
+    def follow(tag: str, publish: str | None, **kw: Any) -> dict[str, Any]:
+        if publish is not None:
+            sd = {k: v.detach().clone() for k, v in other.state_dict().items()}
+            deltackpt.save({"model": sd}, st, publish, encoding="smallest")
+        got = llm.collective_rpc("deltackpt_follow", args=(f"{tmp}/routes",), kwargs=kw)[0]
+        return {"tag": tag, **got, "holds": holds(other)}
+
+    def push(tag: str, name: str) -> dict[str, Any]:
+        nudge(trainer, name)
+        stats = eng.send_weights(trainer.state_dict())
+        return {
+            "tag": tag,
+            "full": stats.full,
+            "sent": stats.payload_bytes,
+            "holds": holds(trainer),
+        }
+
+    steps = [follow("store s0", "s0")]
+    steps.append(push("trainer: layer 1 only", "model.layers.1.mlp.down_proj.weight"))
+    nudge(other, "model.layers.0.mlp.down_proj.weight")
+    steps.append(follow("store s1: layer 0 only", "s1"))
+    steps.append(push("trainer: layer 0 only", "model.layers.0.self_attn.o_proj.weight"))
+    steps.append(follow("store: nothing new", None))
+    # weights changed outside both routes: unseen, until a follow is told (whole=True)
+    llm.collective_rpc(_scribble)
+    steps.append(follow("scribbled: nothing new", None))
+    steps.append(follow("scribbled: whole", None, whole=True))
+    steps.append(push("trainer: layer 1 again", "model.layers.1.self_attn.o_proj.weight"))
+    return {"steps": steps}
+
+
 def main(out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)

@@ -108,6 +108,7 @@ class DeltackptWorkerExtension:
         storage_options: dict[str, Any] | None = None,
         lease_ttl: float | None = 600.0,
         stage: bool = False,
+        whole: bool = False,
     ) -> dict[str, Any]:
         """Bring this worker's model to the newest committed snapshot of ``store`` (one poll of
         a :class:`deltackpt.Follower` kept on the worker; the first call loads whole, later
@@ -119,6 +120,12 @@ class DeltackptWorkerExtension:
         Returns ``{"version", "mode" (None: nothing newer), "reason", "bytes_read",
         "changed"}``.
 
+        A trainer's rounds (the ``deltackpt`` backend) that wrote the model since the last
+        follow make this load every tensor of the followed copy, not the change alone (mode
+        ``"whole again"`` when nothing is newer): ``worker.whole_if_overwritten``.
+        ``whole=True`` does the same after a change neither route sees (vLLM's own
+        ``reload_weights``, another backend).
+
         ``stage=True``: prepare while the engine serves. The poll (reads, patches, checks) runs
         on a background thread and this returns ``{"staged": True}`` at once; the model is
         untouched until :meth:`deltackpt_follow_commit`, the pause (the reload of the changed
@@ -128,7 +135,7 @@ class DeltackptWorkerExtension:
 
         from deltackpt.follow import Follower
         from deltackpt.integrations.vllm import fp8_layout, inplace
-        from deltackpt.integrations.vllm.worker import commit_layers
+        from deltackpt.integrations.vllm.worker import new_writer
 
         if getattr(self, "_deltackpt_follow_staged", None) is not None:
             raise RuntimeError(
@@ -156,7 +163,7 @@ class DeltackptWorkerExtension:
                 if sink[0] is not None:
                     sink[0].extend(w)
                 else:
-                    commit_layers(model, cfg, loaded, w, slots)
+                    self._deltackpt_follow_load(w)
 
             f = Follower(
                 store,
@@ -170,6 +177,11 @@ class DeltackptWorkerExtension:
             self._deltackpt_follower, self._deltackpt_follow_args = f, (store, key)
             self._deltackpt_loaded, self._deltackpt_follow_sink = loaded, sink
             self._deltackpt_slots = slots
+            self._deltackpt_follow_writer = new_writer("store")
+        if whole:  # changed outside both routes: as if another route wrote it
+            from deltackpt.integrations.vllm.worker import mark_written
+
+            mark_written(self.model_runner.get_model(), "outside")  # type: ignore[attr-defined]
         if stage:
             staged: dict[str, Any] = {"weights": [], "stats": None, "error": None}
 
@@ -186,7 +198,43 @@ class DeltackptWorkerExtension:
             staged["thread"].start()
             self._deltackpt_follow_staged = staged
             return {"staged": True, "version": f.version}
-        return _follow_report(f, f.poll())
+        got = f.poll()
+        if got is None and self._deltackpt_follow_overwritten():
+            # nothing newer, but the trainer's route wrote the model since: the held version
+            # goes back in whole (the question asked is "serve the newest snapshot")
+            self._deltackpt_follow_load([])
+            return {**_follow_report(f, None), "mode": "whole again"}
+        return _follow_report(f, got)
+
+    def _deltackpt_follow_overwritten(self) -> bool:
+        """Another route (a trainer's rounds) wrote the model since the store link's last load."""
+        from deltackpt.integrations.vllm.worker import whole_if_overwritten
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        probe = whole_if_overwritten(
+            model, self._deltackpt_follow_writer, self._deltackpt_loaded, []
+        )
+        return probe is not None
+
+    def _deltackpt_follow_load(self, w: list[tuple[str, Any]]) -> str:
+        """Load ``w`` (what changed since the store link's last load, or nothing) into the
+        model, whole when another route wrote it meanwhile (``worker.whole_if_overwritten``:
+        the rest of the model is not the store link's previous version then); the path taken
+        (``worker.commit_layers``)."""
+        from deltackpt.integrations.vllm.worker import (
+            commit_layers,
+            mark_written,
+            whole_if_overwritten,
+        )
+
+        model, cfg = self.model_runner.get_model(), self.model_config  # type: ignore[attr-defined]
+        me = self._deltackpt_follow_writer
+        whole = whole_if_overwritten(model, me, self._deltackpt_loaded, w)
+        mark_written(model, me)
+        return commit_layers(
+            model, cfg, self._deltackpt_loaded, w if whole is None else whole,
+            self._deltackpt_slots,
+        )  # fmt: skip
 
     def deltackpt_follow_commit(self) -> dict[str, Any]:
         """Load what the staged ``deltackpt_follow(..., stage=True)`` prepared (the pause: the
@@ -198,8 +246,6 @@ class DeltackptWorkerExtension:
         model to the newest version; the error is raised."""
         import time
 
-        from deltackpt.integrations.vllm.worker import commit_layers
-
         staged = getattr(self, "_deltackpt_follow_staged", None)
         if staged is None:
             raise RuntimeError("deltackpt_follow_commit: nothing is staged")
@@ -209,12 +255,9 @@ class DeltackptWorkerExtension:
         if staged["error"] is not None:
             return {"error": f"{type(staged['error']).__name__}: {staged['error']}"}
         t0 = time.perf_counter()
-        if staged["weights"]:
-            model, cfg = self.model_runner.get_model(), self.model_config  # type: ignore[attr-defined]
+        if staged["weights"] or self._deltackpt_follow_overwritten():
             try:
-                path = commit_layers(
-                    model, cfg, self._deltackpt_loaded, staged["weights"], self._deltackpt_slots
-                )
+                path = self._deltackpt_follow_load(staged["weights"])
             except BaseException:
                 f._resend = True  # the next poll hands every tensor over again
                 raise

@@ -41,6 +41,13 @@ is rebuilt from those alone, so every tensor of a decoder layer (the names shari
 outermost index, ``model.layers.<i>.``) that had a changed tensor is handed over again, from
 the receiver's committed copies; the tensors outside the layers (embeddings, final norm,
 ``lm_head``) form one more group. The wire still carries only the changed elements.
+
+**Two routes into one model.** An engine can take versions from a trainer (this backend) and
+from a store (the worker extension's ``deltackpt_follow``); each route keeps its own complete
+copy and hands the model only what changed since *its* last version. So each marks the model
+as its own when it writes (:func:`mark_written`), and a route that finds the other's mark hands
+over every tensor of its copy once (:func:`whole_if_overwritten`), never a delta onto the other
+route's weights (which would leave the untouched layers on another version).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import logging
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,8 +85,11 @@ __all__ = [
     "commit_layers",
     "commit_verdict",
     "layer_key",
+    "mark_written",
+    "new_writer",
     "reload_layers",
     "wait_staged",
+    "whole_if_overwritten",
 ]
 
 log = logging.getLogger(__name__)
@@ -275,6 +286,39 @@ def commit_layers(
         cuda.synchronize(devices)
 
 
+#: the model attribute naming the route that last wrote its weights (:func:`mark_written`)
+WRITER_ATTR = "_deltackpt_writer"
+
+
+def new_writer(route: str) -> str:
+    """A token naming one route's instance (a weight-transfer engine, a follower) for
+    :func:`mark_written`: unique in the process, never reused."""
+    return f"{route}-{uuid.uuid4().hex}"
+
+
+def mark_written(model: Any, writer: str) -> None:
+    """``writer`` is about to write ``model``'s weights: the next commit of any other route hands
+    over every tensor (:func:`whole_if_overwritten`). Marked before the write: a failed write
+    leaves the weights to this route's rollback or resend, never to the other route's delta."""
+    model.__dict__[WRITER_ATTR] = writer
+
+
+def whole_if_overwritten(
+    model: Any, writer: str, held: dict[str, torch.Tensor], changed: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]] | None:
+    """Every tensor of ``held`` (updated with ``changed``) when another route than ``writer``
+    wrote ``model`` last: its weights are not ``held``'s previous version, so loading
+    ``changed`` alone would leave the rest on the other route's. None when ``writer`` wrote it
+    last, nothing marked it yet (the engine's own load: each route's first version is whole
+    anyway) or ``held`` is empty (a first, whole version)."""
+    last = model.__dict__.get(WRITER_ATTR)
+    if last is None or last == writer or not held:
+        return None
+    view = dict(held)
+    view.update(changed)
+    return list(view.items())
+
+
 def _failing_at(
     batch: Iterator[tuple[str, torch.Tensor]], fail_at: str | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -377,6 +421,8 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         # the calls that use or replace the link (the trainer's RPCs) against _watch's release
         self._lock = threading.RLock()
         self._watching: threading.Event | None = None  # set: the watch of the last link ends
+        # this route's mark on the model (mark_written: a store follow writes it too)
+        self._writer = new_writer("trainer")
 
     def _rank(self, info: DeltackptInitInfo) -> int:
         from vllm.distributed.parallel_state import get_world_group
@@ -634,15 +680,22 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         staged round moved to the device already (:meth:`_prepare`)."""
         assert self.group is not None and self.receiver is not None
         old = prev if undo is None else self.receiver.reverts_to
+        # the model was written by another route (a store follow) since this route's last
+        # commit: every held tensor goes, not the delta alone (module doc)
+        whole = whole_if_overwritten(self.model, self._writer, self._held, changed)
+        if whole is not None:
+            log.info("deltackpt: the model was written by another route; this commit is whole")
+            changed, prepared = whole, None
         names = sorted({layer_key(n) for n, _ in changed})
         fail, self.fail_next = self.fail_next, None
         mine: str | None = None
         direct = self._direct([n for n, _ in changed])
         # which elements the round changed (its rollback writes back the same ones)
-        self._elements = self.receiver.changed_elements() if direct else None
+        self._elements = self.receiver.changed_elements() if direct and whole is None else None
         refused = fp8_layout.refusal(self.model, self.fp8, changed)
         try:
             if refused is None:
+                mark_written(self.model, self._writer)
                 self._load(changed, fail, prepared)
         except Exception as e:  # voted on, then raised below
             what = "in-place write" if direct else "reload"
