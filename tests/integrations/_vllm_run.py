@@ -48,13 +48,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def engine(model_dir: str, transfer: bool, extension: bool = False, core_here: bool = False) -> Any:
+def engine(
+    model_dir: str,
+    transfer: bool,
+    extension: bool = False,
+    core_here: bool = False,
+    store: dict[str, Any] | None = None,
+) -> Any:
     """``transfer``: with the ``deltackpt`` weight-transfer backend; ``extension``: with the
     deltackpt worker extension (``deltackpt_follow``, ...). Both can be on one engine.
     ``core_here``: the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
     colocated RL trainers run vLLM), its worker still a process of its own (the multiprocess
     executor): one interpreter fewer to start and stop; else vLLM's default (the engine core
-    in a process of its own)."""
+    in a process of its own). ``store``: the weights from a store's snapshot
+    (``load_format="deltackpt"``, this ``model_loader_extra_config``), not ``model_dir``."""
     if core_here:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
@@ -67,6 +74,8 @@ def engine(model_dir: str, transfer: bool, extension: bool = False, core_here: b
         kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
     if extension:
         kw["worker_extension_cls"] = EXTENSION
+    if store is not None:
+        kw.update(load_format="deltackpt", model_loader_extra_config=store)
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
@@ -231,18 +240,31 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
 
     bad_init = {} if short else refused_init(WeightTransferTrainerFactory, DeltackptTrainerInitInfo)
     tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-")
-    # the engine starts from other weights; the short run's model ties its embeddings
-    tiny_qwen2(0, tied=short).save_pretrained(f"{tmp}/start")
+    # the engine starts from other weights; the short run's model ties its embeddings; the
+    # full run's engine takes them from a store's snapshot (load_format="deltackpt")
+    start = None
+    if short:
+        tiny_qwen2(0, tied=True).save_pretrained(f"{tmp}/start")
+    else:
+        from _vllm_store import publish_start
+
+        start = publish_start(tmp)
     trainer = tiny_qwen2(1, tied=short)
     # the trainer process the full run kills mid-round starts its interpreter meanwhile
     doomed = None if short else Doomed()
-    llm = engine(f"{tmp}/start", transfer=True, extension=not short, core_here=short)
+    llm = engine(f"{tmp}/start", transfer=True, extension=not short, core_here=short, store=start)
+    if not short:  # what it started from, and the first follow of that store (incremental)
+        from _vllm_store import started
+
+        started_from = started(llm, tmp)
     info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
     # the links the group took (links="auto": its choice) and why
     res: dict[str, Any] = {"rounds": [], "asked": links, "links": eng.group.links}
     res["links_reason"] = eng.group.links_reason
     res["bad_init"] = bad_init
+    if not short:
+        res["started"] = started_from
     res["ignores"] = sorted(eng.ignores)  # what the engine ignores: never sent
     gen = torch.Generator().manual_seed(2)
 

@@ -112,6 +112,66 @@ def store_scenarios(llm: Any, tmp: str) -> dict[str, Any]:
     return res
 
 
+def _store(path: str) -> Any:
+    """A store whose chunks are small enough that this tiny model's tensors are chunked on their
+    own (below ``small_bytes`` they share group chunks)."""
+    import deltackpt
+
+    return deltackpt.open_store(path, chunk_bytes=1 << 16, small_bytes=1 << 12)
+
+
+def _nudge(model: torch.nn.Module, name: str) -> None:
+    """Change one tensor of ``model`` a little (64 elements)."""
+    with torch.no_grad():
+        model.get_parameter(name).view(-1)[:64] += 0.25
+
+
+def _holds(llm: Any, model: torch.nn.Module) -> bool:
+    """Every parameter ``llm`` keeps readable is ``model``'s weights, bit for bit."""
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    readable = _unpack(llm.collective_rpc(_readable)[0])
+    want = expected_readable(sd, list(readable))
+    return bool(readable) and all(readable_same(readable[k], want[k]) for k in readable)
+
+
+def _publish(st: Any, model: torch.nn.Module, name: str) -> None:
+    import deltackpt
+
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    deltackpt.save({"model": sd}, st, name, encoding="smallest")
+
+
+#: the model the full run's engine starts with, from a store (``load_format="deltackpt"``)
+START_SEED = 0
+
+
+def publish_start(tmp: str) -> dict[str, Any]:
+    """The full run's start: ``tmp/start`` holds the config only (no weight file), the store
+    ``tmp/start-store`` the weights as ``s0`` and a newer ``s1`` (one tensor changed); the
+    engine's ``model_loader_extra_config``: the newest, kept for the follower."""
+    first = tiny_qwen2(START_SEED)
+    first.config.save_pretrained(f"{tmp}/start")
+    st = _store(f"{tmp}/start-store")
+    _publish(st, first, "s0")
+    _nudge(first, "model.layers.0.mlp.down_proj.weight")
+    _publish(st, first, "s1")
+    return {"store": f"{tmp}/start-store", "snapshot": "latest", "follow": True}
+
+
+def started(llm: Any, tmp: str) -> dict[str, Any]:
+    """An engine started by :func:`publish_start`'s config: what it says it started from,
+    whether it holds ``s1``, then the first follow of that store after a newer ``s2``."""
+    first = tiny_qwen2(START_SEED)
+    _nudge(first, "model.layers.0.mlp.down_proj.weight")
+    out: dict[str, Any] = {"report": llm.collective_rpc("deltackpt_started")[0]}
+    out["holds_s1"] = _holds(llm, first)
+    _nudge(first, "model.layers.1.self_attn.o_proj.weight")
+    _publish(_store(f"{tmp}/start-store"), first, "s2")
+    out["follow"] = llm.collective_rpc("deltackpt_follow", args=(f"{tmp}/start-store",))[0]
+    out["holds_s2"] = _holds(llm, first)
+    return out
+
+
 def _scribble(worker: Any) -> None:
     """Change the model's final norm in place, outside both routes (as another loader would)."""
     with torch.no_grad():
@@ -124,41 +184,23 @@ def two_routes(llm: Any, eng: Any, trainer: torch.nn.Module, tmp: str) -> dict[s
     update changes one tensor of one layer only, so a route that handed over its change alone
     would leave the other layers on the other route's weights. Per step: the update's report
     and whether every readable parameter equals the weights that route just published."""
-    import deltackpt
-
-    st = deltackpt.open_store(f"{tmp}/routes", chunk_bytes=1 << 16, small_bytes=1 << 12)
+    st = _store(f"{tmp}/routes")
     other = tiny_qwen2(3)  # the store's weights: another model entirely
-
-    def nudge(model: torch.nn.Module, name: str) -> None:
-        with torch.no_grad():
-            model.get_parameter(name).view(-1)[:64] += 0.25
-
-    def holds(model: torch.nn.Module) -> bool:
-        sd = {k: v.detach() for k, v in model.state_dict().items()}
-        readable = _unpack(llm.collective_rpc(_readable)[0])
-        want = expected_readable(sd, list(readable))
-        return bool(readable) and all(readable_same(readable[k], want[k]) for k in readable)
 
     def follow(tag: str, publish: str | None, **kw: Any) -> dict[str, Any]:
         if publish is not None:
-            sd = {k: v.detach().clone() for k, v in other.state_dict().items()}
-            deltackpt.save({"model": sd}, st, publish, encoding="smallest")
+            _publish(st, other, publish)
         got = llm.collective_rpc("deltackpt_follow", args=(f"{tmp}/routes",), kwargs=kw)[0]
-        return {"tag": tag, **got, "holds": holds(other)}
+        return {"tag": tag, **got, "holds": _holds(llm, other)}
 
     def push(tag: str, name: str) -> dict[str, Any]:
-        nudge(trainer, name)
+        _nudge(trainer, name)
         stats = eng.send_weights(trainer.state_dict())
-        return {
-            "tag": tag,
-            "full": stats.full,
-            "sent": stats.payload_bytes,
-            "holds": holds(trainer),
-        }
+        return {"tag": tag, "full": stats.full, "holds": _holds(llm, trainer)}
 
     steps = [follow("store s0", "s0")]
     steps.append(push("trainer: layer 1 only", "model.layers.1.mlp.down_proj.weight"))
-    nudge(other, "model.layers.0.mlp.down_proj.weight")
+    _nudge(other, "model.layers.0.mlp.down_proj.weight")
     steps.append(follow("store s1: layer 0 only", "s1"))
     steps.append(push("trainer: layer 0 only", "model.layers.0.self_attn.o_proj.weight"))
     steps.append(follow("store: nothing new", None))

@@ -329,3 +329,17 @@ def test_the_trainers_rounds_and_the_store_link_never_mix_versions_in_one_engine
     # nothing newer in the store, but the trainer wrote the model: its version goes back whole
     for tag in ("store: nothing new", "scribbled: whole"):
         assert (steps[tag]["mode"], steps[tag]["version"]) == ("whole again", "s1")
+
+
+def test_an_engine_starts_from_the_stores_newest_snapshot_and_follows_it_from_there(run):
+    # load_format="deltackpt", snapshot "latest", follow: the model directory held the config
+    # only; the engine came up on s1 (the newest when it started), every parameter bit-exact
+    st = run["started"]
+    assert {k: st["report"][k] for k in ("snapshot", "key", "follow")} == {
+        "snapshot": "s1", "key": "model", "follow": True,
+    }  # fmt: skip
+    assert st["holds_s1"]
+    # its first follow is incremental from what it started with: one changed tensor read
+    f = st["follow"]
+    assert (f["version"], f["mode"], f["changed"]) == ("s2", "incremental", 1)
+    assert st["holds_s2"]

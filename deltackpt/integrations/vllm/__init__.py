@@ -18,6 +18,8 @@ importing ``deltackpt`` (or this package) never imports vLLM.
   loader their ``deltackpt-lora:`` paths.
 - ``resolver``: a LoRA resolver (registered when ``DELTACKPT_VLLM_LORA_STORE`` is set): a
   server request's ``model`` names a saved adapter version.
+- ``loader``: ``load_format="deltackpt"``, an engine that starts from a store's snapshot
+  (``model_loader_extra_config``: ``store``, ``snapshot``, ``key``, ``follow``).
 - ``extension``: :class:`~deltackpt.integrations.vllm.extension.DeltackptWorkerExtension`
   (``worker_extension_cls``): digests of what each worker committed, the per-parameter path
   report and the end of a stale update session, through ``collective_rpc`` or the server's
@@ -61,6 +63,8 @@ def register() -> None:
     from deltackpt.options import vllm_lora_store
 
     when_imported("vllm.lora.worker_manager", patch_loader)
+    # load_format="deltackpt" (module loader): an engine starts from a store's snapshot
+    when_imported("vllm.model_executor.model_loader", _register_loader)
     # requests naming "[adapter@]snapshot" as their model, on a server (module resolver)
     store = vllm_lora_store()
     if store is not None:
@@ -70,6 +74,13 @@ def register() -> None:
 
         if RESOLVER not in LoRAResolverRegistry.get_supported_resolvers():
             LoRAResolverRegistry.register_resolver(RESOLVER, StoreResolver(store))
+
+
+def _register_loader(module: ModuleType) -> None:
+    from deltackpt.integrations.vllm.loader import FORMAT, DeltackptModelLoader
+
+    if module._LOAD_FORMAT_TO_MODEL_LOADER.get(FORMAT) is not DeltackptModelLoader:
+        module.register_model_loader(FORMAT)(DeltackptModelLoader)
 
 
 def when_imported(name: str, fn: Callable[[ModuleType], None]) -> None:

@@ -178,6 +178,7 @@ class DeltackptWorkerExtension:
             self._deltackpt_loaded, self._deltackpt_follow_sink = loaded, sink
             self._deltackpt_slots = slots
             self._deltackpt_follow_writer = new_writer("store")
+            self._deltackpt_follow_adopt(f)
         if whole:  # changed outside both routes: as if another route wrote it
             from deltackpt.integrations.vllm.worker import mark_written
 
@@ -205,6 +206,31 @@ class DeltackptWorkerExtension:
             self._deltackpt_follow_load([])
             return {**_follow_report(f, None), "mode": "whole again"}
         return _follow_report(f, got)
+
+    def _deltackpt_follow_adopt(self, f: Any) -> None:
+        """An engine started from this store with ``load_format="deltackpt"`` and ``"follow":
+        true`` (module ``loader``): the new follower takes what the start loaded as its held
+        version, so its first poll is incremental; the start's references are dropped."""
+        from deltackpt.integrations.vllm.loader import STARTED_ATTR
+
+        started = self.model_runner.get_model().__dict__.get(STARTED_ATTR)  # type: ignore[attr-defined]
+        key = self._deltackpt_follow_args[1]
+        if started is None or started.held is None:
+            return
+        if (started.start.store, started.start.key) != (self._deltackpt_follow_args[0], key):
+            return
+        f.version, f._created_ns, f._held = started.snapshot, started.created_ns, started.held
+        self._deltackpt_loaded.update(started.loaded)
+        self._deltackpt_follow_writer = started.writer
+        started.held = started.loaded = None
+
+    def deltackpt_started(self) -> dict[str, Any]:
+        """What this worker's engine started from with ``load_format="deltackpt"``:
+        ``{"store", "snapshot", "key", "follow"}``; ``{}`` for another load format."""
+        from deltackpt.integrations.vllm.loader import STARTED_ATTR
+
+        started = self.model_runner.get_model().__dict__.get(STARTED_ATTR)  # type: ignore[attr-defined]
+        return {} if started is None else started.report()
 
     def _deltackpt_follow_overwritten(self) -> bool:
         """Another route (a trainer's rounds) wrote the model since the store link's last load."""

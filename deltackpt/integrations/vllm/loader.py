@@ -1,0 +1,181 @@
+"""``load_format="deltackpt"``: a vLLM engine that starts from a snapshot of a deltackpt store.
+
+::
+
+    vllm serve /models/qwen3-4b --load-format deltackpt \\
+        --model-loader-extra-config '{"store": "s3://bucket/run", "snapshot": "latest"}'
+
+    LLM(model="/models/qwen3-4b", load_format="deltackpt",
+        model_loader_extra_config={"store": "ckpts", "snapshot": "step-200"})
+
+The model directory gives the config (``config.json``; its weight files are not read, and need
+not be there); the weights are the snapshot's tensors under ``key`` (``"model"``: what
+``deltackpt.save({"model": sd}, ...)`` and the ``Checkpointer`` write), read and checked
+chunk by chunk (:func:`deltackpt.load`), then handed to the model's own ``load_weights``, the
+path vLLM's default loader takes, so vLLM fuses, shards and post-processes them as it does a
+Hugging Face checkpoint. An engine that serves block-FP8 weights gets the store's weights of
+those modules quantized in its blocks (``fp8_layout``), as the backend's rounds do.
+
+Why: a training checkpoint is served as it is, without an export; and an engine that restarts
+in an RL fleet (a recovered or a new replica) comes up at the version the trainer published
+last (``"latest"``), instead of the base weights of its model directory until someone pushes.
+Every worker of the engine loads the same snapshot: the first worker names it, the others take
+its name (a trainer may commit a newer one while they start). With ``"follow": true`` each worker
+keeps what it loaded as the worker extension's follower copy, so its first
+``collective_rpc("deltackpt_follow", args=(store,))`` is incremental (the same store string);
+that costs a host copy of the weights per worker from the start, which a follow holds anyway.
+
+Checks, as vLLM's default loader makes them: an unquantized model whose parameters were not all
+loaded fails its start, naming them (the snapshot holds another model, or ``key`` is wrong).
+The fields are checked before anything is read (:mod:`.loader_args`). Registered by the
+package's vLLM plugin (:func:`deltackpt.integrations.vllm.register`) when vLLM imports its
+model loaders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from deltackpt.distributed.load import load
+from deltackpt.errors import StateMismatchError
+from deltackpt.format.tree import flatten
+from deltackpt.integrations.vllm import feed, fp8_layout
+from deltackpt.integrations.vllm.loader_args import StartFrom, resolve, start_from
+from deltackpt.integrations.vllm.worker import mark_written, new_writer
+from deltackpt.store.store import open_store
+from deltackpt.sync import PlanError
+
+__all__ = ["FORMAT", "STARTED_ATTR", "DeltackptModelLoader", "Started"]
+
+log = logging.getLogger(__name__)
+#: the ``load_format`` name
+FORMAT = "deltackpt"
+#: the model attribute holding :class:`Started` (what the engine started from)
+STARTED_ATTR = "_deltackpt_started"
+
+
+@dataclass
+class Started:
+    """What a worker's engine started from; with ``follow``, the loaded copies the worker
+    extension's first ``deltackpt_follow`` of the same store adopts (then dropped here)."""
+
+    start: StartFrom
+    snapshot: str
+    created_ns: int | None
+    model_dir: str  # the model directory the engine started with (its config)
+    held: Any = None  # the loaded state, as a Follower holds it
+    loaded: dict[str, torch.Tensor] | None = None  # what load_weights got, by its names
+    writer: str | None = None  # the follower's mark on the model (worker.mark_written)
+
+    def report(self) -> dict[str, Any]:
+        s = self.start
+        return {"store": s.store, "snapshot": self.snapshot, "key": s.key, "follow": s.follow}
+
+
+def _agree(name: str) -> str:
+    """The first worker's snapshot name, on every worker of this engine."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    g = get_world_group()
+    if g.world_size == 1:
+        return name
+    box = [name]
+    dist.broadcast_object_list(box, src=g.ranks[0], group=g.cpu_group)
+    return str(box[0])
+
+
+class DeltackptModelLoader(BaseModelLoader):
+    """vLLM's ``load_format="deltackpt"`` (module doc)."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        self.start = start_from(load_config.model_loader_extra_config)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: the store and the snapshot are checked."""
+        resolve(self.start)
+
+    def _items(
+        self, model: nn.Module, model_config: ModelConfig
+    ) -> tuple[str, Any, list[tuple[str, torch.Tensor]]]:
+        """The snapshot's name (agreed by every worker), its loaded state, and what the
+        model's ``load_weights`` takes of it."""
+        s = self.start
+        store, name = resolve(s)
+        name = _agree(name)
+        state = load(store, name, keys=None if s.key is None else [s.key])
+        prefix = "" if s.key is None else f"{s.key}/"
+        _, leaves = flatten(state, allow_pickle=True, check_tensors=False)
+        items = [(x.path.removeprefix(prefix), x.tensor) for x in leaves]
+        if not items:
+            raise StateMismatchError(
+                f"load_format='deltackpt': snapshot {name!r} of store {s.store!r} holds no "
+                f"tensor under key {s.key!r}; give the key its state dict was saved under "
+                "(model_loader_extra_config 'key'; null: the saved state is the state dict)"
+            )
+        layout = fp8_layout.engine_layout(model)
+        items = fp8_layout.for_engine(layout, fp8_layout.blocks_for(layout), model_config.dtype,
+                                      items)  # fmt: skip
+        refused = fp8_layout.refusal(model, layout, items)
+        if refused is not None:
+            raise PlanError(f"load_format='deltackpt': {refused}")
+        return name, state, items
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        t0 = time.perf_counter()
+        s = self.start
+        name, state, items = self._items(model, model_config)
+        got = model.load_weights(feed.feed(items, feed.model_device(model)))
+        if model_config.quantization is None and got is not None:
+            missing = sorted({n for n, _ in model.named_parameters()} - set(got))
+            if missing:
+                raise StateMismatchError(
+                    f"load_format='deltackpt': snapshot {name!r} of store {s.store!r} (key "
+                    f"{s.key!r}) left {len(missing)} of the model's parameters unloaded: "
+                    f"{missing[:8]}; it holds another model's weights, or its state dict sits "
+                    "under another key"
+                )
+        store = open_store(s.store, create=False, storage_options=s.storage_options)
+        started = Started(s, name, store.manifest(name).created_ns, model_config.model)
+        if s.follow:  # the extension's first follow of this store adopts them
+            started.held, started.loaded = state, dict(items)
+            started.writer = new_writer("store")
+            mark_written(model, started.writer)
+        model.__dict__[STARTED_ATTR] = started
+        log.info(
+            "deltackpt: loaded snapshot %r of %s (%d tensors) in %.2f s",
+            name, s.store, len(items), time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def get_all_weights(
+        self, model_config: ModelConfig, model: nn.Module
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """What vLLM's ``reload_weights`` loads: with a ``weights_path`` (vLLM puts it in
+        ``model_config.model``), that directory's weights, read by vLLM's default loader as
+        for any engine; without one, the store's snapshot again (``"latest"``: the newest
+        now). The model is marked as written outside both routes, so a trainer's next round and
+        the next ``deltackpt_follow`` load every tensor (``worker.whole_if_overwritten``)."""
+        # the whole model is rewritten: both routes' next loads are whole (worker module doc)
+        mark_written(model, "outside")
+        started = model.__dict__.get(STARTED_ATTR)
+        if started is not None and model_config.model != started.model_dir:
+            from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+            plain = dataclasses.replace(
+                self.load_config, load_format="auto", model_loader_extra_config={}
+            )
+            yield from DefaultModelLoader(plain).get_all_weights(model_config, model)
+            return
+        yield from self._items(model, model_config)[2]
