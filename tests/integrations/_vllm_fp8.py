@@ -1,9 +1,10 @@
 """Run by tests/integrations/test_vllm_fp8.py in the ``.venv-vllm`` interpreter: a CPU vLLM
 engine started from a block-FP8 checkpoint (a tiny Qwen3-MoE whose linear and expert weights are
 ``float8_e4m3fn`` in 128 x 128 blocks with ``weight_scale_inv``, as DeepSeek-V3 and
-Qwen3-*-FP8 ship them; written by deltackpt's own ``export_hf(fp8=True)``, checked against
-vLLM's load of a reference FP8 checkpoint first) with ``backend="deltackpt"``, its engine core
-in this process, and bf16 trainers in this process:
+Qwen3-*-FP8 ship them; its config from deltackpt's own ``export_hf(fp8=True)``, its weights
+from the saved bf16 snapshot itself, ``load_format="deltackpt"``, both checked against vLLM's
+load of a reference FP8 checkpoint first) with ``backend="deltackpt"``, its engine core in this
+process, and bf16 trainers in this process:
 
 1. a trainer with ``quantize="none"`` sends its bf16 weights as they are: the workers refuse
    the round before loading anything (the engine's parameters stay as they were);
@@ -145,7 +146,9 @@ def main(out_path: str) -> None:
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
 
     tmp = tempfile.mkdtemp(prefix="vllm-fp8-", dir=os.path.dirname(os.path.abspath(out_path)))
-    # the engine starts from deltackpt's own FP8 export of a saved model (export_hf(fp8=True))
+    # deltackpt's own FP8 export of a saved model (export_hf(fp8=True)) gives the engine its
+    # config; the engine starts from the saved bf16 snapshot itself (load_format="deltackpt":
+    # quantized in the engine's blocks as it loads)
     start = tiny_moe(0)
     deltackpt.save({"model": fused(start)}, f"{tmp}/start-store", "v0")  # experts fused
     deltackpt.export_hf(f"{tmp}/start-store", "v0", f"{tmp}/start", config=start.config, fp8=True)
@@ -153,7 +156,8 @@ def main(out_path: str) -> None:
         model=f"{tmp}/start", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
         weight_transfer_config=WeightTransferConfig(backend="deltackpt"),
-        worker_extension_cls=EXTENSION,
+        worker_extension_cls=EXTENSION, load_format="deltackpt",
+        model_loader_extra_config={"store": f"{tmp}/start-store"},
     )  # fmt: skip
     res: dict[str, Any] = {}
 
@@ -167,12 +171,17 @@ def main(out_path: str) -> None:
     def params() -> dict[str, torch.Tensor]:
         return _unpack(llm.collective_rpc(_params)[0])  # type: ignore[no-any-return]
 
-    # 0. the export is what vLLM's own load of the reference FP8 checkpoint gives
+    # 0. the start from the store and the export (vLLM's loader reading its files) are each
+    # what vLLM's own load of the reference FP8 checkpoint gives
+    from_store = params()
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/start"})
     exported = params()
     fp8_checkpoint(start, f"{tmp}/start-ref")
     llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/start-ref"})
     llm.reset_prefix_cache()
-    res["export_equals_reference"] = params_equal(exported, params())
+    reference = params()
+    res["export_equals_reference"] = params_equal(exported, reference)
+    res["store_start_equals_reference"] = params_equal(from_store, reference)
 
     # 1. bf16 weights into FP8 parameters: refused before anything is loaded
     trainer = tiny_moe(1)

@@ -197,6 +197,14 @@ def test_an_engine_starts_from_deltackpts_fp8_export_as_from_the_reference(fp8_r
 
 
 @real
+def test_an_fp8_engine_starts_from_the_bf16_store_itself_as_from_the_reference(fp8_run):
+    """load_format="deltackpt" from the saved bf16 snapshot (experts fused), with the export's
+    config: the loader splits the experts and quantizes each FP8 module's weights in the
+    engine's blocks; every parameter equals vLLM's own load of the reference FP8 checkpoint."""
+    assert fp8_run["store_start_equals_reference"]
+
+
+@real
 def test_the_engine_publishes_its_fp8_layout_and_the_trainer_quantizes_by_it(fp8_run):
     """A Qwen3-MoE engine: block-FP8 linears (fused q/k/v, o, the dense layer's gate/up and
     down) and block-FP8 experts; the trainer quantizes exactly their checkpoint weights, not

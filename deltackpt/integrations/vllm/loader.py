@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ from deltackpt.integrations.vllm.worker import mark_written, new_writer
 from deltackpt.store.store import open_store
 from deltackpt.sync import PlanError
 
-__all__ = ["FORMAT", "STARTED_ATTR", "DeltackptModelLoader", "Started"]
+__all__ = ["FORMAT", "STARTED_ATTR", "WEIGHT_FILES", "DeltackptModelLoader", "Started"]
 
 log = logging.getLogger(__name__)
 #: the ``load_format`` name
@@ -73,7 +74,6 @@ class Started:
     start: StartFrom
     snapshot: str
     created_ns: int | None
-    model_dir: str  # the model directory the engine started with (its config)
     held: Any = None  # the loaded state, as a Follower holds it
     loaded: dict[str, torch.Tensor] | None = None  # what load_weights got, by its names
     writer: str | None = None  # the follower's mark on the model (worker.mark_written)
@@ -148,7 +148,7 @@ class DeltackptModelLoader(BaseModelLoader):
                     "under another key"
                 )
         store = open_store(s.store, create=False, storage_options=s.storage_options)
-        started = Started(s, name, store.manifest(name).created_ns, model_config.model)
+        started = Started(s, name, store.manifest(name).created_ns)
         if s.follow:  # the extension's first follow of this store adopts them
             started.held, started.loaded = state, dict(items)
             started.writer = new_writer("store")
@@ -162,15 +162,17 @@ class DeltackptModelLoader(BaseModelLoader):
     def get_all_weights(
         self, model_config: ModelConfig, model: nn.Module
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """What vLLM's ``reload_weights`` loads: with a ``weights_path`` (vLLM puts it in
-        ``model_config.model``), that directory's weights, read by vLLM's default loader as
-        for any engine; without one, the store's snapshot again (``"latest"``: the newest
-        now). The model is marked as written outside both routes, so a trainer's next round and
-        the next ``deltackpt_follow`` load every tensor (``worker.whole_if_overwritten``)."""
-        # the whole model is rewritten: both routes' next loads are whole (worker module doc)
+        """What vLLM's ``reload_weights`` loads. vLLM puts a ``weights_path`` in
+        ``model_config.model``, so a reload cannot tell "no path" from "the start's directory
+        again"; the rule is the directory's content: one that holds weight files
+        (:data:`WEIGHT_FILES`; a ``weights_path``, or a start directory that had them) is read
+        by vLLM's default loader, as on any engine; a config-only one means the store's
+        snapshot again (``"latest"``: the newest now). Either way the model is marked as
+        written outside both routes, so a trainer's next round and the next
+        ``deltackpt_follow`` load every tensor (``worker.whole_if_overwritten``)."""
         mark_written(model, "outside")
-        started = model.__dict__.get(STARTED_ATTR)
-        if started is not None and model_config.model != started.model_dir:
+        where = str(model_config.model)
+        if not os.path.isdir(where) or _has_weight_files(where):
             from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
             plain = dataclasses.replace(
@@ -179,3 +181,11 @@ class DeltackptModelLoader(BaseModelLoader):
             yield from DefaultModelLoader(plain).get_all_weights(model_config, model)
             return
         yield from self._items(model, model_config)[2]
+
+
+#: the files vLLM's default loader reads weights from (a directory without any is config-only)
+WEIGHT_FILES = (".safetensors", ".bin", ".pt")
+
+
+def _has_weight_files(directory: str) -> bool:
+    return any(name.endswith(WEIGHT_FILES) for name in os.listdir(directory))
