@@ -191,9 +191,13 @@ class Follower:
         names = self.store.names()
         return names[-1] if names else None
 
-    def poll(self) -> FollowStats | None:
+    def poll(self, target: str | None = None) -> FollowStats | None:
         """Apply the newest committed snapshot if it is not the one held; None when it is (or
         the store has none yet, or retention deleted the newest while it was being loaded).
+        ``target``: that committed snapshot instead of the newest (followers that must hold
+        one version together, such as the tensor-parallel workers of one engine, poll the
+        name one of them chose: a save committed between their polls would split them);
+        :class:`~deltackpt.errors.SnapshotNotFoundError` when the store has no such snapshot.
         Raises what the load raises when it cannot fall back; on any
         error the held version is unchanged (with ``into``: ``into`` is unchanged, except after
         a failed *full* load, which sets ``version`` to None so the next poll loads whole)."""
@@ -202,11 +206,28 @@ class Follower:
                 self.version, self.version, "resend", "", None, LoadStats(), time.perf_counter()
             )
         found = self.store.manifests()  # committed, oldest first (by commit time)
-        if not found or self._holds(found[-1]):
+        if target is not None:
+            if not isinstance(target, str):
+                raise InvalidArgumentError(
+                    f"Follower.poll(target={target!r:.80}): expected a snapshot name or None"
+                )
+            named = [m for m in found if m.name == target]
+            if not named:
+                raise SnapshotNotFoundError(
+                    f"follower {self.holder!r}: store {str(self.store.root)!r} has no committed "
+                    f"snapshot {target!r} to poll (retention deleted it, or it was never "
+                    "saved); poll() without target= takes the newest"
+                )
+            newest = named[-1]
+        elif found:
+            newest = found[-1]
+        else:
+            newest = None
+        if newest is None or self._holds(newest):
             self._renew()
             return None
         behind = self.version is not None and not any(self._holds(m) for m in found)
-        target = found[-1].name
+        target = newest.name
         try:
             return self._apply(target, behind=behind)
         except SnapshotNotFoundError as e:

@@ -165,10 +165,21 @@ def started(llm: Any, tmp: str) -> dict[str, Any]:
     _nudge(first, "model.layers.0.mlp.down_proj.weight")
     out: dict[str, Any] = {"report": llm.collective_rpc("deltackpt_started")[0]}
     out["holds_s1"] = _holds(llm, first)
+    from deltackpt.integrations.vllm import store_link
+
+    st = _store(f"{tmp}/start-store")
     _nudge(first, "model.layers.1.self_attn.o_proj.weight")
-    _publish(_store(f"{tmp}/start-store"), first, "s2")
-    out["follow"] = llm.collective_rpc("deltackpt_follow", args=(f"{tmp}/start-store",))[0]
+    _publish(st, first, "s2")
+    # from the driver (store_link): the workers' follow, then the prefix cache and the label
+    out["follow"] = store_link.follow(llm, f"{tmp}/start-store")
     out["holds_s2"] = _holds(llm, first)
+    out["label_s2"] = llm.get_weight_version()
+    _nudge(first, "model.norm.weight")
+    _publish(st, first, "s3")
+    store_link.stage(llm, f"{tmp}/start-store")
+    out["label_while_staged"] = llm.get_weight_version()
+    out["commit"] = store_link.commit(llm)
+    out["holds_s3"], out["label_s3"] = _holds(llm, first), llm.get_weight_version()
     return out
 
 

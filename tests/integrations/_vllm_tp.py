@@ -58,7 +58,9 @@ def tp_engine(model_dir: str, transfer: bool) -> Any:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    kw: dict[str, Any] = {}
+    from deltackpt.integrations.vllm.extension import EXTENSION
+
+    kw: dict[str, Any] = {"worker_extension_cls": EXTENSION}  # the store link too
     if transfer:
         kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
     return LLM(
@@ -199,6 +201,7 @@ def main(out_path: str) -> None:
         for rd, fr in zip(readable, fresh_readable, strict=True)
     ]
     res["whole"] = whole_tensors(llm, trainer, gen, tmp)
+    res["race"] = follow_race(llm, tmp)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
 
@@ -250,6 +253,53 @@ def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
         for a, b in zip(mine, theirs, strict=True)
     ]
     return out
+
+
+def _store(path: str) -> Any:
+    import deltackpt
+
+    return deltackpt.open_store(path, chunk_bytes=1 << 16, small_bytes=1 << 12)
+
+
+def _racing_follow(worker: Any, store: str, later: str) -> dict[str, Any]:
+    """On every worker at once (collective_rpc): worker 1 first commits a newer snapshot,
+    ``r1``, 3 s after worker 0 looked at the store, then follows; worker 0 follows at once."""
+    import time
+
+    import deltackpt
+
+    if worker.rank == 1:
+        time.sleep(3)
+        deltackpt.save({"model": torch.load(later)}, _store(store), "r1", encoding="smallest")
+    return worker.deltackpt_follow(store)  # type: ignore[no-any-return]
+
+
+def follow_race(llm: Any, tmp: str) -> dict[str, Any]:
+    """Both workers follow a store while a save commits between their looks (``r1``, saved by
+    worker 1 itself, deterministic): each looking for itself, worker 0 would load ``r0`` and
+    worker 1 ``r1``, one model on two versions. Then a plain follow; per step each worker's
+    version and whether its followed copy is that version's state (digests)."""
+    from deltackpt.integrations.vllm.extension import state_digests
+
+    first, second = tiny_qwen2(5), tiny_qwen2(6)
+    sd0 = {k: v.detach().clone() for k, v in first.state_dict().items()}
+    sd1 = {k: v.detach().clone() for k, v in second.state_dict().items()}
+    import deltackpt
+
+    store = f"{tmp}/race-store"
+    deltackpt.save({"model": sd0}, _store(store), "r0", encoding="smallest")
+    torch.save(sd1, f"{tmp}/r1.pt")
+    want = {"r0": state_digests(sd0), "r1": state_digests(sd1)}
+
+    def step() -> list[dict[str, Any]]:
+        got = llm.collective_rpc("deltackpt_follow_digests")
+        return [{"version": g["version"], "exact": g["digests"] == want.get(g["version"])}
+                for g in got]  # fmt: skip
+
+    llm.collective_rpc(_racing_follow, args=(store, f"{tmp}/r1.pt"))
+    raced = step()
+    llm.collective_rpc("deltackpt_follow", args=(store,))
+    return {"raced": raced, "after": step()}
 
 
 if __name__ == "__main__":

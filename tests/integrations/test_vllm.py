@@ -341,5 +341,10 @@ def test_an_engine_starts_from_the_stores_newest_snapshot_and_follows_it_from_th
     assert st["holds_s1"]
     # its first follow is incremental from what it started with: one changed tensor read
     f = st["follow"]
-    assert (f["version"], f["mode"], f["changed"]) == ("s2", "incremental", 1)
+    assert (f["version"], f["mode"], f["changed"], f["workers"]) == ("s2", "incremental", 1, 1)
     assert st["holds_s2"]
+    # store_link from the driver sets the engine's weight version to the snapshot's name (and
+    # drops the prefix cache); a staged follow moves it at the commit only
+    assert (st["label_s2"], st["label_while_staged"], st["label_s3"]) == ("s2", "s2", "s3")
+    assert (st["commit"]["version"], st["commit"]["mode"]) == ("s3", "incremental")
+    assert st["holds_s3"]

@@ -185,3 +185,11 @@ def test_whole_tensors_staged_rounds_and_failed_commits_on_one_worker(run):
     check_prefix_cache(c)
     want = ["in place"] * 2 if run["linear"] == "keep" else ["reload"] * 2
     assert all(f["path"] == want for f in c["failures"]), [f["path"] for f in c["failures"]]
+
+
+def test_both_workers_follow_one_snapshot_when_a_save_commits_between_their_looks(run):
+    # worker 1 committed r1 after worker 0 looked: both load r0 (worker 0's choice), whole and
+    # exact; the next follow takes both to r1
+    race = run["race"]
+    assert race["raced"] == [{"version": "r0", "exact": True}] * 2
+    assert race["after"] == [{"version": "r1", "exact": True}] * 2

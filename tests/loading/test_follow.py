@@ -303,3 +303,26 @@ def test_follow_while_checkpointer_retention_deletes(
             proc.kill()
     assert same(into, state_at(versions - 1))
     f.close()
+
+
+def test_poll_a_named_target_not_the_newest(tmp_path: Path) -> None:
+    # followers that must hold one version together poll the name one of them chose: a save
+    # committed after it does not move them
+    st = new_store(tmp_path / "s")
+    for k in range(3):
+        publish(st, k)
+    into = _empty_like(0)
+    f = deltackpt.Follower(st, into=into, lease_ttl=None)
+    s = f.poll(target="s1")
+    assert s is not None and (s.version, s.mode) == ("s1", "full")
+    assert same(into, state_at(1)) and f.poll(target="s1") is None  # held already
+    # and back to an older one (a rollback to a published version), incrementally
+    assert f.poll() is not None and f.version == "s2" and same(into, state_at(2))
+    back = f.poll(target="s0")
+    assert back is not None and (back.version, back.mode) == ("s0", "incremental")
+    assert same(into, state_at(0))
+    with pytest.raises(SnapshotNotFoundError, match=r"no committed snapshot 's9' to poll"):
+        f.poll(target="s9")
+    with pytest.raises(InvalidArgumentError, match=r"poll\(target=3\): expected a snapshot"):
+        f.poll(target=3)  # type: ignore[arg-type]
+    assert f.version == "s0" and same(into, state_at(0))  # the refusals changed nothing

@@ -20,6 +20,8 @@ importing ``deltackpt`` (or this package) never imports vLLM.
   server request's ``model`` names a saved adapter version.
 - ``loader``: ``load_format="deltackpt"``, an engine that starts from a store's snapshot
   (``model_loader_extra_config``: ``store``, ``snapshot``, ``key``, ``follow``).
+- ``store_link``: the store link from the driver (``follow(llm, url)``, ``stage``, ``commit``):
+  the workers' follow, then the prefix cache dropped and the weight version set.
 - ``extension``: :class:`~deltackpt.integrations.vllm.extension.DeltackptWorkerExtension`
   (``worker_extension_cls``): digests of what each worker committed, the per-parameter path
   report and the end of a stale update session, through ``collective_rpc`` or the server's

@@ -33,7 +33,13 @@ import torch
 from deltackpt.format.hashing import tensor_digest
 from deltackpt.sync import PlanError
 
-__all__ = ["EXTENSION", "DeltackptWorkerExtension", "state_digests", "tensor_digest"]
+__all__ = [
+    "EXTENSION",
+    "DeltackptWorkerExtension",
+    "first_workers",
+    "state_digests",
+    "tensor_digest",
+]
 
 #: the value of ``worker_extension_cls`` / ``--worker-extension-cls``
 EXTENSION = f"{__name__}.DeltackptWorkerExtension"
@@ -52,6 +58,22 @@ def state_digests(
             t = t.detach().to(dtype)
         out[name] = tensor_digest(t)
     return out
+
+
+def first_workers(value: str | None) -> str | None:
+    """The first worker's ``value`` on every worker of this engine (vLLM's world group, over its
+    CPU group): called by all of them at once, inside one ``collective_rpc`` (or the engine's
+    model load), so that they act on one snapshot name where each picking its own could differ
+    (a trainer committing a newer one between their looks)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    g = get_world_group()
+    if g.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=g.ranks[0], group=g.cpu_group)
+    return None if box[0] is None else str(box[0])
 
 
 def _follow_report(f: Any, s: Any) -> dict[str, Any]:
@@ -183,13 +205,17 @@ class DeltackptWorkerExtension:
             from deltackpt.integrations.vllm.worker import mark_written
 
             mark_written(self.model_runner.get_model(), "outside")  # type: ignore[attr-defined]
+        # every worker of the engine polls the snapshot the first one found newest: each
+        # looking for itself, a save committed between their looks would split a
+        # tensor-parallel model across two versions
+        target = first_workers(f.latest())
         if stage:
             staged: dict[str, Any] = {"weights": [], "stats": None, "error": None}
 
             def prepare() -> None:
                 self._deltackpt_follow_sink[0] = staged["weights"]
                 try:
-                    staged["stats"] = f.poll()
+                    staged["stats"] = None if target is None else f.poll(target=target)
                 except BaseException as e:  # reported by deltackpt_follow_commit
                     staged["error"] = e
                 finally:
@@ -199,7 +225,7 @@ class DeltackptWorkerExtension:
             staged["thread"].start()
             self._deltackpt_follow_staged = staged
             return {"staged": True, "version": f.version}
-        got = f.poll()
+        got = None if target is None else f.poll(target=target)
         if got is None and self._deltackpt_follow_overwritten():
             # nothing newer, but the trainer's route wrote the model since: the held version
             # goes back in whole (the question asked is "serve the newest snapshot")

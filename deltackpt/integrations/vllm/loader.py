@@ -52,6 +52,7 @@ from deltackpt.distributed.load import load
 from deltackpt.errors import StateMismatchError
 from deltackpt.format.tree import flatten
 from deltackpt.integrations.vllm import feed, fp8_layout
+from deltackpt.integrations.vllm.extension import first_workers
 from deltackpt.integrations.vllm.loader_args import StartFrom, resolve, start_from
 from deltackpt.integrations.vllm.worker import mark_written, new_writer
 from deltackpt.store.store import open_store
@@ -83,19 +84,6 @@ class Started:
         return {"store": s.store, "snapshot": self.snapshot, "key": s.key, "follow": s.follow}
 
 
-def _agree(name: str) -> str:
-    """The first worker's snapshot name, on every worker of this engine."""
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_world_group
-
-    g = get_world_group()
-    if g.world_size == 1:
-        return name
-    box = [name]
-    dist.broadcast_object_list(box, src=g.ranks[0], group=g.cpu_group)
-    return str(box[0])
-
-
 class DeltackptModelLoader(BaseModelLoader):
     """vLLM's ``load_format="deltackpt"`` (module doc)."""
 
@@ -114,7 +102,7 @@ class DeltackptModelLoader(BaseModelLoader):
         model's ``load_weights`` takes of it."""
         s = self.start
         store, name = resolve(s)
-        name = _agree(name)
+        name = str(first_workers(name))  # every worker loads the same snapshot
         state = load(store, name, keys=None if s.key is None else [s.key])
         prefix = "" if s.key is None else f"{s.key}/"
         _, leaves = flatten(state, allow_pickle=True, check_tensors=False)
