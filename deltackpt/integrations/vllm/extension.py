@@ -33,13 +33,7 @@ import torch
 from deltackpt.format.hashing import tensor_digest
 from deltackpt.sync import PlanError
 
-__all__ = [
-    "EXTENSION",
-    "DeltackptWorkerExtension",
-    "first_workers",
-    "state_digests",
-    "tensor_digest",
-]
+__all__ = ["EXTENSION", "DeltackptWorkerExtension", "state_digests", "tensor_digest"]
 
 #: the value of ``worker_extension_cls`` / ``--worker-extension-cls``
 EXTENSION = f"{__name__}.DeltackptWorkerExtension"
@@ -58,22 +52,6 @@ def state_digests(
             t = t.detach().to(dtype)
         out[name] = tensor_digest(t)
     return out
-
-
-def first_workers(value: str | None) -> str | None:
-    """The first worker's ``value`` on every worker of this engine (vLLM's world group, over its
-    CPU group): called by all of them at once, inside one ``collective_rpc`` (or the engine's
-    model load), so that they act on one snapshot name where each picking its own could differ
-    (a trainer committing a newer one between their looks)."""
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_world_group
-
-    g = get_world_group()
-    if g.world_size == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=g.ranks[0], group=g.cpu_group)
-    return None if box[0] is None else str(box[0])
 
 
 def _follow_report(f: Any, s: Any) -> dict[str, Any]:
@@ -208,6 +186,8 @@ class DeltackptWorkerExtension:
         # every worker of the engine polls the snapshot the first one found newest: each
         # looking for itself, a save committed between their looks would split a
         # tensor-parallel model across two versions
+        from deltackpt.integrations.vllm.worker import first_workers
+
         target = first_workers(f.latest())
         if stage:
             staged: dict[str, Any] = {"weights": [], "stats": None, "error": None}

@@ -52,9 +52,8 @@ from deltackpt.distributed.load import load
 from deltackpt.errors import StateMismatchError
 from deltackpt.format.tree import flatten
 from deltackpt.integrations.vllm import feed, fp8_layout
-from deltackpt.integrations.vllm.extension import first_workers
 from deltackpt.integrations.vllm.loader_args import StartFrom, resolve, start_from
-from deltackpt.integrations.vllm.worker import mark_written, new_writer
+from deltackpt.integrations.vllm.worker import first_workers, mark_written, new_writer
 from deltackpt.store.store import open_store
 from deltackpt.sync import PlanError
 

@@ -84,6 +84,7 @@ __all__ = [
     "allow_cpu_tiles",
     "commit_layers",
     "commit_verdict",
+    "first_workers",
     "layer_key",
     "mark_written",
     "new_writer",
@@ -317,6 +318,22 @@ def whole_if_overwritten(
     view = dict(held)
     view.update(changed)
     return list(view.items())
+
+
+def first_workers(value: str | None) -> str | None:
+    """The first worker's ``value`` on every worker of this engine (vLLM's world group, over its
+    CPU group): called by all of them at once, inside one ``collective_rpc`` (or the engine's
+    model load), so that they act on one snapshot name where each picking its own could differ
+    (a trainer committing a newer one between their looks)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    g = get_world_group()
+    if g.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=g.ranks[0], group=g.cpu_group)
+    return None if box[0] is None else str(box[0])
 
 
 def _failing_at(
