@@ -186,6 +186,23 @@ class Follower:
         before the first load)."""
         return self.into if self.into is not None else self._held
 
+    def adopt(self, version: str, state: Any, created_ns: int | None = None) -> None:
+        """Start from ``state``, which already holds snapshot ``version`` (loaded and checked
+        elsewhere: an engine's start from the same store), so that the next poll is a
+        catch-up from it instead of a full load. ``load_weights`` followers only, before their
+        first load; ``created_ns``: that snapshot's commit time as it was loaded (default:
+        the store's now), so that a snapshot saved again under the name is not taken for
+        it. ``state`` becomes the follower's own copy (as a full load's would)."""
+        if self.into is not None or self._held is not None or self.version is not None:
+            raise InvalidArgumentError(
+                f"Follower.adopt({version!r:.80}): only a load_weights follower that holds "
+                "nothing yet adopts a state; this one "
+                + ("follows into= tensors" if self.into is not None else "holds a version")
+            )
+        if created_ns is None:
+            created_ns = self.store.manifest(version).created_ns
+        self.version, self._created_ns, self._held = version, created_ns, state
+
     def latest(self) -> str | None:
         """The newest committed snapshot of the store (by commit order), or None."""
         names = self.store.names()

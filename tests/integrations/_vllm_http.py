@@ -32,7 +32,11 @@ from _vllm_run import free_port, rl_step, tiny_qwen2
 STARTUP_S = 240  # the server's start (~20 s here), bounded
 
 
-def serve(model_dir: str, port: int, log_path: str) -> subprocess.Popen[bytes]:
+def serve(
+    model_dir: str, port: int, log_path: str, store: dict[str, Any] | None = None
+) -> subprocess.Popen[bytes]:
+    """``vllm serve`` with the backend and the worker extension; ``store``: its weights from a
+    store's snapshot (``--load-format deltackpt --model-loader-extra-config <json>``)."""
     from deltackpt.integrations.vllm.extension import EXTENSION
 
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -43,6 +47,8 @@ def serve(model_dir: str, port: int, log_path: str) -> subprocess.Popen[bytes]:
         "--max-num-seqs", "4", "--weight-transfer-config", '{"backend": "deltackpt"}',
         "--worker-extension-cls", EXTENSION,
     ]  # fmt: skip
+    if store is not None:
+        cmd += ["--load-format", "deltackpt", "--model-loader-extra-config", json.dumps(store)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_S
@@ -102,12 +108,18 @@ def main(out_path: str) -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
+    import deltackpt
     from deltackpt.integrations.vllm.extension import state_digests
     from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo
     from deltackpt.sync import SyncError
 
     tmp = tempfile.mkdtemp(prefix="vllm-http-", dir=os.path.dirname(os.path.abspath(out_path)))
-    tiny_qwen2(0).save_pretrained(f"{tmp}/start")
+    # the server starts from a store's snapshot, from its command line: the model directory
+    # holds the config only
+    first = tiny_qwen2(0)
+    first.config.save_pretrained(f"{tmp}/start")
+    start_sd = {k: v.detach().clone() for k, v in first.state_dict().items()}
+    deltackpt.save({"model": start_sd}, f"{tmp}/start-store", "s0")
     trainer = tiny_qwen2(1)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -122,9 +134,15 @@ def main(out_path: str) -> None:
     child.start()
     ranks = TwoTrainers(url, tmp, free_port)
     t0 = time.monotonic()
-    proc = serve(f"{tmp}/start", port, f"{tmp}/server.log")
+    start_store = {"store": f"{tmp}/start-store", "follow": True}
+    proc = serve(f"{tmp}/start", port, f"{tmp}/server.log", store=start_store)
     res: dict[str, Any] = {"startup_s": time.monotonic() - t0, "rounds": [], "log": tmp}
     srv = Server(url, f"{tmp}/start")
+    # what it started from, and its follower's copy (adopted from the start: nothing newer)
+    res["started"] = srv.rpc("deltackpt_started")
+    res["start_follow"] = srv.rpc("deltackpt_follow", f"{tmp}/start-store")
+    got = srv.rpc("deltackpt_follow_digests")
+    res["start_follow"]["exact"] = got["digests"] == state_digests(start_sd)
     gen = torch.Generator().manual_seed(2)
 
     def check(tag: str, stats: Any, sd: dict[str, torch.Tensor] | None = None) -> None:

@@ -55,9 +55,11 @@ class Server:
     def version(self) -> str:
         return str(requests.get(f"{self.url}/weight_info", timeout=30).json()["weight_version"])
 
-    def rpc(self, method: str) -> Any:
-        """``method`` of the worker extension on the (one) worker, through /collective_rpc."""
-        r = requests.post(f"{self.url}/collective_rpc", json={"method": method}, timeout=60)
+    def rpc(self, method: str, *args: str) -> Any:
+        """``method`` of the worker extension on the (one) worker, through /collective_rpc
+        (its arguments travel as strings)."""
+        body = {"method": method, "args": list(args)}
+        r = requests.post(f"{self.url}/collective_rpc", json=body, timeout=60)
         r.raise_for_status()
         (one,) = r.json()["results"]
         return one

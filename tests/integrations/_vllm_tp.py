@@ -47,13 +47,14 @@ from _vllm_run import (
 BUCKET = 64 << 10
 
 
-def tp_engine(model_dir: str, transfer: bool) -> Any:
+def tp_engine(model_dir: str, transfer: bool, store: dict[str, Any] | None = None) -> Any:
     """The TP=2 engine: its two workers are processes of their own (vLLM's multiprocess
     executor: the trainer here syncs with them across processes, as with any engine); its
     engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as colocated RL
     trainers run vLLM), one interpreter fewer to start and stop (~14 s of the suite on 2
     cores). ``test_vllm.py`` and ``test_vllm_http.py`` run the engine core in a process of its
-    own, vLLM's default."""
+    own, vLLM's default. ``store``: its weights from a store's snapshot
+    (``load_format="deltackpt"``, this ``model_loader_extra_config``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -63,6 +64,8 @@ def tp_engine(model_dir: str, transfer: bool) -> Any:
     kw: dict[str, Any] = {"worker_extension_cls": EXTENSION}  # the store link too
     if transfer:
         kw["weight_transfer_config"] = WeightTransferConfig(backend="deltackpt")
+    if store is not None:
+        kw.update(load_format="deltackpt", model_loader_extra_config=store)
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, tensor_parallel_size=2, enable_prefix_caching=True,
@@ -166,10 +169,17 @@ def main(out_path: str) -> None:
     _vllm_commit.same = same_box  # type: ignore[attr-defined]
 
     tmp = tempfile.mkdtemp(prefix="vllm-tpb-", dir=os.path.dirname(os.path.abspath(out_path)))
-    tiny_qwen2(0).save_pretrained(f"{tmp}/start")
+    # both workers start from a store's snapshot (the first one names it: a newer save while
+    # they start does not split them); the model directory holds the config only
+    first = tiny_qwen2(0)
+    first.config.save_pretrained(f"{tmp}/start")
+    import deltackpt
+
+    sd0 = {k: v.detach().clone() for k, v in first.state_dict().items()}
+    deltackpt.save({"model": sd0}, f"{tmp}/start-store", "s0")
     trainer = tiny_qwen2(1)
-    llm = tp_engine(f"{tmp}/start", transfer=True)
-    res: dict[str, Any] = {}
+    llm = tp_engine(f"{tmp}/start", transfer=True, store={"store": f"{tmp}/start-store"})
+    res: dict[str, Any] = {"started": started_as_vllm_loads(llm, first, f"{tmp}/start-ref")}
     # the memory-bound configuration: boxes, two message slots (staging="ring"), small buckets
     # so that this tiny model's round takes many of them
     info = DeltackptTrainerInitInfo(
@@ -249,6 +259,22 @@ def whole_tensors(llm: Any, trainer: Any, gen: Any, tmp: str) -> dict[str, Any]:
         llm, eng, trainer, f"{tmp}/final-whole"
     )
     out["readable_equal"] = [
+        bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        for a, b in zip(mine, theirs, strict=True)
+    ]
+    return out
+
+
+def started_as_vllm_loads(llm: Any, first: Any, path: str) -> dict[str, Any]:
+    """What each worker says it started from; greedy tokens and each worker's readable
+    parameters against vLLM's own load of the same weights (``reload_weights`` of a
+    ``save_pretrained`` directory)."""
+    out: dict[str, Any] = {"report": llm.collective_rpc("deltackpt_started")}
+    tokens, mine = greedy(llm), [_unpack(r) for r in llm.collective_rpc(_readable)]
+    vllm_reload(llm, first, path)
+    theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    out["same_tokens"] = tokens == greedy(llm)
+    out["same_readable"] = [
         bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
         for a, b in zip(mine, theirs, strict=True)
     ]

@@ -109,3 +109,12 @@ def test_an_update_session_a_dead_trainer_left_open_is_ended(run):
     # ... and by the next trainer's send_weights, whose start vLLM first refused
     r = rounds(run)["replaced"]
     assert r["full"] and r["identical"] and r["engine_version"] == "5"
+
+
+def test_a_server_starts_from_a_store_by_its_command_line(run):
+    # vllm serve <config-only dir> --load-format deltackpt --model-loader-extra-config '{...}':
+    # the plugin registers the loader in the server's processes; "follow": true hands the
+    # loaded copy to the first follow, which finds nothing newer and holds s0 exactly
+    assert run["started"]["snapshot"] == "s0" and run["started"]["follow"] is True
+    f = run["start_follow"]
+    assert (f["version"], f["mode"], f["exact"]) == ("s0", None, True)

@@ -193,3 +193,11 @@ def test_both_workers_follow_one_snapshot_when_a_save_commits_between_their_look
     race = run["race"]
     assert race["raced"] == [{"version": "r0", "exact": True}] * 2
     assert race["after"] == [{"version": "r1", "exact": True}] * 2
+
+
+def test_both_workers_start_from_one_store_snapshot_as_vllm_loads_it(run):
+    # load_format="deltackpt" at TP=2: each worker loads its shards through load_weights;
+    # tokens and every readable parameter equal vLLM's own load of the same weights
+    st = run["started"]
+    assert [r["snapshot"] for r in st["report"]] == ["s0", "s0"]
+    assert st["same_tokens"] and st["same_readable"] == [True, True]

@@ -326,3 +326,20 @@ def test_poll_a_named_target_not_the_newest(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match=r"poll\(target=3\): expected a snapshot"):
         f.poll(target=3)  # type: ignore[arg-type]
     assert f.version == "s0" and same(into, state_at(0))  # the refusals changed nothing
+
+
+def test_adopt_a_state_loaded_elsewhere_then_catch_up_from_it(tmp_path: Path) -> None:
+    # an engine's start loaded s0 from the store itself: its follower adopts that copy, and
+    # its first poll is a catch-up, not a full load
+    st = new_store(tmp_path / "s")
+    publish(st, 0)
+    publish(st, 1)
+    got: dict[str, torch.Tensor] = {}
+    f = deltackpt.Follower(st, load_weights=lambda w: got.update(w), lease_ttl=None)
+    f.adopt("s0", deltackpt.load(st, "s0"))
+    s = f.poll()
+    assert s is not None and (s.version, s.previous, s.mode) == ("s1", "s0", "incremental")
+    assert "model/w0" in got and "model/w3" not in got  # only what changed was handed over
+    assert same(f.state, state_at(1))
+    with pytest.raises(InvalidArgumentError, match=r"adopt\('s0'\): only a load_weights"):
+        f.adopt("s0", deltackpt.load(st, "s0"))  # it holds a version now

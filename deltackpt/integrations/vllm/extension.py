@@ -225,7 +225,7 @@ class DeltackptWorkerExtension:
             return
         if (started.start.store, started.start.key) != (self._deltackpt_follow_args[0], key):
             return
-        f.version, f._created_ns, f._held = started.snapshot, started.created_ns, started.held
+        f.adopt(started.snapshot, started.held, started.created_ns)
         self._deltackpt_loaded.update(started.loaded)
         self._deltackpt_follow_writer = started.writer
         started.held = started.loaded = None

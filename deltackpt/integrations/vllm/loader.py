@@ -54,7 +54,6 @@ from deltackpt.format.tree import flatten
 from deltackpt.integrations.vllm import feed, fp8_layout
 from deltackpt.integrations.vllm.loader_args import StartFrom, resolve, start_from
 from deltackpt.integrations.vllm.worker import first_workers, mark_written, new_writer
-from deltackpt.store.store import open_store
 from deltackpt.sync import PlanError
 
 __all__ = ["FORMAT", "STARTED_ATTR", "WEIGHT_FILES", "DeltackptModelLoader", "Started"]
@@ -73,7 +72,7 @@ class Started:
 
     start: StartFrom
     snapshot: str
-    created_ns: int | None
+    created_ns: int
     held: Any = None  # the loaded state, as a Follower holds it
     loaded: dict[str, torch.Tensor] | None = None  # what load_weights got, by its names
     writer: str | None = None  # the follower's mark on the model (worker.mark_written)
@@ -96,12 +95,13 @@ class DeltackptModelLoader(BaseModelLoader):
 
     def _items(
         self, model: nn.Module, model_config: ModelConfig
-    ) -> tuple[str, Any, list[tuple[str, torch.Tensor]]]:
-        """The snapshot's name (agreed by every worker), its loaded state, and what the
-        model's ``load_weights`` takes of it."""
+    ) -> tuple[str, int, Any, list[tuple[str, torch.Tensor]]]:
+        """The snapshot's name (agreed by every worker) and commit time, its loaded state, and
+        what the model's ``load_weights`` takes of it."""
         s = self.start
         store, name = resolve(s)
         name = str(first_workers(name))  # every worker loads the same snapshot
+        created_ns = store.manifest(name).created_ns  # before the load: the one it reads
         state = load(store, name, keys=None if s.key is None else [s.key])
         prefix = "" if s.key is None else f"{s.key}/"
         _, leaves = flatten(state, allow_pickle=True, check_tensors=False)
@@ -118,12 +118,12 @@ class DeltackptModelLoader(BaseModelLoader):
         refused = fp8_layout.refusal(model, layout, items)
         if refused is not None:
             raise PlanError(f"load_format='deltackpt': {refused}")
-        return name, state, items
+        return name, created_ns, state, items
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         t0 = time.perf_counter()
         s = self.start
-        name, state, items = self._items(model, model_config)
+        name, created_ns, state, items = self._items(model, model_config)
         got = model.load_weights(feed.feed(items, feed.model_device(model)))
         if model_config.quantization is None and got is not None:
             missing = sorted({n for n, _ in model.named_parameters()} - set(got))
@@ -134,8 +134,7 @@ class DeltackptModelLoader(BaseModelLoader):
                     f"{missing[:8]}; it holds another model's weights, or its state dict sits "
                     "under another key"
                 )
-        store = open_store(s.store, create=False, storage_options=s.storage_options)
-        started = Started(s, name, store.manifest(name).created_ns)
+        started = Started(s, name, created_ns)
         if s.follow:  # the extension's first follow of this store adopts them
             started.held, started.loaded = state, dict(items)
             started.writer = new_writer("store")
@@ -167,7 +166,7 @@ class DeltackptModelLoader(BaseModelLoader):
             )
             yield from DefaultModelLoader(plain).get_all_weights(model_config, model)
             return
-        yield from self._items(model, model_config)[2]
+        yield from self._items(model, model_config)[3]
 
 
 #: the files vLLM's default loader reads weights from (a directory without any is config-only)
