@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,13 +51,16 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from deltackpt.distributed.load import load
 from deltackpt.errors import StateMismatchError
+from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.tree import flatten
 from deltackpt.integrations.vllm import feed, fp8_layout
 from deltackpt.integrations.vllm.loader_args import StartFrom, resolve, start_from
 from deltackpt.integrations.vllm.worker import first_workers, mark_written, new_writer
+from deltackpt.loading.lazy import SnapshotReader, open_snapshot
+from deltackpt.store.store import Store
 from deltackpt.sync import PlanError
 
-__all__ = ["FORMAT", "STARTED_ATTR", "WEIGHT_FILES", "DeltackptModelLoader", "Started"]
+__all__ = ["FORMAT", "STARTED_ATTR", "WEIGHT_FILES", "WINDOW", "DeltackptModelLoader", "Started"]
 
 log = logging.getLogger(__name__)
 #: the ``load_format`` name
@@ -93,37 +97,75 @@ class DeltackptModelLoader(BaseModelLoader):
         """Nothing to download: the store and the snapshot are checked."""
         resolve(self.start)
 
-    def _items(
-        self, model: nn.Module, model_config: ModelConfig
-    ) -> tuple[str, int, Any, list[tuple[str, torch.Tensor]]]:
-        """The snapshot's name (agreed by every worker) and commit time, its loaded state, and
-        what the model's ``load_weights`` takes of it."""
-        s = self.start
-        store, name = resolve(s)
-        name = str(first_workers(name))  # every worker loads the same snapshot
-        created_ns = store.manifest(name).created_ns  # before the load: the one it reads
-        state = load(store, name, keys=None if s.key is None else [s.key])
-        prefix = "" if s.key is None else f"{s.key}/"
-        _, leaves = flatten(state, allow_pickle=True, check_tensors=False)
-        items = [(x.path.removeprefix(prefix), x.tensor) for x in leaves]
-        if not items:
-            raise StateMismatchError(
-                f"load_format='deltackpt': snapshot {name!r} of store {s.store!r} holds no "
-                f"tensor under key {s.key!r}; give the key its state dict was saved under "
-                "(model_loader_extra_config 'key'; null: the saved state is the state dict)"
-            )
+    def _snapshot(self) -> tuple[Store, str, int]:
+        """The store, the snapshot every worker loads (the first one names it) and its commit
+        time, read before the load: the version that load reads."""
+        store, name = resolve(self.start)
+        name = str(first_workers(name))
+        return store, name, store.manifest(name).created_ns
+
+    def _engine_items(
+        self, model: nn.Module, model_config: ModelConfig, items: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """``items`` as the model's ``load_weights`` takes them: an FP8 engine's weights
+        quantized in its blocks (``fp8_layout``), what it cannot take refused."""
         layout = fp8_layout.engine_layout(model)
         items = fp8_layout.for_engine(layout, fp8_layout.blocks_for(layout), model_config.dtype,
                                       items)  # fmt: skip
         refused = fp8_layout.refusal(model, layout, items)
         if refused is not None:
             raise PlanError(f"load_format='deltackpt': {refused}")
-        return name, created_ns, state, items
+        return items
+
+    def _nothing(self, name: str) -> StateMismatchError:
+        s = self.start
+        return StateMismatchError(
+            f"load_format='deltackpt': snapshot {name!r} of store {s.store!r} holds no tensor "
+            f"under key {s.key!r}; give the key its state dict was saved under "
+            "(model_loader_extra_config 'key'; null: the saved state is the state dict)"
+        )
+
+    def _whole(
+        self, model: nn.Module, model_config: ModelConfig, store: Store, name: str
+    ) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+        """The snapshot loaded whole (the follower's copy, ``"follow": true``) and what
+        ``load_weights`` takes of it."""
+        s = self.start
+        state = load(store, name, keys=None if s.key is None else [s.key])
+        prefix = "" if s.key is None else f"{s.key}/"
+        _, leaves = flatten(state, allow_pickle=True, check_tensors=False)
+        items = [(x.path.removeprefix(prefix), x.tensor) for x in leaves]
+        if not items:
+            raise self._nothing(name)
+        return state, self._engine_items(model, model_config, items)
+
+    def _streamed(
+        self, model: nn.Module, model_config: ModelConfig, store: Store, name: str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The snapshot's tensors read in windows of about :data:`WINDOW` bytes (each chunk
+        checked as it is read), handed on and dropped: host memory holds one window, not the
+        model, on every worker (a tensor-parallel engine's workers each read the snapshot, as
+        vLLM's default loader reads the checkpoint files)."""
+        s = self.start
+        prefix = "" if s.key is None else f"{s.key}/"
+        with open_snapshot(store, name) as snap:
+            keys = [k for k in snap if s.key is None or k.startswith(prefix)]
+            if not keys:
+                raise self._nothing(name)
+            for window in _windows(snap, keys, WINDOW):
+                got = snap.get_tensors(window)
+                items = [(k.removeprefix(prefix), got.pop(k)) for k in window]
+                yield from self._engine_items(model, model_config, items)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         t0 = time.perf_counter()
         s = self.start
-        name, created_ns, state, items = self._items(model, model_config)
+        store, name, created_ns = self._snapshot()
+        if s.follow:  # the whole copy is kept for the first follow anyway
+            state, whole = self._whole(model, model_config, store, name)
+            items: Iterable[tuple[str, torch.Tensor]] = whole
+        else:
+            items = self._streamed(model, model_config, store, name)
         got = model.load_weights(feed.feed(items, feed.model_device(model)))
         if model_config.quantization is None and got is not None:
             missing = sorted({n for n, _ in model.named_parameters()} - set(got))
@@ -136,14 +178,13 @@ class DeltackptModelLoader(BaseModelLoader):
                 )
         started = Started(s, name, created_ns)
         if s.follow:  # the extension's first follow of this store adopts them
-            started.held, started.loaded = state, dict(items)
+            started.held, started.loaded = state, dict(whole)
             started.writer = new_writer("store")
             mark_written(model, started.writer)
         model.__dict__[STARTED_ATTR] = started
         log.info(
-            "deltackpt: loaded snapshot %r of %s (%d tensors) in %.2f s",
-            name, s.store, len(items), time.perf_counter() - t0,
-        )  # fmt: skip
+            "deltackpt: loaded snapshot %r of %s in %.2f s", name, s.store, time.perf_counter() - t0
+        )
 
     def get_all_weights(
         self, model_config: ModelConfig, model: nn.Module
@@ -166,7 +207,29 @@ class DeltackptModelLoader(BaseModelLoader):
             )
             yield from DefaultModelLoader(plain).get_all_weights(model_config, model)
             return
-        yield from self._items(model, model_config)[3]
+        store, name, _ = self._snapshot()
+        yield from self._streamed(model, model_config, store, name)
+
+
+#: bytes of tensors read at a time without ``"follow"`` (a window, then handed on and dropped)
+WINDOW = 256 << 20
+
+
+def _windows(snap: SnapshotReader, keys: list[str], limit: int) -> Iterator[list[str]]:
+    """``keys`` in save order, cut where a window would pass ``limit`` bytes (a tensor larger
+    than ``limit`` is a window of its own)."""
+    window: list[str] = []
+    size = 0
+    for k in keys:
+        e = snap.entry(k)
+        n = math.prod(e.shape) * dtype_from_name(e.dtype).itemsize
+        if window and size + n > limit:
+            yield window
+            window, size = [], 0
+        window.append(k)
+        size += n
+    if window:
+        yield window
 
 
 #: the files vLLM's default loader reads weights from (a directory without any is config-only)
