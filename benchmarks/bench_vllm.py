@@ -580,13 +580,18 @@ def main() -> None:
                 rows += bench_size(size, tmp, args.repeats, args.links, tied)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+    report(limits, HEADER, rows, f", {args.repeats} repeats")
+
+
+def report(limits: list[str], header: list[str], rows: list[list[Any]], more: str = "") -> None:
+    """The command line, the machine, its limits measured in the run, and the table."""
     print()
     print(f"`{' '.join([os.path.relpath(sys.executable), *sys.argv])}`, torch threads "
-          f"{torch.get_num_threads()}, {os.cpu_count()} cores, {args.repeats} repeats\n")  # fmt: skip
+          f"{torch.get_num_threads()}, {os.cpu_count()} cores{more}\n")  # fmt: skip
     for line in limits:
         print(f"- {line}")
     print()
-    print(md_table(HEADER, rows))
+    print(md_table(header, rows))
 
 
 if __name__ == "__main__":

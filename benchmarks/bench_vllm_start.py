@@ -32,15 +32,14 @@ import argparse
 import gc
 import os
 import shutil
-import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
 from _harness.limits import median
-from _harness.report import fmt_bytes, md_table
-from bench_vllm import SIZES, greedy, machine_limits, spread
+from _harness.report import fmt_bytes
+from bench_vllm import SIZES, greedy, machine_limits, report, spread
 
 HEADER = ["model", "what", "seconds (median [range])", "vs safetensors", "notes"]
 
@@ -171,12 +170,7 @@ def main() -> None:
             rows += bench_size(size, tmp, args.repeats, args.follow)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n`{' '.join([os.path.relpath(sys.executable), *sys.argv])}`, torch threads "
-          f"{torch.get_num_threads()}, {os.cpu_count()} cores\n")  # fmt: skip
-    for line in limits:
-        print(f"- {line}")
-    print()
-    print(md_table(HEADER, rows))
+    report(limits, HEADER, rows)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@
 
 The model directory gives the config (``config.json``; its weight files are not read, and need
 not be there); the weights are the snapshot's tensors under ``key`` (``"model"``: what
-``deltackpt.save({"model": sd}, ...)`` and the ``Checkpointer`` write), read and checked
-chunk by chunk (:func:`deltackpt.load`), then handed to the model's own ``load_weights``, the
-path vLLM's default loader takes, so vLLM fuses, shards and post-processes them as it does a
-Hugging Face checkpoint. An engine that serves block-FP8 weights gets the store's weights of
+``deltackpt.save({"model": sd}, ...)`` and the ``Checkpointer`` write), read in windows of
+:data:`WINDOW` bytes (every chunk checked as it is read: :func:`deltackpt.open_snapshot`), each
+handed to the model's own ``load_weights`` (the path vLLM's default loader takes, so vLLM fuses,
+shards and post-processes them as it does a Hugging Face checkpoint) and dropped: a worker's
+host memory holds one window, not the model. An engine that serves block-FP8 weights gets the store's weights of
 those modules quantized in its blocks (``fp8_layout``), as the backend's rounds do.
 
 Why: a training checkpoint is served as it is, without an export; and an engine that restarts
@@ -21,7 +22,7 @@ in an RL fleet (a recovered or a new replica) comes up at the version the traine
 last (``"latest"``), instead of the base weights of its model directory until someone pushes.
 Every worker of the engine loads the same snapshot: the first worker names it, the others take
 its name (a trainer may commit a newer one while they start). With ``"follow": true`` each worker
-keeps what it loaded as the worker extension's follower copy, so its first
+loads it whole and keeps it as the worker extension's follower copy, so its first
 ``collective_rpc("deltackpt_follow", args=(store,))`` is incremental (the same store string);
 that costs a host copy of the weights per worker from the start, which a follow holds anyway.
 
