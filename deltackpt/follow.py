@@ -173,6 +173,8 @@ class Follower:
         self.lease_ttl = lease_ttl
         self.holder = check_holder(holder) if holder is not None else _default_holder()
         self.version: str | None = since
+        #: the held snapshot's metadata (``{}`` before a load, or when it was gone by then)
+        self.metadata: dict[str, Any] = {}
         self._created_ns: int | None = None  # of the held version's manifest (None: unknown)
         self._held: Any = None  # load_weights: the follower's own copy
         self._resend = False  # load_weights failed: hand every tensor over at the next poll
@@ -186,22 +188,31 @@ class Follower:
         before the first load)."""
         return self.into if self.into is not None else self._held
 
-    def adopt(self, version: str, state: Any, created_ns: int | None = None) -> None:
+    def adopt(
+        self,
+        version: str,
+        state: Any,
+        created_ns: int | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         """Start from ``state``, which already holds snapshot ``version`` (loaded and checked
         elsewhere: an engine's start from the same store), so that the next poll is a
         catch-up from it instead of a full load. ``load_weights`` followers only, before their
-        first load; ``created_ns``: that snapshot's commit time as it was loaded (default:
-        the store's now), so that a snapshot saved again under the name is not taken for
-        it. ``state`` becomes the follower's own copy (as a full load's would)."""
+        first load; ``created_ns`` and ``metadata``: that snapshot's commit time and metadata
+        as it was loaded (default: the store's now), so that a snapshot saved again under the
+        name is not taken for it. ``state`` becomes the follower's own copy (as a full load's
+        would)."""
         if self.into is not None or self._held is not None or self.version is not None:
             raise InvalidArgumentError(
                 f"Follower.adopt({version!r:.80}): only a load_weights follower that holds "
                 "nothing yet adopts a state; this one "
                 + ("follows into= tensors" if self.into is not None else "holds a version")
             )
-        if created_ns is None:
-            created_ns = self.store.manifest(version).created_ns
+        if created_ns is None or metadata is None:
+            m = self.store.manifest(version)
+            created_ns, metadata = m.created_ns, dict(m.metadata)
         self.version, self._created_ns, self._held = version, created_ns, state
+        self.metadata = dict(metadata)
 
     def latest(self) -> str | None:
         """The newest committed snapshot of the store (by commit order), or None."""
@@ -371,9 +382,10 @@ class Follower:
         """The load is done: record the version, renew the lease, call ``load_weights``."""
         self.version = target
         try:
-            self._created_ns = self.store.manifest(target).created_ns
+            m = self.store.manifest(target)
+            self._created_ns, self.metadata = m.created_ns, dict(m.metadata)
         except SnapshotNotFoundError:  # deleted already: the next poll falls back
-            self._created_ns = None
+            self._created_ns, self.metadata = None, {}
         self._renew([target], force=True)
         leaves = self._leaves()
         keys = list(leaves) if changed is None else [k for k in changed if k in leaves]

@@ -386,6 +386,18 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     from _vllm_store import two_routes
 
     res["two_routes"] = two_routes(llm, eng, trainer, tmp)
+    # the store brings a snapshot of training step 500: the engine's version is its step, and a
+    # trainer that joins next continues after it (one version line across both routes)
+    from _vllm_store import serve_step
+
+    res["step"] = serve_step(llm, tmp)
+    eng.shutdown()
+    info = DeltackptTrainerInitInfo(rank=0, master_port=free_port(), dtype="bfloat16", links=links)
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+    res["step"]["serving"] = eng.serving
+    rl_step(trainer, 0.02, gen)
+    check("after_step", eng.send_weights(trainer.state_dict()))  # version 501
+    res["step"]["next_label"] = llm.get_weight_version()
     finish(res, llm, trainer, tmp)
     eng.shutdown()
     # the refit through the store on this engine, after its own checks (_vllm_store.py): its

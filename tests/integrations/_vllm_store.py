@@ -223,6 +223,21 @@ def two_routes(llm: Any, eng: Any, trainer: torch.nn.Module, tmp: str) -> dict[s
     return {"steps": steps}
 
 
+def serve_step(llm: Any, tmp: str) -> dict[str, Any]:
+    """A snapshot with a training step (``metadata={"step": 500}``, as a Checkpointer records
+    it) followed from the driver (``store_link.follow``): the engine's weight version becomes
+    the step, and (the caller checks) a trainer that joins next continues after it."""
+    import deltackpt
+    from deltackpt.integrations.vllm import store_link
+
+    model = tiny_qwen2(7)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    st = _store(f"{tmp}/routes")
+    deltackpt.save({"model": sd}, st, "step-00000500", metadata={"step": 500}, encoding="smallest")
+    got = store_link.follow(llm, f"{tmp}/routes")
+    return {"follow": got, "label": llm.get_weight_version(), "holds": _holds(llm, model)}
+
+
 def main(out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)

@@ -348,3 +348,15 @@ def test_an_engine_starts_from_the_stores_newest_snapshot_and_follows_it_from_th
     assert (st["label_s2"], st["label_while_staged"], st["label_s3"]) == ("s2", "s2", "s3")
     assert (st["commit"]["version"], st["commit"]["mode"]) == ("s3", "incremental")
     assert st["holds_s3"]
+
+
+def test_a_snapshots_step_is_the_engines_version_and_a_joining_trainer_continues_after_it(run):
+    # metadata={"step": 500} (a Checkpointer's record): store_link labels the engine "500", and
+    # the next trainer is told the engine serves 500, so its first round is 501
+    st = run["step"]
+    assert (st["follow"]["version"], st["follow"]["step"], st["label"]) == (
+        "step-00000500", 500, "500",
+    )  # fmt: skip
+    assert st["holds"] and st["serving"] == 500 and st["next_label"] == "501"
+    r = {x["tag"]: x for x in run["rounds"]}["after_step"]
+    assert r["version"] == 501 and r["full"] and r["committed_identical"]

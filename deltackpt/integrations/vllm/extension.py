@@ -54,9 +54,16 @@ def state_digests(
     return out
 
 
+def _step(metadata: Any) -> int | None:
+    from deltackpt.integrations.vllm.worker import snapshot_step
+
+    return snapshot_step(metadata)
+
+
 def _follow_report(f: Any, s: Any) -> dict[str, Any]:
     return {
         "version": f.version,
+        "step": _step(f.metadata),  # the snapshot's training step, if it has one
         "mode": None if s is None else s.mode,
         "reason": None if s is None else s.reason,
         "bytes_read": 0 if s is None else s.load.bytes_read,
@@ -225,7 +232,7 @@ class DeltackptWorkerExtension:
             return
         if (started.start.store, started.start.key) != (self._deltackpt_follow_args[0], key):
             return
-        f.adopt(started.snapshot, started.held, started.created_ns)
+        f.adopt(started.snapshot, started.held, started.created_ns, started.metadata)
         self._deltackpt_loaded.update(started.loaded)
         self._deltackpt_follow_writer = started.writer
         started.held = started.loaded = None
@@ -255,7 +262,9 @@ class DeltackptWorkerExtension:
         (``worker.commit_layers``)."""
         from deltackpt.integrations.vllm.worker import (
             commit_layers,
+            mark_store_step,
             mark_written,
+            snapshot_step,
             whole_if_overwritten,
         )
 
@@ -263,6 +272,7 @@ class DeltackptWorkerExtension:
         me = self._deltackpt_follow_writer
         whole = whole_if_overwritten(model, me, self._deltackpt_loaded, w)
         mark_written(model, me)
+        mark_store_step(model, snapshot_step(self._deltackpt_follower.metadata))
         return commit_layers(
             model, cfg, self._deltackpt_loaded, w if whole is None else whole,
             self._deltackpt_slots,

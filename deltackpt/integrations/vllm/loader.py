@@ -53,10 +53,17 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from deltackpt.distributed.load import load
 from deltackpt.errors import StateMismatchError
 from deltackpt.format.dtypes import dtype_from_name
+from deltackpt.format.manifest import Manifest
 from deltackpt.format.tree import flatten
 from deltackpt.integrations.vllm import feed, fp8_layout
 from deltackpt.integrations.vllm.loader_args import StartFrom, resolve, start_from
-from deltackpt.integrations.vllm.worker import first_workers, mark_written, new_writer
+from deltackpt.integrations.vllm.worker import (
+    first_workers,
+    mark_store_step,
+    mark_written,
+    new_writer,
+    snapshot_step,
+)
 from deltackpt.loading.lazy import SnapshotReader, open_snapshot
 from deltackpt.store.store import Store
 from deltackpt.sync import PlanError
@@ -78,13 +85,16 @@ class Started:
     start: StartFrom
     snapshot: str
     created_ns: int
+    step: int | None  # the snapshot's training step (worker.snapshot_step)
+    metadata: dict[str, Any]  # the snapshot's metadata, as loaded
     held: Any = None  # the loaded state, as a Follower holds it
     loaded: dict[str, torch.Tensor] | None = None  # what load_weights got, by its names
     writer: str | None = None  # the follower's mark on the model (worker.mark_written)
 
     def report(self) -> dict[str, Any]:
         s = self.start
-        return {"store": s.store, "snapshot": self.snapshot, "key": s.key, "follow": s.follow}
+        return {"store": s.store, "snapshot": self.snapshot, "step": self.step, "key": s.key,
+                "follow": s.follow}  # fmt: skip
 
 
 class DeltackptModelLoader(BaseModelLoader):
@@ -98,12 +108,12 @@ class DeltackptModelLoader(BaseModelLoader):
         """Nothing to download: the store and the snapshot are checked."""
         resolve(self.start)
 
-    def _snapshot(self) -> tuple[Store, str, int]:
-        """The store, the snapshot every worker loads (the first one names it) and its commit
-        time, read before the load: the version that load reads."""
+    def _snapshot(self) -> tuple[Store, str, Manifest]:
+        """The store, the snapshot every worker loads (the first one names it) and its
+        manifest, read before the load: the version that load reads."""
         store, name = resolve(self.start)
         name = str(first_workers(name))
-        return store, name, store.manifest(name).created_ns
+        return store, name, store.manifest(name)
 
     def _engine_items(
         self, model: nn.Module, model_config: ModelConfig, items: list[tuple[str, torch.Tensor]]
@@ -161,7 +171,8 @@ class DeltackptModelLoader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         t0 = time.perf_counter()
         s = self.start
-        store, name, created_ns = self._snapshot()
+        store, name, m = self._snapshot()
+        step = snapshot_step(m.metadata)
         if s.follow:  # the whole copy is kept for the first follow anyway
             state, whole = self._whole(model, model_config, store, name)
             items: Iterable[tuple[str, torch.Tensor]] = whole
@@ -177,11 +188,13 @@ class DeltackptModelLoader(BaseModelLoader):
                     f"{missing[:8]}; it holds another model's weights, or its state dict sits "
                     "under another key"
                 )
-        started = Started(s, name, created_ns)
+        started = Started(s, name, m.created_ns, step, dict(m.metadata))
+        # the store route wrote the model: a trainer that joins continues after its step
+        started.writer = new_writer("store")
+        mark_written(model, started.writer)
+        mark_store_step(model, step)
         if s.follow:  # the extension's first follow of this store adopts them
             started.held, started.loaded = state, dict(whole)
-            started.writer = new_writer("store")
-            mark_written(model, started.writer)
         model.__dict__[STARTED_ATTR] = started
         log.info(
             "deltackpt: loaded snapshot %r of %s in %.2f s", name, s.store, time.perf_counter() - t0
@@ -206,9 +219,11 @@ class DeltackptModelLoader(BaseModelLoader):
             plain = dataclasses.replace(
                 self.load_config, load_format="auto", model_loader_extra_config={}
             )
+            mark_store_step(model, None)  # a directory's weights: no snapshot's step
             yield from DefaultModelLoader(plain).get_all_weights(model_config, model)
             return
-        store, name, _ = self._snapshot()
+        store, name, m = self._snapshot()
+        mark_store_step(model, snapshot_step(m.metadata))
         yield from self._streamed(model, model_config, store, name)
 
 

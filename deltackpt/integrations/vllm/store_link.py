@@ -6,7 +6,8 @@ through ``collective_rpc`` alone it leaves two things behind: vLLM's prefix cach
 computed with the old weights (a request whose prefix is cached is served partly by them), and
 the engine's weight version (the label vLLM reports with each output, what RL frameworks tag
 rollouts with) stays what it was. :func:`follow` and :func:`commit` do both once the workers
-hold the new snapshot: ``reset_prefix_cache()`` and ``update_weight_version(<snapshot name>)``.
+hold the new snapshot: ``reset_prefix_cache()`` and ``update_weight_version(...)``: the
+snapshot's training step where it has one (:func:`label`), else its name.
 
     from deltackpt.integrations.vllm.store_link import follow, stage, commit
     follow(llm, "s3://bucket/run")          # or, to pause only for the load:
@@ -22,7 +23,7 @@ from typing import Any
 
 from deltackpt.sync import SyncError
 
-__all__ = ["commit", "follow", "stage"]
+__all__ = ["commit", "follow", "label", "stage"]
 
 
 def _kwargs(key: str | None, storage_options: dict[str, Any] | None, lease_ttl: float | None,
@@ -85,5 +86,14 @@ def _served(llm: Any, got: list[dict[str, Any]]) -> dict[str, Any]:
         )
     if any(g.get("mode") for g in got):  # the weights changed on the workers
         llm.reset_prefix_cache()
-        llm.update_weight_version(versions[0])
+        llm.update_weight_version(label(got[0]))
     return {**got[0], "workers": len(got)}
+
+
+def label(answer: dict[str, Any]) -> str:
+    """The engine's weight version for a follow's answer: the snapshot's training step where it
+    has one (a ``Checkpointer``'s snapshots, ``metadata={"step": n}``), as a trainer's rounds
+    label theirs, so rollouts are tagged with one kind of version whichever route brought the
+    weights; else the snapshot's name."""
+    step = answer.get("step")
+    return str(step) if type(step) is int else str(answer.get("version"))

@@ -86,9 +86,11 @@ __all__ = [
     "commit_verdict",
     "first_workers",
     "layer_key",
+    "mark_store_step",
     "mark_written",
     "new_writer",
     "reload_layers",
+    "snapshot_step",
     "wait_staged",
     "whole_if_overwritten",
 ]
@@ -304,6 +306,25 @@ def mark_written(model: Any, writer: str) -> None:
     model.__dict__[WRITER_ATTR] = writer
 
 
+#: the model attribute holding the step of the store snapshot the store route wrote last
+STEP_ATTR = "_deltackpt_store_step"
+
+
+def snapshot_step(metadata: Any) -> int | None:
+    """A snapshot's training step from its metadata (``"step"``: what a ``Checkpointer`` and the
+    integrations record, or ``deltackpt.save(..., metadata={"step": n})``); None when it has
+    none or not a plain integer >= 0 (a store is untrusted input)."""
+    step = metadata.get("step") if isinstance(metadata, dict) else None
+    return step if type(step) is int and step >= 0 else None
+
+
+def mark_store_step(model: Any, step: int | None) -> None:
+    """The store route wrote ``model`` with a snapshot of training step ``step`` (None: one
+    without a step): what a trainer that joins is told the engine serves
+    (:meth:`DeltackptWeightTransferEngine.serving`)."""
+    model.__dict__[STEP_ATTR] = step
+
+
 def whole_if_overwritten(
     model: Any, writer: str, held: dict[str, torch.Tensor], changed: list[tuple[str, torch.Tensor]]
 ) -> list[tuple[str, torch.Tensor]] | None:
@@ -472,7 +493,7 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         fp8_layout.publish(self.group, self.fp8)
         # the trainer's versions continue after this one; it leaves out what the model ignores
         ignores = joins.ignored_names(self.model, self.model_config.hf_config)
-        joins.publish(self.group, self.version, ignores)
+        joins.publish(self.group, self.serving(), ignores)
         self.tp_boxes = tp_boxes.enabled(init_info.tp_boxes)
         self.inplace = inplace.enabled(init_info.inplace)
         # a staged round moves its commit's device copies ahead (read here: a malformed value
@@ -815,6 +836,18 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
         if st is not None and st.error is None and not st.thread.is_alive() and back is not None:
             return back
         return self.receiver.version
+
+    def serving(self) -> int | None:
+        """The version a trainer that joins is told the engine serves: this route's
+        :attr:`version`, or, where the store route wrote the model since (a follow, or the
+        engine's start from a store), that snapshot's training step (``snapshot_step``), so a
+        trainer's versions continue after the checkpoint the engine serves (a snapshot
+        without a step: this route's version)."""
+        last = self.model.__dict__.get(WRITER_ATTR)
+        step = self.model.__dict__.get(STEP_ATTR)
+        if last is not None and last != self._writer and step is not None:
+            return int(step)
+        return self.version
 
     def committed(self) -> dict[str, torch.Tensor]:
         """Copies of the tensors of the last committed round, by trainer name (with
