@@ -479,7 +479,7 @@ def test_a_good_handwritten_store_json_opens(tmp_path: Path) -> None:
 
 
 def test_cli_gc_with_a_bad_keep_prints_one_line_and_exits_3(
-    store: Path, capsys: pytest.CaptureFixture[str]
+    store: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # exit codes (deltackpt/cli/exit_codes.py): 3 snapshot not found, 4 I/O error
     code = cli.main(["gc", str(store), "--keep-last", "0", "--keep", "s1x"])
@@ -488,6 +488,10 @@ def test_cli_gc_with_a_bad_keep_prints_one_line_and_exits_3(
     assert "s1x" in err and "error" in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
     assert [s.name for s in deltackpt.snapshots(store)] == ["s1"]  # nothing deleted
+    # no server there: a closed port on this host, one attempt (not AWS's endpoint with its
+    # retries, which takes ~10 s to fail without a network)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     code = cli.main(["ls", "s3://bucket/run"])
     err = capsys.readouterr().err
     assert "s3://" in err and "Traceback" not in err
