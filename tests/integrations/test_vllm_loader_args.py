@@ -69,3 +69,16 @@ def test_an_empty_or_missing_store_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DeltackptError):
         resolve(start_from({"store": str(tmp_path / "nothing-here")}))
     assert not (tmp_path / "nothing-here").exists()  # never created by a look
+
+
+def test_an_object_store_is_resolved_with_its_storage_options(
+    opts: dict[str, Any], bucket: str
+) -> None:
+    # the fields as vLLM hands them over (JSON: the options a mapping), against a real S3 API
+    url = f"s3://{bucket}/run"
+    st = deltackpt.open_store(url, storage_options=opts)
+    deltackpt.save({"model": {"w": torch.ones(4)}}, st, "step-1", metadata={"step": 1})
+    store, name = resolve(start_from({"store": url, "storage_options": dict(opts)}))
+    assert name == "step-1" and store.manifest(name).metadata["step"] == 1
+    with deltackpt.open_snapshot(store, name) as snap:  # what the loader reads it with
+        assert torch.equal(snap.get_tensor("model/w"), torch.ones(4))
