@@ -66,7 +66,13 @@ def main(out_path: str) -> None:
     from deltackpt.integrations.vllm.lora import AdapterSource, add_lora, remove_lora
 
     tmp = tempfile.mkdtemp(prefix="deltackpt-vllm-lora-")
-    tiny_qwen2(0).save_pretrained(f"{tmp}/base")
+    # the base model from a store's snapshot (load_format="deltackpt"), the directory for its
+    # config; vLLM's own load of the same weights is the reference (f"{tmp}/base-ref")
+    base = tiny_qwen2(0)
+    base.config.save_pretrained(f"{tmp}/base")
+    base.save_pretrained(f"{tmp}/base-ref")
+    base_sd = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    deltackpt.save({"model": base_sd}, f"{tmp}/base-store", "b0")
     store = f"{tmp}/store"
     meta = {"peft_config": CFG}
     sd1 = adapter_state(1)
@@ -83,6 +89,7 @@ def main(out_path: str) -> None:
         model=f"{tmp}/base", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, enable_lora=True, max_lora_rank=8, max_loras=2,
         max_cpu_loras=2, worker_extension_cls=EXTENSION, distributed_executor_backend="mp",
+        load_format="deltackpt", model_loader_extra_config={"store": f"{tmp}/base-store"},
     )  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=10, detokenize=False)
     prompt = [{"prompt_token_ids": PROMPTS[0]}]
@@ -102,7 +109,11 @@ def main(out_path: str) -> None:
         except Exception as e:  # what it raised, for the test to read
             return {"raised": type(e).__name__, "message": str(e)}
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"started": llm.collective_rpc("deltackpt_started")[0]}
+    plain = gen([None])
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp}/base-ref"})
+    llm.reset_prefix_cache()
+    out["base_as_vllm_loads"] = plain == gen([None])
     # first, before any add_lora: vLLM's own engine add_lora (what the server's
     # /v1/load_lora_adapter, --lora-modules and LoRA resolvers call) takes a deltackpt path,
     # the plugin having taught vLLM's worker loader; then load_inplace gives the id v2

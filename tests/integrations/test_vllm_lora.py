@@ -344,3 +344,11 @@ def test_the_resolver_names_saved_versions_for_a_server(lora_run) -> None:
     assert r["resolved_tokens"] == r["tokens"][1]
     # what it resolved is leased from retention, newest last (a server may load it again)
     assert r["resolver_leases"] == [["v2", "v1"]]
+
+
+@real
+def test_a_lora_engine_starts_its_base_model_from_a_store(lora_run) -> None:
+    # load_format="deltackpt" with enable_lora (vLLM wraps the layers for LoRA): the base's
+    # tokens equal vLLM's own load of the same weights from a directory
+    assert lora_run["started"]["snapshot"] == "b0"
+    assert lora_run["base_as_vllm_loads"]
