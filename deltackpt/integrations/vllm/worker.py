@@ -342,19 +342,23 @@ def whole_if_overwritten(
 
 
 def first_workers(value: str | None) -> str | None:
-    """The first worker's ``value`` on every worker of this engine (vLLM's world group, over its
-    CPU group): called by all of them at once, inside one ``collective_rpc`` (or the engine's
-    model load), so that they act on one snapshot name where each picking its own could differ
-    (a trainer committing a newer one between their looks)."""
+    """The first worker's ``value`` on every worker of this engine: called by all of them at
+    once, inside one ``collective_rpc`` (or the engine's model load), so that they act on one
+    snapshot name where each picking its own could differ (a trainer committing a newer one
+    between their looks). Within the engine's own workers only: its tensor-parallel group (from
+    its first rank), then its pipeline-parallel group (whose first rank holds the first
+    worker's value by then), over their CPU groups; never vLLM's world group, which spans the
+    workers of every data-parallel engine (an RPC that reaches one of them would wait for the
+    others)."""
     import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_world_group
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    g = get_world_group()
-    if g.world_size == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=g.ranks[0], group=g.cpu_group)
-    return None if box[0] is None else str(box[0])
+    for g in (get_tp_group(), get_pp_group()):
+        if g.world_size > 1:
+            box = [value]
+            dist.broadcast_object_list(box, src=g.ranks[0], group=g.cpu_group)
+            value = None if box[0] is None else str(box[0])
+    return value
 
 
 def _failing_at(
