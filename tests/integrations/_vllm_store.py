@@ -170,8 +170,9 @@ def started(llm: Any, tmp: str) -> dict[str, Any]:
     st = _store(f"{tmp}/start-store")
     _nudge(first, "model.layers.1.self_attn.o_proj.weight")
     _publish(st, first, "s2")
-    # from the driver (store_link): the workers' follow, then the prefix cache and the label
-    out["follow"] = store_link.follow(llm, f"{tmp}/start-store")
+    # from the driver (store_link): the workers' follow, then the prefix cache and the label;
+    # the store's path spelt otherwise than at the start: the same store, still incremental
+    out["follow"] = store_link.follow(llm, f"{tmp}/./start-store")
     out["holds_s2"] = _holds(llm, first)
     out["label_s2"] = llm.get_weight_version()
     _nudge(first, "model.norm.weight")

@@ -54,6 +54,14 @@ def state_digests(
     return out
 
 
+def _same_store(store: Any) -> str:
+    """``store`` as the follower is kept by: a local path made absolute and normal, so that
+    ``"ckpts"``, ``"./ckpts"`` and its absolute path are one store (one follower); a URL as
+    it is."""
+    text = os.fspath(store)
+    return text if "://" in text else os.path.abspath(text)
+
+
 def _step(metadata: Any) -> int | None:
     from deltackpt.integrations.vllm.worker import snapshot_step
 
@@ -149,7 +157,8 @@ class DeltackptWorkerExtension:
                 "deltackpt_follow: a staged version waits for deltackpt_follow_commit"
             )
         f = getattr(self, "_deltackpt_follower", None)
-        if f is None or getattr(self, "_deltackpt_follow_args", None) != (store, key):
+        args = (_same_store(store), key)
+        if f is None or getattr(self, "_deltackpt_follow_args", None) != args:
             model, cfg = self.model_runner.get_model(), self.model_config  # type: ignore[attr-defined]
             loaded: dict[str, Any] = {}
             prefix = "" if key is None else f"{key}/"
@@ -181,7 +190,7 @@ class DeltackptWorkerExtension:
                 lease_ttl=lease_ttl,
                 storage_options=storage_options,
             )
-            self._deltackpt_follower, self._deltackpt_follow_args = f, (store, key)
+            self._deltackpt_follower, self._deltackpt_follow_args = f, args
             self._deltackpt_loaded, self._deltackpt_follow_sink = loaded, sink
             self._deltackpt_slots = slots
             self._deltackpt_follow_writer = new_writer("store")
@@ -221,16 +230,18 @@ class DeltackptWorkerExtension:
         return _follow_report(f, got)
 
     def _deltackpt_follow_adopt(self, f: Any) -> None:
-        """An engine started from this store with ``load_format="deltackpt"`` and ``"follow":
-        true`` (module ``loader``): the new follower takes what the start loaded as its held
-        version, so its first poll is incremental; the start's references are dropped."""
+        """An engine started from this store (as opened: a relative path is the same store as
+        its absolute one) with ``load_format="deltackpt"`` and ``"follow": true`` (module
+        ``loader``): the new follower takes what the start loaded as its held version, so its
+        first poll is incremental; the start's references are dropped."""
         from deltackpt.integrations.vllm.loader import STARTED_ATTR
 
         started = self.model_runner.get_model().__dict__.get(STARTED_ATTR)  # type: ignore[attr-defined]
         key = self._deltackpt_follow_args[1]
         if started is None or started.held is None:
             return
-        if (started.start.store, started.start.key) != (self._deltackpt_follow_args[0], key):
+        # the same store however it was written ("ckpts", "./ckpts", an absolute path)
+        if (started.root, started.start.key) != (str(f.store.root), key):
             return
         f.adopt(started.snapshot, started.held, started.created_ns, started.metadata)
         self._deltackpt_loaded.update(started.loaded)

@@ -23,7 +23,8 @@ last (``"latest"``), instead of the base weights of its model directory until so
 Every worker of the engine loads the same snapshot: the first worker names it, the others take
 its name (a trainer may commit a newer one while they start). With ``"follow": true`` each worker
 loads it whole and keeps it as the worker extension's follower copy, so its first
-``collective_rpc("deltackpt_follow", args=(store,))`` is incremental (the same store string);
+``collective_rpc("deltackpt_follow", args=(store,))`` is incremental (the same store, however
+its path is spelt);
 that costs a host copy of the weights per worker from the start, which a follow holds anyway.
 
 Checks, as vLLM's default loader makes them: an unquantized model whose parameters were not all
@@ -83,6 +84,7 @@ class Started:
     extension's first ``deltackpt_follow`` of the same store adopts (then dropped here)."""
 
     start: StartFrom
+    root: str  # the store as opened (a local directory resolved, or the URL)
     snapshot: str
     created_ns: int
     step: int | None  # the snapshot's training step (worker.snapshot_step)
@@ -188,7 +190,7 @@ class DeltackptModelLoader(BaseModelLoader):
                     f"{missing[:8]}; it holds another model's weights, or its state dict sits "
                     "under another key"
                 )
-        started = Started(s, name, m.created_ns, step, dict(m.metadata))
+        started = Started(s, str(store.root), name, m.created_ns, step, dict(m.metadata))
         # the store route wrote the model: a trainer that joins continues after its step
         started.writer = new_writer("store")
         mark_written(model, started.writer)
