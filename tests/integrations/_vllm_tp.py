@@ -288,23 +288,32 @@ def _store(path: str) -> Any:
 
 
 def _racing_follow(worker: Any, store: str, later: str) -> dict[str, Any]:
-    """On every worker at once (collective_rpc): worker 1 first commits a newer snapshot,
-    ``r1``, 3 s after worker 0 looked at the store, then follows; worker 0 follows at once."""
+    """On every worker at once (collective_rpc): worker 0 says it is about to follow and
+    follows (it looks at the store at once); worker 1 waits for that, 1 s more, commits a
+    newer snapshot, ``r1``, then follows."""
+    import os
     import time
 
     import deltackpt
 
-    if worker.rank == 1:
-        time.sleep(3)
+    entering = f"{later}.worker0"
+    if worker.rank == 0:
+        with open(entering, "w"):
+            pass
+    else:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(entering) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1)
         deltackpt.save({"model": torch.load(later)}, _store(store), "r1", encoding="smallest")
     return worker.deltackpt_follow(store)  # type: ignore[no-any-return]
 
 
 def follow_race(llm: Any, tmp: str) -> dict[str, Any]:
     """Both workers follow a store while a save commits between their looks (``r1``, saved by
-    worker 1 itself, deterministic): each looking for itself, worker 0 would load ``r0`` and
-    worker 1 ``r1``, one model on two versions. Then a plain follow; per step each worker's
-    version and whether its followed copy is that version's state (digests)."""
+    worker 1 itself once worker 0 is in its follow): each looking for itself, worker 0 would
+    load ``r0`` and worker 1 ``r1``, one model on two versions. Then a plain follow; per step
+    each worker's version and whether its followed copy is that version's state (digests)."""
     from deltackpt.integrations.vllm.extension import state_digests
 
     first, second = tiny_qwen2(5), tiny_qwen2(6)
