@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from deltackpt.format.hashing import tensor_digest
+from deltackpt.integrations.vllm.joins import snapshot_step
+from deltackpt.store.location import store_root
 from deltackpt.sync import PlanError
 
 __all__ = ["EXTENSION", "DeltackptWorkerExtension", "state_digests", "tensor_digest"]
@@ -54,24 +56,10 @@ def state_digests(
     return out
 
 
-def _same_store(store: Any) -> str:
-    """``store`` as the follower is kept by: a local path made absolute and normal, so that
-    ``"ckpts"``, ``"./ckpts"`` and its absolute path are one store (one follower); a URL as
-    it is."""
-    text = os.fspath(store)
-    return text if "://" in text else os.path.abspath(text)
-
-
-def _step(metadata: Any) -> int | None:
-    from deltackpt.integrations.vllm.worker import snapshot_step
-
-    return snapshot_step(metadata)
-
-
 def _follow_report(f: Any, s: Any) -> dict[str, Any]:
     return {
         "version": f.version,
-        "step": _step(f.metadata),  # the snapshot's training step, if it has one
+        "step": snapshot_step(f.metadata),  # the snapshot's training step, if it has one
         "mode": None if s is None else s.mode,
         "reason": None if s is None else s.reason,
         "bytes_read": 0 if s is None else s.load.bytes_read,
@@ -157,7 +145,7 @@ class DeltackptWorkerExtension:
                 "deltackpt_follow: a staged version waits for deltackpt_follow_commit"
             )
         f = getattr(self, "_deltackpt_follower", None)
-        args = (_same_store(store), key)
+        args = (str(store_root(store)), key)  # one store however its path is spelt
         if f is None or getattr(self, "_deltackpt_follow_args", None) != args:
             model, cfg = self.model_runner.get_model(), self.model_config  # type: ignore[attr-defined]
             loaded: dict[str, Any] = {}
@@ -258,13 +246,12 @@ class DeltackptWorkerExtension:
 
     def _deltackpt_follow_overwritten(self) -> bool:
         """Another route (a trainer's rounds) wrote the model since the store link's last load."""
-        from deltackpt.integrations.vllm.worker import whole_if_overwritten
+        from deltackpt.integrations.vllm.worker import written_by_other
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        probe = whole_if_overwritten(
-            model, self._deltackpt_follow_writer, self._deltackpt_loaded, []
+        return bool(self._deltackpt_loaded) and written_by_other(
+            model, self._deltackpt_follow_writer
         )
-        return probe is not None
 
     def _deltackpt_follow_load(self, w: list[tuple[str, Any]]) -> str:
         """Load ``w`` (what changed since the store link's last load, or nothing) into the
@@ -275,7 +262,6 @@ class DeltackptWorkerExtension:
             commit_layers,
             mark_store_step,
             mark_written,
-            snapshot_step,
             whole_if_overwritten,
         )
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from deltackpt.sync import PlanError, SyncGroup
 
-__all__ = ["Joined", "ignored_names", "next_version", "publish", "read"]
+__all__ = ["Joined", "ignored_names", "next_version", "publish", "read", "snapshot_step"]
 
 KEY = "vllm/joined"
 
@@ -59,6 +59,15 @@ def ignored_names(model: Any, hf_config: Any) -> list[str]:
         return []
     names = {n for n, _ in model.named_parameters()}
     return ["lm_head.weight"] if "lm_head.weight" not in names else []
+
+
+def snapshot_step(metadata: Any) -> int | None:
+    """A store snapshot's training step from its metadata (``"step"``: what a ``Checkpointer``
+    and the integrations record, or ``deltackpt.save(..., metadata={"step": n})``): the version
+    an engine serving it is said to serve; None when it has none or not a plain integer >= 0
+    (a store is untrusted input)."""
+    step = metadata.get("step") if isinstance(metadata, dict) else None
+    return step if type(step) is int and step >= 0 else None
 
 
 log = logging.getLogger("deltackpt")

@@ -41,7 +41,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,13 +57,13 @@ from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest
 from deltackpt.format.tree import flatten
 from deltackpt.integrations.vllm import feed, fp8_layout
+from deltackpt.integrations.vllm.joins import snapshot_step
 from deltackpt.integrations.vllm.loader_args import StartFrom, resolve, start_from
 from deltackpt.integrations.vllm.worker import (
     first_workers,
     mark_store_step,
     mark_written,
     new_writer,
-    snapshot_step,
 )
 from deltackpt.loading.lazy import SnapshotReader, open_snapshot
 from deltackpt.store.store import Store
@@ -87,7 +87,7 @@ class Started:
     root: str  # the store as opened (a local directory resolved, or the URL)
     snapshot: str
     created_ns: int
-    step: int | None  # the snapshot's training step (worker.snapshot_step)
+    step: int | None  # the snapshot's training step (joins.snapshot_step)
     metadata: dict[str, Any]  # the snapshot's metadata, as loaded
     held: Any = None  # the loaded state, as a Follower holds it
     loaded: dict[str, torch.Tensor] | None = None  # what load_weights got, by its names
@@ -118,17 +118,22 @@ class DeltackptModelLoader(BaseModelLoader):
         return store, name, store.manifest(name)
 
     def _engine_items(
-        self, model: nn.Module, model_config: ModelConfig, items: list[tuple[str, torch.Tensor]]
-    ) -> list[tuple[str, torch.Tensor]]:
-        """``items`` as the model's ``load_weights`` takes them: an FP8 engine's weights
-        quantized in its blocks (``fp8_layout``), what it cannot take refused."""
+        self, model: nn.Module, model_config: ModelConfig
+    ) -> Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
+        """What turns tensors of the snapshot into what the model's ``load_weights`` takes: an
+        FP8 engine's weights quantized in its blocks (``fp8_layout``, the engine's layout read
+        once per load), what it cannot take refused."""
         layout = fp8_layout.engine_layout(model)
-        items = fp8_layout.for_engine(layout, fp8_layout.blocks_for(layout), model_config.dtype,
-                                      items)  # fmt: skip
-        refused = fp8_layout.refusal(model, layout, items)
-        if refused is not None:
-            raise PlanError(f"load_format='deltackpt': {refused}")
-        return items
+        blocks = fp8_layout.blocks_for(layout)
+
+        def convert(items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+            items = fp8_layout.for_engine(layout, blocks, model_config.dtype, items)
+            refused = fp8_layout.refusal(model, layout, items)
+            if refused is not None:
+                raise PlanError(f"load_format='deltackpt': {refused}")
+            return items
+
+        return convert
 
     def _nothing(self, name: str) -> StateMismatchError:
         s = self.start
@@ -150,7 +155,7 @@ class DeltackptModelLoader(BaseModelLoader):
         items = [(x.path.removeprefix(prefix), x.tensor) for x in leaves]
         if not items:
             raise self._nothing(name)
-        return state, self._engine_items(model, model_config, items)
+        return state, self._engine_items(model, model_config)(items)
 
     def _streamed(
         self, model: nn.Module, model_config: ModelConfig, store: Store, name: str
@@ -165,10 +170,10 @@ class DeltackptModelLoader(BaseModelLoader):
             keys = [k for k in snap if s.key is None or k.startswith(prefix)]
             if not keys:
                 raise self._nothing(name)
+            convert = self._engine_items(model, model_config)
             for window in _windows(snap, keys, WINDOW):
                 got = snap.get_tensors(window)
-                items = [(k.removeprefix(prefix), got.pop(k)) for k in window]
-                yield from self._engine_items(model, model_config, items)
+                yield from convert([(k.removeprefix(prefix), got.pop(k)) for k in window])
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         t0 = time.perf_counter()

@@ -90,9 +90,9 @@ __all__ = [
     "mark_written",
     "new_writer",
     "reload_layers",
-    "snapshot_step",
     "wait_staged",
     "whole_if_overwritten",
+    "written_by_other",
 ]
 
 log = logging.getLogger(__name__)
@@ -310,19 +310,18 @@ def mark_written(model: Any, writer: str) -> None:
 STEP_ATTR = "_deltackpt_store_step"
 
 
-def snapshot_step(metadata: Any) -> int | None:
-    """A snapshot's training step from its metadata (``"step"``: what a ``Checkpointer`` and the
-    integrations record, or ``deltackpt.save(..., metadata={"step": n})``); None when it has
-    none or not a plain integer >= 0 (a store is untrusted input)."""
-    step = metadata.get("step") if isinstance(metadata, dict) else None
-    return step if type(step) is int and step >= 0 else None
-
-
 def mark_store_step(model: Any, step: int | None) -> None:
     """The store route wrote ``model`` with a snapshot of training step ``step`` (None: one
     without a step): what a trainer that joins is told the engine serves
     (:meth:`DeltackptWeightTransferEngine.serving`)."""
     model.__dict__[STEP_ATTR] = step
+
+
+def written_by_other(model: Any, writer: str) -> bool:
+    """A route other than ``writer`` (or a load outside both) wrote ``model`` last; False when
+    nothing marked it yet (the engine's own load)."""
+    last = model.__dict__.get(WRITER_ATTR)
+    return last is not None and last != writer
 
 
 def whole_if_overwritten(
@@ -333,8 +332,7 @@ def whole_if_overwritten(
     ``changed`` alone would leave the rest on the other route's. None when ``writer`` wrote it
     last, nothing marked it yet (the engine's own load: each route's first version is whole
     anyway) or ``held`` is empty (a first, whole version)."""
-    last = model.__dict__.get(WRITER_ATTR)
-    if last is None or last == writer or not held:
+    if not held or not written_by_other(model, writer):
         return None
     view = dict(held)
     view.update(changed)
@@ -844,12 +842,11 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
     def serving(self) -> int | None:
         """The version a trainer that joins is told the engine serves: this route's
         :attr:`version`, or, where the store route wrote the model since (a follow, or the
-        engine's start from a store), that snapshot's training step (``snapshot_step``), so a
-        trainer's versions continue after the checkpoint the engine serves (a snapshot
-        without a step: this route's version)."""
-        last = self.model.__dict__.get(WRITER_ATTR)
+        engine's start from a store), that snapshot's training step
+        (``joins.snapshot_step``), so a trainer's versions continue after the checkpoint the
+        engine serves (a snapshot without a step: this route's version)."""
         step = self.model.__dict__.get(STEP_ATTR)
-        if last is not None and last != self._writer and step is not None:
+        if step is not None and written_by_other(self.model, self._writer):
             return int(step)
         return self.version
 
