@@ -41,7 +41,9 @@ staging for the changed chunks during a catch-up. With ``load_weights`` it keeps
 copy of every followed tensor (the engine's weights are not ``into``: they may be sharded,
 fused or quantised), so it costs the size of the followed state in host memory, plus that
 staging; the tensors handed to ``load_weights`` are that copy (read them during the call; copy
-what you keep).
+what you keep). ``boxes=`` holds only part of some tensors (a tensor-parallel rank's rows or
+columns, :mod:`deltackpt.loading.boxed`): the copy is then the size of those boxes, plus, during
+a catch-up, fresh reads of the boxes that changed; ``load_weights`` gets the boxes.
 
 A Follower is not thread-safe; one process follows with one Follower (no ``process_group``).
 """
@@ -71,6 +73,7 @@ from deltackpt.errors import (
 )
 from deltackpt.format.manifest import Manifest
 from deltackpt.format.tree import flatten
+from deltackpt.loading import boxed
 from deltackpt.loading.assemble import check_into
 from deltackpt.loading.changed import changed_keys
 from deltackpt.loading.select import KeySelection, key_filter
@@ -113,7 +116,11 @@ class Follower:
     without it the first poll loads the newest snapshot whole. ``holder`` names this follower's
     lease (default: host, pid and a random suffix); ``lease_ttl`` its lifetime in seconds after
     each renewal (None: no lease). ``fallback``: ``"reload"`` or ``"raise"`` (module docstring).
-    Other keyword arguments are :class:`~deltackpt.LoadOptions` fields (``verify``, ``threads``).
+    ``boxes`` (``load_weights`` only): ``(name, shape) -> box or None``, asked per tensor with
+    the name ``load_weights`` gets, the box (``.offset`` and ``.size`` per dimension, or a pair
+    of them) of it to hold and hand over instead of the whole tensor (None: whole);
+    :attr:`held_boxes` says which. Other keyword arguments are :class:`~deltackpt.LoadOptions`
+    fields (``verify``, ``threads``).
     """
 
     def __init__(
@@ -129,6 +136,7 @@ class Follower:
         lease_ttl: float | None = 600.0,
         fallback: str = "reload",
         storage_options: dict[str, Any] | None = None,
+        boxes: boxed.BoxOf | None = None,
         options: LoadOptions | None = None,
         **kwargs: Any,
     ) -> None:
@@ -149,6 +157,11 @@ class Follower:
             raise InvalidArgumentError(
                 f"Follower(rename={rename!r:.80}): expected a callable from key path to name, "
                 "e.g. rename=lambda k: k.removeprefix('model/')"
+            )
+        if boxes is not None and (load_weights is None or not callable(boxes)):
+            raise InvalidArgumentError(
+                f"Follower(boxes={boxes!r:.80}): expected a callable (name, shape) -> box or "
+                "None, with load_weights= (a follower into= tensors holds them whole)"
             )
         if since is not None and (into is None or not isinstance(since, str)):
             raise InvalidArgumentError(
@@ -177,6 +190,8 @@ class Follower:
         self.metadata: dict[str, Any] = {}
         self._created_ns: int | None = None  # of the held version's manifest (None: unknown)
         self._held: Any = None  # load_weights: the follower's own copy
+        self.boxes = boxes
+        self._plan: boxed.Plan = {}  # boxes: what _held holds of each tensor
         self._resend = False  # load_weights failed: hand every tensor over at the next poll
         self._renewed = -float("inf")
         self._leased: list[str] = []
@@ -187,6 +202,11 @@ class Follower:
         """The followed state: ``into``, or (``load_weights``) the follower's own copy (None
         before the first load)."""
         return self.into if self.into is not None else self._held
+
+    @property
+    def held_boxes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None]:
+        """With ``boxes=``: per key path held, ``(offset, size)`` of its box (None: whole)."""
+        return dict(self._plan)
 
     def adopt(
         self,
@@ -208,6 +228,10 @@ class Follower:
                 "nothing yet adopts a state; this one "
                 + ("follows into= tensors" if self.into is not None else "holds a version")
             )
+        if self.boxes is not None:  # the copy must hold what this follower's boxes say
+            m = self.store.manifest(version)
+            plan = boxed.box_plan(m, self._select, self.boxes, self._rename)
+            state, self._plan = boxed.check_held(state, plan, m), plan
         if created_ns is None or metadata is None:
             m = self.store.manifest(version)
             created_ns, metadata = m.created_ns, dict(m.metadata)
@@ -329,6 +353,14 @@ class Follower:
         stats = LoadStats()
         try:  # both manifests first: once into is patched, held may go (retention) any time
             m_target, m_held = self.store.manifest(target), self.store.manifest(held)
+            if self.boxes is not None:
+                plan = boxed.box_plan(m_target, self._select, self.boxes, self._rename)
+                if plan != self._plan:  # tensors or boxes not those held
+                    why = f"the tensors or boxes of {target!r} differ from those held"
+                    return self._full(target, why, t0)
+                changed = changed_keys(m_target, m_held, self._select)
+                self._boxed_catch_up(m_target, held, changed, stats)
+                return self._hand_over(target, held, "incremental", "", changed, stats, t0)
             load(self.store, target, into=self.state, since=held, keys=self.keys,
                  options=self.options, stats=stats)  # fmt: skip
         except HeldVersionMismatchError as e:
@@ -363,6 +395,12 @@ class Follower:
         if self.into is not None:
             load(self.store, target, into=self.into, keys=self.keys, options=self.options,
                  stats=stats)  # fmt: skip
+        elif self.boxes is not None:
+            self._held, self._plan = None, {}  # one copy at a time, as below
+            m = self.store.manifest(target)
+            plan = boxed.box_plan(m, self._select, self.boxes, self._rename)
+            self._held = boxed.read(self.store, m, plan, self.options, stats)
+            self._plan = plan
         else:
             self._held = None  # drop the old copy first: peak memory is one copy, not two
             self._held = load(self.store, target, keys=self.keys, options=self.options,
@@ -391,16 +429,35 @@ class Follower:
         keys = list(leaves) if changed is None else [k for k in changed if k in leaves]
         if self.load_weights is not None:
             self._resend = True  # cleared only once load_weights returned
-            rename = self.rename or (lambda k: k)
-            self.load_weights((rename(k), leaves[k]) for k in keys)
+            self.load_weights((self._rename(k), leaves[k]) for k in keys)
             self._resend = False
         return FollowStats(target, previous, mode, why, tuple(keys), stats,
                            time.perf_counter() - t0)  # fmt: skip
+
+    def _boxed_catch_up(self, m: Manifest, held: str, changed: list[str], stats: LoadStats) -> None:
+        """With ``boxes``: the changed boxes read again (into new tensors: a failure leaves the
+        copy as it was), then the tensors held whole caught up from ``held`` in place (which
+        fails closed before writing), then the new boxes swapped in."""
+        plan = self._plan
+        fresh = boxed.read(self.store, m, {p: plan[p] for p in changed if plan.get(p)},
+                           self.options, stats)  # fmt: skip
+
+        def whole(p: str) -> bool:  # values too: they are not boxed
+            return (self._select is None or self._select(p)) and plan.get(p) is None
+
+        load(self.store, m.name, into=self._held, since=held, keys=whole, options=self.options,
+             stats=stats)  # fmt: skip
+        self._held.update(fresh)
+
+    def _rename(self, k: str) -> str:
+        return self.rename(k) if self.rename is not None else k
 
     def _leaves(self) -> dict[str, torch.Tensor]:
         state = self.state
         if state is None:
             return {}
+        if self.boxes is not None:  # a flat dict by key path (boxed.read)
+            return dict(state)
         _, found = flatten(state, allow_pickle=True, check_tensors=False)
         return {x.path: x.tensor for x in found if self._select is None or self._select(x.path)}
 

@@ -39,6 +39,7 @@ from deltackpt.loading.select import KeySelection, key_filter
 from deltackpt.loading.since import catch_up
 from deltackpt.loading.stats import LoadStats
 from deltackpt.options import LoadOptions
+from deltackpt.store.packs import PackReaders
 from deltackpt.store.store import LATEST, Store, open_store
 
 
@@ -69,12 +70,20 @@ class SnapshotReader:
     """One committed snapshot, read on demand (see :func:`open_snapshot`). Safe to use from
     several threads; each call returns new tensors that share no memory with the reader."""
 
-    def __init__(self, store: Store, manifest: Manifest, options: LoadOptions) -> None:
+    def __init__(
+        self,
+        store: Store,
+        manifest: Manifest,
+        options: LoadOptions,
+        packs: PackReaders | None = None,
+    ) -> None:
         self.store = store
         self.manifest = manifest
         self.options = options
         self._index = {e.path: i for i, e in enumerate(manifest.tensors)}
-        self._packs = store.pack_readers()
+        # the pack files, opened on first use (``packs``: readers of the caller's, such as
+        # ones that count the bytes read)
+        self._packs = store.pack_readers() if packs is None else packs
 
     @property
     def name(self) -> str:

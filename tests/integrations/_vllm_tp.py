@@ -212,6 +212,7 @@ def main(out_path: str) -> None:
     ]
     res["whole"] = whole_tensors(llm, trainer, gen, tmp)
     res["race"] = follow_race(llm, tmp)
+    res["boxed"] = boxed_follow(llm, tmp)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
 
@@ -335,6 +336,52 @@ def follow_race(llm: Any, tmp: str) -> dict[str, Any]:
     raced = step()
     llm.collective_rpc("deltackpt_follow", args=(store,))
     return {"raced": raced, "after": step()}
+
+
+def _follow_copy(worker: Any) -> dict[str, Any]:
+    """The store link's follower copy on this worker: its bytes, and its boxed tensors."""
+    f = worker._deltackpt_follower
+    return {
+        "bytes": sum(t.nbytes for t in f.state.values()),
+        "boxed": sorted(k for k, b in f.held_boxes.items() if b is not None),
+    }
+
+
+def boxed_follow(llm: Any, tmp: str) -> dict[str, Any]:
+    """The store link with ``tp_boxes=True``: each worker holds and loads only its boxes,
+    through a first full load, an RL-like step (xor deltas) and a step that changes one layer.
+    Per follow: what each worker reports and its copy's size; at the end every readable
+    parameter and the greedy tokens against vLLM's own load of the same weights."""
+    import deltackpt
+
+    model, gen = tiny_qwen2(8), torch.Generator().manual_seed(8)
+    store = f"{tmp}/boxed-store"
+    steps: list[Any] = []
+
+    def publish(name: str) -> None:
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        deltackpt.save({"model": sd}, _store(store), name, encoding="smallest")
+        got = llm.collective_rpc("deltackpt_follow", args=(store,), kwargs={"tp_boxes": True})
+        steps.append({"follow": got, "copy": llm.collective_rpc(_follow_copy)})
+
+    publish("b0")
+    rl_step(model, 0.05, gen)
+    publish("b1")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.add_(0.5)  # one row-parallel (column) box
+    publish("b2")
+    tokens, mine = greedy(llm), [_unpack(r) for r in llm.collective_rpc(_readable)]
+    vllm_reload(llm, model, f"{tmp}/boxed-ref")
+    theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    return {
+        "steps": steps,
+        "model_bytes": sum(t.nbytes for t in model.state_dict().values()),
+        "same_tokens": tokens == greedy(llm),
+        "same_readable": [
+            bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            for a, b in zip(mine, theirs, strict=True)
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -203,3 +203,21 @@ def test_both_workers_start_from_one_store_snapshot_as_vllm_loads_it(run):
     st = run["started"]
     assert [r["snapshot"] for r in st["report"]] == ["s0", "s0"]
     assert st["same_tokens"] and st["same_readable"] == [True, True]
+
+
+def test_the_store_link_in_boxes_holds_each_workers_share_and_loads_it_exactly(run):
+    # deltackpt_follow(tp_boxes=True): each worker's follower copy is its boxes (this model's
+    # share: 54%, one kv head kept whole by both), caught up through xor deltas; what the
+    # engine serves equals vLLM's own load of the same weights
+    b = run["boxed"]
+    modes = [[w["mode"] for w in s["follow"]] for s in b["steps"]]
+    assert modes == [["full"] * 2, ["incremental"] * 2, ["incremental"] * 2]
+    assert [s["follow"][0]["version"] for s in b["steps"]] == ["b0", "b1", "b2"]
+    for s in b["steps"]:
+        for c in s["copy"]:
+            assert 0.45 * b["model_bytes"] < c["bytes"] < 0.6 * b["model_bytes"], c["bytes"]
+            assert "model/model.layers.1.mlp.down_proj.weight" in c["boxed"]
+    one = b["steps"][2]["follow"]
+    assert [w["changed"] for w in one] == [1, 1]
+    assert all(w["bytes_read"] < b["model_bytes"] / 8 for w in one)
+    assert b["same_readable"] == [True, True] and b["same_tokens"]

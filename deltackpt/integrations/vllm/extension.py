@@ -112,6 +112,7 @@ class DeltackptWorkerExtension:
         lease_ttl: float | None = 600.0,
         stage: bool = False,
         whole: bool = False,
+        tp_boxes: bool | None = None,
     ) -> dict[str, Any]:
         """Bring this worker's model to the newest committed snapshot of ``store`` (one poll of
         a :class:`deltackpt.Follower` kept on the worker; the first call loads whole, later
@@ -129,6 +130,12 @@ class DeltackptWorkerExtension:
         ``whole=True`` does the same after a change neither route sees (vLLM's own
         ``reload_weights``, another backend).
 
+        ``tp_boxes=True`` (default: the workers' ``DELTACKPT_VLLM_TP_BOXES``, as for a trainer's
+        rounds): a tensor-parallel worker holds only the boxes of the tensors its shards load
+        (:mod:`~deltackpt.integrations.vllm.tp_boxes`' rules), so its copy is its share of the
+        model, not the model; a changed box is read again whole (its rows or columns), where the
+        whole copy patches chunks (:mod:`deltackpt.loading.boxed`).
+
         ``stage=True``: prepare while the engine serves. The poll (reads, patches, checks) runs
         on a background thread and this returns ``{"staged": True}`` at once; the model is
         untouched until :meth:`deltackpt_follow_commit`, the pause (the reload of the changed
@@ -138,6 +145,7 @@ class DeltackptWorkerExtension:
 
         from deltackpt.follow import Follower
         from deltackpt.integrations.vllm import fp8_layout, inplace
+        from deltackpt.integrations.vllm import tp_boxes as tpb
         from deltackpt.integrations.vllm.worker import new_writer
 
         if getattr(self, "_deltackpt_follow_staged", None) is not None:
@@ -145,7 +153,8 @@ class DeltackptWorkerExtension:
                 "deltackpt_follow: a staged version waits for deltackpt_follow_commit"
             )
         f = getattr(self, "_deltackpt_follower", None)
-        args = (str(store_root(store)), key)  # one store however its path is spelt
+        boxed = tpb.enabled(tp_boxes)
+        args = (str(store_root(store)), key, boxed)  # one store however its path is spelt
         if f is None or getattr(self, "_deltackpt_follow_args", None) != args:
             model, cfg = self.model_runner.get_model(), self.model_config  # type: ignore[attr-defined]
             loaded: dict[str, Any] = {}
@@ -158,6 +167,15 @@ class DeltackptWorkerExtension:
             # quantized in its blocks, each with its scales (docs/sync.md, "FP8 engines")
             layout = fp8_layout.engine_layout(model)
             fp8 = fp8_layout.blocks_for(layout)
+            # tp_boxes: per tensor, its full shape and the box this worker holds (None: whole)
+            shapes: dict[str, tuple[int, ...]] = {}
+            boxes: dict[str, Any] = {}
+            rule = tpb.box_rules(model) if boxed else None
+
+            def box_of(name: str, shape: tuple[int, ...]) -> Any:
+                assert rule is not None
+                shapes[name], boxes[name] = tuple(shape), rule(name, shape).box
+                return boxes[name]
 
             def load_weights(w: Any) -> None:
                 w = fp8_layout.for_engine(layout, fp8, cfg.dtype, list(w))
@@ -177,8 +195,10 @@ class DeltackptWorkerExtension:
                 holder=f"vllm-{socket.gethostname()}-{os.getpid()}-rank{rank}",
                 lease_ttl=lease_ttl,
                 storage_options=storage_options,
+                boxes=box_of if boxed else None,
             )
             self._deltackpt_follower, self._deltackpt_follow_args = f, args
+            self._deltackpt_follow_boxes = (shapes, boxes)
             self._deltackpt_loaded, self._deltackpt_follow_sink = loaded, sink
             self._deltackpt_slots = slots
             self._deltackpt_follow_writer = new_writer("store")
@@ -225,8 +245,11 @@ class DeltackptWorkerExtension:
         from deltackpt.integrations.vllm.loader import STARTED_ATTR
 
         started = self.model_runner.get_model().__dict__.get(STARTED_ATTR)  # type: ignore[attr-defined]
-        key = self._deltackpt_follow_args[1]
+        key, boxed = self._deltackpt_follow_args[1:]
         if started is None or started.held is None:
+            return
+        if boxed:  # a whole copy: the first poll reads this worker's boxes instead
+            started.held = started.loaded = None
             return
         # the same store however it was written ("ckpts", "./ckpts", an absolute path)
         if (started.root, started.start.key) != (str(f.store.root), key):
@@ -258,6 +281,7 @@ class DeltackptWorkerExtension:
         model, whole when another route wrote it meanwhile (``worker.whole_if_overwritten``:
         the rest of the model is not the store link's previous version then); the path taken
         (``worker.commit_layers``)."""
+        from deltackpt.integrations.vllm import tp_boxes
         from deltackpt.integrations.vllm.worker import (
             commit_layers,
             mark_store_step,
@@ -270,9 +294,15 @@ class DeltackptWorkerExtension:
         whole = whole_if_overwritten(model, me, self._deltackpt_loaded, w)
         mark_written(model, me)
         mark_store_step(model, snapshot_step(self._deltackpt_follower.metadata))
+        shapes, boxes = self._deltackpt_follow_boxes
+
+        def expand(name: str, t: Any) -> Any:  # a box as the full-shape view load_weights takes
+            box = boxes.get(name)
+            return t if box is None else tp_boxes.full_view(t, box, shapes[name])
+
         return commit_layers(
             model, cfg, self._deltackpt_loaded, w if whole is None else whole,
-            self._deltackpt_slots,
+            self._deltackpt_slots, expand=expand, shapes=shapes, boxes=boxes,
         )  # fmt: skip
 
     def deltackpt_follow_commit(self) -> dict[str, Any]:

@@ -26,6 +26,8 @@ loads it whole and keeps it as the worker extension's follower copy, so its firs
 ``collective_rpc("deltackpt_follow", args=(store,))`` is incremental (the same store, however
 its path is spelt);
 that costs a host copy of the weights per worker from the start, which a follow holds anyway.
+Workers that follow in boxes (``DELTACKPT_VLLM_TP_BOXES=1``: each holds its tensor-parallel
+share, not the model) keep nothing from the start: their first follow reads their boxes.
 
 Checks, as vLLM's default loader makes them: an unquantized model whose parameters were not all
 loaded fails its start, naming them (the snapshot holds another model, or ``key`` is wrong).
@@ -56,7 +58,7 @@ from deltackpt.errors import StateMismatchError
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest
 from deltackpt.format.tree import flatten
-from deltackpt.integrations.vllm import feed, fp8_layout
+from deltackpt.integrations.vllm import feed, fp8_layout, tp_boxes
 from deltackpt.integrations.vllm.joins import snapshot_step
 from deltackpt.integrations.vllm.loader_args import StartFrom, resolve, start_from
 from deltackpt.integrations.vllm.worker import (
@@ -180,7 +182,8 @@ class DeltackptModelLoader(BaseModelLoader):
         s = self.start
         store, name, m = self._snapshot()
         step = snapshot_step(m.metadata)
-        if s.follow:  # the whole copy is kept for the first follow anyway
+        keep = s.follow and not tp_boxes.enabled()  # boxed followers read their boxes instead
+        if keep:  # the whole copy is kept for the first follow anyway
             state, whole = self._whole(model, model_config, store, name)
             items: Iterable[tuple[str, torch.Tensor]] = whole
         else:
@@ -200,7 +203,7 @@ class DeltackptModelLoader(BaseModelLoader):
         started.writer = new_writer("store")
         mark_written(model, started.writer)
         mark_store_step(model, step)
-        if s.follow:  # the extension's first follow of this store adopts them
+        if keep:  # the extension's first follow of this store adopts them
             started.held, started.loaded = state, dict(whole)
         model.__dict__[STARTED_ATTR] = started
         log.info(

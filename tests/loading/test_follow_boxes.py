@@ -1,0 +1,129 @@
+"""deltackpt.Follower(boxes=): a follower that holds and hands over only the box of each tensor
+its caller loads (a tensor-parallel rank's rows or columns), kept up to date from a store of
+xor deltas; against the state each version saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import deltackpt
+from deltackpt.errors import InvalidArgumentError
+from tests.loading._history import bits, new_store, publish, state_at
+
+# rank 1 of 2: w0 and w5 by rows (w5's edge inside a chunk), w1 by columns, the rest whole
+BOXES = {"w0": ((128, 0), (128, 256)), "w1": ((0, 128), (256, 128)), "w5": ((200, 0), (200, 128))}
+
+
+def box_of(name: str, shape: tuple[int, ...]) -> Any:
+    return BOXES.get(name)
+
+
+def cut(t: torch.Tensor, box: Any) -> torch.Tensor:
+    if box is None:
+        return t
+    return t[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))]
+
+
+def follower(st: Any, got: list[dict[str, torch.Tensor]], **kw: Any) -> deltackpt.Follower:
+    return deltackpt.Follower(
+        st, load_weights=lambda w: got.append({n: t.clone() for n, t in w}), keys=["model"],
+        rename=lambda k: k.removeprefix("model/"), boxes=box_of, lease_ttl=None, **kw,
+    )  # fmt: skip
+
+
+def holds(f: deltackpt.Follower, k: int) -> bool:
+    want = state_at(k)["model"]
+    held = f.state
+    return set(held) == {f"model/{n}" for n in want} and all(
+        torch.equal(bits(held[f"model/{n}"]), bits(cut(t, BOXES.get(n)).contiguous()))
+        for n, t in want.items()
+    )
+
+
+def test_holds_and_hands_over_only_its_boxes_through_a_delta_chain(tmp_path: Path) -> None:
+    st = new_store(tmp_path / "s")
+    publish(st, 0)
+    got: list[dict[str, torch.Tensor]] = []
+    f = follower(st, got)
+    s0 = f.poll()
+    assert s0 is not None and s0.mode == "full" and holds(f, 0)
+    assert f.held_boxes["model/w1"] == ((0, 128), (256, 128))
+    assert f.held_boxes["model/w2"] is None
+    assert {n: tuple(t.shape) for n, t in got[0].items() if n in BOXES} == {
+        n: b[1] for n, b in BOXES.items()
+    }
+    whole = sum(t.nbytes for t in state_at(0)["model"].values())
+    assert sum(t.nbytes for t in f.state.values()) < 0.8 * whole
+    for k in range(1, 5):  # xor deltas: w0, w1, w5, bias change every step
+        publish(st, k)
+        s = f.poll()
+        assert s is not None and (s.mode, s.version) == ("incremental", f"s{k}"), s
+        assert holds(f, k), k
+        want = state_at(k)["model"]
+        # what changed is handed over, in boxes, bit-exact
+        assert set(got[-1]) >= {"w0", "w1", "w5", "bias"} and "w3" not in got[-1]
+        for n, t in got[-1].items():
+            assert torch.equal(bits(t), bits(cut(want[n], BOXES.get(n)).contiguous())), (k, n)
+        assert s.load.bytes_read < s0.load.bytes_read
+
+
+def test_a_damaged_box_fails_the_poll_and_leaves_the_held_version(tmp_path: Path) -> None:
+    st = new_store(tmp_path / "s")
+    publish(st, 0)
+    got: list[dict[str, torch.Tensor]] = []
+    f = follower(st, got)
+    f.poll()
+    publish(st, 1)
+    m = st.manifest("s1")
+    e = next(e for e in m.tensors if e.path == "model/w1")  # boxed, changed in s1
+    for d, _, _ in e.all_slices():  # the bytes of each of its chunks (xor deltas or whole)
+        rec = m.chunks[d]
+        p = st.pack_path(rec.pack)
+        p.chmod(0o644)
+        with open(p, "r+b") as fh:
+            fh.seek(rec.offset + 5)
+            b = fh.read(1)
+            fh.seek(rec.offset + 5)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(deltackpt.errors.CorruptChunkError):
+        f.poll()
+    assert f.version == "s0" and holds(f, 0) and len(got) == 1
+
+
+def test_new_boxes_or_tensors_load_whole_and_bad_boxes_are_refused(tmp_path: Path) -> None:
+    st = new_store(tmp_path / "s")
+    publish(st, 0)
+    f = follower(st, [])
+    f.poll()
+    BOXES["w2"] = ((0, 0), (100, 256))  # the caller's boxes changed (a new engine layout)
+    try:
+        publish(st, 1)
+        s = f.poll()
+        assert s is not None and s.mode == "full" and "boxes" in s.reason
+        assert tuple(f.state["model/w2"].shape) == (100, 256)
+    finally:
+        del BOXES["w2"]
+    bad = deltackpt.Follower(st, load_weights=lambda w: None, boxes=lambda n, s: ((0,), (9,)),
+                             lease_ttl=None)  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match=r"model/w0.*shape"):
+        bad.poll()
+    with pytest.raises(InvalidArgumentError, match="load_weights"):
+        deltackpt.Follower(st, into=state_at(0), boxes=box_of)
+
+
+def test_adopts_a_boxed_copy_and_refuses_a_whole_one(tmp_path: Path) -> None:
+    st = new_store(tmp_path / "s")
+    publish(st, 0)
+    s0 = {f"model/{n}": cut(t, BOXES.get(n)).clone() for n, t in state_at(0)["model"].items()}
+    f = follower(st, [])
+    f.adopt("s0", s0)
+    publish(st, 1)
+    s = f.poll()
+    assert s is not None and s.mode == "incremental" and holds(f, 1)
+    whole = {f"model/{n}": t for n, t in state_at(0)["model"].items()}
+    with pytest.raises(InvalidArgumentError, match="model/w0"):
+        follower(st, []).adopt("s0", whole)
