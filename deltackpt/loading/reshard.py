@@ -63,6 +63,7 @@ class PieceRead:
     rows_shape: tuple[int, ...]  # the covering rows as a tensor shape
     narrow: tuple[tuple[int, int], ...]  # (start, length) per dim within the covering rows
     dest: torch.Tensor  # region of the target to copy into (same shape as the narrowed rows)
+    in_place: bool = False  # buf is dest's own memory: nothing to copy
 
 
 def plan_box_reads(e: TensorEntry, target: torch.Tensor, box: Box) -> list[PieceRead]:
@@ -93,23 +94,39 @@ def plan_box_reads(e: TensorEntry, target: torch.Tensor, box: Box) -> list[Piece
         dest = target
         for d, (o, n) in enumerate(zip(lo, size, strict=True)):
             dest = dest.narrow(d, o - box[0][d], n)
-        reads.append(
-            PieceRead(
-                e.path,
-                sub_slices(sh.data, start, stop),
-                np.empty(stop - start, dtype=np.uint8),
-                rows_shape,
-                narrow,
-                dest,
-            )
-        )
+        in_place = _whole_rows(narrow, rows_shape, dest, dtype)  # rows land where they belong
+        if in_place:
+            buf = dest.detach().reshape(-1).view(torch.uint8).numpy()
+        else:
+            buf = np.empty(stop - start, dtype=np.uint8)
+        reads.append(PieceRead(e.path, sub_slices(sh.data, start, stop), buf, rows_shape,
+                               narrow, dest, in_place))  # fmt: skip
     return reads
+
+
+def _whole_rows(
+    narrow: tuple[tuple[int, int], ...],
+    rows_shape: tuple[int, ...],
+    dest: torch.Tensor,
+    dtype: torch.dtype,
+) -> bool:
+    """The covering rows are ``dest`` itself (whole rows, a dense host region of the target's
+    dtype), so they are read straight into it: no buffer, no copy."""
+    return (
+        len(narrow) > 0
+        and all(o == 0 and n == full for (o, n), full in zip(narrow, rows_shape, strict=True))
+        and dest.device.type == "cpu"
+        and dest.dtype == dtype
+        and dest.is_contiguous()
+        and type(dest) is torch.Tensor
+        and dest.numel() > 0
+    )
 
 
 def finish_box_reads(reads: list[PieceRead], dtype: torch.dtype) -> None:
     """After the bytes arrived: copy each piece's narrowed rows into its target region."""
     for r in reads:
-        if r.buf.size == 0:
+        if r.buf.size == 0 or r.in_place:
             continue
         rows = torch.from_numpy(r.buf).view(dtype).reshape(r.rows_shape)
         for d, (o, n) in enumerate(r.narrow):
