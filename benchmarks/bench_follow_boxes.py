@@ -7,7 +7,7 @@ benchmark's) publishes Qwen2-0.5B-shaped weights (``--params``) to a local store
 (``encoding="smallest"``: what an object store gets). Followers: ``whole`` (the copy every worker
 held before) and rank 0 of ``--tp`` (vLLM's rules: q, k, v, gate, up and the embedding by rows,
 o and down by columns, k and v whole where there are fewer kv heads than ranks, norms whole).
-Per follower: its copy's bytes, the first (full) load, and the mean catch-up of ``--steps``
+Per follower: its copy's bytes, the first (full) load, and the median catch-up of ``--steps``
 versions at lr 1e-6 then 1e-5 (seconds, bytes read); every copy checked bit-exact against the
 trainer's weights (the box of them) after each step. Files are in the page cache: loads measure
 reading from it, decoding and copying. Machine limits measured in the same run come first.
@@ -120,7 +120,7 @@ def scenario(encoding: str, args: argparse.Namespace, base: Path) -> list[dict[s
             out.append({
                 "encoding": encoding, "follower": "whole" if f.tp == 0 else f"tp {f.tp}, rank 0",
                 "tp": f.tp, "phase": phase, "copy_x_model": f.copy_bytes() / model,
-                "s": sum(p["s"] for p in got) / len(got),
+                "s": C.median([p["s"] for p in got]),
                 "read_x_model": sum(p["bytes"] for p in got) / len(got) / model,
                 "modes": sorted({p["mode"] for p in got}),
             })  # fmt: skip
@@ -155,7 +155,7 @@ def main() -> None:
             ",".join(r["modes"]),
         ])  # fmt: skip
     text = C.md_table(
-        ["encoding", "phase", "follower", "copy / model", "poll s (mean)", "/ whole",
+        ["encoding", "phase", "follower", "copy / model", "poll s (median)", "/ whole",
          "read / model", "mode"], table,
     )  # fmt: skip
     print(text)

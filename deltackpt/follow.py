@@ -42,8 +42,8 @@ copy of every followed tensor (the engine's weights are not ``into``: they may b
 fused or quantised), so it costs the size of the followed state in host memory, plus that
 staging; the tensors handed to ``load_weights`` are that copy (read them during the call; copy
 what you keep). ``boxes=`` holds only part of some tensors (a tensor-parallel rank's rows or
-columns, :mod:`deltackpt.loading.boxed`): the copy is then the size of those boxes, plus, during
-a catch-up, fresh reads of the boxes that changed; ``load_weights`` gets the boxes.
+columns, :mod:`deltackpt.loading.boxed`): the copy is then the size of those boxes (changed
+boxes are read again into it); ``load_weights`` gets the boxes.
 
 A Follower is not thread-safe; one process follows with one Follower (no ``process_group``).
 """
@@ -119,7 +119,8 @@ class Follower:
     ``boxes`` (``load_weights`` only): ``(name, shape) -> box or None``, asked per tensor with
     the name ``load_weights`` gets, the box (``.offset`` and ``.size`` per dimension, or a pair
     of them) of it to hold and hand over instead of the whole tensor (None: whole);
-    :attr:`held_boxes` says which. Other keyword arguments are :class:`~deltackpt.LoadOptions`
+    :attr:`held_boxes` says which. A changed box is read again into the held one, so a failed
+    catch-up leaves no version held (the next poll loads whole). Other keyword arguments are :class:`~deltackpt.LoadOptions`
     fields (``verify``, ``threads``).
     """
 
@@ -251,8 +252,9 @@ class Follower:
         name one of them chose: a save committed between their polls would split them);
         :class:`~deltackpt.errors.SnapshotNotFoundError` when the store has no such snapshot.
         Raises what the load raises when it cannot fall back; on any
-        error the held version is unchanged (with ``into``: ``into`` is unchanged, except after
-        a failed *full* load, which sets ``version`` to None so the next poll loads whole)."""
+        error the held version is unchanged (with ``into``: ``into`` is unchanged), except after
+        a failed *full* load or a failed catch-up of ``boxes``, which set ``version`` to None so
+        the next poll loads whole."""
         if self._resend and self._held is not None and self.version is not None:
             return self._hand_over(
                 self.version, self.version, "resend", "", None, LoadStats(), time.perf_counter()
@@ -435,19 +437,24 @@ class Follower:
                            time.perf_counter() - t0)  # fmt: skip
 
     def _boxed_catch_up(self, m: Manifest, held: str, changed: list[str], stats: LoadStats) -> None:
-        """With ``boxes``: the changed boxes read again (into new tensors: a failure leaves the
-        copy as it was), then the tensors held whole caught up from ``held`` in place (which
-        fails closed before writing), then the new boxes swapped in."""
+        """With ``boxes``: the tensors held whole caught up from ``held`` in place (which fails
+        closed before writing), then the changed boxes read again into the held ones (no second
+        copy of them: the memory is what boxes save). A failure after the first write leaves
+        the copy between versions: the follower then holds none, and its next poll loads whole
+        (as after a failed full load)."""
         plan = self._plan
-        fresh = boxed.read(self.store, m, {p: plan[p] for p in changed if plan.get(p)},
-                           self.options, stats)  # fmt: skip
 
         def whole(p: str) -> bool:  # values too: they are not boxed
             return (self._select is None or self._select(p)) and plan.get(p) is None
 
         load(self.store, m.name, into=self._held, since=held, keys=whole, options=self.options,
              stats=stats)  # fmt: skip
-        self._held.update(fresh)
+        try:
+            boxed.read(self.store, m, {p: plan[p] for p in changed if plan.get(p)},
+                       self.options, stats, into=self._held)  # fmt: skip
+        except BaseException:
+            self.version = None
+            raise
 
     def _rename(self, k: str) -> str:
         return self.rename(k) if self.rename is not None else k

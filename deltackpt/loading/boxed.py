@@ -5,8 +5,10 @@ tensor-parallel rank's rows or columns), read from a snapshot and kept up to dat
 The copy is a flat dict by key path (``load(into=)`` takes it as a state: a key path is its
 own leaf's path). Tensors held whole catch up as any follower's do (``load(since=)``: unchanged
 chunks not read, deltas patched in place). A boxed tensor that changed is read again, box only
-(the chunks covering its box, each checked as read): a box holds part of each chunk, so a
-chunk's delta cannot be applied to it, nor checked. What that costs: on a store of raw chunks
+(the chunks covering its box, each checked as read), into the held box: a box holds part of
+each chunk, so a chunk's delta cannot be applied to it, nor checked. A catch-up that fails
+leaves the copy between two versions, so the follower then holds none (its next poll loads
+whole), as after a failed full load. What that costs: on a store of raw chunks
 (a local disk's default) about what the whole copy's catch-up reads, of the box's share; on a
 store of delta chains, a decode of each changed box's chain (docs/sync.md, "Memory").
 """
@@ -75,15 +77,22 @@ def box_plan(
 
 
 def read(
-    store: Store, m: Manifest, plan: Plan, options: LoadOptions, stats: LoadStats
+    store: Store,
+    m: Manifest,
+    plan: Plan,
+    options: LoadOptions,
+    stats: LoadStats,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of ``plan`` from snapshot ``m``: whole, or its box, new CPU tensors by key
-    path, each chunk checked as it is read (``options.verify``), bytes counted in ``stats``."""
+    """Every tensor of ``plan`` from snapshot ``m``: whole, or its box, by key path, each chunk
+    checked as it is read (``options.verify``), bytes counted in ``stats``. New CPU tensors, or
+    (``into``, boxes only) the held ones, written in place."""
     reader = SnapshotReader(store, m, options, packs=CountingPackReaders(store, stats))
     try:
         out = reader.get_tensors([p for p, b in plan.items() if b is None])
         boxed = [(p, b) for p, b in plan.items() if b is not None]
-        got = reader.read_boxes([(reader.entry(p), b) for p, b in boxed])
+        dst = None if into is None else [into[p] for p, _ in boxed]
+        got = reader.read_boxes([(reader.entry(p), b) for p, b in boxed], dst)
         out.update((p, t) for (p, _), t in zip(boxed, got, strict=True))
         return out
     finally:

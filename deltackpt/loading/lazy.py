@@ -158,14 +158,18 @@ class SnapshotReader:
         """Box ``(offsets, shape)`` of entry ``e``'s tensor, as a new tensor."""
         return self.read_boxes([(e, box)])[0]
 
-    def read_boxes(self, items: list[tuple[TensorEntry, Box]]) -> list[torch.Tensor]:
+    def read_boxes(
+        self, items: list[tuple[TensorEntry, Box]], into: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """``read_box`` of every ``(entry, box)`` in one pass over their chunks: a chunk several
-        boxes need (small tensors share group chunks) is read and checked once."""
+        boxes need (small tensors share group chunks) is read and checked once. ``into``: host
+        tensors of the boxes' shapes and dtypes to read into (written as the bytes arrive: a
+        failed read leaves them partly written), one per item."""
         r = Reads(self.manifest)
         outs: list[torch.Tensor] = []
         views: list[tuple[int, torch.Tensor, Box]] = []  # boxes of shared storages, cut after
-        for e, box in items:
-            out = torch.empty(box[1], dtype=dtype_from_name(e.dtype))
+        for i, (e, box) in enumerate(items):
+            out = torch.empty(box[1], dtype=dtype_from_name(e.dtype)) if into is None else into[i]
             outs.append(out)
             if out.numel() == 0:
                 continue

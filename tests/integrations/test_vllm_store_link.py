@@ -33,9 +33,10 @@ class FakeLLM:
 def test_a_follow_that_moved_the_weights_drops_the_cache_and_labels_the_step() -> None:
     moved = {"version": "step-00000500", "step": 500, "mode": "incremental"}
     llm = FakeLLM([moved, moved])
-    got = store_link.follow(llm, "s3://b/run")
+    got = store_link.follow(llm, "s3://b/run", tp_boxes=True)
     assert got["workers"] == 2 and got["version"] == "step-00000500"
     assert llm.calls[0][0:2] == ("deltackpt_follow", ("s3://b/run",))
+    assert llm.calls[0][2]["tp_boxes"] is True  # each worker follows in its boxes
     assert llm.calls[1:] == [("reset_prefix_cache",), ("update_weight_version", "500")]
 
 

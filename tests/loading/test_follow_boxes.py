@@ -71,7 +71,7 @@ def test_holds_and_hands_over_only_its_boxes_through_a_delta_chain(tmp_path: Pat
         assert s.load.bytes_read < s0.load.bytes_read
 
 
-def test_a_damaged_box_fails_the_poll_and_leaves_the_held_version(tmp_path: Path) -> None:
+def test_a_damaged_box_fails_the_poll_and_the_next_one_loads_whole(tmp_path: Path) -> None:
     st = new_store(tmp_path / "s")
     publish(st, 0)
     got: list[dict[str, torch.Tensor]] = []
@@ -80,18 +80,31 @@ def test_a_damaged_box_fails_the_poll_and_leaves_the_held_version(tmp_path: Path
     publish(st, 1)
     m = st.manifest("s1")
     e = next(e for e in m.tensors if e.path == "model/w1")  # boxed, changed in s1
-    for d, _, _ in e.all_slices():  # the bytes of each of its chunks (xor deltas or whole)
+    flipped = []
+    for d, _, _ in e.all_slices():  # a byte of each of its chunks (xor deltas or whole)
         rec = m.chunks[d]
         p = st.pack_path(rec.pack)
         p.chmod(0o644)
-        with open(p, "r+b") as fh:
-            fh.seek(rec.offset + 5)
-            b = fh.read(1)
-            fh.seek(rec.offset + 5)
-            fh.write(bytes([b[0] ^ 0xFF]))
+        flipped.append((p, rec.offset + 5))
+    for p, at in set(flipped):
+        flip(p, at)
     with pytest.raises(deltackpt.errors.CorruptChunkError):
         f.poll()
-    assert f.version == "s0" and holds(f, 0) and len(got) == 1
+    # the engine got nothing; the copy was read into, so the follower holds no version, and
+    # once the store is whole again its next poll loads whole
+    assert f.version is None and len(got) == 1
+    for p, at in set(flipped):  # repaired
+        flip(p, at)
+    s = f.poll()
+    assert s is not None and s.mode == "full" and holds(f, 1) and len(got) == 2
+
+
+def flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_new_boxes_or_tensors_load_whole_and_bad_boxes_are_refused(tmp_path: Path) -> None:

@@ -39,13 +39,14 @@ def follow(
     storage_options: dict[str, Any] | None = None,
     lease_ttl: float | None = 600.0,
     whole: bool = False,
+    tp_boxes: bool | None = None,
 ) -> dict[str, Any]:
     """Every worker of ``llm`` (started with the deltackpt worker extension) to the newest
     committed snapshot of ``store``, all of them to the same one; when the model changed, the
     prefix cache dropped and the engine's weight version set to the snapshot's name. Returns
     the first worker's answer (``version``, ``mode``: None when nothing was newer, ...) and
     ``workers``. Arguments: ``deltackpt_follow``'s."""
-    kw = _kwargs(key, storage_options, lease_ttl, whole=whole)
+    kw = _kwargs(key, storage_options, lease_ttl, whole=whole, tp_boxes=tp_boxes)
     return _served(llm, llm.collective_rpc("deltackpt_follow", args=(store,), kwargs=kw))
 
 
@@ -56,10 +57,11 @@ def stage(
     key: str | None = "model",
     storage_options: dict[str, Any] | None = None,
     lease_ttl: float | None = 600.0,
+    tp_boxes: bool | None = None,
 ) -> None:
     """Start the next snapshot's preparation on every worker (read, patched, checked on a
     background thread while the engine serves the current weights); :func:`commit` loads it."""
-    kw = _kwargs(key, storage_options, lease_ttl, stage=True)
+    kw = _kwargs(key, storage_options, lease_ttl, stage=True, tp_boxes=tp_boxes)
     llm.collective_rpc("deltackpt_follow", args=(store,), kwargs=kw)
 
 
