@@ -193,6 +193,7 @@ class Follower:
         self._held: Any = None  # load_weights: the follower's own copy
         self.boxes = boxes
         self._plan: boxed.Plan = {}  # boxes: what _held holds of each tensor
+        self._scratch = boxed.Scratch()  # boxes: reused for column boxes' covering rows
         self._resend = False  # load_weights failed: hand every tensor over at the next poll
         self._renewed = -float("inf")
         self._leased: list[str] = []
@@ -401,7 +402,8 @@ class Follower:
             self._held, self._plan = None, {}  # one copy at a time, as below
             m = self.store.manifest(target)
             plan = boxed.box_plan(m, self._select, self.boxes, self._rename)
-            self._held = boxed.read(self.store, m, plan, self.options, stats)
+            self._held = boxed.read(self.store, m, plan, self.options, stats,
+                                    scratch=self._scratch)  # fmt: skip
             self._plan = plan
         else:
             self._held = None  # drop the old copy first: peak memory is one copy, not two
@@ -451,7 +453,7 @@ class Follower:
              stats=stats)  # fmt: skip
         try:
             boxed.read(self.store, m, {p: plan[p] for p in changed if plan.get(p)},
-                       self.options, stats, into=self._held)  # fmt: skip
+                       self.options, stats, into=self._held, scratch=self._scratch)  # fmt: skip
         except BaseException:
             self.version = None
             raise

@@ -34,7 +34,7 @@ from deltackpt.format.tree import unflatten, value_leaves
 from deltackpt.loading import assemble
 from deltackpt.loading.changed import changed_keys
 from deltackpt.loading.plan import Reads, read_entry, storage_view
-from deltackpt.loading.reshard import Box
+from deltackpt.loading.reshard import Alloc, Box
 from deltackpt.loading.select import KeySelection, key_filter
 from deltackpt.loading.since import catch_up
 from deltackpt.loading.stats import LoadStats
@@ -159,12 +159,16 @@ class SnapshotReader:
         return self.read_boxes([(e, box)])[0]
 
     def read_boxes(
-        self, items: list[tuple[TensorEntry, Box]], into: list[torch.Tensor] | None = None
+        self,
+        items: list[tuple[TensorEntry, Box]],
+        into: list[torch.Tensor] | None = None,
+        alloc: Alloc | None = None,
     ) -> list[torch.Tensor]:
         """``read_box`` of every ``(entry, box)`` in one pass over their chunks: a chunk several
         boxes need (small tensors share group chunks) is read and checked once. ``into``: host
         tensors of the boxes' shapes and dtypes to read into (written as the bytes arrive: a
-        failed read leaves them partly written), one per item."""
+        failed read leaves them partly written), one per item; ``alloc``: where the rows
+        covering a box that is not whole rows are read first (default: new memory)."""
         r = Reads(self.manifest)
         outs: list[torch.Tensor] = []
         views: list[tuple[int, torch.Tensor, Box]] = []  # boxes of shared storages, cut after
@@ -176,7 +180,7 @@ class SnapshotReader:
             if e.storage is not None:  # a view of a shared storage: its bytes are read whole
                 views.append((len(outs) - 1, storage_view(e, r.storage(e.storage.id, e.path)), box))
             else:
-                r.box(e, out, box)
+                r.box(e, out, box, alloc)
         self._run(r)
         for i, view, box in views:
             for d, (o, n) in enumerate(zip(*box, strict=True)):

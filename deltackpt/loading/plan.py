@@ -24,7 +24,14 @@ import torch
 from deltackpt.format.dtensor import is_dtensor, local_box, local_tensor
 from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Manifest, Slice, TensorEntry
-from deltackpt.loading.reshard import Box, PieceRead, finish_box_reads, plan_box_reads, sub_slices
+from deltackpt.loading.reshard import (
+    Alloc,
+    Box,
+    PieceRead,
+    finish_box_reads,
+    plan_box_reads,
+    sub_slices,
+)
 from deltackpt.store.chunks import ChunkTargets, advise_huge, fresh_u8, run_jobs
 from deltackpt.store.packs import PackReaders
 
@@ -141,9 +148,12 @@ class Reads:
             self.storages[sid] = buf
         return buf
 
-    def box(self, e: TensorEntry, target: torch.Tensor, box: Box) -> None:
-        """Fill ``target`` (box ``box`` of the global tensor) from the saved pieces of ``e``."""
-        reads = plan_box_reads(e, target, box)
+    def box(
+        self, e: TensorEntry, target: torch.Tensor, box: Box, alloc: Alloc | None = None
+    ) -> None:
+        """Fill ``target`` (box ``box`` of the global tensor) from the saved pieces of ``e``
+        (buffers for covering rows from ``alloc``, default new memory)."""
+        reads = plan_box_reads(e, target, box, alloc)
         for r in reads:
             self.want(e.path, r.slices, r.buf)
         self.pieces.append((reads, target.dtype))

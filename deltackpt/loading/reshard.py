@@ -11,6 +11,7 @@ their bytes; other layouts read the covering rows (at most one chunk of slack pe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from deltackpt.format.dtypes import dtype_from_name
 from deltackpt.format.manifest import Shard, Slice, TensorEntry
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the global tensor
+Alloc = Callable[[int], np.ndarray]  # n -> a uint8 buffer of n bytes (for covering rows)
 
 
 def entry_shards(e: TensorEntry) -> tuple[Shard, ...]:
@@ -66,8 +68,11 @@ class PieceRead:
     in_place: bool = False  # buf is dest's own memory: nothing to copy
 
 
-def plan_box_reads(e: TensorEntry, target: torch.Tensor, box: Box) -> list[PieceRead]:
-    """Reads that fill ``target`` (shaped like ``box``) from the saved pieces of ``e``."""
+def plan_box_reads(
+    e: TensorEntry, target: torch.Tensor, box: Box, alloc: Alloc | None = None
+) -> list[PieceRead]:
+    """Reads that fill ``target`` (shaped like ``box``) from the saved pieces of ``e``; the
+    covering rows that need a buffer get one from ``alloc`` (default: new memory)."""
     dtype = dtype_from_name(e.dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     reads = []
@@ -98,7 +103,7 @@ def plan_box_reads(e: TensorEntry, target: torch.Tensor, box: Box) -> list[Piece
         if in_place:
             buf = dest.detach().reshape(-1).view(torch.uint8).numpy()
         else:
-            buf = np.empty(stop - start, dtype=np.uint8)
+            buf = np.empty(stop - start, dtype=np.uint8) if alloc is None else alloc(stop - start)
         reads.append(PieceRead(e.path, sub_slices(sh.data, start, stop), buf, rows_shape,
                                narrow, dest, in_place))  # fmt: skip
     return reads

@@ -12,10 +12,17 @@ import torch
 
 import deltackpt
 from deltackpt.errors import InvalidArgumentError
+from deltackpt.loading import boxed
 from tests.loading._history import bits, new_store, publish, state_at
 
-# rank 1 of 2: w0 and w5 by rows (w5's edge inside a chunk), w1 by columns, the rest whole
-BOXES = {"w0": ((128, 0), (128, 256)), "w1": ((0, 128), (256, 128)), "w5": ((200, 0), (200, 128))}
+# rank 1 of 2: w0 and w5 by rows (w5's edge inside a chunk), w1 and w3 by columns, the rest
+# whole
+BOXES = {
+    "w0": ((128, 0), (128, 256)),
+    "w1": ((0, 128), (256, 128)),
+    "w3": ((0, 0), (256, 100)),
+    "w5": ((200, 0), (200, 128)),
+}
 
 
 def box_of(name: str, shape: tuple[int, ...]) -> Any:
@@ -44,7 +51,12 @@ def holds(f: deltackpt.Follower, k: int) -> bool:
     )
 
 
-def test_holds_and_hands_over_only_its_boxes_through_a_delta_chain(tmp_path: Path) -> None:
+@pytest.mark.parametrize("window", [None, 1])
+def test_holds_and_hands_over_only_its_boxes_through_a_delta_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
+    if window is not None:  # column boxes read one tensor at a time through the scratch buffer
+        monkeypatch.setattr(boxed, "WINDOW", window)
     st = new_store(tmp_path / "s")
     publish(st, 0)
     got: list[dict[str, torch.Tensor]] = []
@@ -140,3 +152,24 @@ def test_adopts_a_boxed_copy_and_refuses_a_whole_one(tmp_path: Path) -> None:
     whole = {f"model/{n}": t for n, t in state_at(0)["model"].items()}
     with pytest.raises(InvalidArgumentError, match="model/w0"):
         follower(st, []).adopt("s0", whole)
+
+
+def test_tied_tensors_saved_as_one_storage_are_held_in_boxes(tmp_path: Path) -> None:
+    # an LM head tied to the embedding: one storage in the snapshot, two keys, each boxed
+    st = new_store(tmp_path / "s")
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(512, 64, generator=g).to(torch.bfloat16)
+    rows = ((256, 0), (256, 64))
+    got: list[dict[str, torch.Tensor]] = []
+    f = deltackpt.Follower(st, load_weights=lambda w: got.append({n: t.clone() for n, t in w}),
+                           boxes=lambda n, s: rows, lease_ttl=None)  # fmt: skip
+    for k in range(3):
+        emb[300 + k] += 1
+        deltackpt.save({"emb": emb, "head": emb}, st, f"t{k}", encoding="smallest")
+        s = f.poll()
+        assert s is not None and s.mode == ("full" if k == 0 else "incremental")
+        want = emb[256:].contiguous()
+        assert all(torch.equal(bits(f.state[n]), bits(want)) for n in ("emb", "head")), k
+        assert {n: torch.equal(bits(t), bits(want)) for n, t in got[-1].items()} == {
+            "emb": True, "head": True,
+        }  # fmt: skip
