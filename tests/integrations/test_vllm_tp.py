@@ -217,6 +217,7 @@ def test_the_store_link_in_boxes_holds_each_workers_share_and_loads_it_exactly(r
         for c in s["copy"]:
             assert 0.45 * b["model_bytes"] < c["bytes"] < 0.6 * b["model_bytes"], c["bytes"]
             assert "model/model.layers.1.mlp.down_proj.weight" in c["boxed"]
+        assert [w["held_bytes"] for w in s["follow"]] == [c["bytes"] for c in s["copy"]]
     one = b["steps"][2]["follow"]
     assert [w["changed"] for w in one] == [1, 1]
     assert all(w["bytes_read"] < b["model_bytes"] / 8 for w in one)

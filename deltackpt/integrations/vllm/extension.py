@@ -64,7 +64,19 @@ def _follow_report(f: Any, s: Any) -> dict[str, Any]:
         "reason": None if s is None else s.reason,
         "bytes_read": 0 if s is None else s.load.bytes_read,
         "changed": 0 if s is None else len(s.changed),
+        "held_bytes": _held_bytes(f.state),  # the follower's copy (with tp_boxes: its boxes)
     }
+
+
+def _held_bytes(state: Any) -> int:
+    """Bytes of the tensors in a follower's copy (a nested state, or a flat dict of boxes)."""
+    if isinstance(state, torch.Tensor):
+        return int(state.nbytes)
+    if isinstance(state, dict):
+        return sum(_held_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_held_bytes(v) for v in state)
+    return 0
 
 
 class DeltackptWorkerExtension:
@@ -121,8 +133,8 @@ class DeltackptWorkerExtension:
         Fail closed as the Follower is: held weights that do not match their version, or a held
         version retention deleted, mean a full load. Memory: the follower's CPU copy of the
         followed tensors (the model's own parameters are fused, sharded or repacked).
-        Returns ``{"version", "mode" (None: nothing newer), "reason", "bytes_read",
-        "changed"}``.
+        Returns ``{"version", "step", "mode" (None: nothing newer), "reason", "bytes_read",
+        "changed", "held_bytes"}`` (``held_bytes``: the follower copy's size).
 
         A trainer's rounds (the ``deltackpt`` backend) that wrote the model since the last
         follow make this load every tensor of the followed copy, not the change alone (mode
