@@ -120,8 +120,8 @@ class Follower:
     the name ``load_weights`` gets, the box (``.offset`` and ``.size`` per dimension, or a pair
     of them) of it to hold and hand over instead of the whole tensor (None: whole);
     :attr:`held_boxes` says which. A changed box is read again into the held one, so a failed
-    catch-up leaves no version held (the next poll loads whole). Other keyword arguments are :class:`~deltackpt.LoadOptions`
-    fields (``verify``, ``threads``).
+    catch-up leaves no version held (the next poll loads whole). Other keyword arguments are
+    :class:`~deltackpt.LoadOptions` fields (``verify``, ``threads``).
     """
 
     def __init__(
@@ -202,7 +202,7 @@ class Follower:
     @property
     def state(self) -> Any:
         """The followed state: ``into``, or (``load_weights``) the follower's own copy (None
-        before the first load)."""
+        before the first load; with ``boxes``, a flat dict of tensors and boxes by key path)."""
         return self.into if self.into is not None else self._held
 
     @property
@@ -230,12 +230,13 @@ class Follower:
                 "nothing yet adopts a state; this one "
                 + ("follows into= tensors" if self.into is not None else "holds a version")
             )
+        m = None
         if self.boxes is not None:  # the copy must hold what this follower's boxes say
             m = self.store.manifest(version)
             plan = boxed.box_plan(m, self._select, self.boxes, self._rename)
             state, self._plan = boxed.check_held(state, plan, m), plan
         if created_ns is None or metadata is None:
-            m = self.store.manifest(version)
+            m = m or self.store.manifest(version)
             created_ns, metadata = m.created_ns, dict(m.metadata)
         self.version, self._created_ns, self._held = version, created_ns, state
         self.metadata = dict(metadata)
