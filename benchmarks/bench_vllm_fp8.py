@@ -23,7 +23,9 @@ machine's memcpy is measured in the same run.
     ... --moe                     # a ~250M Qwen3-MoE: block-FP8 experts
 
 vLLM's CPU FP8 kernel uses AMX tiles where the processor has them: the process must ask Linux
-for AMX state first (``tests/integrations/_vllm_amx`` on PYTHONPATH, as above).
+for AMX state first (``tests/integrations/_vllm_amx`` on PYTHONPATH, as above). On a processor
+without AMX that folder emulates the FP8 kernels for the tests (vLLM has none there), so the
+benchmark refuses to run: its times would be the emulation's.
 """
 
 from __future__ import annotations
@@ -134,6 +136,10 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="a ~250M Qwen3-MoE (8 experts) instead")
     ap.add_argument("--tmp", default=None, help="where the checkpoints go (default: a temp dir)")
     args = ap.parse_args()
+    if "_PatchOnImport" in {type(f).__name__ for f in sys.meta_path}:
+        sys.exit("bench_vllm_fp8: this processor has no AMX tiles, so vLLM's CPU build has no "
+                 "FP8 kernel here and tests/integrations/_vllm_amx emulates them: run it on an "
+                 "AMX processor (Sapphire Rapids or newer)")  # fmt: skip
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = Path(os.environ.get("DELTACKPT_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -25,29 +24,6 @@ MARKS = [
     pytest.mark.multiproc,
     pytest.mark.skipif(not PY.exists(), reason=f"no vLLM environment at {PY} (.ci/vllm-env)"),
 ]
-
-
-def amx_tiles() -> bool:
-    """This processor has AMX tiles (Sapphire Rapids or newer), as vLLM 0.32's CPU build checks
-    before it picks its block-FP8 kernels (both need them): torch's own probe, else the kernel's
-    flags in /proc/cpuinfo."""
-    probe = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
-    if callable(probe):
-        return bool(probe())
-    try:
-        return " amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-#: why an FP8 engine cannot start on this processor (None: it can)
-NO_FP8_KERNEL = (
-    None
-    if amx_tiles()
-    else "vLLM 0.32's CPU build has block-FP8 kernels for AMX processors only (Sapphire Rapids "
-    "or newer) and this one has no AMX tiles: the FP8 engine cannot start here (the layout and "
-    "quantizer tests without vLLM still run; the engine tests run on an AMX machine)"
-)
 
 
 def real(test: Any) -> Any:
