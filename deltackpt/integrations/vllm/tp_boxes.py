@@ -16,6 +16,13 @@ The rules, from the module that loads the tensor (vLLM's ``model/layers/linear.p
 * ``VocabParallelEmbedding`` / ``ParallelLMHead`` weight: rows ``shard_indices``
   ``org_vocab_start_index`` to ``org_vocab_end_index`` (vLLM pads each rank's rows; the padding
   is not in the checkpoint and vLLM zeroes it);
+* a routed expert of a mixture of experts (``...experts.<e>.gate_proj|up_proj|down_proj.weight``,
+  or ``w1``/``w3``/``w2``, loaded by vLLM's ``RoutedExperts.weight_loader``, sharded over the MoE
+  layer's tensor-parallel ranks, ``moe_parallel_config.tp_size``): gate and up ``rows / tp``
+  rows from ``r`` x that, down ``cols / tp`` columns (dim 1); the experts fused in one tensor
+  (``...experts.down_proj`` ``[E, H, I]``, as transformers 5 saves them): down the same columns
+  of every expert (dim 2), ``gate_up_proj`` whole (the rank's gate rows and up rows are two
+  boxes); with expert parallelism, a quantized or transposed layout: whole;
 * anything else (norms, ``ReplicatedLinear``, quantized layers, subclasses with their own
   loaders, a name no module is found for, ``tp == 1``): the whole tensor (always correct).
 
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +44,17 @@ import torch
 from deltackpt.options import vllm_switch
 from deltackpt.sync.schedule_decl import Box
 
-__all__ = ["ENV", "BoxRule", "box_rules", "enabled", "full_view", "module_of", "rank_box"]
+__all__ = [
+    "ENV",
+    "BoxRule",
+    "box_rules",
+    "enabled",
+    "expert_box",
+    "expert_of",
+    "full_view",
+    "module_of",
+    "rank_box",
+]
 
 #: the workers' switch (also ``DeltackptTrainerInitInfo(tp_boxes=True)``)
 ENV = "DELTACKPT_VLLM_TP_BOXES"
@@ -98,6 +116,11 @@ def box_rules(model: Any) -> Any:
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
 
     def rule(name: str, shape: Shape) -> BoxRule:
+        expert = expert_of(name, modules)
+        if expert is not None:
+            target, m, shard, fused = expert
+            box, why = expert_box(m, shard, tuple(int(s) for s in shape), fused)
+            return BoxRule(target, type(m).__name__, box, why)
         where = module_of(name, modules, packed)
         if where is None:
             return BoxRule("", "", None, "no module")
@@ -133,6 +156,72 @@ def module_of(
                 target, part = cand, subs.index(sub)
             break
     return target, part, leaf
+
+
+#: checkpoint names of an expert's projections -> vLLM's shard ids (``w1``, ``w3``: the
+#: gate and up halves of ``w13_weight``; ``w2``: down)
+EXPERT_SHARDS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3",
+                 "down_proj": "w2", "w2": "w2"}  # fmt: skip
+#: the experts of a layer fused in one tensor -> shard ids (``w13``: gate and up halves)
+FUSED_SHARDS = {"gate_up_proj": "w13", "w13": "w13", "down_proj": "w2", "w2": "w2"}
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+_FUSED = re.compile(r"^(?P<layer>.+\.experts)\.(?P<proj>\w+?)(?:\.weight)?$")
+
+
+def expert_of(name: str, modules: dict[str, Any]) -> tuple[str, Any, str, bool] | None:
+    """``(module name, module, shard id, fused)`` of the vLLM routed-experts module that loads
+    checkpoint tensor ``name`` (one expert's projection, or every expert's fused in one
+    tensor), or None when ``name`` is neither. vLLM 0.32 nests it as
+    ``<layer>.experts.routed_experts`` (the ``experts`` module is the MoE runner); older builds
+    load at ``<layer>.experts`` itself."""
+    one, fused = _EXPERT.match(name), _FUSED.match(name)
+    if one is not None and one["proj"] in EXPERT_SHARDS:
+        layer, shard = one["layer"], EXPERT_SHARDS[one["proj"]]
+    elif fused is not None and fused["proj"] in FUSED_SHARDS:
+        layer, shard = fused["layer"], FUSED_SHARDS[fused["proj"]]
+    else:
+        return None
+    for target in (f"{layer}.routed_experts", layer):
+        m = modules.get(target)
+        if m is not None and hasattr(m, "moe_config") and hasattr(m, "w13_weight"):
+            return target, m, shard, one is None
+    return None
+
+
+def expert_box(m: Any, shard: str, shape: Shape, fused: bool = False) -> tuple[Box | None, str]:
+    """The box of an expert's projection of ``shape`` (shard ``shard``; ``fused``: every
+    expert's, stacked on dim 0) that this rank's routed-experts module ``m`` loads, as its
+    ``weight_loader`` narrows each expert (``_load_w13``, ``_load_w2``: ``shape[dim] // tp``
+    from ``tp_rank`` x that), and why (None: whole)."""
+    if fused and shard == "w13":
+        return None, "fused gate and up: this rank's rows of each are two boxes: whole"
+    if fused and getattr(m, "is_fused_checkpoint_transposed", False):
+        return None, "fused experts stored transposed: whole"
+    cfg = m.moe_config
+    par = cfg.moe_parallel_config
+    tp, r = int(par.tp_size), int(cfg.tp_rank)
+    if tp <= 1:
+        return None, "experts not split (tp 1): whole"
+    if par.use_ep:
+        return None, "expert parallel: whole"
+    if not _unquantized(m):
+        return None, "quantized experts: whole"
+    stem = "w2" if shard == "w2" else "w13"
+    p = getattr(m, f"{stem}_weight", None)
+    if p is None or getattr(p, "is_transposed", False) or len(shape) != 2 + fused:
+        return None, "experts' layout not the checkpoint's: whole"
+    if not _own_loader(m, f"{stem}_weight"):
+        return None, "experts with a loader of the model's own: whole"
+    dim = (1 if shard == "w2" else 0) + fused
+    per = shape[dim] // tp
+    start = per * r
+    size = min(per, shape[dim] - start)
+    if per <= 0 or size <= 0:
+        return None, "experts' rows do not split: whole"
+    what = "columns" if shard == "w2" else "rows"
+    return _split(
+        shape, dim, start, size
+    ), f"{'fused experts' if fused else 'expert'} {shard}: {what}"
 
 
 def rank_box(

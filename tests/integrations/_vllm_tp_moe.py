@@ -1,0 +1,158 @@
+"""Run by tests/integrations/test_vllm_tp_moe.py in the ``.venv-vllm`` interpreter: a tiny
+Qwen3-MoE (a dense layer, then a layer of 4 routed experts) on a CPU vLLM engine with
+``tensor_parallel_size=2``, started from a store (``load_format="deltackpt"``), its engine core
+in this process, following stores in tensor-parallel boxes (``deltackpt_follow(tp_boxes=True)``):
+
+1. ``tp_boxes``' rules on each worker for an expert's projections, one by one and fused (as
+   transformers 5 holds them: ``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj``
+   ``[E, H, I]``);
+2. a store of the model's own state dict (experts fused): a full follow, an RL-like step, a
+   step that changes one expert's down projection; each worker's copy and what it reports;
+   then every readable parameter and the greedy tokens against vLLM's own load of the same
+   weights (``reload_weights`` of a ``save_pretrained`` directory);
+3. a store of the same weights with one tensor per expert projection (the names vLLM's
+   checkpoints and RL trainers' exports use): a full follow, an RL-like step, the same
+   comparison.
+
+Writes what it saw as JSON to ``argv[1]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+from _vllm_fp8 import tiny_moe
+from _vllm_run import _unpack, greedy, rl_step, same
+from _vllm_tp import _readable
+
+EXPERTS = "model.layers.1.mlp.experts"
+NAMES = {  # a checkpoint name of each kind, and its shape in the tiny model
+    f"{EXPERTS}.0.gate_proj.weight": (256, 256),
+    f"{EXPERTS}.3.up_proj.weight": (256, 256),
+    f"{EXPERTS}.1.down_proj.weight": (256, 256),
+    f"{EXPERTS}.gate_up_proj": (4, 512, 256),
+    f"{EXPERTS}.down_proj": (4, 256, 256),
+}
+
+
+def _rules(worker: Any) -> dict[str, Any]:
+    from deltackpt.integrations.vllm import tp_boxes
+
+    rule = tp_boxes.box_rules(worker.model_runner.get_model())
+    out = {}
+    for name, shape in NAMES.items():
+        r = rule(name, shape)
+        box = None if r.box is None else [list(r.box.offset), list(r.box.size)]
+        out[name] = {"module": r.module, "box": box, "why": r.why}
+    return out
+
+
+def _copy(worker: Any) -> dict[str, Any]:
+    f = worker._deltackpt_follower
+    return {
+        "bytes": sum(t.nbytes for t in f.state.values()),
+        "boxed": sorted(k for k, b in f.held_boxes.items() if b is not None),
+    }
+
+
+def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with each fused expert tensor split into one tensor per expert projection."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".experts.gate_up_proj"):
+            stem, half = k.removesuffix(".gate_up_proj"), v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{stem}.{e}.gate_proj.weight"] = v[e, :half].clone()
+                out[f"{stem}.{e}.up_proj.weight"] = v[e, half:].clone()
+        elif k.endswith(".experts.down_proj"):
+            stem = k.removesuffix(".down_proj")
+            for e in range(v.shape[0]):
+                out[f"{stem}.{e}.down_proj.weight"] = v[e].clone()
+        else:
+            out[k] = v.detach().clone()
+    return out
+
+
+def follow_and_compare(
+    llm: Any, model: Any, store: str, steps: list[Any], path: str
+) -> dict[str, Any]:
+    """Each step changes ``model`` and saves it to ``store`` (a callable of the snapshot name),
+    then every worker follows in boxes; then the engine against vLLM's own load."""
+    out: dict[str, Any] = {"steps": []}
+    for i, step in enumerate(steps):
+        step(f"s{i}")
+        got = llm.collective_rpc("deltackpt_follow", args=(store,), kwargs={"tp_boxes": True})
+        out["steps"].append({"follow": got, "copy": llm.collective_rpc(_copy)})
+    tokens, mine = greedy(llm), [_unpack(r) for r in llm.collective_rpc(_readable)]
+    model.save_pretrained(path)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    out["same_tokens"] = tokens == greedy(llm)
+    out["same_readable"] = [
+        bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        for a, b in zip(mine, theirs, strict=True)
+    ]
+    return out
+
+
+def main(out_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    import deltackpt
+    from deltackpt.integrations.vllm.extension import EXTENSION
+
+    tmp = tempfile.mkdtemp(prefix="vllm-moe-", dir=os.path.dirname(os.path.abspath(out_path)))
+    model, gen = tiny_moe(0), torch.Generator().manual_seed(3)
+    model.config.save_pretrained(f"{tmp}/config")
+    fused, split = f"{tmp}/fused", f"{tmp}/split"
+
+    def state() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def save_fused(name: str) -> None:
+        deltackpt.save({"model": state()}, fused, name, encoding="smallest")
+
+    def save_split(name: str) -> None:
+        deltackpt.save({"model": per_expert(state())}, split, name, encoding="smallest")
+
+    save_fused("start")
+    llm = LLM(
+        model=f"{tmp}/config", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+        max_model_len=256, max_num_seqs=4, tensor_parallel_size=2, enable_prefix_caching=True,
+        worker_extension_cls=EXTENSION, load_format="deltackpt",
+        model_loader_extra_config={"store": fused},
+    )  # fmt: skip
+    res: dict[str, Any] = {"rules": llm.collective_rpc(_rules)}
+    res["model_bytes"] = sum(t.nbytes for t in model.state_dict().values())
+
+    def rl(name: str, save: Any) -> None:
+        rl_step(model, 0.05, gen)
+        save(name)
+
+    def one_expert(name: str) -> None:
+        with torch.no_grad():
+            model.model.layers[1].mlp.experts.down_proj[2].add_(0.5)
+        save_fused(name)
+
+    res["fused"] = follow_and_compare(
+        llm, model, fused, [save_fused, lambda n: rl(n, save_fused), one_expert], f"{tmp}/ref1"
+    )
+    res["split"] = follow_and_compare(
+        llm, model, split, [save_split, lambda n: rl(n, save_split)], f"{tmp}/ref2"
+    )
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

