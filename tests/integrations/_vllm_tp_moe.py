@@ -12,7 +12,10 @@ in this process, following stores in tensor-parallel boxes (``deltackpt_follow(t
    weights (``reload_weights`` of a ``save_pretrained`` directory);
 3. a store of the same weights with one tensor per expert projection (the names vLLM's
    checkpoints and RL trainers' exports use): a full follow, an RL-like step, the same
-   comparison.
+   comparison;
+4. the trainer's route (``backend="deltackpt"``, ``tp_boxes=True``, experts sent fused as the
+   model holds them): a full round and an RL-like delta, each worker's committed boxes against
+   the trainer's weights, the bytes each worker received; the same comparison.
 
 Writes what it saw as JSON to ``argv[1]``.
 """
@@ -27,8 +30,8 @@ from typing import Any
 
 import torch
 from _vllm_fp8 import tiny_moe
-from _vllm_run import _unpack, greedy, rl_step, same
-from _vllm_tp import _readable
+from _vllm_run import _unpack, free_port, greedy, rl_step, same
+from _vllm_tp import _boxes, _readable, rounds, same_box
 
 EXPERTS = "model.layers.1.mlp.experts"
 NAMES = {  # a checkpoint name of each kind, and its shape in the tiny model
@@ -101,12 +104,47 @@ def follow_and_compare(
     return out
 
 
+def trainer_rounds(llm: Any, model: Any, gen: Any, path: str) -> dict[str, Any]:
+    """A trainer's rounds in boxes: a full one and an RL-like delta (``_vllm_tp.rounds``), then
+    the engine against vLLM's own load."""
+    import _vllm_commit
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltackpt.integrations.vllm.trainer import DeltackptTrainerInitInfo, LocalLLMClient
+
+    _vllm_commit._committed = _boxes  # type: ignore[attr-defined]
+    info = DeltackptTrainerInitInfo(
+        rank=0, master_port=free_port(), dtype="bfloat16", num_workers=2, tp_boxes=True,
+        links="gloo",
+    )  # fmt: skip
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
+    out: dict[str, Any] = {"rounds": rounds(llm, eng, model, gen, (1, 2), _boxes, same_box)}
+    out["held_boxes"] = llm.collective_rpc(
+        lambda w: sorted(  # type: ignore[no-any-return]
+            n for n, b in w.weight_transfer_engine.held_boxes().items() if b is not None
+        )
+    )
+    tokens, mine = greedy(llm), [_unpack(r) for r in llm.collective_rpc(_readable)]
+    eng.shutdown()
+    model.save_pretrained(path)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    out["same_tokens"] = tokens == greedy(llm)
+    out["same_readable"] = [
+        bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        for a, b in zip(mine, theirs, strict=True)
+    ]
+    return out
+
+
 def main(out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
+    from vllm.config import WeightTransferConfig
 
     import deltackpt
     from deltackpt.integrations.vllm.extension import EXTENSION
@@ -130,6 +168,7 @@ def main(out_path: str) -> None:
         model=f"{tmp}/config", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
         max_model_len=256, max_num_seqs=4, tensor_parallel_size=2, enable_prefix_caching=True,
         worker_extension_cls=EXTENSION, load_format="deltackpt",
+        weight_transfer_config=WeightTransferConfig(backend="deltackpt"),
         model_loader_extra_config={"store": fused},
     )  # fmt: skip
     res: dict[str, Any] = {"rules": llm.collective_rpc(_rules)}
@@ -150,6 +189,7 @@ def main(out_path: str) -> None:
     res["split"] = follow_and_compare(
         llm, model, split, [save_split, lambda n: rl(n, save_split)], f"{tmp}/ref2"
     )
+    res["rounds"] = trainer_rounds(llm, model, gen, f"{tmp}/ref3")
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -2,8 +2,8 @@
 with ``tensor_parallel_size=2`` (``_vllm_tp_moe.py`` in ``.venv-vllm``): each worker's rules for
 an expert's projections (one by one, and fused as transformers 5 holds them), and the store
 link in boxes (``deltackpt_follow(tp_boxes=True)``) on a tiny Qwen3-MoE, bit-exact against
-vLLM's own load of the same weights. Both routes box by the same rules (the trainer's rounds
-send the experts one by one). Skipped when that environment is absent (``.ci/vllm-env``) or the
+vLLM's own load of the same weights; then a trainer's rounds in boxes (``tp_boxes=True``)
+into the same engine. Skipped when that environment is absent (``.ci/vllm-env``) or the
 machine has fewer than two cores to bind."""
 
 from __future__ import annotations
@@ -62,3 +62,17 @@ def test_the_store_link_holds_its_experts_boxes_and_loads_them_exactly(moe, layo
                         for p in ("gate_proj", "up_proj", "down_proj")} <= set(c["boxed"])  # fmt: skip
                 assert c["bytes"] < 0.6 * model, c["bytes"]
     assert run["same_readable"] == [True, True] and run["same_tokens"]
+
+
+def test_a_trainers_rounds_in_boxes_commit_its_experts_exactly(moe):
+    r = moe["rounds"]
+    for row in r["rounds"]:
+        assert row["identical"] == [True, True], row["version"]
+        assert row["worker_versions"] == [row["version"]] * 2
+    full, delta = r["rounds"]
+    assert full["full"] and not delta["full"] and delta["sent"] < full["sent"]
+    for boxed in r["held_boxes"]:  # the fused down projection arrives in boxes
+        assert f"{E}.down_proj" in boxed and f"{E}.gate_up_proj" not in boxed
+    # each worker received its boxes: 0.64x the model here (0.72x with the experts whole)
+    assert all(v < 0.68 * moe["model_bytes"] for v in full["per_link"].values()), full["per_link"]
+    assert r["same_readable"] == [True, True] and r["same_tokens"]
