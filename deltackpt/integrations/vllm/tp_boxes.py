@@ -21,8 +21,9 @@ The rules, from the module that loads the tensor (vLLM's ``model/layers/linear.p
   layer's tensor-parallel ranks, ``moe_parallel_config.tp_size``): gate and up ``rows / tp``
   rows from ``r`` x that, down ``cols / tp`` columns (dim 1); the experts fused in one tensor
   (``...experts.down_proj`` ``[E, H, I]``, as transformers 5 saves them): down the same columns
-  of every expert (dim 2), ``gate_up_proj`` whole (the rank's gate rows and up rows are two
-  boxes); with expert parallelism, a quantized or transposed layout: whole;
+  of every expert (dim 2), ``gate_up_proj`` ``[E, 2I, H]`` the rows covering the rank's gate
+  rows and up rows (``I/tp`` each, one box: ``(1 + 1/tp) / 2`` of it); with expert parallelism,
+  a quantized or transposed layout: whole;
 * anything else (norms, ``ReplicatedLinear``, quantized layers, subclasses with their own
   loaders, a name no module is found for, ``tp == 1``): the whole tensor (always correct).
 
@@ -193,8 +194,6 @@ def expert_box(m: Any, shard: str, shape: Shape, fused: bool = False) -> tuple[B
     expert's, stacked on dim 0) that this rank's routed-experts module ``m`` loads, as its
     ``weight_loader`` narrows each expert (``_load_w13``, ``_load_w2``: ``shape[dim] // tp``
     from ``tp_rank`` x that), and why (None: whole)."""
-    if fused and shard == "w13":
-        return None, "fused gate and up: this rank's rows of each are two boxes: whole"
     if fused and getattr(m, "is_fused_checkpoint_transposed", False):
         return None, "fused experts stored transposed: whole"
     cfg = m.moe_config
@@ -213,15 +212,24 @@ def expert_box(m: Any, shard: str, shape: Shape, fused: bool = False) -> tuple[B
     if not _own_loader(m, f"{stem}_weight"):
         return None, "experts with a loader of the model's own: whole"
     dim = (1 if shard == "w2" else 0) + fused
+    if shard == "w13":  # gate and up halves, each narrowed alike: the rows covering both
+        if not cfg.is_act_and_mul or shape[dim] % 2:
+            return None, "fused experts without gate and up halves: whole"
+        half = shape[dim] // 2
+        per = half // tp
+        start, stop = per * r, half + min(per * (r + 1), half)
+        if per <= 0 or stop <= start:
+            return None, "experts' rows do not split: whole"
+        why = "fused experts w13: the rows covering this rank's gate rows and up rows"
+        return _split(shape, dim, start, stop - start), why
     per = shape[dim] // tp
     start = per * r
     size = min(per, shape[dim] - start)
     if per <= 0 or size <= 0:
         return None, "experts' rows do not split: whole"
     what = "columns" if shard == "w2" else "rows"
-    return _split(
-        shape, dim, start, size
-    ), f"{'fused experts' if fused else 'expert'} {shard}: {what}"
+    why = f"{'fused experts' if fused else 'expert'} {shard}: {what}"
+    return _split(shape, dim, start, size), why
 
 
 def rank_box(
