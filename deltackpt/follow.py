@@ -118,7 +118,8 @@ class Follower:
     each renewal (None: no lease). ``fallback``: ``"reload"`` or ``"raise"`` (module docstring).
     ``boxes`` (``load_weights`` only): ``(name, shape) -> box or None``, asked per tensor with
     the name ``load_weights`` gets, the box (``.offset`` and ``.size`` per dimension, or a pair
-    of them) of it to hold and hand over instead of the whole tensor (None: whole);
+    of them) of it to hold and hand over instead of the whole tensor (None: whole; False: none
+    of it, never held nor handed over);
     :attr:`held_boxes` says which. A changed box is read again into the held one, so a failed
     catch-up leaves no version held (the next poll loads whole). Other keyword arguments are
     :class:`~deltackpt.LoadOptions` fields (``verify``, ``threads``).
@@ -206,8 +207,9 @@ class Follower:
         return self.into if self.into is not None else self._held
 
     @property
-    def held_boxes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None]:
-        """With ``boxes=``: per key path held, ``(offset, size)`` of its box (None: whole)."""
+    def held_boxes(self) -> dict[str, Any]:
+        """With ``boxes=``: per followed key path, ``(offset, size)`` of its box (None: whole;
+        False: none of it held)."""
         return dict(self._plan)
 
     def adopt(
@@ -447,7 +449,7 @@ class Follower:
         (as after a failed full load)."""
         plan = self._plan
 
-        def whole(p: str) -> bool:  # values too: they are not boxed
+        def whole(p: str) -> bool:  # values too: they are not boxed (False: not held at all)
             return (self._select is None or self._select(p)) and plan.get(p) is None
 
         load(self.store, m.name, into=self._held, since=held, keys=whole, options=self.options,

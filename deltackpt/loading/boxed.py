@@ -34,18 +34,19 @@ from deltackpt.store.store import Store
 __all__ = ["WINDOW", "BoxOf", "Plan", "Scratch", "box_plan", "check_held", "read"]
 
 Shape = tuple[int, ...]
-#: ``(name, shape) -> box or None``: the box (``.offset`` and ``.size``, or a pair of them) of a
-#: tensor of ``shape`` its caller loads, None for the whole tensor
+#: ``(name, shape) -> box, None or False``: the box (``.offset`` and ``.size``, or a pair of
+#: them) of a tensor of ``shape`` its caller loads, None for the whole tensor, False for none of
+#: it (not held, not handed over: an expert another rank holds)
 BoxOf = Callable[[str, Shape], Any]
-#: per key path, ``(offset, size)`` of the box held, None for the whole tensor
-Plan = dict[str, tuple[Shape, Shape] | None]
+#: per key path, ``(offset, size)`` of the box held, None for the whole tensor, False for none
+Plan = dict[str, "tuple[Shape, Shape] | bool | None"]
 
 
-def _as_box(got: Any, shape: Shape, path: str) -> tuple[Shape, Shape] | None:
+def _as_box(got: Any, shape: Shape, path: str) -> tuple[Shape, Shape] | bool | None:
     """``got`` (a box the caller named for ``path``) as ``(offset, size)``, checked against the
-    tensor's ``shape``; None when it is the whole tensor."""
-    if got is None:
-        return None
+    tensor's ``shape``; None when it is the whole tensor, False for none of it."""
+    if got is None or got is False:
+        return got
     try:
         off, size = (got.offset, got.size) if hasattr(got, "offset") else got
         off, size = tuple(int(x) for x in off), tuple(int(x) for x in size)
@@ -140,7 +141,7 @@ def read(
     reader = SnapshotReader(store, m, options, packs=CountingPackReaders(store, stats))
     try:
         out = reader.get_tensors([p for p, b in plan.items() if b is None])
-        boxed = [(p, reader.entry(p), b) for p, b in plan.items() if b is not None]
+        boxed = [(p, reader.entry(p), b) for p, b in plan.items() if b]
         for window, need in _windows(boxed, scratch is not None):
             if scratch is not None:
                 scratch.start(need)
@@ -180,6 +181,7 @@ def check_held(state: Any, plan: Plan, m: Manifest) -> dict[str, torch.Tensor]:
             f"{type(state).__name__}"
         )
     shapes = {e.path: tuple(int(s) for s in e.shape) for e in m.tensors}
+    plan = {p: b for p, b in plan.items() if b is not False}  # none of it: not held
     if set(state) != set(plan):
         odd = sorted(set(state) ^ set(plan))[:5]
         raise InvalidArgumentError(
@@ -188,7 +190,7 @@ def check_held(state: Any, plan: Plan, m: Manifest) -> dict[str, torch.Tensor]:
         )
     for p, t in state.items():
         b = plan[p]
-        want = shapes[p] if b is None else b[1]
+        want = shapes[p] if b is None else b[1]  # type: ignore[index]
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise InvalidArgumentError(

@@ -3,7 +3,9 @@ with ``tensor_parallel_size=2`` (``_vllm_tp_moe.py`` in ``.venv-vllm``): each wo
 an expert's projections (one by one, and fused as transformers 5 holds them), and the store
 link in boxes (``deltackpt_follow(tp_boxes=True)``) on a tiny Qwen3-MoE, bit-exact against
 vLLM's own load of the same weights; then a trainer's rounds in boxes (``tp_boxes=True``)
-into the same engine. Skipped when that environment is absent (``.ci/vllm-env``) or the
+into the same engine. Once with the experts split over the tensor-parallel ranks, once
+expert-parallel (``enable_expert_parallel=True``: each worker holds whole experts of its own and
+none of the others'). Skipped when that environment is absent (``.ci/vllm-env``) or the
 machine has fewer than two cores to bind."""
 
 from __future__ import annotations
@@ -25,14 +27,25 @@ pytestmark = [
 E = "model.layers.1.mlp.experts"
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory: pytest.TempPathFactory) -> Any:
+@pytest.fixture(scope="module", params=["tp", "ep"])
+def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     cores = sorted(os.sched_getaffinity(0))[:2]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}")
-    return run_script(tmp_path_factory, "_vllm_tp_moe.py", env=env)
+    out = run_script(tmp_path_factory, "_vllm_tp_moe.py", request.param, env=env)
+    out["parallel"] = request.param
+    return out
 
 
 def test_each_worker_boxes_its_experts_as_vllm_shards_them(moe):
+    if moe["parallel"] == "ep":  # worker r holds experts 2r and 2r+1 whole, drops the others
+        for rank, rules in enumerate(moe["rules"]):
+            mine = {0: rank == 0, 3: rank == 1, 1: rank == 0}
+            for e, proj in ((0, "gate_proj"), (3, "up_proj"), (1, "down_proj")):
+                r = rules[f"{E}.{e}.{proj}.weight"]
+                assert r["box"] is None and r["skip"] is not mine[e], (rank, e, r)
+            assert rules[f"{E}.gate_up_proj"]["box"] == [[2 * rank, 0, 0], [2, 512, 256]]
+            assert rules[f"{E}.down_proj"]["box"] == [[2 * rank, 0, 0], [2, 256, 256]]
+        return
     for rank, rules in enumerate(moe["rules"]):
         # one expert's gate and up: rows; its down: columns (moe_intermediate_size 256 / 2)
         assert rules[f"{E}.0.gate_proj.weight"]["box"] == [[128 * rank, 0], [128, 256]]
@@ -56,11 +69,15 @@ def test_the_store_link_holds_its_experts_boxes_and_loads_them_exactly(moe, layo
             if layout == "fused":  # down in boxes, gate_up in the rows covering the rank's
                 assert {f"model/{E}.down_proj", f"model/{E}.gate_up_proj"} <= set(c["boxed"])
                 assert c["bytes"] < 0.6 * model, c["bytes"]
+            elif moe["parallel"] == "ep":  # the other worker's experts: not held at all
+                assert len([k for k in c["skipped"] if f"{E}." in k]) == 6
+                assert c["bytes"] < 0.6 * model, c["bytes"]
             else:  # every expert projection boxed
                 assert {f"model/{E}.{e}.{p}.weight" for e in range(4)
                         for p in ("gate_proj", "up_proj", "down_proj")} <= set(c["boxed"])  # fmt: skip
                 assert c["bytes"] < 0.6 * model, c["bytes"]
-    assert run["same_readable"] == [True, True] and run["same_tokens"]
+    assert run["same_readable"] == [True, True]
+    assert run["same_tokens"] is (None if moe["parallel"] == "ep" else True)  # (no EP forward)
 
 
 def test_a_trainers_rounds_in_boxes_commit_its_experts_exactly(moe):
@@ -74,4 +91,5 @@ def test_a_trainers_rounds_in_boxes_commit_its_experts_exactly(moe):
         assert f"{E}.down_proj" in boxed and f"{E}.gate_up_proj" in boxed
     # each worker received its boxes: about 0.57x the model (0.72x with the experts whole)
     assert all(v < 0.6 * moe["model_bytes"] for v in full["per_link"].values()), full["per_link"]
-    assert r["same_readable"] == [True, True] and r["same_tokens"]
+    assert r["same_readable"] == [True, True]
+    assert r["same_tokens"] is (None if moe["parallel"] == "ep" else True)

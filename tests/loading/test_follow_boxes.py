@@ -173,3 +173,23 @@ def test_tied_tensors_saved_as_one_storage_are_held_in_boxes(tmp_path: Path) -> 
         assert {n: torch.equal(bits(t), bits(want)) for n, t in got[-1].items()} == {
             "emb": True, "head": True,
         }  # fmt: skip
+
+
+def test_a_tensor_boxed_as_none_of_it_is_never_held_read_or_handed_over(tmp_path: Path) -> None:
+    # boxes(name, shape) -> False: another rank's expert, say; w0 changes every step
+    st = new_store(tmp_path / "s")
+    publish(st, 0)
+    got: list[dict[str, torch.Tensor]] = []
+    f = deltackpt.Follower(st, load_weights=lambda w: got.append({n: t.clone() for n, t in w}),
+                           keys=["model"], rename=lambda k: k.removeprefix("model/"),
+                           boxes=lambda n, s: False if n == "w0" else None, lease_ttl=None)  # fmt: skip
+    s0 = f.poll()
+    assert s0 is not None and "model/w0" not in f.state and "w0" not in got[0]
+    assert f.held_boxes["model/w0"] is False and f.held_boxes["model/w1"] is None
+    publish(st, 1)
+    s1 = f.poll()
+    assert s1 is not None and s1.mode == "incremental" and "w0" not in got[-1]
+    want = state_at(1)["model"]
+    assert all(
+        torch.equal(bits(f.state[f"model/{n}"]), bits(t)) for n, t in want.items() if n != "w0"
+    )

@@ -186,8 +186,9 @@ class DeltackptWorkerExtension:
 
             def box_of(name: str, shape: tuple[int, ...]) -> Any:
                 assert rule is not None
-                shapes[name], boxes[name] = tuple(shape), rule(name, shape).box
-                return boxes[name]
+                r = rule(name, shape)
+                shapes[name], boxes[name] = tuple(shape), r.box
+                return False if r.skip else r.box  # another rank's expert: not held
 
             def load_weights(w: Any) -> None:
                 w = fp8_layout.for_engine(layout, fp8, cfg.dtype, list(w))

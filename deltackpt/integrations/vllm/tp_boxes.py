@@ -22,8 +22,11 @@ The rules, from the module that loads the tensor (vLLM's ``model/layers/linear.p
   rows from ``r`` x that, down ``cols / tp`` columns (dim 1); the experts fused in one tensor
   (``...experts.down_proj`` ``[E, H, I]``, as transformers 5 saves them): down the same columns
   of every expert (dim 2), ``gate_up_proj`` ``[E, 2I, H]`` the rows covering the rank's gate
-  rows and up rows (``I/tp`` each, one box: ``(1 + 1/tp) / 2`` of it); with expert parallelism,
-  a quantized or transposed layout: whole;
+  rows and up rows (``I/tp`` each, one box: ``(1 + 1/tp) / 2`` of it); with expert
+  parallelism (whole experts per rank) an expert of this rank's whole, another rank's none of
+  it (``BoxRule.skip``: the store link neither reads nor holds it; the trainer's route sends it
+  whole), fused experts the rows of this rank's along dim 0 when they are one run in order; a
+  quantized or transposed layout: whole;
 * anything else (norms, ``ReplicatedLinear``, quantized layers, subclasses with their own
   loaders, a name no module is found for, ``tp == 1``): the whole tensor (always correct).
 
@@ -80,6 +83,7 @@ class BoxRule:
     kind: str
     box: Box | None
     why: str
+    skip: bool = False  # this rank loads none of it (an expert another rank holds)
 
 
 def _split(shape: Shape, dim: int, start: int, size: int) -> Box:
@@ -119,8 +123,12 @@ def box_rules(model: Any) -> Any:
     def rule(name: str, shape: Shape) -> BoxRule:
         expert = expert_of(name, modules)
         if expert is not None:
-            target, m, shard, fused = expert
-            box, why = expert_box(m, shard, tuple(int(s) for s in shape), fused)
+            target, m, shard, e = expert
+            shp = tuple(int(s) for s in shape)
+            if m.moe_config.moe_parallel_config.use_ep:
+                box, why, skip = expert_parallel_box(m, shp, e)
+                return BoxRule(target, type(m).__name__, box, why, skip)
+            box, why = expert_box(m, shard, shp, e is None)
             return BoxRule(target, type(m).__name__, box, why)
         where = module_of(name, modules, packed)
         if where is None:
@@ -169,10 +177,10 @@ _EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weigh
 _FUSED = re.compile(r"^(?P<layer>.+\.experts)\.(?P<proj>\w+?)(?:\.weight)?$")
 
 
-def expert_of(name: str, modules: dict[str, Any]) -> tuple[str, Any, str, bool] | None:
-    """``(module name, module, shard id, fused)`` of the vLLM routed-experts module that loads
-    checkpoint tensor ``name`` (one expert's projection, or every expert's fused in one
-    tensor), or None when ``name`` is neither. vLLM 0.32 nests it as
+def expert_of(name: str, modules: dict[str, Any]) -> tuple[str, Any, str, int | None] | None:
+    """``(module name, module, shard id, expert)`` of the vLLM routed-experts module that loads
+    checkpoint tensor ``name`` (one expert's projection: its global number; every expert's fused
+    in one tensor: None), or None when ``name`` is neither. vLLM 0.32 nests it as
     ``<layer>.experts.routed_experts`` (the ``experts`` module is the MoE runner); older builds
     load at ``<layer>.experts`` itself."""
     one, fused = _EXPERT.match(name), _FUSED.match(name)
@@ -185,8 +193,26 @@ def expert_of(name: str, modules: dict[str, Any]) -> tuple[str, Any, str, bool] 
     for target in (f"{layer}.routed_experts", layer):
         m = modules.get(target)
         if m is not None and hasattr(m, "moe_config") and hasattr(m, "w13_weight"):
-            return target, m, shard, one is None
+            return target, m, shard, None if one is None else int(one["e"])
     return None
+
+
+def expert_parallel_box(m: Any, shape: Shape, e: int | None) -> tuple[Box | None, str, bool]:
+    """Under expert parallelism (each rank holds whole experts, none split): ``(box, why,
+    skip)`` of expert ``e``'s projection (``skip``: another rank's expert, which this rank's
+    loader drops) or of every expert fused (``e`` None: the rows of this rank's experts along
+    dim 0 when they are one run in order, else whole)."""
+    local = m._map_global_expert_id_to_local_expert_id
+    if e is not None:
+        if local(e) == -1:
+            return None, f"expert {e} lives on another rank: none of it", True
+        return None, f"expert {e} lives here, whole", False
+    mine = [g for g in range(shape[0]) if local(g) != -1]
+    if not mine or [local(g) for g in mine] != list(range(len(mine))):
+        return None, "fused experts: this rank's are not one run in order: whole", False
+    if mine != list(range(mine[0], mine[0] + len(mine))):
+        return None, "fused experts: this rank's are not one run in order: whole", False
+    return _split(shape, 0, mine[0], len(mine)), f"fused experts {mine[0]}-{mine[-1]}: rows", False
 
 
 def expert_box(m: Any, shard: str, shape: Shape, fused: bool = False) -> tuple[Box | None, str]:
