@@ -115,10 +115,11 @@ class WeightReceiver:
     hashing a bucket's pieces (default: up to 4, one per core); ``bucket_bytes`` (default: 64 MiB, 256 MiB on an ipc link) and ``align``
     must be the same on every rank of the group.
 
-    ``boxes`` (with ``wants=None``): ``boxes(name, shape) -> Box | None`` picks, per trainer
-    tensor, the box this rank wants (None: whole), once the trainers' declarations are known
-    (a tensor-parallel rank that learns the names and shapes from the trainers: the vLLM
-    backend's ``tp_boxes``); its tensors are then boxes, handed to ``load_weights`` as such.
+    ``boxes`` (with ``wants=None``): ``boxes(name, shape) -> Box | None | False`` picks, per
+    trainer tensor, the box this rank wants (None: whole; False: none of it, an expert another
+    rank holds), once the trainers' declarations are known (a tensor-parallel rank that learns
+    the names and shapes from the trainers: the vLLM backend's ``tp_boxes``); its tensors are
+    then boxes, handed to ``load_weights`` as such.
 
     ``verify``: ``"sent"`` (default) checks every piece a round brings against the digest of
     its new bytes; pieces a delta round does not send are kept as they are, unchecked, so a
@@ -172,7 +173,7 @@ class WeightReceiver:
         align: int = 64,
         apply_threads: int | None = None,
         verify: str = "sent",
-        boxes: Callable[[str, tuple[int, ...]], Box | None] | None = None,
+        boxes: Callable[[str, tuple[int, ...]], Box | bool | None] | None = None,
         staging: str = "round",
         undo_dir: str | os.PathLike[str] | None = None,
         device: str | torch.device | None = None,
@@ -290,14 +291,17 @@ class WeightReceiver:
             )
             for k in keys
         ]
-        seen: dict[str, Wanted] = {}
+        seen: dict[str, Wanted | None] = {}  # None: not wanted
         for t in trainers:
             for h in t.held:
                 if h.name not in seen:
                     dt = resolve_dtype(self.dtype, h.name, wire_dtype(h.dtype))
                     box = boxes(h.name, tuple(h.shape))
+                    if box is False:  # none of it (it is not even seen: asked once)
+                        seen[h.name] = None
+                        continue
                     seen[h.name] = Wanted(h.name, h.name, wire_name(dt, h.name), box)
-        return Decl(g.rank, False, wanted=tuple(seen.values()))
+        return Decl(g.rank, False, wanted=tuple(w for w in seen.values() if w is not None))
 
     def _setup(self) -> Schedule:
         g = self.group

@@ -13,9 +13,11 @@ in this process, following stores in tensor-parallel boxes (``deltackpt_follow(t
 3. a store of the same weights with one tensor per expert projection (the names vLLM's
    checkpoints and RL trainers' exports use): a full follow, an RL-like step, the same
    comparison;
-4. the trainer's route (``backend="deltackpt"``, ``tp_boxes=True``, experts sent fused as the
-   model holds them): a full round and an RL-like delta, each worker's committed boxes against
-   the trainer's weights, the bytes each worker received; the same comparison.
+4. the trainer's route (``backend="deltackpt"``, ``tp_boxes=True``; experts sent fused as the
+   model holds them, or, expert-parallel, one tensor per expert projection, so that a worker
+   does not even receive the other worker's): a full round and an RL-like delta, each worker's
+   committed boxes against the trainer's weights, the bytes each worker received; the same
+   comparison.
 
 With ``argv[2] == "ep"`` the engine runs its experts expert-parallel
 (``enable_expert_parallel=True``: each worker holds two whole experts): the rules then hold a
@@ -118,6 +120,31 @@ def follow_and_compare(
     return out
 
 
+def split_rounds(llm: Any, eng: Any, model: Any, gen: Any) -> list[dict[str, Any]]:
+    """``_vllm_tp.rounds`` with the experts sent one tensor per projection; per worker also the
+    trainer tensors it does not hold."""
+    out = []
+    for i, version in enumerate((1, 2)):
+        if i:
+            rl_step(model, 0.02, gen)
+        stats = eng.send_weights(
+            per_expert({k: v.detach() for k, v in model.state_dict().items()}), version=version
+        )
+        want = per_expert({k: v.detach() for k, v in model.state_dict().items()})
+        per_worker = [_unpack(raw) for raw in llm.collective_rpc(_boxes)]
+        out.append({
+            "version": version, "full": stats.full, "sent": stats.payload_bytes,
+            "per_link": {str(k): v for k, v in stats.per_link.items()},
+            "worker_versions": [w for w, _ in per_worker],
+            "identical": [
+                set(got) <= set(want) and all(same_box(got[k], want[k]) for k in got)
+                for _, got in per_worker
+            ],
+            "missing": [sorted(set(want) - set(got)) for _, got in per_worker],
+        })  # fmt: skip
+    return out
+
+
 def trainer_rounds(llm: Any, model: Any, gen: Any, path: str) -> dict[str, Any]:
     """A trainer's rounds in boxes: a full one and an RL-like delta (``_vllm_tp.rounds``), then
     the engine against vLLM's own load."""
@@ -132,7 +159,10 @@ def trainer_rounds(llm: Any, model: Any, gen: Any, path: str) -> dict[str, Any]:
         links="gloo",
     )  # fmt: skip
     eng = WeightTransferTrainerFactory.trainer_init(info, client=LocalLLMClient(llm))
-    out: dict[str, Any] = {"rounds": rounds(llm, eng, model, gen, (1, 2), _boxes, same_box)}
+    if EP:  # one tensor per expert projection: each worker wants only its own experts
+        out: dict[str, Any] = {"rounds": split_rounds(llm, eng, model, gen)}
+    else:
+        out = {"rounds": rounds(llm, eng, model, gen, (1, 2), _boxes, same_box)}
     out["held_boxes"] = llm.collective_rpc(
         lambda w: sorted(  # type: ignore[no-any-return]
             n for n, b in w.weight_transfer_engine.held_boxes().items() if b is not None

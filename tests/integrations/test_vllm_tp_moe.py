@@ -87,8 +87,14 @@ def test_a_trainers_rounds_in_boxes_commit_its_experts_exactly(moe):
         assert row["worker_versions"] == [row["version"]] * 2
     full, delta = r["rounds"]
     assert full["full"] and not delta["full"] and delta["sent"] < full["sent"]
-    for boxed in r["held_boxes"]:  # the fused experts arrive in boxes
-        assert f"{E}.down_proj" in boxed and f"{E}.gate_up_proj" in boxed
+    if moe["parallel"] == "ep":  # one tensor per expert: each worker lacks the other's six
+        for rank, missing in enumerate(delta["missing"]):
+            theirs = (2, 3) if rank == 0 else (0, 1)
+            assert missing == sorted(f"{E}.{e}.{p}.weight" for e in theirs
+                                     for p in ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+    else:
+        for boxed in r["held_boxes"]:  # the fused experts arrive in boxes
+            assert f"{E}.down_proj" in boxed and f"{E}.gate_up_proj" in boxed
     # each worker received its boxes: about 0.57x the model (0.72x with the experts whole)
     assert all(v < 0.6 * moe["model_bytes"] for v in full["per_link"].values()), full["per_link"]
     assert r["same_readable"] == [True, True]

@@ -24,8 +24,8 @@ The rules, from the module that loads the tensor (vLLM's ``model/layers/linear.p
   of every expert (dim 2), ``gate_up_proj`` ``[E, 2I, H]`` the rows covering the rank's gate
   rows and up rows (``I/tp`` each, one box: ``(1 + 1/tp) / 2`` of it); with expert
   parallelism (whole experts per rank) an expert of this rank's whole, another rank's none of
-  it (``BoxRule.skip``: the store link neither reads nor holds it; the trainer's route sends it
-  whole), fused experts the rows of this rank's along dim 0 when they are one run in order; a
+  it (``BoxRule.skip``: neither sent to this worker nor read from the store, nor held), fused
+  experts the rows of this rank's along dim 0 when they are one run in order; a
   quantized or transposed layout: whole;
 * anything else (norms, ``ReplicatedLinear``, quantized layers, subclasses with their own
   loaders, a name no module is found for, ``tp == 1``): the whole tensor (always correct).

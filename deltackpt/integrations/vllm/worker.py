@@ -554,15 +554,16 @@ class DeltackptWeightTransferEngine(WeightTransferEngine[DeltackptInitInfo, Delt
             finally:
                 self._lock.release()
 
-    def _box_of(self, name: str, shape: tuple[int, ...]) -> Box | None:
+    def _box_of(self, name: str, shape: tuple[int, ...]) -> Box | bool | None:
         """The box of trainer tensor ``name`` (of ``shape``) this worker's model loads (None:
-        the whole tensor): ``tp_boxes``' rules, asked by the receiver at its setup."""
+        the whole tensor; False: none of it, another worker's expert): ``tp_boxes``' rules,
+        asked by the receiver at its setup."""
         if self._rule is None:
             self._rule = tp_boxes.box_rules(self.model)
         rule = self._rule(name, shape)
         self._rules[name] = rule
         self._shapes[name], self._boxes[name] = tuple(shape), rule.box
-        return rule.box
+        return False if rule.skip else rule.box
 
     def _trim(self, always: bool = False) -> None:
         """With ``tp_boxes`` (or ``always``): hand the heap pages the round freed (the
