@@ -36,6 +36,7 @@ import tempfile
 from typing import Any
 
 import torch
+from _vllm_fp8 import state as per_expert
 from _vllm_fp8 import tiny_moe
 from _vllm_run import _unpack, free_port, greedy, rl_step, same
 from _vllm_tp import _boxes, _readable, rounds, same_box
@@ -71,24 +72,6 @@ def _copy(worker: Any) -> dict[str, Any]:
     }
 
 
-def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``sd`` with each fused expert tensor split into one tensor per expert projection."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith(".experts.gate_up_proj"):
-            stem, half = k.removesuffix(".gate_up_proj"), v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{stem}.{e}.gate_proj.weight"] = v[e, :half].clone()
-                out[f"{stem}.{e}.up_proj.weight"] = v[e, half:].clone()
-        elif k.endswith(".experts.down_proj"):
-            stem = k.removesuffix(".down_proj")
-            for e in range(v.shape[0]):
-                out[f"{stem}.{e}.down_proj.weight"] = v[e].clone()
-        else:
-            out[k] = v.detach().clone()
-    return out
-
-
 def _tokens(llm: Any) -> list[list[int]] | None:
     """Greedy tokens, or None under expert parallelism (no forward pass on vLLM's CPU build)."""
     return None if EP else greedy(llm)
@@ -107,17 +90,28 @@ def follow_and_compare(
         step(f"s{i}")
         got = llm.collective_rpc("deltackpt_follow", args=(store,), kwargs={"tp_boxes": True})
         out["steps"].append({"follow": got, "copy": llm.collective_rpc(_copy)})
+    out.update(against_vllm(llm, model, path))
+    return out
+
+
+def against_vllm(llm: Any, model: Any, path: str, before: Any = None) -> dict[str, Any]:
+    """The engine's greedy tokens and every worker's readable parameters, then the same after
+    vLLM's own load of ``model``'s weights (``reload_weights`` of a ``save_pretrained``
+    directory); ``before()`` runs in between (a trainer's shutdown)."""
     tokens, mine = _tokens(llm), [_unpack(r) for r in llm.collective_rpc(_readable)]
+    if before is not None:
+        before()
     model.save_pretrained(path)
     llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
     llm.reset_prefix_cache()
     theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
-    out["same_tokens"] = None if EP else tokens == _tokens(llm)
-    out["same_readable"] = [
-        bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-        for a, b in zip(mine, theirs, strict=True)
-    ]
-    return out
+    return {
+        "same_tokens": None if EP else tokens == _tokens(llm),
+        "same_readable": [
+            bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            for a, b in zip(mine, theirs, strict=True)
+        ],
+    }
 
 
 def split_rounds(llm: Any, eng: Any, model: Any, gen: Any) -> list[dict[str, Any]]:
@@ -127,10 +121,8 @@ def split_rounds(llm: Any, eng: Any, model: Any, gen: Any) -> list[dict[str, Any
     for i, version in enumerate((1, 2)):
         if i:
             rl_step(model, 0.02, gen)
-        stats = eng.send_weights(
-            per_expert({k: v.detach() for k, v in model.state_dict().items()}), version=version
-        )
-        want = per_expert({k: v.detach() for k, v in model.state_dict().items()})
+        stats = eng.send_weights(per_expert(model), version=version)
+        want = per_expert(model)
         per_worker = [_unpack(raw) for raw in llm.collective_rpc(_boxes)]
         out.append({
             "version": version, "full": stats.full, "sent": stats.payload_bytes,
@@ -168,17 +160,7 @@ def trainer_rounds(llm: Any, model: Any, gen: Any, path: str) -> dict[str, Any]:
             n for n, b in w.weight_transfer_engine.held_boxes().items() if b is not None
         )
     )
-    tokens, mine = _tokens(llm), [_unpack(r) for r in llm.collective_rpc(_readable)]
-    eng.shutdown()
-    model.save_pretrained(path)
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-    llm.reset_prefix_cache()
-    theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
-    out["same_tokens"] = None if EP else tokens == _tokens(llm)
-    out["same_readable"] = [
-        bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-        for a, b in zip(mine, theirs, strict=True)
-    ]
+    out.update(against_vllm(llm, model, path, before=eng.shutdown))
     return out
 
 
@@ -207,7 +189,7 @@ def main(out_path: str, ep: bool) -> None:
         deltackpt.save({"model": state()}, fused, name, encoding="smallest")
 
     def save_split(name: str) -> None:
-        deltackpt.save({"model": per_expert(state())}, split, name, encoding="smallest")
+        deltackpt.save({"model": per_expert(model)}, split, name, encoding="smallest")
 
     save_fused("start")
     llm = LLM(
