@@ -108,6 +108,8 @@ class Scratch:
         self._used = 0
 
     def __call__(self, n: int) -> np.ndarray:
+        if self._used + n > self._buf.size:  # not planned for (saved shards): new memory
+            return np.empty(n, dtype=np.uint8)
         out = self._buf[self._used : self._used + n]
         self._used += _aligned(n)
         return out
