@@ -8,9 +8,11 @@ chunks not read, deltas patched in place). A boxed tensor that changed is read a
 (the chunks covering its box, each checked as read), into the held box: a box holds part of
 each chunk, so a chunk's delta cannot be applied to it, nor checked. A catch-up that fails
 leaves the copy between two versions, so the follower then holds none (its next poll loads
-whole), as after a failed full load. What that costs: on a store of raw chunks
-(a local disk's default) about what the whole copy's catch-up reads, of the box's share; on a
-store of delta chains, a decode of each changed box's chain (docs/sync.md, "Memory").
+whole), as after a failed full load. A tensor boxed as none of it (False: another rank's
+expert) is never read, held or handed over. What a catch-up costs (``bench_follow_boxes.py``):
+on a store of raw chunks (a local disk's default) at most the whole copy's time; on a store of
+delta chains a decode of each changed box's chain, where the whole copy applies patches
+(docs/sync.md, "Each worker's share only").
 """
 
 from __future__ import annotations
