@@ -207,6 +207,14 @@ class Follower:
         return self.into if self.into is not None else self._held
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes of the tensors the follower keeps of its own (``load_weights``: its copy, the
+        boxes with ``boxes=``; 0 with ``into``, which is the caller's)."""
+        if self.into is not None:
+            return 0
+        return sum(t.nbytes for t in self._leaves().values())
+
+    @property
     def held_boxes(self) -> dict[str, Any]:
         """With ``boxes=``: per followed key path, ``(offset, size)`` of its box (None: whole;
         False: none of it held)."""

@@ -64,19 +64,8 @@ def _follow_report(f: Any, s: Any) -> dict[str, Any]:
         "reason": None if s is None else s.reason,
         "bytes_read": 0 if s is None else s.load.bytes_read,
         "changed": 0 if s is None else len(s.changed),
-        "held_bytes": _held_bytes(f.state),  # the follower's copy (with tp_boxes: its boxes)
+        "held_bytes": f.held_bytes,  # the follower's copy (with tp_boxes: its boxes)
     }
-
-
-def _held_bytes(state: Any) -> int:
-    """Bytes of the tensors in a follower's copy (a nested state, or a flat dict of boxes)."""
-    if isinstance(state, torch.Tensor):
-        return int(state.nbytes)
-    if isinstance(state, dict):
-        return sum(_held_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_held_bytes(v) for v in state)
-    return 0
 
 
 class DeltackptWorkerExtension:

@@ -208,9 +208,8 @@ def expert_parallel_box(m: Any, shape: Shape, e: int | None) -> tuple[Box | None
             return None, f"expert {e} lives on another rank: none of it", True
         return None, f"expert {e} lives here, whole", False
     mine = [g for g in range(shape[0]) if local(g) != -1]
-    if not mine or [local(g) for g in mine] != list(range(len(mine))):
-        return None, "fused experts: this rank's are not one run in order: whole", False
-    if mine != list(range(mine[0], mine[0] + len(mine))):
+    run = list(range(mine[0], mine[0] + len(mine))) if mine else None
+    if mine != run or [local(g) for g in mine] != list(range(len(mine))):
         return None, "fused experts: this rank's are not one run in order: whole", False
     return _split(shape, 0, mine[0], len(mine)), f"fused experts {mine[0]}-{mine[-1]}: rows", False
 

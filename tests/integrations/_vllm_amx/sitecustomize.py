@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.abc
-import importlib.machinery
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 if sys.platform == "linux" and platform.machine() == "x86_64":
@@ -124,23 +123,9 @@ def _patch_moe(mod: Any) -> None:
 PATCHES = {LINEAR: _patch_linear, MOE: _patch_moe}
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        patch = PATCHES.get(name)
-        if patch is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def patched(module: Any) -> None:
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = patched  # type: ignore[method-assign]
-        return spec
-
-
 if os.environ.get("DELTACKPT_TEST_FP8_EMULATION", "1") != "0" and not _has_amx():
-    sys.meta_path.insert(0, _PatchOnImport())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for the import alone
+    from _import_hook import patch_on_import
+
+    del sys.path[0]
+    patch_on_import(PATCHES)

@@ -16,10 +16,9 @@ the engine core and its workers) with ``DELTACKPT_TEST_VLLM_LINEAR``:
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 MODE = os.environ.get("DELTACKPT_TEST_VLLM_LINEAR", "")
@@ -55,27 +54,11 @@ def _patch(mod: Any) -> None:
     mod.dispatch_cpu_unquantized_gemm = dispatch
 
 
-# the same one-shot hook as deltackpt.integrations.vllm.when_imported, kept here: importing
-# deltackpt from a sitecustomize would import torch and the package in every vLLM process
-# before vLLM itself starts
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def patched(module: Any) -> None:
-            exec_module(module)
-            _patch(module)
-
-        spec.loader.exec_module = patched  # type: ignore[method-assign]
-        return spec
-
-
 if MODE in ("keep", "repack"):
-    sys.meta_path.insert(0, _PatchOnImport())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for the import alone
+    from _import_hook import patch_on_import
+
+    del sys.path[0]
+    patch_on_import({TARGET: _patch})
 elif MODE:
     raise ValueError(f"DELTACKPT_TEST_VLLM_LINEAR={MODE!r}: expected 'keep' or 'repack'")
