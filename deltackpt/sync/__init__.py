@@ -32,6 +32,7 @@ See docs/sync.md for the protocol and the failure semantics.
 from __future__ import annotations
 
 from deltackpt.sync.adapters import Coverage, ModuleAdapter
+from deltackpt.sync.checkpoint_patches import CheckpointPatch, CheckpointPatcher, CheckpointPatches
 from deltackpt.sync.errors import (
     DigestMismatchError,
     PeerLostError,
@@ -50,6 +51,9 @@ from deltackpt.sync.sender import WeightSender
 
 __all__ = [
     "Box",
+    "CheckpointPatch",
+    "CheckpointPatcher",
+    "CheckpointPatches",
     "Coverage",
     "DigestMismatchError",
     "LocalShard",

@@ -8,8 +8,9 @@ reloaded by vLLM only; no killed, replaced or refusing trainer: test_vllm.py run
 weights repacked, ``_vllm_linear/``, on the links ``"auto"`` takes (ipc on one host), and the full
 run with them kept, on gloo links, this script's default). The full run's engine also has the
 deltackpt worker extension, and after its own checks it runs the refit through the store,
-``_vllm_store.py``, reported under ``"store"``: that saves the engine start of a run of its
-own.
+``_vllm_store.py``, reported under ``"store"``, then vLLM's sparse apply of deltackpt's
+checkpoint patches, ``_vllm_sparse.py``, under ``"sparse"``: that saves the engine starts of
+runs of their own.
 """
 
 from __future__ import annotations
@@ -405,6 +406,10 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     from _vllm_store import store_scenarios
 
     res["store"] = store_scenarios(llm, tmp)
+    # deltackpt's checkpoint-coordinate patches through vLLM's own sparse apply (_vllm_sparse.py)
+    from _vllm_sparse import sparse_scenarios
+
+    res["sparse"] = sparse_scenarios(llm)
     report(res, out_path)
 
 

@@ -360,3 +360,24 @@ def test_a_snapshots_step_is_the_engines_version_and_a_joining_trainer_continues
     assert st["holds"] and st["serving"] == 500 and st["next_label"] == "501"
     r = {x["tag"]: x for x in run["rounds"]}["after_step"]
     assert r["version"] == 501 and r["full"] and r["committed_identical"]
+
+
+# ---- deltackpt's checkpoint patches through vLLM's own sparse apply (_vllm_sparse.py) --------
+
+
+def test_checkpoint_patches_applied_by_vllms_sparse_loader_are_bit_exact(run):
+    """``sync.CheckpointPatcher``'s rounds, the patch objects handed as they are to vLLM's
+    ``load_checkpoint_weight_patches`` (what its sparse_nccl backend runs on each worker), and
+    accepted by its sparse NCCL sender's checks (in the trainer process)."""
+    rounds = run["sparse"]["rounds"]
+    first, steps = rounds[0], rounds[1:]
+    assert first["dense"] == run["sparse"]["tensors"] and first["sparse"] == 0
+    assert first["bytes"] == first["full_bytes"]
+    for r in rounds:
+        assert r["identical"], r  # every parameter the engine holds: the trainer's bf16 casts
+        assert r["loaded"] > 0, r
+    for r in steps:  # AdamW at lr 1e-6: a few % of the bf16 elements move
+        assert r["sparse"] >= 12, r  # every weight matrix and norm of the two layers
+        assert 0 < r["bytes"] < r["full_bytes"] / 8, r
+        # the zero-initialised biases move wholly in the first steps: dense, said why
+        assert set(r["why_dense"].values()) <= {"more than 0.125 of its elements changed"}, r

@@ -1,0 +1,401 @@
+"""A trainer's weight updates as checkpoint-coordinate patches: the wire format of vLLM's
+``sparse_nccl`` backend (and of the delta receivers built like it), produced and kept in step
+by deltackpt.
+
+vLLM (>= 0.31) applies an update given as, per checkpoint tensor, its name, full shape, dtype,
+and either its new values (dense) or the flat int32 indices of the changed elements and their
+new values (sparse): ``load_checkpoint_weight_patches(model, patches)`` on the worker (the
+model's own ``load_weights`` maps names, tensor-parallel shards and fused parameters), and the
+``sparse_nccl`` trainer engine's ``send_weights(patches)`` broadcasts them. What it leaves to
+the trainer is everything around them: which elements changed since what *the engine* holds,
+in the engine's dtype (an fp32 master moves nearly every element each step; its bf16 cast moves
+1-3% after an RL step), which tensors go dense (the first round, a tensor that changed too much,
+a NaN value: NaN is vLLM's "unchanged" marker), and what happens after a failed update.
+:class:`CheckpointPatcher` does that::
+
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    rnd = patcher.diff(model.state_dict())            # the first round: every tensor dense
+    ...send rnd.dense and rnd.sparse, apply them on the engine...
+    patcher.commit(rnd)                               # the engine holds rnd.version now
+
+    rnd = patcher.diff(model.state_dict())            # after a step: the changed elements
+    sparse_engine.send_weights(rnd.sparse)            # vLLM's SparseNCCLTrainerWeightTransferEngine
+    patcher.commit(rnd)                               # or patcher.abandon(rnd) if it failed
+
+**Bases.** The patcher keeps, per tensor, the bytes the engine was last told (its base: one copy
+of the weights in the wire dtype, on the tensor's device), and diffs the next state against it:
+host tensors with deltackpt's C loop (the changed words of each 64-word block found with one
+comparison, 4-6 GB/s per core, GIL released, the tensors split over ``threads``), device tensors
+with torch operations on the device (``format.device_changes``: one wait for all counts, then
+each list at its known size; only the changed elements leave the comparison). A base moves only
+at :meth:`~CheckpointPatcher.commit`: the sparse elements scattered into it, a dense tensor's
+values taken as the new base (no copy; a round's tensors must not be written after
+:meth:`~CheckpointPatcher.diff`).
+
+**Dense or sparse**, per tensor: dense when the patcher has no base for it (the first round,
+a new name, another shape or dtype), on an anchor round (``anchor_every``), after a failed
+round carried it, when more than ``sparse_below`` of its elements changed (1/8 by default: a
+sparse bf16 element costs 6 bytes on the wire against 2 for a dense one, so at 1/8 the patch is
+3/8 of the tensor, and vLLM stages a full tensor for it either way), when a changed value is a
+NaN, when its dtype is not a float vLLM can mask (float16, bfloat16, float32, float64), or when
+it has 2**31 elements or more (int32 indices). vLLM cannot mix the two kinds in one call: a
+round keeps them in two lists.
+
+**Failure.** A patch carries absolute values, so applying it twice is harmless, but an engine
+that failed part-way may hold some of a round's elements and not others; if the next round
+were diffed against the old base, an element the trainer moved back would never be re-sent.
+So :meth:`~CheckpointPatcher.abandon` (the default ``applied=None``: unknown) makes every tensor
+the failed round carried dense in the next one; ``applied=False`` (nothing reached the engine)
+keeps them sparse against the committed base. Rounds are one at a time: a :meth:`diff` while
+one is neither committed nor abandoned raises.
+
+**What it does not do.** vLLM's sparse apply checks nothing about the result (no digest of
+what the engine holds); deltackpt's own rounds (``WeightSender``) check every piece and roll
+back. If the engine's weights are not the patcher's bases (an engine started from other
+weights, a worker restarted), sparse patches leave a mix: :meth:`~CheckpointPatcher.reset`
+makes the next round dense, ``anchor_every`` bounds how long a drift lives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from deltackpt.errors import InvalidArgumentError
+from deltackpt.format.changes import changed_elements
+from deltackpt.format.device_changes import changed_many_on_device
+from deltackpt.sync.errors import SyncError
+
+__all__ = ["CheckpointPatch", "CheckpointPatcher", "CheckpointPatches"]
+
+#: dtypes a sparse patch may carry (vLLM marks unchanged elements with NaN)
+SPARSE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+#: a tensor is sent dense when more than this share of its elements changed
+SPARSE_BELOW = 1 / 8
+MAX_SPARSE_ELEMENTS = 1 << 31  # int32 indices
+
+
+@dataclass(frozen=True)
+class CheckpointPatch:
+    """One tensor's update in checkpoint coordinates: the fields of vLLM's
+    ``CheckpointWeightPatch`` (``name, shape, dtype, values, indices``) and of its
+    ``SparseWeightPatch`` (``full_shape``), so a list of them goes to
+    ``load_checkpoint_weight_patches`` or to the sparse NCCL engine's ``send_weights`` as is.
+    ``indices`` None: ``values`` is the whole tensor, flat (dense)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this patch puts on the wire (values, and indices when sparse)."""
+        idx = 0 if self.indices is None else self.indices.numel() * self.indices.element_size()
+        return idx + self.values.numel() * self.values.element_size()
+
+
+@dataclass
+class CheckpointPatches:
+    """One round from :meth:`CheckpointPatcher.diff`: ``dense`` and ``sparse`` patches (two
+    lists: vLLM's apply takes one kind per call), the tensors that did not change, the version
+    it brings the engine to and the one its sparse patches apply to (``base``: None when the
+    patcher had no committed round)."""
+
+    version: int
+    base: int | None
+    dense: list[CheckpointPatch] = field(default_factory=list)
+    sparse: list[CheckpointPatch] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    #: why a tensor that had a base went dense anyway: name -> reason
+    why_dense: dict[str, str] = field(default_factory=dict)
+    #: bytes of every tensor the round looked at, in the wire dtype (a full round's bytes)
+    full_bytes: int = 0
+
+    @property
+    def patches(self) -> list[CheckpointPatch]:
+        return self.dense + self.sparse
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the round's patches put on the wire."""
+        return sum(p.nbytes for p in self.patches)
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(p.values.numel() for p in self.sparse)
+
+
+@dataclass
+class _Pending:
+    """What a round will do to the bases at its commit."""
+
+    new_bases: dict[str, torch.Tensor] = field(default_factory=dict)  # dense: the values, flat
+    scatters: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _signed(vals: np.ndarray) -> np.ndarray:
+    return vals.view(f"<i{vals.itemsize}")  # torch has no unsigned 16/32/64 views everywhere
+
+
+class CheckpointPatcher:
+    """Diffs a trainer's state against what the engine was last told and hands the difference
+    out as checkpoint-coordinate patches (module doc). ``dtype``: the engine's dtype, the wire
+    dtype of every floating tensor (None: each tensor's own); ``anchor_every``: every that many
+    rounds one goes dense (0: never); ``sparse_below``: the share of a tensor's elements above
+    which it goes dense; ``threads``: host tensors diffed at once."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype | None = None,
+        *,
+        anchor_every: int = 0,
+        sparse_below: float = SPARSE_BELOW,
+        threads: int = 2,
+    ) -> None:
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise InvalidArgumentError(
+                f"CheckpointPatcher(dtype={dtype!r}): expected a floating torch.dtype (the "
+                "engine's, e.g. torch.bfloat16) or None (each tensor's own)"
+            )
+        if isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 0:
+            raise InvalidArgumentError(
+                f"CheckpointPatcher(anchor_every={anchor_every!r}): expected an int >= 0 (0: "
+                "no anchor rounds)"
+            )
+        if not isinstance(sparse_below, (int, float)) or not 0 < sparse_below <= 1:
+            raise InvalidArgumentError(
+                f"CheckpointPatcher(sparse_below={sparse_below!r}): expected a share in (0, 1]"
+            )
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise InvalidArgumentError(
+                f"CheckpointPatcher(threads={threads!r}): expected an int >= 1"
+            )
+        self.dtype = dtype
+        self.anchor_every = anchor_every
+        self.sparse_below = float(sparse_below)
+        self.threads = threads
+        self.version: int | None = None  # the last committed round's
+        self._bases: dict[str, torch.Tensor] = {}  # name -> flat tensor in its wire dtype
+        self._dirty: set[str] = set()  # carried by a round that failed: dense next time
+        self._rounds = 0  # committed rounds (anchors count from the first)
+        self._open: tuple[CheckpointPatches, _Pending] | None = None
+
+    # ---- the round ------------------------------------------------------------------------
+
+    def diff(
+        self,
+        state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+    ) -> CheckpointPatches:
+        """The patches that bring an engine holding the last committed round to ``state``
+        (checkpoint names to tensors: a state dict, or ``(name, tensor)`` pairs). ``version``:
+        the round's (default: the last committed one + 1, or 1)."""
+        if self._open is not None:
+            raise SyncError(
+                f"CheckpointPatcher.diff: round {self._open[0].version} is still open; call "
+                "commit(rnd) once the engine applied it, or abandon(rnd) if it failed"
+            )
+        items = list(state.items() if isinstance(state, Mapping) else state)
+        names = [n for n, _ in items]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise InvalidArgumentError(f"CheckpointPatcher.diff: names given twice: {dup}")
+        if version is None:
+            version = 1 if self.version is None else self.version + 1
+        elif self.version is not None and version <= self.version:
+            raise InvalidArgumentError(
+                f"CheckpointPatcher.diff(version={version}): the engine holds version "
+                f"{self.version}; expected a later one (or None for {self.version + 1})"
+            )
+        anchor = (
+            self.anchor_every > 0 and self._rounds > 0 and self._rounds % self.anchor_every == 0
+        )
+        rnd = CheckpointPatches(version=version, base=self.version)
+        pending = _Pending()
+        host: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        device: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for name, t in items:
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"CheckpointPatcher.diff: {name!r} is a {type(t).__name__}; expected a tensor"
+                )
+            new = self._wire(t)
+            rnd.full_bytes += new.numel() * new.element_size()
+            base = self._bases.get(name)
+            reason = self._dense_reason(name, new, base, anchor)
+            if reason is not None:
+                if base is not None:
+                    rnd.why_dense[name] = reason
+                self._dense(rnd, pending, name, t, new)
+            elif (why := self._unmaskable(new)) is not None:
+                if torch.equal(_u8(new), _u8(base)):  # type: ignore[arg-type]
+                    rnd.unchanged.append(name)
+                else:
+                    rnd.why_dense[name] = why
+                    self._dense(rnd, pending, name, t, new)
+            elif self._on_host(new):
+                host.append((name, new, base))  # type: ignore[arg-type]
+            else:
+                device.append((name, new, base))  # type: ignore[arg-type]
+        found: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        if host:
+            with ThreadPoolExecutor(min(self.threads, len(host))) as pool:
+                for name, got in zip(
+                    [n for n, _, _ in host], pool.map(self._host_changes, host), strict=True
+                ):
+                    found[name] = got
+        if device:
+            pairs = [
+                (_u8(new), _u8(base), new.element_size(), self._cap(new)) for _, new, base in device
+            ]
+            for (name, _, _), got in zip(device, changed_many_on_device(pairs), strict=True):
+                found[name] = got
+        wired = {name: new for name, new, _ in host + device}
+        for name, t in items:
+            if name not in found:
+                continue
+            new, got = wired[name], found[name]
+            if got is None:
+                rnd.why_dense[name] = f"more than {self.sparse_below:.3g} of its elements changed"
+                self._dense(rnd, pending, name, t, new)
+                continue
+            idx, vals = got
+            if idx.numel() == 0:
+                rnd.unchanged.append(name)
+                continue
+            vals = vals.view(new.dtype)
+            if bool(torch.isnan(vals).any()):
+                rnd.why_dense[name] = "a changed value is NaN (vLLM's unchanged-element marker)"
+                self._dense(rnd, pending, name, t, new)
+                continue
+            idx = idx.to(torch.int32)
+            rnd.sparse.append(CheckpointPatch(name, tuple(t.shape), new.dtype, vals, idx))
+            pending.scatters[name] = (idx, vals)
+        self._open = (rnd, pending)
+        return rnd
+
+    def commit(self, rnd: CheckpointPatches) -> None:
+        """The engine applied ``rnd``: the bases become its bytes (sparse elements written in,
+        dense values taken as they are)."""
+        pending = self._take(rnd, "commit")
+        for name, (idx, vals) in pending.scatters.items():
+            self._bases[name].index_copy_(0, idx.to(torch.long), vals)
+        self._bases.update(pending.new_bases)
+        self._dirty.clear()
+        self.version = rnd.version
+        self._rounds += 1
+
+    def abandon(self, rnd: CheckpointPatches, applied: bool | None = None) -> None:
+        """``rnd`` failed. ``applied``: whether any of it may have reached the engine (None:
+        unknown, treated as yes): then every tensor it carried goes dense in the next round;
+        False: the next round diffs against the committed bases as if ``rnd`` never was."""
+        self._take(rnd, "abandon")
+        if applied is not False:
+            self._dirty.update(p.name for p in rnd.patches)
+
+    def reset(self) -> None:
+        """Forget the bases: the next round is dense (an engine restarted, or loaded from
+        elsewhere). The committed version stays the line the next round continues."""
+        if self._open is not None:
+            self._open = None
+        self._bases.clear()
+        self._dirty.clear()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the bases the patcher keeps (one copy of the weights in the wire dtype)."""
+        return sum(b.numel() * b.element_size() for b in self._bases.values())
+
+    # ---- pieces ---------------------------------------------------------------------------
+
+    def _take(self, rnd: CheckpointPatches, what: str) -> _Pending:
+        if self._open is None or self._open[0] is not rnd:
+            open_v = None if self._open is None else self._open[0].version
+            raise SyncError(
+                f"CheckpointPatcher.{what}: round {rnd.version} is not the open round (open: "
+                f"{open_v}); each round from diff() is committed or abandoned once"
+            )
+        pending = self._open[1]
+        self._open = None
+        return pending
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in its wire dtype, contiguous, detached (a copy only where that needs one)."""
+        t = t.detach()
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t.contiguous()
+
+    def _dense_reason(
+        self, name: str, new: torch.Tensor, base: torch.Tensor | None, anchor: bool
+    ) -> str | None:
+        if base is None:
+            return "no base"
+        if base.dtype != new.dtype or base.numel() != new.numel() or base.device != new.device:
+            return "its dtype, size or device changed"
+        if name in self._dirty:
+            return "a failed round carried it"
+        if anchor:
+            return f"an anchor round (every {self.anchor_every})"
+        return None
+
+    @staticmethod
+    def _unmaskable(new: torch.Tensor) -> str | None:
+        """Why a changed ``new`` cannot go sparse, whatever changed."""
+        if new.dtype not in SPARSE_DTYPES:
+            return f"{new.dtype} cannot be masked with NaN"
+        if new.numel() >= MAX_SPARSE_ELEMENTS:
+            return "2**31 elements or more (int32 indices)"
+        return None
+
+    @staticmethod
+    def _on_host(t: torch.Tensor) -> bool:
+        """Diffed by the C loop (else by torch operations where it lives)."""
+        return t.device.type == "cpu"
+
+    def _cap(self, new: torch.Tensor) -> int:
+        return math.floor(new.numel() * self.sparse_below)
+
+    def _dense(
+        self,
+        rnd: CheckpointPatches,
+        pending: _Pending,
+        name: str,
+        t: torch.Tensor,
+        new: torch.Tensor,
+    ) -> None:
+        flat = new.reshape(-1)
+        if (
+            flat.data_ptr() == t.data_ptr()
+            or flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        ):
+            flat = flat.clone()  # the caller's tensor itself: the base must not move with it
+        rnd.dense.append(CheckpointPatch(name, tuple(t.shape), flat.dtype, flat))
+        pending.new_bases[name] = flat
+
+    def _host_changes(
+        self, entry: tuple[str, torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        _, new, base = entry
+        got = changed_elements(
+            _u8(new).numpy(), _u8(base).numpy(), new.element_size(), self._cap(new)
+        )
+        if got is None:
+            return None
+        idx, vals = got
+        return torch.from_numpy(idx.view(np.int32).copy()), torch.from_numpy(_signed(vals).copy())

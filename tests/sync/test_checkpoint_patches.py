@@ -1,0 +1,257 @@
+"""``CheckpointPatcher``: a trainer's updates as checkpoint-coordinate patches (vLLM's sparse
+wire format). The engine here is a dict applied the way vLLM's
+``load_checkpoint_weight_patches`` applies them (a full tensor of NaNs with the patch's values
+written in, then every non-NaN element copied); against a real engine:
+tests/integrations/test_vllm.py (``sparse``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltackpt.errors import InvalidArgumentError
+from deltackpt.sync import CheckpointPatch, CheckpointPatcher, SyncError
+
+
+def apply(engine: dict[str, torch.Tensor], patches: list[CheckpointPatch]) -> None:
+    """vLLM's semantics (checkpoint_weight_patch.py): dense replaces; sparse stages a
+    NaN-filled full tensor, index_copy_ of the values, then ``where(isnan(src), dst, src)``."""
+    for p in patches:
+        if p.indices is None:
+            engine[p.name] = p.values.to(p.dtype).view(p.shape).clone()
+            continue
+        assert p.indices.dtype == torch.int32 and p.values.ndim == 1 and p.full_shape == p.shape
+        assert not torch.isnan(p.values).any()
+        flat = torch.full((p.values.new_empty(p.shape).numel(),), float("nan"), dtype=p.dtype)
+        flat.index_copy_(0, p.indices.long(), p.values)
+        src = flat.view(p.shape)
+        engine[p.name] = torch.where(torch.isnan(src), engine[p.name], src)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def holds(engine: dict[str, torch.Tensor], state: dict[str, torch.Tensor], dtype: torch.dtype):
+    for k, v in state.items():
+        want = v.to(dtype) if v.is_floating_point() else v
+        assert engine[k].dtype == want.dtype and engine[k].shape == want.shape, k
+        assert torch.equal(bits(engine[k]), bits(want)), k
+
+
+def master(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(300, 64, generator=g),
+        "layers.0.q.weight": torch.randn(64, 64, generator=g),
+        "layers.0.norm.weight": torch.ones(64),
+        "layers.0.mlp.weight": torch.randn(128, 64, generator=g),
+        "pos_ids": torch.arange(32),
+    }
+
+
+def rl_step(state: dict[str, torch.Tensor], g: torch.Generator, lr: float = 1e-4) -> None:
+    """An AdamW-like step on fp32 masters: every float element moves a little; a few percent
+    of their bf16 casts change."""
+    for v in state.values():
+        if v.is_floating_point():
+            v.add_(torch.randn(v.shape, generator=g) * lr * v.abs().clamp_min(1e-3))
+
+
+def test_an_rl_step_goes_as_the_changed_bf16_elements_and_the_engine_ends_bit_exact() -> None:
+    state, g = master(), torch.Generator().manual_seed(1)
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    first = patcher.diff(state)
+    assert first.version == 1 and first.base is None and not first.sparse
+    assert {p.name for p in first.dense} == set(state)  # the seed: every tensor dense
+    assert all(p.dtype == (torch.bfloat16 if state[p.name].is_floating_point() else torch.int64)
+               for p in first.dense)  # fmt: skip
+    engine: dict[str, torch.Tensor] = {}
+    apply(engine, first.dense)
+    patcher.commit(first)
+    assert patcher.version == 1 and patcher.held_bytes == first.full_bytes
+    for step in range(2, 5):
+        rl_step(state, g)
+        rnd = patcher.diff(state)
+        assert rnd.version == step and rnd.base == step - 1
+        assert not rnd.dense and "pos_ids" in rnd.unchanged  # unchanged ints are not re-sent
+        assert {p.name for p in rnd.sparse} >= {"embed.weight", "layers.0.q.weight"}
+        assert 0 < rnd.nbytes < rnd.full_bytes / 4  # a few % of the elements, 6 bytes each
+        assert all(p.indices.dtype == torch.int32 for p in rnd.sparse)  # vLLM's wire type
+        apply(engine, rnd.dense)
+        apply(engine, rnd.sparse)
+        patcher.commit(rnd)
+        holds(engine, state, torch.bfloat16)
+
+
+def test_the_changes_are_found_in_the_wire_dtype_not_the_masters() -> None:
+    state = {"w": torch.randn(4096)}
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    patcher.commit(patcher.diff(state))
+    state["w"] += 1e-9  # every fp32 element moves; not one bf16 cast does
+    rnd = patcher.diff(state)
+    assert rnd.unchanged == ["w"] and rnd.nbytes == 0
+    patcher.commit(rnd)
+    own = CheckpointPatcher()  # dtype None: each tensor's own, so fp32 changes everywhere
+    own.commit(own.diff(state))
+    state["w"] += 1e-3
+    assert own.diff(state).why_dense == {"w": "more than 0.125 of its elements changed"}
+
+
+def test_what_goes_dense_and_why() -> None:
+    state = master()
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    engine: dict[str, torch.Tensor] = {}
+    rnd = patcher.diff(state)
+    apply(engine, rnd.dense)
+    patcher.commit(rnd)
+    state["layers.0.q.weight"] *= 3  # every element
+    state["layers.0.mlp.weight"][0, :5] = float("nan")  # vLLM's marker as a value
+    state["pos_ids"][3] = 99  # an int tensor that changed
+    state["embed.weight"] = torch.randn(301, 64)  # another shape
+    state["new.bias"] = torch.zeros(64)  # a name the engine never had from us
+    rnd = patcher.diff(state)
+    assert rnd.why_dense == {
+        "layers.0.q.weight": "more than 0.125 of its elements changed",
+        "layers.0.mlp.weight": "a changed value is NaN (vLLM's unchanged-element marker)",
+        "pos_ids": "torch.int64 cannot be masked with NaN",
+        "embed.weight": "its dtype, size or device changed",
+    }
+    assert {p.name for p in rnd.dense} == set(rnd.why_dense) | {"new.bias"}
+    assert rnd.unchanged == ["layers.0.norm.weight"] and not rnd.sparse
+    apply(engine, rnd.dense)
+    patcher.commit(rnd)
+    holds(engine, state, torch.bfloat16)
+
+
+def test_a_round_that_failed_part_way_is_resent_dense_so_no_element_is_left_behind() -> None:
+    """The trap: an engine that applied part of round 2, then a trainer whose next state moved
+    some of those elements back. Diffed against the committed base (round 1) they look
+    unchanged and would never be re-sent."""
+    state = {"a": torch.randn(2048), "b": torch.randn(2048)}
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    engine: dict[str, torch.Tensor] = {}
+    r1 = patcher.diff(state)
+    apply(engine, r1.dense)
+    patcher.commit(r1)
+    v1 = {k: v.clone() for k, v in state.items()}
+    state["a"][:40] += 1.0
+    state["b"][:40] += 1.0
+    r2 = patcher.diff(state)
+    apply(engine, [p for p in r2.sparse if p.name == "a"])  # "a" landed, then it failed
+    patcher.abandon(r2)  # unknown how much landed: every tensor it carried goes dense
+    state = {k: v.clone() for k, v in v1.items()}  # the trainer rewound to round 1's weights
+    r3 = patcher.diff(state)
+    assert r3.base == 1 and r3.version == 2  # the version line continues from the committed
+    assert r3.why_dense == {"a": "a failed round carried it", "b": "a failed round carried it"}
+    apply(engine, r3.dense)
+    patcher.commit(r3)
+    holds(engine, state, torch.bfloat16)
+    # nothing reached the engine: the next round stays sparse against the committed base
+    state["a"][:8] += 1.0
+    r4 = patcher.diff(state)
+    patcher.abandon(r4, applied=False)
+    r5 = patcher.diff(state)
+    assert [p.name for p in r5.sparse] == ["a"] and not r5.dense
+    apply(engine, r5.sparse)
+    patcher.commit(r5)
+    holds(engine, state, torch.bfloat16)
+
+
+def test_anchor_rounds_and_reset_send_every_tensor_dense() -> None:
+    state, g = {"w": torch.randn(4096)}, torch.Generator().manual_seed(3)
+    patcher = CheckpointPatcher(dtype=torch.bfloat16, anchor_every=2)
+    kinds = []
+    for _ in range(5):
+        rl_step(state, g)
+        rnd = patcher.diff(state)
+        kinds.append("dense" if rnd.dense else "sparse")
+        patcher.commit(rnd)
+    assert kinds == ["dense", "sparse", "dense", "sparse", "dense"]
+    patcher.reset()
+    rl_step(state, g)
+    rnd = patcher.diff(state)
+    assert rnd.version == 6 and rnd.base == 5 and [p.name for p in rnd.dense] == ["w"]
+    assert rnd.why_dense == {}  # no base: as in a first round
+
+
+def test_the_device_path_finds_the_same_patches_as_the_c_loop(monkeypatch) -> None:
+    """Device tensors are diffed by torch operations where they live; run here on CPU tensors
+    (the same code a GPU runs), they must give the C loop's patches element for element."""
+    g = torch.Generator().manual_seed(4)
+    rounds = []
+    for on_host in (True, False):
+        monkeypatch.setattr(CheckpointPatcher, "_on_host", staticmethod(lambda t, h=on_host: h))
+        state = master(5)
+        patcher = CheckpointPatcher(dtype=torch.bfloat16)
+        patcher.commit(patcher.diff(state))
+        g.manual_seed(6)
+        rl_step(state, g)
+        state["layers.0.q.weight"] *= 2  # dense for both: too many changed
+        rnd = patcher.diff(state)
+        rounds.append(rnd)
+        patcher.commit(rnd)
+    host, dev = rounds
+    assert [p.name for p in host.sparse] == [p.name for p in dev.sparse] and host.sparse
+    for a, b in zip(host.sparse, dev.sparse, strict=True):
+        assert a.indices.dtype == b.indices.dtype == torch.int32
+        assert torch.equal(a.indices, b.indices) and torch.equal(bits(a.values), bits(b.values))
+    assert host.why_dense == dev.why_dense and host.unchanged == dev.unchanged
+
+
+@pytest.mark.gpu
+def test_cuda_patches_stay_on_the_device_and_match_the_host() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(7)
+    state = master(8)
+    cuda_state = {k: v.cuda() for k, v in state.items()}
+    host, dev = CheckpointPatcher(dtype=torch.bfloat16), CheckpointPatcher(dtype=torch.bfloat16)
+    host.commit(host.diff(state))
+    dev.commit(dev.diff(cuda_state))
+    rl_step(state, g)
+    for k, v in state.items():
+        cuda_state[k].copy_(v)
+    a, b = host.diff(state), dev.diff(cuda_state)
+    assert [p.name for p in a.sparse] == [p.name for p in b.sparse] and a.sparse
+    for p, q in zip(a.sparse, b.sparse, strict=True):
+        assert q.values.is_cuda and q.indices.is_cuda
+        assert torch.equal(p.indices, q.indices.cpu())
+        assert torch.equal(bits(p.values), bits(q.values.cpu()))
+    dev.commit(b)
+    assert all(t.is_cuda for t in dev._bases.values())
+
+
+def test_rounds_are_one_at_a_time_and_versions_move_forward() -> None:
+    patcher = CheckpointPatcher()
+    rnd = patcher.diff({"w": torch.zeros(8)}, version=10)
+    with pytest.raises(SyncError, match="round 10 is still open"):
+        patcher.diff({"w": torch.zeros(8)})
+    patcher.commit(rnd)
+    with pytest.raises(SyncError, match="round 10 is not the open round"):
+        patcher.commit(rnd)
+    with pytest.raises(InvalidArgumentError, match="holds version 10; expected a later one"):
+        patcher.diff({"w": torch.zeros(8)}, version=10)
+    assert patcher.diff({"w": torch.zeros(8)}).version == 11
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": torch.int8}, "expected a floating torch.dtype"),
+        ({"anchor_every": -1}, "expected an int >= 0"),
+        ({"sparse_below": 0}, r"expected a share in \(0, 1\]"),
+        ({"threads": 0}, "expected an int >= 1"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        CheckpointPatcher(**kwargs)
+
+
+def test_bad_states_are_named() -> None:
+    patcher = CheckpointPatcher()
+    with pytest.raises(InvalidArgumentError, match=r"names given twice: \['w'\]"):
+        patcher.diff([("w", torch.zeros(2)), ("w", torch.zeros(2))])
+    with pytest.raises(InvalidArgumentError, match="'w' is a list; expected a tensor"):
+        patcher.diff({"w": [1, 2]})  # type: ignore[dict-item]
