@@ -144,6 +144,23 @@ class _Pending:
     scatters: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+@dataclass
+class _Look:
+    """One tensor in a round being built: ``kind`` dense, unchanged, sparse (``found``: its
+    int32 indices and values) or diff (to be diffed on its device); ``t`` the caller's tensor,
+    ``new`` it in the wire dtype (dense: flat, the round's own; sparse and unchanged: empty)."""
+
+    kind: str
+    t: torch.Tensor
+    new: torch.Tensor
+    reason: str | None = None
+    found: tuple[torch.Tensor, torch.Tensor] | None = None
+    nbytes: int = 0  # of ``new`` whole, kept when ``new`` is dropped
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.new.numel() * self.new.element_size()
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -225,66 +242,47 @@ class CheckpointPatcher:
         anchor = (
             self.anchor_every > 0 and self._rounds > 0 and self._rounds % self.anchor_every == 0
         )
-        rnd = CheckpointPatches(version=version, base=self.version)
-        pending = _Pending()
-        host: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        device: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for name, t in items:
             if not isinstance(t, torch.Tensor):
                 raise InvalidArgumentError(
                     f"CheckpointPatcher.diff: {name!r} is a {type(t).__name__}; expected a tensor"
                 )
-            new = self._wire(t)
-            rnd.full_bytes += new.numel() * new.element_size()
-            base = self._bases.get(name)
-            reason = self._dense_reason(name, new, base, anchor)
-            if reason is not None:
-                if base is not None:
-                    rnd.why_dense[name] = reason
-                self._dense(rnd, pending, name, t, new)
-            elif (why := self._unmaskable(new)) is not None:
-                if torch.equal(_u8(new), _u8(base)):  # type: ignore[arg-type]
-                    rnd.unchanged.append(name)
-                else:
-                    rnd.why_dense[name] = why
-                    self._dense(rnd, pending, name, t, new)
-            elif self._on_host(new):
-                host.append((name, new, base))  # type: ignore[arg-type]
-            else:
-                device.append((name, new, base))  # type: ignore[arg-type]
-        found: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        # host tensors are cast and diffed on the pool (torch's cast and the C loop release
+        # the GIL); device tensors are cast here and diffed together (one wait per device)
+        looks: dict[str, _Look] = {}
+        host = [(n, t) for n, t in items if self._on_host(t)]
         if host:
             with ThreadPoolExecutor(min(self.threads, len(host))) as pool:
-                for name, got in zip(
-                    [n for n, _, _ in host], pool.map(self._host_changes, host), strict=True
-                ):
-                    found[name] = got
-        if device:
+                got = pool.map(lambda item: self._look(item[0], item[1], anchor), host)
+                looks.update(zip([n for n, _ in host], got, strict=True))
+        device = [(n, t) for n, t in items if n not in looks]
+        for name, t in device:
+            looks[name] = self._look(name, t, anchor, diff=False)
+        todo = [n for n, _ in device if looks[n].kind == "diff"]
+        if todo:
             pairs = [
-                (_u8(new), _u8(base), new.element_size(), self._cap(new)) for _, new, base in device
-            ]
-            for (name, _, _), got in zip(device, changed_many_on_device(pairs), strict=True):
-                found[name] = got
-        wired = {name: new for name, new, _ in host + device}
+                (_u8(looks[n].new), _u8(self._bases[n]), looks[n].new.element_size(),
+                 self._cap(looks[n].new))
+                for n in todo
+            ]  # fmt: skip
+            for name, got in zip(todo, changed_many_on_device(pairs), strict=True):
+                self._settle(looks[name], got)
+        rnd = CheckpointPatches(version=version, base=self.version)
+        pending = _Pending()
         for name, t in items:
-            if name not in found:
-                continue
-            new, got = wired[name], found[name]
-            if got is None:
-                rnd.why_dense[name] = f"more than {self.sparse_below:.3g} of its elements changed"
-                self._dense(rnd, pending, name, t, new)
-                continue
-            idx, vals = got
-            if idx.numel() == 0:
+            look = looks[name]
+            rnd.full_bytes += look.nbytes
+            if look.kind == "unchanged":
                 rnd.unchanged.append(name)
                 continue
-            vals = vals.view(new.dtype)
-            if bool(torch.isnan(vals).any()):
-                rnd.why_dense[name] = "a changed value is NaN (vLLM's unchanged-element marker)"
-                self._dense(rnd, pending, name, t, new)
+            if look.kind == "dense":
+                if look.reason is not None:
+                    rnd.why_dense[name] = look.reason
+                rnd.dense.append(CheckpointPatch(name, tuple(t.shape), look.new.dtype, look.new))
+                pending.new_bases[name] = look.new
                 continue
-            idx = idx.to(torch.int32)
-            rnd.sparse.append(CheckpointPatch(name, tuple(t.shape), new.dtype, vals, idx))
+            idx, vals = look.found  # type: ignore[misc]
+            rnd.sparse.append(CheckpointPatch(name, tuple(t.shape), vals.dtype, vals, idx))
             pending.scatters[name] = (idx, vals)
         self._open = (rnd, pending)
         return rnd
@@ -293,10 +291,20 @@ class CheckpointPatcher:
         """The engine applied ``rnd``: the bases become its bytes (sparse elements written in,
         dense values taken as they are)."""
         pending = self._take(rnd, "commit")
-        for name, (idx, vals) in pending.scatters.items():
+
+        def scatter(item: tuple[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+            name, (idx, vals) = item
             self._bases[name].index_copy_(0, idx.to(torch.long), vals)
+
+        scatters = list(pending.scatters.items())
+        if self.threads > 1 and len(scatters) > 1:
+            with ThreadPoolExecutor(min(self.threads, len(scatters))) as pool:
+                list(pool.map(scatter, scatters))
+        else:
+            for item in scatters:
+                scatter(item)
         self._bases.update(pending.new_bases)
-        self._dirty.clear()
+        self._dirty -= pending.new_bases.keys()  # a failed round's tensor is clean once resent
         self.version = rnd.version
         self._rounds += 1
 
@@ -309,8 +317,9 @@ class CheckpointPatcher:
             self._dirty.update(p.name for p in rnd.patches)
 
     def reset(self) -> None:
-        """Forget the bases: the next round is dense (an engine restarted, or loaded from
-        elsewhere). The committed version stays the line the next round continues."""
+        """Forget the bases (and an open round): the next round is dense (an engine restarted,
+        or loaded from elsewhere). The committed version stays the line the next round
+        continues."""
         if self._open is not None:
             self._open = None
         self._bases.clear()
@@ -371,27 +380,57 @@ class CheckpointPatcher:
     def _cap(self, new: torch.Tensor) -> int:
         return math.floor(new.numel() * self.sparse_below)
 
-    def _dense(
-        self,
-        rnd: CheckpointPatches,
-        pending: _Pending,
-        name: str,
-        t: torch.Tensor,
-        new: torch.Tensor,
-    ) -> None:
+    def _look(self, name: str, t: torch.Tensor, anchor: bool, diff: bool = True) -> _Look:
+        """What ``t`` is in this round, diffed against its base where ``diff`` (else left as
+        ``"diff"`` for the caller's device pass)."""
+        new = self._wire(t)
+        base = self._bases.get(name)
+        reason = self._dense_reason(name, new, base, anchor)
+        if reason is not None:
+            return _Look("dense", t, self._own(t, new), reason if base is not None else None)
+        assert base is not None
+        why = self._unmaskable(new)
+        if why is not None:
+            if torch.equal(_u8(new), _u8(base)):
+                look = _Look("unchanged", t, new)
+                look.new = new[:0]
+                return look
+            return _Look("dense", t, self._own(t, new), why)
+        look = _Look("diff", t, new)
+        if diff:
+            self._settle(look, self._host_changes(new, base))
+        return look
+
+    def _settle(self, look: _Look, got: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """``look`` after its diff: sparse, unchanged, or dense and why."""
+        if got is None:
+            look.kind, look.new = "dense", self._own(look.t, look.new)
+            look.reason = f"more than {self.sparse_below:.3g} of its elements changed"
+            return
+        idx, vals = got
+        if idx.numel() == 0:
+            look.kind, look.new = "unchanged", look.new[:0]
+            return
+        vals = vals.view(look.new.dtype)
+        if bool(torch.isnan(vals).any()):
+            look.kind, look.new = "dense", self._own(look.t, look.new)
+            look.reason = "a changed value is NaN (vLLM's unchanged-element marker)"
+            return
+        # the cast is dropped now: a round holds the changed elements, not a copy of the model
+        look.kind, look.found, look.new = "sparse", (idx.to(torch.int32), vals), look.new[:0]
+
+    @staticmethod
+    def _own(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``new`` flat, a copy where it is the caller's tensor (the base must not move with
+        it)."""
         flat = new.reshape(-1)
-        if (
-            flat.data_ptr() == t.data_ptr()
-            or flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-        ):
-            flat = flat.clone()  # the caller's tensor itself: the base must not move with it
-        rnd.dense.append(CheckpointPatch(name, tuple(t.shape), flat.dtype, flat))
-        pending.new_bases[name] = flat
+        if flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            flat = flat.clone()
+        return flat
 
     def _host_changes(
-        self, entry: tuple[str, torch.Tensor, torch.Tensor]
+        self, new: torch.Tensor, base: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        _, new, base = entry
         got = changed_elements(
             _u8(new).numpy(), _u8(base).numpy(), new.element_size(), self._cap(new)
         )

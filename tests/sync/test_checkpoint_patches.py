@@ -74,6 +74,7 @@ def test_an_rl_step_goes_as_the_changed_bf16_elements_and_the_engine_ends_bit_ex
         rl_step(state, g)
         rnd = patcher.diff(state)
         assert rnd.version == step and rnd.base == step - 1
+        assert rnd.full_bytes == first.full_bytes  # every tensor counted, sent or not
         assert not rnd.dense and "pos_ids" in rnd.unchanged  # unchanged ints are not re-sent
         assert {p.name for p in rnd.sparse} >= {"embed.weight", "layers.0.q.weight"}
         assert 0 < rnd.nbytes < rnd.full_bytes / 4  # a few % of the elements, 6 bytes each
@@ -141,9 +142,13 @@ def test_a_round_that_failed_part_way_is_resent_dense_so_no_element_is_left_behi
     apply(engine, [p for p in r2.sparse if p.name == "a"])  # "a" landed, then it failed
     patcher.abandon(r2)  # unknown how much landed: every tensor it carried goes dense
     state = {k: v.clone() for k, v in v1.items()}  # the trainer rewound to round 1's weights
+    partial = patcher.diff({"b": state["b"]})  # a round without "a": "a" stays owed
+    patcher.commit(partial)
     r3 = patcher.diff(state)
-    assert r3.base == 1 and r3.version == 2  # the version line continues from the committed
-    assert r3.why_dense == {"a": "a failed round carried it", "b": "a failed round carried it"}
+    assert partial.why_dense == {"b": "a failed round carried it"} and partial.version == 2
+    assert r3.base == 2 and r3.version == 3  # the version line continues from the committed
+    assert r3.why_dense == {"a": "a failed round carried it"} and r3.unchanged == ["b"]
+    apply(engine, partial.dense)
     apply(engine, r3.dense)
     patcher.commit(r3)
     holds(engine, state, torch.bfloat16)
