@@ -26,6 +26,7 @@ the same run: memcpy of the bf16 weights and a compare of two copies (``torch.eq
 read of piece and base a diff must do), one thread.
 
     python benchmarks/bench_checkpoint_patches.py --params 2.5e8 --steps 3
+    python benchmarks/bench_checkpoint_patches.py --params 1e9 --steps 3 --device cuda  # a GPU
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ class TorchPatcher:
 def vllm_apply(params: dict[str, torch.Tensor], patches: list[CheckpointPatch]) -> None:
     """vLLM's sparse apply (checkpoint_weight_patch.py), the parameter a plain copy target."""
     for p in patches:
-        flat = torch.full((params[p.name].numel(),), float("nan"), dtype=p.dtype)
+        flat = torch.full(
+            (params[p.name].numel(),), float("nan"), dtype=p.dtype, device=p.values.device
+        )
         flat.index_copy_(0, p.indices.long(), p.values)  # type: ignore[union-attr]
         dst = params[p.name]
         src = flat.view(p.shape)
@@ -126,9 +129,17 @@ def limits(weights: dict[str, torch.Tensor]) -> tuple[float, float]:
     return min(timed(copy)[0] for _ in range(3)), min(timed(compare)[0] for _ in range(3))
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Any) -> tuple[float, Any]:
+    """Seconds of ``fn()`` and its result, the device's queued work included."""
+    _sync()
     t0 = time.perf_counter()
     out = fn()
+    _sync()
     return time.perf_counter() - t0, out
 
 
@@ -137,8 +148,10 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=2.5e8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--device", default="cpu", help="where the masters and the engine live")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    dev = torch.device(args.device)
     torch.set_num_threads(1)
     weights = C.qwen2_weights(torch.bfloat16, C.qwen2_scale(args.params))
     weights.pop("lm_head.weight")  # tied: the engine ignores it
@@ -147,16 +160,20 @@ def main() -> None:
         trainer.step(args.lr)
     nbytes = sum(v.numel() * v.element_size() for v in trainer.weights.values())
     log(f"{len(weights)} tensors, {nbytes / 1e6:.0f} MB bf16")
-    memcpy, compare = limits(trainer.weights)
+    # the trainer steps on the host; its masters are copied to --device after each step
+    masters = {k: v.detach().to(dev) for k, v in trainer.master.items()}
+    memcpy, compare = limits({k: v.to(dev) for k, v in trainer.weights.items()})
     log(
         f"limits: memcpy {nbytes / memcpy / 1e9:.2f} GB/s, compare {2 * nbytes / compare / 1e9:.2f} GB/s read"
     )
     patchers = {"CheckpointPatcher, 1 thread": CheckpointPatcher(torch.bfloat16, threads=1),
                 "CheckpointPatcher, 2 threads": CheckpointPatcher(torch.bfloat16, threads=2)}  # fmt: skip
     naive = TorchPatcher()
+    if dev.type != "cpu":  # threads matter only for host tensors
+        patchers = {"CheckpointPatcher (on the device)": CheckpointPatcher(torch.bfloat16)}
     for p in patchers.values():
-        p.commit(p.diff(trainer.master))
-    naive.diff(trainer.master)
+        p.commit(p.diff(masters))
+    naive.diff(masters)
     times: dict[str, list[float]] = {k: [] for k in [*patchers, "torch, per tensor"]}
     commits: dict[str, list[float]] = {k: [] for k in patchers}
     applies: dict[str, list[float]] = {"vLLM sparse apply (NaN mask)": [], "dense copy of every tensor": [], "index_copy_ of the changed elements": []}  # fmt: skip
@@ -166,16 +183,18 @@ def main() -> None:
         prev = {k: v.detach().clone() for k, v in trainer.weights.items()}
         trainer.step(args.lr)
         with torch.no_grad():
+            for k, v in masters.items():
+                v.copy_(trainer.master[k])
             got = {}
             for name, p in patchers.items():
-                s, rnd = timed(lambda p=p: p.diff(trainer.master))
+                s, rnd = timed(lambda p=p: p.diff(masters))
                 times[name].append(s)
                 c, _ = timed(lambda p=p, rnd=rnd: p.commit(rnd))
                 commits[name].append(c)
                 got[name] = rnd
-            s, mine = timed(lambda: naive.diff(trainer.master))
+            s, mine = timed(lambda: naive.diff(masters))
             times["torch, per tensor"].append(s)
-        rnd = got["CheckpointPatcher, 2 threads"]
+        rnd = got[list(patchers)[-1]]
         assert not rnd.dense, rnd.why_dense
         theirs = {p.name: p for p in mine}
         assert set(theirs) == {p.name for p in rnd.sparse}
@@ -186,10 +205,13 @@ def main() -> None:
             )
         xor_bytes, frac = change_stats(prev, trainer.weights, 1 << 22, pool)
         rows_bytes.append({"step": step, "changed": frac, "sparse": rnd.nbytes, "full": rnd.full_bytes, "xor_zstd1": xor_bytes})  # fmt: skip
-        for name, sec in apply_times(prev, trainer.weights, rnd.sparse).items():
+        on_dev = {k: v.detach().to(dev) for k, v in trainer.weights.items()}
+        prev = {k: v.to(dev) for k, v in prev.items()}
+        for name, sec in apply_times(prev, on_dev, rnd.sparse).items():
             applies[name].append(sec)
         log(f"step {step}: {frac:.2%} changed, sparse {rnd.nbytes / 1e6:.1f} MB")
     naive_s = C.median(times["torch, per tensor"])
+    where = "host tensors, one thread" if dev.type == "cpu" else str(dev)
     table = [[k, f"{C.median(v):.3f}", f"{nbytes / C.median(v) / 1e9:.2f}", f"{C.median(v) / naive_s:.2f}",
               f"{C.median(commits[k]):.3f}" if k in commits else "in the diff"] for k, v in times.items()]  # fmt: skip
     text = "Finding the patches (fp32 masters in, bf16 patches out), medians of the steps:\n\n"
@@ -200,7 +222,7 @@ def main() -> None:
         [[f"{b['changed']:.2%}", C.fmt_bytes(b["sparse"]), f"{b['sparse'] / b['full']:.4f}", f"{b['sparse'] / b['xor_zstd1']:.2f}"]],
     )  # fmt: skip
     dense_s = C.median(applies["dense copy of every tensor"])
-    text += "\n\nApplying a round on the receiver (host tensors, one thread):\n\n" + C.md_table(
+    text += f"\n\nApplying a round on the receiver ({where}):\n\n" + C.md_table(
         ["apply", "s", "/ dense copy"],
         [[k, f"{C.median(v):.3f}", f"{C.median(v) / dense_s:.2f}"] for k, v in applies.items()],
     )  # fmt: skip

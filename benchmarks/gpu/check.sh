@@ -8,8 +8,9 @@
 # beside the device's copy) and benchmarks/bench_gpu_pause.py (a vLLM worker's commit into
 # parameters on the GPU: the inference pause); 3. with SUITE_S=<seconds> (0 by default: a second
 # call) the rest of the suite on 14 workers, stopped at its time box. Logs and figures go to
-# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, OVERHEAD_S, DIGEST_S, FP8_S, PAUSE_S, SUITE_S override the time
-# boxes (0 skips the step); SYNC_PROFILE: the sync round kind profiled into check.log ("" none). SYNC_ARGS: more arguments of bench_gpu_sync.py (e.g. "--gb 8": issue 36's size, ~4x the time). Without CUDA it runs too: the gpu tests skip and say why,
+# $OUT (bench-out/gpu without one). GPU_TESTS_S, BENCH_S, SYNC_BENCH_S, OVERHEAD_S, DIGEST_S, FP8_S, PAUSE_S, PATCHES_S, SUITE_S override the time
+# boxes (0 skips the step; PATCHES_S, bench_checkpoint_patches.py on the device, is 0 by default: give it
+# ~60 s on the second call); SYNC_PROFILE: the sync round kind profiled into check.log ("" none). SYNC_ARGS: more arguments of bench_gpu_sync.py (e.g. "--gb 8": issue 36's size, ~4x the time). Without CUDA it runs too: the gpu tests skip and say why,
 # the benchmark runs its CPU dry run.
 # The ipc link's trainer holds a ring of two buckets per link by default; DELTACKPT_IPC_BUCKETS=none
 # (one per bucket of the round, as before 2026-11-28) runs everything without it.
@@ -72,6 +73,11 @@ fi
 if box "${PAUSE_S:-35}"; then  # a vLLM worker's commit on the device: in place, and reloads
   timeout "${PAUSE_S:-35}" python3 benchmarks/bench_gpu_pause.py --out /tmp/pause 2>&1 \
     | tee -a "$LOG" || rc=1  # its table in check.log (8 files come back at most)
+fi
+if box "${PATCHES_S:-0}"; then  # checkpoint patches for vLLM's sparse backend, found on the device
+  dev=$(python3 -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+  timeout "${PATCHES_S:-0}" python3 benchmarks/bench_checkpoint_patches.py --device "$dev" \
+    --params "${PATCHES_PARAMS:-5e8}" --steps 3 --out /tmp/patches 2>&1 | tee -a "$LOG" || rc=1
 fi
 # SUITE_TESTS: test ids to run instead of the whole suite (e.g. those that failed last time);
 # SUITE_MARK ("" runs gpu tests too), SUITE_XDIST ("-p no:xdist": one process, in order).
