@@ -4,17 +4,29 @@ worker after the broadcast; NCCL itself needs GPUs), in a real CPU engine: a tra
 masters (this process), its first round dense, then RL steps as the changed bf16 elements; after
 each, every parameter the engine holds against the trainer's weights, bit for bit.
 
-Run at the end of ``_vllm_run.py``'s full run (linear weights kept, as on a GPU: vLLM's sparse
-apply writes the parameters in place, which a repacked layout does not allow), reported under
-``"sparse"``; checked by tests/integrations/test_vllm.py.
+Run at the end of ``_vllm_run.py``'s full run and of ``_vllm_tp.py`` (TP=2: vLLM's loader
+cuts each worker's rows or columns out of the patch; checked against vLLM's own load of the same
+weights), both with linear weights kept (as on a GPU: vLLM's sparse apply writes the
+parameters in place, which a repacked layout does not allow), reported under ``"sparse"``;
+checked by tests/integrations/test_vllm.py and test_vllm_tp.py.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from _vllm_run import _pack, _readable, _unpack, expected_readable, readable_same, tiny_qwen2
+from _vllm_run import (
+    _pack,
+    _readable,
+    _unpack,
+    expected_readable,
+    readable_same,
+    same,
+    tiny_qwen2,
+)
 
 
 def _apply(worker: Any, raw: bytes) -> list[str]:
@@ -37,8 +49,39 @@ def _adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.G
     opt.step()
 
 
-def sparse_scenarios(llm: Any) -> dict[str, Any]:
-    """A fresh fp32 trainer's rounds through ``CheckpointPatcher(dtype=bf16)`` into ``llm``."""
+def holds(llm: Any, bf16: dict[str, torch.Tensor]) -> bool:
+    """Every parameter a TP=1 engine holds readable is ``bf16``'s tensors (fused as vLLM fuses
+    them), bit for bit."""
+    readable = _unpack(llm.collective_rpc(_readable)[0])
+    want = expected_readable(bf16, list(readable))
+    return bool(readable) and all(readable_same(readable[k], want[k]) for k in readable)
+
+
+def holds_as_vllm_loads(path: str) -> Callable[[Any, dict[str, torch.Tensor]], bool]:
+    """A check for any tensor-parallel size: every worker's readable parameters before and after
+    vLLM's own load of the same weights (``reload_weights`` from ``path``), bit for bit."""
+
+    def check(llm: Any, bf16: dict[str, torch.Tensor]) -> bool:
+        from safetensors.torch import save_file
+
+        mine = [_unpack(r) for r in llm.collective_rpc(_readable)]
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in bf16.items()}, f"{path}/model.safetensors")
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        fresh = [_unpack(r) for r in llm.collective_rpc(_readable)]
+        return all(
+            bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            for a, b in zip(mine, fresh, strict=True)
+        )
+
+    return check
+
+
+def sparse_scenarios(
+    llm: Any, check: Callable[[Any, dict[str, torch.Tensor]], bool] = holds
+) -> dict[str, Any]:
+    """A fresh fp32 trainer's rounds through ``CheckpointPatcher(dtype=bf16)`` into ``llm``,
+    each checked by ``check(llm, the trainer's bf16 weights)``."""
     from vllm.distributed.weight_transfer.sparse_nccl_engine import (
         SparseNCCLTrainerWeightTransferEngine,
         SparseNCCLWeightTransferUpdateInfo,
@@ -71,8 +114,6 @@ def sparse_scenarios(llm: Any) -> dict[str, Any]:
                 loaded += llm.collective_rpc(_apply, args=(_pack(kind),))[0]
         patcher.commit(rnd)
         bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}
-        readable = _unpack(llm.collective_rpc(_readable)[0])
-        want = expected_readable(bf16, list(readable))
         out["rounds"].append(
             {
                 "version": rnd.version,
@@ -82,8 +123,7 @@ def sparse_scenarios(llm: Any) -> dict[str, Any]:
                 "full_bytes": rnd.full_bytes,
                 "loaded": len(loaded),
                 "why_dense": rnd.why_dense,
-                "identical": bool(readable)
-                and all(readable_same(readable[k], want[k]) for k in readable),
+                "identical": check(llm, bf16),
             }
         )
     out["tensors"] = len(trainer.state_dict())
