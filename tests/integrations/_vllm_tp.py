@@ -176,10 +176,14 @@ def main(out_path: str) -> None:
     import deltackpt
 
     sd0 = {k: v.detach().clone() for k, v in first.state_dict().items()}
-    deltackpt.save({"model": sd0}, f"{tmp}/start-store", "s0")
+    deltackpt.save({"model": sd0}, _store(f"{tmp}/start-store"), "s0")
     trainer = tiny_qwen2(1)
-    llm = tp_engine(f"{tmp}/start", transfer=True, store={"store": f"{tmp}/start-store"})
+    # "follow" in boxes: each worker keeps its tensor-parallel share of the start for its first
+    # deltackpt_follow (adopted_boxes)
+    start = {"store": f"{tmp}/start-store", "follow": True, "tp_boxes": True}
+    llm = tp_engine(f"{tmp}/start", transfer=True, store=start)
     res: dict[str, Any] = {"started": started_as_vllm_loads(llm, first, f"{tmp}/start-ref")}
+    res["adopted"] = adopted_boxes(llm, first, tmp)
     # the memory-bound configuration: boxes, two message slots (staging="ring"), small buckets
     # so that this tiny model's round takes many of them
     info = DeltackptTrainerInitInfo(
@@ -213,6 +217,12 @@ def main(out_path: str) -> None:
     res["whole"] = whole_tensors(llm, trainer, gen, tmp)
     res["race"] = follow_race(llm, tmp)
     res["boxed"] = boxed_follow(llm, tmp)
+    # deltackpt's checkpoint patches through vLLM's own sparse apply on both workers (it writes
+    # parameters in place: not where they are repacked into CPU kernels)
+    if os.environ.get("DELTACKPT_TEST_VLLM_LINEAR") == "keep":
+        from _vllm_sparse import holds_as_vllm_loads, sparse_scenarios
+
+        res["sparse"] = sparse_scenarios(llm, holds_as_vllm_loads(f"{tmp}/sparse-ref"))
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
 
@@ -280,6 +290,40 @@ def started_as_vllm_loads(llm: Any, first: Any, path: str) -> dict[str, Any]:
         for a, b in zip(mine, theirs, strict=True)
     ]
     return out
+
+
+def adopted_boxes(llm: Any, first: Any, tmp: str) -> dict[str, Any]:
+    """The engine started with ``"follow": true, "tp_boxes": true``: each worker kept its boxes
+    of ``s0`` while loading. Its first ``deltackpt_follow(..., tp_boxes=True)`` of that store,
+    with nothing newer: nothing read (the model, reloaded by vLLM since, gets the kept boxes
+    back: ``"whole again"``); then ``s1`` with one tensor changed: only its chunks read. Each
+    worker's copy is its share; what the engine serves then equals vLLM's own load of ``s1``."""
+    steps = []
+
+    def follow() -> None:
+        got = llm.collective_rpc("deltackpt_follow", args=(f"{tmp}/start-store",),
+                                 kwargs={"tp_boxes": True})  # fmt: skip
+        steps.append({"follow": got, "copy": llm.collective_rpc(_follow_copy)})
+
+    follow()
+    with torch.no_grad():
+        first.model.layers[1].mlp.down_proj.weight.add_(0.5)  # one row-parallel (column) box
+    sd1 = {k: v.detach().clone() for k, v in first.state_dict().items()}
+    import deltackpt
+
+    deltackpt.save({"model": sd1}, _store(f"{tmp}/start-store"), "s1")
+    follow()
+    mine = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    vllm_reload(llm, first, f"{tmp}/s1-ref")
+    theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
+    return {
+        "steps": steps,
+        "model_bytes": sum(t.nbytes for t in sd1.values()),
+        "same_readable": [
+            bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            for a, b in zip(mine, theirs, strict=True)
+        ],
+    }
 
 
 def _store(path: str) -> Any:

@@ -18,9 +18,11 @@ from deltackpt.integrations.vllm.loader_args import FIELDS, StartFrom, resolve, 
 def test_defaults_and_every_field() -> None:
     assert start_from({"store": "/ckpts/run"}) == StartFrom("/ckpts/run")
     full = {"store": "s3://b/run", "snapshot": "step-200", "key": None,
-            "storage_options": {"anon": True}, "follow": True}  # fmt: skip
-    assert start_from(full) == StartFrom("s3://b/run", "step-200", None, {"anon": True}, True)
-    assert set(FIELDS) == {"store", "snapshot", "key", "storage_options", "follow"}
+            "storage_options": {"anon": True}, "follow": True, "tp_boxes": True}  # fmt: skip
+    want = StartFrom("s3://b/run", "step-200", None, {"anon": True}, True, True)
+    assert start_from(full) == want
+    assert start_from({"store": "x"}).tp_boxes is None  # the workers' DELTACKPT_VLLM_TP_BOXES
+    assert set(FIELDS) == {"store", "snapshot", "key", "storage_options", "follow", "tp_boxes"}
 
 
 @pytest.mark.parametrize(
@@ -35,6 +37,7 @@ def test_defaults_and_every_field() -> None:
         ({"store": "x", "key": 0}, r"\['key'\]=0 is invalid; expected where the state dict"),
         ({"store": "x", "storage_options": "anon"}, r"\['storage_options'\]='anon' is invalid"),
         ({"store": "x", "follow": "yes"}, r"\['follow'\]='yes' is invalid; expected true"),
+        ({"store": "x", "tp_boxes": 1}, r"\['tp_boxes'\]=1 is invalid; expected with follow"),
     ],
 )
 def test_bad_fields_are_refused_by_name(extra: Any, match: str) -> None:

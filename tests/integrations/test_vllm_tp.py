@@ -205,6 +205,27 @@ def test_both_workers_start_from_one_store_snapshot_as_vllm_loads_it(run):
     assert st["same_tokens"] and st["same_readable"] == [True, True]
 
 
+def test_an_engine_started_to_follow_in_boxes_catches_up_from_the_boxes_it_kept(run):
+    # load_format="deltackpt" with "follow": true, "tp_boxes": true: each worker kept its boxes
+    # of s0 while loading. Its first deltackpt_follow(tp_boxes=True) reads nothing when nothing
+    # is newer (before: a full read of its boxes and a reload of the whole model), then only
+    # the chunks of the one tensor that changed; each worker holds its share, not the model
+    a = run["adopted"]
+    nothing, one = a["steps"]
+    # vLLM reloaded the model since the start: the kept boxes go back in, none read again
+    assert [w["mode"] for w in nothing["follow"]] == ["whole again"] * 2, nothing["follow"]
+    assert [w["bytes_read"] for w in nothing["follow"]] == [0, 0]
+    assert [w["mode"] for w in one["follow"]] == ["incremental"] * 2, one["follow"]
+    assert [w["version"] for w in one["follow"]] == ["s1"] * 2
+    assert [w["changed"] for w in one["follow"]] == [1, 1]
+    for step in (nothing, one):
+        for w, c in zip(step["follow"], step["copy"], strict=True):
+            assert 0.45 * a["model_bytes"] < c["bytes"] < 0.6 * a["model_bytes"], c["bytes"]
+            assert w["held_bytes"] == c["bytes"]
+    assert all(w["bytes_read"] < a["model_bytes"] / 8 for w in one["follow"])
+    assert a["same_readable"] == [True, True]
+
+
 def test_the_store_link_in_boxes_holds_each_workers_share_and_loads_it_exactly(run):
     # deltackpt_follow(tp_boxes=True): each worker's follower copy is its boxes (this model's
     # share: 54%, one kv head kept whole by both), caught up through xor deltas; what the
@@ -222,3 +243,17 @@ def test_the_store_link_in_boxes_holds_each_workers_share_and_loads_it_exactly(r
     assert [w["changed"] for w in one] == [1, 1]
     assert all(w["bytes_read"] < b["model_bytes"] / 8 for w in one)
     assert b["same_readable"] == [True, True] and b["same_tokens"]
+
+
+def test_checkpoint_patches_reach_each_workers_shard_through_vllms_sparse_loader(run):
+    """``sync.CheckpointPatcher``'s rounds applied by vLLM's ``load_checkpoint_weight_patches``
+    on both workers (its loader cuts each worker's rows or columns out of the full-shape
+    patch): every readable parameter of both workers as vLLM's own load of the same weights."""
+    if run["linear"] != "keep":  # vLLM's sparse apply writes parameters in place
+        assert "sparse" not in run
+        return
+    rounds = run["sparse"]["rounds"]
+    assert rounds[0]["dense"] == run["sparse"]["tensors"] and rounds[0]["sparse"] == 0
+    for r in rounds:
+        assert r["identical"], r
+    assert all(r["sparse"] >= 12 and r["bytes"] < r["full_bytes"] / 8 for r in rounds[1:])

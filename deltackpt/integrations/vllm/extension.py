@@ -24,16 +24,20 @@ Importing this module never imports vLLM.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from deltackpt.errors import InvalidArgumentError
 from deltackpt.format.hashing import tensor_digest
 from deltackpt.integrations.vllm.joins import snapshot_step
 from deltackpt.store.location import store_root
 from deltackpt.sync import PlanError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EXTENSION", "DeltackptWorkerExtension", "state_digests", "tensor_digest"]
 
@@ -250,13 +254,18 @@ class DeltackptWorkerExtension:
         key, boxed = self._deltackpt_follow_args[1:]
         if started is None or started.held is None:
             return
-        if boxed:  # a whole copy: the first poll reads this worker's boxes instead
-            started.held = started.loaded = None
+        if boxed != started.boxed:  # whole tensors for a boxed follower, or the reverse: the
+            started.held = started.loaded = None  # first poll loads what it holds instead
             return
         # the same store however it was written ("ckpts", "./ckpts", an absolute path)
         if (started.root, started.start.key) != (str(f.store.root), key):
             return
-        f.adopt(started.snapshot, started.held, started.created_ns, started.metadata)
+        try:
+            f.adopt(started.snapshot, started.held, started.created_ns, started.metadata)
+        except InvalidArgumentError as e:  # boxes planned otherwise than the start kept them
+            log.warning("deltackpt_follow: the start's copy is not adopted (%s); loading", e)
+            started.held = started.loaded = None
+            return
         self._deltackpt_loaded.update(started.loaded)
         self._deltackpt_follow_writer = started.writer
         started.held = started.loaded = None

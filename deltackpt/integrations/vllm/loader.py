@@ -26,8 +26,12 @@ loads it whole and keeps it as the worker extension's follower copy, so its firs
 ``collective_rpc("deltackpt_follow", args=(store,))`` is incremental (the same store, however
 its path is spelt);
 that costs a host copy of the weights per worker from the start, which a follow holds anyway.
-Workers that follow in boxes (``DELTACKPT_VLLM_TP_BOXES=1``: each holds its tensor-parallel
-share, not the model) keep nothing from the start: their first follow reads their boxes.
+Workers that follow in boxes (``"tp_boxes": true``, by default the workers'
+``DELTACKPT_VLLM_TP_BOXES``: each holds its tensor-parallel share, not the model) read the
+snapshot in windows as without ``follow`` and keep each tensor's box on the way (the share a
+boxed follower holds, by the same rules), for a first ``deltackpt_follow(..., tp_boxes=True)``
+that is incremental too. An FP8 engine's boxed workers keep nothing (their first follow reads
+their boxes).
 
 Checks, as vLLM's default loader makes them: an unquantized model whose parameters were not all
 loaded fails its start, naming them (the snapshot holds another model, or ``key`` is wrong).
@@ -67,6 +71,7 @@ from deltackpt.integrations.vllm.worker import (
     mark_written,
     new_writer,
 )
+from deltackpt.loading.boxed import box_plan
 from deltackpt.loading.lazy import SnapshotReader, open_snapshot
 from deltackpt.store.store import Store
 from deltackpt.sync import PlanError
@@ -92,6 +97,7 @@ class Started:
     step: int | None  # the snapshot's training step (joins.snapshot_step)
     metadata: dict[str, Any]  # the snapshot's metadata, as loaded
     held: Any = None  # the loaded state, as a Follower holds it
+    boxed: bool = False  # held is each tensor's tensor-parallel box, by key path
     loaded: dict[str, torch.Tensor] | None = None  # what load_weights got, by its names
     writer: str | None = None  # the follower's mark on the model (worker.mark_written)
 
@@ -177,17 +183,60 @@ class DeltackptModelLoader(BaseModelLoader):
                 got = snap.get_tensors(window)
                 yield from convert([(k.removeprefix(prefix), got.pop(k)) for k in window])
 
+    def _boxes_kept(
+        self,
+        model: nn.Module,
+        m: Manifest,
+        items: Iterable[tuple[str, torch.Tensor]],
+        held: dict[str, torch.Tensor],
+        loaded: dict[str, torch.Tensor],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``items`` handed on as they are, each tensor's box (``tp_boxes``' rules for this
+        worker, planned as a boxed follower plans them: ``loading.boxed.box_plan``) copied into
+        ``held`` by key path and ``loaded`` by name on the way; a tensor held whole is kept as
+        it is, one another rank holds (an expert) not at all."""
+        prefix = "" if self.start.key is None else f"{self.start.key}/"
+        rule = tp_boxes.box_rules(model)
+
+        def box_of(name: str, shape: tuple[int, ...]) -> Any:
+            r = rule(name, shape)
+            return False if r.skip else r.box
+
+        plan = box_plan(
+            m,
+            None if not prefix else (lambda path: path.startswith(prefix)),
+            box_of,
+            lambda path: path.removeprefix(prefix),
+        )
+        for name, t in items:
+            box = plan.get(prefix + name, False)
+            if box is not False:
+                if box is not None:
+                    cut = tuple(slice(o, o + n) for o, n in zip(*box, strict=True))  # type: ignore[misc]
+                    kept = t[cut].clone()
+                else:
+                    kept = t
+                held[prefix + name] = loaded[name] = kept
+            yield name, t
+
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         t0 = time.perf_counter()
         s = self.start
         store, name, m = self._snapshot()
         step = snapshot_step(m.metadata)
-        keep = s.follow and not tp_boxes.enabled()  # boxed followers read their boxes instead
+        boxed = s.follow and tp_boxes.enabled(s.tp_boxes)
+        keep = s.follow and not boxed
+        if boxed and fp8_layout.engine_layout(model) is not None:
+            boxed = False  # the engine's items are quantized: its first follow reads its boxes
         if keep:  # the whole copy is kept for the first follow anyway
             state, whole = self._whole(model, model_config, store, name)
             items: Iterable[tuple[str, torch.Tensor]] = whole
         else:
             items = self._streamed(model, model_config, store, name)
+        if boxed:  # each tensor's box kept on the way: what a boxed follower holds
+            held: dict[str, torch.Tensor] = {}
+            loaded: dict[str, torch.Tensor] = {}
+            items = self._boxes_kept(model, m, items, held, loaded)
         got = model.load_weights(feed.feed(items, feed.model_device(model)))
         if model_config.quantization is None and got is not None:
             missing = sorted({n for n, _ in model.named_parameters()} - set(got))
@@ -205,6 +254,8 @@ class DeltackptModelLoader(BaseModelLoader):
         mark_store_step(model, step)
         if keep:  # the extension's first follow of this store adopts them
             started.held, started.loaded = state, dict(whole)
+        elif boxed:
+            started.held, started.loaded, started.boxed = held, loaded, True
         model.__dict__[STARTED_ATTR] = started
         log.info(
             "deltackpt: loaded snapshot %r of %s in %.2f s", name, s.store, time.perf_counter() - t0

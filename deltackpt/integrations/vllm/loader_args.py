@@ -31,6 +31,9 @@ FIELDS = {
     "storage_options": "an object store's options (a mapping), or null",
     "follow": "true: keep the loaded copy for the worker extension's deltackpt_follow, whose "
     "first pull is then incremental (a host copy of the weights per worker); false (default)",
+    "tp_boxes": "with follow: true to keep each worker's tensor-parallel boxes only (its share, "
+    "for a deltackpt_follow(..., tp_boxes=True)), false the whole tensors, or null (default): "
+    "the workers' DELTACKPT_VLLM_TP_BOXES",
 }
 
 
@@ -43,6 +46,7 @@ class StartFrom:
     key: str | None = "model"
     storage_options: dict[str, Any] | None = None
     follow: bool = False
+    tp_boxes: bool | None = None  # None: the workers' DELTACKPT_VLLM_TP_BOXES
 
 
 def _bad(field: str, value: Any) -> InvalidArgumentError:
@@ -86,7 +90,11 @@ def start_from(extra: Any) -> StartFrom:
     follow = extra.get("follow", False)
     if not isinstance(follow, bool):
         raise _bad("follow", follow)
-    return StartFrom(store, snapshot, key, None if options is None else dict(options), follow)
+    boxes = extra.get("tp_boxes")
+    if boxes is not None and not isinstance(boxes, bool):
+        raise _bad("tp_boxes", boxes)
+    options = None if options is None else dict(options)
+    return StartFrom(store, snapshot, key, options, follow, boxes)
 
 
 def resolve(start: StartFrom) -> tuple[Store, str]:
