@@ -69,6 +69,7 @@ import torch
 from deltackpt.errors import InvalidArgumentError
 from deltackpt.format.changes import changed_elements
 from deltackpt.format.device_changes import changed_many_on_device
+from deltackpt.format.dtensor import is_dtensor
 from deltackpt.sync.errors import SyncError
 
 __all__ = ["CheckpointPatch", "CheckpointPatcher", "CheckpointPatches"]
@@ -246,6 +247,12 @@ class CheckpointPatcher:
             if not isinstance(t, torch.Tensor):
                 raise InvalidArgumentError(
                     f"CheckpointPatcher.diff: {name!r} is a {type(t).__name__}; expected a tensor"
+                )
+            if is_dtensor(t):
+                raise InvalidArgumentError(
+                    f"CheckpointPatcher.diff: {name!r} is a DTensor (a shard); patches are in "
+                    "checkpoint coordinates of the whole tensor: pass t.full_tensor() on the "
+                    "rank that sends (vLLM's sparse sender is one trainer rank)"
                 )
         # host tensors are cast and diffed on the pool (torch's cast and the C loop release
         # the GIL); device tensors are cast here and diffed together (one wait per device)

@@ -260,3 +260,12 @@ def test_bad_states_are_named() -> None:
         patcher.diff([("w", torch.zeros(2)), ("w", torch.zeros(2))])
     with pytest.raises(InvalidArgumentError, match="'w' is a list; expected a tensor"):
         patcher.diff({"w": [1, 2]})  # type: ignore[dict-item]
+
+
+def test_a_shard_is_refused_with_the_fix(monkeypatch) -> None:
+    """Patches address the whole tensor: a DTensor (a rank's shard) is named, with the fix."""
+    from deltackpt.sync import checkpoint_patches
+
+    monkeypatch.setattr(checkpoint_patches, "is_dtensor", lambda t: t.numel() == 3)
+    with pytest.raises(InvalidArgumentError, match=r"'s' is a DTensor .* t.full_tensor\(\)"):
+        CheckpointPatcher().diff({"w": torch.zeros(2), "s": torch.zeros(3)})
