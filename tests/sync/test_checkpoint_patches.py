@@ -86,10 +86,15 @@ def test_an_rl_step_goes_as_the_changed_bf16_elements_and_the_engine_ends_bit_ex
 
 
 def test_the_changes_are_found_in_the_wire_dtype_not_the_masters() -> None:
-    state = {"w": torch.randn(4096)}
+    g = torch.Generator().manual_seed(9)
+    # fp32 masters that sit on bf16 values: a relative nudge of 2**-20 moves every one of them
+    # and leaves every bf16 cast where it was (half a bf16 step away from any rounding change)
+    state = {"w": torch.randn(4096, generator=g).to(torch.bfloat16).float()}
     patcher = CheckpointPatcher(dtype=torch.bfloat16)
     patcher.commit(patcher.diff(state))
-    state["w"] += 1e-9  # every fp32 element moves; not one bf16 cast does
+    before = state["w"].clone()
+    state["w"] *= 1 + 2**-20
+    assert (state["w"] != before).sum() == (before != 0).sum()  # every nonzero fp32 moved
     rnd = patcher.diff(state)
     assert rnd.unchanged == ["w"] and rnd.nbytes == 0
     patcher.commit(rnd)
@@ -109,7 +114,7 @@ def test_what_goes_dense_and_why() -> None:
     state["layers.0.q.weight"] *= 3  # every element
     state["layers.0.mlp.weight"][0, :5] = float("nan")  # vLLM's marker as a value
     state["pos_ids"][3] = 99  # an int tensor that changed
-    state["embed.weight"] = torch.randn(301, 64)  # another shape
+    state["embed.weight"] = torch.randn(301, 64, generator=torch.Generator().manual_seed(1))
     state["new.bias"] = torch.zeros(64)  # a name the engine never had from us
     rnd = patcher.diff(state)
     assert rnd.why_dense == {
@@ -129,7 +134,8 @@ def test_a_round_that_failed_part_way_is_resent_dense_so_no_element_is_left_behi
     """The trap: an engine that applied part of round 2, then a trainer whose next state moved
     some of those elements back. Diffed against the committed base (round 1) they look
     unchanged and would never be re-sent."""
-    state = {"a": torch.randn(2048), "b": torch.randn(2048)}
+    g = torch.Generator().manual_seed(2)
+    state = {"a": torch.randn(2048, generator=g), "b": torch.randn(2048, generator=g)}
     patcher = CheckpointPatcher(dtype=torch.bfloat16)
     engine: dict[str, torch.Tensor] = {}
     r1 = patcher.diff(state)
@@ -164,7 +170,8 @@ def test_a_round_that_failed_part_way_is_resent_dense_so_no_element_is_left_behi
 
 
 def test_anchor_rounds_and_reset_send_every_tensor_dense() -> None:
-    state, g = {"w": torch.randn(4096)}, torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(4096, generator=g)}
     patcher = CheckpointPatcher(dtype=torch.bfloat16, anchor_every=2)
     kinds = []
     for _ in range(5):
