@@ -17,6 +17,7 @@ a NaN value: NaN is vLLM's "unchanged" marker), and what happens after a failed 
     rnd = patcher.diff(model.state_dict())            # the first round: every tensor dense
     ...send rnd.dense and rnd.sparse, apply them on the engine...
     patcher.commit(rnd)                               # the engine holds rnd.version now
+    # (or, for an engine started from these weights: patcher.seed(model.state_dict()))
 
     rnd = patcher.diff(model.state_dict())            # after a step: the changed elements
     sparse_engine.send_weights(rnd.sparse)            # vLLM's SparseNCCLTrainerWeightTransferEngine
@@ -314,6 +315,34 @@ class CheckpointPatcher:
         self._dirty -= pending.new_bases.keys()  # a failed round's tensor is clean once resent
         self.version = rnd.version
         self._rounds += 1
+
+    def seed(
+        self,
+        state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int = 0,
+    ) -> None:
+        """The engine already holds ``state`` (it started from the same weights, cast to the
+        wire dtype: a bf16 checkpoint of these masters): record it as committed round
+        ``version`` without sending anything, so that the first :meth:`diff` is sparse. Nothing
+        checks that the engine holds it; if it holds anything else, sparse patches leave a mix
+        (module doc). Only before the first round, or after :meth:`reset`."""
+        if self._bases or self._open is not None:
+            raise SyncError(
+                "CheckpointPatcher.seed: the patcher already holds bases (a round was diffed); "
+                "seed a new patcher, or reset() first"
+            )
+        if self.version is not None and version <= self.version:
+            raise InvalidArgumentError(
+                f"CheckpointPatcher.seed(version={version}): the engine holds version "
+                f"{self.version}; expected a later one"
+            )
+        held, self.version = self.version, None  # the seed's version is the line from here
+        try:
+            rnd = self.diff(state, version=version)
+        except BaseException:
+            self.version = held
+            raise
+        self.commit(rnd)
 
     def abandon(self, rnd: CheckpointPatches, applied: bool | None = None) -> None:
         """``rnd`` failed. ``applied``: whether any of it may have reached the engine (None:

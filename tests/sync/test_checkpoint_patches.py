@@ -276,3 +276,25 @@ def test_a_shard_is_refused_with_the_fix(monkeypatch) -> None:
     monkeypatch.setattr(checkpoint_patches, "is_dtensor", lambda t: t.numel() == 3)
     with pytest.raises(InvalidArgumentError, match=r"'s' is a DTensor .* t.full_tensor\(\)"):
         CheckpointPatcher().diff({"w": torch.zeros(2), "s": torch.zeros(3)})
+
+
+def test_an_engine_started_from_the_same_weights_is_seeded_and_gets_sparse_rounds_at_once():
+    state, g = master(10), torch.Generator().manual_seed(11)
+    engine = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).clone()
+              for k, v in state.items()}  # fmt: skip
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    patcher.seed(state)  # nothing sent: the engine started from these weights
+    assert patcher.version == 0
+    rl_step(state, g)
+    rnd = patcher.diff(state)
+    assert rnd.version == 1 and rnd.base == 0 and not rnd.dense and rnd.sparse
+    apply(engine, rnd.sparse)
+    patcher.commit(rnd)
+    holds(engine, state, torch.bfloat16)
+    with pytest.raises(SyncError, match="already holds bases"):
+        patcher.seed(state)
+    patcher.reset()
+    with pytest.raises(InvalidArgumentError, match="holds version 1; expected a later one"):
+        patcher.seed(state, version=1)
+    patcher.seed(state, version=5)
+    assert patcher.diff(state).unchanged == sorted(state, key=list(state).index)
