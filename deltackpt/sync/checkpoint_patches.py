@@ -63,6 +63,7 @@ import math
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ from deltackpt.format.device_changes import changed_many_on_device
 from deltackpt.format.dtensor import is_dtensor
 from deltackpt.sync.errors import SyncError
 
-__all__ = ["CheckpointPatch", "CheckpointPatcher", "CheckpointPatches"]
+__all__ = ["CheckpointPatch", "CheckpointPatcher", "CheckpointPatches", "EngineCheck"]
 
 #: dtypes a sparse patch may carry (vLLM marks unchanged elements with NaN)
 SPARSE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -139,10 +140,28 @@ class CheckpointPatches:
 
 
 @dataclass
+class EngineCheck:
+    """What :meth:`CheckpointPatcher.check` found: per worker (its rank), the tensors whose
+    parameter region differs from the patcher's base (``mismatched``), the tensors no worker
+    could place (``unchecked``: quantized or repacked modules, names the model lacks), and the
+    regions compared. ``ok``: at least one compared and none differs."""
+
+    version: int | None
+    checked: int = 0
+    mismatched: dict[int, list[str]] = field(default_factory=dict)
+    unchecked: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.checked > 0 and not self.mismatched
+
+
+@dataclass
 class _Pending:
     """What a round will do to the bases at its commit."""
 
     new_bases: dict[str, torch.Tensor] = field(default_factory=dict)  # dense: the values, flat
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # dense: the full shapes
     scatters: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -210,6 +229,7 @@ class CheckpointPatcher:
         self.threads = threads
         self.version: int | None = None  # the last committed round's
         self._bases: dict[str, torch.Tensor] = {}  # name -> flat tensor in its wire dtype
+        self._shapes: dict[str, tuple[int, ...]] = {}  # name -> the base's full shape
         self._dirty: set[str] = set()  # carried by a round that failed: dense next time
         self._rounds = 0  # committed rounds (anchors count from the first)
         self._open: tuple[CheckpointPatches, _Pending] | None = None
@@ -287,7 +307,7 @@ class CheckpointPatcher:
                 if look.reason is not None:
                     rnd.why_dense[name] = look.reason
                 rnd.dense.append(CheckpointPatch(name, tuple(t.shape), look.new.dtype, look.new))
-                pending.new_bases[name] = look.new
+                pending.new_bases[name], pending.shapes[name] = look.new, tuple(t.shape)
                 continue
             idx, vals = look.found  # type: ignore[misc]
             rnd.sparse.append(CheckpointPatch(name, tuple(t.shape), vals.dtype, vals, idx))
@@ -312,6 +332,7 @@ class CheckpointPatcher:
             for item in scatters:
                 scatter(item)
         self._bases.update(pending.new_bases)
+        self._shapes.update(pending.shapes)
         self._dirty -= pending.new_bases.keys()  # a failed round's tensor is clean once resent
         self.version = rnd.version
         self._rounds += 1
@@ -359,7 +380,69 @@ class CheckpointPatcher:
         if self._open is not None:
             self._open = None
         self._bases.clear()
+        self._shapes.clear()
         self._dirty.clear()
+
+    # ---- what the engine holds ------------------------------------------------------------
+
+    def check_spec(self) -> list[list[Any]]:
+        """``[name, shape, dtype]`` of every tensor the patcher holds a base of: what a vLLM
+        engine's workers are asked to digest (``collective_rpc("deltackpt_checkpoint_digests",
+        args=(patcher.check_spec(),))``, the deltackpt worker extension)."""
+        return [
+            [n, list(self._shapes[n]), str(b.dtype).removeprefix("torch.")]
+            for n, b in self._bases.items()
+        ]
+
+    def check(self, reports: Iterable[Mapping[str, Any]]) -> EngineCheck:
+        """Compare what each worker reported (``deltackpt_checkpoint_digests``: per tensor,
+        the box of it its parameter region holds and that region's digest, taken where the
+        parameter lives) with the same box of the committed base: an engine that holds the
+        last committed round matches everywhere; one that a failed, partial or foreign update
+        left elsewhere is named, tensor by tensor. Digests are ``sync.device_digest``'s (the
+        same bits on CPU and GPU; a changed word always detected, several missed with
+        probability about 2**-120). Cost: a pass over the bases here and over the parameters
+        on every worker."""
+        from deltackpt.sync.device_digest import piece_digest
+
+        if self._open is not None:
+            raise SyncError(
+                f"CheckpointPatcher.check: round {self._open[0].version} is open; check after "
+                "commit(rnd) (the bases are the committed round's)"
+            )
+        out = EngineCheck(self.version)
+        placed: set[str] = set()
+        unplaced: set[str] = set()
+        for i, rep in enumerate(reports):
+            rank = int(rep.get("rank", i))
+            unplaced.update(str(n) for n in rep.get("unchecked", ()))
+            for name, got in dict(rep.get("digests", {})).items():
+                base, shape = self._bases.get(name), self._shapes.get(name)
+                try:
+                    off, size, a, b = got
+                    cut = tuple(
+                        slice(int(o), int(o) + int(n)) for o, n in zip(off, size, strict=True)
+                    )
+                    if base is None or shape is None or len(cut) != len(shape):
+                        raise ValueError("not a tensor the patcher holds")
+                    if any(c.start < 0 or c.stop > n or c.stop <= c.start
+                           for c, n in zip(cut, shape, strict=True)):  # fmt: skip
+                        raise ValueError(f"box {off} {size} outside shape {list(shape)}")
+                    want = piece_digest(
+                        base.view(shape)[cut].contiguous().reshape(-1).view(torch.uint8)
+                    )
+                except (TypeError, ValueError) as e:
+                    raise SyncError(
+                        f"CheckpointPatcher.check: worker {rank} reported {got!r:.80} for "
+                        f"{name!r}: {e}; expected [box offset, box size, a, b] of a tensor of "
+                        "check_spec()"
+                    ) from None
+                placed.add(name)
+                out.checked += 1
+                if (str(want[0]), str(want[1])) != (str(a), str(b)):
+                    out.mismatched.setdefault(rank, []).append(name)
+        out.unchecked = sorted(unplaced - placed)
+        return out
 
     @property
     def held_bytes(self) -> int:

@@ -113,6 +113,10 @@ def sparse_scenarios(
             if kind:
                 loaded += llm.collective_rpc(_apply, args=(_pack(kind),))[0]
         patcher.commit(rnd)
+        # what every worker's parameters hold against the committed bases (the extension)
+        chk = patcher.check(
+            llm.collective_rpc("deltackpt_checkpoint_digests", args=(patcher.check_spec(),))
+        )
         bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}
         out["rounds"].append(
             {
@@ -124,7 +128,26 @@ def sparse_scenarios(
                 "loaded": len(loaded),
                 "why_dense": rnd.why_dense,
                 "identical": check(llm, bf16),
+                "check": {
+                    "ok": chk.ok,
+                    "checked": chk.checked,
+                    "unchecked": chk.unchecked,
+                    "mismatched": chk.mismatched,
+                },
             }
         )
     out["tensors"] = len(trainer.state_dict())
+    # a parameter changed behind the patcher's back (a failed or foreign update): named
+    llm.collective_rpc(_scribble)
+    chk = patcher.check(
+        llm.collective_rpc("deltackpt_checkpoint_digests", args=(patcher.check_spec(),))
+    )
+    out["scribbled"] = {"ok": chk.ok, "mismatched": chk.mismatched}
     return out
+
+
+def _scribble(worker: Any) -> None:
+    """Change a few elements of one linear weight on this worker, outside every route."""
+    with torch.no_grad():
+        w = worker.model_runner.get_model().model.layers[0].mlp.down_proj.weight
+        w.data.view(-1)[:4] += 1

@@ -381,3 +381,12 @@ def test_checkpoint_patches_applied_by_vllms_sparse_loader_are_bit_exact(run):
         assert 0 < r["bytes"] < r["full_bytes"] / 8, r
         # the zero-initialised biases move wholly in the first steps: dense, said why
         assert set(r["why_dense"].values()) <= {"more than 0.125 of its elements changed"}, r
+    for r in rounds:  # the engine's parameters against the committed bases, every tensor
+        c = r["check"]
+        assert c["ok"] and c["checked"] == run["sparse"]["tensors"] and c["unchecked"] == [], c
+
+
+def test_a_parameter_changed_behind_the_patchers_back_is_named_by_its_check(run):
+    got = run["sparse"]["scribbled"]
+    assert not got["ok"]
+    assert got["mismatched"] == {"0": ["model.layers.0.mlp.down_proj.weight"]}

@@ -257,3 +257,11 @@ def test_checkpoint_patches_reach_each_workers_shard_through_vllms_sparse_loader
     for r in rounds:
         assert r["identical"], r
     assert all(r["sparse"] >= 12 and r["bytes"] < r["full_bytes"] / 8 for r in rounds[1:])
+    # each worker's regions (its rows or columns) against the same boxes of the bases
+    for r in rounds:
+        c = r["check"]
+        assert c["ok"] and c["checked"] == 2 * run["sparse"]["tensors"], c
+        assert c["unchecked"] == [], c
+    got = run["sparse"]["scribbled"]  # worker 1's columns of down_proj differ from the first
+    assert not got["ok"]
+    assert got["mismatched"] == {str(w): ["model.layers.0.mlp.down_proj.weight"] for w in (0, 1)}

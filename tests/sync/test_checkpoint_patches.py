@@ -298,3 +298,40 @@ def test_an_engine_started_from_the_same_weights_is_seeded_and_gets_sparse_round
         patcher.seed(state, version=1)
     patcher.seed(state, version=5)
     assert patcher.diff(state).unchanged == sorted(state, key=list(state).index)
+
+
+def report(engine: dict[str, torch.Tensor], rows: int | None = None) -> dict:
+    """A worker's ``deltackpt_checkpoint_digests`` answer for an engine holding ``engine``
+    whole (``rows``: only the first ``rows`` rows of 2-D tensors, a tensor-parallel box)."""
+    from deltackpt.sync.device_digest import piece_digest
+
+    digests = {}
+    for k, v in engine.items():
+        n = v.shape[0] if rows is None or v.dim() != 2 else rows
+        a, b = piece_digest(v[:n].contiguous().reshape(-1).view(torch.uint8))
+        digests[k] = [[0] * v.dim(), [n, *v.shape[1:]], str(a), str(b)]
+    return {"digests": digests, "unchecked": ["elsewhere"], "rank": 0}
+
+
+def test_check_names_the_tensors_an_engine_does_not_hold_as_committed() -> None:
+    state, g = master(12), torch.Generator().manual_seed(13)
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    engine: dict[str, torch.Tensor] = {}
+    rnd = patcher.diff(state)
+    apply(engine, rnd.dense)
+    patcher.commit(rnd)
+    got = patcher.check([report(engine), {**report(engine, rows=8), "rank": 1}])
+    assert got.ok and got.checked == 2 * len(state) and got.version == 1
+    assert got.unchecked == ["elsewhere"]  # a name no worker placed
+    rl_step(state, g)
+    rnd = patcher.diff(state)
+    with pytest.raises(SyncError, match="round 2 is open"):
+        patcher.check([report(engine)])
+    apply(engine, [p for p in rnd.sparse if p.name != "embed.weight"])  # a partial update
+    patcher.commit(rnd)
+    got = patcher.check([report(engine)])
+    assert not got.ok and got.mismatched == {0: ["embed.weight"]}
+    bad = report(engine)
+    bad["digests"]["embed.weight"][1] = [999, 64]  # a box outside the tensor
+    with pytest.raises(SyncError, match=r"worker 0 reported .* for 'embed.weight': box"):
+        patcher.check([bad])

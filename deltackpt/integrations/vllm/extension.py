@@ -99,6 +99,19 @@ class DeltackptWorkerExtension:
         eng = self._deltackpt_engine()
         return {"version": eng.version, "digests": state_digests(eng.committed())}
 
+    def deltackpt_checkpoint_digests(self, tensors: list[Any]) -> dict[str, Any]:
+        """Digests of the parameter regions that hold each checkpoint tensor ``[name, shape,
+        dtype]`` on this worker, taken where the parameters live
+        (:func:`deltackpt.integrations.vllm.inplace.region_digests`): what
+        ``sync.CheckpointPatcher.check`` compares with its bases, after an update by any route
+        (vLLM's sparse backend checks nothing itself)."""
+        from deltackpt.integrations.vllm import inplace
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        out = inplace.region_digests(model, [tuple(t) for t in tensors])
+        out["rank"] = int(getattr(self, "rank", 0))
+        return out
+
     def deltackpt_memory(self) -> dict[str, Any]:
         """Host bytes this worker's receiver holds (``DeltackptWeightTransferEngine.memory``:
         ``held``, ``staging``, ``undo`` beside ``model`` and this worker's ``share``)."""

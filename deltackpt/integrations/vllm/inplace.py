@@ -48,6 +48,7 @@ __all__ = [
     "enabled",
     "learn",
     "prepare",
+    "region_digests",
     "usable",
     "write",
 ]
@@ -177,6 +178,40 @@ def _seen(slot: Slot, held: torch.Tensor) -> bool:
     if got.device != want.device:
         want = want.to(got.device)
     return bool(torch.equal(got, want))
+
+
+def region_digests(model: Any, tensors: Iterable[tuple[str, Any, str]]) -> dict[str, Any]:
+    """Per checkpoint tensor ``(name, full shape, dtype name)``, the digest of the parameter
+    region that holds this rank's box of it (where :func:`_slot` computes it lands: fused rows,
+    the tensor-parallel box of ``tp_boxes``' rules), taken where the parameter lives
+    (``sync.device_digest.piece_digest``: the same bits on CPU and GPU):
+    ``{"digests": {name: [box offset, box size, a, b]}, "unchecked": [names]}``. Unchecked:
+    tensors whose place is not a plain parameter region (quantized or repacked modules, a dtype
+    other than the parameter's, a name the model does not have). What a trainer compares with
+    the bytes it believes the engine holds (``sync.CheckpointPatcher.check``); it trusts the
+    computed place, where an in-place commit trusts only a place it has seen."""
+    from deltackpt.format.dtypes import dtype_from_name
+    from deltackpt.sync.device_digest import piece_digest
+
+    modules = dict(model.named_modules())
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: dict[str, Any] = {"digests": {}, "unchecked": []}
+    for name, shape, dtype in tensors:
+        full = tuple(int(n) for n in shape)
+        stub = torch.empty(0, dtype=dtype_from_name(str(dtype)))
+        s = _slot(str(name), stub, full, None, modules, packed)
+        if s is None:
+            out["unchecked"].append(name)
+            continue
+        region = s.param.data[s.dst].contiguous().reshape(-1).view(torch.uint8)
+        a, b = piece_digest(region)
+        offset = [0 if x.start is None else int(x.start) for x in s.src]
+        size = [
+            n if x.start is None else int(x.stop) - int(x.start)
+            for x, n in zip(s.src, full, strict=True)
+        ]
+        out["digests"][name] = [offset, size, str(a), str(b)]
+    return out
 
 
 def learn(
