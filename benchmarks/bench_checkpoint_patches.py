@@ -113,6 +113,18 @@ def apply_times(
     return out
 
 
+def engine_report(engine: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What ``deltackpt_checkpoint_digests`` answers for a worker holding ``engine``'s tensors
+    whole (TP=1, unfused: each region is the whole tensor)."""
+    from deltackpt.sync.device_digest import piece_digest
+
+    out = {}
+    for k, v in engine.items():
+        a, b = piece_digest(v.contiguous().reshape(-1).view(torch.uint8))
+        out[k] = [[0] * v.dim(), list(v.shape), str(a), str(b)]
+    return {"digests": out, "unchecked": [], "rank": 0}
+
+
 def limits(weights: dict[str, torch.Tensor]) -> tuple[float, float]:
     """Seconds of a memcpy and of a compare of two copies of ``weights`` (best of 3)."""
     flat = [v.detach().reshape(-1) for v in weights.values()]
@@ -178,6 +190,7 @@ def main() -> None:
     commits: dict[str, list[float]] = {k: [] for k in patchers}
     applies: dict[str, list[float]] = {"vLLM sparse apply (NaN mask)": [], "dense copy of every tensor": [], "index_copy_ of the changed elements": []}  # fmt: skip
     rows_bytes = []
+    checks: dict[str, list[float]] = {"a worker's region digests": [], "the patcher's check of them": []}  # fmt: skip
     pool = ThreadPoolExecutor(2)
     for step in range(args.steps):
         prev = {k: v.detach().clone() for k, v in trainer.weights.items()}
@@ -209,6 +222,14 @@ def main() -> None:
         prev = {k: v.to(dev) for k, v in prev.items()}
         for name, sec in apply_times(prev, on_dev, rnd.sparse).items():
             applies[name].append(sec)
+        # the check of what an engine holds: a worker's region digests (here: the whole
+        # tensors of an engine at the new version), then the patcher's comparison
+        patcher = patchers[list(patchers)[-1]]
+        s_rep, rep = timed(lambda on_dev=on_dev: engine_report(on_dev))
+        s_chk, chk = timed(lambda p=patcher, r=rep: p.check([r]))
+        assert chk.ok and chk.checked == len(on_dev), chk
+        checks["a worker's region digests"].append(s_rep)
+        checks["the patcher's check of them"].append(s_chk)
         log(f"step {step}: {frac:.2%} changed, sparse {rnd.nbytes / 1e6:.1f} MB")
     naive_s = C.median(times["torch, per tensor"])
     where = "host tensors, one thread" if dev.type == "cpu" else str(dev)
@@ -226,9 +247,13 @@ def main() -> None:
         ["apply", "s", "/ dense copy"],
         [[k, f"{C.median(v):.3f}", f"{C.median(v) / dense_s:.2f}"] for k, v in applies.items()],
     )  # fmt: skip
+    text += f"\n\nChecking what an engine holds ({where}):\n\n" + C.md_table(
+        ["side", "s", "GB/s of bf16"],
+        [[k, f"{C.median(v):.3f}", f"{nbytes / C.median(v) / 1e9:.2f}"] for k, v in checks.items()],
+    )  # fmt: skip
     text += f"\n\nlimits: memcpy {nbytes / memcpy / 1e9:.2f} GB/s, compare {2 * nbytes / compare / 1e9:.2f} GB/s read ({nbytes / compare / 1e9:.2f} GB/s of bf16)"
     print(text)
-    doc = {"args": vars(args), "times": times, "commits": commits, "applies": applies,
+    doc = {"args": vars(args), "times": times, "commits": commits, "applies": applies, "checks": checks,
            "bytes": rows_bytes, "limits": {"memcpy_s": memcpy, "compare_s": compare, "nbytes": nbytes},
            "machine": C.machine_info()}  # fmt: skip
     C.write_results(args.out or C.OUT_DIR, "checkpoint_patches", doc, text)
