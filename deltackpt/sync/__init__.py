@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from deltackpt.sync.adapters import Coverage, ModuleAdapter
 from deltackpt.sync.checkpoint_patches import CheckpointPatch, CheckpointPatcher, CheckpointPatches
+from deltackpt.sync.engine_check import EngineCheck
 from deltackpt.sync.errors import (
     DigestMismatchError,
     PeerLostError,
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointPatches",
     "Coverage",
     "DigestMismatchError",
+    "EngineCheck",
     "LocalShard",
     "ModuleAdapter",
     "PeerLostError",

@@ -72,9 +72,10 @@ from deltackpt.errors import InvalidArgumentError
 from deltackpt.format.changes import changed_elements
 from deltackpt.format.device_changes import changed_many_on_device
 from deltackpt.format.dtensor import is_dtensor
+from deltackpt.sync.engine_check import EngineCheck, check_spec, compare
 from deltackpt.sync.errors import SyncError
 
-__all__ = ["CheckpointPatch", "CheckpointPatcher", "CheckpointPatches", "EngineCheck"]
+__all__ = ["CheckpointPatch", "CheckpointPatcher", "CheckpointPatches"]
 
 #: dtypes a sparse patch may carry (vLLM marks unchanged elements with NaN)
 SPARSE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -137,23 +138,6 @@ class CheckpointPatches:
     @property
     def changed_elements(self) -> int:
         return sum(p.values.numel() for p in self.sparse)
-
-
-@dataclass
-class EngineCheck:
-    """What :meth:`CheckpointPatcher.check` found: per worker (its rank), the tensors whose
-    parameter region differs from the patcher's base (``mismatched``), the tensors no worker
-    could place (``unchecked``: quantized or repacked modules, names the model lacks), and the
-    regions compared. ``ok``: at least one compared and none differs."""
-
-    version: int | None
-    checked: int = 0
-    mismatched: dict[int, list[str]] = field(default_factory=dict)
-    unchecked: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.checked > 0 and not self.mismatched
 
 
 @dataclass
@@ -389,60 +373,25 @@ class CheckpointPatcher:
         """``[name, shape, dtype]`` of every tensor the patcher holds a base of: what a vLLM
         engine's workers are asked to digest (``collective_rpc("deltackpt_checkpoint_digests",
         args=(patcher.check_spec(),))``, the deltackpt worker extension)."""
-        return [
-            [n, list(self._shapes[n]), str(b.dtype).removeprefix("torch.")]
-            for n, b in self._bases.items()
-        ]
+        return check_spec(self._committed())
 
     def check(self, reports: Iterable[Mapping[str, Any]]) -> EngineCheck:
         """Compare what each worker reported (``deltackpt_checkpoint_digests``: per tensor,
         the box of it its parameter region holds and that region's digest, taken where the
-        parameter lives) with the same box of the committed base: an engine that holds the
-        last committed round matches everywhere; one that a failed, partial or foreign update
-        left elsewhere is named, tensor by tensor. Digests are ``sync.device_digest``'s (the
-        same bits on CPU and GPU; a changed word always detected, several missed with
-        probability about 2**-120). Cost: a pass over the bases here and over the parameters
-        on every worker."""
-        from deltackpt.sync.device_digest import piece_digest
-
+        parameter lives) with the same box of the committed base (:mod:`.engine_check`): an
+        engine that holds the last committed round matches everywhere; one that a failed,
+        partial or foreign update left elsewhere is named, tensor by tensor. Cost: a pass over
+        the bases here and over the parameters on every worker."""
         if self._open is not None:
             raise SyncError(
                 f"CheckpointPatcher.check: round {self._open[0].version} is open; check after "
                 "commit(rnd) (the bases are the committed round's)"
             )
-        out = EngineCheck(self.version)
-        placed: set[str] = set()
-        unplaced: set[str] = set()
-        for i, rep in enumerate(reports):
-            rank = int(rep.get("rank", i))
-            unplaced.update(str(n) for n in rep.get("unchecked", ()))
-            for name, got in dict(rep.get("digests", {})).items():
-                base, shape = self._bases.get(name), self._shapes.get(name)
-                try:
-                    off, size, a, b = got
-                    cut = tuple(
-                        slice(int(o), int(o) + int(n)) for o, n in zip(off, size, strict=True)
-                    )
-                    if base is None or shape is None or len(cut) != len(shape):
-                        raise ValueError("not a tensor the patcher holds")
-                    if any(c.start < 0 or c.stop > n or c.stop <= c.start
-                           for c, n in zip(cut, shape, strict=True)):  # fmt: skip
-                        raise ValueError(f"box {off} {size} outside shape {list(shape)}")
-                    want = piece_digest(
-                        base.view(shape)[cut].contiguous().reshape(-1).view(torch.uint8)
-                    )
-                except (TypeError, ValueError) as e:
-                    raise SyncError(
-                        f"CheckpointPatcher.check: worker {rank} reported {got!r:.80} for "
-                        f"{name!r}: {e}; expected [box offset, box size, a, b] of a tensor of "
-                        "check_spec()"
-                    ) from None
-                placed.add(name)
-                out.checked += 1
-                if (str(want[0]), str(want[1])) != (str(a), str(b)):
-                    out.mismatched.setdefault(rank, []).append(name)
-        out.unchecked = sorted(unplaced - placed)
-        return out
+        return compare(self._committed(), reports, self.version)
+
+    def _committed(self) -> dict[str, torch.Tensor]:
+        """The bases in their full shapes."""
+        return {n: b.view(self._shapes[n]) for n, b in self._bases.items()}
 
     @property
     def held_bytes(self) -> int:

@@ -87,6 +87,7 @@ def sparse_scenarios(
         SparseNCCLWeightTransferUpdateInfo,
     )
 
+    from deltackpt.integrations.vllm import engine_check
     from deltackpt.sync import CheckpointPatcher
 
     trainer = tiny_qwen2(11).float()
@@ -118,6 +119,8 @@ def sparse_scenarios(
             llm.collective_rpc("deltackpt_checkpoint_digests", args=(patcher.check_spec(),))
         )
         bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+        # the same question asked of the trainer's state itself (any route's check)
+        state_ok = engine_check.check(llm, sd, dtype=torch.bfloat16).ok
         out["rounds"].append(
             {
                 "version": rnd.version,
@@ -128,6 +131,7 @@ def sparse_scenarios(
                 "loaded": len(loaded),
                 "why_dense": rnd.why_dense,
                 "identical": check(llm, bf16),
+                "state_check": state_ok,
                 "check": {
                     "ok": chk.ok,
                     "checked": chk.checked,
@@ -143,6 +147,8 @@ def sparse_scenarios(
         llm.collective_rpc("deltackpt_checkpoint_digests", args=(patcher.check_spec(),))
     )
     out["scribbled"] = {"ok": chk.ok, "mismatched": chk.mismatched}
+    by_state = engine_check.check(llm, sd, dtype=torch.bfloat16)
+    out["scribbled"]["state_check"] = {"ok": by_state.ok, "mismatched": by_state.mismatched}
     return out
 
 

@@ -390,3 +390,6 @@ def test_a_parameter_changed_behind_the_patchers_back_is_named_by_its_check(run)
     got = run["sparse"]["scribbled"]
     assert not got["ok"]
     assert got["mismatched"] == {"0": ["model.layers.0.mlp.down_proj.weight"]}
+    # integrations.vllm.engine_check against the trainer's state: the same answer
+    assert got["state_check"] == {"ok": False, "mismatched": got["mismatched"]}
+    assert all(r["state_check"] for r in run["sparse"]["rounds"])

@@ -265,3 +265,5 @@ def test_checkpoint_patches_reach_each_workers_shard_through_vllms_sparse_loader
     got = run["sparse"]["scribbled"]  # worker 1's columns of down_proj differ from the first
     assert not got["ok"]
     assert got["mismatched"] == {str(w): ["model.layers.0.mlp.down_proj.weight"] for w in (0, 1)}
+    assert got["state_check"] == {"ok": False, "mismatched": got["mismatched"]}
+    assert all(r["state_check"] for r in rounds)
