@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,8 @@ SPARSE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.f
 #: a tensor is sent dense when more than this share of its elements changed
 SPARSE_BELOW = 1 / 8
 MAX_SPARSE_ELEMENTS = 1 << 31  # int32 indices
+#: device tensors diffed together (one wait for their counts) up to about this many bytes
+DEVICE_GROUP = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -152,12 +154,15 @@ class _Pending:
 @dataclass
 class _Look:
     """One tensor in a round being built: ``kind`` dense, unchanged, sparse (``found``: its
-    int32 indices and values) or diff (to be diffed on its device); ``t`` the caller's tensor,
-    ``new`` it in the wire dtype (dense: flat, the round's own; sparse and unchanged: empty)."""
+    int32 indices and values) or diff (to be diffed on its device); ``new`` the tensor in the
+    wire dtype (dense: flat, the round's own; sparse and unchanged: empty once settled); ``t``
+    the caller's tensor until then (dropped: a streamed state is not kept alive)."""
 
+    name: str
+    shape: tuple[int, ...]
     kind: str
-    t: torch.Tensor
     new: torch.Tensor
+    t: torch.Tensor | None = None
     reason: str | None = None
     found: tuple[torch.Tensor, torch.Tensor] | None = None
     nbytes: int = 0  # of ``new`` whole, kept when ``new`` is dropped
@@ -233,11 +238,6 @@ class CheckpointPatcher:
                 f"CheckpointPatcher.diff: round {self._open[0].version} is still open; call "
                 "commit(rnd) once the engine applied it, or abandon(rnd) if it failed"
             )
-        items = list(state.items() if isinstance(state, Mapping) else state)
-        names = [n for n, _ in items]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise InvalidArgumentError(f"CheckpointPatcher.diff: names given twice: {dup}")
         if version is None:
             version = 1 if self.version is None else self.version + 1
         elif self.version is not None and version <= self.version:
@@ -248,41 +248,40 @@ class CheckpointPatcher:
         anchor = (
             self.anchor_every > 0 and self._rounds > 0 and self._rounds % self.anchor_every == 0
         )
-        for name, t in items:
-            if not isinstance(t, torch.Tensor):
-                raise InvalidArgumentError(
-                    f"CheckpointPatcher.diff: {name!r} is a {type(t).__name__}; expected a tensor"
-                )
-            if is_dtensor(t):
-                raise InvalidArgumentError(
-                    f"CheckpointPatcher.diff: {name!r} is a DTensor (a shard); patches are in "
-                    "checkpoint coordinates of the whole tensor: pass t.full_tensor() on the "
-                    "rank that sends (vLLM's sparse sender is one trainer rank)"
-                )
-        # host tensors are cast and diffed on the pool (torch's cast and the C loop release
-        # the GIL); device tensors are cast here and diffed together (one wait per device)
-        looks: dict[str, _Look] = {}
-        host = [(n, t) for n, t in items if self._on_host(t)]
-        if host:
-            with ThreadPoolExecutor(min(self.threads, len(host))) as pool:
-                got = pool.map(lambda item: self._look(item[0], item[1], anchor), host)
-                looks.update(zip([n for n, _ in host], got, strict=True))
-        device = [(n, t) for n, t in items if n not in looks]
-        for name, t in device:
-            looks[name] = self._look(name, t, anchor, diff=False)
-        todo = [n for n, _ in device if looks[n].kind == "diff"]
-        if todo:
-            pairs = [
-                (_u8(looks[n].new), _u8(self._bases[n]), looks[n].new.element_size(),
-                 self._cap(looks[n].new))
-                for n in todo
-            ]  # fmt: skip
-            for name, got in zip(todo, changed_many_on_device(pairs), strict=True):
-                self._settle(looks[name], got)
+        # Streamed: ``state`` may be a generator (a trainer gathering one tensor at a time). Host
+        # tensors are cast and diffed on the pool (torch's cast and the C loop release the GIL),
+        # at most 2 x threads at once; device tensors are cast here and diffed in groups of
+        # about DEVICE_GROUP bytes (one wait per group). A tensor's look keeps its patch (or
+        # its dense values), never the caller's tensor or its cast.
+        looks: list[tuple[str, Future[_Look] | _Look]] = []
+        seen: set[str] = set()
+        flight: set[Future[_Look]] = set()
+        group: list[_Look] = []
+        group_bytes = 0
+        with ThreadPoolExecutor(self.threads) as pool:
+            for name, t in state.items() if isinstance(state, Mapping) else state:
+                self._check_item(name, t, seen)
+                if self._on_host(t):
+                    fut = pool.submit(self._look, name, t, anchor)
+                    looks.append((name, fut))
+                    flight.add(fut)
+                    if len(flight) > 2 * self.threads:  # wait for any, not the oldest: a large
+                        # tensor must not leave the other threads idle
+                        flight = wait(flight, return_when=FIRST_COMPLETED).not_done
+                    continue
+                look = self._look(name, t, anchor, diff=False)
+                looks.append((name, look))
+                if look.kind == "diff":
+                    group.append(look)
+                    group_bytes += look.nbytes
+                    if group_bytes >= DEVICE_GROUP:
+                        self._device_pass(group)
+                        group, group_bytes = [], 0
+            self._device_pass(group)
+            done = [(n, x.result() if isinstance(x, Future) else x) for n, x in looks]
         rnd = CheckpointPatches(version=version, base=self.version)
         pending = _Pending()
-        for name, t in items:
-            look = looks[name]
+        for name, look in done:
             rnd.full_bytes += look.nbytes
             if look.kind == "unchanged":
                 rnd.unchanged.append(name)
@@ -290,14 +289,42 @@ class CheckpointPatcher:
             if look.kind == "dense":
                 if look.reason is not None:
                     rnd.why_dense[name] = look.reason
-                rnd.dense.append(CheckpointPatch(name, tuple(t.shape), look.new.dtype, look.new))
-                pending.new_bases[name], pending.shapes[name] = look.new, tuple(t.shape)
+                rnd.dense.append(CheckpointPatch(name, look.shape, look.new.dtype, look.new))
+                pending.new_bases[name], pending.shapes[name] = look.new, look.shape
                 continue
             idx, vals = look.found  # type: ignore[misc]
-            rnd.sparse.append(CheckpointPatch(name, tuple(t.shape), vals.dtype, vals, idx))
+            rnd.sparse.append(CheckpointPatch(name, look.shape, vals.dtype, vals, idx))
             pending.scatters[name] = (idx, vals)
         self._open = (rnd, pending)
         return rnd
+
+    @staticmethod
+    def _check_item(name: Any, t: Any, seen: set[str]) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(
+                f"CheckpointPatcher.diff: {name!r} is a {type(t).__name__}; expected a tensor"
+            )
+        if is_dtensor(t):
+            raise InvalidArgumentError(
+                f"CheckpointPatcher.diff: {name!r} is a DTensor (a shard); patches are in "
+                "checkpoint coordinates of the whole tensor: pass t.full_tensor() on the rank "
+                "that sends (vLLM's sparse sender is one trainer rank)"
+            )
+        if name in seen:
+            raise InvalidArgumentError(f"CheckpointPatcher.diff: name {name!r} given twice")
+        seen.add(name)
+
+    def _device_pass(self, group: list[_Look]) -> None:
+        """Diff ``group`` (device tensors' looks) against their bases on their devices."""
+        if not group:
+            return
+        pairs = [
+            (_u8(look.new), _u8(self._bases[look.name]), look.new.element_size(),
+             self._cap(look.new))
+            for look in group
+        ]  # fmt: skip
+        for look, got in zip(group, changed_many_on_device(pairs), strict=True):
+            self._settle(look, got)
 
     def commit(self, rnd: CheckpointPatches) -> None:
         """The engine applied ``rnd``: the bases become its bytes (sparse elements written in,
@@ -452,19 +479,20 @@ class CheckpointPatcher:
         """What ``t`` is in this round, diffed against its base where ``diff`` (else left as
         ``"diff"`` for the caller's device pass)."""
         new = self._wire(t)
+        look = _Look(name, tuple(t.shape), "diff", new, t)
         base = self._bases.get(name)
         reason = self._dense_reason(name, new, base, anchor)
         if reason is not None:
-            return _Look("dense", t, self._own(t, new), reason if base is not None else None)
+            self._dense(look, reason if base is not None else None)
+            return look
         assert base is not None
         why = self._unmaskable(new)
         if why is not None:
             if torch.equal(_u8(new), _u8(base)):
-                look = _Look("unchanged", t, new)
-                look.new = new[:0]
-                return look
-            return _Look("dense", t, self._own(t, new), why)
-        look = _Look("diff", t, new)
+                self._done(look, "unchanged")
+            else:
+                self._dense(look, why)
+            return look
         if diff:
             self._settle(look, self._host_changes(new, base))
         return look
@@ -472,29 +500,33 @@ class CheckpointPatcher:
     def _settle(self, look: _Look, got: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """``look`` after its diff: sparse, unchanged, or dense and why."""
         if got is None:
-            look.kind, look.new = "dense", self._own(look.t, look.new)
-            look.reason = f"more than {self.sparse_below:.3g} of its elements changed"
+            self._dense(look, f"more than {self.sparse_below:.3g} of its elements changed")
             return
         idx, vals = got
         if idx.numel() == 0:
-            look.kind, look.new = "unchanged", look.new[:0]
+            self._done(look, "unchanged")
             return
         vals = vals.view(look.new.dtype)
         if bool(torch.isnan(vals).any()):
-            look.kind, look.new = "dense", self._own(look.t, look.new)
-            look.reason = "a changed value is NaN (vLLM's unchanged-element marker)"
+            self._dense(look, "a changed value is NaN (vLLM's unchanged-element marker)")
             return
         # the cast is dropped now: a round holds the changed elements, not a copy of the model
-        look.kind, look.found, look.new = "sparse", (idx.to(torch.int32), vals), look.new[:0]
+        look.found = (idx.to(torch.int32), vals)
+        self._done(look, "sparse")
 
     @staticmethod
-    def _own(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """``new`` flat, a copy where it is the caller's tensor (the base must not move with
-        it)."""
-        flat = new.reshape(-1)
-        if flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+    def _done(look: _Look, kind: str) -> None:
+        look.kind, look.new, look.t = kind, look.new[:0], None
+
+    @staticmethod
+    def _dense(look: _Look, reason: str | None) -> None:
+        """``look`` goes whole: its values flat, a copy where they are the caller's tensor (the
+        base must not move with it)."""
+        flat = look.new.reshape(-1)
+        t = look.t
+        if t is not None and flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             flat = flat.clone()
-        return flat
+        look.kind, look.new, look.t, look.reason = "dense", flat, None, reason
 
     def _host_changes(
         self, new: torch.Tensor, base: torch.Tensor
