@@ -104,6 +104,28 @@ class CheckpointPatch:
     def full_shape(self) -> tuple[int, ...]:
         return self.shape
 
+    def as_sparse(self) -> CheckpointPatch:
+        """This patch as a sparse one (a dense patch: every element listed, int32 indices, 3x
+        its bytes for bf16), for a link that carries sparse patches only (vLLM's
+        ``sparse_nccl``: ``send_weights(rnd.sparse + [p.as_sparse() for p in rnd.dense])``).
+        A NaN value cannot go (vLLM's unchanged marker), nor 2**31 elements or more."""
+        if self.indices is not None:
+            return self
+        why = None
+        if self.dtype not in SPARSE_DTYPES:
+            why = f"its dtype {self.dtype} cannot be masked with NaN"
+        elif self.values.numel() >= MAX_SPARSE_ELEMENTS:
+            why = "it has 2**31 elements or more (int32 indices)"
+        elif bool(torch.isnan(self.values).any()):
+            why = "it holds NaN values (vLLM's unchanged-element marker)"
+        if why is not None:
+            raise InvalidArgumentError(
+                f"CheckpointPatch.as_sparse: {self.name!r} cannot go as a sparse patch: {why}; "
+                "send it dense (vLLM's dense NCCL backend, or a reload)"
+            )
+        idx = torch.arange(self.values.numel(), dtype=torch.int32, device=self.values.device)
+        return CheckpointPatch(self.name, self.shape, self.dtype, self.values, idx)
+
     @property
     def nbytes(self) -> int:
         """Bytes this patch puts on the wire (values, and indices when sparse)."""

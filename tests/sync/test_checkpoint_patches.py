@@ -371,3 +371,25 @@ def test_a_streamed_state_is_not_kept_alive(dtype) -> None:
         patcher.commit(rnd)
         want = {k: v.to(dtype) if v.is_floating_point() else v for k, v in src.items()}
         holds(engine, want, torch.bfloat16)
+
+
+def test_a_dense_patch_goes_as_a_sparse_one_where_it_can() -> None:
+    """For a link that carries sparse patches only: every element listed, vLLM's apply then
+    gives the same tensor; NaN values and integer tensors are refused by name."""
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    state = master(16)
+    state["layers.0.mlp.weight"][0, 0] = float("nan")
+    rnd = patcher.diff(state)
+    engine = {k: torch.zeros_like(v, dtype=torch.bfloat16 if v.is_floating_point() else v.dtype)
+              for k, v in state.items()}  # fmt: skip
+    ok = [p for p in rnd.dense if p.name not in ("layers.0.mlp.weight", "pos_ids")]
+    sparse = [p.as_sparse() for p in ok]
+    assert all(s.indices is not None and s.indices.numel() == s.values.numel() for s in sparse)
+    assert sparse[0].as_sparse() is sparse[0]
+    apply(engine, sparse)
+    holds(engine, {p.name: state[p.name] for p in ok}, torch.bfloat16)
+    by_name = {p.name: p for p in rnd.dense}
+    with pytest.raises(InvalidArgumentError, match=r"'layers\.0\.mlp\.weight' cannot go .* NaN"):
+        by_name["layers.0.mlp.weight"].as_sparse()
+    with pytest.raises(InvalidArgumentError, match=r"'pos_ids' cannot go .* torch\.int64"):
+        by_name["pos_ids"].as_sparse()
