@@ -313,11 +313,17 @@ def adopted_boxes(llm: Any, first: Any, tmp: str) -> dict[str, Any]:
 
     deltackpt.save({"model": sd1}, _store(f"{tmp}/start-store"), "s1")
     follow()
+    from deltackpt.integrations.vllm import engine_check
+
+    # the store route checked as any other: the engine against the snapshot it followed
+    held = deltackpt.load(f"{tmp}/start-store", "s1")["model"]
+    checked = engine_check.check(llm, held)
     mine = [_unpack(r) for r in llm.collective_rpc(_readable)]
     vllm_reload(llm, first, f"{tmp}/s1-ref")
     theirs = [_unpack(r) for r in llm.collective_rpc(_readable)]
     return {
         "steps": steps,
+        "check": {"ok": checked.ok, "checked": checked.checked, "unchecked": checked.unchecked},
         "model_bytes": sum(t.nbytes for t in sd1.values()),
         "same_readable": [
             bool(a) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)

@@ -224,6 +224,8 @@ def test_an_engine_started_to_follow_in_boxes_catches_up_from_the_boxes_it_kept(
             assert w["held_bytes"] == c["bytes"]
     assert all(w["bytes_read"] < a["model_bytes"] / 8 for w in one["follow"])
     assert a["same_readable"] == [True, True]
+    # engine_check.check(llm, the snapshot's state dict): every tensor on both workers
+    assert a["check"] == {"ok": True, "checked": 2 * 27, "unchecked": []}, a["check"]
 
 
 def test_the_store_link_in_boxes_holds_each_workers_share_and_loads_it_exactly(run):
