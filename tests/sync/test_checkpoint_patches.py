@@ -190,6 +190,9 @@ def test_anchor_rounds_and_reset_send_every_tensor_dense() -> None:
 def test_the_device_path_finds_the_same_patches_as_the_c_loop(monkeypatch) -> None:
     """Device tensors are diffed by torch operations where they live; run here on CPU tensors
     (the same code a GPU runs), they must give the C loop's patches element for element."""
+    from deltackpt.sync import checkpoint_patches
+
+    monkeypatch.setattr(checkpoint_patches, "DEVICE_GROUP", 20_000)  # several groups a round
     g = torch.Generator().manual_seed(4)
     rounds = []
     for on_host in (True, False):
