@@ -485,7 +485,68 @@ static PyObject *unpack_gaps(PyObject *self, PyObject *args) {
     return Py_BuildValue("(in)", status, status ? j : (Py_ssize_t)0);
 }
 
+/* fp_rows(words, n, p, q, out): the chunk fingerprints of format/fingerprint.py for rows of n
+ * 8-byte words (words: rows * n of them, contiguous; p, q: at least n position keys each; out:
+ * rows * 2 int64): per row a = sum(m_i), b = sum(m_i * q_i) with m_i = mix(w_i ^ p_i), mix the
+ * splitmix64 finaliser, all wrapping: the integers torch computes, in one pass. */
+static inline uint64_t fp_mix(uint64_t z) {
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ULL;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return z;
+}
+
+static PyObject *fp_rows(PyObject *self, PyObject *args) {
+    PyObject *ow, *op, *oq, *oo;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OnOOO", &ow, &n, &op, &oq, &oo)) return NULL;
+    Py_buffer vw, vp, vq, vo;
+    if (get(ow, &vw, 0, "words") < 0) return NULL;
+    if (get(op, &vp, 0, "p") < 0) { PyBuffer_Release(&vw); return NULL; }
+    if (get(oq, &vq, 0, "q") < 0) { PyBuffer_Release(&vw); PyBuffer_Release(&vp); return NULL; }
+    if (get(oo, &vo, 1, "out") < 0) {
+        PyBuffer_Release(&vw); PyBuffer_Release(&vp); PyBuffer_Release(&vq); return NULL;
+    }
+    Py_ssize_t rows = n > 0 ? vw.len / (8 * n) : 0;
+    if (n <= 0 || vw.len != rows * 8 * n || vp.len < 8 * n || vq.len < 8 * n
+        || vo.len != rows * 16) {
+        PyErr_Format(PyExc_ValueError, "fp_rows: %zd bytes of words in rows of %zd, keys of "
+                     "%zd and %zd bytes, out of %zd: expected whole rows, keys for a row, and "
+                     "16 bytes of out per row", vw.len, n, vp.len, vq.len, vo.len);
+        PyBuffer_Release(&vw); PyBuffer_Release(&vp); PyBuffer_Release(&vq);
+        PyBuffer_Release(&vo);
+        return NULL;
+    }
+    const uint8_t *w = (const uint8_t *)vw.buf;
+    const uint8_t *pp = (const uint8_t *)vp.buf, *pq = (const uint8_t *)vq.buf;
+    uint8_t *out = (uint8_t *)vo.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        uint64_t a = 0, b = 0;
+        const uint8_t *row = w + 8 * n * r;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t x, pk, qk;
+            memcpy(&x, row + 8 * i, 8);
+            memcpy(&pk, pp + 8 * i, 8);
+            memcpy(&qk, pq + 8 * i, 8);
+            uint64_t m = fp_mix(x ^ pk);
+            a += m;
+            b += m * qk;
+        }
+        memcpy(out + 16 * r, &a, 8);
+        memcpy(out + 16 * r + 8, &b, 8);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vw); PyBuffer_Release(&vp); PyBuffer_Release(&vq); PyBuffer_Release(&vo);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"fp_rows", fp_rows, METH_VARARGS,
+     "fp_rows(words, n, p, q, out): chunk fingerprints of rows of n words into out "
+     "(rows x 2 int64), the integers of format/fingerprint.py"},
     {"diff_sparse", diff_sparse, METH_VARARGS,
      "diff_sparse(new, base, itemsize, idx_out, val_out[, lin_out[, plain]]) -> changed "
      "elements, or -1 if they do not fit; lin_out (4 uint64, or None) accumulates the "

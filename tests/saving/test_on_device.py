@@ -70,6 +70,22 @@ def test_fingerprints_follow_their_definition(n):
     assert source_fingerprints(data, 64).tolist() == reference(bytes(data.tolist()), 64)
 
 
+def test_the_host_c_pass_gives_the_torch_operations_integers(monkeypatch):
+    """On host bytes the fingerprints run in one C pass (``_native.fp_rows``); the torch
+    operations (what a GPU runs) must give the same integers, slabs, tails and mixed sources."""
+    if fingerprint._native_rows is None:
+        pytest.skip("no C extension in this install (the torch operations are the only path)")
+    sources = [_bytes(n, seed=n) for n in (0, 5, 8, 4096, 1 << 20, (1 << 20) + 13, 3 << 20)]
+    chunk = 1 << 20
+    native = fingerprint.many_fingerprints(sources, chunk)
+    one = [source_fingerprints(s, chunk) for s in sources]
+    monkeypatch.setattr(fingerprint, "_native_rows", None)
+    assert [t.tolist() for t in fingerprint.many_fingerprints(sources, chunk)] == [
+        t.tolist() for t in native
+    ]
+    assert [t.tolist() for t in one] == [source_fingerprints(s, chunk).tolist() for s in sources]
+
+
 def test_unaligned_bytes_give_the_fingerprint_of_their_values():
     data = _bytes(301)
     for offset in (1, 3, 5):
