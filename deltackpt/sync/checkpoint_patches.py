@@ -24,7 +24,8 @@ a NaN value: NaN is vLLM's "unchanged" marker), and what happens after a failed 
     patcher.commit(rnd)                               # or patcher.abandon(rnd) if it failed
 
 **Bases.** The patcher keeps, per tensor, the bytes the engine was last told (its base: one copy
-of the weights in the wire dtype, on the tensor's device), and diffs the next state against it:
+of the weights in the wire dtype, on the tensor's device where it has room, else in host memory:
+``bases``), and diffs the next state against it:
 host tensors with deltackpt's C loop (the changed words of each 64-word block found with one
 comparison, 4-6 GB/s per core, GIL released, the tensors split over ``threads``), device tensors
 with torch operations on the device (``format.device_changes``: one wait for all counts, then
@@ -68,6 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltackpt import cuda
 from deltackpt.errors import InvalidArgumentError
 from deltackpt.format.changes import changed_elements
 from deltackpt.format.device_changes import changed_many_on_device
@@ -82,6 +84,8 @@ SPARSE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.f
 #: a tensor is sent dense when more than this share of its elements changed
 SPARSE_BELOW = 1 / 8
 MAX_SPARSE_ELEMENTS = 1 << 31  # int32 indices
+#: where a device tensor's base may be kept (CheckpointPatcher(bases=))
+BASES = ("auto", "device", "host")
 #: device tensors diffed together (one wait for their counts) up to about this many bytes
 DEVICE_GROUP = 1 << 30
 
@@ -206,7 +210,9 @@ class CheckpointPatcher:
     out as checkpoint-coordinate patches (module doc). ``dtype``: the engine's dtype, the wire
     dtype of every floating tensor (None: each tensor's own); ``anchor_every``: every that many
     rounds one goes dense (0: never); ``sparse_below``: the share of a tensor's elements above
-    which it goes dense; ``threads``: host tensors diffed at once."""
+    which it goes dense; ``threads``: host tensors diffed at once; ``bases``: where a device
+    tensor's base is kept (``"auto"``: its device where ``cuda.device_room`` allows, else host
+    memory; ``"device"``; ``"host"``: diffed there, the tensor's bytes cross each round)."""
 
     def __init__(
         self,
@@ -215,6 +221,7 @@ class CheckpointPatcher:
         anchor_every: int = 0,
         sparse_below: float = SPARSE_BELOW,
         threads: int = 2,
+        bases: str = "auto",
     ) -> None:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise InvalidArgumentError(
@@ -234,13 +241,21 @@ class CheckpointPatcher:
             raise InvalidArgumentError(
                 f"CheckpointPatcher(threads={threads!r}): expected an int >= 1"
             )
+        if bases not in BASES:
+            raise InvalidArgumentError(
+                f"CheckpointPatcher(bases={bases!r}): expected one of {list(BASES)} (where a "
+                "device tensor's base lives: its device, host memory, or the device where it "
+                "has room)"
+            )
         self.dtype = dtype
+        self.bases = bases
         self.anchor_every = anchor_every
         self.sparse_below = float(sparse_below)
         self.threads = threads
         self.version: int | None = None  # the last committed round's
         self._bases: dict[str, torch.Tensor] = {}  # name -> flat tensor in its wire dtype
         self._shapes: dict[str, tuple[int, ...]] = {}  # name -> the base's full shape
+        self._homes: dict[str, torch.device] = {}  # name -> the device its tensor lives on
         self._dirty: set[str] = set()  # carried by a round that failed: dense next time
         self._rounds = 0  # committed rounds (anchors count from the first)
         self._open: tuple[CheckpointPatches, _Pending] | None = None
@@ -283,7 +298,7 @@ class CheckpointPatcher:
         with ThreadPoolExecutor(self.threads) as pool:
             for name, t in state.items() if isinstance(state, Mapping) else state:
                 self._check_item(name, t, seen)
-                if self._on_host(t):
+                if self._on_host(t) or self._based_on_host(name):
                     fut = pool.submit(self._look, name, t, anchor)
                     looks.append((name, fut))
                     flight.add(fut)
@@ -364,7 +379,9 @@ class CheckpointPatcher:
         else:
             for item in scatters:
                 scatter(item)
-        self._bases.update(pending.new_bases)
+        for name, values in pending.new_bases.items():
+            self._bases[name] = self._placed(values)
+            self._homes[name] = values.device
         self._shapes.update(pending.shapes)
         self._dirty -= pending.new_bases.keys()  # a failed round's tensor is clean once resent
         self.version = rnd.version
@@ -414,6 +431,7 @@ class CheckpointPatcher:
             self._open = None
         self._bases.clear()
         self._shapes.clear()
+        self._homes.clear()
         self._dirty.clear()
 
     # ---- what the engine holds ------------------------------------------------------------
@@ -472,7 +490,11 @@ class CheckpointPatcher:
     ) -> str | None:
         if base is None:
             return "no base"
-        if base.dtype != new.dtype or base.numel() != new.numel() or base.device != new.device:
+        if (
+            base.dtype != new.dtype
+            or base.numel() != new.numel()
+            or self._homes.get(name) != new.device
+        ):
             return "its dtype, size or device changed"
         if name in self._dirty:
             return "a failed round carried it"
@@ -488,6 +510,22 @@ class CheckpointPatcher:
         if new.numel() >= MAX_SPARSE_ELEMENTS:
             return "2**31 elements or more (int32 indices)"
         return None
+
+    def _based_on_host(self, name: str) -> bool:
+        base = self._bases.get(name)
+        return base is not None and base.device.type == "cpu"
+
+    def _placed(self, values: torch.Tensor) -> torch.Tensor:
+        """Where a base of ``values`` (a dense round's, on the tensor's device) is kept
+        (``bases``): a device tensor's base on its device, or in host memory under ``"host"``,
+        or under ``"auto"`` where the device has no room for it beside the caller's work
+        (``cuda.device_room``: 10% of the device and 256 MiB left)."""
+        if values.device.type == "cpu" or self.bases == "device":
+            return values
+        nbytes = values.numel() * values.element_size()
+        if self.bases == "auto" and cuda.device_room(values.device, nbytes):
+            return values
+        return values.to("cpu")
 
     @staticmethod
     def _on_host(t: torch.Tensor) -> bool:
@@ -516,7 +554,13 @@ class CheckpointPatcher:
                 self._dense(look, why)
             return look
         if diff:
-            self._settle(look, self._host_changes(new, base))
+            if new.device != base.device:  # a device tensor with its base in host memory
+                got = self._host_changes(new.to(base.device), base)
+                if got is not None:  # the patch goes where the tensor lives
+                    got = (got[0].to(new.device), got[1].to(new.device))
+            else:
+                got = self._host_changes(new, base)
+            self._settle(look, got)
         return look
 
     def _settle(self, look: _Look, got: tuple[torch.Tensor, torch.Tensor] | None) -> None:

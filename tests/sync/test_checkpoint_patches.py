@@ -234,7 +234,23 @@ def test_cuda_patches_stay_on_the_device_and_match_the_host() -> None:
         assert torch.equal(p.indices, q.indices.cpu())
         assert torch.equal(bits(p.values), bits(q.values.cpu()))
     dev.commit(b)
+    host.commit(a)
     assert all(t.is_cuda for t in dev._bases.values())
+    # bases="host": a device tensor's base in host memory, diffed there, its patch on the device
+    homed = CheckpointPatcher(dtype=torch.bfloat16, bases="host")
+    for k, v in state.items():
+        cuda_state[k].copy_(v)
+    homed.seed(cuda_state)
+    assert all(t.device.type == "cpu" for t in homed._bases.values())
+    rl_step(state, g)
+    for k, v in state.items():
+        cuda_state[k].copy_(v)
+    got, want = homed.diff(cuda_state), host.diff(state)
+    assert [p.name for p in got.sparse] == [p.name for p in want.sparse] and got.sparse
+    for p, q in zip(want.sparse, got.sparse, strict=True):
+        assert q.values.is_cuda and q.indices.is_cuda
+        assert torch.equal(p.indices, q.indices.cpu())
+        assert torch.equal(bits(p.values), bits(q.values.cpu()))
 
 
 def test_rounds_are_one_at_a_time_and_versions_move_forward() -> None:
@@ -257,6 +273,7 @@ def test_rounds_are_one_at_a_time_and_versions_move_forward() -> None:
         ({"anchor_every": -1}, "expected an int >= 0"),
         ({"sparse_below": 0}, r"expected a share in \(0, 1\]"),
         ({"threads": 0}, "expected an int >= 1"),
+        ({"bases": "gpu"}, r"expected one of \['auto', 'device', 'host'\]"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match) -> None:
