@@ -13,6 +13,11 @@ same model, per model size (a random-initialised Qwen2 written with ``transforme
   label, the prefix-cache reset) and inside the worker (its ``finish_weight_update``: the
   **pause**, the model's reload of the changed layers and the vote; issue 38). Beside it the
   reload alone: the worker's ``load_weights`` of the same layers from its copies.
+* ``vLLM's own sparse apply``: the same change as vLLM's checkpoint patches
+  (``sync.CheckpointPatcher``: int32 indices and values, the tensors that changed too much
+  dense), applied in the worker by vLLM's ``load_checkpoint_weight_patches`` (what its
+  ``sparse_nccl`` backend runs after the broadcast, the engine paused), timed inside the worker;
+  needs linear weights kept (``--linear keep``: vLLM's apply writes parameters in place).
 * worker memory: the worker process's peak and current RSS (``/proc/self/status``) at the end,
   against the model's bf16 bytes (the engine's own weights, the receiver's copies, its staging
   arena, and for a round sent whole the rollback's copy until the commit).
@@ -291,8 +296,11 @@ def bench_size(
                          f"{time.perf_counter() - t0:.3f}", fmt_bytes(st.payload_bytes), ""])  # fmt: skip
         secs: dict[str, list[float]] = {
             "full": [], "delta": [], "base": [], "prepare": [], "commit": [], "inside": [],
-            "inside_reload": [], "reload": [],
+            "inside_reload": [], "reload": [], "vllm_sparse": [],
         }  # fmt: skip
+        # the same change as vLLM's own sparse format (sync.CheckpointPatcher), for its apply
+        packed, patch_bytes = checkpoint_patches(before, after)
+        sparse_error = ""
         paths: set[str] = set()
         sent: dict[str, int] = {}
         same = True
@@ -329,6 +337,17 @@ def bench_size(
             secs["inside_reload"].append(llm.collective_rpc(_commit_inside)[0])
             llm.collective_rpc(_set_inplace, args=(True,))
             same = same and greedy(llm) == tokens
+            # vLLM's own apply of the same change as checkpoint patches (what its sparse_nccl
+            # backend runs on each worker after the broadcast): the engine's pause
+            version += 1
+            eng.send_weights(before, version=version, full=True)
+            try:
+                secs["vllm_sparse"].append(
+                    llm.collective_rpc(_vllm_sparse_apply, args=(packed,))[0]
+                )
+                same = same and greedy(llm) == tokens
+            except Exception as e:  # a repacked layout: vLLM's sparse apply needs it kept
+                sparse_error = f"{type(e).__name__}: {str(e)[:80]}"
             dt, nbytes = reload_from_safetensors(llm, after, tmp)
             secs["base"].append(dt)
             sent["base"] = nbytes
@@ -352,11 +371,21 @@ def bench_size(
             ),
             ("inside_reload", "the same pause with in-place commits off (inplace=False: reload)"),
             ("reload", "the workers' reload of the changed layers alone"),
+            (
+                "vllm_sparse",
+                "vLLM's own sparse apply of the same change (CheckpointPatcher's "
+                "patches, load_checkpoint_weight_patches): its pause",
+            ),
         ):
+            if not secs[tag]:
+                rows.append([label, step, changed, what, "-", "", sparse_error or "not run"])
+                continue
             ratio = f"{median(secs[tag]) / one_call:.2f} of the one-call delta"
-            nbytes = fmt_bytes(sent["prepare"]) if tag == "prepare" else ""
-            rows.append([label, step, changed, what, spread(secs[tag]), nbytes, ratio])
-        print(md_table(HEADER, rows[-8:]), flush=True)
+            if tag == "vllm_sparse":
+                ratio += f", {median(secs[tag]) / median(secs['inside']):.2f}x deltackpt's pause"
+            nbytes = {"prepare": fmt_bytes(sent["prepare"]), "vllm_sparse": fmt_bytes(patch_bytes)}
+            rows.append([label, step, changed, what, spread(secs[tag]), nbytes.get(tag, ""), ratio])
+        print(md_table(HEADER, rows[-9:]), flush=True)
         if step == "rl":  # generation while staged rounds are prepared and committed
             version, serving = serve_while_updating(llm, eng, before, after, version)
             rows += [
@@ -485,6 +514,42 @@ def _rss(worker: Any, reset: bool = False) -> dict[str, int]:
             if line.startswith(("VmRSS:", "VmHWM:")):
                 out[line.split(":")[0]] = int(line.split()[1]) * 1024
     return out
+
+
+def checkpoint_patches(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+) -> tuple[bytes, int]:
+    """``after`` as vLLM's checkpoint patches against ``before`` (``sync.CheckpointPatcher``,
+    seeded with ``before``): the pickled (dense, sparse) lists and their bytes on the wire."""
+    import io
+
+    from deltackpt.sync import CheckpointPatcher
+
+    patcher = CheckpointPatcher(dtype=torch.bfloat16)
+    patcher.seed(before)
+    rnd = patcher.diff(after)
+    buf = io.BytesIO()
+    torch.save((rnd.dense, rnd.sparse), buf)
+    return buf.getvalue(), rnd.nbytes
+
+
+def _vllm_sparse_apply(worker: Any, raw: bytes) -> float:
+    """Seconds of vLLM's ``load_checkpoint_weight_patches`` of the pickled (dense, sparse)
+    patches in this worker, dense first (vLLM takes one kind per call): what its sparse_nccl
+    backend runs after the broadcast, in the engine's pause."""
+    import io
+
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        load_checkpoint_weight_patches,
+    )
+
+    dense, sparse = torch.load(io.BytesIO(raw), weights_only=False)
+    model = worker.model_runner.get_model()
+    t0 = time.perf_counter()
+    for kind in (dense, sparse):
+        if kind:
+            load_checkpoint_weight_patches(model, kind)
+    return time.perf_counter() - t0
 
 
 def _commit_inside(worker: Any) -> float:
