@@ -253,7 +253,8 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     trainer = tiny_qwen2(1, tied=short)
     # the trainer process the full run kills mid-round starts its interpreter meanwhile
     doomed = None if short else Doomed()
-    llm = engine(f"{tmp}/start", transfer=True, extension=not short, core_here=short, store=start)
+    # (the worker extension on both: engine_check.check after every round)
+    llm = engine(f"{tmp}/start", transfer=True, extension=True, core_here=short, store=start)
     if not short:  # what it started from, and the first follow of that store (incremental)
         from _vllm_store import started
 
@@ -270,7 +271,10 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
     gen = torch.Generator().manual_seed(2)
 
     def check(tag: str, stats: Any) -> None:
+        from deltackpt.integrations.vllm import engine_check
+
         sd = {k: v.detach() for k, v in trainer.state_dict().items() if k not in eng.ignores}
+        ec = engine_check.check(llm, sd)  # the parameters' regions against the trainer's
         version, got = _unpack(llm.collective_rpc(_committed)[0])
         readable = _unpack(llm.collective_rpc(_readable)[0])
         want = expected_readable(sd, list(readable))
@@ -286,6 +290,7 @@ def main(out_path: str, short: bool = False, links: str = "gloo") -> None:
                 and all(same(got[k], sd[k]) for k in sd),
                 "readable_identical": all(readable_same(readable[k], want[k]) for k in readable),
                 "readable": sorted(readable),
+                "engine_check": {"ok": ec.ok, "checked": ec.checked, "unchecked": ec.unchecked},
             }
         )
 

@@ -77,6 +77,22 @@ def test_every_round_commits_the_trainers_bits(either):
         assert r["engine_version"] == str(r["version"]), r["tag"]
 
 
+def test_engine_check_agrees_and_names_what_it_cannot_place(either):
+    # engine_check.check(llm, the trainer's state) after each of the backend's rounds: every
+    # placed tensor matches; where vLLM repacked the linear weights into CPU kernels (their
+    # parameters emptied, or widened) those are unchecked, named, and the rest still checked
+    linear = {n for n in either["paths"] if n.endswith(("proj.weight",))}
+    for r in either["rounds"]:
+        ec = r["engine_check"]
+        assert ec["ok"] and ec["checked"] > 0, (r["tag"], ec)
+        assert ec["checked"] + len(ec["unchecked"]) == len(either["paths"]), (r["tag"], ec)
+        if layout(either) == "keep":
+            assert ec["unchecked"] == [], (r["tag"], ec)
+        else:  # the repacked weights (and biases vLLM widened to fp32 for its kernels)
+            assert linear <= set(ec["unchecked"]), (r["tag"], ec["unchecked"])
+            assert not any("norm" in n for n in ec["unchecked"])  # norms: never repacked
+
+
 def test_an_lm_head_tied_to_the_embedding_is_not_sent(run, other):
     """The short run's model ties its embeddings (as Qwen2.5-0.5B does): the workers say their
     model ignores ``lm_head.weight`` (vLLM's LM head is then the embedding) and the trainer
