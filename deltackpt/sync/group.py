@@ -236,7 +236,13 @@ class SyncGroup:
         self._broken: str | None = None
         self._beat_failed: str | None = None  # why this rank's heartbeat stopped (the store)
         self._stop = threading.Event()
-        hb = dist.TCPStore(self.addr, port, is_master=False, timeout=td, wait_for_workers=False)
+        # a join-time connection: bounded by join_timeout as the store's was (under load a
+        # connect can take longer than a short round timeout), then the rounds' timeout
+        hb = dist.TCPStore(
+            self.addr, port, is_master=False, timeout=timedelta(seconds=self.join_timeout),
+            wait_for_workers=False,
+        )  # fmt: skip
+        hb.set_timeout(td)
         self._beater = threading.Thread(
             target=self._beat_loop, args=(hb, self._stop), name="sync-heartbeat", daemon=True
         )
