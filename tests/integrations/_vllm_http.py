@@ -33,19 +33,29 @@ STARTUP_S = 240  # the server's start (~20 s here), bounded
 
 
 def serve(
-    model_dir: str, port: int, log_path: str, store: dict[str, Any] | None = None
+    model_dir: str,
+    port: int,
+    log_path: str,
+    store: dict[str, Any] | None = None,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``vllm serve`` with the backend and the worker extension; ``store``: its weights from a
-    store's snapshot (``--load-format deltackpt --model-loader-extra-config <json>``)."""
+    """``vllm serve`` on loopback, once its ``/health`` answers; ``args``: its arguments after
+    the common ones (default: the deltackpt backend and the worker extension, dev routes on);
+    ``env``: more environment; ``store``: its weights from a store's snapshot
+    (``--load-format deltackpt --model-loader-extra-config <json>``)."""
     from deltackpt.integrations.vllm.extension import EXTENSION
 
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    if args is None:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        args = ["--weight-transfer-config", '{"backend": "deltackpt"}',
+                "--worker-extension-cls", EXTENSION]  # fmt: skip
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
         "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "256",
-        "--max-num-seqs", "4", "--weight-transfer-config", '{"backend": "deltackpt"}',
-        "--worker-extension-cls", EXTENSION,
+        "--max-num-seqs", "4", *args,
     ]  # fmt: skip
     if store is not None:
         cmd += ["--load-format", "deltackpt", "--model-loader-extra-config", json.dumps(store)]
@@ -224,13 +234,18 @@ def main(out_path: str) -> None:
         # two trainer ranks, each holding half of every tensor (DTensor shards)
         res["ranks"] = ranks.run()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """The server stopped: terminated, killed after 60 s."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 if __name__ == "__main__":

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import requests
+from _vllm_http import serve, stop
 from _vllm_lora import CFG, adapter_state
 from _vllm_run import PROMPTS, free_port, tiny_qwen2
-
-STARTUP_S = 240
 
 
 def main(out_path: str) -> None:
@@ -35,30 +32,11 @@ def main(out_path: str) -> None:
         deltackpt.save({"model": sd}, store, v, metadata=meta)
         deltackpt.export_peft(store, v, f"{tmp}/dir-{v}")
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
-               DELTACKPT_VLLM_LORA_STORE=store)  # fmt: skip
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", f"{tmp}/base",
-        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
-        "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4",
-        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4",
-    ]  # fmt: skip
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "DELTACKPT_VLLM_LORA_STORE": store}
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4"]
     url = f"http://127.0.0.1:{port}"
-    with open(f"{tmp}/server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = serve(f"{tmp}/base", port, f"{tmp}/server.log", args=lora, env=env)
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited; see {tmp}/server.log")
-            try:
-                if requests.get(f"{url}/health", timeout=2).ok:
-                    break
-            except (requests.ConnectionError, requests.Timeout):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the vLLM server did not start; see {tmp}/server.log")
-            time.sleep(0.5)
 
         def tokens(model: str) -> Any:
             body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0,
@@ -78,11 +56,7 @@ def main(out_path: str) -> None:
         out["dir"] = {v: tokens(f"dir-{v}") for v in ("v1", "v2")}
         out["models"] = sorted(m["id"] for m in requests.get(f"{url}/v1/models").json()["data"])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
 
